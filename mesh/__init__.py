@@ -1,0 +1,1 @@
+"""shardpool's WireGuard mesh: keys, join protocol, coordinator and backends. Never imports torch."""

@@ -1,0 +1,7 @@
+"""Allow ``python -m shardpool``."""
+
+import sys
+
+from shardpool.cli import main
+
+sys.exit(main())
