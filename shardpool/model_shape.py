@@ -1,0 +1,218 @@
+"""The shape of a Llama-family model, read from its ``config.json`` alone (no weights).
+
+The planner only needs sizes: how many parameters each decoder layer's Linear modules hold,
+how big the embeddings and ``lm_head`` are, and the dimensions that set activation sizes.
+All decoder layers of these architectures are identical, which the planner relies on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from shardpool.errors import ShardpoolError
+
+__all__ = ["LINEAR_MODULES", "SUPPORTED_MODEL_TYPES", "ModelShape"]
+
+#: Names of the Linear modules inside one decoder layer, in execution order.
+LINEAR_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+
+_REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Architecture numbers of a Llama-family decoder-only model.
+
+    ``head_dim`` is explicit (qwen3 and some mistral models decouple it from
+    ``hidden_size / num_attention_heads``). ``attention_bias`` adds biases to q/k/v/o
+    (qwen2 always has q/k/v biases, which ``qkv_bias`` records).
+    """
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    name: str = ""
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_config_json(cls, config: Mapping[str, Any], *, name: str = "") -> ModelShape:
+        """Build a shape from a parsed HF ``config.json``; refuse architectures shardpool can't place."""
+        model_type = str(config.get("model_type", ""))
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ShardpoolError(
+                f"model_type {model_type!r} is not supported by the planner; "
+                f"use a model of type {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        missing = [key for key in _REQUIRED_KEYS if config.get(key) is None]
+        if missing:
+            raise ShardpoolError(
+                f"config.json lacks {', '.join(missing)}; pass the model's complete HF config.json"
+            )
+        heads = _positive_int(config, "num_attention_heads")
+        hidden = _positive_int(config, "hidden_size")
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        if kv_heads <= 0 or head_dim <= 0 or heads % kv_heads:
+            raise ShardpoolError(
+                f"config.json has num_attention_heads={heads}, num_key_value_heads={kv_heads}: "
+                "the heads must be a positive multiple of the key/value heads; fix config.json"
+            )
+        attention_bias = bool(config.get("attention_bias", False))
+        rope_theta = config.get("rope_theta")
+        if rope_theta is None and isinstance(config.get("rope_parameters"), Mapping):
+            rope_theta = config["rope_parameters"].get("rope_theta")
+        return cls(
+            model_type=model_type,
+            hidden_size=hidden,
+            intermediate_size=_positive_int(config, "intermediate_size"),
+            num_layers=_positive_int(config, "num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=_positive_int(config, "vocab_size"),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias or model_type == "qwen2",
+            o_bias=attention_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            rms_norm_eps=float(config.get("rms_norm_eps") or 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
+            name=name or str(config.get("_name_or_path", "") or ""),
+        )
+
+    @classmethod
+    def from_config_dir(cls, path: str | Path) -> ModelShape:
+        """Read ``config.json`` from a model directory (or the JSON file itself)."""
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        try:
+            data = json.loads(file.read_text())
+        except FileNotFoundError:
+            raise ShardpoolError(f"{file} does not exist; point base_model at a directory holding config.json")
+        except (OSError, json.JSONDecodeError) as error:
+            raise ShardpoolError(f"cannot read {file} ({error}); pass a valid HF config.json") from None
+        if not isinstance(data, dict):
+            raise ShardpoolError(f"{file} is not a JSON object; pass a valid HF config.json")
+        return cls.from_config_json(data, name=data.get("_name_or_path") or path.stem)
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection output."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and value) projection output."""
+        return self.num_key_value_heads * self.head_dim
+
+    def linear_dims(self) -> dict[str, tuple[int, int]]:
+        """``(in_features, out_features)`` of each Linear module of one decoder layer."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, self.q_dim),
+            "k_proj": (h, self.kv_dim),
+            "v_proj": (h, self.kv_dim),
+            "o_proj": (self.q_dim, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    def linear_params(self) -> dict[str, int]:
+        """Weight parameters of each Linear module of one decoder layer (biases excluded)."""
+        return {name: fan_in * fan_out for name, (fan_in, fan_out) in self.linear_dims().items()}
+
+    def layer_linear_params(self) -> int:
+        """Weight parameters of all Linear modules of one decoder layer: what NF4 quantizes."""
+        return sum(self.linear_params().values())
+
+    def layer_dense_params(self) -> int:
+        """Parameters of one decoder layer that stay in compute dtype: norms and biases."""
+        h = self.hidden_size
+        dense = 2 * h
+        if self.model_type == "qwen3":
+            dense += 2 * self.head_dim  # q_norm and k_norm
+        if self.qkv_bias:
+            dense += self.q_dim + 2 * self.kv_dim
+        if self.o_bias:
+            dense += h
+        if self.mlp_bias:
+            dense += 2 * self.intermediate_size + h
+        return dense
+
+    def embedding_params(self) -> int:
+        """Parameters of ``embed_tokens`` (owned by stage 0)."""
+        return self.vocab_size * self.hidden_size
+
+    def lm_head_params(self) -> int:
+        """Parameters of ``lm_head`` (owned by the last stage, as its own copy even if tied)."""
+        return self.vocab_size * self.hidden_size
+
+    def final_norm_params(self) -> int:
+        """Parameters of the final RMSNorm (owned by the last stage)."""
+        return self.hidden_size
+
+    def total_params(self) -> int:
+        """All parameters of the model, counting a tied ``lm_head`` once."""
+        layers = self.num_layers * (self.layer_linear_params() + self.layer_dense_params())
+        head = 0 if self.tie_word_embeddings else self.lm_head_params()
+        return layers + self.embedding_params() + head + self.final_norm_params()
+
+    # ------------------------------------------------------------------ conversions
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A minimal HF config dict that rebuilds this architecture (used by the profiler)."""
+        config: dict[str, Any] = {
+            "model_type": self.model_type,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+        if self.model_type in ("llama", "qwen3"):
+            config["attention_bias"] = self.o_bias
+        if self.model_type == "llama":
+            config["mlp_bias"] = self.mlp_bias
+        return config
+
+    def key(self) -> str:
+        """A short stable digest of the architecture, for cache keys (the name is excluded)."""
+        fields = asdict(self)
+        fields.pop("name")
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _positive_int(config: Mapping[str, Any], key: str) -> int:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ShardpoolError(f"config.json has {key}={value!r}; it must be a positive integer")
+    return value

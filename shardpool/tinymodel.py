@@ -1,0 +1,169 @@
+"""Tiny, randomly initialised causal LMs with a real tokenizer, built offline.
+
+Tests and the quickstart need a Hugging Face model directory that loads with ``AutoModelForCausalLM``
+and ``AutoTokenizer`` exactly like a downloaded one, without any hub access. :func:`make_tiny_llama`
+trains a small byte-level BPE tokenizer on a corpus, initialises a small decoder under a fixed seed
+and saves both. The same arguments always give the same bytes, so a committed model can be checked
+against a fresh build.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+__all__ = [
+    "DEFAULT_CORPUS",
+    "MODEL_TYPES",
+    "SPECIAL_TOKENS",
+    "make_tiny_llama",
+    "train_tokenizer",
+]
+
+BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
+# Fixed order, so the special tokens always get ids 0..3: unk, bos, eos, pad.
+SPECIAL_TOKENS: tuple[str, ...] = (UNK, BOS, EOS, PAD)
+MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+DEFAULT_VOCAB_SIZE = 512
+MAX_POSITIONS = 1024
+
+DEFAULT_CORPUS: tuple[str, ...] = (
+    "The quick brown fox jumps over the lazy dog.",
+    "A small model can still learn simple patterns from a few hundred examples.",
+    "Pipeline stages pass activations forward and gradients backward.",
+    "Each stage holds a slice of the decoder layers and its own LoRA weights.",
+    "The tokenizer splits text into pieces and maps every piece to a number.",
+    "Training loss should fall when the model sees the same patterns again.",
+    "Add the two numbers and write the sum.",
+    "Reverse the order of the words in the sentence.",
+    "Convert the text to uppercase letters.",
+    "What is the capital city of the country?",
+    "One, two, three, four, five, six, seven, eight, nine, ten.",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+    "Red, green, blue, yellow, black and white are colours.",
+    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday.",
+    "She reads a book in the garden while he cooks dinner in the kitchen.",
+    "### Instruction:\nSay hello.\n\n### Response:\nHello!",
+    "### Instruction:\nRepeat the input.\n\n### Input:\nshardpool\n\n### Response:\nshardpool",
+)
+
+
+def train_tokenizer(corpus: Iterable[str], *, vocab_size: int | None = None, model_max_length: int = MAX_POSITIONS):
+    """Train a byte-level BPE tokenizer on ``corpus`` and wrap it for transformers.
+
+    Byte-level BPE encodes any text losslessly, so decoding round-trips. The result adds ``<s>``
+    in front of every encoded text (as Llama tokenizers do), ends nothing with ``</s>`` by itself,
+    and pads with a dedicated ``<pad>`` token distinct from eos.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = list(corpus)
+    if not texts:
+        raise ValueError("the tokenizer corpus is empty; pass at least one text")
+    backend = Tokenizer(models.BPE(unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size or DEFAULT_VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer=trainer)
+    bos_id = backend.token_to_id(BOS)
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        model_max_length=model_max_length,
+    )
+
+
+def _model_config(model_type: str, **kwargs):
+    """The transformers config class for ``model_type``, filled with ``kwargs``."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    if model_type not in classes:
+        raise ValueError(f"unknown model_type {model_type!r}; use one of {', '.join(MODEL_TYPES)}")
+    return classes[model_type](**kwargs)
+
+
+def make_tiny_llama(
+    out_dir: str | os.PathLike[str],
+    *,
+    num_layers: int = 4,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    vocab_size: int | None = None,
+    seed: int = 0,
+    model_type: str = "llama",
+    corpus: Sequence[str] | None = None,
+) -> Path:
+    """Write a tiny random causal LM plus its trained tokenizer to ``out_dir`` and return the path.
+
+    ``vocab_size`` is the BPE target; the model's vocabulary is ``len(tokenizer)``, which is smaller
+    when the corpus runs out of merges. Weights are fp32, untied, drawn under ``torch.manual_seed(seed)``
+    and saved as safetensors. The directory is built next to ``out_dir`` and swapped in at the end,
+    so a crash never leaves a half-written model behind.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+    tokenizer = train_tokenizer(DEFAULT_CORPUS if corpus is None else corpus, vocab_size=vocab_size)
+    config = _model_config(
+        model_type,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config.dtype = torch.float32
+    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG state untouched
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    out_path = Path(out_dir)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
+    try:
+        staging.chmod(0o755)
+        tokenizer.save_pretrained(staging)
+        model.save_pretrained(staging)
+        _swap_in(staging, out_path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_path
+
+
+def _swap_in(staging: Path, target: Path) -> None:
+    """Replace directory ``target`` by ``staging`` with two renames (the old one is removed after)."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+    os.replace(staging, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
