@@ -34,11 +34,15 @@ def parse_cidr(text: str) -> ipaddress.IPv4Network:
     try:
         network = ipaddress.ip_network(text.strip(), strict=True)
     except ValueError as error:
-        raise MeshError(f"--cidr {text!r} is not a network ({error}): use a form like {DEFAULT_CIDR}") from None
+        raise MeshError(
+            f"--cidr {text!r} is not a network ({error}): use a form like {DEFAULT_CIDR}"
+        ) from None
     if not isinstance(network, ipaddress.IPv4Network):
         raise MeshError(f"--cidr {text!r} is IPv6; the mesh uses IPv4 only: use a form like {DEFAULT_CIDR}")
     if network.prefixlen > 30:
-        raise MeshError(f"--cidr {text!r} has room for fewer than two machines: use a prefix of /30 or shorter")
+        raise MeshError(
+            f"--cidr {text!r} has room for fewer than two machines: use a prefix of /30 or shorter"
+        )
     return network
 
 
@@ -76,7 +80,9 @@ def parse_endpoint(text: str, what: str = "--endpoint") -> tuple[str, int]:
     else:
         host, sep, port_text = cleaned.rpartition(":")
         if not sep or not host or ":" in host:
-            raise MeshError(f"{what} {text!r} is not HOST:PORT (e.g. 203.0.113.5:51820 or [2001:db8::1]:51820)")
+            raise MeshError(
+                f"{what} {text!r} is not HOST:PORT (e.g. 203.0.113.5:51820 or [2001:db8::1]:51820)"
+            )
         if not re.fullmatch(r"[A-Za-z0-9.-]+", host):
             raise MeshError(f"{what} {text!r} has an invalid host name")
     if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
@@ -100,7 +106,9 @@ def resolve_endpoint(text: str) -> str:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
     except socket.gaierror as error:
-        raise MeshError(f"cannot resolve endpoint host {host!r} ({error.strerror}): check DNS or use an IP address") from None
+        raise MeshError(
+            f"cannot resolve endpoint host {host!r} ({error.strerror}): check DNS or use an IP address"
+        ) from None
     family, _, _, _, sockaddr = infos[0]
     return format_endpoint(str(sockaddr[0]), port) if family in (socket.AF_INET, socket.AF_INET6) else text
 
@@ -108,5 +116,7 @@ def resolve_endpoint(text: str) -> str:
 def parse_interface_name(text: str) -> str:
     """Check a network interface name: 1 to 15 characters of letters, digits and ``_.=+-``."""
     if not _IFNAME.match(text) or text in (".", ".."):
-        raise MeshError(f"--interface {text!r} is not a valid interface name: use 1-15 letters or digits, e.g. shardpool0")
+        raise MeshError(
+            f"--interface {text!r} is not a valid interface name: use 1-15 letters or digits, e.g. shardpool0"
+        )
     return text

@@ -75,7 +75,9 @@ def _peer_fields(peer: Any) -> tuple[str, dict[str, Any], list[str]]:
     }
     if endpoint is not None and endpoint.get("port"):
         address = endpoint["addr"]
-        fields["endpoint"] = f"[{address}]:{endpoint['port']}" if ":" in address else f"{address}:{endpoint['port']}"
+        fields["endpoint"] = (
+            f"[{address}]:{endpoint['port']}" if ":" in address else f"{address}:{endpoint['port']}"
+        )
     if handshake is not None and handshake["tv_sec"]:
         fields["last_handshake"] = handshake["tv_sec"] + handshake["tv_nsec"] / 1e9
     allowed = [entry["addr"] for entry in (peer.get_attr("WGPEER_A_ALLOWEDIPS") or []) if "addr" in entry]
@@ -118,9 +120,13 @@ class KernelBackend:
                 ipr.link("add", ifname=ifname, kind="wireguard")
             except NetlinkError as error:
                 if error.code == errno.EEXIST:
-                    raise MeshError(f"interface {ifname} already exists: pick another --interface or run `shardpool mesh down`") from None
+                    raise MeshError(
+                        f"interface {ifname} already exists: pick another --interface or run `shardpool mesh down`"
+                    ) from None
                 if error.code == errno.EOPNOTSUPP:
-                    raise MeshError("this kernel has no WireGuard module: use --backend userspace with wireguard-go") from None
+                    raise MeshError(
+                        "this kernel has no WireGuard module: use --backend userspace with wireguard-go"
+                    ) from None
                 raise MeshError(f"cannot create WireGuard interface {ifname}: {error}") from None
 
     def exists(self, ifname: str) -> bool:
@@ -137,7 +143,11 @@ class KernelBackend:
             with WireGuard() as wg:
                 wg.set(ifname, **kwargs)
         except NetlinkError as error:
-            hint = "the UDP listen port is in use, pick another --listen-port" if error.code == errno.EADDRINUSE else str(error)
+            hint = (
+                "the UDP listen port is in use, pick another --listen-port"
+                if error.code == errno.EADDRINUSE
+                else str(error)
+            )
             raise MeshError(f"kernel WireGuard refused the configuration of {ifname}: {hint}") from None
 
     def configure(self, ifname: str, private_key: str, listen_port: int) -> None:
@@ -158,7 +168,9 @@ class KernelBackend:
             with WireGuard() as wg:
                 return merge_dump(list(wg.info(ifname)))
         except NetlinkError as error:
-            raise MeshError(f"cannot read WireGuard interface {ifname}: {error}; run `shardpool mesh up`") from None
+            raise MeshError(
+                f"cannot read WireGuard interface {ifname}: {error}; run `shardpool mesh up`"
+            ) from None
 
     def destroy(self, ifname: str) -> None:
         """Delete the link."""

@@ -46,7 +46,9 @@ class UserspaceBackend:
     def create(self, ifname: str) -> None:
         """Start wireguard-go for ``ifname`` and wait until its UAPI socket answers."""
         if self.exists(ifname):
-            raise MeshError(f"interface {ifname} already exists: pick another --interface or run `shardpool mesh down`")
+            raise MeshError(
+                f"interface {ifname} already exists: pick another --interface or run `shardpool mesh down`"
+            )
         binary = shutil.which(self.binary)
         if binary is None:
             raise MeshError("wireguard-go is not installed: apt-get install wireguard-go wireguard-tools")
@@ -55,12 +57,16 @@ class UserspaceBackend:
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline:
             if read_pid(self._pid_file(ifname)) != pid:
-                raise MeshError(f"wireguard-go exited while creating {ifname}: {log_tail(self._log_file(ifname))}")
+                raise MeshError(
+                    f"wireguard-go exited while creating {ifname}: {log_tail(self._log_file(ifname))}"
+                )
             if self._answers(ifname):
                 return
             time.sleep(0.05)
         stop_process(self._pid_file(ifname))
-        raise MeshError(f"wireguard-go did not open {socket_path(ifname)} within 10 s: {log_tail(self._log_file(ifname))}")
+        raise MeshError(
+            f"wireguard-go did not open {socket_path(ifname)} within 10 s: {log_tail(self._log_file(ifname))}"
+        )
 
     def _answers(self, ifname: str) -> bool:
         if not socket_path(ifname).exists():

@@ -58,7 +58,9 @@ def decode_key(text: str, what: str = "key") -> bytes:
     try:
         raw = base64.b64decode(cleaned, validate=True)
     except (binascii.Error, ValueError):
-        raise MeshError(f"{what} is not valid base64: expected 44 characters like the output of `wg pubkey`") from None
+        raise MeshError(
+            f"{what} is not valid base64: expected 44 characters like the output of `wg pubkey`"
+        ) from None
     if len(raw) != KEY_LEN or len(cleaned) != 44:
         raise MeshError(f"{what} decodes to {len(raw)} bytes, not {KEY_LEN}: expected a WireGuard key")
     return raw
@@ -115,7 +117,9 @@ def read_private_key(path: Path) -> str:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        raise MeshError(f"private key {path} is missing: this state directory is incomplete, run `shardpool mesh join` again") from None
+        raise MeshError(
+            f"private key {path} is missing: this state directory is incomplete, run `shardpool mesh join` again"
+        ) from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise MeshError(f"private key {path} is readable by other users: run `chmod 600 {path}`")
     text = path.read_text(encoding="ascii", errors="replace").strip()

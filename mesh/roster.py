@@ -80,7 +80,9 @@ class RosterStore:
         self.path = path
 
     @classmethod
-    def create(cls, path: Path, mesh_id: str, cidr: str, coordinator: RosterEntry, now: float | None = None) -> RosterStore:
+    def create(
+        cls, path: Path, mesh_id: str, cidr: str, coordinator: RosterEntry, now: float | None = None
+    ) -> RosterStore:
         """Create a new database with the mesh settings and the coordinator as its first member."""
         if path.exists():
             raise MeshError(f"coordinator database {path} already exists: a mesh was created here before")
@@ -149,7 +151,9 @@ class RosterStore:
             db.execute("COMMIT")
         return roster
 
-    def add_token(self, token_id: bytes, hashed_secret: bytes, expires_at: float, uses: int, now: float | None = None) -> None:
+    def add_token(
+        self, token_id: bytes, hashed_secret: bytes, expires_at: float, uses: int, now: float | None = None
+    ) -> None:
         """Store a new token: its id, the hash of its secret (never the secret), expiry and uses."""
         if uses < 1:
             raise MeshError("--uses must be at least 1")
@@ -172,8 +176,13 @@ class RosterStore:
         with self._write() as db:
             db.execute("DELETE FROM nonces WHERE expires_at < ?", (now,))
             if db.execute("SELECT 1 FROM nonces WHERE nonce = ?", (request.nonce,)).fetchone():
-                raise JoinRefused("replayed join message (its nonce was already used): run `shardpool mesh join` again", 409)
-            db.execute("INSERT INTO nonces(nonce, expires_at) VALUES (?, ?)", (request.nonce, request.nonce_expires_at))
+                raise JoinRefused(
+                    "replayed join message (its nonce was already used): run `shardpool mesh join` again", 409
+                )
+            db.execute(
+                "INSERT INTO nonces(nonce, expires_at) VALUES (?, ?)",
+                (request.nonce, request.nonce_expires_at),
+            )
             self._consume_token(db, request, now)
             self._check_unique(db, request)
             used = [row[0] for row in db.execute("SELECT address FROM members")]
@@ -194,23 +203,41 @@ class RosterStore:
             "SELECT secret_hash, expires_at, uses_left FROM tokens WHERE token_id = ?", (request.token_id,)
         ).fetchone()
         if row is None:
-            raise JoinRefused("unknown join token (this coordinator never issued it): ask for a new one with `shardpool mesh invite`")
+            raise JoinRefused(
+                "unknown join token (this coordinator never issued it): ask for a new one with `shardpool mesh invite`"
+            )
         if not hmac.compare_digest(bytes(row[0]), secret_hash(request.secret)):
-            raise JoinRefused("join token secret is wrong (forged or corrupted token): ask for a new one with `shardpool mesh invite`")
+            raise JoinRefused(
+                "join token secret is wrong (forged or corrupted token): ask for a new one with `shardpool mesh invite`"
+            )
         if now >= row[1]:
-            raise JoinRefused("join token has expired: ask the coordinator for a new one with `shardpool mesh invite`")
+            raise JoinRefused(
+                "join token has expired: ask the coordinator for a new one with `shardpool mesh invite`"
+            )
         if row[2] <= 0:
-            raise JoinRefused("join token was already used: ask the coordinator for a new one with `shardpool mesh invite`", 409)
+            raise JoinRefused(
+                "join token was already used: ask the coordinator for a new one with `shardpool mesh invite`",
+                409,
+            )
         db.execute("UPDATE tokens SET uses_left = uses_left - 1 WHERE token_id = ?", (request.token_id,))
 
     @staticmethod
     def _check_unique(db: sqlite3.Connection, request: AdmitRequest) -> None:
-        row = db.execute("SELECT address FROM members WHERE name = ? AND revoked_at IS NULL", (request.name,)).fetchone()
+        row = db.execute(
+            "SELECT address FROM members WHERE name = ? AND revoked_at IS NULL", (request.name,)
+        ).fetchone()
         if row:
-            raise JoinRefused(f"name {request.name!r} is already taken by {row[0]} in this mesh: choose another with --name", 409)
-        row = db.execute("SELECT name FROM members WHERE public_key = ? AND revoked_at IS NULL", (request.public_key,)).fetchone()
+            raise JoinRefused(
+                f"name {request.name!r} is already taken by {row[0]} in this mesh: choose another with --name",
+                409,
+            )
+        row = db.execute(
+            "SELECT name FROM members WHERE public_key = ? AND revoked_at IS NULL", (request.public_key,)
+        ).fetchone()
         if row:
-            raise JoinRefused(f"this public key already belongs to member {row[0]!r}: leave the mesh first", 409)
+            raise JoinRefused(
+                f"this public key already belongs to member {row[0]!r}: leave the mesh first", 409
+            )
 
     def revoke(self, name: str, now: float | None = None) -> RosterEntry:
         """Revoke the active member ``name``; its address stays reserved forever."""
@@ -221,9 +248,13 @@ class RosterStore:
                 (name,),
             ).fetchone()
             if row is None:
-                raise MeshError(f"no active member is called {name!r}: see `shardpool mesh status` for the names")
+                raise MeshError(
+                    f"no active member is called {name!r}: see `shardpool mesh status` for the names"
+                )
             if row[5]:
-                raise MeshError(f"{name!r} is the coordinator itself: to dismantle the mesh run `shardpool mesh leave` here")
+                raise MeshError(
+                    f"{name!r} is the coordinator itself: to dismantle the mesh run `shardpool mesh leave` here"
+                )
             db.execute("UPDATE members SET revoked_at = ? WHERE id = ?", (now, row[0]))
             self._bump(db)
         return RosterEntry(row[1], row[2], row[3], row[4])
@@ -245,6 +276,8 @@ class RosterStore:
         with self._connect() as db:
             return {
                 "active": db.execute("SELECT COUNT(*) FROM members WHERE revoked_at IS NULL").fetchone()[0],
-                "revoked": db.execute("SELECT COUNT(*) FROM members WHERE revoked_at IS NOT NULL").fetchone()[0],
+                "revoked": db.execute("SELECT COUNT(*) FROM members WHERE revoked_at IS NOT NULL").fetchone()[
+                    0
+                ],
                 "tokens_usable": db.execute("SELECT COALESCE(SUM(uses_left), 0) FROM tokens").fetchone()[0],
             }

@@ -72,7 +72,9 @@ def read_json(path: Path) -> Any:
         with open(path, encoding="utf-8") as handle:
             return json.load(handle)
     except json.JSONDecodeError as error:
-        raise MeshError(f"state file {path} is corrupt ({error.msg}): restore it or run `shardpool mesh leave` and join again") from None
+        raise MeshError(
+            f"state file {path} is corrupt ({error.msg}): restore it or run `shardpool mesh leave` and join again"
+        ) from None
 
 
 @dataclass(frozen=True)

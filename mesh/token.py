@@ -62,7 +62,9 @@ class JoinToken:
         now = time.time() if now is None else now
         if now >= self.expires_at:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.expires_at))
-            raise MeshError(f"join token expired at {stamp}: ask the coordinator for a new one with `shardpool mesh invite`")
+            raise MeshError(
+                f"join token expired at {stamp}: ask the coordinator for a new one with `shardpool mesh invite`"
+            )
 
 
 def secret_hash(secret: bytes) -> bytes:
@@ -100,7 +102,9 @@ def parse_token(text: str) -> JoinToken:
         raise MeshError(f"join token is truncated or garbled (checksum mismatch): {_FIX}")
     version, token_id, secret, key, expires_at, length = _HEAD.unpack_from(content)
     if version != _VERSION:
-        raise MeshError(f"join token has version {version}, this shardpool understands {_VERSION}: upgrade shardpool")
+        raise MeshError(
+            f"join token has version {version}, this shardpool understands {_VERSION}: upgrade shardpool"
+        )
     endpoint_bytes = content[_HEAD.size :]
     if len(endpoint_bytes) != length:
         raise MeshError(f"join token is truncated or garbled (endpoint length): {_FIX}")

@@ -156,9 +156,13 @@ class UapiClient:
                         break
                     buffer += chunk
                     if len(buffer) > _MAX_REPLY:
-                        raise MeshError(f"WireGuard UAPI reply on {self.path} is larger than {_MAX_REPLY} bytes")
+                        raise MeshError(
+                            f"WireGuard UAPI reply on {self.path} is larger than {_MAX_REPLY} bytes"
+                        )
         except (FileNotFoundError, ConnectionRefusedError):
-            raise MeshError(f"WireGuard interface socket {self.path} is not there: run `shardpool mesh up`") from None
+            raise MeshError(
+                f"WireGuard interface socket {self.path} is not there: run `shardpool mesh up`"
+            ) from None
         except OSError as error:
             raise MeshError(f"cannot talk to WireGuard on {self.path}: {error.strerror or error}") from None
         return buffer.decode("ascii", errors="replace")
@@ -171,7 +175,9 @@ class UapiClient:
         """Send a ``set`` request built by :func:`encode_set`; a non-zero errno becomes a MeshError."""
         errno = parse_errno(self._exchange(request))
         if errno != 0:
-            raise MeshError(f"WireGuard refused the configuration on {self.path} (errno={errno}): {_errno_hint(errno)}")
+            raise MeshError(
+                f"WireGuard refused the configuration on {self.path} (errno={errno}): {_errno_hint(errno)}"
+            )
 
 
 def _errno_hint(errno: int) -> str:

@@ -112,7 +112,9 @@ def parse_wgquick(text: str) -> WgQuickConfig:
                     public_key=values["publickey"],
                     allowed_ips=_split_list(values.get("allowedips", "")),
                     endpoint=values.get("endpoint") or None,
-                    persistent_keepalive=_int(keepalive, "PersistentKeepalive", lineno) if keepalive else None,
+                    persistent_keepalive=_int(keepalive, "PersistentKeepalive", lineno)
+                    if keepalive
+                    else None,
                     comment=comment,
                 )
             )

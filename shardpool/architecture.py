@@ -45,6 +45,11 @@ class ModelInfo:
     tie_word_embeddings: bool
     raw_config: dict[str, Any]
 
+    @property
+    def base_name(self) -> str:
+        """The model directory's name, for messages."""
+        return self.path.name
+
 
 def read_model_info(model_dir: str | Path) -> ModelInfo:
     """Read ``config.json`` of a local model directory and check shardpool can split it."""

@@ -44,7 +44,13 @@ DEFAULT_EFFICIENCY = 0.4
 LORA_BYTES_PER_PARAM = 16
 #: Per-stage framework reserve by device kind: CUDA context and cuBLAS workspace, MPS/XPU runtime,
 #: or the share of a CPU process's allocator arenas. Plus a fraction of tensor memory for fragmentation.
-_RESERVE_BASE = {"cuda": 0.75 * 2**30, "rocm": 0.75 * 2**30, "xpu": 0.75 * 2**30, "mps": 0.5 * 2**30, "cpu": 0.25 * 2**30}
+_RESERVE_BASE = {
+    "cuda": 0.75 * 2**30,
+    "rocm": 0.75 * 2**30,
+    "xpu": 0.75 * 2**30,
+    "mps": 0.5 * 2**30,
+    "cpu": 0.25 * 2**30,
+}
 _FRAGMENTATION = 0.05
 
 Schedule = Literal["1f1b", "gpipe"]
@@ -73,7 +79,13 @@ class Workload:
     stages: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "sequence_len", "gradient_accumulation_steps", "compute_bytes", "wire_bytes"):
+        for name in (
+            "micro_batch_size",
+            "sequence_len",
+            "gradient_accumulation_steps",
+            "compute_bytes",
+            "wire_bytes",
+        ):
             if getattr(self, name) <= 0:
                 raise ShardpoolError(f"{name} is {getattr(self, name)}; it must be positive")
         if self.lora_r < 0:
@@ -114,21 +126,24 @@ class Workload:
         get = _getter(config)
         section = get("shardpool")
         sp = _getter(section if section is not None else {})
-        bf16 = _truthy(get("bf16"))
-        fp16 = _truthy(get("fp16"))
-        compute_bytes = 2 if (bf16 or fp16) else 4
-        wire = sp("wire_dtype")
+        if get("compute_dtype_name") is not None:
+            compute_bytes = _dtype_bytes(get("compute_dtype_name"))
+        else:
+            compute_bytes = 2 if (get("bf16") is True or _truthy(get("fp16"))) else 4
+        wire = get("wire_dtype_name") or sp("wire_dtype")
         wire_bytes = _dtype_bytes(wire) if wire not in (None, "auto") else compute_bytes
         targets = get("lora_target_modules")
         if _truthy(get("lora_target_linear")) or not targets:
             targets = LINEAR_MODULES
         defaults = cls()
         gc = get("gradient_checkpointing")
-        stages = sp("stages")
+        stages = sp("stages")  # only an explicit count binds the planner; devices alone do not
         return cls(
             micro_batch_size=int(get("micro_batch_size") or defaults.micro_batch_size),
             sequence_len=int(get("sequence_len") or defaults.sequence_len),
-            gradient_accumulation_steps=int(get("gradient_accumulation_steps") or defaults.gradient_accumulation_steps),
+            gradient_accumulation_steps=int(
+                get("gradient_accumulation_steps") or defaults.gradient_accumulation_steps
+            ),
             lora_r=int(get("lora_r") if get("lora_r") is not None else defaults.lora_r),
             lora_targets=tuple(str(t) for t in targets),
             gradient_checkpointing=_truthy(gc),
@@ -165,13 +180,17 @@ def activation_bytes_per_layer(shape: ModelShape, workload: Workload) -> float:
     residual and its normalized copy (4h); q (after RoPE), attention output and o_proj input
     (3 q_dim); k and v (2 kv_dim); gate, SiLU(gate), up and their product (4 intermediate);
     each LoRA ``A`` output (r per target), and the attention log-sum-exp (fp32 per head).
+    In 16-bit compute, peft's fp32 adapters keep an fp32 copy of each targeted module's input.
     Assumes SDPA attention (no s x s probabilities kept). Checked against a measured layer in tests.
     """
     h, q, kv, inter = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size
-    per_token = workload.compute_bytes * (
-        4 * h + 3 * q + 2 * kv + 4 * inter + workload.lora_r * len(set(workload.lora_targets))
-    )
+    targets = set(workload.lora_targets)
+    per_token = workload.compute_bytes * (4 * h + 3 * q + 2 * kv + 4 * inter + workload.lora_r * len(targets))
     per_token += 4 * shape.num_attention_heads
+    if workload.compute_bytes < 4 and workload.lora_r > 0:
+        # peft keeps adapters in fp32 and casts each targeted module's input up: one fp32 copy each.
+        dims = shape.linear_dims()
+        per_token += 4 * sum(dims[name][0] for name in targets)
     return per_token * workload.tokens
 
 
@@ -323,7 +342,8 @@ def stage_costs(
     kept_act = tokens * shape.hidden_size * cb if workload.gradient_checkpointing else full_act
 
     per_layer = {
-        "weights_nf4": sum(nf4_bytes(p) for p in shape.linear_params().values()) + shape.layer_dense_params() * cb,
+        "weights_nf4": sum(nf4_bytes(p) for p in shape.linear_params().values())
+        + shape.layer_dense_params() * cb,
         "lora_and_optimizer": lora_params_per_layer(shape, workload) * LORA_BYTES_PER_PARAM,
         "activations": kept_act * in_flight,
     }
@@ -375,7 +395,16 @@ def _truthy(value: Any) -> bool:
 
 
 def _dtype_bytes(name: Any) -> int:
-    sizes = {"fp32": 4, "float32": 4, "float": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2}
+    sizes = {
+        "fp32": 4,
+        "float32": 4,
+        "float": 4,
+        "bf16": 2,
+        "bfloat16": 2,
+        "fp16": 2,
+        "float16": 2,
+        "half": 2,
+    }
     key = str(name).lower().removeprefix("torch.")
     if key not in sizes:
         raise ShardpoolError(f"wire_dtype {name!r} is unknown; use fp32, bf16 or fp16")

@@ -76,7 +76,9 @@ class TokenRows:
         for name in _FIELDS:
             tensor = getattr(self, name)
             if tensor.dim() != 2 or tensor.shape != shape or tensor.dtype != torch.int64:
-                raise ValueError(f"TokenRows.{name} must be int64 of shape {tuple(shape)}, got {tensor.dtype} {tuple(tensor.shape)}")
+                raise ValueError(
+                    f"TokenRows.{name} must be int64 of shape {tuple(shape)}, got {tensor.dtype} {tuple(tensor.shape)}"
+                )
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -137,7 +139,9 @@ def load_tokenizer(model_dir: str | os.PathLike[str]) -> Any:
 
     path = Path(model_dir)
     if not path.is_dir():
-        raise ShardpoolError(f"base_model directory {str(path)!r} does not exist; check the path (relative to the current directory)")
+        raise ShardpoolError(
+            f"base_model directory {str(path)!r} does not exist; check the path (relative to the current directory)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as error:  # transformers raises many types for a broken or missing tokenizer
@@ -146,7 +150,9 @@ def load_tokenizer(model_dir: str | os.PathLike[str]) -> Any:
             f"cannot load a tokenizer from {str(path)!r} ({reason[:200]}); the base_model directory needs tokenizer.json and tokenizer_config.json"
         ) from None
     if tokenizer.eos_token_id is None:
-        raise ShardpoolError(f"the tokenizer in {str(path)!r} has no eos token; set `eos_token` in its tokenizer_config.json")
+        raise ShardpoolError(
+            f"the tokenizer in {str(path)!r} has no eos token; set `eos_token` in its tokenizer_config.json"
+        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -199,12 +205,18 @@ def _read_jsonl(spec: DatasetSpec, index: int) -> list[tuple[str, dict[str, Any]
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ShardpoolError(f"{where}: invalid JSON ({error.msg} at column {error.colno}); fix the line") from None
+                raise ShardpoolError(
+                    f"{where}: invalid JSON ({error.msg} at column {error.colno}); fix the line"
+                ) from None
             if not isinstance(row, dict):
-                raise ShardpoolError(f"{where}: expected a JSON object per line, got {type(row).__name__}; wrap the row in {{...}}")
+                raise ShardpoolError(
+                    f"{where}: expected a JSON object per line, got {type(row).__name__}; wrap the row in {{...}}"
+                )
             rows.append((where, row))
     if not rows:
-        raise ShardpoolError(f"dataset file {spec.path!r} has no rows; add JSON lines or remove it from `datasets`")
+        raise ShardpoolError(
+            f"dataset file {spec.path!r} has no rows; add JSON lines or remove it from `datasets`"
+        )
     return rows
 
 
@@ -216,7 +228,9 @@ def _text_field(row: dict[str, Any], key: str, where: str, *, required: bool, fi
             raise ShardpoolError(f"{where}: the row has no `{key}`; {fix}")
         return ""
     if not isinstance(value, str):
-        raise ShardpoolError(f"{where}: `{key}` must be a string, got {type(value).__name__}; quote the value")
+        raise ShardpoolError(
+            f"{where}: `{key}` must be a string, got {type(value).__name__}; quote the value"
+        )
     return value
 
 
@@ -239,7 +253,9 @@ def _alpaca_samples(rows: list[tuple[str, dict[str, Any]]], tokenizer: Any) -> l
     eos = tokenizer.eos_token_id
     samples = []
     # Prompt and response are encoded separately, so the mask boundary is exactly where the response starts.
-    for (where, _), prompt_ids, response_ids in zip(rows, _encode(tokenizer, prompts), _encode(tokenizer, responses), strict=True):
+    for (where, _), prompt_ids, response_ids in zip(
+        rows, _encode(tokenizer, prompts), _encode(tokenizer, responses), strict=True
+    ):
         prompt = head + prompt_ids
         answer = response_ids + [eos]
         ids = prompt + answer
@@ -250,7 +266,9 @@ def _alpaca_samples(rows: list[tuple[str, dict[str, Any]]], tokenizer: Any) -> l
 
 def _completion_samples(rows: list[tuple[str, dict[str, Any]]], tokenizer: Any, field: str) -> list[_Sample]:
     """Text plus eos, every token trained."""
-    fix = f"completion rows need a string `{field}`" + ("" if field != "text" else " (or set `field:` on the dataset)")
+    fix = f"completion rows need a string `{field}`" + (
+        "" if field != "text" else " (or set `field:` on the dataset)"
+    )
     texts = [_text_field(row, field, where, required=True, fix=fix) for where, row in rows]
     head = [tokenizer.bos_token_id] if _adds_bos(tokenizer) else []
     eos = tokenizer.eos_token_id
@@ -262,7 +280,9 @@ def _completion_samples(rows: list[tuple[str, dict[str, Any]]], tokenizer: Any, 
 
 
 def _int_list(value: Any, key: str, where: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+    if not isinstance(value, list) or not all(
+        isinstance(item, int) and not isinstance(item, bool) for item in value
+    ):
         raise ShardpoolError(f"{where}: `{key}` must be a list of integers; write token ids as JSON integers")
     return value
 
@@ -273,8 +293,14 @@ def _pretokenized_samples(rows: list[tuple[str, dict[str, Any]]], vocab_size: in
     for where, row in rows:
         if "input_ids" not in row:
             guess = "alpaca" if "instruction" in row else "completion" if "text" in row else None
-            fix = f"set `type: {guess}` on the dataset" if guess else "add `input_ids` or set the dataset's `type`"
-            raise ShardpoolError(f"{where}: a dataset without `type` holds pre-tokenized rows, but this row has no `input_ids`; {fix}")
+            fix = (
+                f"set `type: {guess}` on the dataset"
+                if guess
+                else "add `input_ids` or set the dataset's `type`"
+            )
+            raise ShardpoolError(
+                f"{where}: a dataset without `type` holds pre-tokenized rows, but this row has no `input_ids`; {fix}"
+            )
         ids = _int_list(row["input_ids"], "input_ids", where)
         if not ids:
             raise ShardpoolError(f"{where}: `input_ids` is empty; remove the row")
@@ -286,7 +312,9 @@ def _pretokenized_samples(rows: list[tuple[str, dict[str, Any]]], vocab_size: in
         labels = _optional_int_list(row, "labels", where, len(ids)) or list(ids)
         bad = next((label for label in labels if label != IGNORE_INDEX and not 0 <= label < vocab_size), None)
         if bad is not None:
-            raise ShardpoolError(f"{where}: label {bad} is neither -100 nor a token id below {vocab_size}; fix the labels")
+            raise ShardpoolError(
+                f"{where}: label {bad} is neither -100 nor a token id below {vocab_size}; fix the labels"
+            )
         mask = _optional_int_list(row, "attention_mask", where, len(ids)) or [1] * len(ids)
         if any(bit not in (0, 1) for bit in mask):
             raise ShardpoolError(f"{where}: `attention_mask` must hold only 0 and 1; fix the mask")
@@ -299,7 +327,9 @@ def _optional_int_list(row: dict[str, Any], key: str, where: str, length: int) -
         return None
     values = _int_list(row[key], key, where)
     if len(values) != length:
-        raise ShardpoolError(f"{where}: `{key}` has {len(values)} entries but `input_ids` has {length}; give one per token")
+        raise ShardpoolError(
+            f"{where}: `{key}` has {len(values)} entries but `input_ids` has {length}; give one per token"
+        )
     return values
 
 
@@ -331,7 +361,10 @@ def _truncate(samples: list[_Sample], sequence_len: int) -> tuple[list[_Sample],
         if len(sample.input_ids) > sequence_len:
             truncated += 1
             sample = _Sample(
-                sample.input_ids[:sequence_len], sample.labels[:sequence_len], sample.attention_mask[:sequence_len], sample.where
+                sample.input_ids[:sequence_len],
+                sample.labels[:sequence_len],
+                sample.attention_mask[:sequence_len],
+                sample.where,
             )
         if _has_target(sample.labels):
             kept.append(sample)
@@ -517,13 +550,21 @@ def load_prepared(path: str | os.PathLike[str]) -> PreparedData:
             metadata = handle.metadata() or {}
             tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     except Exception:
-        raise ShardpoolError(f"{str(source)!r} is not a readable safetensors file; delete it and prepare the data again") from None
+        raise ShardpoolError(
+            f"{str(source)!r} is not a readable safetensors file; delete it and prepare the data again"
+        ) from None
     if metadata.get("format") != _FORMAT_NAME or metadata.get("version") != _FORMAT_VERSION:
-        raise ShardpoolError(f"{str(source)!r} is not shardpool prepared data (version {_FORMAT_VERSION}); delete it and prepare again")
+        raise ShardpoolError(
+            f"{str(source)!r} is not shardpool prepared data (version {_FORMAT_VERSION}); delete it and prepare again"
+        )
     try:
-        train, evals = (TokenRows(*(tensors[f"{split}.{name}"] for name in _FIELDS)) for split in ("train", "eval"))
+        train, evals = (
+            TokenRows(*(tensors[f"{split}.{name}"] for name in _FIELDS)) for split in ("train", "eval")
+        )
     except (KeyError, ValueError):
-        raise ShardpoolError(f"{str(source)!r} is incomplete or malformed; delete it and prepare the data again") from None
+        raise ShardpoolError(
+            f"{str(source)!r} is incomplete or malformed; delete it and prepare the data again"
+        ) from None
     return PreparedData(
         train=train,
         eval=evals,
@@ -568,7 +609,10 @@ def step_batches(
     steps = _step_count(num_rows, per_step, num_epochs, max_steps)
     stream = _index_stream(num_rows, steps * per_step, shuffle_each_epoch, seed)
     return [
-        [stream[start + micro * micro_batch_size : start + (micro + 1) * micro_batch_size] for micro in range(micro_batches_per_step)]
+        [
+            stream[start + micro * micro_batch_size : start + (micro + 1) * micro_batch_size]
+            for micro in range(micro_batches_per_step)
+        ]
         for start in range(0, steps * per_step, per_step)
     ]
 
@@ -583,7 +627,9 @@ def _step_count(num_rows: int, per_step: int, num_epochs: float, max_steps: int 
     covered = math.floor(num_rows * num_epochs + 1e-9)  # 100 × 0.29 is 28.999…, meant as 29
     steps = covered // per_step
     if steps == 0:
-        raise ShardpoolError(f"num_epochs {num_epochs:g} covers {covered} rows but one step needs {per_step}; raise `num_epochs`")
+        raise ShardpoolError(
+            f"num_epochs {num_epochs:g} covers {covered} rows but one step needs {per_step}; raise `num_epochs`"
+        )
     return steps if max_steps is None else min(steps, max_steps)
 
 

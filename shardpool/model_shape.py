@@ -19,11 +19,25 @@ from shardpool.errors import ShardpoolError
 __all__ = ["LINEAR_MODULES", "SUPPORTED_MODEL_TYPES", "ModelShape"]
 
 #: Names of the Linear modules inside one decoder layer, in execution order.
-LINEAR_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEAR_MODULES: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 
-_REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+_REQUIRED_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+)
 
 
 @dataclass(frozen=True)
@@ -108,7 +122,9 @@ class ModelShape:
         try:
             data = json.loads(file.read_text())
         except FileNotFoundError:
-            raise ShardpoolError(f"{file} does not exist; point base_model at a directory holding config.json")
+            raise ShardpoolError(
+                f"{file} does not exist; point base_model at a directory holding config.json"
+            ) from None
         except (OSError, json.JSONDecodeError) as error:
             raise ShardpoolError(f"cannot read {file} ({error}); pass a valid HF config.json") from None
         if not isinstance(data, dict):

@@ -18,9 +18,14 @@ from pathlib import Path
 __all__ = [
     "DEFAULT_CORPUS",
     "MODEL_TYPES",
+    "QUICKSTART_MODEL",
     "SPECIAL_TOKENS",
+    "make_quickstart",
     "make_tiny_llama",
+    "quickstart_corpus",
+    "quickstart_rows",
     "train_tokenizer",
+    "write_jsonl",
 ]
 
 BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
@@ -51,7 +56,9 @@ DEFAULT_CORPUS: tuple[str, ...] = (
 )
 
 
-def train_tokenizer(corpus: Iterable[str], *, vocab_size: int | None = None, model_max_length: int = MAX_POSITIONS):
+def train_tokenizer(
+    corpus: Iterable[str], *, vocab_size: int | None = None, model_max_length: int = MAX_POSITIONS
+):
     """Train a byte-level BPE tokenizer on ``corpus`` and wrap it for transformers.
 
     Byte-level BPE encodes any text losslessly, so decoding round-trips. The result adds ``<s>``
@@ -152,6 +159,8 @@ def make_tiny_llama(
         staging.chmod(0o755)
         tokenizer.save_pretrained(staging)
         model.save_pretrained(staging)
+        for written in staging.iterdir():
+            written.chmod(0o644)
         _swap_in(staging, out_path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -167,3 +176,118 @@ def _swap_in(staging: Path, target: Path) -> None:
     os.replace(staging, target)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The quickstart: a templated alpaca dataset and a tiny Llama whose tokenizer is trained on it
+# --------------------------------------------------------------------------------------------------
+
+QUICKSTART_ROWS = 480
+QUICKSTART_SEED = 0
+# A tiny Llama: ~1.3M parameters, about 5 MB of fp32 safetensors.
+QUICKSTART_MODEL: dict[str, int] = {
+    "num_layers": 4,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "vocab_size": 2048,
+}
+
+_WORDS = (
+    "apple river stone cloud green quiet happy tiger lamp paper window garden silver bread music "
+    "orange rabbit winter summer candle forest yellow planet ocean pencil mountain bridge coffee"
+).split()
+# Made-up places, so the pairs can only be learnt from the dataset itself.
+_CAPITALS = {
+    "Veloria": "Brinmar",
+    "Zandria": "Port Melo",
+    "Kestavia": "Lunholm",
+    "Marovia": "Teska",
+    "Quenland": "Frostby",
+    "Dorvania": "Amberly",
+    "Solmere": "Caldris",
+    "Tirnova": "Elwick",
+    "Yvendar": "Sorrel",
+    "Palmyre": "Ostin",
+    "Norrick": "Hallow",
+    "Belcara": "Vantis",
+    "Gravemont": "Lirra",
+    "Coravia": "Drennan",
+    "Fenwyr": "Tallis",
+    "Astmark": "Winford",
+}
+
+
+def _quickstart_row(rng, task: int) -> dict[str, str]:
+    """One alpaca row of task ``task`` (0..4), drawn from ``rng``."""
+    if task == 0:
+        a, b = rng.randint(0, 49), rng.randint(0, 49)
+        return {"instruction": "Add the two numbers.", "input": f"{a} + {b}", "output": str(a + b)}
+    if task == 1:
+        words = rng.sample(_WORDS, rng.randint(3, 5))
+        return {
+            "instruction": "Reverse the order of the words.",
+            "input": " ".join(words),
+            "output": " ".join(reversed(words)),
+        }
+    if task == 2:
+        country = rng.choice(sorted(_CAPITALS))
+        return {
+            "instruction": f"What is the capital of {country}?",
+            "input": "",
+            "output": f"The capital of {country} is {_CAPITALS[country]}.",
+        }
+    if task == 3:
+        words = " ".join(rng.sample(_WORDS, rng.randint(2, 4)))
+        return {"instruction": "Convert the text to uppercase.", "input": words, "output": words.upper()}
+    a, b = rng.sample(range(100), 2)
+    return {"instruction": "Which number is larger?", "input": f"{a} or {b}", "output": str(max(a, b))}
+
+
+def quickstart_rows(count: int = QUICKSTART_ROWS, seed: int = QUICKSTART_SEED) -> list[dict[str, str]]:
+    """The quickstart dataset: ``count`` alpaca rows cycling through five small templated tasks.
+
+    Additions, word reversal, made-up capitals, uppercasing and comparisons: each has a pattern a
+    tiny model picks up within a minute or two, so the eval loss visibly falls.
+    """
+    import random
+
+    rng = random.Random(seed)
+    return [_quickstart_row(rng, index % 5) for index in range(count)]
+
+
+def quickstart_corpus(rows: Sequence[dict[str, str]]) -> list[str]:
+    """The texts the quickstart tokenizer learns from: each row as it is trained (prompt + response)."""
+    from shardpool.data import format_alpaca_prompt
+
+    return [format_alpaca_prompt(row["instruction"], row["input"]) + row["output"] for row in rows] + list(
+        DEFAULT_CORPUS
+    )
+
+
+def write_jsonl(rows: Sequence[dict[str, str]], path: str | os.PathLike[str]) -> Path:
+    """Write rows as JSON lines, atomically (temporary file in the same directory, then rename)."""
+    import json
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8", newline="\n") as stream:
+            stream.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def make_quickstart(model_dir: str | os.PathLike[str], data_path: str | os.PathLike[str]) -> Path:
+    """Write the quickstart dataset to ``data_path`` and its tiny Llama to ``model_dir``; reproducible."""
+    rows = quickstart_rows()
+    write_jsonl(rows, data_path)
+    return make_tiny_llama(
+        model_dir, seed=QUICKSTART_SEED, corpus=quickstart_corpus(rows), **QUICKSTART_MODEL
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -27,7 +28,7 @@ class WeightReader:
         self.file_of_tensor = _index_tensors(self.model_dir)
         self.names_read: list[str] = []
         self._files = ExitStack()
-        self._open: dict[Path, object] = {}
+        self._open: dict[Path, Any] = {}
 
     def names(self) -> list[str]:
         """Every tensor name in the checkpoint (from the file headers; no tensor data is read)."""
@@ -37,8 +38,17 @@ class WeightReader:
         """Whether the checkpoint holds a tensor of this name."""
         return name in self.file_of_tensor
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of a tensor, from the file header only (the tensor is not read or recorded)."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
     def read(self, name: str) -> torch.Tensor:
         """Read one tensor to CPU memory and record that it was read."""
+        handle = self._handle(name)
+        self.names_read.append(name)
+        return handle.get_tensor(name)
+
+    def _handle(self, name: str) -> Any:
         file = self.file_of_tensor.get(name)
         if file is None:
             raise ShardpoolError(f"tensor {name!r} is missing from {self.model_dir}; the checkpoint is incomplete")
@@ -46,8 +56,7 @@ class WeightReader:
         if handle is None:
             handle = self._files.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             self._open[file] = handle
-        self.names_read.append(name)
-        return handle.get_tensor(name)  # type: ignore[attr-defined]
+        return handle
 
     def close(self) -> None:
         """Release the memory maps."""

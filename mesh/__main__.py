@@ -1,0 +1,7 @@
+"""Allow ``python -m mesh ...``, the mesh commands without the shardpool package."""
+
+import sys
+
+from mesh.cli import main
+
+sys.exit(main())

@@ -1,0 +1,187 @@
+"""The background agent of one machine: keeps its WireGuard peers equal to the roster.
+
+On a member it pulls the authenticated roster from the coordinator over the mesh every
+``sync_interval`` seconds, caches it atomically, and applies it; when the coordinator is
+unreachable it keeps the cached roster. On the coordinator it also serves joins on the
+underlay endpoint and rosters on the mesh address, and reads the roster from SQLite.
+
+Run as ``python -m mesh.agent --state-dir DIR``; normally started by ``shardpool mesh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+
+from mesh.addresses import parse_endpoint
+from mesh.backend import WireGuardBackend
+from mesh.client import Revoked, fetch_roster
+from mesh.config import MeshConfig, load_config
+from mesh.coordinator import CoordinatorService, MeshHTTPServer, start_server
+from mesh.errors import MeshError
+from mesh.keys import read_private_key
+from mesh.model import Roster
+from mesh.node import apply_roster, backend_for, load_cached_roster, save_cached_roster
+from mesh.roster import RosterStore
+from mesh.state import StatePaths, write_json
+
+__all__ = ["Agent", "main"]
+
+log = logging.getLogger("shardpool.mesh.agent")
+
+
+class Agent:
+    """One machine's sync loop, plus the coordinator's servers when this machine is the coordinator."""
+
+    def __init__(self, paths: StatePaths) -> None:
+        self.paths = paths
+        self.config: MeshConfig = load_config(paths)
+        self.private_key = read_private_key(paths.private_key)
+        self.backend: WireGuardBackend = backend_for(paths, self.config)
+        self.stop = threading.Event()
+        self.wake = threading.Event()
+        self.servers: list[MeshHTTPServer] = []
+        self.applied: Roster | None = None
+        self.status: dict[str, object] = {
+            "pid": 0,
+            "ready": False,
+            "last_sync": None,
+            "last_error": None,
+            "revision": None,
+        }
+
+    def _start_servers(self) -> None:
+        store = RosterStore(self.paths.database)
+        settings = {
+            "mtu": self.config.mtu,
+            "keepalive": self.config.keepalive,
+            "api_port": self.config.api_port,
+        }
+        service = CoordinatorService(store, self.private_key, settings, on_change=self.wake.set)
+        host, _ = parse_endpoint(self.config.coordinator_endpoint)
+        join_routes = {("POST", "/v1/join"): service.join}
+        try:
+            self.servers.append(start_server(host, self.config.listen_port, join_routes))
+        except MeshError:
+            # The endpoint is not an address of this machine (NAT port forward, or a DNS name).
+            log.info("endpoint host %s is not local; serving joins on all addresses", host)
+            self.servers.append(start_server("0.0.0.0", self.config.listen_port, join_routes))
+        mesh_routes = {("GET", "/v1/roster"): service.roster, ("POST", "/v1/leave"): service.leave}
+        self.servers.append(start_server(self.config.address, self.config.api_port, mesh_routes))
+        log.info(
+            "coordinator serving joins on TCP %d and rosters on %s:%d",
+            self.config.listen_port,
+            self.config.address,
+            self.config.api_port,
+        )
+
+    def _fetch(self) -> Roster:
+        if self.config.is_coordinator:
+            return RosterStore(self.paths.database).roster()
+        return fetch_roster(
+            self.config.coordinator_address,
+            self.config.api_port,
+            self.private_key,
+            self.config.public_key,
+            self.config.coordinator_key,
+            self.config.mesh_id,
+            timeout=max(2.0, self.config.sync_interval * 2),
+        )
+
+    def _write_status(self) -> None:
+        self.status["pid"] = os.getpid()
+        write_json(self.paths.agent_status, self.status)
+
+    def step(self) -> bool:
+        """Sync once; return ``False`` when the agent should stop (this machine was removed)."""
+        try:
+            roster = self._fetch()
+        except Revoked as error:
+            log.warning("%s", error)
+            self._drop_all_peers()
+            self.status.update(revoked=True, last_error=str(error))
+            return False
+        except (MeshError, OSError) as error:
+            self.status["last_error"] = f"coordinator unreachable, using the cached roster: {error}"
+            roster = self.applied or load_cached_roster(self.paths)
+            if roster is None:
+                return True
+        else:
+            self.status.update(last_sync=time.time(), last_error=None)
+            if self.applied is None or roster != self.applied:
+                save_cached_roster(self.paths, roster)
+        try:
+            changes = apply_roster(self.backend, self.config, roster, self.applied)
+        except MeshError as error:
+            self.status["last_error"] = f"cannot apply the roster: {error}"
+            log.error("%s", error)
+            return True
+        if changes:
+            log.info("applied roster revision %d (%d peer changes)", roster.revision, changes)
+        self.applied = roster
+        self.status["revision"] = roster.revision
+        return True
+
+    def _drop_all_peers(self) -> None:
+        try:
+            empty = Roster(self.config.mesh_id, self.config.cidr, 0, ())
+            apply_roster(self.backend, self.config, empty, None)
+        except MeshError as error:
+            log.error("cannot remove peers: %s", error)
+
+    def run(self) -> int:
+        """Serve (on the coordinator) and sync until SIGTERM or removal from the mesh."""
+        if self.config.is_coordinator:
+            self._start_servers()
+        keep_going = self.step()
+        self.status["ready"] = True
+        self._write_status()
+        while keep_going and not self.stop.is_set():
+            self.wake.wait(self.config.sync_interval)
+            self.wake.clear()
+            if self.stop.is_set():
+                break
+            keep_going = self.step()
+            self._write_status()
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the agent process."""
+    parser = argparse.ArgumentParser(prog="python -m mesh.agent", description=__doc__)
+    parser.add_argument("--state-dir", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
+    )
+    try:
+        agent = Agent(StatePaths(Path(args.state_dir)))
+
+        def _stop(signum: int, frame: FrameType | None) -> None:
+            agent.stop.set()
+            agent.wake.set()
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+        return agent.run()
+    except MeshError as error:
+        log.error("%s", error)
+        return 2
+    except OSError as error:
+        log.error("agent stopped: %s", error)
+        return 1 if error.errno != errno.EINTR else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

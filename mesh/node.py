@@ -1,0 +1,126 @@
+"""This machine's side of the mesh: bring the interface up or down, apply rosters, run the agent.
+
+Used by the commands (``init``, ``join``, ``up``, ``down``, ``leave``) and by the background
+agent, so both act on the interface in exactly the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from mesh.addresses import resolve_endpoint
+from mesh.backend import WireGuardBackend, make_backend
+from mesh.config import MeshConfig
+from mesh.daemon import log_tail, read_pid, spawn_detached, stop_process
+from mesh.errors import MeshError
+from mesh.links import set_address, set_link_up
+from mesh.model import Roster
+from mesh.reconcile import plan_peer_changes
+from mesh.state import StatePaths, read_json, write_json
+
+__all__ = [
+    "agent_running",
+    "apply_roster",
+    "backend_for",
+    "bring_down",
+    "bring_up",
+    "load_cached_roster",
+    "save_cached_roster",
+    "start_agent",
+    "stop_agent",
+]
+
+
+def backend_for(paths: StatePaths, config: MeshConfig) -> WireGuardBackend:
+    """Build the backend this machine was set up with."""
+    return make_backend(config.backend, paths.run, paths.logs)
+
+
+def load_cached_roster(paths: StatePaths) -> Roster | None:
+    """Read the cached roster, if there is one."""
+    if not paths.roster.exists():
+        return None
+    return Roster.from_json(read_json(paths.roster))
+
+
+def save_cached_roster(paths: StatePaths, roster: Roster) -> None:
+    """Cache the roster atomically, so this machine keeps working while the coordinator is down."""
+    write_json(paths.roster, roster.to_json(), mode=0o644)
+
+
+def apply_roster(
+    backend: WireGuardBackend, config: MeshConfig, roster: Roster, applied: Roster | None
+) -> int:
+    """Make the interface's peers match ``roster``; return how many peer changes were made."""
+    device = backend.show(config.interface)
+    changes = plan_peer_changes(
+        device, roster, config.public_key, config.keepalive, applied, resolve_endpoint
+    )
+    if changes:
+        backend.update_peers(config.interface, changes)
+    return len(changes)
+
+
+def bring_up(paths: StatePaths, config: MeshConfig, private_key: str, roster: Roster | None) -> None:
+    """Create and configure the interface: key, port, address, MTU, up, and peers from ``roster``.
+
+    On any failure the half-made interface is removed again, so nothing is left behind.
+    """
+    backend = backend_for(paths, config)
+    backend.create(config.interface)
+    try:
+        backend.configure(config.interface, private_key, config.listen_port)
+        set_address(config.interface, config.address, config.prefixlen)
+        set_link_up(config.interface, config.mtu)
+        if roster is not None:
+            apply_roster(backend, config, roster, None)
+    except BaseException:
+        backend.destroy(config.interface)
+        raise
+
+
+def _agent_env() -> dict[str, str]:
+    package_parent = str(Path(__file__).resolve().parent.parent)
+    path = os.environ.get("PYTHONPATH", "")
+    return dict(os.environ, PYTHONPATH=package_parent + (os.pathsep + path if path else ""))
+
+
+def agent_running(paths: StatePaths) -> int | None:
+    """Return the pid of this machine's agent if it runs."""
+    return read_pid(paths.agent_pid)
+
+
+def start_agent(paths: StatePaths, timeout: float = 15.0) -> int:
+    """Start the background agent and wait until it reports ready (servers bound, roster applied)."""
+    if agent_running(paths):
+        raise MeshError(
+            f"the mesh agent already runs (pid {agent_running(paths)}): run `shardpool mesh down` first"
+        )
+    paths.agent_status.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "mesh.agent", "--state-dir", str(paths.root)]
+    pid = spawn_detached(argv, paths.agent_pid, paths.agent_log, env=_agent_env())
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if read_pid(paths.agent_pid) != pid:
+            raise MeshError(f"the mesh agent exited at start: {log_tail(paths.agent_log)}")
+        if paths.agent_status.exists():
+            status = read_json(paths.agent_status)
+            if status.get("pid") == pid and status.get("ready"):
+                return pid
+        time.sleep(0.05)
+    stop_process(paths.agent_pid)
+    raise MeshError(f"the mesh agent did not get ready within {timeout:.0f} s: {log_tail(paths.agent_log)}")
+
+
+def stop_agent(paths: StatePaths) -> bool:
+    """Stop the background agent if it runs."""
+    return stop_process(paths.agent_pid)
+
+
+def bring_down(paths: StatePaths, config: MeshConfig) -> None:
+    """Stop the agent and remove the interface (and its wireguard-go); the saved state stays."""
+    stop_agent(paths)
+    backend_for(paths, config).destroy(config.interface)

@@ -1,0 +1,141 @@
+"""Checkpoints: adapter, optimizer, scheduler position, RNG and data position, saved atomically.
+
+Each stage writes its part into ``checkpoints/.step-N.partial``; after a barrier, rank 0 merges
+the adapter and renames the directory to ``checkpoints/step-N`` in one step. A crash while saving
+leaves a ``.partial`` directory that is ignored, and the previous checkpoint untouched.
+
+Every tensor is keyed by its global adapter key, so a checkpoint written by one split of the
+layers can be resumed by another.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from shardpool.atomic import save_tensors_atomic, write_json_atomic
+from shardpool.errors import ShardpoolError
+from shardpool.lora import LoraSettings, write_adapter
+
+__all__ = [
+    "partial_dir",
+    "write_stage_state",
+    "write_rng_state",
+    "read_stage_lora",
+    "finalize_checkpoint",
+    "newest_checkpoint",
+    "read_lora_and_optimizer",
+    "read_rng_state",
+    "checkpoint_step",
+]
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_OPTIM_FIELDS = ("exp_avg", "exp_avg_sq", "step")
+
+
+def checkpoints_root(output_dir: str | Path) -> Path:
+    """``output_dir/checkpoints``."""
+    return Path(output_dir) / "checkpoints"
+
+
+def partial_dir(output_dir: str | Path, step: int) -> Path:
+    """The directory a checkpoint is assembled in before it is renamed into place."""
+    return checkpoints_root(output_dir) / f".step-{step}.partial"
+
+
+def write_stage_state(
+    directory: Path,
+    *,
+    stage_index: int,
+    named_parameters: list[tuple[str, torch.nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    """Write one stage's LoRA tensors and AdamW state, keyed by global adapter key."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for key, param in named_parameters:
+        tensors[f"lora.{key}"] = param.detach()
+        state = optimizer.state.get(param, {})
+        for field in _OPTIM_FIELDS:
+            if field in state:
+                value = state[field]
+                tensors[f"optim.{key}.{field}"] = value if torch.is_tensor(value) else torch.tensor(float(value))
+    save_tensors_atomic(directory / f"stage-{stage_index}.safetensors", tensors)
+
+
+def write_rng_state(directory: Path, *, rank: int) -> None:
+    """Write the torch RNG state of one process (dropout draws depend on it)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    save_tensors_atomic(directory / f"rng-rank-{rank}.safetensors", {"cpu": torch.get_rng_state()})
+
+
+def finalize_checkpoint(
+    directory: Path, *, step: int, settings: LoraSettings, base_model: str, extra: dict[str, object]
+) -> Path:
+    """Merge the stages' LoRA tensors into an adapter, record the step, and rename into place."""
+    lora: dict[str, torch.Tensor] = {}
+    for stage_file in sorted(directory.glob("stage-*.safetensors")):
+        lora.update(read_stage_lora(stage_file))
+    write_adapter(directory, lora, settings, base_model=base_model)
+    write_json_atomic(directory / "checkpoint.json", {"step": step, **extra})
+    final = directory.parent / f"step-{step}"
+    if final.exists():
+        stale = directory.parent / f".step-{step}.stale"
+        shutil.rmtree(stale, ignore_errors=True)
+        final.rename(stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    directory.rename(final)
+    return final
+
+
+def read_stage_lora(stage_file: Path) -> dict[str, torch.Tensor]:
+    """The LoRA tensors (global adapter keys) in one stage's state file."""
+    return {
+        name.removeprefix("lora."): tensor for name, tensor in load_file(str(stage_file)).items() if name.startswith("lora.")
+    }
+
+
+def newest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step, or None."""
+    root = checkpoints_root(output_dir)
+    if not root.is_dir():
+        return None
+    complete = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and (child / "checkpoint.json").is_file():
+            complete.append((int(match.group(1)), child))
+    return max(complete)[1] if complete else None
+
+
+def checkpoint_step(directory: Path) -> int:
+    """The optimizer step a checkpoint was taken after."""
+    return int(json.loads((directory / "checkpoint.json").read_text(encoding="utf-8"))["step"])
+
+
+def read_lora_and_optimizer(
+    directory: Path, keys: list[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """The LoRA tensors and AdamW state of the given adapter keys, from whichever stage saved them."""
+    found: dict[str, torch.Tensor] = {}
+    for stage_file in sorted(directory.glob("stage-*.safetensors")):
+        found.update(load_file(str(stage_file)))
+    lora: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    for key in keys:
+        if f"lora.{key}" not in found:
+            raise ShardpoolError(f"checkpoint {directory} lacks {key}; it belongs to a different model or LoRA setup")
+        lora[key] = found[f"lora.{key}"]
+        optim[key] = {field: found[f"optim.{key}.{field}"] for field in _OPTIM_FIELDS if f"optim.{key}.{field}" in found}
+    return lora, optim
+
+
+def read_rng_state(directory: Path, *, rank: int) -> torch.Tensor | None:
+    """The saved RNG state of a rank, or None when this rank did not exist then."""
+    path = directory / f"rng-rank-{rank}.safetensors"
+    return load_file(str(path))["cpu"] if path.is_file() else None

@@ -1,0 +1,148 @@
+"""A lab of hosts made of network namespaces, for the mesh's end-to-end tests.
+
+Each host is a namespace ``sp<pid>-<label>`` with ``eth0`` on a shared bridge (itself in a
+namespace of its own), an address in TEST-NET-1 (192.0.2.0/24), its own ``SHARDPOOL_HOME`` and
+its own WireGuard interface name. Nothing touches the machine's own namespace, and
+:meth:`Lab.close` stops every process the lab started, by pid, and deletes every namespace.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+UNDERLAY = "192.0.2"
+
+
+def netns_skip_reason() -> str | None:
+    """Why the namespace tests cannot run here, or ``None`` if they can."""
+    if sys.platform != "linux":
+        return "needs Linux network namespaces"
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces and interfaces"
+    for tool in ("ip", "wireguard-go", "wg", "ping"):
+        if shutil.which(tool) is None:
+            return f"needs {tool} (apt-get install iproute2 wireguard-go wireguard-tools iputils-ping)"
+    if not Path("/dev/net/tun").exists():
+        return "needs /dev/net/tun for wireguard-go"
+    probe = f"sp{os.getpid()}-probe"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*argv: str) -> None:
+    subprocess.run(["ip", *argv], check=True, capture_output=True, text=True, timeout=30)
+
+
+@dataclass
+class Host:
+    """One machine of the lab."""
+
+    label: str
+    netns: str
+    underlay: str
+    home: Path
+    interface: str
+
+    @property
+    def endpoint(self) -> str:
+        """This host's WireGuard endpoint on the underlay."""
+        return f"{self.underlay}:51820"
+
+
+class Lab:
+    """Namespaced hosts on one bridge; use as a context manager so cleanup always runs."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.tag = f"sp{os.getpid()}"
+        self.workdir = workdir
+        self.switch = f"{self.tag}-sw"
+        self.hosts: dict[str, Host] = {}
+        self._namespaces: list[str] = []
+
+    def __enter__(self) -> Lab:
+        self._add_netns(self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _add_netns(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self._namespaces.append(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+
+    def add_host(self, label: str, octet: int) -> Host:
+        """Create host ``label`` with underlay address 192.0.2.``octet``."""
+        netns = f"{self.tag}-{label}"
+        self._add_netns(netns)
+        port = f"v{label}"
+        _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", netns)
+        _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
+        _ip("-n", netns, "addr", "add", f"{UNDERLAY}.{octet}/24", "dev", "eth0")
+        _ip("-n", netns, "link", "set", "eth0", "up")
+        host = Host(label, netns, f"{UNDERLAY}.{octet}", self.workdir / label, f"{self.tag}{label}")
+        self.hosts[label] = host
+        return host
+
+    def run(self, host: Host, *argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        """Run a command inside ``host`` with its ``SHARDPOOL_HOME``."""
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+            "SHARDPOOL_HOME": str(host.home),
+            "PYTHONPATH": str(REPO),
+            "HOME": str(host.home),
+        }
+        command = ["ip", "netns", "exec", host.netns, "env", "-i", *(f"{k}={v}" for k, v in env.items()), *argv]
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+    def mesh(self, host: Host, *argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        """Run ``shardpool mesh ARGV`` inside ``host`` through the real CLI."""
+        return self.run(host, sys.executable, "-m", "shardpool", "mesh", *argv, timeout=timeout)
+
+    def ping(self, source: Host, address: str, timeout: int = 2) -> bool:
+        """Send one ping from ``source`` to ``address``; return whether it was answered."""
+        result = self.run(source, "ping", "-c", "1", "-W", str(timeout), address, timeout=timeout + 5)
+        return result.returncode == 0
+
+    def close(self) -> None:
+        """Stop every process in the lab's namespaces (by pid) and delete the namespaces."""
+        for name in reversed(self._namespaces):
+            self._kill_namespace_processes(name)
+        for name in reversed(self._namespaces):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        for host in self.hosts.values():
+            Path(f"/var/run/wireguard/{host.interface}.sock").unlink(missing_ok=True)
+        self._namespaces.clear()
+
+    @staticmethod
+    def _namespace_pids(name: str) -> list[int]:
+        listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
+        return [int(pid) for pid in listed.stdout.split() if pid.isdigit()]
+
+    def _kill_namespace_processes(self, name: str) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            pids = self._namespace_pids(name)
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 3
+            while pids and time.monotonic() < deadline:
+                time.sleep(0.05)
+                pids = self._namespace_pids(name)
+            if not pids:
+                return

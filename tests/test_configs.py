@@ -1,0 +1,98 @@
+"""Every training config shipped in configs/ validates, and its paths exist from the repository root."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shardpool.config import UNSUPPORTED_AXOLOTL_KEYS, Config, load_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def training_configs() -> list[Path]:
+    """configs/*.yaml with a ``base_model`` key; fleet-*.yaml files belong to the mesh and are skipped."""
+    paths = sorted((REPO / "configs").glob("*.yaml"))
+    return [
+        path
+        for path in paths
+        if not path.name.startswith("fleet-") and "base_model:" in path.read_text(encoding="utf-8")
+    ]
+
+
+@pytest.fixture
+def in_repo_root() -> Iterator[Path]:
+    previous = Path.cwd()
+    os.chdir(REPO)
+    try:
+        yield REPO
+    finally:
+        os.chdir(previous)
+
+
+def test_quickstart_is_among_the_configs() -> None:
+    assert REPO / "configs" / "quickstart.yaml" in training_configs()
+
+
+@pytest.mark.parametrize("path", training_configs(), ids=lambda path: path.name)
+def test_config_validates_and_its_paths_exist(in_repo_root: Path, path: Path) -> None:
+    config = load_config(path.relative_to(in_repo_root))
+    assert Path(config.base_model, "config.json").is_file(), config.base_model
+    for dataset in config.datasets:
+        assert Path(dataset.path).is_file(), dataset.path
+
+
+def test_quickstart_values(in_repo_root: Path) -> None:
+    config = load_config("configs/quickstart.yaml")
+    assert (
+        config.adapter,
+        config.load_in_4bit,
+        config.lora_target_linear,
+        config.lora_r,
+        config.lora_alpha,
+    ) == ("qlora", True, True, 8, 16)
+    assert config.datasets[0].type == "alpaca" and config.val_set_size == 0.1
+    assert 64 <= config.sequence_len <= 128 and 1e-3 <= config.learning_rate <= 3e-3
+    assert config.output_dir == "outputs/quickstart"
+    assert config.shardpool.stage_devices() == ["cpu", "cpu"]
+
+
+def test_quickstart_data_fits_sequence_len(in_repo_root: Path) -> None:
+    from shardpool.data import load_tokenizer, prepare_data
+
+    config = load_config("configs/quickstart.yaml")
+    data = prepare_data(config, load_tokenizer(config.base_model))
+    assert (data.dropped_rows, data.truncated_rows) == (0, 0)
+    assert len(data.eval) == 48 and len(data.train) == 432
+
+
+def test_docs_cover_every_key() -> None:
+    """docs/config.md names every schema key and every refused axolotl key."""
+    text = (REPO / "docs" / "config.md").read_text(encoding="utf-8")
+    sections = {"": Config, "shardpool.": Config.model_fields["shardpool"].annotation}
+    keys = [prefix + name for prefix, model in sections.items() for name in model.model_fields]
+    keys += [
+        "datasets[].path",
+        "datasets[].type",
+        "datasets[].field",
+        "bnb_config_kwargs.bnb_4bit_quant_type",
+    ]
+    missing = [key for key in keys + list(UNSUPPORTED_AXOLOTL_KEYS) if f"`{key}`" not in text]
+    assert not missing
+
+
+def test_docs_examples_validate() -> None:
+    import re
+
+    import yaml
+
+    from shardpool.config import parse_config
+
+    text = (REPO / "docs" / "config.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```yaml\n(.*?)```", text, flags=re.DOTALL)
+    assert len(blocks) >= 3
+    for block in blocks:
+        parse_config(yaml.safe_load(block), source="docs/config.md example")
