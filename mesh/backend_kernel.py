@@ -63,7 +63,7 @@ def _attr(message: Any, name: str, default: Any = None) -> Any:
 
 
 def _peer_fields(peer: Any) -> tuple[str, dict[str, Any], list[str]]:
-    key = _key_text(peer.get_attr("WGPEER_A_PUBLIC_KEY")["value"])
+    key = _key_text(peer.get_attr("WGPEER_A_PUBLIC_KEY"))
     endpoint = peer.get_attr("WGPEER_A_ENDPOINT")
     handshake = peer.get_attr("WGPEER_A_LAST_HANDSHAKE_TIME")
     fields: dict[str, Any] = {
@@ -93,7 +93,7 @@ def merge_dump(messages: Iterable[Any]) -> DeviceStatus:
     for message in messages:
         value = message.get_attr("WGDEVICE_A_PRIVATE_KEY")
         if value is not None:
-            private = _key_text(value["value"])
+            private = _key_text(value)
         port = _attr(message, "WGDEVICE_A_LISTEN_PORT", port)
         for peer in message.get_attr("WGDEVICE_A_PEERS") or []:
             key, peer_fields, peer_allowed = _peer_fields(peer)

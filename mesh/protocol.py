@@ -169,7 +169,8 @@ def seal_join_request(
 def _coordinator_hash(
     envelope: dict[str, Any], lookup_hash: Any, coordinator_private: str
 ) -> tuple[bytes, bytes, bytes, bytes]:
-    if not isinstance(envelope, dict) or envelope.get("v") != VERSION:
+    version = envelope.get("v") if isinstance(envelope, dict) else None
+    if type(version) is not int or version != VERSION:
         raise ProtocolError(
             f"join request must be a JSON object with v={VERSION}: upgrade shardpool on the joining machine"
         )

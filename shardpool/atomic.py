@@ -46,6 +46,7 @@ def save_tensors_atomic(path: str | Path, tensors: dict[str, torch.Tensor], meta
     try:
         prepared = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
         save_file(prepared, temp_name, metadata=metadata)
+        os.chmod(temp_name, 0o644)
         os.replace(temp_name, target)
     finally:
         if os.path.exists(temp_name):

@@ -29,6 +29,22 @@ def build_parser() -> argparse.ArgumentParser:
     finetune.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     finetune.set_defaults(handler=_run_finetune)
 
+    plan = commands.add_parser("plan", help="place the model's layers on devices and predict the step time")
+    plan.add_argument("config", help="path to the YAML config (only base_model's config.json is read)")
+    plan.add_argument("--fleet", help="YAML list of (hypothetical) devices to plan for instead of local ones")
+    plan.add_argument("--json", action="store_true", help="print only the plan, as in output_dir/plan.json")
+    plan.add_argument("--model", help="a config.json (or its directory) to plan instead of base_model's")
+    plan.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. sequence_len=2048"
+    )
+    plan.set_defaults(handler=_run_plan)
+
+    devices = commands.add_parser("devices", help="list local devices and profile one layer of the model on each")
+    devices.add_argument("config", nargs="?", help="YAML config whose model and batch shape to profile")
+    devices.add_argument("--no-profile", action="store_true", help="list devices without profiling")
+    devices.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    devices.set_defaults(handler=_run_devices)
+
     from mesh.cli import add_mesh_commands
 
     add_mesh_commands(commands)
@@ -39,6 +55,31 @@ def _run_finetune(args: argparse.Namespace) -> int:
     from shardpool.finetune import finetune_from_file
 
     finetune_from_file(args.config, resume=args.resume)
+    return 0
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from shardpool.fleet import load_fleet
+    from shardpool.planner import load_config_with_overrides, plan_for_config, plan_table
+
+    config = load_config_with_overrides(args.config, args.set)
+    fleet = load_fleet(args.fleet) if args.fleet else None
+    plan = plan_for_config(config, fleet=fleet, model_path=args.model)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        from rich.console import Console
+
+        Console().print(plan_table(plan))
+    return 0
+
+
+def _run_devices(args: argparse.Namespace) -> int:
+    from shardpool.devices import show_devices
+
+    show_devices(args.config, profile=not args.no_profile, as_json=args.json)
     return 0
 
 

@@ -16,7 +16,7 @@ import torch
 
 from shardpool.errors import ShardpoolError
 
-__all__ = ["DeviceInfo", "device_info", "list_devices", "normalize_device", "synchronize"]
+__all__ = ["DeviceInfo", "device_info", "list_devices", "normalize_device", "show_devices", "synchronize"]
 
 
 @dataclass(frozen=True)
@@ -66,13 +66,17 @@ def device_info(name: str) -> DeviceInfo:
         return _cpu_info()
     if kind == "cuda":
         if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-            raise ShardpoolError(f"device {name} is not available here; run `shardpool devices` to list devices")
+            raise ShardpoolError(
+                f"device {name} is not available here; run `shardpool devices` to list devices"
+            )
         free, total = torch.cuda.mem_get_info(index)
         flavour = "rocm" if getattr(torch.version, "hip", None) else "cuda"
         return DeviceInfo(name, flavour, torch.cuda.get_device_name(index), int(total), int(free))
     if kind == "xpu":
         if not (hasattr(torch, "xpu") and torch.xpu.is_available()) or index >= torch.xpu.device_count():
-            raise ShardpoolError(f"device {name} is not available here; run `shardpool devices` to list devices")
+            raise ShardpoolError(
+                f"device {name} is not available here; run `shardpool devices` to list devices"
+            )
         props = torch.xpu.get_device_properties(index)
         total = int(props.total_memory)
         try:
@@ -143,3 +147,52 @@ def _cpu_label() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or f"cpu ({os.cpu_count()} cores)"
+
+
+def show_devices(config_path: str | None, *, profile: bool = True, as_json: bool = False) -> list[dict]:
+    """Print every local device with its memory and, given a config, its profiled layer time.
+
+    Backs ``shardpool devices``; returns the rows it printed.
+    """
+    import json
+
+    rows: list[dict] = []
+    shape = workload = None
+    if config_path and profile:
+        from shardpool.config import load_config
+        from shardpool.costmodel import Workload
+        from shardpool.model_shape import ModelShape
+
+        config = load_config(config_path)
+        shape = ModelShape.from_config_dir(config.base_model)
+        workload = Workload.from_config(config)
+    for info in list_devices():
+        row: dict = {
+            "device": info.name,
+            "kind": info.kind,
+            "label": info.label,
+            "total_gib": round(info.total_bytes / 2**30, 2),
+            "free_gib": round(info.free_bytes / 2**30, 2),
+        }
+        if shape is not None and workload is not None:
+            from shardpool.profiler import profile_layer
+
+            measured = profile_layer(shape, workload, device=info.name)
+            row["ms_per_layer"] = round(measured.seconds_per_layer * 1e3, 3)
+            row["activation_mib_per_layer"] = round(measured.activation_bytes / 2**20, 2)
+        rows.append(row)
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return rows
+    from rich.console import Console
+    from rich.table import Table
+
+    title = "local devices" + ("" if shape is None else f" (one NF4+LoRA layer of {shape.name})")
+    caption = None if shape is not None else "pass a config to profile one layer of its model on each device"
+    table = Table(title=title, caption=caption)
+    for column in rows[0]:
+        table.add_column(column, justify="right" if column not in ("device", "kind", "label") else "left")
+    for row in rows:
+        table.add_row(*(str(value) for value in row.values()))
+    Console().print(table)
+    return rows

@@ -69,7 +69,10 @@ class ProbeServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self._server = _Server((host, port), _Handler)
         self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="shardpool-link-probe", daemon=True
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name="shardpool-link-probe",
+            daemon=True,
         )
 
     @property

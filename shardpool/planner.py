@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -40,14 +41,17 @@ __all__ = [
     "Workload",
     "evaluate_split",
     "even_split",
+    "load_config_with_overrides",
     "local_fleet",
+    "plan_for_config",
     "plan_pipeline",
+    "plan_table",
     "proportional_split",
 ]
 
 GIB = 2**30
 #: Sequences (ordered device subsets, identical devices merged) searched exhaustively.
-EXACT_SEQUENCE_LIMIT = 2500
+EXACT_SEQUENCE_LIMIT = 20000
 #: Wall-clock budget of the local search on large fleets.
 HEURISTIC_BUDGET_S = 1.0
 _REL_TOL = 1e-9
@@ -488,7 +492,9 @@ def _neighbours(seq: tuple[int, ...], unused: Sequence[int], allowed: set[int]) 
 
 
 def _heuristic(ctx: _Context, allowed: Sequence[int], budget_s: float) -> _Candidate | None:
-    """Seed with the fastest (and, separately, the roomiest) k devices for every k, then local search."""
+    """Seed with the fastest (and, separately, the roomiest) k devices for every k, descend from
+    the best seeds, then perturb and descend again (iterated local search) until ``budget_s``
+    runs out or many perturbations in a row bring nothing."""
     deadline = time.perf_counter() + budget_s
     n = len(ctx.devices)
     by_speed = sorted(range(n), key=lambda d: (ctx.seconds[d], -ctx.devices[d].memory_bytes, d))
@@ -501,9 +507,8 @@ def _heuristic(ctx: _Context, allowed: Sequence[int], budget_s: float) -> _Candi
                 seeds.append(candidate)
     seeds.sort()
     allowed_set = set(allowed)
-    best = None
-    for seed in seeds[:3]:
-        current = seed
+
+    def descend(current: _Candidate) -> _Candidate:
         improved = True
         while improved and time.perf_counter() < deadline:
             improved = False
@@ -516,8 +521,37 @@ def _heuristic(ctx: _Context, allowed: Sequence[int], budget_s: float) -> _Candi
                     break
                 if time.perf_counter() >= deadline:
                     break
+        return current
+
+    best = None
+    for seed in seeds[:3]:
+        current = descend(seed)
         if _better(current, best):
             best = current
+    if best is None:
+        return None
+    rng = random.Random(0)
+    stale = 0
+    while stale < 40 and time.perf_counter() < deadline:
+        seq = list(best.seq)
+        for _ in range(2):
+            used = set(seq)
+            unused = [d for d in range(n) if d not in used]
+            i = rng.randrange(len(seq))
+            if unused and rng.random() < 0.5:
+                seq[i] = rng.choice(unused)
+            else:
+                j = rng.randrange(len(seq))
+                seq[i], seq[j] = seq[j], seq[i]
+        start = _evaluate(ctx, tuple(seq))
+        if start is None:
+            stale += 1
+            continue
+        current = descend(start)
+        if _better(current, best):
+            best, stale = current, 0
+        else:
+            stale += 1
     return best
 
 
@@ -679,3 +713,93 @@ def _explain_no_fit(ctx: _Context) -> str:
         f"{shape.name or 'the model'} ({layers} layers) does not fit: about {missing_gib:.1f} GiB are missing "
         f"across {len(seq)} devices with {usable:.1f} GiB usable; it would fit with {where}{hint}"
     )
+
+
+# ---------------------------------------------------------------------------- configs and display
+
+
+def plan_for_config(
+    config: Any,
+    *,
+    fleet: Fleet | None = None,
+    model_path: str | None = None,
+    use_cache: bool = True,
+) -> Plan:
+    """Plan a loaded shardpool config: on ``fleet`` if given, else on its local ``shardpool.devices``.
+
+    Only ``config.json`` of the base model (or ``model_path``) is read. With a hypothetical
+    fleet, the config's ``shardpool.stages`` and ``devices`` describe a local run and are not
+    applied. With ``shardpool.layers`` on a local run, that manual split is predicted as given.
+    """
+    shape = ModelShape.from_config_dir(model_path or config.base_model)
+    workload = Workload.from_config(config)
+    if fleet is not None:
+        return plan_pipeline(shape, replace(workload, stages=None), fleet)
+    section = config.shardpool
+    devices = section.stage_devices() if hasattr(section, "stage_devices") else ["cpu"]
+    local = local_fleet(devices, shape=shape, workload=workload, use_cache=use_cache)
+    if getattr(section, "layers", None):
+        return evaluate_split(
+            shape, workload, local, devices=[d.name for d in local.devices], layers=section.layers
+        )
+    return plan_pipeline(shape, workload, local)
+
+
+def plan_table(plan: Plan) -> Any:
+    """A rich Table of the plan: one row per stage, the bottleneck marked, step time and bubble below."""
+    from rich.table import Table
+
+    caption = (
+        f"ms/mb: predicted forward + backward per micro-batch. Predicted step {plan.predicted_step_s:.3f} s "
+        f"with {plan.microbatches} micro-batches ({plan.schedule}), "
+        f"bubble {plan.bubble_fraction:.1%}; recommended micro-batches: {plan.recommended_microbatches}"
+    )
+    if plan.left_out:
+        caption += f"; left out: {', '.join(plan.left_out)}"
+    if not plan.fits:
+        caption += "; DOES NOT FIT in memory"
+    title = f"plan for {plan.model or 'the model'} ({plan.num_layers} layers, {plan.search} search)"
+    table = Table(title=title, caption=caption)
+    for column in ("#", "host", "device", "layers", "used GiB", "free GiB", "ms/mb", ""):
+        table.add_column(column, justify="right" if "GiB" in column or "ms" in column else "left", no_wrap=True)
+    for index, stage in enumerate(plan.stages):
+        table.add_row(
+            str(index),
+            stage.host,
+            stage.slot or stage.device,
+            f"[{stage.start}, {stage.stop})",
+            f"{stage.memory_bytes / GIB:.2f}",
+            f"{stage.free_bytes / GIB:.2f}",
+            f"{stage.predicted_ms_per_microbatch:.1f}",
+            "bottleneck" if stage.bottleneck else "",
+        )
+    return table
+
+
+def load_config_with_overrides(path: str, overrides: Sequence[str] = ()) -> Any:
+    """Load and validate a config after applying ``KEY=VALUE`` overrides (values parsed as YAML).
+
+    Dotted keys reach into sections (``shardpool.schedule=gpipe``). Lets ``shardpool plan``
+    try other batch shapes without editing the file.
+    """
+    import yaml
+
+    from shardpool.config import load_config, parse_config
+
+    if not overrides:
+        return load_config(path)
+    load_config(path)  # same errors as without overrides for a missing or broken file
+    with open(path, encoding="utf-8") as handle:
+        raw = yaml.safe_load(handle)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ShardpoolError(f"--set {item!r} is not KEY=VALUE; write e.g. --set sequence_len=2048")
+        target = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ShardpoolError(f"--set {item!r}: {part} is not a section; set a key inside a section")
+        target[leaf] = yaml.safe_load(value)
+    return parse_config(raw, source=f"{path} with --set")

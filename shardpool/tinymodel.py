@@ -117,6 +117,7 @@ def make_tiny_llama(
     seed: int = 0,
     model_type: str = "llama",
     corpus: Sequence[str] | None = None,
+    initializer_range: float = 0.02,
 ) -> Path:
     """Write a tiny random causal LM plus its trained tokenizer to ``out_dir`` and return the path.
 
@@ -141,6 +142,7 @@ def make_tiny_llama(
         num_key_value_heads=num_kv_heads,
         head_dim=hidden_size // num_heads,
         max_position_embeddings=MAX_POSITIONS,
+        initializer_range=initializer_range,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -146,3 +146,88 @@ class Lab:
                 pids = self._namespace_pids(name)
             if not pids:
                 return
+
+
+class WireGuardGoInNetns:
+    """A wireguard-go interface inside a private namespace, for UAPI tests; stops by pid."""
+
+    def __init__(self, label: str) -> None:
+        self.netns = f"sp{os.getpid()}-{label}"
+        self.interface = f"sp{os.getpid()}{label}"[:15]
+        self.socket = Path(f"/var/run/wireguard/{self.interface}.sock")
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> WireGuardGoInNetns:
+        _ip("netns", "add", self.netns)
+        try:
+            env = dict(os.environ, WG_PROCESS_FOREGROUND="1", LOG_LEVEL="error")
+            self.process = subprocess.Popen(
+                ["ip", "netns", "exec", self.netns, "wireguard-go", self.interface],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            deadline = time.monotonic() + 10
+            while not self.socket.exists():
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"wireguard-go did not start: {self.process.stderr.read() if self.process.stderr else ''}")
+                time.sleep(0.05)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        subprocess.run(["ip", "netns", "del", self.netns], capture_output=True)
+        self.socket.unlink(missing_ok=True)
+
+    def wg(self, *argv: str) -> str:
+        """Run ``wg`` (which talks to the same UAPI socket) and return its output."""
+        return subprocess.run(["wg", *argv], capture_output=True, text=True, check=True, timeout=10).stdout
+
+
+class InProcessCoordinator:
+    """A real coordinator service (SQLite store + HTTP server) on 127.0.0.1, for protocol tests."""
+
+    def __init__(self, directory: Path, cidr: str = "10.77.0.0/24") -> None:
+        from mesh.addresses import first_address, parse_cidr
+        from mesh.coordinator import CoordinatorService, start_server
+        from mesh.keys import generate_private_key, public_key
+        from mesh.model import RosterEntry
+        from mesh.roster import RosterStore
+
+        self.private_key = generate_private_key()
+        self.public_key = public_key(self.private_key)
+        self.address = first_address(parse_cidr(cidr))
+        self.store = RosterStore.create(
+            directory / "coordinator.db", "testmesh", cidr, RosterEntry("coord", self.address, self.public_key, "127.0.0.1:9", True)
+        )
+        self.service = CoordinatorService(self.store, self.private_key, {"mtu": 1420, "keepalive": 25, "api_port": 9})
+        routes = {
+            ("POST", "/v1/join"): self.service.join,
+            ("GET", "/v1/roster"): self.service.roster,
+            ("POST", "/v1/leave"): self.service.leave,
+        }
+        self.server = start_server("127.0.0.1", 0, routes)
+        self.port = int(self.server.server_address[1])
+        self.endpoint = f"127.0.0.1:{self.port}"
+
+    def invite(self, ttl: int = 3600, uses: int = 1):  # noqa: ANN201 - returns mesh.token.JoinToken
+        """Issue a token the way `mesh invite` does."""
+        from mesh.token import new_token, secret_hash
+
+        token = new_token(self.public_key, self.endpoint, ttl)
+        self.store.add_token(token.token_id, secret_hash(token.secret), token.expires_at, uses)
+        return token
+
+    def close(self) -> None:
+        """Stop the HTTP server."""
+        self.server.shutdown()
+        self.server.server_close()

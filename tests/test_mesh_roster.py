@@ -1,0 +1,171 @@
+"""Tests of mesh/roster.py: atomic admission, single-use tokens, revocation and address reuse."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+
+import pytest
+
+from mesh.addresses import first_address, parse_cidr
+from mesh.errors import MeshError
+from mesh.keys import generate_private_key, public_key
+from mesh.model import RosterEntry
+from mesh.roster import AdmitRequest, JoinRefused, RosterStore
+from mesh.token import secret_hash
+
+COORD_KEY = public_key(generate_private_key())
+
+
+def _store(tmp_path, cidr: str = "10.77.0.0/24") -> RosterStore:
+    address = first_address(parse_cidr(cidr))
+    return RosterStore.create(tmp_path / "c.db", "mesh1", cidr, RosterEntry("coord", address, COORD_KEY, "192.0.2.1:51820", True))
+
+
+def _token(store: RosterStore, uses: int = 1, ttl: float = 3600) -> tuple[bytes, bytes]:
+    token_id, secret = os.urandom(8), os.urandom(32)
+    store.add_token(token_id, secret_hash(secret), time.time() + ttl, uses)
+    return token_id, secret
+
+
+def _request(token: tuple[bytes, bytes], name: str, key: str | None = None) -> AdmitRequest:
+    return AdmitRequest(
+        token_id=token[0],
+        secret=token[1],
+        nonce=os.urandom(16),
+        nonce_expires_at=time.time() + 300,
+        name=name,
+        public_key=key or public_key(generate_private_key()),
+        endpoint=None,
+    )
+
+
+def test_new_store_has_the_coordinator_and_is_private(tmp_path) -> None:
+    store = _store(tmp_path)
+    roster = store.roster()
+    assert [(m.name, m.address, m.coordinator) for m in roster.members] == [("coord", "10.77.0.1", True)]
+    assert roster.revision == 1 and roster.cidr == "10.77.0.0/24"
+    assert stat.S_IMODE(os.stat(tmp_path / "c.db").st_mode) == 0o600
+    with pytest.raises(MeshError, match="already exists"):
+        _store(tmp_path)
+
+
+def test_admit_allocates_addresses_in_order_and_bumps_revision(tmp_path) -> None:
+    store = _store(tmp_path)
+    token = _token(store, uses=3)
+    assert store.admit(_request(token, "b")).address == "10.77.0.2"
+    assert store.admit(_request(token, "c")).address == "10.77.0.3"
+    roster = store.roster()
+    assert [m.name for m in roster.members] == ["coord", "b", "c"]
+    assert roster.revision == 3
+
+
+def _refused(store: RosterStore, request: AdmitRequest, message: str, now: float | None = None) -> None:
+    before, counts = store.roster(), store.counts()
+    with pytest.raises(JoinRefused, match=message):
+        store.admit(request, now)
+    assert store.roster() == before
+    assert store.counts() == counts
+
+
+def test_single_use_token_admits_once(tmp_path) -> None:
+    store = _store(tmp_path)
+    token = _token(store)
+    store.admit(_request(token, "b"))
+    _refused(store, _request(token, "c"), "already used")
+
+
+def test_expired_unknown_and_forged_tokens_are_refused(tmp_path) -> None:
+    store = _store(tmp_path)
+    token = _token(store, ttl=60)
+    _refused(store, _request(token, "b"), "expired", now=time.time() + 120)
+    _refused(store, _request((os.urandom(8), token[1]), "b"), "unknown join token")
+    _refused(store, _request((token[0], os.urandom(32)), "b"), "secret is wrong")
+
+
+def test_replayed_nonce_is_refused(tmp_path) -> None:
+    store = _store(tmp_path)
+    token = _token(store, uses=5)
+    request = _request(token, "b")
+    store.admit(request)
+    replay = AdmitRequest(**{**request.__dict__, "name": "c", "public_key": public_key(generate_private_key())})
+    _refused(store, replay, "replayed")
+
+
+def test_name_and_key_collisions_are_refused_without_using_the_token(tmp_path) -> None:
+    store = _store(tmp_path)
+    token = _token(store, uses=2)
+    key = public_key(generate_private_key())
+    store.admit(_request(token, "b", key))
+    _refused(store, _request(token, "b"), "name 'b' is already taken by 10.77.0.2.*--name")
+    _refused(store, _request(token, "c", key), "already belongs to member 'b'")
+    assert store.counts()["tokens_usable"] == 1
+
+
+def test_exhausted_cidr_is_refused_without_using_the_token(tmp_path) -> None:
+    store = _store(tmp_path, "10.77.0.0/29")  # 6 hosts: coordinator + 5
+    token = _token(store, uses=10)
+    for i in range(5):
+        store.admit(_request(token, f"m{i}"))
+    _refused(store, _request(token, "late"), "no free address left in 10.77.0.0/29")
+    assert store.counts()["tokens_usable"] == 5
+
+
+def test_revoked_address_is_never_reused_and_name_is_free_again(tmp_path) -> None:
+    store = _store(tmp_path)
+    token = _token(store, uses=3)
+    key = public_key(generate_private_key())
+    store.admit(_request(token, "b", key))
+    revoked = store.revoke("b")
+    assert revoked.address == "10.77.0.2"
+    assert store.roster().by_name("b") is None
+    assert store.lookup_key(key) == (RosterEntry("b", "10.77.0.2", key, None), True)
+    again = store.admit(_request(token, "b"))
+    assert again.address == "10.77.0.3"
+
+
+def test_revoking_unknown_or_coordinator_is_refused(tmp_path) -> None:
+    store = _store(tmp_path)
+    with pytest.raises(MeshError, match="no active member"):
+        store.revoke("ghost")
+    with pytest.raises(MeshError, match="coordinator itself"):
+        store.revoke("coord")
+
+
+def test_two_simultaneous_joins_with_one_token_exactly_one_wins(tmp_path) -> None:
+    store = _store(tmp_path)
+    for round_ in range(3):
+        token = _token(store)
+        barrier = threading.Barrier(6)
+        results: list[str] = []
+
+        def attempt(index: int, token: tuple[bytes, bytes] = token, round_: int = round_) -> None:
+            request = _request(token, f"r{round_}-{index}")
+            barrier.wait()
+            try:
+                store.admit(request)
+                results.append("ok")
+            except JoinRefused as error:
+                results.append(str(error))
+
+        threads = [threading.Thread(target=attempt, args=(i,)) for i in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert results.count("ok") == 1, results
+        assert sum("already used" in r for r in results) == 5
+    assert len(store.roster().members) == 4
+
+
+def test_roster_survives_reopening(tmp_path) -> None:
+    store = _store(tmp_path)
+    store.admit(_request(_token(store), "b"))
+    assert RosterStore(tmp_path / "c.db").roster() == store.roster()
+
+
+def test_missing_database_is_explained(tmp_path) -> None:
+    with pytest.raises(MeshError, match="not a coordinator"):
+        RosterStore(tmp_path / "none.db")
