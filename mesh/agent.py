@@ -23,7 +23,7 @@ from types import FrameType
 
 from mesh.addresses import parse_endpoint
 from mesh.backend import WireGuardBackend
-from mesh.client import Revoked, fetch_roster
+from mesh.client import Revoked, check_membership, fetch_roster
 from mesh.config import MeshConfig, load_config
 from mesh.coordinator import CoordinatorService, MeshHTTPServer, start_server
 from mesh.errors import MeshError
@@ -50,6 +50,7 @@ class Agent:
         self.wake = threading.Event()
         self.servers: list[MeshHTTPServer] = []
         self.applied: Roster | None = None
+        self._last_membership_check = -1e9
         self.status: dict[str, object] = {
             "pid": 0,
             "ready": False,
@@ -67,7 +68,7 @@ class Agent:
         }
         service = CoordinatorService(store, self.private_key, settings, on_change=self.wake.set)
         host, _ = parse_endpoint(self.config.coordinator_endpoint)
-        join_routes = {("POST", "/v1/join"): service.join}
+        join_routes = {("POST", "/v1/join"): service.join, ("GET", "/v1/membership"): service.membership}
         try:
             self.servers.append(start_server(host, self.config.listen_port, join_routes))
         except MeshError:
@@ -111,6 +112,8 @@ class Agent:
             return False
         except (MeshError, OSError) as error:
             self.status["last_error"] = f"coordinator unreachable, using the cached roster: {error}"
+            if self._removed():
+                return False
             roster = self.applied or load_cached_roster(self.paths)
             if roster is None:
                 return True
@@ -129,6 +132,29 @@ class Agent:
         self.applied = roster
         self.status["revision"] = roster.revision
         return True
+
+    def _removed(self) -> bool:
+        """After a failed sync, ask the coordinator's underlay endpoint (at most every 10 s) if we were removed.
+
+        A removed member is cut off from the mesh, so this is how it learns of its removal.
+        """
+        now = time.monotonic()
+        if self.config.is_coordinator or now - self._last_membership_check < 10.0:
+            return False
+        self._last_membership_check = now
+        try:
+            check_membership(
+                self.config.coordinator_endpoint, self.private_key, self.config.public_key,
+                self.config.coordinator_key, self.config.mesh_id, timeout=3.0,
+            )  # fmt: skip
+        except Revoked as error:
+            log.warning("%s", error)
+            self._drop_all_peers()
+            self.status.update(revoked=True, last_error=str(error))
+            return True
+        except (MeshError, OSError):
+            pass
+        return False
 
     def _drop_all_peers(self) -> None:
         try:

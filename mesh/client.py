@@ -20,7 +20,15 @@ from mesh.protocol import (
 )
 from mesh.token import JoinToken
 
-__all__ = ["JoinResult", "Revoked", "fetch_roster", "http_request", "request_join", "send_leave"]
+__all__ = [
+    "JoinResult",
+    "Revoked",
+    "check_membership",
+    "fetch_roster",
+    "http_request",
+    "request_join",
+    "send_leave",
+]
 
 _MAX_REPLY = 8 * 1024 * 1024
 
@@ -169,6 +177,20 @@ def fetch_roster(
     if roster.mesh_id != mesh_id:
         raise ProtocolError("roster is for another mesh")
     return roster
+
+
+def check_membership(
+    endpoint: str, private_key: str, public_key: str, coordinator_key: str, mesh_id: str, timeout: float = 5.0
+) -> None:
+    """Ask the coordinator's underlay endpoint whether we are still a member; raise :class:`Revoked` if not."""
+    host, port = parse_endpoint(endpoint, "coordinator endpoint")
+    status, _ = _signed_call(
+        host, port, "GET", "/v1/membership", private_key, public_key, coordinator_key, mesh_id, timeout
+    )
+    if status == 403:
+        raise Revoked(
+            "this machine was removed from the mesh by its coordinator: join again with a new token"
+        )
 
 
 def send_leave(

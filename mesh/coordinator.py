@@ -131,6 +131,22 @@ class CoordinatorService:
             )
         return self._signed(200, {"roster": self.store.roster().to_json()}, key, headers)
 
+    def membership(self, headers: Headers, body: bytes) -> Reply:
+        """Tell an authenticated key whether it is still a member, and nothing else.
+
+        Served on the underlay, so a member cut off from the mesh learns that it was removed;
+        it carries no roster, so nothing about the mesh is exposed there.
+        """
+        try:
+            _, key, revoked = self._authenticate("GET", "/v1/membership", headers, body)
+        except MeshError as error:
+            return _error(getattr(error, "status", 401), str(error))
+        if revoked:
+            return self._signed(
+                403, {"error": "revoked", "message": "this machine was removed from the mesh"}, key, headers
+            )
+        return self._signed(200, {"member": True}, key, headers)
+
     def leave(self, headers: Headers, body: bytes) -> Reply:
         """Revoke the authenticated member that asks to leave."""
         try:
@@ -152,6 +168,15 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"
     timeout = 5.0
     server: MeshHTTPServer
+
+    def parse_request(self) -> bool:
+        """Parse the request line and headers, answering 405 to methods other than GET and POST."""
+        if not super().parse_request():
+            return False
+        if self.command not in ("GET", "POST"):
+            self._send(*_error(405, f"method {self.command[:20]} is not allowed: use GET or POST"))
+            return False
+        return True
 
     def do_GET(self) -> None:  # noqa: N802 - http.server naming
         self._dispatch("GET")
@@ -218,6 +243,11 @@ def start_server(host: str, port: int, routes: dict[tuple[str, str], Route]) -> 
         raise MeshError(
             f"cannot listen on {host}:{port} ({error.strerror}): free the TCP port or choose another --listen-port"
         ) from None
-    thread = threading.Thread(target=server.serve_forever, name=f"mesh-http-{host}:{port}", daemon=True)
+    thread = threading.Thread(
+        target=server.serve_forever,
+        kwargs={"poll_interval": 0.1},
+        name=f"mesh-http-{host}:{port}",
+        daemon=True,
+    )
     thread.start()
     return server

@@ -94,7 +94,7 @@ def parse_token(text: str) -> JoinToken:
     try:
         body = base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))
     except (binascii.Error, ValueError):
-        raise MeshError(f"join token is garbled (not base64): {_FIX}") from None
+        raise MeshError(f"join token is truncated or garbled (not valid base64): {_FIX}") from None
     if len(body) < _HEAD.size + 4:
         raise MeshError(f"join token is truncated ({len(body)} bytes): {_FIX}")
     content, checksum = body[:-4], struct.unpack(">I", body[-4:])[0]

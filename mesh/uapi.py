@@ -7,6 +7,7 @@ peer (a ``public_key=`` line starts a peer) and ends with ``errno=N``.
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 from collections.abc import Iterable
@@ -181,8 +182,8 @@ class UapiClient:
 
 
 def _errno_hint(errno: int) -> str:
-    import os
-
-    if errno == 98:
+    """Explain a UAPI errno; wireguard-go reports them negated (``errno=-98``)."""
+    code = abs(errno)
+    if code == 98:
         return "the UDP listen port is already in use, pick another with --listen-port"
-    return os.strerror(errno) if errno > 0 else "unknown error"
+    return os.strerror(code) if code else "unknown error"

@@ -23,12 +23,15 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardpool.config import Config, DatasetSpec
 from shardpool.errors import ShardpoolError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "IGNORE_INDEX",
@@ -129,7 +132,7 @@ class _Sample:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_tokenizer(model_dir: str | os.PathLike[str]) -> Any:
+def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     """Load the tokenizer saved with the base model, offline, making sure it can pad.
 
     A tokenizer without a pad token pads with eos: padding is masked out of the loss, so which
@@ -458,7 +461,7 @@ def _to_rows(samples: list[_Sample], sequence_len: int, pad_id: int, *, packed: 
     return TokenRows(*(torch.tensor(column, dtype=torch.int64) for column in columns))
 
 
-def prepare_data(config: Config, tokenizer: Any) -> PreparedData:
+def prepare_data(config: Config, tokenizer: PreTrainedTokenizerBase) -> PreparedData:
     """Tokenize every dataset of ``config`` and cut the train and eval rows the runtime consumes.
 
     Order of operations: read and tokenize each file (datasets merged in config order), truncate

@@ -7,11 +7,10 @@ measured by the profiler (:func:`local_fleet`).
 
 from __future__ import annotations
 
-import math
 import socket
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -188,6 +187,8 @@ def load_fleet(path: str | Path) -> Fleet:
 
 def fleet_from_dict(data: Any, *, source: str = "fleet") -> Fleet:
     """Validate a parsed fleet file and build the :class:`Fleet`; errors name the field and the fix."""
+    if data is None or data == []:
+        data = {"devices": []}
     if isinstance(data, list):
         data = {"devices": data}
     if not isinstance(data, dict):
@@ -258,6 +259,7 @@ def local_fleet(
     profiles: Mapping[str, LayerProfile] | None = None,
     measure_loopback: bool = True,
     use_cache: bool = True,
+    threads_per_stage: int | None = None,
 ) -> Fleet:
     """Build a fleet from local torch device names, e.g. ``["cpu", "cpu", "cpu"]`` or ``["cuda:0", "cpu"]``.
 
@@ -267,6 +269,7 @@ def local_fleet(
     ``threads // k`` threads (at least 1) and slowed further when the slots oversubscribe the
     cores; an accelerator slot takes ``k`` times the measured layer time. ``profiles`` lets
     callers supply measurements (keyed by normalized device name) instead of profiling.
+    ``threads_per_stage`` (the config's ``shardpool.threads_per_stage``) fixes a CPU slot's threads.
     """
     from shardpool.devices import device_info, normalize_device
 
@@ -284,7 +287,7 @@ def local_fleet(
         threads = None
         slowdown = float(share)
         if info.kind == "cpu":
-            threads = max(1, info.threads // share)
+            threads = threads_per_stage or max(1, info.threads // share)
             slowdown = max(1.0, share * threads / info.threads)
         if profile is None:
             from shardpool.profiler import profile_layer
@@ -311,8 +314,3 @@ def local_fleet(
         measured = _measure()
         loopback = LinkSpec(bandwidth=measured.bandwidth, latency=measured.latency)
     return Fleet(devices=tuple(built), loopback=loopback)
-
-
-def scaled_memory(device: Device, extra_bytes: float) -> Device:
-    """A copy of ``device`` with ``extra_bytes`` more memory (used to explain plans that don't fit)."""
-    return replace(device, memory_bytes=int(math.ceil(device.memory_bytes + extra_bytes)))

@@ -697,10 +697,11 @@ def _explain_no_fit(ctx: _Context) -> str:
         need_layers = max(1, layers - others)
         needed = stages[pos][0].memory(need_layers)
         options.append((needed - ctx.devices[d].memory_bytes, ctx.devices[d].name))
-    options.sort()
-    missing_gib = max(options[0][0], 0) / GIB
+    # An order-specific shortfall can leave some options at <= 0; a little memory still helps there.
+    options = sorted((max(extra, 2**20), name) for extra, name in options)
+    missing_gib = options[0][0] / GIB
     usable = sum(ctx.devices[d].memory_bytes for d in seq) / GIB
-    where = ", or ".join(f"{extra / GIB:.1f} GiB more on {name}" for extra, name in options[:3])
+    where = ", or ".join(f"{extra / GIB:.2f} GiB more on {name}" for extra, name in options[:3])
     hints = []
     if not w.gradient_checkpointing:
         hints.append("enable gradient_checkpointing")
@@ -710,7 +711,7 @@ def _explain_no_fit(ctx: _Context) -> str:
         hints.append("use schedule 1f1b")
     hint = f"; or {', '.join(hints)}" if hints else ""
     return (
-        f"{shape.name or 'the model'} ({layers} layers) does not fit: about {missing_gib:.1f} GiB are missing "
+        f"{shape.name or 'the model'} ({layers} layers) does not fit: about {missing_gib:.2f} GiB are missing "
         f"across {len(seq)} devices with {usable:.1f} GiB usable; it would fit with {where}{hint}"
     )
 
@@ -737,7 +738,13 @@ def plan_for_config(
         return plan_pipeline(shape, replace(workload, stages=None), fleet)
     section = config.shardpool
     devices = section.stage_devices() if hasattr(section, "stage_devices") else ["cpu"]
-    local = local_fleet(devices, shape=shape, workload=workload, use_cache=use_cache)
+    local = local_fleet(
+        devices,
+        shape=shape,
+        workload=workload,
+        use_cache=use_cache,
+        threads_per_stage=getattr(section, "threads_per_stage", None),
+    )
     if getattr(section, "layers", None):
         return evaluate_split(
             shape, workload, local, devices=[d.name for d in local.devices], layers=section.layers
@@ -761,7 +768,9 @@ def plan_table(plan: Plan) -> Any:
     title = f"plan for {plan.model or 'the model'} ({plan.num_layers} layers, {plan.search} search)"
     table = Table(title=title, caption=caption)
     for column in ("#", "host", "device", "layers", "used GiB", "free GiB", "ms/mb", ""):
-        table.add_column(column, justify="right" if "GiB" in column or "ms" in column else "left", no_wrap=True)
+        table.add_column(
+            column, justify="right" if "GiB" in column or "ms" in column else "left", no_wrap=True
+        )
     for index, stage in enumerate(plan.stages):
         table.add_row(
             str(index),

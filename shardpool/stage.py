@@ -10,6 +10,7 @@ adapter keys are the whole model's keys whatever the split.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,7 +189,9 @@ def build_stage(
             reader.close()
     model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_config).to(device)
     peft_model = get_peft_model(model, peft_config(lora))
-    stage = PipelineStage(peft_model, spec, hf_config, base.gradient_checkpointing)
+    # model.config, not hf_config: building the model resolved its attention implementation,
+    # which decides how the attention masks are made.
+    stage = PipelineStage(peft_model, spec, model.config, base.gradient_checkpointing)
     if not stage.lora_parameters():
         raise ShardpoolError(f"lora_target_modules {list(lora.target_modules)} match nothing in stage {spec.index}; fix the targets")
     if lora.init_from:
@@ -202,8 +205,12 @@ def build_stage(
 
 def _pruned_skeleton(hf_config: PretrainedConfig, spec: StageSpec) -> nn.Module:
     model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
+    # A stage never holds both ends of tied embeddings together (unless S = 1), so it is built
+    # untied and its lm_head is loaded from the embedding tensor instead (see _materialize).
+    skeleton_config = copy.deepcopy(hf_config)
+    skeleton_config.tie_word_embeddings = False
     with torch.device("meta"):
-        model = model_class(hf_config)
+        model = model_class(skeleton_config)
     inner = model.model
     if spec.stop > len(inner.layers):
         raise ShardpoolError(f"stage {spec.index} asks for layers up to {spec.stop} but the model has {len(inner.layers)}")

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "DEFAULT_CORPUS",
@@ -121,7 +122,8 @@ def make_tiny_llama(
 ) -> Path:
     """Write a tiny random causal LM plus its trained tokenizer to ``out_dir`` and return the path.
 
-    ``vocab_size`` is the BPE target; the model's vocabulary is ``len(tokenizer)``, which is smaller
+    ``initializer_range`` is the std of the normal init (transformers' default 0.02 leaves logits
+    nearly flat through a frozen lm_head; 0.1 lets LoRA move the loss quickly). ``vocab_size`` is the BPE target; the model's vocabulary is ``len(tokenizer)``, which is smaller
     when the corpus runs out of merges. Weights are fp32, untied, drawn under ``torch.manual_seed(seed)``
     and saved as safetensors. The directory is built next to ``out_dir`` and swapped in at the end,
     so a crash never leaves a half-written model behind.
@@ -186,14 +188,17 @@ def _swap_in(staging: Path, target: Path) -> None:
 
 QUICKSTART_ROWS = 480
 QUICKSTART_SEED = 0
-# A tiny Llama: ~1.3M parameters, about 5 MB of fp32 safetensors.
-QUICKSTART_MODEL: dict[str, int] = {
+# A tiny Llama: ~0.9M parameters, about 3.6 MB of fp32 safetensors. The wider initialisation (0.1
+# instead of transformers' 0.02) gives the frozen lm_head rows enough norm for confident logits, so
+# LoRA alone can bring the loss down visibly (about 8.0 -> 3.7 in 150 steps on the quickstart data).
+QUICKSTART_MODEL: dict[str, Any] = {
     "num_layers": 4,
     "hidden_size": 128,
     "intermediate_size": 256,
     "num_heads": 4,
     "num_kv_heads": 2,
     "vocab_size": 2048,
+    "initializer_range": 0.1,
 }
 
 _WORDS = (

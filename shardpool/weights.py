@@ -1,67 +1,122 @@
-"""Read single tensors out of a model's safetensors files, and remember which ones were read.
+"""Read single tensors out of a model's safetensors files by byte range, and record which were read.
 
-A stage reads only the tensors it owns. safetensors memory-maps the file, so the bytes of tensors
-that are never read are never paged in: a stage holding 1/S of the layers costs about 1/S of the
-memory. The record of names read is what tests check that claim against.
+A stage reads only the tensors it owns. Each tensor is read with one positioned read of exactly its
+bytes (the safetensors header gives every tensor's offsets), so a stage holding 1/S of the layers
+never touches, maps or pages in the rest of the file. The same byte ranges are what a remote stage
+fetches from the launching machine. The record of names read is what tests check this against.
 """
 
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack
+import os
+import struct
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from shardpool.errors import ShardpoolError
 
-__all__ = ["WeightReader"]
+__all__ = ["WeightReader", "TensorEntry", "read_header"]
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+_MAX_HEADER_BYTES = 100 * 2**20
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes are: file, absolute byte range, dtype and shape."""
+
+    file: Path
+    start: int
+    stop: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def read_header(file: Path) -> dict[str, TensorEntry]:
+    """Parse a safetensors file's header into absolute byte ranges (no tensor data is read)."""
+    with open(file, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) != 8:
+            raise ShardpoolError(f"{file} is not a safetensors file (too short); re-save the model")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > _MAX_HEADER_BYTES:
+            raise ShardpoolError(f"{file} has a {length}-byte header; it is not a safetensors file")
+        try:
+            header = json.loads(handle.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ShardpoolError(f"{file} has a corrupt safetensors header; re-save the model") from None
+    data_start = 8 + length
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        entries[name] = TensorEntry(file, data_start + begin, data_start + end, info["dtype"], tuple(info["shape"]))
+    return entries
 
 
 class WeightReader:
-    """Lazy, recording access to the tensors of a (possibly sharded) safetensors checkpoint."""
+    """Recording, byte-range access to the tensors of a (possibly sharded) safetensors checkpoint."""
 
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
-        self.file_of_tensor = _index_tensors(self.model_dir)
+        self.entries = _index_tensors(self.model_dir)
         self.names_read: list[str] = []
-        self._files = ExitStack()
-        self._open: dict[Path, Any] = {}
+        self.bytes_read = 0
 
     def names(self) -> list[str]:
         """Every tensor name in the checkpoint (from the file headers; no tensor data is read)."""
-        return list(self.file_of_tensor)
+        return list(self.entries)
 
     def has(self, name: str) -> bool:
         """Whether the checkpoint holds a tensor of this name."""
-        return name in self.file_of_tensor
+        return name in self.entries
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """The shape of a tensor, from the file header only (the tensor is not read or recorded)."""
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        """The shape of a tensor, from the header only (the tensor is not read or recorded)."""
+        return self._entry(name).shape
 
     def read(self, name: str) -> torch.Tensor:
-        """Read one tensor to CPU memory and record that it was read."""
-        handle = self._handle(name)
+        """Read one tensor into CPU memory with a single positioned read, and record it."""
+        entry = self._entry(name)
+        if entry.dtype not in _DTYPES:
+            raise ShardpoolError(f"tensor {name!r} in {entry.file} has unsupported dtype {entry.dtype}")
+        size = entry.stop - entry.start
+        buffer = bytearray(size)
+        with open(entry.file, "rb", buffering=0) as handle:
+            got = os.preadv(handle.fileno(), [buffer], entry.start) if size else 0
+        if got != size:
+            raise ShardpoolError(f"{entry.file} is truncated: {name!r} needs {size} bytes, got {got}; re-save the model")
         self.names_read.append(name)
-        return handle.get_tensor(name)
+        self.bytes_read += size
+        if size == 0:
+            return torch.empty(entry.shape, dtype=_DTYPES[entry.dtype])
+        return torch.frombuffer(buffer, dtype=_DTYPES[entry.dtype]).reshape(entry.shape)
 
-    def _handle(self, name: str) -> Any:
-        file = self.file_of_tensor.get(name)
-        if file is None:
+    def _entry(self, name: str) -> TensorEntry:
+        entry = self.entries.get(name)
+        if entry is None:
             raise ShardpoolError(f"tensor {name!r} is missing from {self.model_dir}; the checkpoint is incomplete")
-        handle = self._open.get(file)
-        if handle is None:
-            handle = self._files.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            self._open[file] = handle
-        return handle
+        return entry
 
     def close(self) -> None:
-        """Release the memory maps."""
-        self._files.close()
-        self._open.clear()
+        """Nothing stays open between reads; kept so the reader works as a context manager."""
 
     def __enter__(self) -> WeightReader:
         return self
@@ -70,17 +125,15 @@ class WeightReader:
         self.close()
 
 
-def _index_tensors(model_dir: Path) -> dict[str, Path]:
+def _index_tensors(model_dir: Path) -> dict[str, TensorEntry]:
     index_file = model_dir / "model.safetensors.index.json"
     if index_file.is_file():
-        weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
-        return {name: model_dir / file for name, file in weight_map.items()}
-    files = sorted(model_dir.glob("*.safetensors"))
+        files = sorted({model_dir / file for file in json.loads(index_file.read_text(encoding="utf-8"))["weight_map"].values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ShardpoolError(f"{model_dir} has no .safetensors files; re-save the model with safe_serialization=True")
-    mapping: dict[str, Path] = {}
+    entries: dict[str, TensorEntry] = {}
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                mapping[name] = file
-    return mapping
+        entries.update(read_header(file))
+    return entries

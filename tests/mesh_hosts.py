@@ -69,6 +69,7 @@ class Lab:
         self.switch = f"{self.tag}-sw"
         self.hosts: dict[str, Host] = {}
         self._namespaces: list[str] = []
+        self.last_ping = ""
 
     def __enter__(self) -> Lab:
         self._add_netns(self.switch)
@@ -105,16 +106,31 @@ class Lab:
             "PYTHONPATH": str(REPO),
             "HOME": str(host.home),
         }
-        command = ["ip", "netns", "exec", host.netns, "env", "-i", *(f"{k}={v}" for k, v in env.items()), *argv]
+        command = [
+            "ip",
+            "netns",
+            "exec",
+            host.netns,
+            "env",
+            "-i",
+            *(f"{k}={v}" for k, v in env.items()),
+            *argv,
+        ]
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
     def mesh(self, host: Host, *argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         """Run ``shardpool mesh ARGV`` inside ``host`` through the real CLI."""
         return self.run(host, sys.executable, "-m", "shardpool", "mesh", *argv, timeout=timeout)
 
-    def ping(self, source: Host, address: str, timeout: int = 2) -> bool:
-        """Send one ping from ``source`` to ``address``; return whether it was answered."""
-        result = self.run(source, "ping", "-c", "1", "-W", str(timeout), address, timeout=timeout + 5)
+    def ping(self, source: Host, address: str, timeout: int = 2, count: int = 3) -> bool:
+        """Ping ``address`` from ``source`` (``count`` echoes 0.2 s apart); true if any was answered.
+
+        Several echoes, because WireGuard may drop the first packets while two peers that were
+        just added to each other both start a handshake at once.
+        """
+        argv = ["ping", "-c", str(count), "-i", "0.2", "-W", str(timeout), address]
+        result = self.run(source, *argv, timeout=timeout + count + 5)
+        self.last_ping = f"{source.label} -> {address}: exit {result.returncode} {result.stdout.strip()[-160:]} {result.stderr.strip()}"
         return result.returncode == 0
 
     def close(self) -> None:
@@ -170,7 +186,9 @@ class WireGuardGoInNetns:
             deadline = time.monotonic() + 10
             while not self.socket.exists():
                 if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"wireguard-go did not start: {self.process.stderr.read() if self.process.stderr else ''}")
+                    raise RuntimeError(
+                        f"wireguard-go did not start: {self.process.stderr.read() if self.process.stderr else ''}"
+                    )
                 time.sleep(0.05)
         except BaseException:
             self.__exit__()
@@ -207,9 +225,14 @@ class InProcessCoordinator:
         self.public_key = public_key(self.private_key)
         self.address = first_address(parse_cidr(cidr))
         self.store = RosterStore.create(
-            directory / "coordinator.db", "testmesh", cidr, RosterEntry("coord", self.address, self.public_key, "127.0.0.1:9", True)
+            directory / "coordinator.db",
+            "testmesh",
+            cidr,
+            RosterEntry("coord", self.address, self.public_key, "127.0.0.1:9", True),
         )
-        self.service = CoordinatorService(self.store, self.private_key, {"mtu": 1420, "keepalive": 25, "api_port": 9})
+        self.service = CoordinatorService(
+            self.store, self.private_key, {"mtu": 1420, "keepalive": 25, "api_port": 9}
+        )
         routes = {
             ("POST", "/v1/join"): self.service.join,
             ("GET", "/v1/roster"): self.service.roster,

@@ -38,11 +38,14 @@ def test_quickstart_is_among_the_configs() -> None:
 
 
 @pytest.mark.parametrize("path", training_configs(), ids=lambda path: path.name)
-def test_config_validates_and_its_paths_exist(in_repo_root: Path, path: Path) -> None:
-    config = load_config(path.relative_to(in_repo_root))
-    assert Path(config.base_model, "config.json").is_file(), config.base_model
-    for dataset in config.datasets:
-        assert Path(dataset.path).is_file(), dataset.path
+def test_config_validates(in_repo_root: Path, path: Path) -> None:
+    load_config(path.relative_to(in_repo_root))
+
+
+def test_quickstart_paths_exist(in_repo_root: Path) -> None:
+    config = load_config("configs/quickstart.yaml")
+    assert Path(config.base_model, "config.json").is_file()
+    assert all(Path(dataset.path).is_file() for dataset in config.datasets)
 
 
 def test_quickstart_values(in_repo_root: Path) -> None:

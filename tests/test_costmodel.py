@@ -29,11 +29,15 @@ def test_nf4_bytes_matches_bitsandbytes_storage() -> None:
     import torch
 
     weight = torch.randn(688, 256)
-    param = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", blocksize=64, compress_statistics=True)
+    param = bnb.nn.Params4bit(
+        weight, requires_grad=False, quant_type="nf4", blocksize=64, compress_statistics=True
+    )
     param = param.to("cpu")
     state = param.quant_state
     stored = param.numel() * param.element_size() + state.absmax.numel() * state.absmax.element_size()
-    stored += sum(t.numel() * t.element_size() for t in (state.state2.absmax, state.state2.code, state.offset))
+    stored += sum(
+        t.numel() * t.element_size() for t in (state.state2.absmax, state.state2.code, state.offset)
+    )
     assert nf4_bytes(weight.numel()) == pytest.approx(stored, rel=0.01)
 
 
@@ -81,8 +85,15 @@ def test_flops_grow_with_tokens_and_recompute() -> None:
 def test_workload_from_config() -> None:
     config = load_config(ROOT / "configs/quickstart.yaml")
     w = Workload.from_config(config)
-    assert (w.micro_batch_size, w.sequence_len, w.gradient_accumulation_steps) == (8, 64, 2)
-    assert w.lora_r == 8 and len(w.lora_targets) == 7 and w.compute_bytes == 4
-    assert w.stages == 2
-    mapping = Workload.from_config({"bf16": True, "lora_target_modules": ["q_proj"], "shardpool": {"wire_dtype": "fp32"}})
+    assert (w.micro_batch_size, w.sequence_len, w.gradient_accumulation_steps) == (
+        config.micro_batch_size,
+        config.sequence_len,
+        config.gradient_accumulation_steps,
+    )
+    assert w.lora_r == config.lora_r and w.stages == config.shardpool.stages
+    assert w.compute_bytes == (4 if config.compute_dtype_name == "float32" else 2)
+    assert w.schedule == config.shardpool.schedule
+    mapping = Workload.from_config(
+        {"bf16": True, "lora_target_modules": ["q_proj"], "shardpool": {"wire_dtype": "fp32"}}
+    )
     assert (mapping.compute_bytes, mapping.wire_bytes, mapping.lora_targets) == (2, 4, ("q_proj",))

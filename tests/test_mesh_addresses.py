@@ -54,7 +54,12 @@ def test_allocation_never_collides(taken: set[int]) -> None:
 
 @pytest.mark.parametrize(
     ("text", "message"),
-    [("10.77.0.1/24", "not a network"), ("banana", "not a network"), ("fd00::/64", "IPv6"), ("10.77.0.0/31", "fewer than two")],
+    [
+        ("10.77.0.1/24", "not a network"),
+        ("banana", "not a network"),
+        ("fd00::/64", "IPv6"),
+        ("10.77.0.0/31", "fewer than two"),
+    ],
 )
 def test_bad_cidrs_are_refused(text: str, message: str) -> None:
     with pytest.raises(MeshError, match=message):
@@ -74,7 +79,9 @@ def test_endpoints_parse(text: str, expected: tuple[str, int]) -> None:
     assert format_endpoint(*expected) == text
 
 
-@pytest.mark.parametrize("text", ["192.0.2.1", "192.0.2.1:0", "192.0.2.1:70000", ":51820", "2001:db8::1:51820", "[zz]:1", "a b:1"])
+@pytest.mark.parametrize(
+    "text", ["192.0.2.1", "192.0.2.1:0", "192.0.2.1:70000", ":51820", "2001:db8::1:51820", "[zz]:1", "a b:1"]
+)
 def test_bad_endpoints_are_refused(text: str) -> None:
     with pytest.raises(MeshError, match="--endpoint"):
         parse_endpoint(text)

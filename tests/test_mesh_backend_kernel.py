@@ -66,7 +66,9 @@ def test_dump_split_over_several_messages_is_merged() -> None:
             [
                 "WGDEVICE_A_PEERS",
                 [
-                    _peer(KEYS[0], [_allowed("10.77.0.2", 32)], {"addr": "192.0.2.2", "port": 51820}, 1700000000),
+                    _peer(
+                        KEYS[0], [_allowed("10.77.0.2", 32)], {"addr": "192.0.2.2", "port": 51820}, 1700000000
+                    ),
                     _peer(KEYS[1], [_allowed("10.77.0.3", 32)]),
                 ],
             ],
@@ -74,7 +76,12 @@ def test_dump_split_over_several_messages_is_merged() -> None:
     )
     # The kernel continues peer 1's allowed IPs in the next message, then adds peer 2.
     second = _wire(
-        [["WGDEVICE_A_PEERS", [_peer(KEYS[1], [_allowed("10.77.5.0", 24)]), _peer(KEYS[2], [_allowed("10.77.0.4", 32)])]]]
+        [
+            [
+                "WGDEVICE_A_PEERS",
+                [_peer(KEYS[1], [_allowed("10.77.5.0", 24)]), _peer(KEYS[2], [_allowed("10.77.0.4", 32)])],
+            ]
+        ]
     )
     device = merge_dump([first, second])
     assert device.public_key == public_key(PRIVATE)
@@ -84,7 +91,11 @@ def test_dump_split_over_several_messages_is_merged() -> None:
     assert device.peers[0].last_handshake == 1700000000
     assert device.peers[1].allowed_ips == ("10.77.0.3/32", "10.77.5.0/24")
     assert device.peers[1].last_handshake is None and device.peers[1].endpoint is None
-    assert (device.peers[2].rx_bytes, device.peers[2].tx_bytes, device.peers[2].persistent_keepalive) == (111, 222, 25)
+    assert (device.peers[2].rx_bytes, device.peers[2].tx_bytes, device.peers[2].persistent_keepalive) == (
+        111,
+        222,
+        25,
+    )
 
 
 def test_peer_request_for_add_and_remove() -> None:
@@ -106,7 +117,9 @@ def test_peer_request_encodes_into_a_genetlink_message() -> None:
 
     message = wgmsg()
     message["attrs"].append(["WGDEVICE_A_IFNAME", "wg0"])
-    AsyncWireGuard.__new__(AsyncWireGuard)._wg_set_peer(message, peer_request(PeerConfig(KEYS[0], ("10.77.0.2/32",), "192.0.2.2:51820", 25)))
+    AsyncWireGuard.__new__(AsyncWireGuard)._wg_set_peer(
+        message, peer_request(PeerConfig(KEYS[0], ("10.77.0.2/32",), "192.0.2.2:51820", 25))
+    )
     message["cmd"] = 1
     message["version"] = 1
     message.encode()
@@ -118,7 +131,10 @@ def test_peer_request_encodes_into_a_genetlink_message() -> None:
     assert peer.get_attr("WGPEER_A_ALLOWEDIPS")[0]["addr"] == "10.77.0.2/32"
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not kernel_wireguard_available(), reason="no kernel WireGuard module here (or not root); the userspace backend is tested for real instead")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not kernel_wireguard_available(),
+    reason="no kernel WireGuard module here (or not root); the userspace backend is tested for real instead",
+)
 def test_live_kernel_interface() -> None:  # pragma: no cover - runs only where the module exists
     import subprocess
 
@@ -132,7 +148,9 @@ def test_live_kernel_interface() -> None:  # pragma: no cover - runs only where 
             f"b.update_peers('spk0', [PeerConfig({KEYS[0]!r}, ('10.77.0.2/32',), '192.0.2.2:51820', 25)])\n"
             "d = b.show('spk0'); print(d.listen_port, len(d.peers)); b.destroy('spk0')\n"
         )
-        out = subprocess.run(["ip", "netns", "exec", netns, "python3", "-c", code], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            ["ip", "netns", "exec", netns, "python3", "-c", code], capture_output=True, text=True, check=True
+        )
         assert out.stdout.split() == ["41820", "1"]
     finally:
         subprocess.run(["ip", "netns", "del", netns])

@@ -22,7 +22,6 @@ from mesh.errors import MeshError
 from mesh.keys import generate_private_key, public_key
 from mesh.protocol import seal_join_request
 from mesh.token import secret_hash
-
 from tests.mesh_hosts import InProcessCoordinator
 
 
@@ -50,7 +49,9 @@ def _refused(coordinator: InProcessCoordinator, token, message: str, name: str =
 
 
 def test_join_succeeds_and_changes_the_roster(coordinator) -> None:
-    result = request_join(coordinator.invite(), "gpu-2", public_key(generate_private_key()), "192.0.2.2:51820")
+    result = request_join(
+        coordinator.invite(), "gpu-2", public_key(generate_private_key()), "192.0.2.2:51820"
+    )
     assert result.member.address == "10.77.0.2"
     assert [m.name for m in coordinator.store.roster().members] == ["coord", "gpu-2"]
 
@@ -114,7 +115,15 @@ def test_oversized_requests_are_refused_before_reading(coordinator) -> None:
 
 @pytest.mark.parametrize(
     "body",
-    [b"", b"not json", b"[]", b"null", b'{"v": 1}', b'{"v": "1"}', json.dumps({"v": 1, "token_id": "A" * 5000}).encode()],
+    [
+        b"",
+        b"not json",
+        b"[]",
+        b"null",
+        b'{"v": 1}',
+        b'{"v": "1"}',
+        json.dumps({"v": 1, "token_id": "A" * 5000}).encode(),
+    ],
 )
 def test_malformed_requests_get_a_clear_400(coordinator, body: bytes) -> None:
     before = _snapshot(coordinator)
@@ -178,7 +187,9 @@ def _mutations(valid: dict, rng: random.Random) -> bytes:
     elif choice == 5:  # random bytes
         return os.urandom(rng.randrange(0, 2048))
     elif choice == 6:  # random JSON
-        return json.dumps(rng.choice([[1, 2], {"a": {"b": [None]}}, "str", 12, {"v": 1, "ciphertext": "AAAA"}])).encode()
+        return json.dumps(
+            rng.choice([[1, 2], {"a": {"b": [None]}}, "str", 12, {"v": 1, "ciphertext": "AAAA"}])
+        ).encode()
     elif choice == 7:  # swap two fields
         other = rng.choice(sorted(valid))
         envelope[field], envelope[other] = valid[other], valid[field]
@@ -225,12 +236,17 @@ def test_fuzz_1200_hostile_requests_never_crash_or_change_the_roster(coordinator
         if index % 10 == 9:
             statuses.append(_raw_http(coordinator, rng))
         elif index % 10 == 8:
-            headers = {"X-Shardpool-Key": rng.choice([coordinator.public_key, "x" * 44, ""]), "X-Shardpool-Mac": "00" * 32}
+            headers = {
+                "X-Shardpool-Key": rng.choice([coordinator.public_key, "x" * 44, ""]),
+                "X-Shardpool-Mac": "00" * 32,
+            }
             statuses.append(http_request("127.0.0.1", coordinator.port, "GET", "/v1/roster", b"", headers)[0])
         else:
-            statuses.append(http_request("127.0.0.1", coordinator.port, "POST", "/v1/join", _mutations(valid, rng))[0])
+            statuses.append(
+                http_request("127.0.0.1", coordinator.port, "POST", "/v1/join", _mutations(valid, rng))[0]
+            )
     assert len(statuses) == 1200
-    assert all(status == 0 or 400 <= status < 500 for status in statuses), sorted(set(statuses))
+    assert all(status == 0 or 400 <= status < 500 for status in statuses), sorted(set(statuses))[-5:]
     assert sum(400 <= status < 500 for status in statuses) >= 1100
     assert _snapshot(coordinator) == before
     # Still alive and the token's remaining use was never consumed by the fuzzer.

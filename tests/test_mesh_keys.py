@@ -22,11 +22,15 @@ from mesh.keys import (
     write_private_key,
 )
 
-needs_wg = pytest.mark.skipif(shutil.which("wg") is None, reason="needs wg from wireguard-tools (apt-get install wireguard-tools)")
+needs_wg = pytest.mark.skipif(
+    shutil.which("wg") is None, reason="needs wg from wireguard-tools (apt-get install wireguard-tools)"
+)
 
 
 def _wg(*argv: str, stdin: str = "") -> str:
-    return subprocess.run(["wg", *argv], input=stdin, capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        ["wg", *argv], input=stdin, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 @needs_wg
@@ -63,7 +67,9 @@ def test_low_order_public_key_is_refused() -> None:
         shared_secret(generate_private_key(), zero)
 
 
-@pytest.mark.parametrize("bad", ["", "not base64!", base64.b64encode(b"short").decode(), base64.b64encode(bytes(33)).decode()])
+@pytest.mark.parametrize(
+    "bad", ["", "not base64!", base64.b64encode(b"short").decode(), base64.b64encode(bytes(33)).decode()]
+)
 def test_bad_key_text_is_refused_with_a_clear_message(bad: str) -> None:
     with pytest.raises(MeshError, match="key"):
         decode_key(bad)

@@ -44,7 +44,12 @@ def test_join_round_trip() -> None:
     assert token.secret not in json.dumps(envelope).encode()
     assert base64.b64encode(token.secret).decode() not in json.dumps(envelope)
     request, coordinator_context = open_join_request(envelope, COORD_PRIVATE, lookup)
-    assert (request.name, request.public_key, request.endpoint, request.secret) == ("gpu-2", MEMBER_KEY, "192.0.2.2:51820", token.secret)
+    assert (request.name, request.public_key, request.endpoint, request.secret) == (
+        "gpu-2",
+        MEMBER_KEY,
+        "192.0.2.2:51820",
+        token.secret,
+    )
     assert coordinator_context == joiner_context
     reply = seal_join_response(coordinator_context, {"address": "10.77.0.2"})
     assert open_join_response(joiner_context, reply) == {"address": "10.77.0.2"}
@@ -94,7 +99,16 @@ def test_stale_or_future_timestamps_are_refused() -> None:
 
 @pytest.mark.parametrize(
     "envelope",
-    [None, [], "x", {}, {"v": 2}, {"v": 1, "token_id": 5}, {"v": 1, "token_id": "AAAA"}, {"v": 1, "token_id": "!!"}],
+    [
+        None,
+        [],
+        "x",
+        {},
+        {"v": 2},
+        {"v": 1, "token_id": 5},
+        {"v": 1, "token_id": "AAAA"},
+        {"v": 1, "token_id": "!!"},
+    ],
 )
 def test_malformed_envelopes_are_refused(envelope) -> None:
     _, lookup = _setup()
@@ -153,7 +167,11 @@ def test_sync_response_mac() -> None:
     key = sync_key(generate_private_key(), COORD_PUBLIC, "m")
     mac = sign_sync_response(key, "ab" * 16, b'{"roster": 1}')
     verify_sync_response(key, "ab" * 16, b'{"roster": 1}', mac)
-    for args in ((key, "cd" * 16, b'{"roster": 1}', mac), (key, "ab" * 16, b'{"roster": 2}', mac), (key, "ab" * 16, b"", None)):
+    for args in (
+        (key, "cd" * 16, b'{"roster": 1}', mac),
+        (key, "ab" * 16, b'{"roster": 2}', mac),
+        (key, "ab" * 16, b"", None),
+    ):
         with pytest.raises(ProtocolError, match="did not come from the coordinator"):
             verify_sync_response(*args)
 

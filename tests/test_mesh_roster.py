@@ -21,7 +21,9 @@ COORD_KEY = public_key(generate_private_key())
 
 def _store(tmp_path, cidr: str = "10.77.0.0/24") -> RosterStore:
     address = first_address(parse_cidr(cidr))
-    return RosterStore.create(tmp_path / "c.db", "mesh1", cidr, RosterEntry("coord", address, COORD_KEY, "192.0.2.1:51820", True))
+    return RosterStore.create(
+        tmp_path / "c.db", "mesh1", cidr, RosterEntry("coord", address, COORD_KEY, "192.0.2.1:51820", True)
+    )
 
 
 def _token(store: RosterStore, uses: int = 1, ttl: float = 3600) -> tuple[bytes, bytes]:
@@ -90,7 +92,9 @@ def test_replayed_nonce_is_refused(tmp_path) -> None:
     token = _token(store, uses=5)
     request = _request(token, "b")
     store.admit(request)
-    replay = AdmitRequest(**{**request.__dict__, "name": "c", "public_key": public_key(generate_private_key())})
+    replay = AdmitRequest(
+        **{**request.__dict__, "name": "c", "public_key": public_key(generate_private_key())}
+    )
     _refused(store, replay, "replayed")
 
 
@@ -134,27 +138,32 @@ def test_revoking_unknown_or_coordinator_is_refused(tmp_path) -> None:
         store.revoke("coord")
 
 
+def _race(store: RosterStore, token: tuple[bytes, bytes], tag: str, racers: int = 6) -> list[str]:
+    """Let ``racers`` threads admit with one token at the same instant; return their outcomes."""
+    barrier = threading.Barrier(racers)
+    results: list[str] = []
+
+    def attempt(index: int) -> None:
+        request = _request(token, f"{tag}-{index}")
+        barrier.wait()
+        try:
+            store.admit(request)
+            results.append("ok")
+        except JoinRefused as error:
+            results.append(str(error))
+
+    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(racers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
 def test_two_simultaneous_joins_with_one_token_exactly_one_wins(tmp_path) -> None:
     store = _store(tmp_path)
     for round_ in range(3):
-        token = _token(store)
-        barrier = threading.Barrier(6)
-        results: list[str] = []
-
-        def attempt(index: int, token: tuple[bytes, bytes] = token, round_: int = round_) -> None:
-            request = _request(token, f"r{round_}-{index}")
-            barrier.wait()
-            try:
-                store.admit(request)
-                results.append("ok")
-            except JoinRefused as error:
-                results.append(str(error))
-
-        threads = [threading.Thread(target=attempt, args=(i,)) for i in range(6)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        results = _race(store, _token(store), f"r{round_}")
         assert results.count("ok") == 1, results
         assert sum("already used" in r for r in results) == 5
     assert len(store.roster().members) == 4

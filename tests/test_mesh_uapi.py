@@ -8,7 +8,6 @@ from mesh.backend import PeerConfig
 from mesh.errors import MeshError
 from mesh.keys import generate_private_key, key_to_hex, public_key
 from mesh.uapi import UapiClient, encode_get, encode_set, parse_errno, parse_get
-
 from tests.mesh_hosts import WireGuardGoInNetns, netns_skip_reason
 
 PRIVATE = generate_private_key()

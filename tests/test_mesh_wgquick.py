@@ -54,14 +54,24 @@ def test_round_trip_any_shape(peers: int, port: int | None, mtu: int | None) -> 
 
 def test_rendered_text_has_the_wg_quick_keys() -> None:
     text = render_wgquick(_config(1))
-    for key in ("[Interface]", "PrivateKey = ", "Address = 10.77.0.2/24", "ListenPort = 51820", "MTU = 1420", "[Peer]", "PersistentKeepalive = 25"):
+    for key in (
+        "[Interface]",
+        "PrivateKey = ",
+        "Address = 10.77.0.2/24",
+        "ListenPort = 51820",
+        "MTU = 1420",
+        "[Peer]",
+        "PersistentKeepalive = 25",
+    ):
         assert key in text
 
 
 @pytest.mark.skipif(shutil.which("wg") is None, reason="needs wg from wireguard-tools")
 def test_wg_strip_style_section_is_accepted_by_wg(tmp_path) -> None:
     # `wg` itself only understands the non-wg-quick keys; drop Address and MTU as `wg-quick strip` does.
-    text = "\n".join(line for line in render_wgquick(_config(2)).splitlines() if not line.startswith(("Address", "MTU")))
+    text = "\n".join(
+        line for line in render_wgquick(_config(2)).splitlines() if not line.startswith(("Address", "MTU"))
+    )
     path = tmp_path / "x.conf"
     path.write_text(text)
     result = subprocess.run(["wg", "syncconf", "nonexistent0", str(path)], capture_output=True, text=True)

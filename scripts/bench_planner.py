@@ -1,0 +1,163 @@
+"""Benchmark the planner and print JSON: plan vs even and memory-proportional splits, planning time,
+scale (80 layers over 64 devices), and the profiler's time for a tiny model on this CPU.
+
+    python scripts/bench_planner.py > planner-bench.json
+
+Baselines use every device of the fleet in file order, like a hand-written split would.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from shardpool.costmodel import Workload  # noqa: E402
+from shardpool.errors import ShardpoolError  # noqa: E402
+from shardpool.fleet import Device, Fleet, LinkSpec, load_fleet  # noqa: E402
+from shardpool.model_shape import ModelShape  # noqa: E402
+from shardpool.planner import evaluate_split, even_split, plan_pipeline, proportional_split  # noqa: E402
+
+GIB = 2**30
+WORKLOADS = {
+    "llama-2-70b": Workload(
+        micro_batch_size=1,
+        sequence_len=2048,
+        gradient_accumulation_steps=16,
+        lora_r=16,
+        gradient_checkpointing=True,
+        compute_bytes=2,
+        wire_bytes=2,
+    ),
+    "llama-3-8b": Workload(
+        micro_batch_size=2,
+        sequence_len=2048,
+        gradient_accumulation_steps=16,
+        lora_r=16,
+        gradient_checkpointing=True,
+        compute_bytes=2,
+        wire_bytes=2,
+    ),
+}
+
+
+def summarize(plan) -> dict:
+    """The numbers compared in docs/performance-planner.md."""
+    return {
+        "predicted_step_s": round(plan.predicted_step_s, 3),
+        "bottleneck_ms": round(plan.bottleneck_ms, 1),
+        "fits": plan.fits,
+        "stages": [f"{s.slot}[{s.start},{s.stop})" for s in plan.stages],
+    }
+
+
+def compare(fleet_path: Path, model: str) -> dict:
+    """Planner vs even vs memory-proportional on one fleet and model."""
+    fleet = load_fleet(fleet_path)
+    shape = ModelShape.from_config_dir(ROOT / f"configs/models/{model}.json")
+    workload = WORKLOADS[model]
+    names = [d.name for d in fleet.devices]
+    row: dict = {"fleet": fleet_path.name, "model": model}
+    start = time.perf_counter()
+    try:
+        plan = plan_pipeline(shape, workload, fleet)
+        row["planner"] = summarize(plan) | {"left_out": plan.left_out, "search": plan.search}
+    except ShardpoolError as error:
+        row["planner"] = {"error": str(error)}
+        plan = None
+    row["planning_s"] = round(time.perf_counter() - start, 4)
+    baselines = {
+        "even": even_split(shape.num_layers, len(names)),
+        "memory_proportional": proportional_split(shape.num_layers, [d.memory_bytes for d in fleet.devices]),
+    }
+    for label, split in baselines.items():
+        row[label] = summarize(evaluate_split(shape, workload, fleet, devices=names, layers=split))
+        if plan is not None:
+            row[label]["planner_speedup"] = round(row[label]["predicted_step_s"] / plan.predicted_step_s, 2)
+    return row
+
+
+def scale() -> dict:
+    """80 layers (Llama-2-70B) over 64 heterogeneous devices on 8 hosts."""
+    memories, speeds = [8, 12, 16, 24, 48, 80], [7, 35, 80, 125, 300]
+    devices = tuple(
+        Device(
+            name=f"gpu{i}",
+            host=f"host{i % 8}",
+            memory_bytes=memories[i % len(memories)] * GIB,
+            tflops=speeds[(i * 7) % len(speeds)],
+        )
+        for i in range(64)
+    )
+    links = {
+        frozenset((f"host{a}", f"host{b}")): LinkSpec(1.25e9, 2e-4)
+        for a, b in itertools.combinations(range(8), 2)
+    }
+    shape = ModelShape.from_config_dir(ROOT / "configs/models/llama-2-70b.json")
+    start = time.perf_counter()
+    plan = plan_pipeline(shape, WORKLOADS["llama-2-70b"], Fleet(devices=devices, links=links))
+    return {
+        "layers": 80,
+        "devices": 64,
+        "planning_s": round(time.perf_counter() - start, 3),
+        "stages_used": len(plan.stages),
+        "search": plan.search,
+        "predicted_step_s": round(plan.predicted_step_s, 3),
+    }
+
+
+def profile_tiny() -> dict:
+    """Wall time of profiling one tiny-llama layer on the CPU: imports, first (uncached) call, cached call."""
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["SHARDPOOL_CACHE"] = cache
+        start = time.perf_counter()
+        import bitsandbytes  # noqa: F401
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+
+        from shardpool.profiler import profile_layer
+
+        imports = time.perf_counter() - start
+        shape = ModelShape.from_config_dir(ROOT / "configs/models/tiny-llama.json")
+        workload = Workload(micro_batch_size=2, sequence_len=128, lora_r=8)
+        start = time.perf_counter()
+        profile = profile_layer(shape, workload, device="cpu")
+        cold = time.perf_counter() - start
+        start = time.perf_counter()
+        profile_layer(shape, workload, device="cpu")
+        cached = time.perf_counter() - start
+    return {
+        "model": "tiny-llama (h=256, 8 layers)",
+        "micro_batch_size": 2,
+        "sequence_len": 128,
+        "import_s": round(imports, 2),
+        "profile_wall_s_first_call": round(cold, 2),
+        "profile_wall_s_cached": round(cached, 4),
+        "ms_per_layer": round(profile.seconds_per_layer * 1e3, 2),
+        "activation_mib_per_layer": round(profile.activation_bytes / 2**20, 2),
+    }
+
+
+def main() -> None:
+    """Run every benchmark and print one JSON document."""
+    fleets = sorted((ROOT / "configs").glob("fleet-*.yaml"))
+    result = {
+        "workloads": {
+            name: w.__dict__ | {"lora_targets": list(w.lora_targets)} for name, w in WORKLOADS.items()
+        },
+        "comparisons": [compare(path, model) for path in fleets for model in WORKLOADS],
+        "scale": scale(),
+        "profile": profile_tiny(),
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""shardpool.finetune and the CLI: bad input fails fast and cleanly, failures stop every stage,
+and a killed run resumes to the same adapter as an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import load_file, save_file
+
+from shardpool.cli import main
+from shardpool.config import parse_config
+from shardpool.finetune import RUN_DIR_NAME, finetune
+from tests.conftest import REPO_ROOT, base_config, read_metrics, run_cli, write_config, write_jsonl
+
+
+def _bad_case(name: str, tmp: Path, model: Path, data: Path) -> tuple[Path, str]:
+    """Build one malformed config (and its files); return (config path, text the error must contain)."""
+    out = tmp / "out"
+    config = base_config(model, data, out)
+    expected = ""
+    if name == "unknown key":
+        config["foo_bar"] = 1
+        expected = "unknown key `foo_bar`"
+    elif name == "misspelled key":
+        config["lerning_rate"] = config.pop("learning_rate")
+        expected = "did you mean `learning_rate`"
+    elif name == "wrong type":
+        config["micro_batch_size"] = "two"
+        expected = "`micro_batch_size`"
+    elif name == "missing base_model directory":
+        config["base_model"] = str(tmp / "no-such-model")
+        expected = "does not exist"
+    elif name == "unsupported architecture":
+        other = tmp / "gpt2"
+        other.mkdir()
+        (other / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+        save_file({"wte.weight": torch.zeros(2, 2)}, str(other / "model.safetensors"))
+        config["base_model"] = str(other)
+        expected = "unsupported architecture 'gpt2'"
+    elif name == "more stages than layers":
+        config["shardpool"] = {"stages": 8}
+        expected = "only 6 decoder layers"
+    elif name == "empty dataset":
+        config["datasets"] = [{"path": str(write_jsonl(tmp / "empty.jsonl", [])), "type": "completion"}]
+        expected = "empty"
+    elif name == "row without its field":
+        rows = [{"text": "fine row"}, {"body": "no text here"}]
+        config["datasets"] = [{"path": str(write_jsonl(tmp / "nofield.jsonl", rows)), "type": "completion"}]
+        expected = "text"
+    elif name == "sequence_len <= 0":
+        config["sequence_len"] = 0
+        expected = "`sequence_len`"
+    elif name == "targets match nothing":
+        config["lora_target_linear"] = False
+        config["lora_target_modules"] = ["foo_proj"]
+        expected = "foo_proj"
+    elif name == "layers do not add up":
+        config["shardpool"] = {"layers": [2, 2]}
+        expected = "sums to 4"
+    elif name == "invalid JSON line":
+        rows = [{"text": "fine row"}, "{not json"]
+        config["datasets"] = [{"path": str(write_jsonl(tmp / "broken.jsonl", rows)), "type": "completion"}]
+        expected = "broken.jsonl:2: invalid JSON"
+    elif name == "unsupported axolotl key":
+        config["deepspeed"] = "zero3.json"
+        expected = "`deepspeed` is not supported"
+    elif name == "missing dataset file":
+        config["datasets"] = [{"path": str(tmp / "absent.jsonl"), "type": "completion"}]
+        expected = "absent.jsonl"
+    elif name == "devices and stages disagree":
+        config["shardpool"] = {"stages": 3, "devices": ["cpu", "cpu"]}
+        expected = "stage counts disagree"
+    return write_config(tmp / "config.yaml", config), expected
+
+
+BAD_CASES = [
+    "unknown key",
+    "misspelled key",
+    "wrong type",
+    "missing base_model directory",
+    "unsupported architecture",
+    "more stages than layers",
+    "empty dataset",
+    "row without its field",
+    "sequence_len <= 0",
+    "targets match nothing",
+    "layers do not add up",
+    "invalid JSON line",
+    "unsupported axolotl key",
+    "missing dataset file",
+    "devices and stages disagree",
+]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_input_fails_with_one_line_and_writes_nothing(
+    case: str, tmp_path: Path, tiny_model: Path, completion_data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config_path, expected = _bad_case(case, tmp_path, tiny_model, completion_data)
+    started = time.monotonic()
+    code = main(["finetune", str(config_path)])
+    captured = capsys.readouterr()
+    assert code == 2
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("shardpool: error: ")
+    assert expected in lines[0], lines[0]
+    assert "Traceback" not in captured.err + captured.out
+    assert not (tmp_path / "out").exists(), "nothing may be written to output_dir"
+    assert time.monotonic() - started < 10
+
+
+def test_real_cli_prints_one_line_without_traceback(tmp_path: Path, tiny_model: Path, completion_data: Path) -> None:
+    config_path, _ = _bad_case("misspelled key", tmp_path, tiny_model, completion_data)
+    result = run_cli("finetune", str(config_path), timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"shardpool: error: unknown key `lerning_rate` in {config_path}; did you mean `learning_rate`?"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_config_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["finetune", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def _worker_pids(job_file: Path) -> dict[int, int]:
+    """rank -> pid of the stage processes running ``job_file``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"shardpool.worker" in argv and str(job_file).encode() in argv:
+            found[int(argv[argv.index(str(job_file).encode()) + 1])] = int(entry.name)
+    return found
+
+
+@pytest.mark.slow
+def test_exception_in_one_stage_stops_the_whole_run(tmp_path: Path, tiny_model: Path, completion_data: Path) -> None:
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    for item in tiny_model.iterdir():
+        if item.suffix != ".safetensors":
+            (broken / item.name).write_bytes(item.read_bytes())
+    tensors = load_file(str(tiny_model / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if not k.startswith("model.layers.4.")}, str(broken / "model.safetensors"))
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "c.yaml", base_config(broken, completion_data, out, shardpool={"layers": [3, 3]}))
+    started = time.monotonic()
+    result = run_cli("finetune", str(config), timeout=120)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 2
+    assert elapsed < 30, f"the run took {elapsed:.1f}s to fail"
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("shardpool: error: stage 1 (rank 1) failed:"), error
+    assert "model.layers.4." in error and "missing" in error
+    assert "Traceback" not in result.stderr
+    assert _worker_pids(out / RUN_DIR_NAME / "job.json") == {}, "no stage process may outlive the run"
+
+
+@pytest.mark.slow
+def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(
+    tmp_path: Path, tiny_model: Path, completion_data: Path
+) -> None:
+    overrides: dict[str, Any] = {"num_epochs": 5, "max_steps": 40, "save_steps": 3, "val_set_size": 0, "shardpool": {"stages": 2}}
+    killed_out = tmp_path / "killed"
+    config_path = write_config(tmp_path / "c.yaml", base_config(tiny_model, completion_data, killed_out, **overrides))
+    job_file = killed_out / RUN_DIR_NAME / "job.json"
+    env = dict(os.environ, COLUMNS="200")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "shardpool", "finetune", str(config_path)],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (killed_out / "checkpoints" / "step-3").is_dir():
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.02)
+        os.kill(_worker_pids(job_file)[1], signal.SIGKILL)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 2
+    assert "stage 1 (rank 1) failed: killed by signal 9" in stderr
+    assert _worker_pids(job_file) == {}
+    assert not (killed_out / "adapter_model.safetensors").exists(), "the killed run must not have finished"
+
+    resumed = run_cli("finetune", str(config_path), "--resume", timeout=180)
+    assert resumed.returncode == 0, resumed.stderr
+    steps = [record["step"] for record in read_metrics(killed_out)]
+    assert steps == list(range(1, 41)), "metrics continue without gaps or repeats"
+
+    clean_out = finetune(
+        parse_config(base_config(tiny_model, completion_data, tmp_path / "clean", **overrides)), console=Console(quiet=True)
+    )
+    resumed_adapter = load_file(str(killed_out / "adapter_model.safetensors"))
+    clean_adapter = load_file(str(clean_out / "adapter_model.safetensors"))
+    assert resumed_adapter.keys() == clean_adapter.keys()
+    assert max(float((resumed_adapter[k] - clean_adapter[k]).abs().max()) for k in clean_adapter) < 1e-6
+
+
+def test_resume_without_checkpoint_and_rerun_over_checkpoints_are_refused(
+    tmp_path: Path, tiny_model: Path, completion_data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "c.yaml", base_config(tiny_model, completion_data, out))
+    assert main(["finetune", str(config), "--resume"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+    (out / "checkpoints" / "step-2").mkdir(parents=True)
+    (out / "checkpoints" / "step-2" / "checkpoint.json").write_text('{"step": 2}')
+    assert main(["finetune", str(config)]) == 2
+    assert "pass --resume" in capsys.readouterr().err
