@@ -32,10 +32,11 @@ from shardpool.errors import ShardpoolError
 from shardpool.job import Job, StagePlacement
 from shardpool.launcher import free_port, run_local_job
 from shardpool.lora import LoraSettings, lora_settings
+from shardpool.planner import plan_for_config
 from shardpool.stage import StageSpec, owned_tensor_names
 from shardpool.weights import WeightReader
 
-__all__ = ["finetune_from_file", "finetune", "prepare_run", "PreparedRun", "layer_split", "RUN_DIR_NAME"]
+__all__ = ["finetune_from_file", "finetune", "prepare_run", "PreparedRun", "check_stage_count", "RUN_DIR_NAME"]
 
 RUN_DIR_NAME = ".shardpool"
 _NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + 8-bit absmax + fp32 per 256 absmax
@@ -100,13 +101,7 @@ def prepare_run(config: Config, *, resume: bool) -> PreparedRun:
     """Check everything that can fail before training, and tokenize the data. Writes nothing."""
     model = read_model_info(config.base_model)
     lora = lora_settings(config)
-    sizes = layer_split(config, model)
-    devices = config.shardpool.stage_devices()
-    placements = []
-    start = 0
-    for size, device in zip(sizes, devices, strict=True):
-        placements.append(StagePlacement(start=start, stop=start + size, device=device))
-        start += size
+    check_stage_count(config, model)
     data = prepare_data(config, load_tokenizer(config.base_model))
     total_steps = len(
         step_batches(
@@ -120,32 +115,29 @@ def prepare_run(config: Config, *, resume: bool) -> PreparedRun:
         )
     )
     resume_from = _resume_point(Path(config.output_dir), resume)
-    plan = {
-        "stages": [{"device": p.device, "host": p.host, "layers": [p.start, p.stop]} for p in placements],
-        "replicas": config.shardpool.replicas,
-        "schedule": config.shardpool.schedule,
-        "microbatches_per_step": config.gradient_accumulation_steps,
-        "source": "manual" if config.shardpool.layers else "even",
-    }
-    return PreparedRun(config, model, lora, placements, data, total_steps, resume_from, plan)
+    plan = plan_for_config(config)
+    placements = [
+        StagePlacement(start=stage.start, stop=stage.stop, device=stage.device, host=stage.host) for stage in plan.stages
+    ]
+    plan_json = plan.to_json()
+    plan_json.update({"replicas": config.shardpool.replicas, "source": "manual" if config.shardpool.layers else "planner"})
+    return PreparedRun(config, model, lora, placements, data, total_steps, resume_from, plan_json)
 
 
-def layer_split(config: Config, model: ModelInfo) -> list[int]:
-    """Decoder layers per stage: the manual ``shardpool.layers``, else an even split."""
+def check_stage_count(config: Config, model: ModelInfo) -> None:
+    """Refuse more stages than layers, and a manual split that does not cover the model exactly."""
     stages = config.shardpool.num_stages
     if stages > model.num_layers:
         raise ShardpoolError(
-            f"{stages} stages but {model.base_name} has only {model.num_layers} decoder layers; use at most {model.num_layers} stages"
+            f"{stages} stages but {model.base_name} has only {model.num_layers} decoder layers; "
+            f"use at most {model.num_layers} stages"
         )
-    if config.shardpool.layers is not None:
-        if sum(config.shardpool.layers) != model.num_layers:
-            raise ShardpoolError(
-                f"shardpool.layers {config.shardpool.layers} sums to {sum(config.shardpool.layers)} "
-                f"but the model has {model.num_layers} layers; make the counts add up to {model.num_layers}"
-            )
-        return list(config.shardpool.layers)
-    base, extra = divmod(model.num_layers, stages)
-    return [base + (1 if index < extra else 0) for index in range(stages)]
+    layers = config.shardpool.layers
+    if layers is not None and sum(layers) != model.num_layers:
+        raise ShardpoolError(
+            f"shardpool.layers {layers} sums to {sum(layers)} but the model has {model.num_layers} layers; "
+            f"make the counts add up to {model.num_layers}"
+        )
 
 
 def _resume_point(output_dir: Path, resume: bool) -> Path | None:
@@ -189,15 +181,17 @@ def _stage_footprint(reader: WeightReader, spec: StageSpec, tied: bool) -> tuple
 
 def _print_placement(console: Console, run: PreparedRun) -> None:
     table = Table(title=f"placement of {run.model.base_name} ({run.model.num_layers} layers)")
-    for column in ("stage", "device", "host", "layers", "parameters", "NF4 MiB"):
-        table.add_column(column, justify="right" if column in {"parameters", "NF4 MiB"} else "left")
+    for column in ("stage", "device", "host", "layers", "parameters", "NF4 MiB", "predicted ms/mb"):
+        table.add_column(column, justify="left" if column in {"stage", "device", "host", "layers"} else "right")
     with WeightReader(run.model.path) as reader:
         for index, placement in enumerate(run.placements):
             spec = StageSpec(index, len(run.placements), placement.start, placement.stop, placement.device)
             params, mib = _stage_footprint(reader, spec, run.model.tie_word_embeddings)
             extras = (["embed"] if spec.is_first else []) + (["norm+lm_head"] if spec.is_last else [])
             layers = f"[{placement.start}, {placement.stop})" + (f" +{'+'.join(extras)}" if extras else "")
-            table.add_row(str(index), placement.device, placement.host, layers, f"{params:,}", f"{mib:.2f}")
+            predicted = run.plan["stages"][index].get("predicted_ms_per_microbatch")
+            shown = "-" if predicted is None else f"{predicted:.1f}"
+            table.add_row(str(index), placement.device, placement.host, layers, f"{params:,}", f"{mib:.2f}", shown)
     console.print(table)
     replicas = run.config.shardpool.replicas
     console.print(

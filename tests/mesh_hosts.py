@@ -237,6 +237,7 @@ class InProcessCoordinator:
             ("POST", "/v1/join"): self.service.join,
             ("GET", "/v1/roster"): self.service.roster,
             ("POST", "/v1/leave"): self.service.leave,
+            ("GET", "/v1/membership"): self.service.membership,
         }
         self.server = start_server("127.0.0.1", 0, routes)
         self.port = int(self.server.server_address[1])

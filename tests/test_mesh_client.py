@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from mesh.client import Revoked, fetch_roster, request_join, send_leave
+from mesh.client import Revoked, check_membership, fetch_roster, request_join, send_leave
 from mesh.errors import MeshError
 from mesh.keys import generate_private_key, public_key
 from mesh.protocol import JoinContext, seal_join_response
@@ -60,6 +60,17 @@ def test_a_removed_member_is_told_so(coordinator) -> None:
     coordinator.store.revoke("b")
     with pytest.raises(Revoked, match="removed"):
         _fetch(coordinator, private)
+
+
+def test_membership_check_tells_a_cut_off_member_it_was_removed(coordinator) -> None:
+    private, key = _join(coordinator, "b")
+    check_membership(coordinator.endpoint, private, key, coordinator.public_key, "testmesh")
+    coordinator.store.revoke("b")
+    with pytest.raises(Revoked, match="removed"):
+        check_membership(coordinator.endpoint, private, key, coordinator.public_key, "testmesh")
+    stranger = generate_private_key()
+    with pytest.raises(MeshError, match="not in this mesh"):
+        check_membership(coordinator.endpoint, stranger, public_key(stranger), coordinator.public_key, "testmesh")
 
 
 def test_leave_revokes_the_caller(coordinator) -> None:
