@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +207,8 @@ class _Outcome:
     eval_before: float | None = None
     eval_after: float | None = None
     last_loss: float | None = None
+    stages: dict[int, dict[str, Any]] = field(default_factory=dict)
+    seconds: float = 0.0
 
 
 def _follow(console: Console, job: Job, job_file: Path, run: PreparedRun, *, first_step: int) -> _Outcome:
@@ -234,12 +237,33 @@ def _follow(console: Console, job: Job, job_file: Path, run: PreparedRun, *, fir
                     _append_metrics(metrics_path, event)
             elif kind == "checkpoint":
                 progress.console.print(f"checkpoint saved: {event['path']}")
+            elif kind == "stage_done":
+                outcome.stages[int(event["rank"])] = {key: value for key, value in event.items() if key != "event"}
             elif kind == "done":
                 outcome.eval_before = event.get("eval_before")
                 outcome.eval_after = event.get("eval_after")
 
+        started = time.monotonic()
         run_local_job(job, job_file, log_dir=Path(job.run_dir) / "logs", on_event=on_event)
+        outcome.seconds = time.monotonic() - started
+    _write_summary(Path(job.output_dir) / "run_summary.json", outcome, first_step=first_step, total_steps=run.total_steps)
     return outcome
+
+
+def _write_summary(path: Path, outcome: _Outcome, *, first_step: int, total_steps: int) -> None:
+    """Record how the run ended: eval losses, time, and each stage process's peak memory."""
+    write_json_atomic(
+        path,
+        {
+            "eval_loss_before": outcome.eval_before,
+            "eval_loss_after": outcome.eval_after,
+            "final_train_loss": outcome.last_loss,
+            "steps": total_steps,
+            "resumed_from_step": first_step,
+            "seconds": round(outcome.seconds, 3),
+            "ranks": [outcome.stages[rank] for rank in sorted(outcome.stages)],
+        },
+    )
 
 
 def _append_metrics(path: Path, event: dict[str, Any]) -> None:

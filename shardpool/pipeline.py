@@ -36,10 +36,24 @@ from shardpool.nf4 import DTYPES
 from shardpool.schedule import schedule_for
 from shardpool.stage import BaseSettings, PipelineStage, build_stage
 
-__all__ = ["StageWorker", "emit", "EVENT_PREFIX", "token_loss_sum", "label_tokens", "scheduler_name", "warmup_steps"]
+__all__ = ["StageWorker", "emit", "peak_rss_bytes", "EVENT_PREFIX", "token_loss_sum", "label_tokens", "scheduler_name", "warmup_steps"]
 
 EVENT_PREFIX = "@shardpool "
 _FORWARD_TAG, _BACKWARD_TAG = 1, 2
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM; unlike ru_maxrss it excludes the parent's)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def emit(event: dict[str, Any]) -> None:
@@ -214,10 +228,24 @@ class StageWorker:
                 self.save_checkpoint(step + 1, eval_before=eval_before)
         eval_after = self.evaluate(save_logits=True)
         self.write_final_adapter()
+        emit(
+            {
+                "event": "stage_done",
+                "rank": self.rank,
+                "stage": self.spec.index,
+                "peak_rss_bytes": peak_rss_bytes(),
+                "peak_device_bytes": self._peak_device_bytes(),
+            }
+        )
         if self.rank == 0:
             emit({"event": "done", "eval_before": eval_before, "eval_after": eval_after})
         dist.barrier()
         dist.destroy_process_group()
+
+    def _peak_device_bytes(self) -> int | None:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return None
 
     def train_step(self, step: int) -> None:
         """One optimizer step: the schedule's micro-batches, gradient sync, clip, AdamW."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -97,3 +98,35 @@ def test_workload_from_config() -> None:
         {"bf16": True, "lora_target_modules": ["q_proj"], "shardpool": {"wire_dtype": "fp32"}}
     )
     assert (mapping.compute_bytes, mapping.wire_bytes, mapping.lora_targets) == (2, 4, ("q_proj",))
+
+
+@pytest.mark.slow
+def test_predictions_match_a_real_local_pipeline_run(tmp_path: Path) -> None:
+    """The plan's per-stage compute time and peak memory are within 25% of a real CPU run."""
+    import statistics
+
+    from rich.console import Console
+
+    from shardpool.config import parse_config
+    from shardpool.finetune import finetune
+    from shardpool.tinymodel import make_tiny_llama
+    from tests.conftest import base_config, completion_rows, read_metrics, write_jsonl
+
+    model = make_tiny_llama(tmp_path / "model", num_layers=6, hidden_size=256, intermediate_size=768, num_heads=4, seed=4)
+    data = write_jsonl(tmp_path / "data.jsonl", completion_rows(96))
+    config = base_config(
+        model, data, tmp_path / "out", max_steps=12, val_set_size=0, sequence_len=64, micro_batch_size=4,
+        gradient_accumulation_steps=4, shardpool={"stages": 2, "devices": ["cpu", "cpu"], "threads_per_stage": 1},
+    )  # fmt: skip
+    output = finetune(parse_config(config), console=Console(quiet=True))
+    plan = json.loads((output / "plan.json").read_text())
+    summary = json.loads((output / "run_summary.json").read_text())
+    metrics = read_metrics(output)[2:]  # the first steps warm up allocators and caches
+    for index, stage in enumerate(plan["stages"]):
+        measured_ms = statistics.median(record["stage_compute_s"][index] / 4 * 1000 for record in metrics)
+        predicted_ms = stage["compute_ms"]
+        measured_bytes = summary["ranks"][index]["peak_rss_bytes"]
+        print(json.dumps({"stage": index, "measured_ms": measured_ms, "predicted_ms": predicted_ms,
+                          "measured_peak_bytes": measured_bytes, "predicted_bytes": stage["memory_bytes"]}))  # fmt: skip
+        assert abs(measured_ms - predicted_ms) <= 0.25 * measured_ms, (index, measured_ms, predicted_ms)
+        assert abs(measured_bytes - stage["memory_bytes"]) <= 0.25 * measured_bytes, (index, measured_bytes, stage)

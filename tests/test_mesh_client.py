@@ -70,7 +70,9 @@ def test_membership_check_tells_a_cut_off_member_it_was_removed(coordinator) -> 
         check_membership(coordinator.endpoint, private, key, coordinator.public_key, "testmesh")
     stranger = generate_private_key()
     with pytest.raises(MeshError, match="not in this mesh"):
-        check_membership(coordinator.endpoint, stranger, public_key(stranger), coordinator.public_key, "testmesh")
+        check_membership(
+            coordinator.endpoint, stranger, public_key(stranger), coordinator.public_key, "testmesh"
+        )
 
 
 def test_leave_revokes_the_caller(coordinator) -> None:
