@@ -1,7 +1,8 @@
 """Checkpoints: adapter, optimizer, scheduler position, RNG and data position, saved atomically.
 
-Each stage writes its part into ``checkpoints/.step-N.partial``; after a barrier, rank 0 merges
-the adapter and renames the directory to ``checkpoints/step-N`` in one step. A crash while saving
+Each stage sends its part into ``checkpoints/.step-N.partial`` on the launching machine; after a
+barrier, the launcher merges the adapter and renames the directory to ``checkpoints/step-N`` in
+one step. A crash while saving
 leaves a ``.partial`` directory that is ignored, and the previous checkpoint untouched.
 
 Every tensor is keyed by its global adapter key, so a checkpoint written by one split of the
@@ -18,20 +19,24 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from shardpool.atomic import save_tensors_atomic, write_json_atomic
+from shardpool.atomic import write_json_atomic
 from shardpool.errors import ShardpoolError
 from shardpool.lora import LoraSettings, write_adapter
 
 __all__ = [
     "partial_dir",
-    "write_stage_state",
-    "write_rng_state",
+    "stage_state_tensors",
+    "rng_state_tensors",
+    "stage_file",
+    "rng_file",
     "read_stage_lora",
+    "merge_stage_lora",
     "finalize_checkpoint",
     "newest_checkpoint",
     "read_lora_and_optimizer",
     "read_rng_state",
     "checkpoint_step",
+    "clear_partials",
 ]
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -48,15 +53,10 @@ def partial_dir(output_dir: str | Path, step: int) -> Path:
     return checkpoints_root(output_dir) / f".step-{step}.partial"
 
 
-def write_stage_state(
-    directory: Path,
-    *,
-    stage_index: int,
-    named_parameters: list[tuple[str, torch.nn.Parameter]],
-    optimizer: torch.optim.Optimizer,
-) -> None:
-    """Write one stage's LoRA tensors and AdamW state, keyed by global adapter key."""
-    directory.mkdir(parents=True, exist_ok=True)
+def stage_state_tensors(
+    *, named_parameters: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer
+) -> dict[str, torch.Tensor]:
+    """One stage's LoRA tensors and AdamW state, keyed by global adapter key."""
     tensors: dict[str, torch.Tensor] = {}
     for key, param in named_parameters:
         tensors[f"lora.{key}"] = param.detach()
@@ -65,23 +65,29 @@ def write_stage_state(
             if field in state:
                 value = state[field]
                 tensors[f"optim.{key}.{field}"] = value if torch.is_tensor(value) else torch.tensor(float(value))
-    save_tensors_atomic(directory / f"stage-{stage_index}.safetensors", tensors)
+    return tensors
 
 
-def write_rng_state(directory: Path, *, rank: int) -> None:
-    """Write the torch RNG state of one process (dropout draws depend on it)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    save_tensors_atomic(directory / f"rng-rank-{rank}.safetensors", {"cpu": torch.get_rng_state()})
+def rng_state_tensors() -> dict[str, torch.Tensor]:
+    """The torch RNG state of this process (dropout draws depend on it)."""
+    return {"cpu": torch.get_rng_state()}
+
+
+def stage_file(stage_index: int) -> str:
+    """File name of one stage's state inside a checkpoint."""
+    return f"stage-{stage_index}.safetensors"
+
+
+def rng_file(rank: int) -> str:
+    """File name of one rank's RNG state inside a checkpoint."""
+    return f"rng-rank-{rank}.safetensors"
 
 
 def finalize_checkpoint(
     directory: Path, *, step: int, settings: LoraSettings, base_model: str, extra: dict[str, object]
 ) -> Path:
     """Merge the stages' LoRA tensors into an adapter, record the step, and rename into place."""
-    lora: dict[str, torch.Tensor] = {}
-    for stage_file in sorted(directory.glob("stage-*.safetensors")):
-        lora.update(read_stage_lora(stage_file))
-    write_adapter(directory, lora, settings, base_model=base_model)
+    write_adapter(directory, merge_stage_lora(directory), settings, base_model=base_model)
     write_json_atomic(directory / "checkpoint.json", {"step": step, **extra})
     final = directory.parent / f"step-{step}"
     if final.exists():
@@ -93,11 +99,9 @@ def finalize_checkpoint(
     return final
 
 
-def read_stage_lora(stage_file: Path) -> dict[str, torch.Tensor]:
+def read_stage_lora(path: Path) -> dict[str, torch.Tensor]:
     """The LoRA tensors (global adapter keys) in one stage's state file."""
-    return {
-        name.removeprefix("lora."): tensor for name, tensor in load_file(str(stage_file)).items() if name.startswith("lora.")
-    }
+    return {name.removeprefix("lora."): tensor for name, tensor in load_file(str(path)).items() if name.startswith("lora.")}
 
 
 def newest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -119,23 +123,39 @@ def checkpoint_step(directory: Path) -> int:
 
 
 def read_lora_and_optimizer(
-    directory: Path, keys: list[str]
+    stage_files: list[Path], keys: list[str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
     """The LoRA tensors and AdamW state of the given adapter keys, from whichever stage saved them."""
     found: dict[str, torch.Tensor] = {}
-    for stage_file in sorted(directory.glob("stage-*.safetensors")):
-        found.update(load_file(str(stage_file)))
+    for path in stage_files:
+        found.update(load_file(str(path)))
     lora: dict[str, torch.Tensor] = {}
     optim: dict[str, dict[str, torch.Tensor]] = {}
     for key in keys:
         if f"lora.{key}" not in found:
-            raise ShardpoolError(f"checkpoint {directory} lacks {key}; it belongs to a different model or LoRA setup")
+            raise ShardpoolError(f"the checkpoint lacks {key}; it belongs to a different model or LoRA setup")
         lora[key] = found[f"lora.{key}"]
         optim[key] = {field: found[f"optim.{key}.{field}"] for field in _OPTIM_FIELDS if f"optim.{key}.{field}" in found}
     return lora, optim
 
 
-def read_rng_state(directory: Path, *, rank: int) -> torch.Tensor | None:
-    """The saved RNG state of a rank, or None when this rank did not exist then."""
-    path = directory / f"rng-rank-{rank}.safetensors"
-    return load_file(str(path))["cpu"] if path.is_file() else None
+def read_rng_state(path: Path) -> torch.Tensor:
+    """A saved RNG state."""
+    return load_file(str(path))["cpu"]
+
+
+def merge_stage_lora(directory: Path) -> dict[str, torch.Tensor]:
+    """The LoRA tensors of every stage file in ``directory``, keyed as peft saves them."""
+    lora: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("stage-*.safetensors")):
+        lora.update(read_stage_lora(path))
+    return lora
+
+
+def clear_partials(output_dir: str | Path) -> None:
+    """Remove checkpoints that were being assembled when a run stopped."""
+    root = checkpoints_root(output_dir)
+    if root.is_dir():
+        for child in root.iterdir():
+            if child.name.endswith((".partial", ".stale")):
+                shutil.rmtree(child, ignore_errors=True)

@@ -135,8 +135,10 @@ class ShardpoolSection(_Strict):
         if self.devices is not None:
             for device in self.devices:
                 _check_device_name(device)
-        if self.placement == "mesh":
-            raise ValueError("`shardpool.placement: mesh` is not available yet; use `placement: local`")
+        if self.placement == "mesh" and self.devices is not None:
+            raise ValueError("`shardpool.devices` is for `placement: local`; on the mesh the planner picks devices")
+        if self.placement == "mesh" and self.layers is not None:
+            raise ValueError("`shardpool.layers` is for `placement: local`; on the mesh the planner splits the layers")
         return self
 
     @property

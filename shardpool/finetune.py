@@ -16,7 +16,9 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +28,24 @@ from rich.table import Table
 
 from shardpool.architecture import DECODER_LINEAR_NAMES, ModelInfo, read_model_info
 from shardpool.atomic import write_bytes_atomic, write_json_atomic
-from shardpool.checkpoint import checkpoint_step, newest_checkpoint
+from shardpool.checkpoint import (
+    checkpoint_step,
+    clear_partials,
+    finalize_checkpoint,
+    merge_stage_lora,
+    newest_checkpoint,
+)
 from shardpool.config import Config, load_config
+from shardpool.costmodel import Workload
 from shardpool.data import PreparedData, load_tokenizer, prepare_data, save_prepared, step_batches
 from shardpool.errors import ShardpoolError
 from shardpool.job import Job, StagePlacement
-from shardpool.launcher import free_port, run_local_job
-from shardpool.lora import LoraSettings, lora_settings
-from shardpool.planner import plan_for_config
+from shardpool.launcher import run_local_job
+from shardpool.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings, lora_settings, write_adapter
+from shardpool.model_shape import ModelShape
+from shardpool.pipeline import DATA_INPUT, INIT_ADAPTER_PREFIX
+from shardpool.planner import Plan, plan_for_config, plan_pipeline
+from shardpool.runfiles import MODEL_PREFIX, model_file_names
 from shardpool.stage import StageSpec, owned_tensor_names
 from shardpool.weights import WeightReader
 
@@ -63,43 +75,143 @@ def finetune_from_file(config_path: str | Path, *, resume: bool = False, console
 
 
 def finetune(config: Config, *, resume: bool = False, console: Console | None = None) -> Path:
-    """Train ``config`` on local stage processes and return the adapter directory."""
+    """Train ``config`` on its stages (local processes, or mesh members) and return the adapter directory."""
     console = console or Console()
+    if config.shardpool.placement == "mesh":
+        return _finetune_on_mesh(config, resume=resume, console=console)
     run = prepare_run(config, resume=resume)
-    output_dir = Path(config.output_dir)
-    run_dir = output_dir / RUN_DIR_NAME
-    run_dir.mkdir(parents=True, exist_ok=True)
-    data_file = run_dir / "data.safetensors"
-    save_prepared(run.data, data_file)
-    write_json_atomic(output_dir / "plan.json", run.plan)
-    eval_before = _eval_before(run.resume_from)
-    job = Job(
-        config=config.model_dump(mode="json"),
-        stages=run.placements,
-        replicas=config.shardpool.replicas,
-        data_file=str(data_file),
-        output_dir=str(output_dir),
-        run_dir=str(run_dir),
-        master_addr="127.0.0.1",
-        master_port=config.shardpool.master_port or free_port(),
-        total_steps=run.total_steps,
-        threads_per_process=_threads_per_process(config, len(run.placements) * config.shardpool.replicas),
-        resume_from=str(run.resume_from) if run.resume_from else None,
-        eval_before=eval_before,
-    )
+    output_dir, run_dir, first_step = _begin_outputs(run, console)
+    store = rendezvous_store("127.0.0.1", port=config.shardpool.master_port or 0)
+    job = _make_job(run, master_addr="127.0.0.1", master_port=store.port, first_step=first_step)
     job_file = run_dir / "job.json"
     job.write(job_file)
-    _print_placement(console, run)
-    first_step = checkpoint_step(run.resume_from) if run.resume_from else 0
-    _trim_metrics(output_dir / "metrics.jsonl", keep_through_step=first_step)
-    outcome = _follow(console, job, job_file, run, first_step=first_step)
+    outcome = _follow(console, job, run, first_step=first_step, start=lambda on_event: run_local_job(
+        job, job_file, log_dir=run_dir / "logs", on_event=on_event
+    ))  # fmt: skip
+    del store
     _print_result(console, run, outcome)
     return output_dir
 
 
+def _finetune_on_mesh(config: Config, *, resume: bool, console: Console) -> Path:
+    """The same run with stages on mesh members: plan over their devices, serve them the files."""
+    from mesh.api import members as mesh_members
+    from shardpool.access import MemberAllowlist
+    from shardpool.fileserver import FileServer
+    from shardpool.mesh_launcher import mesh_fleet, new_job_id, online_members, run_mesh_job
+
+    members = online_members()
+    me = next((member for member in members if member.is_self), None)
+    if me is None:
+        raise ShardpoolError("this machine's mesh interface is down; run `shardpool mesh up` first")
+    console.print(f"mesh members online: {', '.join(member.name for member in members)}")
+
+    def plan_on_mesh(shape: ModelShape, workload: Workload) -> Plan:
+        fleet = mesh_fleet(members, model_config=shape_config(config), workload=workload, say=console.print)
+        if workload.stages is not None and workload.stages > len(fleet.devices):
+            console.print(f"only {len(fleet.devices)} devices online: planning {len(fleet.devices)} stages")
+            workload = replace(workload, stages=len(fleet.devices))
+        return plan_pipeline(shape, workload, fleet)
+
+    run = prepare_run(config, resume=resume, planner=plan_on_mesh)
+    output_dir, run_dir, first_step = _begin_outputs(run, console)
+    inputs = job_inputs(config, run_dir, run.resume_from)
+    allowlist = MemberAllowlist(lambda: {member.address for member in mesh_members(probe=False)})
+    files = {name: Path(path) for name, path in inputs.items()}
+    with FileServer(me.address, 0, files=files, upload_root=output_dir, allowlist=allowlist) as server:
+        store = rendezvous_store(me.address)
+        job = _make_job(run, master_addr=me.address, master_port=store.port, first_step=first_step, files_url=server.url)
+        job.write(run_dir / "job.json")
+        by_name = {member.name: member for member in members}
+        assignments: dict[str, tuple[Any, list[int], dict[str, str]]] = {}
+        for rank in range(job.world_size):
+            host = job.stages[job.stage_index(rank)].host
+            assignments.setdefault(host, (by_name[host], [], {}))[1].append(rank)
+        for _, ranks, env in assignments.values():
+            env["SHARDPOOL_LOCAL_RANKS"] = str(len(ranks))
+        job_id = new_job_id()
+        outcome = _follow(console, job, run, first_step=first_step, start=lambda on_event: run_mesh_job(
+            job, job_id, assignments, on_event=on_event
+        ))  # fmt: skip
+        del store
+    _print_result(console, run, outcome)
+    return output_dir
+
+
+def shape_config(config: Config) -> dict[str, Any]:
+    """The base model's config.json, as agents need it to profile a layer."""
+    return json.loads((Path(config.base_model) / "config.json").read_text(encoding="utf-8"))
+
+
+def _begin_outputs(run: PreparedRun, console: Console) -> tuple[Path, Path, int]:
+    """Create output_dir and write what every stage reads: the tokenized data and plan.json."""
+    output_dir = Path(run.config.output_dir)
+    run_dir = output_dir / RUN_DIR_NAME
+    run_dir.mkdir(parents=True, exist_ok=True)
+    clear_partials(output_dir)
+    save_prepared(run.data, run_dir / DATA_INPUT)
+    write_json_atomic(output_dir / "plan.json", run.plan)
+    first_step = checkpoint_step(run.resume_from) if run.resume_from else 0
+    _trim_metrics(output_dir / "metrics.jsonl", keep_through_step=first_step)
+    _print_placement(console, run)
+    return output_dir, run_dir, first_step
+
+
+def _make_job(
+    run: PreparedRun, *, master_addr: str, master_port: int, first_step: int, files_url: str | None = None
+) -> Job:
+    config = run.config
+    return Job(
+        config=config.model_dump(mode="json"),
+        stages=run.placements,
+        replicas=config.shardpool.replicas,
+        inputs=job_inputs(config, Path(config.output_dir) / RUN_DIR_NAME, run.resume_from),
+        output_dir=str(Path(config.output_dir).resolve()),
+        master_addr=master_addr,
+        master_port=master_port,
+        total_steps=run.total_steps,
+        threads_per_process=_threads_per_process(config, len(run.placements) * config.shardpool.replicas),
+        resume_step=first_step,
+        eval_before=_eval_before(run.resume_from),
+        files_url=files_url,
+    )
+
+
+def rendezvous_store(host: str, *, port: int = 0, timeout_s: float = 300.0) -> Any:
+    """The torch.distributed TCPStore the stage processes meet at, hosted by the launcher.
+
+    Hosting it here (not in rank 0) lets the OS pick a free port, and keeps rendezvous on the
+    launcher's address whichever machine runs stage 0.
+    """
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+def job_inputs(config: Config, run_dir: Path, resume_from: Path | None) -> dict[str, str]:
+    """Every file a stage may read, by name, with its path on this machine."""
+    model_dir = Path(config.base_model).resolve()
+    inputs = {DATA_INPUT: str((run_dir / DATA_INPUT).resolve())}
+    inputs.update({MODEL_PREFIX + name: str(model_dir / name) for name in model_file_names(model_dir)})
+    if config.lora_model_dir:
+        adapter = Path(config.lora_model_dir).resolve()
+        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            inputs[INIT_ADAPTER_PREFIX + name] = str(adapter / name)
+    if resume_from is not None:
+        for path in sorted(resume_from.glob("*.safetensors")):
+            if path.name.startswith(("stage-", "rng-rank-")):
+                inputs[f"resume/{path.name}"] = str(path.resolve())
+    return inputs
+
+
 # ----- validation -------------------------------------------------------------------------------
-def prepare_run(config: Config, *, resume: bool) -> PreparedRun:
-    """Check everything that can fail before training, and tokenize the data. Writes nothing."""
+def prepare_run(
+    config: Config, *, resume: bool, planner: Callable[[ModelShape, Workload], Plan] | None = None
+) -> PreparedRun:
+    """Check everything that can fail before training, tokenize the data, and place the stages.
+
+    Writes nothing. ``planner`` places the stages on a fleet other than this machine's devices.
+    """
     model = read_model_info(config.base_model)
     lora = lora_settings(config)
     check_stage_count(config, model)
@@ -116,7 +228,7 @@ def prepare_run(config: Config, *, resume: bool) -> PreparedRun:
         )
     )
     resume_from = _resume_point(Path(config.output_dir), resume)
-    plan = plan_for_config(config)
+    plan = plan_for_config(config) if planner is None else planner(ModelShape.from_config_dir(config.base_model), Workload.from_config(config))
     placements = [
         StagePlacement(start=stage.start, stop=stage.stop, device=stage.device, host=stage.host) for stage in plan.stages
     ]
@@ -207,13 +319,22 @@ class _Outcome:
     eval_before: float | None = None
     eval_after: float | None = None
     last_loss: float | None = None
+    last_step: int = 0
     stages: dict[int, dict[str, Any]] = field(default_factory=dict)
     seconds: float = 0.0
 
 
-def _follow(console: Console, job: Job, job_file: Path, run: PreparedRun, *, first_step: int) -> _Outcome:
+def _follow(
+    console: Console,
+    job: Job,
+    run: PreparedRun,
+    *,
+    first_step: int,
+    start: Callable[[Callable[[dict[str, Any]], None]], None],
+) -> _Outcome:
     outcome = _Outcome(eval_before=job.eval_before)
-    metrics_path = Path(job.output_dir) / "metrics.jsonl"
+    output_dir = Path(job.output_dir)
+    metrics_path = output_dir / "metrics.jsonl"
     logging_steps = run.config.logging_steps
     columns = (
         TextColumn("[bold]training"),
@@ -230,13 +351,25 @@ def _follow(console: Console, job: Job, job_file: Path, run: PreparedRun, *, fir
             kind = event.get("event")
             if kind == "step":
                 outcome.last_loss = event["loss"]
+                outcome.last_step = event["step"]
                 progress.update(
                     task, completed=event["step"], loss=f"{event['loss']:.4f}", tps=f"{event['tokens_per_s']:.0f}"
                 )
                 if event["step"] % logging_steps == 0 or event["step"] == run.total_steps:
                     _append_metrics(metrics_path, event)
-            elif kind == "checkpoint":
-                progress.console.print(f"checkpoint saved: {event['path']}")
+            elif kind == "checkpoint_written":
+                final = finalize_checkpoint(
+                    output_dir / event["partial"],
+                    step=event["step"],
+                    settings=run.lora,
+                    base_model=run.config.base_model,
+                    extra={"eval_before": event.get("eval_before"), "total_steps": run.total_steps},
+                )
+                progress.console.print(f"checkpoint saved: {final}")
+            elif kind == "final_written":
+                final_dir = output_dir / event["directory"]
+                write_adapter(output_dir, merge_stage_lora(final_dir), run.lora, base_model=run.config.base_model)
+                shutil.rmtree(final_dir, ignore_errors=True)
             elif kind == "stage_done":
                 outcome.stages[int(event["rank"])] = {key: value for key, value in event.items() if key != "event"}
             elif kind == "done":
@@ -244,9 +377,9 @@ def _follow(console: Console, job: Job, job_file: Path, run: PreparedRun, *, fir
                 outcome.eval_after = event.get("eval_after")
 
         started = time.monotonic()
-        run_local_job(job, job_file, log_dir=Path(job.run_dir) / "logs", on_event=on_event)
+        start(on_event)
         outcome.seconds = time.monotonic() - started
-    _write_summary(Path(job.output_dir) / "run_summary.json", outcome, first_step=first_step, total_steps=run.total_steps)
+    _write_summary(output_dir / "run_summary.json", outcome, first_step=first_step, total_steps=run.total_steps)
     return outcome
 
 
@@ -297,8 +430,6 @@ def _print_result(console: Console, run: PreparedRun, outcome: _Outcome) -> None
         console.print(f"eval loss: {outcome.eval_before:.4f} before → {outcome.eval_after:.4f} after")
     elif outcome.last_loss is not None:
         console.print(f"final train loss: {outcome.last_loss:.4f} (no eval split: set val_set_size)")
-    run_dir = output_dir / RUN_DIR_NAME
-    shutil.rmtree(run_dir / "final", ignore_errors=True)
     dtype = run.config.compute_dtype_name
     quant = run.config.adapter == "qlora"
     snippet = [

@@ -7,7 +7,7 @@ address here; nothing else a stage process reads depends on where it runs.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,21 +30,27 @@ class StagePlacement:
 
 @dataclass(frozen=True)
 class Job:
-    """Everything a stage process needs to build its stage and train it."""
+    """Everything a stage process needs to build its stage and train it.
+
+    ``inputs`` names every file a stage may read (``data.safetensors``, ``model/config.json``,
+    ``model/*.safetensors``, ``init_adapter/*``, ``resume/*``) with its path on the launching
+    machine. A stage on that machine opens the paths; a stage elsewhere fetches them by name from
+    ``files_url``. ``master_addr:master_port`` is the launcher's torch.distributed TCPStore.
+    """
 
     config: dict[str, Any]
     stages: list[StagePlacement]
     replicas: int
-    data_file: str
+    inputs: dict[str, str]
     output_dir: str
-    run_dir: str
     master_addr: str
     master_port: int
     total_steps: int
     threads_per_process: int
-    resume_from: str | None = None
+    resume_step: int = 0
     eval_before: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    files_url: str | None = None
+    timeout_s: float = 300.0
 
     @property
     def num_stages(self) -> int:

@@ -53,8 +53,12 @@ class LoraSettings:
         return self.alpha / self.r
 
 
-def lora_settings(config: Config) -> LoraSettings:
-    """Resolve the LoRA targets of a config, and check them against ``lora_model_dir`` if given."""
+def lora_settings(config: Config, *, check_init_adapter: bool = True) -> LoraSettings:
+    """Resolve the LoRA targets of a config, and check them against ``lora_model_dir`` if given.
+
+    Stage processes on other machines pass ``check_init_adapter=False``: the launcher checked the
+    adapter, and its files reach them through the job's inputs, not at ``lora_model_dir``.
+    """
     if config.lora_target_linear:
         targets = DECODER_LINEAR_NAMES
     else:
@@ -73,7 +77,7 @@ def lora_settings(config: Config) -> LoraSettings:
         target_modules=tuple(targets),
         init_from=config.lora_model_dir,
     )
-    if config.lora_model_dir is not None:
+    if config.lora_model_dir is not None and check_init_adapter:
         _check_matches_existing_adapter(settings, Path(config.lora_model_dir))
     return settings
 

@@ -16,11 +16,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,14 +29,18 @@ from shardpool import checkpoint as ckpt
 from shardpool.config import Config
 from shardpool.data import PreparedData, TokenRows, load_prepared, step_batches
 from shardpool.job import Job
-from shardpool.lora import lora_settings, write_adapter
+from shardpool.lora import lora_settings
 from shardpool.nf4 import DTYPES
+from shardpool.runfiles import RunFiles
 from shardpool.schedule import schedule_for
 from shardpool.stage import BaseSettings, PipelineStage, build_stage
 
 __all__ = ["StageWorker", "emit", "peak_rss_bytes", "EVENT_PREFIX", "token_loss_sum", "label_tokens", "scheduler_name", "warmup_steps"]
 
 EVENT_PREFIX = "@shardpool "
+DATA_INPUT = "data.safetensors"
+INIT_ADAPTER_PREFIX = "init_adapter/"
+FINAL_DIR = ".shardpool/final"
 _FORWARD_TAG, _BACKWARD_TAG = 1, 2
 
 
@@ -151,16 +153,19 @@ class StageWorker:
     # ----- set-up -------------------------------------------------------------------------
     def setup(self) -> None:
         """Join the process group, build the stage, load the data and the optimizer."""
-        torch.set_num_threads(self.job.threads_per_process)
+        torch.set_num_threads(self._threads())
         torch.manual_seed(self.config.seed + self.rank)
         all_cuda = all(stage.device.startswith("cuda") for stage in self.job.stages)
+        timeout = timedelta(seconds=self.job.timeout_s)
+        store = dist.TCPStore(self.job.master_addr, self.job.master_port, is_master=False, timeout=timeout)
         dist.init_process_group(
             backend="nccl" if all_cuda else "gloo",
-            init_method=f"tcp://{self.job.master_addr}:{self.job.master_port}",
+            store=store,
             rank=self.rank,
             world_size=self.job.world_size,
-            timeout=timedelta(seconds=float(self.job.extra.get("timeout_s", 600))),
+            timeout=timeout,
         )
+        self.files = RunFiles(self.job)
         self.wire = _Wire(
             device=self.device,
             wire_dtype=DTYPES[self.config.wire_dtype_name],
@@ -168,7 +173,7 @@ class StageWorker:
             through_cpu=not all_cuda,
         )
         self._make_replica_groups()
-        self.lora = lora_settings(self.config)
+        self.lora = lora_settings(self.config, check_init_adapter=False)
         base = BaseSettings(
             quantize=self.config.adapter == "qlora",
             quant_type=self.config.bnb_config_kwargs.bnb_4bit_quant_type,
@@ -176,9 +181,12 @@ class StageWorker:
             compute_dtype=self.config.compute_dtype_name,
             gradient_checkpointing=self.config.gradient_checkpointing,
         )
-        self.stage = build_stage(self.config.base_model, self.spec, base, self.lora, seed=self.config.seed)
+        if self.lora.init_from:
+            self.lora = replace(self.lora, init_from=str(self.files.adapter_dir(INIT_ADAPTER_PREFIX)))
+        with self.files.weight_reader() as reader:
+            self.stage = build_stage(self.files.model_dir(), self.spec, base, self.lora, seed=self.config.seed, reader=reader)
         self.hidden_size = int(self.stage.hf_config.hidden_size)
-        self.data = load_prepared(self.job.data_file)
+        self.data = load_prepared(self.files.path(DATA_INPUT))
         self.steps = step_batches(
             len(self.data.train),
             micro_batch_size=self.config.micro_batch_size,
@@ -203,6 +211,15 @@ class StageWorker:
             num_training_steps=len(self.steps),
         )
 
+    def _threads(self) -> int:
+        """Intra-op threads: the configured count, else this machine's cores over its stage processes."""
+        if self.config.shardpool.threads_per_stage:
+            return self.config.shardpool.threads_per_stage
+        local_ranks = os.environ.get("SHARDPOOL_LOCAL_RANKS")
+        if local_ranks:
+            return max(1, (os.cpu_count() or 1) // int(local_ranks))
+        return self.job.threads_per_process
+
     def _make_replica_groups(self) -> None:
         if self.job.replicas == 1:
             return
@@ -216,7 +233,7 @@ class StageWorker:
     def run(self) -> None:
         """Train from the start or from a checkpoint, evaluate, and write the adapter."""
         self.setup()
-        first_step = self._resume() if self.job.resume_from else 0
+        first_step = self._resume() if self.job.resume_step else 0
         if self.rank == 0:
             emit({"event": "ready", "total_steps": len(self.steps), "first_step": first_step})
         eval_before = self.job.eval_before
@@ -384,10 +401,8 @@ class StageWorker:
         return float(summary[0] / summary[1]) if summary[1] > 0 else None
 
     def _save_eval_logits(self, batch: TokenRows, logits: torch.Tensor) -> None:
-        from shardpool.atomic import save_tensors_atomic
-
-        save_tensors_atomic(
-            Path(self.job.output_dir) / "eval_logits.safetensors",
+        self.files.save_tensors(
+            "eval_logits.safetensors",
             {
                 "input_ids": batch.input_ids,
                 "attention_mask": batch.attention_mask,
@@ -398,34 +413,24 @@ class StageWorker:
 
     # ----- saving -----------------------------------------------------------------------------
     def save_checkpoint(self, step: int, *, eval_before: float | None) -> None:
-        """Write a checkpoint after ``step`` steps: every stage its part, then rank 0 renames it in."""
-        directory = ckpt.partial_dir(self.job.output_dir, step)
-        if self.rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
-            directory.mkdir(parents=True)
+        """Send every stage's part of a checkpoint to the launcher, which then renames it into place."""
+        partial = f"checkpoints/{ckpt.partial_dir('', step).name}"
+        self._send_state(partial)
+        self.files.save_tensors(f"{partial}/{ckpt.rng_file(self.rank)}", ckpt.rng_state_tensors())
         dist.barrier()
+        if self.rank == 0:
+            emit({"event": "checkpoint_written", "step": step, "partial": partial, "eval_before": eval_before})
+
+    def _send_state(self, directory: str) -> None:
         if self.replica == 0:
-            ckpt.write_stage_state(
-                directory, stage_index=self.spec.index, named_parameters=self.named_params, optimizer=self.optimizer
-            )
-        ckpt.write_rng_state(directory, rank=self.rank)
-        dist.barrier()
-        if self.rank == 0:
-            final = ckpt.finalize_checkpoint(
-                directory,
-                step=step,
-                settings=self.lora,
-                base_model=self.config.base_model,
-                extra={"eval_before": eval_before, "total_steps": len(self.steps)},
-            )
-            emit({"event": "checkpoint", "step": step, "path": str(final)})
-        dist.barrier()
+            tensors = ckpt.stage_state_tensors(named_parameters=self.named_params, optimizer=self.optimizer)
+            self.files.save_tensors(f"{directory}/{ckpt.stage_file(self.spec.index)}", tensors)
 
     def _resume(self) -> int:
-        directory = Path(str(self.job.resume_from))
-        step = ckpt.checkpoint_step(directory)
+        step = self.job.resume_step
+        stage_files = [self.files.path(name) for name in self.job.inputs if name.startswith("resume/stage-")]
         keys = [key for key, _ in self.named_params]
-        lora, optim_state = ckpt.read_lora_and_optimizer(directory, keys)
+        lora, optim_state = ckpt.read_lora_and_optimizer(stage_files, keys)
         with torch.no_grad():
             for key, param in self.named_params:
                 param.copy_(lora[key].to(device=param.device, dtype=param.dtype))
@@ -438,29 +443,17 @@ class StageWorker:
         self.optimizer.load_state_dict(state)
         for _ in range(step):
             self.scheduler.step()
-        rng = ckpt.read_rng_state(directory, rank=self.rank)
-        if rng is not None:
-            torch.set_rng_state(rng)
+        rng_input = f"resume/{ckpt.rng_file(self.rank)}"
+        if self.files.has(rng_input):
+            torch.set_rng_state(ckpt.read_rng_state(self.files.path(rng_input)))
         return step
 
     def write_final_adapter(self) -> None:
-        """Gather every stage's LoRA tensors into one PEFT adapter in ``output_dir``."""
-        directory = Path(self.job.run_dir) / "final"
-        if self.rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
-            directory.mkdir(parents=True)
-        dist.barrier()
-        if self.replica == 0:
-            ckpt.write_stage_state(
-                directory, stage_index=self.spec.index, named_parameters=self.named_params, optimizer=self.optimizer
-            )
+        """Send every stage's LoRA tensors to the launcher, which merges them into one PEFT adapter."""
+        self._send_state(FINAL_DIR)
         dist.barrier()
         if self.rank == 0:
-            lora = {}
-            for stage_file in sorted(directory.glob("stage-*.safetensors")):
-                lora.update(ckpt.read_stage_lora(stage_file))
-            write_adapter(self.job.output_dir, lora, self.lora, base_model=self.config.base_model)
-            shutil.rmtree(directory, ignore_errors=True)
+            emit({"event": "final_written", "directory": FINAL_DIR})
 
 
 def run_stage_process(job_path: str, rank: int) -> None:

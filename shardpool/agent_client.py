@@ -1,0 +1,84 @@
+"""The launcher's side of ``shardpool agent``: JSON over HTTP to one member's agent.
+
+Every call has a timeout and raises :class:`AgentUnreachable` when the member does not answer,
+so the launcher can tell a lost member from a failed stage.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from shardpool.errors import ShardpoolError
+
+__all__ = ["AgentClient", "AgentUnreachable", "AgentRefused", "DEFAULT_AGENT_PORT"]
+
+DEFAULT_AGENT_PORT = 7710
+
+
+class AgentUnreachable(ShardpoolError):
+    """The agent did not answer (the member is down, cut off, or its agent is not running)."""
+
+
+class AgentRefused(ShardpoolError):
+    """The agent answered with an error status."""
+
+
+@dataclass(frozen=True)
+class AgentClient:
+    """A connection-per-call client of one agent, e.g. ``AgentClient("http://10.77.0.2:7710")``."""
+
+    url: str
+    timeout: float = 10.0
+
+    def health(self) -> dict[str, Any]:
+        """The agent's name, address and version."""
+        return self._call("GET", "/v1/health")
+
+    def devices(self, model_config: dict[str, Any], workload: dict[str, Any], *, timeout: float = 300.0) -> list[dict[str, Any]]:
+        """The member's devices, each profiled for this model shape and workload (cached there)."""
+        reply = self._call("POST", "/v1/devices", {"model_config": model_config, "workload": workload}, timeout=timeout)
+        return list(reply["devices"])
+
+    def start_job(self, job_id: str, job: dict[str, Any], ranks: list[int], env: dict[str, str]) -> dict[str, Any]:
+        """Start the given ranks of a job on the member."""
+        return self._call("POST", "/v1/jobs", {"job_id": job_id, "job": job, "ranks": ranks, "env": env}, timeout=60.0)
+
+    def events(self, job_id: str, *, after: int, wait: float = 1.0) -> dict[str, Any]:
+        """Events after sequence number ``after`` (long-polls up to ``wait`` s); also the heartbeat."""
+        return self._call("GET", f"/v1/jobs/{job_id}/events?after={after}&wait={wait}", timeout=wait + self.timeout)
+
+    def stop_job(self, job_id: str, *, timeout: float = 15.0) -> dict[str, Any]:
+        """Stop every process of the job on the member."""
+        return self._call("DELETE", f"/v1/jobs/{job_id}", timeout=timeout)
+
+    def log_tail(self, job_id: str, rank: int, lines: int = 20) -> str:
+        """The last lines of one rank's log on the member."""
+        return str(self._call("GET", f"/v1/jobs/{job_id}/log/{rank}?tail={lines}", raw=True))
+
+    def _call(self, method: str, path: str, body: Any = None, *, timeout: float | None = None, raw: bool = False) -> Any:
+        parts = urlsplit(self.url)
+        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout or self.timeout)
+        payload = None if body is None else json.dumps(body).encode("utf-8")
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        try:
+            connection.request(method, path, body=payload, headers=headers)
+            response = connection.getresponse()
+            data = response.read()
+        except (TimeoutError, OSError, http.client.HTTPException) as error:
+            raise AgentUnreachable(f"agent at {self.url} did not answer {method} {path.split('?')[0]}: {error}") from None
+        finally:
+            connection.close()
+        text = data.decode("utf-8", errors="replace")
+        if response.status >= 400:
+            try:
+                message = json.loads(text).get("error", text)
+            except (json.JSONDecodeError, AttributeError):
+                message = text.strip()
+            raise AgentRefused(f"agent at {self.url} refused {method} {path.split('?')[0]}: {response.status} {message}")
+        if raw:
+            return text
+        return json.loads(text) if text else {}

@@ -1,0 +1,237 @@
+"""Run a job's stage processes on mesh members through their agents, and stop them all on failure.
+
+The launcher asks each online member's agent for its devices (profiled for this model), plans
+over them, then starts each member's ranks with one ``POST /v1/jobs`` and follows them by
+long-polling their events. The polls double as the launcher's heartbeat: an agent that stops
+hearing from the launcher stops its stages. A member whose agent stops answering for
+``lost_after_s`` seconds, or whose stage exits non-zero, ends the run: every other member's
+stages are stopped and the error names the member and the step.
+"""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from shardpool.agent_client import DEFAULT_AGENT_PORT, AgentClient, AgentRefused, AgentUnreachable
+from shardpool.costmodel import Workload
+from shardpool.errors import ShardpoolError
+from shardpool.fleet import DEFAULT_LINK, Device, Fleet, LinkSpec
+from shardpool.job import Job
+from shardpool.launcher import StageFailed
+
+__all__ = ["MeshMember", "online_members", "mesh_fleet", "run_mesh_job", "new_job_id", "MemberLost"]
+
+LOST_AFTER_S = 15.0
+_POLL_WAIT_S = 1.0
+
+
+class MemberLost(StageFailed):
+    """A member stopped answering mid-run."""
+
+
+@dataclass(frozen=True)
+class MeshMember:
+    """An online mesh member and the client of its agent."""
+
+    name: str
+    address: str
+    is_self: bool
+    agent: AgentClient
+
+
+def online_members(state_dir: str | None = None, *, port: int = DEFAULT_AGENT_PORT) -> list[MeshMember]:
+    """The members that answer over the mesh now (this machine included), in roster order."""
+    from mesh.api import members
+
+    found = [member for member in members(state_dir, probe=True) if member.online]
+    return [
+        MeshMember(member.name, member.address, member.is_self, AgentClient(f"http://{member.address}:{port}"))
+        for member in found
+    ]
+
+
+def mesh_fleet(
+    members: list[MeshMember], *, model_config: dict[str, Any], workload: Workload, say: Callable[[str], None]
+) -> Fleet:
+    """Devices of every member whose agent answers, profiled there, and the links to them."""
+    devices: list[Device] = []
+    launcher = next((member for member in members if member.is_self), None)
+    links: dict[frozenset[str], LinkSpec] = {}
+    for member in members:
+        try:
+            reported = member.agent.devices(model_config, asdict(workload))
+        except (AgentUnreachable, AgentRefused) as error:
+            say(f"skipping member {member.name!r}: {error}")
+            continue
+        for info in reported:
+            devices.append(
+                Device(
+                    name=f"{member.name}/{info['name']}",
+                    memory_bytes=int(info["free_bytes"]),
+                    host=member.name,
+                    seconds_per_layer=float(info["seconds_per_layer"]),
+                    kind=str(info["kind"]),
+                    torch_device=str(info["name"]),
+                    activation_bytes_per_layer=info.get("activation_bytes"),
+                )
+            )
+        if launcher is not None and member is not launcher:
+            links[frozenset((launcher.name, member.name))] = measure_link(member.agent)
+    if not devices:
+        raise ShardpoolError("no mesh member's agent answered; start `shardpool agent` on the members (see docs/agent.md)")
+    _fill_member_links(links, [member.name for member in members], launcher.name if launcher else None)
+    return Fleet(devices=tuple(devices), links=links)
+
+
+def measure_link(agent: AgentClient, *, pings: int = 5) -> LinkSpec:
+    """Latency to a member from the agent's round trip; bandwidth is the default mesh link's.
+
+    A round trip of a tiny request bounds the one-way latency from above; bandwidth between
+    members is not measured yet (docs/planner.md says which figure is assumed).
+    """
+    round_trips = []
+    for _ in range(pings):
+        started = time.perf_counter()
+        agent.health()
+        round_trips.append(time.perf_counter() - started)
+    return LinkSpec(bandwidth=DEFAULT_LINK.bandwidth, latency=statistics.median(round_trips) / 2)
+
+
+def _fill_member_links(links: dict[frozenset[str], LinkSpec], names: list[str], launcher: str | None) -> None:
+    """Between two members, assume the slower of their links to the launcher."""
+    for first in names:
+        for second in names:
+            pair = frozenset((first, second))
+            if first >= second or pair in links or launcher is None:
+                continue
+            via = [links.get(frozenset((launcher, name)), DEFAULT_LINK) for name in (first, second)]
+            links[pair] = LinkSpec(bandwidth=min(link.bandwidth for link in via), latency=max(link.latency for link in via))
+
+
+def new_job_id() -> str:
+    """A unique, filesystem-safe job id."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}"
+
+
+@dataclass
+class _Follow:
+    member: MeshMember
+    ranks: list[int]
+    seq: int = 0
+    exited: dict[int, int] = field(default_factory=dict)
+    running: bool = True
+    lost: str | None = None
+
+
+def run_mesh_job(
+    job: Job,
+    job_id: str,
+    ranks_by_member: dict[str, tuple[MeshMember, list[int], dict[str, str]]],
+    *,
+    on_event: Callable[[dict[str, Any]], None],
+    lost_after_s: float = LOST_AFTER_S,
+) -> None:
+    """Run every rank on its member until all finish; raise StageFailed/MemberLost on the first failure."""
+    follows = {name: _Follow(member, ranks) for name, (member, ranks, _) in ranks_by_member.items()}
+    events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+    stop = threading.Event()
+    errors: dict[int, str] = {}
+    last_step = job.resume_step
+    started: list[str] = []
+    try:
+        for name, (member, ranks, env) in ranks_by_member.items():
+            member.agent.start_job(job_id, _job_dict(job), ranks, env)
+            started.append(name)
+        threads = [
+            threading.Thread(target=_poll, args=(follow, job_id, events, stop, lost_after_s), daemon=True)
+            for follow in follows.values()
+        ]
+        for thread in threads:
+            thread.start()
+        while True:
+            try:
+                name, event = events.get(timeout=0.2)
+                kind = event.get("event")
+                if kind == "error":
+                    errors.setdefault(int(event.get("rank", -1)), str(event.get("message", "unknown error")))
+                else:
+                    if kind == "step":
+                        last_step = int(event["step"])
+                    on_event(event)
+            except queue.Empty:
+                pass
+            failure = _failure(job, follows, errors, last_step)
+            if failure is not None:
+                raise failure
+            if all(not follow.running for follow in follows.values()) and events.empty():
+                return
+    finally:
+        stop.set()
+        for name in started:
+            member = ranks_by_member[name][0]
+            try:
+                member.agent.stop_job(job_id, timeout=10.0)
+            except (AgentUnreachable, AgentRefused):
+                pass
+
+
+def _job_dict(job: Job) -> dict[str, Any]:
+    return asdict(job)
+
+
+def _poll(
+    follow: _Follow,
+    job_id: str,
+    events: queue.Queue[tuple[str, dict[str, Any]]],
+    stop: threading.Event,
+    lost_after_s: float,
+) -> None:
+    silent_since: float | None = None
+    while not stop.is_set() and follow.running:
+        try:
+            reply = follow.member.agent.events(job_id, after=follow.seq, wait=_POLL_WAIT_S)
+        except AgentUnreachable as error:
+            silent_since = silent_since or time.monotonic()
+            if time.monotonic() - silent_since > lost_after_s:
+                follow.lost = f"its agent stopped answering for {lost_after_s:.0f} s ({error})"
+                return
+            time.sleep(0.5)
+            continue
+        except AgentRefused as error:
+            follow.lost = str(error)
+            return
+        silent_since = None
+        for item in reply.get("events", []):
+            follow.seq = max(follow.seq, int(item["seq"]))
+            event = dict(item["event"])
+            event.setdefault("rank", item.get("rank"))
+            events.put((follow.member.name, event))
+        follow.exited = {int(rank): int(code) for rank, code in reply.get("exited", {}).items()}
+        follow.running = bool(reply.get("running", True))
+
+
+def _failure(job: Job, follows: dict[str, _Follow], errors: dict[int, str], last_step: int) -> StageFailed | None:
+    for name, follow in follows.items():
+        if follow.lost is not None:
+            stage = job.stage_index(follow.ranks[0])
+            return MemberLost(f"member {name!r} was lost at step {last_step}: {follow.lost}", rank=follow.ranks[0], stage=stage)
+    failed = [(name, rank, code) for name, follow in follows.items() for rank, code in follow.exited.items() if code != 0]
+    if not failed:
+        return None
+    killed = [item for item in failed if item[2] < 0]
+    reporting = [item for item in failed if item[1] in errors]
+    name, rank, code = (killed or reporting or failed)[0]
+    stage = job.stage_index(rank)
+    message = f"killed by signal {-code}" if code < 0 else errors.get(rank, f"exited with status {code}")
+    return MemberLost(
+        f"stage {stage} (rank {rank}) on member {name!r} failed at step {last_step}: {message}", rank=rank, stage=stage
+    ) if code < 0 else StageFailed(
+        f"stage {stage} (rank {rank}) on member {name!r} failed at step {last_step}: {message}", rank=rank, stage=stage
+    )

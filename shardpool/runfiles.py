@@ -1,0 +1,111 @@
+"""The files a stage process reads from, and writes to, the launching machine.
+
+The launcher owns everything: the base model, the tokenized data, the starting adapter, the
+checkpoints and ``output_dir``. A stage on the launcher's own machine opens those paths directly;
+a stage on another mesh member fetches them from the launcher's file server (byte ranges of only
+the tensors it owns, checked by size and hash) and sends its results back the same way. The
+training loop sees one interface either way, so moving a stage changes nothing in it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardpool.atomic import save_tensors_atomic
+from shardpool.errors import ShardpoolError
+from shardpool.job import Job
+from shardpool.weights import WeightReader
+
+__all__ = ["RunFiles", "MODEL_PREFIX", "model_file_names"]
+
+MODEL_PREFIX = "model/"
+
+
+def model_file_names(model_dir: Path) -> list[str]:
+    """The files of a model directory a stage needs: config.json and the safetensors (and index)."""
+    names = ["config.json"]
+    names += sorted(path.name for path in model_dir.glob("*.safetensors"))
+    if (model_dir / "model.safetensors.index.json").is_file():
+        names.append("model.safetensors.index.json")
+    return names
+
+
+class RunFiles:
+    """Inputs by name (``job.inputs``: name → path on the launcher) and outputs by relative path."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self._remote: Any = None
+        self._fetch_dir: Path | None = None
+        if job.files_url:
+            from shardpool.remote import RemoteFiles
+
+            self._remote = RemoteFiles(job.files_url)
+            self._fetch_dir = Path(tempfile.mkdtemp(prefix="shardpool-run-"))
+
+    @property
+    def remote(self) -> bool:
+        """Whether this process reads and writes through the launcher's file server."""
+        return self._remote is not None
+
+    def path(self, name: str) -> Path:
+        """A local path holding input ``name`` (fetched and verified first when remote)."""
+        if name not in self.job.inputs:
+            raise ShardpoolError(f"the job has no input named {name!r}")
+        if self._remote is None:
+            return Path(self.job.inputs[name])
+        assert self._fetch_dir is not None
+        target_dir = self._fetch_dir / Path(name).parent
+        target_dir.mkdir(parents=True, exist_ok=True)
+        fetched = self._remote.fetch_file(name, target_dir)
+        return Path(fetched)
+
+    def has(self, name: str) -> bool:
+        """Whether the job provides input ``name``."""
+        return name in self.job.inputs
+
+    def model_dir(self) -> Path:
+        """A local directory with the model's config.json (for the architecture, never the weights)."""
+        return self.path(MODEL_PREFIX + "config.json").parent
+
+    def weight_reader(self) -> Any:
+        """A reader of the base model's tensors with WeightReader's interface, local or remote."""
+        if self._remote is None:
+            return WeightReader(Path(self.job.inputs[MODEL_PREFIX + "config.json"]).parent)
+        from shardpool.remote import RemoteWeightReader
+
+        names = [name for name in self.job.inputs if name.startswith(MODEL_PREFIX) and name.endswith(".safetensors")]
+        return RemoteWeightReader(self._remote, sorted(names))
+
+    def adapter_dir(self, prefix: str) -> Path:
+        """A local directory holding the adapter files under input ``prefix`` (e.g. ``init_adapter/``)."""
+        names = [name for name in self.job.inputs if name.startswith(prefix)]
+        if not names:
+            raise ShardpoolError(f"the job has no inputs under {prefix!r}")
+        return Path(self.path(names[0])).parent if self._remote is None else self._fetch_all(names)
+
+    def _fetch_all(self, names: list[str]) -> Path:
+        paths = [self.path(name) for name in names]
+        return paths[0].parent
+
+    def save_tensors(self, relative: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Write a safetensors file at ``output_dir/relative`` on the launcher, atomically."""
+        if self._remote is None:
+            target = Path(self.job.output_dir) / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            save_tensors_atomic(target, tensors)
+            return
+        assert self._fetch_dir is not None
+        staging = self._fetch_dir / "outgoing"
+        staging.mkdir(parents=True, exist_ok=True)
+        local = staging / Path(relative).name
+        save_tensors_atomic(local, tensors)
+        try:
+            self._remote.upload(local, relative)
+        finally:
+            os.unlink(local)
