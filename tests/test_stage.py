@@ -225,3 +225,36 @@ def test_peak_memory_of_a_quarter_stage_is_far_below_the_whole_model(tmp_path: P
     # whole model holds 8 layers and the embeddings, a middle quarter 2 layers and nothing else.
     assert whole - quarter > 5 * layer_mib, f"quarter stage grew {quarter:.0f} MiB, whole model {whole:.0f} MiB"
     assert quarter < 0.4 * whole
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_model: Path) -> None:
+    inputs = _inputs(vocab=int(json.loads((tiny_model / "config.json").read_text())["vocab_size"]))
+    grads = []
+    for recompute in (False, True):
+        stage = build_stage(
+            tiny_model, StageSpec(0, 1, 0, 6, "cpu"), BaseSettings(gradient_checkpointing=recompute), LORA, seed=5
+        )
+        _randomize_lora_b([stage])
+        logits = stage(inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"])
+        logits.float().pow(2).mean().backward()
+        grads.append({name: param.grad.clone() for name, param in stage.named_lora_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    assert max(float((grads[0][k] - grads[1][k]).abs().max()) for k in grads[0]) < 1e-6
+    assert any(float(g.abs().sum()) > 0 for g in grads[1].values())
+
+
+def test_packed_samples_do_not_attend_across_their_boundary(tiny_model: Path) -> None:
+    stages = _stages(tiny_model, [(0, 3), (3, 6)])
+    _randomize_lora_b(stages)
+    generator = torch.Generator().manual_seed(2)
+    first, second = torch.randint(4, 100, (1, 5), generator=generator), torch.randint(4, 100, (1, 7), generator=generator)
+    packed = {
+        "input_ids": torch.cat([first, second], dim=1),
+        "attention_mask": None,
+        "position_ids": torch.cat([torch.arange(5), torch.arange(7)]).unsqueeze(0),
+    }
+    alone = {"input_ids": second, "attention_mask": None, "position_ids": torch.arange(7).unsqueeze(0)}
+    with torch.no_grad():
+        packed_logits = _pipeline_logits(stages, packed)
+        alone_logits = _pipeline_logits(stages, alone)
+    assert float((packed_logits[:, 5:] - alone_logits).abs().max()) < 1e-5
