@@ -8,6 +8,7 @@ the last line of their output, so scripts can take it with ``tail -n 1``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import secrets
@@ -36,6 +37,7 @@ from mesh.config import (
     load_config,
     save_config,
 )
+from mesh.daemon import log_tail, read_pid, spawn_detached, stop_process
 from mesh.errors import MeshError
 from mesh.keys import generate_private_key, public_key, read_private_key, write_private_key
 from mesh.model import RosterEntry, check_name
@@ -50,6 +52,79 @@ from mesh.wgquick import WgQuickConfig, WgQuickPeer, render_wgquick, write_wgqui
 __all__ = ["add_mesh_commands", "build_parser", "main"]
 
 _DEFAULT_PORT = 51820
+
+
+# The shardpool agent (``shardpool agent``, port 7710 on the mesh address) lets launchers on other
+# members start training stages here. It is started as a separate program, only when the shardpool
+# package is installed, because this package never imports shardpool or torch.
+def _shardpool_agent_files(paths: StatePaths) -> tuple[Path, Path, Path, Path]:
+    """Pid file, log, ready file and the ``--no-agent`` marker of the shardpool agent."""
+    return (
+        paths.run / "shardpool-agent.pid",
+        paths.logs / "shardpool-agent.log",
+        paths.run / "shardpool-agent.json",
+        paths.root / "shardpool-agent.disabled",
+    )
+
+
+def _start_shardpool_agent(paths: StatePaths, timeout: float = 15.0) -> str:
+    """Start ``shardpool agent`` detached and wait until it listens; return one line saying what happened.
+
+    Never raises: the mesh works without the agent, so a failure is reported, not fatal.
+    """
+    pid_file, log_file, ready_file, disabled = _shardpool_agent_files(paths)
+    if disabled.exists():
+        return f"shardpool agent: not started (disabled with --no-agent; delete {disabled} to enable it)"
+    running = read_pid(pid_file)
+    if running is not None:
+        return f"shardpool agent: already running (pid {running})"
+    spec = importlib.util.find_spec("shardpool")
+    if spec is None or spec.origin is None:
+        return "shardpool agent: not started (the shardpool package is not installed here)"
+    package_parent = str(Path(spec.origin).resolve().parent.parent)
+    path = os.environ.get("PYTHONPATH", "")
+    env = dict(os.environ, PYTHONPATH=package_parent + (os.pathsep + path if path else ""))
+    ready_file.unlink(missing_ok=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "shardpool",
+        "agent",
+        "--state-dir",
+        str(paths.root),
+        "--ready-file",
+        str(ready_file),
+    ]
+    pid = spawn_detached(argv, pid_file, log_file, env=env)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if read_pid(pid_file) != pid:
+            return f"shardpool agent: could not start: {log_tail(log_file, 2)} (log: {log_file})"
+        if ready_file.exists():
+            try:
+                ready = read_json(ready_file)
+            except MeshError:
+                ready = {}
+            if ready.get("pid") == pid:
+                return f"shardpool agent: listening on {ready.get('url')} (pid {pid}; log {log_file})"
+        time.sleep(0.05)
+    stop_process(pid_file)
+    return f"shardpool agent: not ready within {timeout:.0f} s, stopped it: {log_tail(log_file, 2)}"
+
+
+def _stop_shardpool_agent(paths: StatePaths) -> None:
+    """Stop the shardpool agent (and so its jobs) if it runs."""
+    pid_file, _, ready_file, _ = _shardpool_agent_files(paths)
+    stop_process(pid_file, timeout=10.0)
+    ready_file.unlink(missing_ok=True)
+
+
+def _agent_choice(paths: StatePaths, no_agent: bool) -> str:
+    """Remember ``--no-agent`` (until ``leave``) or start the agent; return the line to print."""
+    if no_agent:
+        _shardpool_agent_files(paths)[3].touch()
+        return "shardpool agent: not started (--no-agent); this machine cannot host remote training stages"
+    return _start_shardpool_agent(paths)
 
 
 def _paths(args: argparse.Namespace) -> StatePaths:
@@ -159,8 +234,10 @@ def cmd_init(args: argparse.Namespace) -> int:
     except BaseException:
         _discard_state(paths)
         raise
+    agent_line = _agent_choice(paths, args.no_agent)
     print(f"Created mesh {config.mesh_id} ({config.cidr}) with {backend} WireGuard on {interface}.")
     print(f"This machine is {name!r} at {address}; the coordinator listens on {args.endpoint} (UDP and TCP).")
+    print(agent_line)
     _print_token(token, args.ttl, args.uses)
     return 0
 
@@ -234,6 +311,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         f"Joined mesh {config.mesh_id} as {config.name!r} at {config.address} on {interface} ({backend} WireGuard)."
     )
     print(f"{peers} peer{'s' if peers != 1 else ''} configured; the roster stays in sync in the background.")
+    print(_agent_choice(paths, args.no_agent))
     return 0
 
 
@@ -376,8 +454,10 @@ def cmd_leave(args: argparse.Namespace) -> int:
             print(
                 f"warning: could not tell the coordinator ({error}); ask it to run `shardpool mesh remove {config.name}`"
             )
+    _stop_shardpool_agent(paths)
     bring_down(paths, config)
     _delete_state(paths)
+    _shardpool_agent_files(paths)[3].unlink(missing_ok=True)
     print(
         f"Left mesh {config.mesh_id}: interface {config.interface} removed and state in {paths.root} deleted."
     )
@@ -389,6 +469,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     paths = _paths(args)
     config = load_config(paths)
     _require_root("down")
+    _stop_shardpool_agent(paths)
     bring_down(paths, config)
     save_config(paths, config.with_changes(down=True))
     print(
@@ -404,7 +485,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     _require_root("up")
     if agent_running(paths) and device_status(paths, config) is not None:
         print(f"Mesh interface {config.interface} is already up.")
+        print(_start_shardpool_agent(paths))
         return 0
+    _stop_shardpool_agent(paths)
     bring_down(paths, config)
     private_key = read_private_key(paths.private_key)
     roster = current_roster(paths, config)
@@ -418,6 +501,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(
         f"Mesh interface {config.interface} is up at {config.address} with {len(roster.members) - 1} peer(s)."
     )
+    print(_start_shardpool_agent(paths))
     return 0
 
 
@@ -495,6 +579,11 @@ def _add_subcommands(mesh: argparse.ArgumentParser) -> None:
     init.add_argument(
         "--uses", type=int, default=1, help="how many machines the first token admits (default 1)"
     )
+    init.add_argument(
+        "--no-agent",
+        action="store_true",
+        help="do not start the shardpool agent (no remote training stages here)",
+    )
     init.set_defaults(handler=cmd_init)
 
     invite = sub.add_parser("invite", help="print another join token (on the coordinator)")
@@ -520,6 +609,11 @@ def _add_subcommands(mesh: argparse.ArgumentParser) -> None:
     join.add_argument("--mtu", type=int, help="interface MTU (default: the mesh's)")
     join.add_argument(
         "--backend", choices=BACKENDS, help="force kernel or userspace WireGuard (default: probe)"
+    )
+    join.add_argument(
+        "--no-agent",
+        action="store_true",
+        help="do not start the shardpool agent (no remote training stages here)",
     )
     join.set_defaults(handler=cmd_join)
 

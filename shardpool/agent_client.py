@@ -49,7 +49,7 @@ class AgentClient:
 
     def events(self, job_id: str, *, after: int, wait: float = 1.0) -> dict[str, Any]:
         """Events after sequence number ``after`` (long-polls up to ``wait`` s); also the heartbeat."""
-        return self._call("GET", f"/v1/jobs/{job_id}/events?after={after}&wait={wait}", timeout=wait + self.timeout)
+        return self._call("GET", f"/v1/jobs/{job_id}/events?after={after}&wait={wait}", timeout=wait + 4.0)
 
     def stop_job(self, job_id: str, *, timeout: float = 15.0) -> dict[str, Any]:
         """Stop every process of the job on the member."""

@@ -1,9 +1,10 @@
 """Checkpoints: adapter, optimizer, scheduler position, RNG and data position, saved atomically.
 
-Each stage sends its part into ``checkpoints/.step-N.partial`` on the launching machine; after a
+Each stage sends its part into ``checkpoints/step-N.partial`` on the launching machine; after a
 barrier, the launcher merges the adapter and renames the directory to ``checkpoints/step-N`` in
 one step. A crash while saving
-leaves a ``.partial`` directory that is ignored, and the previous checkpoint untouched.
+leaves a ``.partial`` directory that is ignored (and cleared by the next run), and the previous
+checkpoint untouched.
 
 Every tensor is keyed by its global adapter key, so a checkpoint written by one split of the
 layers can be resumed by another.
@@ -50,7 +51,7 @@ def checkpoints_root(output_dir: str | Path) -> Path:
 
 def partial_dir(output_dir: str | Path, step: int) -> Path:
     """The directory a checkpoint is assembled in before it is renamed into place."""
-    return checkpoints_root(output_dir) / f".step-{step}.partial"
+    return checkpoints_root(output_dir) / f"step-{step}.partial"
 
 
 def stage_state_tensors(
@@ -91,7 +92,7 @@ def finalize_checkpoint(
     write_json_atomic(directory / "checkpoint.json", {"step": step, **extra})
     final = directory.parent / f"step-{step}"
     if final.exists():
-        stale = directory.parent / f".step-{step}.stale"
+        stale = directory.parent / f"step-{step}.stale"
         shutil.rmtree(stale, ignore_errors=True)
         final.rename(stale)
         shutil.rmtree(stale, ignore_errors=True)

@@ -45,10 +45,23 @@ def build_parser() -> argparse.ArgumentParser:
     devices.add_argument("--json", action="store_true", help="print JSON instead of a table")
     devices.set_defaults(handler=_run_devices)
 
+    agent = commands.add_parser("agent", help="serve this mesh member to launchers (started by `mesh init/join`)")
+    agent.add_argument("--state-dir", help="mesh state directory (default: $SHARDPOOL_HOME, /var/lib/shardpool as root)")
+    agent.add_argument("--port", type=int, default=7710, help="TCP port on the mesh address (default 7710)")
+    agent.add_argument("--work-dir", help="where jobs keep their files and logs (default STATE/work)")
+    agent.add_argument("--ready-file", help=argparse.SUPPRESS)
+    agent.set_defaults(handler=_run_agent)
+
     from mesh.cli import add_mesh_commands
 
     add_mesh_commands(commands)
     return parser
+
+
+def _run_agent(args: argparse.Namespace) -> int:
+    from shardpool.agent import run_agent
+
+    return run_agent(args.state_dir, args.port, work_dir=args.work_dir, ready_file=args.ready_file)
 
 
 def _run_finetune(args: argparse.Namespace) -> int:

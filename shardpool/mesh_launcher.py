@@ -28,7 +28,7 @@ from shardpool.launcher import StageFailed
 
 __all__ = ["MeshMember", "online_members", "mesh_fleet", "run_mesh_job", "new_job_id", "MemberLost"]
 
-LOST_AFTER_S = 15.0
+LOST_AFTER_S = 10.0
 _POLL_WAIT_S = 1.0
 
 
@@ -174,12 +174,22 @@ def run_mesh_job(
                 return
     finally:
         stop.set()
-        for name in started:
-            member = ranks_by_member[name][0]
-            try:
-                member.agent.stop_job(job_id, timeout=10.0)
-            except (AgentUnreachable, AgentRefused):
-                pass
+        reachable = [name for name in started if follows[name].lost is None]
+        stoppers = [
+            threading.Thread(target=_stop_quietly, args=(ranks_by_member[name][0], job_id), daemon=True) for name in reachable
+        ]
+        for thread in stoppers:
+            thread.start()
+        for thread in stoppers:
+            thread.join(timeout=15.0)
+
+
+def _stop_quietly(member: MeshMember, job_id: str) -> None:
+    """Ask one agent to stop the job; a member that does not answer is already gone."""
+    try:
+        member.agent.stop_job(job_id, timeout=10.0)
+    except (AgentUnreachable, AgentRefused):
+        pass
 
 
 def _job_dict(job: Job) -> dict[str, Any]:
@@ -193,21 +203,21 @@ def _poll(
     stop: threading.Event,
     lost_after_s: float,
 ) -> None:
-    silent_since: float | None = None
+    last_answer = time.monotonic()
     while not stop.is_set() and follow.running:
         try:
             reply = follow.member.agent.events(job_id, after=follow.seq, wait=_POLL_WAIT_S)
         except AgentUnreachable as error:
-            silent_since = silent_since or time.monotonic()
-            if time.monotonic() - silent_since > lost_after_s:
-                follow.lost = f"its agent stopped answering for {lost_after_s:.0f} s ({error})"
+            silent = time.monotonic() - last_answer
+            if silent > lost_after_s:
+                follow.lost = f"its agent stopped answering for {silent:.0f} s ({error})"
                 return
             time.sleep(0.5)
             continue
         except AgentRefused as error:
             follow.lost = str(error)
             return
-        silent_since = None
+        last_answer = time.monotonic()
         for item in reply.get("events", []):
             follow.seq = max(follow.seq, int(item["seq"]))
             event = dict(item["event"])

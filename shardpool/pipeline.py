@@ -40,7 +40,7 @@ __all__ = ["StageWorker", "emit", "peak_rss_bytes", "EVENT_PREFIX", "token_loss_
 EVENT_PREFIX = "@shardpool "
 DATA_INPUT = "data.safetensors"
 INIT_ADAPTER_PREFIX = "init_adapter/"
-FINAL_DIR = ".shardpool/final"
+FINAL_DIR = "checkpoints/final.partial"
 _FORWARD_TAG, _BACKWARD_TAG = 1, 2
 
 

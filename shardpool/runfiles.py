@@ -60,10 +60,7 @@ class RunFiles:
         if self._remote is None:
             return Path(self.job.inputs[name])
         assert self._fetch_dir is not None
-        target_dir = self._fetch_dir / Path(name).parent
-        target_dir.mkdir(parents=True, exist_ok=True)
-        fetched = self._remote.fetch_file(name, target_dir)
-        return Path(fetched)
+        return Path(self._remote.fetch_file(name, self._fetch_dir))
 
     def has(self, name: str) -> bool:
         """Whether the job provides input ``name``."""

@@ -18,7 +18,7 @@ import torch
 
 from shardpool.errors import ShardpoolError
 
-__all__ = ["WeightReader", "TensorEntry", "read_header"]
+__all__ = ["WeightReader", "TensorEntry", "header_length", "parse_header", "read_header", "tensor_from_bytes"]
 
 _DTYPES = {
     "F64": torch.float64,
@@ -48,27 +48,67 @@ class TensorEntry:
     shape: tuple[int, ...]
 
 
+def header_length(prefix: bytes, source: str | Path) -> int:
+    """The JSON header length announced by a safetensors file's first 8 bytes (checked for sanity).
+
+    Split out of :func:`read_header` so a remote reader can parse a header it fetched by byte range.
+    """
+    if len(prefix) != 8:
+        raise ShardpoolError(f"{source} is not a safetensors file (too short); re-save the model")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > _MAX_HEADER_BYTES:
+        raise ShardpoolError(f"{source} has a {length}-byte header; it is not a safetensors file")
+    return int(length)
+
+
+def parse_header(header: bytes, file: Path) -> dict[str, TensorEntry]:
+    """Turn a safetensors JSON header (the bytes after the 8-byte length) into absolute byte ranges.
+
+    ``file`` is recorded in each entry; for a remote file it is the name the file server knows it by.
+    """
+    try:
+        parsed = json.loads(header)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ShardpoolError(f"{file} has a corrupt safetensors header; re-save the model") from None
+    if not isinstance(parsed, dict):
+        raise ShardpoolError(f"{file} has a corrupt safetensors header; re-save the model")
+    data_start = 8 + len(header)
+    entries = {}
+    for name, info in parsed.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(offset) for offset in info["data_offsets"])
+            dtype, shape = str(info["dtype"]), tuple(int(size) for size in info["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise ShardpoolError(f"{file} has a malformed header entry for {name!r}; re-save the model") from None
+        if not 0 <= begin <= end:
+            raise ShardpoolError(f"{file} gives {name!r} the byte range {begin}-{end}; re-save the model")
+        entries[name] = TensorEntry(file, data_start + begin, data_start + end, dtype, shape)
+    return entries
+
+
 def read_header(file: Path) -> dict[str, TensorEntry]:
     """Parse a safetensors file's header into absolute byte ranges (no tensor data is read)."""
     with open(file, "rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) != 8:
-            raise ShardpoolError(f"{file} is not a safetensors file (too short); re-save the model")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > _MAX_HEADER_BYTES:
-            raise ShardpoolError(f"{file} has a {length}-byte header; it is not a safetensors file")
-        try:
-            header = json.loads(handle.read(length))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ShardpoolError(f"{file} has a corrupt safetensors header; re-save the model") from None
-    data_start = 8 + length
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        entries[name] = TensorEntry(file, data_start + begin, data_start + end, info["dtype"], tuple(info["shape"]))
-    return entries
+        length = header_length(handle.read(8), file)
+        header = handle.read(length)
+    if len(header) != length:
+        raise ShardpoolError(f"{file} is truncated inside its header; re-save the model")
+    return parse_header(header, file)
+
+
+def tensor_from_bytes(buffer: bytearray, entry: TensorEntry, name: str) -> torch.Tensor:
+    """Build the tensor ``entry`` describes from exactly its bytes (shared with the remote reader)."""
+    if entry.dtype not in _DTYPES:
+        raise ShardpoolError(f"tensor {name!r} in {entry.file} has unsupported dtype {entry.dtype}")
+    if len(buffer) != entry.stop - entry.start:
+        raise ShardpoolError(
+            f"tensor {name!r} in {entry.file} needs {entry.stop - entry.start} bytes, got {len(buffer)}"
+        )
+    if not buffer:
+        return torch.empty(entry.shape, dtype=_DTYPES[entry.dtype])
+    return torch.frombuffer(buffer, dtype=_DTYPES[entry.dtype]).reshape(entry.shape)
 
 
 class WeightReader:
@@ -105,9 +145,7 @@ class WeightReader:
             raise ShardpoolError(f"{entry.file} is truncated: {name!r} needs {size} bytes, got {got}; re-save the model")
         self.names_read.append(name)
         self.bytes_read += size
-        if size == 0:
-            return torch.empty(entry.shape, dtype=_DTYPES[entry.dtype])
-        return torch.frombuffer(buffer, dtype=_DTYPES[entry.dtype]).reshape(entry.shape)
+        return tensor_from_bytes(buffer, entry, name)
 
     def _entry(self, name: str) -> TensorEntry:
         entry = self.entries.get(name)

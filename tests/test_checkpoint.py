@@ -41,14 +41,14 @@ def test_partial_checkpoints_are_invisible_until_finalized(tmp_path: Path) -> No
 
 
 def test_newest_checkpoint_ignores_stale_and_partial_directories(tmp_path: Path) -> None:
-    for name, complete in (("step-2", True), ("step-10", True), (".step-12.partial", True), ("step-14", False)):
+    for name, complete in (("step-2", True), ("step-10", True), ("step-12.partial", True), ("step-14", False)):
         directory = tmp_path / "checkpoints" / name
         directory.mkdir(parents=True)
         if complete:
             (directory / "checkpoint.json").write_text("{}")
     assert ckpt.newest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-10"
     ckpt.clear_partials(tmp_path)
-    assert not (tmp_path / "checkpoints" / ".step-12.partial").exists()
+    assert not (tmp_path / "checkpoints" / "step-12.partial").exists()
     assert (tmp_path / "checkpoints" / "step-10").exists()
 
 

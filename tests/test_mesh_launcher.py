@@ -85,12 +85,9 @@ def mesh3(lab: Lab) -> dict[str, str]:
 
 
 def _config(out: Path, private: Path, **overrides: Any) -> dict[str, Any]:
-    config = base_config(
-        private / "model", private / "data.jsonl", out, val_set_size=8, max_steps=4,
-        shardpool={"placement": "mesh", "stages": 3}, **overrides,
-    )  # fmt: skip
-    config.pop("lora_model_dir", None)
-    return config
+    settings: dict[str, Any] = {"val_set_size": 8, "max_steps": 4, "shardpool": {"placement": "mesh", "stages": 3}}
+    settings.update(overrides)
+    return base_config(private / "model", private / "data.jsonl", out, **settings)
 
 
 _MAKE_PRIVATE_FILES = """

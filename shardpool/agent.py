@@ -1,0 +1,698 @@
+"""The shardpool agent: runs on every mesh member and starts stage processes for a remote launcher.
+
+``shardpool agent`` listens on this member's mesh address (port 7710 by default) and answers only
+current mesh members. A launcher asks it for this machine's devices (``POST /v1/devices``), starts
+stage processes (``POST /v1/jobs``), long-polls their JSON events (``GET /v1/jobs/ID/events``),
+reads their logs and stops them (``DELETE /v1/jobs/ID``). Only JSON crosses the wire; the job is the
+same JSON document the local launcher hands its workers.
+
+The event poll doubles as the launcher's heartbeat: a job nobody has polled for
+``heartbeat_timeout_s`` is stopped, so a crashed or partitioned launcher never leaves stages holding
+memory. Stage processes die with the agent (``PR_SET_PDEATHSIG``), and the agent stops every job on
+SIGTERM/SIGINT. torch is imported only when devices are profiled, so the agent starts in well under
+a second and stays small while idle.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import logging
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from shardpool import __version__
+from shardpool.access import (
+    GuardedHandler,
+    GuardedHTTPServer,
+    HTTPError,
+    MemberAllowlist,
+    mesh_member_addresses,
+    start_in_thread,
+)
+from shardpool.fileserver import AtomicFile
+
+__all__ = [
+    "AGENT_PORT",
+    "EVENT_PREFIX",
+    "Agent",
+    "allowed_env",
+    "run_agent",
+]
+
+log = logging.getLogger("shardpool.agent")
+
+AGENT_PORT = 7710
+#: Same value as :data:`shardpool.pipeline.EVENT_PREFIX` (a test checks); copied so the agent needs no torch.
+EVENT_PREFIX = "@shardpool "
+_ENV_KEY = re.compile(r"(SHARDPOOL_|GLOO_|NCCL_|OMP_|MKL_|TORCH_)[A-Za-z0-9_]*")
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_TERMINATE_GRACE_S = 5.0
+_MAX_WAIT_S = 30.0
+_MAX_EVENTS_PER_POLL = 5000
+_MAX_RANKS = 256
+_MAX_FINISHED_JOBS = 64
+
+
+def allowed_env(env: Any) -> dict[str, str]:
+    """Validate a job's extra environment: string values, keys only ``SHARDPOOL_``/``GLOO_``/``NCCL_``/
+    ``OMP_``/``MKL_``/``TORCH_``. A launcher must not be able to set ``LD_PRELOAD`` or ``PATH`` here."""
+    if env is None:
+        return {}
+    if not isinstance(env, dict):
+        raise HTTPError(HTTPStatus.BAD_REQUEST, "env must be an object of strings")
+    for key, value in env.items():
+        if not isinstance(key, str) or not _ENV_KEY.fullmatch(key):
+            raise HTTPError(
+                HTTPStatus.BAD_REQUEST,
+                f"env key {key!r} is not allowed; only SHARDPOOL_, GLOO_, NCCL_, OMP_, MKL_ and TORCH_ variables",
+            )
+        if not isinstance(value, str) or "\0" in value:
+            raise HTTPError(HTTPStatus.BAD_REQUEST, f"env value of {key} must be a string without NUL")
+    return dict(env)
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn``: SIGKILL the child when the agent dies (and exit if it already has)."""
+
+    def preexec() -> None:
+        if sys.platform.startswith("linux"):
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+class _Spawner:
+    """Starts every child from one long-lived thread.
+
+    Linux delivers ``PR_SET_PDEATHSIG`` when the *thread* that forked the child exits, so a
+    process forked from a short-lived HTTP request thread would be killed as soon as the request
+    ended. Forking from this thread, which lives as long as the agent, ties children to the agent.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="agent-spawner", daemon=True)
+        self._thread.start()
+
+    def call(self, action: Callable[[], Any]) -> Any:
+        """Run ``action`` on the spawner thread and return its result (or raise its exception)."""
+        future: Future[Any] = Future()
+        self._queue.put((action, future))
+        return future.result()
+
+    def close(self) -> None:
+        """Stop the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            action, future = item
+            try:
+                future.set_result(action())
+            except BaseException as error:  # noqa: BLE001 - handed back to the caller
+                future.set_exception(error)
+
+
+@dataclass
+class _Rank:
+    rank: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    reader: threading.Thread | None = None
+    #: Set by the relay thread once stdout is drained *and* the process reaped, so a poller that
+    #: sees a rank exited has already been able to see every event it printed.
+    returncode: int | None = None
+
+
+@dataclass
+class _Job:
+    job_id: str
+    directory: Path
+    max_events: int
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+    next_seq: int = 1
+    last_poll: float = field(default_factory=time.monotonic)
+    stopped_by: str | None = None
+    stopping: bool = False
+    starting: bool = True
+    finished_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=self.max_events)
+        self.changed = threading.Condition()
+
+    def add_event(self, rank: int, event: dict[str, Any]) -> None:
+        """Append one event with the next sequence number and wake the pollers."""
+        with self.changed:
+            self.events.append({"seq": self.next_seq, "rank": rank, "event": event})
+            self.next_seq += 1
+            self.changed.notify_all()
+
+    def exited(self) -> dict[str, int]:
+        """Exit codes of the ranks that have finished (negative: killed by that signal)."""
+        return {str(r.rank): r.returncode for r in self.ranks.values() if r.returncode is not None}
+
+    @property
+    def running(self) -> bool:
+        """Whether any rank still runs (or has output not yet relayed)."""
+        return any(r.returncode is None for r in self.ranks.values())
+
+    def snapshot(self, after: int) -> dict[str, Any]:
+        """Events after ``after`` (at most a few thousand), exit codes, and whether anything runs."""
+        with self.changed:
+            events = [e for e in self.events if e["seq"] > after][:_MAX_EVENTS_PER_POLL]
+            first = self.events[0]["seq"] if self.events else self.next_seq
+        return {
+            "events": events,
+            "exited": self.exited(),
+            "running": self.running,
+            "lost": max(0, first - after - 1),
+            "stopped_by": self.stopped_by,
+        }
+
+
+# ---------------------------------------------------------------------------- the agent
+
+
+class Agent:
+    """The agent's HTTP service and job table (``shardpool agent`` runs one bound to the mesh address).
+
+    ``worker_command`` replaces ``[python, -m, shardpool.worker]`` (tests run small scripts);
+    the job file and the rank are appended to it. ``interface`` is the mesh interface, given to
+    gloo as ``GLOO_SOCKET_IFNAME`` so training traffic stays inside WireGuard.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int = AGENT_PORT,
+        *,
+        allowlist: MemberAllowlist,
+        work_dir: Path,
+        interface: str | None,
+        member_name: str,
+        worker_command: list[str] | None = None,
+        heartbeat_timeout_s: float = 20.0,
+        max_events: int = 10_000,
+    ) -> None:
+        self.host = host
+        self.work_dir = Path(work_dir)
+        self.interface = interface
+        self.member_name = member_name
+        self.worker_command = list(worker_command or [sys.executable, "-m", "shardpool.worker"])
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.max_events = max_events
+        self._jobs: dict[str, _Job] = {}
+        self._lock = threading.Lock()
+        self._profile_lock = threading.Lock()
+        self._profiles: dict[str, list[dict[str, Any]]] = {}
+        self._closing = threading.Event()
+        self._server = GuardedHTTPServer(host, port, _AgentHandler, allowlist)
+        self._server.owner = self  # type: ignore[attr-defined]
+        self._spawner: _Spawner | None = None
+        self._thread: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://10.77.0.2:7710``."""
+        return self._server.url
+
+    def start(self) -> Agent:
+        """Start serving, the spawner thread and the heartbeat watchdog; returns self."""
+        if self._thread is None:
+            (self.work_dir / "jobs").mkdir(parents=True, exist_ok=True)
+            self._spawner = _Spawner()
+            self._watchdog = threading.Thread(
+                target=self._watch_heartbeats, name="agent-watchdog", daemon=True
+            )
+            self._watchdog.start()
+            self._thread = start_in_thread(self._server, "agent-http")
+        return self
+
+    def stop(self) -> None:
+        """Stop every job (SIGTERM, SIGKILL after 5 s), then the server and helper threads."""
+        self._closing.set()
+        self.stop_all_jobs()
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join(timeout=5)
+            self._thread = None
+        self._server.server_close()
+        if self._spawner is not None:
+            self._spawner.close()
+            self._spawner = None
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=5)
+            self._watchdog = None
+
+    def __enter__(self) -> Agent:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ jobs
+
+    def start_job(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Validate a ``POST /v1/jobs`` body, write the job file and start one process per rank."""
+        job_id, job, ranks, env = _parse_job_request(body)
+        if self._closing.is_set() or self._spawner is None:
+            raise HTTPError(HTTPStatus.SERVICE_UNAVAILABLE, "the agent is shutting down")
+        directory = self.work_dir / "jobs" / job_id
+        with self._lock:
+            previous = self._jobs.get(job_id)
+            if previous is not None and (previous.running or previous.stopping or previous.starting):
+                raise HTTPError(
+                    HTTPStatus.CONFLICT, f"job {job_id!r} is already running here; DELETE it first"
+                )
+            entry = _Job(job_id, directory, self.max_events)
+            self._jobs[job_id] = entry
+            self._forget_old_jobs()
+        try:
+            job_file = directory / "job.json"
+            with AtomicFile(job_file) as out:
+                out.write((json.dumps(job, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+                out.commit()
+            child_env = dict(os.environ)
+            child_env.update(env)
+            if self.interface:
+                child_env["GLOO_SOCKET_IFNAME"] = self.interface
+            child_env["PYTHONUNBUFFERED"] = "1"
+            try:
+                for rank in ranks:
+                    log_path = directory / f"rank-{rank}.log"
+                    argv = [*self.worker_command, str(job_file), str(rank)]
+                    process = self._spawner.call(
+                        lambda a=argv, p=log_path: self._popen(a, p, child_env, directory)
+                    )
+                    record = _Rank(rank, process, log_path)
+                    entry.ranks[rank] = record
+                    record.reader = threading.Thread(
+                        target=self._relay, args=(entry, record), name=f"agent-{job_id}-{rank}", daemon=True
+                    )
+                    record.reader.start()
+            except OSError as error:
+                self._stop_job(entry, "start failed")
+                raise HTTPError(
+                    HTTPStatus.INTERNAL_SERVER_ERROR, f"cannot start rank processes: {error}"
+                ) from None
+        finally:
+            entry.starting = False
+        entry.last_poll = time.monotonic()
+        pids = {str(r.rank): r.process.pid for r in entry.ranks.values()}
+        log.info("job %s: started ranks %s (pids %s)", job_id, ranks, list(pids.values()))
+        return {"job_id": job_id, "pids": pids}
+
+    def job(self, job_id: str) -> _Job:
+        """The job called ``job_id``, or a 404."""
+        with self._lock:
+            entry = self._jobs.get(job_id)
+        if entry is None:
+            raise HTTPError(HTTPStatus.NOT_FOUND, f"no job {job_id!r} on this agent")
+        return entry
+
+    def poll(self, job_id: str, after: int, wait: float) -> dict[str, Any]:
+        """Events after ``after``, waiting up to ``wait`` s for one; also the launcher's heartbeat."""
+        entry = self.job(job_id)
+        entry.last_poll = time.monotonic()
+        deadline = time.monotonic() + wait
+        with entry.changed:
+            while True:
+                fresh = entry.events and entry.events[-1]["seq"] > after
+                remaining = deadline - time.monotonic()
+                if fresh or not entry.running or remaining <= 0 or self._closing.is_set():
+                    break
+                entry.changed.wait(min(remaining, 0.25))
+        entry.last_poll = time.monotonic()
+        return entry.snapshot(after)
+
+    def delete_job(self, job_id: str) -> dict[str, Any]:
+        """Stop a job's processes and return their exit codes."""
+        entry = self.job(job_id)
+        self._stop_job(entry, "request")
+        return {"job_id": job_id, "exited": entry.exited(), "stopped_by": entry.stopped_by}
+
+    def log_tail(self, job_id: str, rank: int, lines: int) -> str:
+        """The last ``lines`` lines of a rank's log."""
+        entry = self.job(job_id)
+        record = entry.ranks.get(rank)
+        if record is None:
+            raise HTTPError(HTTPStatus.NOT_FOUND, f"job {job_id!r} has no rank {rank} on this agent")
+        return _tail(record.log_path, lines)
+
+    def stop_all_jobs(self) -> None:
+        """Stop every running job at once (SIGTERM all, then SIGKILL whatever is left after 5 s)."""
+        with self._lock:
+            running = [job for job in self._jobs.values() if job.running]
+        _terminate([r for job in running for r in job.ranks.values()], "agent shutdown", running)
+
+    def _stop_job(self, entry: _Job, reason: str) -> None:
+        _terminate(list(entry.ranks.values()), reason, [entry])
+
+    def _popen(
+        self, argv: list[str], log_path: Path, env: dict[str, str], cwd: Path
+    ) -> subprocess.Popen[bytes]:
+        with open(log_path, "ab") as log_file:
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log_file,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+                preexec_fn=_die_with_parent(os.getpid()),
+            )
+
+    def _relay(self, entry: _Job, record: _Rank) -> None:
+        stream: IO[bytes] | None = record.process.stdout
+        if stream is not None:
+            with open(record.log_path, "ab") as log_file:
+                for raw in stream:
+                    if raw.startswith(EVENT_PREFIX.encode()):
+                        try:
+                            event = json.loads(raw[len(EVENT_PREFIX) :])
+                        except (json.JSONDecodeError, UnicodeDecodeError):
+                            event = None
+                        if isinstance(event, dict):
+                            entry.add_event(record.rank, event)
+                            continue
+                    log_file.write(raw)
+                    log_file.flush()
+            stream.close()
+        code = record.process.wait()
+        log.info("job %s: rank %d exited with %d", entry.job_id, record.rank, code)
+        with entry.changed:
+            record.returncode = code
+            if not entry.running and entry.finished_at is None:
+                entry.finished_at = time.monotonic()
+            entry.changed.notify_all()
+
+    def _watch_heartbeats(self) -> None:
+        while not self._closing.wait(0.2):
+            now = time.monotonic()
+            with self._lock:
+                stale = [
+                    job
+                    for job in self._jobs.values()
+                    if not job.stopping and job.running and now - job.last_poll > self.heartbeat_timeout_s
+                ]
+            for job in stale:
+                log.warning(
+                    "job %s: no event poll for %.0f s, the launcher is gone; stopping it",
+                    job.job_id,
+                    self.heartbeat_timeout_s,
+                )
+                job.stopping = True
+                threading.Thread(target=self._stop_job, args=(job, "heartbeat timeout"), daemon=True).start()
+
+    def _forget_old_jobs(self) -> None:
+        finished = [j for j in self._jobs.values() if j.finished_at is not None and not j.running]
+        finished.sort(key=lambda j: j.finished_at or 0.0)
+        for job in finished[: max(0, len(finished) - _MAX_FINISHED_JOBS)]:
+            del self._jobs[job.job_id]
+
+    # ------------------------------------------------------------------ devices
+
+    def devices(self, body: dict[str, Any]) -> dict[str, Any]:
+        """This machine's devices with one profiled layer each, for the launcher's planner (cached).
+
+        ``workload`` takes the fields of :class:`shardpool.costmodel.Workload`; the cache key is the
+        model shape and the workload's per-layer settings, so planner-only fields don't matter.
+        """
+        model_config, workload_fields = body.get("model_config"), body.get("workload", {})
+        if not isinstance(model_config, dict):
+            raise HTTPError(HTTPStatus.BAD_REQUEST, "model_config must be the model's config.json object")
+        if not isinstance(workload_fields, dict):
+            raise HTTPError(HTTPStatus.BAD_REQUEST, "workload must be an object")
+        shape, workload = _shape_and_workload(model_config, workload_fields)
+        key = f"{shape.key()}|{workload.profile_key()}"
+        with self._profile_lock:
+            if key not in self._profiles:
+                self._profiles[key] = _profile_devices(shape, workload)
+            return {"devices": self._profiles[key]}
+
+
+def _shape_and_workload(model_config: dict[str, Any], workload_fields: dict[str, Any]) -> tuple[Any, Any]:
+    """Validate the request's model config and workload (cheap: no torch)."""
+    import dataclasses
+
+    from shardpool.costmodel import Workload
+    from shardpool.model_shape import ModelShape
+
+    known = [f.name for f in dataclasses.fields(Workload)]
+    unknown = sorted(set(workload_fields) - set(known))
+    if unknown:
+        raise HTTPError(HTTPStatus.BAD_REQUEST, f"unknown workload fields {unknown}; use {known}")
+    fields = dict(workload_fields)
+    if "lora_targets" in fields:
+        targets = fields["lora_targets"]
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise HTTPError(HTTPStatus.BAD_REQUEST, "workload.lora_targets must be a list of module names")
+        fields["lora_targets"] = tuple(targets)
+    try:
+        workload = Workload(**fields)
+    except TypeError as error:
+        raise HTTPError(HTTPStatus.BAD_REQUEST, f"bad workload: {error}") from None
+    shape = ModelShape.from_config_json(model_config, name=str(model_config.get("_name_or_path", "")))
+    return shape, workload
+
+
+def _profile_devices(shape: Any, workload: Any) -> list[dict[str, Any]]:
+    """Profile one layer on every local device (imports torch on first use)."""
+    from shardpool.devices import list_devices
+    from shardpool.profiler import profile_layer
+
+    rows = []
+    for info in list_devices():
+        threads = info.threads if info.kind == "cpu" else None
+        profile = profile_layer(shape, workload, device=info.name, threads=threads)
+        rows.append(
+            {
+                "name": info.name,
+                "kind": info.kind,
+                "label": info.label,
+                "total_bytes": info.total_bytes,
+                "free_bytes": info.free_bytes,
+                "threads": info.threads,
+                "seconds_per_layer": profile.seconds_per_layer,
+                "activation_bytes": profile.activation_bytes,
+            }
+        )
+    return rows
+
+
+def _parse_job_request(body: dict[str, Any]) -> tuple[str, dict[str, Any], list[int], dict[str, str]]:
+    job_id, job, ranks = body.get("job_id"), body.get("job"), body.get("ranks")
+    if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
+        raise HTTPError(
+            HTTPStatus.BAD_REQUEST,
+            "job_id must be 1-64 letters, digits, '._-', starting with a letter or digit",
+        )
+    if not isinstance(job, dict):
+        raise HTTPError(HTTPStatus.BAD_REQUEST, "job must be the job JSON object (as written by Job.write)")
+    stages, replicas = job.get("stages"), job.get("replicas")
+    if not isinstance(stages, list) or not stages or not isinstance(replicas, int) or replicas < 1:
+        raise HTTPError(
+            HTTPStatus.BAD_REQUEST, "job needs a non-empty 'stages' list and a positive 'replicas'"
+        )
+    world = len(stages) * replicas
+    if (
+        not isinstance(ranks, list)
+        or not ranks
+        or len(ranks) > _MAX_RANKS
+        or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks)
+    ):
+        raise HTTPError(HTTPStatus.BAD_REQUEST, "ranks must be a non-empty list of integers")
+    if len(set(ranks)) != len(ranks) or not all(0 <= r < world for r in ranks):
+        raise HTTPError(HTTPStatus.BAD_REQUEST, f"ranks {ranks} must be distinct and in 0..{world - 1}")
+    return job_id, job, list(ranks), allowed_env(body.get("env"))
+
+
+def _terminate(ranks: list[_Rank], reason: str, jobs: list[_Job]) -> None:
+    """SIGTERM each rank's process group, SIGKILL after the grace period, reap, and join relays."""
+    for job in jobs:
+        job.stopping = True
+        if job.running and job.stopped_by is None:
+            job.stopped_by = reason
+    for record in ranks:
+        _signal_group(record.process, signal.SIGTERM)
+    deadline = time.monotonic() + _TERMINATE_GRACE_S
+    for record in ranks:
+        try:
+            record.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(record.process, signal.SIGKILL)
+            record.process.wait()
+        _signal_group(record.process, signal.SIGKILL)  # anything the rank left behind in its group
+    for record in ranks:
+        if record.reader is not None:
+            record.reader.join(timeout=2)
+        if record.returncode is None:  # the relay is stuck on a pipe some orphan holds open
+            record.returncode = record.process.returncode
+    for job in jobs:
+        job.stopping = False
+        with job.changed:
+            job.finished_at = job.finished_at or time.monotonic()
+            job.changed.notify_all()
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        with open(path, "rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, size - 8 * 2**20))
+            data = handle.read()
+    except FileNotFoundError:
+        return ""
+    text = data.decode("utf-8", errors="replace").splitlines()
+    return "".join(line + "\n" for line in text[-lines:])
+
+
+# ---------------------------------------------------------------------------- HTTP
+
+
+class _AgentHandler(GuardedHandler):
+    def do_GET(self) -> None:  # noqa: N802 - stdlib naming
+        self.dispatch(self._get)
+
+    def do_POST(self) -> None:  # noqa: N802 - stdlib naming
+        self.dispatch(self._post)
+
+    def do_DELETE(self) -> None:  # noqa: N802 - stdlib naming
+        self.dispatch(self._delete)
+
+    @property
+    def agent(self) -> Agent:
+        return self.server.owner  # type: ignore[attr-defined,no-any-return]
+
+    def _parts(self) -> tuple[list[str], dict[str, list[str]]]:
+        url = urlsplit(self.path)
+        return [unquote(p) for p in url.path.strip("/").split("/")], parse_qs(url.query)
+
+    def _get(self) -> None:
+        parts, query = self._parts()
+        if parts == ["v1", "health"]:
+            self.send_json(
+                HTTPStatus.OK,
+                {"name": self.agent.member_name, "address": self.agent.host, "version": __version__},
+            )
+        elif len(parts) == 4 and parts[:2] == ["v1", "jobs"] and parts[3] == "events":
+            after = _number(query, "after", 0, int, 0, 2**62)
+            wait = _number(query, "wait", 1.0, float, 0.0, _MAX_WAIT_S)
+            self.send_json(HTTPStatus.OK, self.agent.poll(parts[2], after, wait))
+        elif len(parts) == 5 and parts[:2] == ["v1", "jobs"] and parts[3] == "log":
+            if not parts[4].isdigit():
+                raise HTTPError(HTTPStatus.BAD_REQUEST, f"rank {parts[4]!r} is not a number")
+            lines = _number(query, "tail", 200, int, 1, 100_000)
+            self.send_text(HTTPStatus.OK, self.agent.log_tail(parts[2], int(parts[4]), lines))
+        else:
+            raise HTTPError(HTTPStatus.NOT_FOUND, f"unknown path {urlsplit(self.path).path!r}")
+
+    def _post(self) -> None:
+        parts, _ = self._parts()
+        if parts == ["v1", "jobs"]:
+            self.send_json(HTTPStatus.CREATED, self.agent.start_job(self.read_json_body()))
+        elif parts == ["v1", "devices"]:
+            self.send_json(HTTPStatus.OK, self.agent.devices(self.read_json_body()))
+        else:
+            self.close_connection = True
+            raise HTTPError(HTTPStatus.NOT_FOUND, f"unknown path {urlsplit(self.path).path!r}")
+
+    def _delete(self) -> None:
+        parts, _ = self._parts()
+        if len(parts) == 3 and parts[:2] == ["v1", "jobs"]:
+            self.send_json(HTTPStatus.OK, self.agent.delete_job(parts[2]))
+        else:
+            raise HTTPError(HTTPStatus.NOT_FOUND, f"unknown path {urlsplit(self.path).path!r}")
+
+
+def _number(query: dict[str, list[str]], key: str, default: Any, kind: type, low: float, high: float) -> Any:
+    values = query.get(key)
+    if not values:
+        return default
+    try:
+        value = kind(values[0])
+    except ValueError:
+        raise HTTPError(HTTPStatus.BAD_REQUEST, f"{key}={values[0]!r} is not a number") from None
+    if not low <= value <= high:
+        raise HTTPError(HTTPStatus.BAD_REQUEST, f"{key}={value} is out of range {low}..{high}")
+    return value
+
+
+# ---------------------------------------------------------------------------- command
+
+
+def run_agent(
+    state_dir: str | None,
+    port: int = AGENT_PORT,
+    *,
+    work_dir: str | None = None,
+    ready_file: str | None = None,
+) -> int:
+    """Run ``shardpool agent`` until SIGTERM/SIGINT: bind the mesh address, serve members only.
+
+    ``ready_file`` (used by ``mesh init/join/up``) is written with the pid and URL once listening.
+    """
+    from mesh.config import load_config
+    from mesh.state import StatePaths, resolve_state_dir
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    paths = StatePaths(resolve_state_dir(state_dir))
+    config = load_config(paths)
+    agent = Agent(
+        config.address,
+        port,
+        allowlist=MemberAllowlist(mesh_member_addresses(paths.root)),
+        work_dir=Path(work_dir) if work_dir else paths.root / "work",
+        interface=config.interface,
+        member_name=config.name,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    agent.start()
+    log.info("shardpool agent %s for member %r listening on %s", __version__, config.name, agent.url)
+    if ready_file:
+        with AtomicFile(Path(ready_file)) as out:
+            out.write(json.dumps({"pid": os.getpid(), "url": agent.url}).encode("utf-8"))
+            out.commit()
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        log.info("stopping: terminating jobs, then the server")
+        agent.stop()
+        if ready_file:
+            Path(ready_file).unlink(missing_ok=True)
+    return 0

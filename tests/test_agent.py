@@ -1,0 +1,442 @@
+"""Tests of shardpool/agent.py with real processes on loopback.
+
+The worker command is replaced by a small script (``worker_command``) that prints events, writes
+to its log, reads its environment, exits with a chosen code or sleeps until killed, so every test
+runs in about a second. Each test checks /proc that no process it started is left behind.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardpool import agent as agent_module
+from shardpool.access import MemberAllowlist
+from shardpool.agent import Agent
+
+REPO = Path(__file__).resolve().parent.parent
+LOOPBACK = MemberAllowlist.fixed({"127.0.0.1"})
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, signal, subprocess, sys, time
+    job = json.load(open(sys.argv[1]))
+    rank = int(sys.argv[2])
+    extra = job["extra"]
+
+    def emit(event):
+        print("@shardpool " + json.dumps(event), flush=True)
+
+    if extra["mode"] == "events":
+        sys.stdout.write(f"plain line from rank {rank}\\n")
+        sys.stdout.flush()
+        sys.stderr.write(f"stderr line from rank {rank}\\n")
+        print("@shardpool {not json", flush=True)
+        for i in range(extra["count"]):
+            emit({"event": "step", "rank": rank, "i": i})
+        keys = ("SHARDPOOL_X", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "PYTHONUNBUFFERED", "LD_PRELOAD")
+        emit({"event": "env", "env": {k: os.environ.get(k) for k in keys}, "cwd": os.getcwd()})
+        sys.exit(extra["codes"][rank])
+    child = None if extra.get("no_child") else subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    if extra.get("stubborn"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    emit({"event": "started", "pid": os.getpid(), "child": child.pid if child else None})
+    time.sleep(600)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _wait_dead(pids: list[int], timeout: float = 8.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+def _call(
+    url: str,
+    method: str,
+    path: str,
+    body: Any = None,
+    raw: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    payload = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    try:
+        connection.request(method, path, body=payload, headers=headers or {})
+        response = connection.getresponse()
+        data = response.read()
+    finally:
+        connection.close()
+    kind = response.headers.get("Content-Type", "")
+    return response.status, json.loads(data) if kind.startswith("application/json") else data.decode()
+
+
+def _job(mode: str, stages: int = 2, **extra: Any) -> dict[str, Any]:
+    return {
+        "stages": [{"start": 0, "stop": 1, "device": "cpu"}] * stages,
+        "replicas": 1,
+        "extra": {"mode": mode, **extra},
+    }
+
+
+@pytest.fixture
+def worker_script(tmp_path: Path) -> list[str]:
+    script = tmp_path / "fake_worker.py"
+    script.write_text(WORKER)
+    return [sys.executable, str(script)]
+
+
+@pytest.fixture
+def agent(tmp_path: Path, worker_script: list[str]) -> Iterator[Agent]:
+    with Agent(
+        "127.0.0.1", 0, allowlist=LOOPBACK, work_dir=tmp_path / "work", interface="sptest0",
+        member_name="b", worker_command=worker_script, heartbeat_timeout_s=20.0,
+    ) as running:  # fmt: skip
+        yield running
+
+
+def _drain(url: str, job_id: str, timeout: float = 15.0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    after = 0
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status, reply = _call(url, "GET", f"/v1/jobs/{job_id}/events?after={after}&wait=1")
+        assert status == 200, reply
+        events += reply["events"]
+        after = events[-1]["seq"] if events else after
+        if not reply["running"]:
+            return events, reply
+    raise AssertionError(f"job {job_id} did not finish")
+
+
+def test_health(agent: Agent) -> None:
+    assert _call(agent.url, "GET", "/v1/health") == (
+        200,
+        {"name": "b", "address": "127.0.0.1", "version": "0.1.0"},
+    )
+
+
+def test_events_stream_with_seqs_and_exit_codes_and_env_is_filtered(agent: Agent, tmp_path: Path) -> None:
+    body = {
+        "job_id": "run-1",
+        "job": _job("events", count=5, codes=[0, 3]),
+        "ranks": [0, 1],
+        "env": {"SHARDPOOL_X": "yes", "OMP_NUM_THREADS": "2"},
+    }
+    status, reply = _call(agent.url, "POST", "/v1/jobs", body)
+    assert status == 201 and reply["job_id"] == "run-1" and sorted(reply["pids"]) == ["0", "1"]
+    events, final = _drain(agent.url, "run-1")
+    assert [e["seq"] for e in events] == list(range(1, 13))
+    for rank in (0, 1):
+        mine = [e["event"] for e in events if e["rank"] == rank]
+        assert [e["i"] for e in mine if e["event"] == "step"] == [0, 1, 2, 3, 4]
+        env = next(e for e in mine if e["event"] == "env")
+        assert env["env"] == {
+            "SHARDPOOL_X": "yes",
+            "OMP_NUM_THREADS": "2",
+            "GLOO_SOCKET_IFNAME": "sptest0",
+            "PYTHONUNBUFFERED": "1",
+            "LD_PRELOAD": None,
+        }
+        assert env["cwd"] == str(tmp_path / "work" / "jobs" / "run-1")
+    assert final["exited"] == {"0": 0, "1": 3}
+    assert json.loads((tmp_path / "work" / "jobs" / "run-1" / "job.json").read_text()) == body["job"]
+    status, log = _call(agent.url, "GET", "/v1/jobs/run-1/log/1?tail=10")
+    assert status == 200
+    assert "plain line from rank 1" in log and "stderr line from rank 1" in log and "{not json" in log
+    assert "step" not in log, "events go to the event list, not the log"
+    assert _call(agent.url, "GET", "/v1/jobs/run-1/log/1?tail=1")[1].count("\n") == 1
+    # polling from the middle returns only newer events
+    status, reply = _call(agent.url, "GET", "/v1/jobs/run-1/events?after=10&wait=0")
+    assert [e["seq"] for e in reply["events"]] == [11, 12] and reply["lost"] == 0
+
+
+def test_disallowed_env_and_bad_jobs_are_refused_with_400(agent: Agent) -> None:
+    cases = [
+        (
+            {
+                "job_id": "x",
+                "job": _job("events", count=1, codes=[0, 0]),
+                "ranks": [0],
+                "env": {"LD_PRELOAD": "/evil.so"},
+            },
+            "LD_PRELOAD",
+        ),
+        (
+            {
+                "job_id": "x",
+                "job": _job("events", count=1, codes=[0, 0]),
+                "ranks": [0],
+                "env": {"PATH": "/tmp"},
+            },
+            "PATH",
+        ),
+        ({"job_id": "../x", "job": _job("events"), "ranks": [0]}, "job_id"),
+        ({"job_id": "x", "job": _job("events"), "ranks": [2]}, "0..1"),
+        ({"job_id": "x", "job": _job("events"), "ranks": [0, 0]}, "distinct"),
+        ({"job_id": "x", "job": _job("events"), "ranks": ["0"]}, "integers"),
+        ({"job_id": "x", "job": "not a job", "ranks": [0]}, "job JSON"),
+    ]
+    for body, fragment in cases:
+        status, reply = _call(agent.url, "POST", "/v1/jobs", body)
+        assert status == 400 and fragment in reply["error"], (body, reply)
+    assert _call(agent.url, "POST", "/v1/jobs", raw=b"{nope")[0] == 400
+    assert (
+        _call(agent.url, "POST", "/v1/jobs", raw=b"", headers={"Content-Length": str(17 * 2**20)})[0] == 413
+    )
+    assert _call(agent.url, "GET", "/v1/jobs/nope/events")[0] == 404
+    assert _call(agent.url, "GET", "/v1/jobs/x/events?after=abc")[0] in (400, 404)
+    assert _call(agent.url, "GET", "/v1/other")[0] == 404
+    assert _call(agent.url, "PUT", "/v1/jobs")[0] == 501
+    assert not (agent.work_dir / "jobs" / "x").exists()
+
+
+def _started_events(url: str, job_id: str, count: int) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 10
+    while len(events) < count and time.monotonic() < deadline:
+        reply = _call(url, "GET", f"/v1/jobs/{job_id}/events?after={len(events)}&wait=1")[1]
+        events += [e["event"] for e in reply["events"]]
+    assert len(events) == count, f"only {len(events)} of {count} ranks started"
+    return events
+
+
+def test_delete_stops_the_job_and_its_children_and_a_running_id_is_409(agent: Agent) -> None:
+    body = {"job_id": "sleepy", "job": _job("sleep"), "ranks": [0, 1]}
+    status, reply = _call(agent.url, "POST", "/v1/jobs", body)
+    assert status == 201
+    pids = [int(p) for p in reply["pids"].values()]
+    time.sleep(0.5)  # the request's connection and its server thread are gone by now
+    assert all(_alive(p) for p in pids), "workers outlive the request thread that started them"
+    started = _started_events(agent.url, "sleepy", 2)
+    children = [e["child"] for e in started]
+    assert all(_alive(p) for p in pids + children)
+    assert _call(agent.url, "POST", "/v1/jobs", body)[0] == 409
+    t0 = time.monotonic()
+    status, reply = _call(agent.url, "DELETE", "/v1/jobs/sleepy")
+    assert status == 200 and reply["exited"] == {"0": -signal.SIGTERM, "1": -signal.SIGTERM}
+    assert time.monotonic() - t0 < 3
+    assert _wait_dead(pids + children) == []
+    status, reply = _call(agent.url, "GET", "/v1/jobs/sleepy/events?after=2&wait=0")
+    assert reply["running"] is False and reply["stopped_by"] == "request"
+    assert (
+        _call(agent.url, "POST", "/v1/jobs", {**body, "job": _job("events", count=0, codes=[0, 0])})[0] == 201
+    ), "a finished id can be reused"
+    _drain(agent.url, "sleepy")
+
+
+def test_a_job_ignoring_sigterm_is_killed_after_the_grace_period(agent: Agent, monkeypatch) -> None:
+    monkeypatch.setattr(agent_module, "_TERMINATE_GRACE_S", 0.5)
+    status, reply = _call(
+        agent.url,
+        "POST",
+        "/v1/jobs",
+        {"job_id": "stubborn", "job": _job("sleep", stubborn=True), "ranks": [0]},
+    )
+    pid = int(reply["pids"]["0"])
+    child = _started_events(agent.url, "stubborn", 1)[0]["child"]
+    status, reply = _call(agent.url, "DELETE", "/v1/jobs/stubborn")
+    assert reply["exited"] == {"0": -signal.SIGKILL}
+    assert _wait_dead([pid, child]) == []
+
+
+def test_heartbeat_timeout_stops_a_job_nobody_polls(tmp_path: Path, worker_script: list[str]) -> None:
+    with Agent(
+        "127.0.0.1", 0, allowlist=LOOPBACK, work_dir=tmp_path, interface=None, member_name="c",
+        worker_command=worker_script, heartbeat_timeout_s=1.0,
+    ) as agent:  # fmt: skip
+        status, reply = _call(
+            agent.url, "POST", "/v1/jobs", {"job_id": "orphan", "job": _job("sleep"), "ranks": [1]}
+        )
+        pid = int(reply["pids"]["1"])
+        # polling keeps it alive past the timeout ...
+        for _ in range(4):
+            assert _call(agent.url, "GET", "/v1/jobs/orphan/events?after=9&wait=0.4")[1]["running"]
+        assert _alive(pid)
+        # ... and silence stops it
+        t0 = time.monotonic()
+        assert _wait_dead([pid], timeout=5) == []
+        assert time.monotonic() - t0 < 3
+        status, reply = _call(agent.url, "GET", "/v1/jobs/orphan/events?after=0&wait=0")
+        assert reply["stopped_by"] == "heartbeat timeout" and reply["exited"] == {"1": -signal.SIGTERM}
+
+
+def test_long_poll_waits_for_events_but_not_longer(agent: Agent) -> None:
+    _call(agent.url, "POST", "/v1/jobs", {"job_id": "wait", "job": _job("sleep"), "ranks": [0]})
+    status, reply = _call(agent.url, "GET", "/v1/jobs/wait/events?after=0&wait=10")
+    assert len(reply["events"]) == 1, "returns as soon as an event exists"
+    t0 = time.monotonic()
+    status, reply = _call(agent.url, "GET", "/v1/jobs/wait/events?after=1&wait=0.6")
+    assert reply["events"] == [] and reply["running"] is True
+    assert 0.5 < time.monotonic() - t0 < 2.0
+    assert _call(agent.url, "GET", "/v1/jobs/wait/events?after=1&wait=999")[0] == 400
+
+
+def test_agent_stop_stops_every_job(tmp_path: Path, worker_script: list[str]) -> None:
+    agent = Agent(
+        "127.0.0.1",
+        0,
+        allowlist=LOOPBACK,
+        work_dir=tmp_path,
+        interface=None,
+        member_name="d",
+        worker_command=worker_script,
+    )
+    agent.start()
+    pids = []
+    for job_id in ("one", "two"):
+        pids += [
+            int(p)
+            for p in _call(
+                agent.url, "POST", "/v1/jobs", {"job_id": job_id, "job": _job("sleep"), "ranks": [0, 1]}
+            )[1]["pids"].values()
+        ]
+    agent.stop()
+    assert _wait_dead(pids, timeout=2) == []
+
+
+def test_workers_die_when_the_agent_is_killed(tmp_path: Path, worker_script: list[str]) -> None:
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        from shardpool.access import MemberAllowlist
+        from shardpool.agent import Agent
+        agent = Agent("127.0.0.1", 0, allowlist=MemberAllowlist.fixed({{"127.0.0.1"}}), work_dir=Path({str(tmp_path)!r}),
+                      interface=None, member_name="e", worker_command={worker_script!r}).start()
+        print(agent.url, flush=True)
+        time.sleep(600)
+        """
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    try:
+        url = process.stdout.readline().strip() if process.stdout else ""
+        reply = _call(
+            url, "POST", "/v1/jobs", {"job_id": "j", "job": _job("sleep", no_child=True), "ranks": [0, 1]}
+        )[1]
+        pids = [int(p) for p in reply["pids"].values()]
+        time.sleep(0.3)
+        assert all(_alive(p) for p in pids)
+    finally:
+        process.kill()
+        process.wait()
+    survivors = _wait_dead(pids, timeout=3)
+    for pid in pids:  # never leak, even when the assertion below fails
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert survivors == [], "PR_SET_PDEATHSIG kills workers with the agent"
+
+
+def test_non_members_get_403(tmp_path: Path, worker_script: list[str]) -> None:
+    with Agent(
+        "127.0.0.1",
+        0,
+        allowlist=MemberAllowlist.fixed({"10.77.0.1"}),
+        work_dir=tmp_path,
+        interface=None,
+        member_name="f",
+        worker_command=worker_script,
+    ) as agent:
+        for method, path, body in (
+            ("GET", "/v1/health", None),
+            ("POST", "/v1/jobs", {"job_id": "x", "job": _job("sleep"), "ranks": [0]}),
+            ("DELETE", "/v1/jobs/x", None),
+        ):
+            status, reply = _call(agent.url, method, path, body)
+            assert status == 403 and "127.0.0.1 is not a current member" in reply["error"]
+        assert not (tmp_path / "jobs" / "x").exists()
+
+
+def test_devices_profiles_each_device_once(
+    agent: Agent, tiny_model: Path, monkeypatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("SHARDPOOL_CACHE", str(tmp_path / "cache"))
+    config = json.loads((tiny_model / "config.json").read_text())
+    workload = {
+        "micro_batch_size": 1,
+        "sequence_len": 16,
+        "gradient_accumulation_steps": 2,
+        "lora_r": 4,
+        "lora_targets": ["q_proj", "v_proj"],
+    }
+    status, reply = _call(agent.url, "POST", "/v1/devices", {"model_config": config, "workload": workload})
+    assert status == 200, reply
+    cpu = reply["devices"][-1]
+    assert cpu["name"] == "cpu" and cpu["kind"] == "cpu" and cpu["threads"] >= 1
+    assert (
+        cpu["seconds_per_layer"] > 0
+        and cpu["activation_bytes"] > 0
+        and 0 < cpu["free_bytes"] <= cpu["total_bytes"]
+    )
+    t0 = time.monotonic()
+    planner_only = {**workload, "stages": 3, "max_stages": None, "schedule": "gpipe", "wire_bytes": 2}
+    again = _call(agent.url, "POST", "/v1/devices", {"model_config": config, "workload": planner_only})
+    assert again == (200, reply)
+    assert time.monotonic() - t0 < 0.5, "cached: planner-only fields do not change a layer profile"
+    status, reply = _call(
+        agent.url, "POST", "/v1/devices", {"model_config": config, "workload": {"bogus": 1}}
+    )
+    assert status == 400 and "bogus" in reply["error"]
+    status, reply = _call(
+        agent.url, "POST", "/v1/devices", {"model_config": {"model_type": "gpt2"}, "workload": {}}
+    )
+    assert status == 400 and "not supported" in reply["error"]
+
+
+def test_event_prefix_matches_the_pipeline() -> None:
+    from shardpool.pipeline import EVENT_PREFIX
+
+    assert agent_module.EVENT_PREFIX == EVENT_PREFIX
+
+
+def test_agent_command_without_mesh_state_is_one_line_error(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "shardpool", "agent", "--state-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=30, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip().startswith("shardpool: error: no mesh state")
+        and "\n" not in result.stderr.strip()
+    )
+
+
+def test_agent_module_does_not_import_torch() -> None:
+    code = "import sys, shardpool.agent, shardpool.cli; print([m for m in sys.modules if m.split('.')[0] == 'torch'])"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    assert result.stdout.strip() == "[]"
