@@ -108,6 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shardpool: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of our output went away (e.g. `shardpool plan --json | head`): stop quietly.
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

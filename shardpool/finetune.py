@@ -447,4 +447,4 @@ def _print_result(console: Console, run: PreparedRun, outcome: _Outcome) -> None
     snippet.append(f"base = AutoModelForCausalLM.from_pretrained({load_args})")
     snippet.append(f'model = PeftModel.from_pretrained(base, "{output_dir}")')
     console.print(f"adapter written to {output_dir}; load it with:")
-    console.print("\n".join(f"    {line}" for line in snippet), markup=False, highlight=False)
+    console.print("\n".join(f"    {line}" for line in snippet), markup=False, highlight=False, soft_wrap=True)

@@ -113,7 +113,7 @@ def _launch(lab: Lab, host: Host, private: Path, config_path: Path, *extra: str,
     argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
     if not background:
         return lab.run(host, *argv, timeout=600)
-    env = ["env", "-i", f"PATH=/usr/sbin:/usr/bin:/sbin:/bin", f"SHARDPOOL_HOME={host.home}", f"PYTHONPATH={REPO_ROOT}",
+    env = ["env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", f"SHARDPOOL_HOME={host.home}", f"PYTHONPATH={REPO_ROOT}",
            f"HOME={host.home}", "COLUMNS=200"]  # fmt: skip
     return subprocess.Popen(
         ["ip", "netns", "exec", host.netns, *env, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
