@@ -2,7 +2,7 @@
 
 Modules: :mod:`mesh.api` (``members()`` for the training side), :mod:`mesh.cli` (commands),
 :mod:`mesh.keys`, :mod:`mesh.token`, :mod:`mesh.protocol`, :mod:`mesh.roster`,
-:mod:`mesh.coordinator`, :mod:`mesh.agent`, :mod:`mesh.backend` and its two implementations.
+:mod:`mesh.coordinator`, :mod:`mesh.syncd`, :mod:`mesh.backend` and its two implementations.
 """
 
 from mesh.errors import MeshError

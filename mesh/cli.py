@@ -41,7 +41,7 @@ from mesh.daemon import log_tail, read_pid, spawn_detached, stop_process
 from mesh.errors import MeshError
 from mesh.keys import generate_private_key, public_key, read_private_key, write_private_key
 from mesh.model import RosterEntry, check_name
-from mesh.node import agent_running, bring_down, bring_up, save_cached_roster, start_agent
+from mesh.node import bring_down, bring_up, save_cached_roster, start_syncd, syncd_running
 from mesh.probe import probe_all
 from mesh.roster import RosterStore
 from mesh.state import StatePaths, read_json, resolve_state_dir
@@ -158,7 +158,7 @@ def _mtu(value: int | None) -> int | None:
 
 def _discard_state(paths: StatePaths) -> None:
     """Remove what a failed ``init``/``join`` created, keeping logs for diagnosis."""
-    for path in (paths.config, paths.private_key, paths.roster, paths.agent_status):
+    for path in (paths.config, paths.private_key, paths.roster, paths.syncd_status):
         path.unlink(missing_ok=True)
     for suffix in ("", "-wal", "-shm"):
         Path(f"{paths.database}{suffix}").unlink(missing_ok=True)
@@ -227,7 +227,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         token = _issue_token(paths, config, args.ttl, args.uses)
         bring_up(paths, config, private_key, store.roster())
         try:
-            start_agent(paths)
+            start_syncd(paths)
         except BaseException:
             bring_down(paths, config)
             raise
@@ -300,7 +300,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     save_cached_roster(paths, result.roster)
     try:
         bring_up(paths, config, private_key, result.roster)
-        start_agent(paths)
+        start_syncd(paths)
     except MeshError as error:
         bring_down(paths, config)
         raise MeshError(
@@ -320,7 +320,7 @@ def _status_report(paths: StatePaths, config: MeshConfig) -> dict[str, Any]:
     device = device_status(paths, config)
     others = [m.address for m in roster.members if m.public_key != config.public_key]
     reachable = probe_all(others, timeout=1.0) if device is not None else {}
-    agent = read_json(paths.agent_status) if paths.agent_status.exists() else {}
+    sync = read_json(paths.syncd_status) if paths.syncd_status.exists() else {}
     now = time.time()
     rows = []
     for entry in roster.members:
@@ -350,21 +350,21 @@ def _status_report(paths: StatePaths, config: MeshConfig) -> dict[str, Any]:
         "address": config.address,
         "cidr": config.cidr,
         "interface_up": device is not None,
-        "agent_running": agent_running(paths) is not None,
+        "syncd_running": syncd_running(paths) is not None,
         "revision": roster.revision,
-        "last_sync": agent.get("last_sync"),
-        "sync_error": agent.get("last_error"),
-        "removed": bool(agent.get("revoked")),
+        "last_sync": sync.get("last_sync"),
+        "sync_error": sync.get("last_error"),
+        "removed": bool(sync.get("revoked")),
         "members": rows,
     }
 
 
 def _print_status(report: dict[str, Any]) -> None:
     state = "up" if report["interface_up"] else "DOWN"
-    agent = "running" if report["agent_running"] else "stopped"
+    syncd = "running" if report["syncd_running"] else "stopped"
     print(f"mesh {report['mesh_id']} {report['cidr']}: this machine is {report['name']!r} ({report['role']})")
     print(
-        f"interface {report['interface']} ({report['backend']}): {state}; agent: {agent}; roster revision {report['revision']}"
+        f"interface {report['interface']} ({report['backend']}): {state}; sync daemon: {syncd}; roster revision {report['revision']}"
     )
     if report["removed"]:
         print(
@@ -465,7 +465,7 @@ def cmd_leave(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    """Stop the agent and remove the interface, keeping the state for `up`."""
+    """Stop the background processes and remove the interface, keeping the state for `up`."""
     paths = _paths(args)
     config = load_config(paths)
     _require_root("down")
@@ -483,7 +483,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     paths = _paths(args)
     config = load_config(paths)
     _require_root("up")
-    if agent_running(paths) and device_status(paths, config) is not None:
+    if syncd_running(paths) and device_status(paths, config) is not None:
         print(f"Mesh interface {config.interface} is already up.")
         print(_start_shardpool_agent(paths))
         return 0
@@ -493,7 +493,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     roster = current_roster(paths, config)
     bring_up(paths, config, private_key, roster)
     try:
-        start_agent(paths)
+        start_syncd(paths)
     except BaseException:
         bring_down(paths, config)
         raise

@@ -26,7 +26,7 @@ DEFAULT_SYNC_INTERVAL = 2.0
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Everything a machine needs to bring its interface and agent back up after a restart."""
+    """Everything a machine needs to bring its interface and sync daemon back up after a restart."""
 
     role: str  # "coordinator" or "member"
     mesh_id: str

@@ -1,7 +1,7 @@
-"""This machine's side of the mesh: bring the interface up or down, apply rosters, run the agent.
+"""This machine's side of the mesh: bring the interface up or down, apply rosters, run the sync daemon.
 
 Used by the commands (``init``, ``join``, ``up``, ``down``, ``leave``) and by the background
-agent, so both act on the interface in exactly the same way.
+sync daemon, so both act on the interface in exactly the same way.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from mesh.reconcile import plan_peer_changes
 from mesh.state import StatePaths, read_json, write_json
 
 __all__ = [
-    "agent_running",
+    "syncd_running",
     "apply_roster",
     "backend_for",
     "bring_down",
     "bring_up",
     "load_cached_roster",
     "save_cached_roster",
-    "start_agent",
-    "stop_agent",
+    "start_syncd",
+    "stop_syncd",
 ]
 
 
@@ -82,45 +82,45 @@ def bring_up(paths: StatePaths, config: MeshConfig, private_key: str, roster: Ro
         raise
 
 
-def _agent_env() -> dict[str, str]:
+def _syncd_env() -> dict[str, str]:
     package_parent = str(Path(__file__).resolve().parent.parent)
     path = os.environ.get("PYTHONPATH", "")
     return dict(os.environ, PYTHONPATH=package_parent + (os.pathsep + path if path else ""))
 
 
-def agent_running(paths: StatePaths) -> int | None:
-    """Return the pid of this machine's agent if it runs."""
-    return read_pid(paths.agent_pid)
+def syncd_running(paths: StatePaths) -> int | None:
+    """Return the pid of this machine's sync daemon if it runs."""
+    return read_pid(paths.syncd_pid)
 
 
-def start_agent(paths: StatePaths, timeout: float = 15.0) -> int:
-    """Start the background agent and wait until it reports ready (servers bound, roster applied)."""
-    if agent_running(paths):
+def start_syncd(paths: StatePaths, timeout: float = 15.0) -> int:
+    """Start the background sync daemon and wait until it reports ready (servers bound, roster applied)."""
+    if syncd_running(paths):
         raise MeshError(
-            f"the mesh agent already runs (pid {agent_running(paths)}): run `shardpool mesh down` first"
+            f"the mesh sync daemon already runs (pid {syncd_running(paths)}): run `shardpool mesh down` first"
         )
-    paths.agent_status.unlink(missing_ok=True)
-    argv = [sys.executable, "-m", "mesh.agent", "--state-dir", str(paths.root)]
-    pid = spawn_detached(argv, paths.agent_pid, paths.agent_log, env=_agent_env())
+    paths.syncd_status.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "mesh.syncd", "--state-dir", str(paths.root)]
+    pid = spawn_detached(argv, paths.syncd_pid, paths.syncd_log, env=_syncd_env())
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if read_pid(paths.agent_pid) != pid:
-            raise MeshError(f"the mesh agent exited at start: {log_tail(paths.agent_log)}")
-        if paths.agent_status.exists():
-            status = read_json(paths.agent_status)
+        if read_pid(paths.syncd_pid) != pid:
+            raise MeshError(f"the mesh sync daemon exited at start: {log_tail(paths.syncd_log)}")
+        if paths.syncd_status.exists():
+            status = read_json(paths.syncd_status)
             if status.get("pid") == pid and status.get("ready"):
                 return pid
         time.sleep(0.05)
-    stop_process(paths.agent_pid)
-    raise MeshError(f"the mesh agent did not get ready within {timeout:.0f} s: {log_tail(paths.agent_log)}")
+    stop_process(paths.syncd_pid)
+    raise MeshError(f"the mesh sync daemon did not get ready within {timeout:.0f} s: {log_tail(paths.syncd_log)}")
 
 
-def stop_agent(paths: StatePaths) -> bool:
-    """Stop the background agent if it runs."""
-    return stop_process(paths.agent_pid)
+def stop_syncd(paths: StatePaths) -> bool:
+    """Stop the background sync daemon if it runs."""
+    return stop_process(paths.syncd_pid)
 
 
 def bring_down(paths: StatePaths, config: MeshConfig) -> None:
-    """Stop the agent and remove the interface (and its wireguard-go); the saved state stays."""
-    stop_agent(paths)
+    """Stop the sync daemon and remove the interface (and its wireguard-go); the saved state stays."""
+    stop_syncd(paths)
     backend_for(paths, config).destroy(config.interface)

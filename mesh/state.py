@@ -114,19 +114,19 @@ class StatePaths:
         return self.root / "logs"
 
     @property
-    def agent_pid(self) -> Path:
-        """Pid file of the background agent (roster sync, and the coordinator service if any)."""
-        return self.run / "agent.pid"
+    def syncd_pid(self) -> Path:
+        """Pid file of the background sync daemon (roster sync, and the coordinator service if any)."""
+        return self.run / "syncd.pid"
 
     @property
-    def agent_status(self) -> Path:
-        """The agent's last sync result, for ``mesh status``."""
-        return self.run / "agent-status.json"
+    def syncd_status(self) -> Path:
+        """The sync daemon's last sync result, for ``mesh status``."""
+        return self.run / "syncd-status.json"
 
     @property
-    def agent_log(self) -> Path:
-        """Log of the background agent."""
-        return self.logs / "agent.log"
+    def syncd_log(self) -> Path:
+        """Log of the background sync daemon."""
+        return self.logs / "syncd.log"
 
     def ensure(self) -> None:
         """Create the state directory tree, private to its owner."""

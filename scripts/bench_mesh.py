@@ -611,6 +611,11 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def stage_threads() -> int:
+    """Torch threads per stage: this machine's CPUs shared by the three stages (at least 1 each)."""
+    return max(1, len(os.sched_getaffinity(0)) // WORKERS)
+
+
 def build_inputs(work: Path, size: dict[str, Any]) -> tuple[Path, Path]:
     """The random tiny Llama and a dataset with exactly enough rows for ``max_steps`` steps."""
     from shardpool.tinymodel import DEFAULT_CORPUS, make_tiny_llama, write_jsonl
@@ -641,6 +646,7 @@ def measure_network(lab: Lab, size: dict[str, Any]) -> dict[str, Any]:
 def benchmark(*, quick: bool, keep: Path | None, max_wait_idle_s: float) -> dict[str, Any]:
     """Build the model, the lab and the mesh; measure the link; run mesh and loopback; return the report."""
     size = QUICK if quick else FULL
+    threads = stage_threads()
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="shardpool-bench-mesh-")) if keep is None else keep
     work.mkdir(parents=True, exist_ok=True)
@@ -652,7 +658,13 @@ def benchmark(*, quick: bool, keep: Path | None, max_wait_idle_s: float) -> dict
         mesh_out, loop_out = work / "out-mesh", work / "out-loopback"
         mesh_config = write_yaml(
             work / "mesh.yaml",
-            training_config(model_dir, data, mesh_out, size, {"placement": "mesh", "stages": WORKERS}),
+            training_config(
+                model_dir,
+                data,
+                mesh_out,
+                size,
+                {"placement": "mesh", "stages": WORKERS, "threads_per_stage": threads},
+            ),
         )
         load: dict[str, dict[str, Any]] = {}
         (work / "lab").mkdir(exist_ok=True)
@@ -672,7 +684,11 @@ def benchmark(*, quick: bool, keep: Path | None, max_wait_idle_s: float) -> dict
         loop_config = write_yaml(
             work / "loopback.yaml",
             training_config(
-                model_dir, data, loop_out, size, {"placement": "local", "layers": layer_counts(plan)}
+                model_dir,
+                data,
+                loop_out,
+                size,
+                {"placement": "local", "layers": layer_counts(plan), "threads_per_stage": threads},
             ),
         )
         env = dict(os.environ, SHARDPOOL_CACHE=str(work / "cache"), COLUMNS="200", PYTHONPATH=str(ROOT))
@@ -725,7 +741,7 @@ def report(
     """Assemble the JSON report from the measurements."""
     mesh = summarize_steps(read_metrics(mesh_out))
     loopback = summarize_steps(read_metrics(loop_out))
-    job = json.loads((mesh_out / ".shardpool" / "job.json").read_text())
+    mesh_config = json.loads((mesh_out / ".shardpool" / "job.json").read_text())["config"]
     hops = stage_hops(plan)
     microbatches = size["gradient_accumulation_steps"]
     expected = boundary_bytes_per_step(
@@ -787,7 +803,11 @@ def report(
         },
         "network": network,
         "plan": [{"host": s["host"], "layers": s["layers"], "device": s["device"]} for s in plan["stages"]],
-        "threads_per_stage": job["threads_per_process"],
+        "threads_per_stage": mesh_config["shardpool"]["threads_per_stage"],
+        "threads_note": (
+            "set explicitly in both runs: the three lab hosts share this machine's cores, and by default a "
+            "mesh stage alone on its host would take all of them (oversubscribing the cores 3x here)"
+        ),
         "model": {
             "type": hf_config["model_type"],
             "num_layers": hf_config["num_hidden_layers"],

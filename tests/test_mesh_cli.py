@@ -114,7 +114,7 @@ def test_shardpool_entry_point_reports_mesh_errors_without_traceback(tmp_path) -
 
 def test_mesh_package_never_imports_torch_or_shardpool() -> None:
     code = (
-        "import sys, mesh, mesh.cli, mesh.api, mesh.agent, mesh.backend_kernel, mesh.backend_userspace;"
+        "import sys, mesh, mesh.cli, mesh.api, mesh.syncd, mesh.backend_kernel, mesh.backend_userspace;"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'shardpool')]; print(bad)"
     )
     result = subprocess.run(

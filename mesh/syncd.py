@@ -1,11 +1,11 @@
-"""The background agent of one machine: keeps its WireGuard peers equal to the roster.
+"""The roster sync daemon of one machine: keeps its WireGuard peers equal to the roster.
 
 On a member it pulls the authenticated roster from the coordinator over the mesh every
 ``sync_interval`` seconds, caches it atomically, and applies it; when the coordinator is
 unreachable it keeps the cached roster. On the coordinator it also serves joins on the
 underlay endpoint and rosters on the mesh address, and reads the roster from SQLite.
 
-Run as ``python -m mesh.agent --state-dir DIR``; normally started by ``shardpool mesh``.
+Run as ``python -m mesh.syncd --state-dir DIR``; normally started by ``shardpool mesh``.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ from mesh.node import apply_roster, backend_for, load_cached_roster, save_cached
 from mesh.roster import RosterStore
 from mesh.state import StatePaths, write_json
 
-__all__ = ["Agent", "main"]
+__all__ = ["SyncDaemon", "main"]
 
-log = logging.getLogger("shardpool.mesh.agent")
+log = logging.getLogger("shardpool.mesh.syncd")
 
 
-class Agent:
+class SyncDaemon:
     """One machine's sync loop, plus the coordinator's servers when this machine is the coordinator."""
 
     def __init__(self, paths: StatePaths) -> None:
@@ -99,10 +99,10 @@ class Agent:
 
     def _write_status(self) -> None:
         self.status["pid"] = os.getpid()
-        write_json(self.paths.agent_status, self.status)
+        write_json(self.paths.syncd_status, self.status)
 
     def step(self) -> bool:
-        """Sync once; return ``False`` when the agent should stop (this machine was removed)."""
+        """Sync once; return ``False`` when the daemon should stop (this machine was removed)."""
         try:
             roster = self._fetch()
         except Revoked as error:
@@ -184,28 +184,28 @@ class Agent:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the agent process."""
-    parser = argparse.ArgumentParser(prog="python -m mesh.agent", description=__doc__)
+    """Entry point of the daemon process."""
+    parser = argparse.ArgumentParser(prog="python -m mesh.syncd", description=__doc__)
     parser.add_argument("--state-dir", required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
     )
     try:
-        agent = Agent(StatePaths(Path(args.state_dir)))
+        daemon = SyncDaemon(StatePaths(Path(args.state_dir)))
 
         def _stop(signum: int, frame: FrameType | None) -> None:
-            agent.stop.set()
-            agent.wake.set()
+            daemon.stop.set()
+            daemon.wake.set()
 
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, _stop)
-        return agent.run()
+        return daemon.run()
     except MeshError as error:
         log.error("%s", error)
         return 2
     except OSError as error:
-        log.error("agent stopped: %s", error)
+        log.error("daemon stopped: %s", error)
         return 1 if error.errno != errno.EINTR else 0
 
 

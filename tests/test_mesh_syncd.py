@@ -1,4 +1,4 @@
-"""Tests of mesh/agent.py: one sync step against a real coordinator, an absent one, and after removal.
+"""Tests of mesh/daemon.py: one sync step against a real coordinator, an absent one, and after removal.
 
 The WireGuard device is replaced by an in-memory fake here (pure bookkeeping); the real device
 path is covered by tests/test_mesh_e2e.py.
@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from mesh import agent as agent_module
-from mesh.agent import Agent
+from mesh import syncd as syncd_module
 from mesh.backend import DeviceStatus, PeerConfig, PeerStatus
 from mesh.client import request_join
 from mesh.config import MeshConfig, save_config
 from mesh.keys import generate_private_key, public_key, write_private_key
 from mesh.node import load_cached_roster, save_cached_roster
 from mesh.state import StatePaths
+from mesh.syncd import SyncDaemon
 from tests.mesh_hosts import InProcessCoordinator
 
 
@@ -54,7 +54,7 @@ def coordinator(tmp_path):
 
 def _member(
     tmp_path, coordinator: InProcessCoordinator, monkeypatch, port: int | None = None
-) -> tuple[Agent, FakeDevice]:
+) -> tuple[SyncDaemon, FakeDevice]:
     private = generate_private_key()
     result = request_join(coordinator.invite(), "b", public_key(private), None)
     paths = StatePaths(tmp_path / "b")
@@ -71,36 +71,36 @@ def _member(
     )  # fmt: skip
     save_cached_roster(paths, result.roster)
     device = FakeDevice()
-    monkeypatch.setattr(agent_module, "backend_for", lambda paths, config: device)
-    return Agent(paths), device
+    monkeypatch.setattr(syncd_module, "backend_for", lambda paths, config: device)
+    return SyncDaemon(paths), device
 
 
 def test_step_pulls_new_members_and_caches_the_roster(tmp_path, coordinator, monkeypatch) -> None:
-    agent, device = _member(tmp_path, coordinator, monkeypatch)
-    assert agent.step() is True
+    daemon, device = _member(tmp_path, coordinator, monkeypatch)
+    assert daemon.step() is True
     assert set(device.peers) == {coordinator.public_key}
     newcomer = public_key(generate_private_key())
     request_join(coordinator.invite(), "c", newcomer, "192.0.2.3:51820")
-    assert agent.step() is True
+    assert daemon.step() is True
     assert set(device.peers) == {coordinator.public_key, newcomer}
     assert device.peers[newcomer].endpoint == "192.0.2.3:51820"
-    assert [m.name for m in load_cached_roster(agent.paths).members] == ["coord", "b", "c"]
-    assert agent.status["last_error"] is None
+    assert [m.name for m in load_cached_roster(daemon.paths).members] == ["coord", "b", "c"]
+    assert daemon.status["last_error"] is None
 
 
 def test_step_keeps_the_cached_roster_while_the_coordinator_is_down(
     tmp_path, coordinator, monkeypatch
 ) -> None:
-    agent, device = _member(tmp_path, coordinator, monkeypatch, port=9)
-    assert agent.step() is True
+    daemon, device = _member(tmp_path, coordinator, monkeypatch, port=9)
+    assert daemon.step() is True
     assert set(device.peers) == {coordinator.public_key}
-    assert "using the cached roster" in str(agent.status["last_error"])
+    assert "using the cached roster" in str(daemon.status["last_error"])
 
 
 def test_removed_member_drops_every_peer_and_stops(tmp_path, coordinator, monkeypatch) -> None:
-    agent, device = _member(tmp_path, coordinator, monkeypatch)
-    agent.step()
+    daemon, device = _member(tmp_path, coordinator, monkeypatch)
+    daemon.step()
     coordinator.store.revoke("b")
-    assert agent.step() is False
+    assert daemon.step() is False
     assert device.peers == {}
-    assert agent.status["revoked"] is True
+    assert daemon.status["revoked"] is True
