@@ -15,6 +15,10 @@ What it does, all inside one temporary directory that is removed at the end:
   4. runs a plain single-process peft + bitsandbytes QLoRA loop on the same micro-batches, in a
      subprocess with the whole thread budget, for reference throughput and peak memory.
 
+Before each run it waits for other processes to leave the CPUs, records how much CPU time they
+used during the run (``other_cpu_seconds``), and re-runs a disturbed measurement (``--retries``),
+keeping the least disturbed attempt: 2-thread runs on 2 cores are very sensitive to other load.
+
 Step time, pipeline efficiency (sum of per-stage compute / (S x step time)), bytes sent between
 stages per step next to what a DDP ring all-reduce of the gradients would move, and peak RSS per
 stage next to one process holding the whole model. See docs/performance.md for a recorded run.

@@ -49,7 +49,7 @@ WORKLOADS = {
 
 
 def summarize(plan) -> dict:
-    """The numbers compared in docs/performance-planner.md."""
+    """The numbers compared in docs/performance.md (Planner section)."""
     return {
         "predicted_step_s": round(plan.predicted_step_s, 3),
         "bottleneck_ms": round(plan.bottleneck_ms, 1),

@@ -460,4 +460,9 @@ def run_stage_process(job_path: str, rank: int) -> None:
     """Entry of a stage process (see :mod:`shardpool.worker`)."""
     job = Job.read(job_path)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    StageWorker(job, rank).run()
+    worker = StageWorker(job, rank)
+    try:
+        worker.run()
+    finally:
+        if hasattr(worker, "files"):
+            worker.files.close()

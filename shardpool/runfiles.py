@@ -10,6 +10,7 @@ training loop sees one interface either way, so moving a stage changes nothing i
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,13 @@ class RunFiles:
     def _fetch_all(self, names: list[str]) -> Path:
         paths = [self.path(name) for name in names]
         return paths[0].parent
+
+    def close(self) -> None:
+        """Delete the files fetched for this run (the content-addressed cache keeps its copies)."""
+        if self._fetch_dir is not None:
+            shutil.rmtree(self._fetch_dir, ignore_errors=True)
+            self._fetch_dir = None
+            self._remote.close()
 
     def save_tensors(self, relative: str, tensors: dict[str, torch.Tensor]) -> None:
         """Write a safetensors file at ``output_dir/relative`` on the launcher, atomically."""
