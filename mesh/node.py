@@ -112,7 +112,9 @@ def start_syncd(paths: StatePaths, timeout: float = 15.0) -> int:
                 return pid
         time.sleep(0.05)
     stop_process(paths.syncd_pid)
-    raise MeshError(f"the mesh sync daemon did not get ready within {timeout:.0f} s: {log_tail(paths.syncd_log)}")
+    raise MeshError(
+        f"the mesh sync daemon did not get ready within {timeout:.0f} s: {log_tail(paths.syncd_log)}"
+    )
 
 
 def stop_syncd(paths: StatePaths) -> bool:

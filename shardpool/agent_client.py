@@ -38,14 +38,22 @@ class AgentClient:
         """The agent's name, address and version."""
         return self._call("GET", "/v1/health")
 
-    def devices(self, model_config: dict[str, Any], workload: dict[str, Any], *, timeout: float = 300.0) -> list[dict[str, Any]]:
+    def devices(
+        self, model_config: dict[str, Any], workload: dict[str, Any], *, timeout: float = 300.0
+    ) -> list[dict[str, Any]]:
         """The member's devices, each profiled for this model shape and workload (cached there)."""
-        reply = self._call("POST", "/v1/devices", {"model_config": model_config, "workload": workload}, timeout=timeout)
+        reply = self._call(
+            "POST", "/v1/devices", {"model_config": model_config, "workload": workload}, timeout=timeout
+        )
         return list(reply["devices"])
 
-    def start_job(self, job_id: str, job: dict[str, Any], ranks: list[int], env: dict[str, str]) -> dict[str, Any]:
+    def start_job(
+        self, job_id: str, job: dict[str, Any], ranks: list[int], env: dict[str, str]
+    ) -> dict[str, Any]:
         """Start the given ranks of a job on the member."""
-        return self._call("POST", "/v1/jobs", {"job_id": job_id, "job": job, "ranks": ranks, "env": env}, timeout=60.0)
+        return self._call(
+            "POST", "/v1/jobs", {"job_id": job_id, "job": job, "ranks": ranks, "env": env}, timeout=60.0
+        )
 
     def events(self, job_id: str, *, after: int, wait: float = 1.0) -> dict[str, Any]:
         """Events after sequence number ``after`` (long-polls up to ``wait`` s); also the heartbeat."""
@@ -59,7 +67,9 @@ class AgentClient:
         """The last lines of one rank's log on the member."""
         return str(self._call("GET", f"/v1/jobs/{job_id}/log/{rank}?tail={lines}", raw=True))
 
-    def _call(self, method: str, path: str, body: Any = None, *, timeout: float | None = None, raw: bool = False) -> Any:
+    def _call(
+        self, method: str, path: str, body: Any = None, *, timeout: float | None = None, raw: bool = False
+    ) -> Any:
         parts = urlsplit(self.url)
         connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout or self.timeout)
         payload = None if body is None else json.dumps(body).encode("utf-8")
@@ -69,7 +79,9 @@ class AgentClient:
             response = connection.getresponse()
             data = response.read()
         except (TimeoutError, OSError, http.client.HTTPException) as error:
-            raise AgentUnreachable(f"agent at {self.url} did not answer {method} {path.split('?')[0]}: {error}") from None
+            raise AgentUnreachable(
+                f"agent at {self.url} did not answer {method} {path.split('?')[0]}: {error}"
+            ) from None
         finally:
             connection.close()
         text = data.decode("utf-8", errors="replace")
@@ -78,7 +90,9 @@ class AgentClient:
                 message = json.loads(text).get("error", text)
             except (json.JSONDecodeError, AttributeError):
                 message = text.strip()
-            raise AgentRefused(f"agent at {self.url} refused {method} {path.split('?')[0]}: {response.status} {message}")
+            raise AgentRefused(
+                f"agent at {self.url} refused {method} {path.split('?')[0]}: {response.status} {message}"
+            )
         if raw:
             return text
         return json.loads(text) if text else {}

@@ -55,14 +55,18 @@ def read_model_info(model_dir: str | Path) -> ModelInfo:
     """Read ``config.json`` of a local model directory and check shardpool can split it."""
     path = Path(model_dir)
     if not path.is_dir():
-        raise ShardpoolError(f"base_model directory {str(path)!r} does not exist; point base_model at a local model directory")
+        raise ShardpoolError(
+            f"base_model directory {str(path)!r} does not exist; point base_model at a local model directory"
+        )
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ShardpoolError(f"{path} has no config.json; base_model must be a Hugging Face model directory")
     try:
         raw = json.loads(config_file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
-        raise ShardpoolError(f"{config_file} is not valid JSON ({error.msg} at line {error.lineno}); fix or re-save it") from None
+        raise ShardpoolError(
+            f"{config_file} is not valid JSON ({error.msg} at line {error.lineno}); fix or re-save it"
+        ) from None
     model_type = str(raw.get("model_type", ""))
     if model_type not in SUPPORTED_MODEL_TYPES:
         supported = ", ".join(SUPPORTED_MODEL_TYPES)
@@ -70,7 +74,9 @@ def read_model_info(model_dir: str | Path) -> ModelInfo:
             f"unsupported architecture {model_type or 'unknown'!r} in {config_file}; shardpool supports {supported}"
         )
     if not any(path.glob("*.safetensors")):
-        raise ShardpoolError(f"{path} has no .safetensors files; re-save the model with save_pretrained(safe_serialization=True)")
+        raise ShardpoolError(
+            f"{path} has no .safetensors files; re-save the model with save_pretrained(safe_serialization=True)"
+        )
     return ModelInfo(
         path=path,
         model_type=model_type,

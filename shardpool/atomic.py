@@ -38,7 +38,9 @@ def write_json_atomic(path: str | Path, value: Any) -> None:
     write_bytes_atomic(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode("utf-8"))
 
 
-def save_tensors_atomic(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+def save_tensors_atomic(
+    path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
     """Replace ``path`` with a safetensors file of ``tensors`` (moved to CPU, made contiguous)."""
     target = Path(path)
     handle, temp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}-", suffix=".tmp")

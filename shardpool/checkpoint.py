@@ -65,7 +65,9 @@ def stage_state_tensors(
         for field in _OPTIM_FIELDS:
             if field in state:
                 value = state[field]
-                tensors[f"optim.{key}.{field}"] = value if torch.is_tensor(value) else torch.tensor(float(value))
+                tensors[f"optim.{key}.{field}"] = (
+                    value if torch.is_tensor(value) else torch.tensor(float(value))
+                )
     return tensors
 
 
@@ -102,7 +104,11 @@ def finalize_checkpoint(
 
 def read_stage_lora(path: Path) -> dict[str, torch.Tensor]:
     """The LoRA tensors (global adapter keys) in one stage's state file."""
-    return {name.removeprefix("lora."): tensor for name, tensor in load_file(str(path)).items() if name.startswith("lora.")}
+    return {
+        name.removeprefix("lora."): tensor
+        for name, tensor in load_file(str(path)).items()
+        if name.startswith("lora.")
+    }
 
 
 def newest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -136,7 +142,9 @@ def read_lora_and_optimizer(
         if f"lora.{key}" not in found:
             raise ShardpoolError(f"the checkpoint lacks {key}; it belongs to a different model or LoRA setup")
         lora[key] = found[f"lora.{key}"]
-        optim[key] = {field: found[f"optim.{key}.{field}"] for field in _OPTIM_FIELDS if f"optim.{key}.{field}" in found}
+        optim[key] = {
+            field: found[f"optim.{key}.{field}"] for field in _OPTIM_FIELDS if f"optim.{key}.{field}" in found
+        }
     return lora, optim
 
 

@@ -35,18 +35,28 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print only the plan, as in output_dir/plan.json")
     plan.add_argument("--model", help="a config.json (or its directory) to plan instead of base_model's")
     plan.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. sequence_len=2048"
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. sequence_len=2048",
     )
     plan.set_defaults(handler=_run_plan)
 
-    devices = commands.add_parser("devices", help="list local devices and profile one layer of the model on each")
+    devices = commands.add_parser(
+        "devices", help="list local devices and profile one layer of the model on each"
+    )
     devices.add_argument("config", nargs="?", help="YAML config whose model and batch shape to profile")
     devices.add_argument("--no-profile", action="store_true", help="list devices without profiling")
     devices.add_argument("--json", action="store_true", help="print JSON instead of a table")
     devices.set_defaults(handler=_run_devices)
 
-    agent = commands.add_parser("agent", help="serve this mesh member to launchers (started by `mesh init/join`)")
-    agent.add_argument("--state-dir", help="mesh state directory (default: $SHARDPOOL_HOME, /var/lib/shardpool as root)")
+    agent = commands.add_parser(
+        "agent", help="serve this mesh member to launchers (started by `mesh init/join`)"
+    )
+    agent.add_argument(
+        "--state-dir", help="mesh state directory (default: $SHARDPOOL_HOME, /var/lib/shardpool as root)"
+    )
     agent.add_argument("--port", type=int, default=7710, help="TCP port on the mesh address (default 7710)")
     agent.add_argument("--work-dir", help="where jobs keep their files and logs (default STATE/work)")
     agent.add_argument("--ready-file", help=argparse.SUPPRESS)

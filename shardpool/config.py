@@ -82,12 +82,16 @@ class DatasetSpec(_Strict):
         default=None,
         description="alpaca: instruction/input/output; completion: one text field; absent: pre-tokenized",
     )
-    field: str | None = Field(default=None, description="the text field of a completion dataset (default: text)")
+    field: str | None = Field(
+        default=None, description="the text field of a completion dataset (default: text)"
+    )
 
     @model_validator(mode="after")
     def _field_only_for_completion(self) -> DatasetSpec:
         if self.field is not None and self.type != "completion":
-            raise ValueError("`field` only applies to `type: completion`; remove it or set `type: completion`")
+            raise ValueError(
+                "`field` only applies to `type: completion`; remove it or set `type: completion`"
+            )
         return self
 
 
@@ -104,14 +108,22 @@ class ShardpoolSection(_Strict):
     placement: Literal["local", "mesh"] = Field(
         default="local", description="local: stage processes on this machine; mesh: on mesh members"
     )
-    stages: int | None = Field(default=None, ge=1, description="number of pipeline stages (default: len(devices) or 2)")
-    replicas: int = Field(default=1, ge=1, description="data-parallel pipelines; LoRA gradients are all-reduced")
+    stages: int | None = Field(
+        default=None, ge=1, description="number of pipeline stages (default: len(devices) or 2)"
+    )
+    replicas: int = Field(
+        default=1, ge=1, description="data-parallel pipelines; LoRA gradients are all-reduced"
+    )
     schedule: Literal["1f1b", "gpipe"] = Field(default="1f1b", description="pipeline schedule")
     wire_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         default="auto", description="dtype of activations between stages (auto: the compute dtype)"
     )
-    devices: list[str] | None = Field(default=None, description="one device per stage, e.g. [cpu, cuda:0, mps]")
-    layers: list[int] | None = Field(default=None, description="manual split: decoder layers per stage, e.g. [1, 3, 2]")
+    devices: list[str] | None = Field(
+        default=None, description="one device per stage, e.g. [cpu, cuda:0, mps]"
+    )
+    layers: list[int] | None = Field(
+        default=None, description="manual split: decoder layers per stage, e.g. [1, 3, 2]"
+    )
     threads_per_stage: int | None = Field(
         default=None, ge=1, description="torch intra-op threads per CPU stage (default: cores / processes)"
     )
@@ -136,9 +148,13 @@ class ShardpoolSection(_Strict):
             for device in self.devices:
                 _check_device_name(device)
         if self.placement == "mesh" and self.devices is not None:
-            raise ValueError("`shardpool.devices` is for `placement: local`; on the mesh the planner picks devices")
+            raise ValueError(
+                "`shardpool.devices` is for `placement: local`; on the mesh the planner picks devices"
+            )
         if self.placement == "mesh" and self.layers is not None:
-            raise ValueError("`shardpool.layers` is for `placement: local`; on the mesh the planner splits the layers")
+            raise ValueError(
+                "`shardpool.layers` is for `placement: local`; on the mesh the planner splits the layers"
+            )
         return self
 
     @property
@@ -164,7 +180,9 @@ class Config(_Strict):
     """A whole run. Field names and meanings follow axolotl where axolotl has them."""
 
     base_model: str = Field(description="local Hugging Face model directory (config.json + safetensors)")
-    adapter: Literal["qlora", "lora"] = Field(default="qlora", description="qlora: NF4 base; lora: full-precision base")
+    adapter: Literal["qlora", "lora"] = Field(
+        default="qlora", description="qlora: NF4 base; lora: full-precision base"
+    )
     load_in_4bit: bool = Field(default=True, description="quantize the base to 4 bits (required by qlora)")
     bnb_config_kwargs: BnbConfig = Field(default_factory=BnbConfig, description="bitsandbytes 4-bit settings")
     lora_r: int = Field(default=8, ge=1, description="LoRA rank")
@@ -175,18 +193,26 @@ class Config(_Strict):
     lora_model_dir: str | None = Field(default=None, description="start from this existing PEFT adapter")
     datasets: list[DatasetSpec] = Field(min_length=1, description="JSONL datasets, merged in order")
     val_set_size: float = Field(default=0.0, ge=0.0, description="eval split: a fraction (<1) or a row count")
-    sequence_len: int = Field(default=512, gt=0, description="rows are truncated or padded to this many tokens")
+    sequence_len: int = Field(
+        default=512, gt=0, description="rows are truncated or padded to this many tokens"
+    )
     sample_packing: bool = Field(default=False, description="pack several short rows into one sequence")
     shuffle_merged_datasets: bool = Field(default=True, description="shuffle rows (seeded) before batching")
-    curriculum_sampling: bool = Field(default=False, description="consume rows in file order (needs no shuffle)")
+    curriculum_sampling: bool = Field(
+        default=False, description="consume rows in file order (needs no shuffle)"
+    )
     micro_batch_size: int = Field(default=1, ge=1, description="rows per micro-batch")
     gradient_accumulation_steps: int = Field(default=1, ge=1, description="micro-batches per optimizer step")
     num_epochs: float = Field(default=1.0, gt=0, description="passes over the training rows")
     max_steps: int | None = Field(default=None, ge=1, description="stop after this many optimizer steps")
     learning_rate: float = Field(default=2e-4, gt=0, description="peak learning rate")
-    lr_scheduler: Literal["cosine", "linear", "constant"] = Field(default="cosine", description="decay after warm-up")
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
+        default="cosine", description="decay after warm-up"
+    )
     warmup_steps: int | None = Field(default=None, ge=0, description="linear warm-up steps")
-    warmup_ratio: float | None = Field(default=None, ge=0.0, lt=1.0, description="warm-up as a fraction of steps")
+    warmup_ratio: float | None = Field(
+        default=None, ge=0.0, lt=1.0, description="warm-up as a fraction of steps"
+    )
     optimizer: Literal["adamw_torch"] = Field(default="adamw_torch", description="optimizer (AdamW)")
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW decoupled weight decay")
     adam_beta1: float = Field(default=0.9, gt=0.0, lt=1.0, description="AdamW beta1")
@@ -207,15 +233,21 @@ class Config(_Strict):
         if self.adapter == "qlora" and not self.load_in_4bit:
             raise ValueError("`adapter: qlora` needs `load_in_4bit: true`; set it, or use `adapter: lora`")
         if self.adapter == "lora" and self.load_in_4bit:
-            raise ValueError("`adapter: lora` trains on a full-precision base; set `load_in_4bit: false` or use qlora")
+            raise ValueError(
+                "`adapter: lora` trains on a full-precision base; set `load_in_4bit: false` or use qlora"
+            )
         if not self.lora_target_linear and not self.lora_target_modules:
-            raise ValueError("no LoRA targets: set `lora_target_modules` (e.g. [q_proj, v_proj]) or `lora_target_linear: true`")
+            raise ValueError(
+                "no LoRA targets: set `lora_target_modules` (e.g. [q_proj, v_proj]) or `lora_target_linear: true`"
+            )
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             raise ValueError("`warmup_steps` and `warmup_ratio` both set; keep one")
         if self.bf16 is True and self.fp16:
             raise ValueError("`bf16` and `fp16` both set; keep one")
         if self.curriculum_sampling and self.shuffle_merged_datasets:
-            raise ValueError("`curriculum_sampling: true` needs `shuffle_merged_datasets: false` to keep file order")
+            raise ValueError(
+                "`curriculum_sampling: true` needs `shuffle_merged_datasets: false` to keep file order"
+            )
         if self.val_set_size >= 1 and not float(self.val_set_size).is_integer():
             raise ValueError("`val_set_size` is a fraction below 1 or a whole row count; fix its value")
         if self.max_steps is None and not math.isfinite(self.num_epochs):
@@ -258,7 +290,9 @@ def parse_config(raw: Any, *, source: str = "config") -> Config:
         raise ShardpoolError(f"{source} must be a mapping of keys to values at the top level")
     for key in raw:
         if key in UNSUPPORTED_AXOLOTL_KEYS:
-            raise ShardpoolError(f"`{key}` is not supported by shardpool yet: {UNSUPPORTED_AXOLOTL_KEYS[key]}")
+            raise ShardpoolError(
+                f"`{key}` is not supported by shardpool yet: {UNSUPPORTED_AXOLOTL_KEYS[key]}"
+            )
     try:
         return Config.model_validate(_coerce_numbers(raw))
     except ValidationError as error:

@@ -49,7 +49,14 @@ from shardpool.runfiles import MODEL_PREFIX, model_file_names
 from shardpool.stage import StageSpec, owned_tensor_names
 from shardpool.weights import WeightReader
 
-__all__ = ["finetune_from_file", "finetune", "prepare_run", "PreparedRun", "check_stage_count", "RUN_DIR_NAME"]
+__all__ = [
+    "finetune_from_file",
+    "finetune",
+    "prepare_run",
+    "PreparedRun",
+    "check_stage_count",
+    "RUN_DIR_NAME",
+]
 
 RUN_DIR_NAME = ".shardpool"
 _NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + 8-bit absmax + fp32 per 256 absmax
@@ -69,7 +76,9 @@ class PreparedRun:
     plan: dict[str, Any]
 
 
-def finetune_from_file(config_path: str | Path, *, resume: bool = False, console: Console | None = None) -> Path:
+def finetune_from_file(
+    config_path: str | Path, *, resume: bool = False, console: Console | None = None
+) -> Path:
     """Validate the config at ``config_path``, train, and return the adapter directory."""
     return finetune(load_config(config_path), resume=resume, console=console)
 
@@ -120,7 +129,9 @@ def _finetune_on_mesh(config: Config, *, resume: bool, console: Console) -> Path
     files = {name: Path(path) for name, path in inputs.items()}
     with FileServer(me.address, 0, files=files, upload_root=output_dir, allowlist=allowlist) as server:
         store = rendezvous_store(me.address)
-        job = _make_job(run, master_addr=me.address, master_port=store.port, first_step=first_step, files_url=server.url)
+        job = _make_job(
+            run, master_addr=me.address, master_port=store.port, first_step=first_step, files_url=server.url
+        )
         job.write(run_dir / "job.json")
         by_name = {member.name: member for member in members}
         assignments: dict[str, tuple[Any, list[int], dict[str, str]]] = {}
@@ -185,7 +196,9 @@ def rendezvous_store(host: str, *, port: int = 0, timeout_s: float = 300.0) -> A
     """
     import torch.distributed as dist
 
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    return dist.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+    )
 
 
 def job_inputs(config: Config, run_dir: Path, resume_from: Path | None) -> dict[str, str]:
@@ -228,12 +241,19 @@ def prepare_run(
         )
     )
     resume_from = _resume_point(Path(config.output_dir), resume)
-    plan = plan_for_config(config) if planner is None else planner(ModelShape.from_config_dir(config.base_model), Workload.from_config(config))
+    plan = (
+        plan_for_config(config)
+        if planner is None
+        else planner(ModelShape.from_config_dir(config.base_model), Workload.from_config(config))
+    )
     placements = [
-        StagePlacement(start=stage.start, stop=stage.stop, device=stage.device, host=stage.host) for stage in plan.stages
+        StagePlacement(start=stage.start, stop=stage.stop, device=stage.device, host=stage.host)
+        for stage in plan.stages
     ]
     plan_json = plan.to_json()
-    plan_json.update({"replicas": config.shardpool.replicas, "source": "manual" if config.shardpool.layers else "planner"})
+    plan_json.update(
+        {"replicas": config.shardpool.replicas, "source": "manual" if config.shardpool.layers else "planner"}
+    )
     return PreparedRun(config, model, lora, placements, data, total_steps, resume_from, plan_json)
 
 
@@ -257,7 +277,9 @@ def _resume_point(output_dir: Path, resume: bool) -> Path | None:
     newest = newest_checkpoint(output_dir)
     if resume:
         if newest is None:
-            raise ShardpoolError(f"--resume: no checkpoint in {output_dir / 'checkpoints'}; run without --resume")
+            raise ShardpoolError(
+                f"--resume: no checkpoint in {output_dir / 'checkpoints'}; run without --resume"
+            )
         return newest
     if newest is not None:
         raise ShardpoolError(
@@ -287,7 +309,9 @@ def _stage_footprint(reader: WeightReader, spec: StageSpec, tied: bool) -> tuple
         for dim in reader.shape(name):
             count *= dim
         params += count
-        quantized = name.startswith("model.layers.") and any(f".{linear}." in name for linear in DECODER_LINEAR_NAMES)
+        quantized = name.startswith("model.layers.") and any(
+            f".{linear}." in name for linear in DECODER_LINEAR_NAMES
+        )
         nf4_bytes += count * (_NF4_BYTES_PER_PARAM if quantized else 4)
     return params, nf4_bytes / 2**20
 
@@ -295,7 +319,9 @@ def _stage_footprint(reader: WeightReader, spec: StageSpec, tied: bool) -> tuple
 def _print_placement(console: Console, run: PreparedRun) -> None:
     table = Table(title=f"placement of {run.model.base_name} ({run.model.num_layers} layers)")
     for column in ("stage", "device", "host", "layers", "parameters", "NF4 MiB", "predicted ms/mb"):
-        table.add_column(column, justify="left" if column in {"stage", "device", "host", "layers"} else "right")
+        table.add_column(
+            column, justify="left" if column in {"stage", "device", "host", "layers"} else "right"
+        )
     with WeightReader(run.model.path) as reader:
         for index, placement in enumerate(run.placements):
             spec = StageSpec(index, len(run.placements), placement.start, placement.stop, placement.device)
@@ -304,7 +330,9 @@ def _print_placement(console: Console, run: PreparedRun) -> None:
             layers = f"[{placement.start}, {placement.stop})" + (f" +{'+'.join(extras)}" if extras else "")
             predicted = run.plan["stages"][index].get("predicted_ms_per_microbatch")
             shown = "-" if predicted is None else f"{predicted:.1f}"
-            table.add_row(str(index), placement.device, placement.host, layers, f"{params:,}", f"{mib:.2f}", shown)
+            table.add_row(
+                str(index), placement.device, placement.host, layers, f"{params:,}", f"{mib:.2f}", shown
+            )
     console.print(table)
     replicas = run.config.shardpool.replicas
     console.print(
@@ -353,7 +381,10 @@ def _follow(
                 outcome.last_loss = event["loss"]
                 outcome.last_step = event["step"]
                 progress.update(
-                    task, completed=event["step"], loss=f"{event['loss']:.4f}", tps=f"{event['tokens_per_s']:.0f}"
+                    task,
+                    completed=event["step"],
+                    loss=f"{event['loss']:.4f}",
+                    tps=f"{event['tokens_per_s']:.0f}",
                 )
                 if event["step"] % logging_steps == 0 or event["step"] == run.total_steps:
                     _append_metrics(metrics_path, event)
@@ -368,10 +399,14 @@ def _follow(
                 progress.console.print(f"checkpoint saved: {final}")
             elif kind == "final_written":
                 final_dir = output_dir / event["directory"]
-                write_adapter(output_dir, merge_stage_lora(final_dir), run.lora, base_model=run.config.base_model)
+                write_adapter(
+                    output_dir, merge_stage_lora(final_dir), run.lora, base_model=run.config.base_model
+                )
                 shutil.rmtree(final_dir, ignore_errors=True)
             elif kind == "stage_done":
-                outcome.stages[int(event["rank"])] = {key: value for key, value in event.items() if key != "event"}
+                outcome.stages[int(event["rank"])] = {
+                    key: value for key, value in event.items() if key != "event"
+                }
             elif kind == "done":
                 outcome.eval_before = event.get("eval_before")
                 outcome.eval_after = event.get("eval_after")
@@ -379,7 +414,9 @@ def _follow(
         started = time.monotonic()
         start(on_event)
         outcome.seconds = time.monotonic() - started
-    _write_summary(output_dir / "run_summary.json", outcome, first_step=first_step, total_steps=run.total_steps)
+    _write_summary(
+        output_dir / "run_summary.json", outcome, first_step=first_step, total_steps=run.total_steps
+    )
     return outcome
 
 
@@ -420,7 +457,11 @@ def _trim_metrics(path: Path, *, keep_through_step: int) -> None:
     if keep_through_step == 0:
         path.unlink()
         return
-    kept = [line for line in path.read_text(encoding="utf-8").splitlines() if json.loads(line)["step"] <= keep_through_step]
+    kept = [
+        line
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if json.loads(line)["step"] <= keep_through_step
+    ]
     write_bytes_atomic(path, ("\n".join(kept) + "\n").encode("utf-8") if kept else b"")
 
 
@@ -443,7 +484,9 @@ def _print_result(console: Console, run: PreparedRun, outcome: _Outcome) -> None
             f'bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="{kwargs.bnb_4bit_quant_type}", '
             f"bnb_4bit_use_double_quant={kwargs.bnb_4bit_use_double_quant}, bnb_4bit_compute_dtype=torch.{dtype})"
         )
-    load_args = f'"{run.config.base_model}", dtype=torch.{dtype}' + (", quantization_config=bnb" if quant else "")
+    load_args = f'"{run.config.base_model}", dtype=torch.{dtype}' + (
+        ", quantization_config=bnb" if quant else ""
+    )
     snippet.append(f"base = AutoModelForCausalLM.from_pretrained({load_args})")
     snippet.append(f'model = PeftModel.from_pretrained(base, "{output_dir}")')
     console.print(f"adapter written to {output_dir}; load it with:")

@@ -82,7 +82,13 @@ class Job:
         """The StageSpec a global rank builds."""
         index = self.stage_index(rank)
         placement = self.stages[index]
-        return StageSpec(index=index, num_stages=self.num_stages, start=placement.start, stop=placement.stop, device=placement.device)
+        return StageSpec(
+            index=index,
+            num_stages=self.num_stages,
+            start=placement.start,
+            stop=placement.stop,
+            device=placement.device,
+        )
 
     def write(self, path: str | Path) -> None:
         """Save as JSON, atomically."""

@@ -47,7 +47,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(probe.getsockname()[1])
 
 
-def run_local_job(job: Job, job_file: Path, *, log_dir: Path, on_event: Callable[[dict[str, Any]], None]) -> None:
+def run_local_job(
+    job: Job, job_file: Path, *, log_dir: Path, on_event: Callable[[dict[str, Any]], None]
+) -> None:
     """Run every rank of ``job`` as a local process until all finish; raise StageFailed on the first failure."""
     log_dir.mkdir(parents=True, exist_ok=True)
     events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
@@ -59,7 +61,9 @@ def run_local_job(job: Job, job_file: Path, *, log_dir: Path, on_event: Callable
             log_path = log_dir / f"rank-{rank}.log"
             process = _start_rank(job, job_file, rank, log_path)
             processes.append(process)
-            reader = threading.Thread(target=_relay, args=(rank, process.stdout, log_path, events), daemon=True)
+            reader = threading.Thread(
+                target=_relay, args=(rank, process.stdout, log_path, events), daemon=True
+            )
             reader.start()
             readers.append(reader)
         while True:
@@ -111,7 +115,9 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _relay(rank: int, stream: IO[bytes] | None, log_path: Path, events: queue.Queue[tuple[int, dict[str, Any]]]) -> None:
+def _relay(
+    rank: int, stream: IO[bytes] | None, log_path: Path, events: queue.Queue[tuple[int, dict[str, Any]]]
+) -> None:
     if stream is None:
         return
     with open(log_path, "ab") as log:
@@ -173,13 +179,19 @@ def _failure(
     else:
         message = errors.get(rank) or _last_line(log_dir / f"rank-{rank}.log") or "exited without a message"
     return StageFailed(
-        f"stage {stage} (rank {rank}) failed: {message} (log: {log_dir / f'rank-{rank}.log'})", rank=rank, stage=stage
+        f"stage {stage} (rank {rank}) failed: {message} (log: {log_dir / f'rank-{rank}.log'})",
+        rank=rank,
+        stage=stage,
     )
 
 
 def _last_line(path: Path) -> str:
     try:
-        lines = [line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+        lines = [
+            line.strip()
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines()
+            if line.strip()
+        ]
     except OSError:
         return ""
     return lines[-1] if lines else ""

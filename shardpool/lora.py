@@ -92,11 +92,16 @@ def _check_matches_existing_adapter(settings: LoraSettings, adapter_dir: Path) -
     checks = {
         "lora_r": (settings.r, existing.get("r")),
         "lora_alpha": (settings.alpha, float(existing.get("lora_alpha", -1))),
-        "lora_target_modules": (sorted(settings.target_modules), sorted(existing.get("target_modules") or [])),
+        "lora_target_modules": (
+            sorted(settings.target_modules),
+            sorted(existing.get("target_modules") or []),
+        ),
     }
     for key, (ours, theirs) in checks.items():
         if ours != theirs:
-            raise ShardpoolError(f"`{key}` is {ours} but lora_model_dir's adapter has {theirs}; make them equal")
+            raise ShardpoolError(
+                f"`{key}` is {ours} but lora_model_dir's adapter has {theirs}; make them equal"
+            )
 
 
 def peft_config(settings: LoraSettings) -> LoraConfig:
@@ -155,4 +160,3 @@ def _json_default(value: object) -> object:
     if hasattr(value, "value"):
         return value.value  # enums such as peft's TaskType
     raise TypeError(f"cannot write {type(value).__name__} to adapter_config.json")
-

@@ -52,7 +52,9 @@ def online_members(state_dir: str | None = None, *, port: int = DEFAULT_AGENT_PO
 
     found = [member for member in members(state_dir, probe=True) if member.online]
     return [
-        MeshMember(member.name, member.address, member.is_self, AgentClient(f"http://{member.address}:{port}"))
+        MeshMember(
+            member.name, member.address, member.is_self, AgentClient(f"http://{member.address}:{port}")
+        )
         for member in found
     ]
 
@@ -85,7 +87,9 @@ def mesh_fleet(
         if launcher is not None and member is not launcher:
             links[frozenset((launcher.name, member.name))] = measure_link(member.agent)
     if not devices:
-        raise ShardpoolError("no mesh member's agent answered; start `shardpool agent` on the members (see docs/agent.md)")
+        raise ShardpoolError(
+            "no mesh member's agent answered; start `shardpool agent` on the members (see docs/agent.md)"
+        )
     _fill_member_links(links, [member.name for member in members], launcher.name if launcher else None)
     return Fleet(devices=tuple(devices), links=links)
 
@@ -112,7 +116,9 @@ def _fill_member_links(links: dict[frozenset[str], LinkSpec], names: list[str], 
             if first >= second or pair in links or launcher is None:
                 continue
             via = [links.get(frozenset((launcher, name)), DEFAULT_LINK) for name in (first, second)]
-            links[pair] = LinkSpec(bandwidth=min(link.bandwidth for link in via), latency=max(link.latency for link in via))
+            links[pair] = LinkSpec(
+                bandwidth=min(link.bandwidth for link in via), latency=max(link.latency for link in via)
+            )
 
 
 def new_job_id() -> str:
@@ -176,7 +182,8 @@ def run_mesh_job(
         stop.set()
         reachable = [name for name in started if follows[name].lost is None]
         stoppers = [
-            threading.Thread(target=_stop_quietly, args=(ranks_by_member[name][0], job_id), daemon=True) for name in reachable
+            threading.Thread(target=_stop_quietly, args=(ranks_by_member[name][0], job_id), daemon=True)
+            for name in reachable
         ]
         for thread in stoppers:
             thread.start()
@@ -227,12 +234,23 @@ def _poll(
         follow.running = bool(reply.get("running", True))
 
 
-def _failure(job: Job, follows: dict[str, _Follow], errors: dict[int, str], last_step: int) -> StageFailed | None:
+def _failure(
+    job: Job, follows: dict[str, _Follow], errors: dict[int, str], last_step: int
+) -> StageFailed | None:
     for name, follow in follows.items():
         if follow.lost is not None:
             stage = job.stage_index(follow.ranks[0])
-            return MemberLost(f"member {name!r} was lost at step {last_step}: {follow.lost}", rank=follow.ranks[0], stage=stage)
-    failed = [(name, rank, code) for name, follow in follows.items() for rank, code in follow.exited.items() if code != 0]
+            return MemberLost(
+                f"member {name!r} was lost at step {last_step}: {follow.lost}",
+                rank=follow.ranks[0],
+                stage=stage,
+            )
+    failed = [
+        (name, rank, code)
+        for name, follow in follows.items()
+        for rank, code in follow.exited.items()
+        if code != 0
+    ]
     if not failed:
         return None
     killed = [item for item in failed if item[2] < 0]
@@ -240,8 +258,16 @@ def _failure(job: Job, follows: dict[str, _Follow], errors: dict[int, str], last
     name, rank, code = (killed or reporting or failed)[0]
     stage = job.stage_index(rank)
     message = f"killed by signal {-code}" if code < 0 else errors.get(rank, f"exited with status {code}")
-    return MemberLost(
-        f"stage {stage} (rank {rank}) on member {name!r} failed at step {last_step}: {message}", rank=rank, stage=stage
-    ) if code < 0 else StageFailed(
-        f"stage {stage} (rank {rank}) on member {name!r} failed at step {last_step}: {message}", rank=rank, stage=stage
+    return (
+        MemberLost(
+            f"stage {stage} (rank {rank}) on member {name!r} failed at step {last_step}: {message}",
+            rank=rank,
+            stage=stage,
+        )
+        if code < 0
+        else StageFailed(
+            f"stage {stage} (rank {rank}) on member {name!r} failed at step {last_step}: {message}",
+            rank=rank,
+            stage=stage,
+        )
     )

@@ -17,7 +17,9 @@ __all__ = ["quantize_linear", "bnb_config", "keep_exact_cpu_matmul", "DTYPES"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def bnb_config(*, quant_type: str = "nf4", double_quant: bool = True, compute_dtype: str = "float32") -> BitsAndBytesConfig:
+def bnb_config(
+    *, quant_type: str = "nf4", double_quant: bool = True, compute_dtype: str = "float32"
+) -> BitsAndBytesConfig:
     """The transformers quantization config that reproduces a stage's base on a user's machine."""
     return BitsAndBytesConfig(
         load_in_4bit=True,

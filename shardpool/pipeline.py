@@ -35,7 +35,16 @@ from shardpool.runfiles import RunFiles
 from shardpool.schedule import schedule_for
 from shardpool.stage import BaseSettings, PipelineStage, build_stage
 
-__all__ = ["StageWorker", "emit", "peak_rss_bytes", "EVENT_PREFIX", "token_loss_sum", "label_tokens", "scheduler_name", "warmup_steps"]
+__all__ = [
+    "StageWorker",
+    "emit",
+    "peak_rss_bytes",
+    "EVENT_PREFIX",
+    "token_loss_sum",
+    "label_tokens",
+    "scheduler_name",
+    "warmup_steps",
+]
 
 EVENT_PREFIX = "@shardpool "
 DATA_INPUT = "data.safetensors"
@@ -67,7 +76,10 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy over the label tokens, computed as transformers does."""
     shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
     return torch.nn.functional.cross_entropy(
-        logits.float().view(-1, logits.shape[-1]), shifted.view(-1).to(logits.device), ignore_index=-100, reduction="sum"
+        logits.float().view(-1, logits.shape[-1]),
+        shifted.view(-1).to(logits.device),
+        ignore_index=-100,
+        reduction="sum",
     )
 
 
@@ -184,7 +196,9 @@ class StageWorker:
         if self.lora.init_from:
             self.lora = replace(self.lora, init_from=str(self.files.adapter_dir(INIT_ADAPTER_PREFIX)))
         with self.files.weight_reader() as reader:
-            self.stage = build_stage(self.files.model_dir(), self.spec, base, self.lora, seed=self.config.seed, reader=reader)
+            self.stage = build_stage(
+                self.files.model_dir(), self.spec, base, self.lora, seed=self.config.seed, reader=reader
+            )
         self.hidden_size = int(self.stage.hf_config.hidden_size)
         self.data = load_prepared(self.files.path(DATA_INPUT))
         self.steps = step_batches(
@@ -241,7 +255,11 @@ class StageWorker:
             eval_before = self.evaluate()
         for step in range(first_step, len(self.steps)):
             self.train_step(step)
-            if self.config.save_steps and (step + 1) % self.config.save_steps == 0 and step + 1 < len(self.steps):
+            if (
+                self.config.save_steps
+                and (step + 1) % self.config.save_steps == 0
+                and step + 1 < len(self.steps)
+            ):
                 self.save_checkpoint(step + 1, eval_before=eval_before)
         eval_after = self.evaluate(save_logits=True)
         self.write_final_adapter()
@@ -269,7 +287,9 @@ class StageWorker:
         started = time.perf_counter()
         self.wire.wait_seconds = 0.0
         all_microbatches = self.steps[step]
-        step_label_tokens = sum(label_tokens(self.data.train.select(rows).labels) for rows in all_microbatches)
+        step_label_tokens = sum(
+            label_tokens(self.data.train.select(rows).labels) for rows in all_microbatches
+        )
         per_replica = self.config.gradient_accumulation_steps
         mine = all_microbatches[self.replica * per_replica : (self.replica + 1) * per_replica]
         totals = self._run_schedule([self.data.train.select(rows) for rows in mine], step_label_tokens)
@@ -313,7 +333,9 @@ class StageWorker:
                 self._backward(*saved.pop(index), totals)
         return totals
 
-    def _forward(self, rows: TokenRows, step_label_tokens: int, totals: _StepTotals) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(
+        self, rows: TokenRows, step_label_tokens: int, totals: _StepTotals
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = self._stage_inputs(rows, tag=_FORWARD_TAG)
         if not self.spec.is_first:
             inputs.requires_grad_(True)
@@ -363,7 +385,9 @@ class StageWorker:
         self._last_loss = float(summary[1])
         if self.config.max_grad_norm > 0:
             coefficient = min(1.0, self.config.max_grad_norm / (grad_norm + 1e-6))
-            torch._foreach_mul_(grads, torch.tensor(coefficient, dtype=grads[0].dtype, device=grads[0].device))
+            torch._foreach_mul_(
+                grads, torch.tensor(coefficient, dtype=grads[0].dtype, device=grads[0].device)
+            )
         return grad_norm
 
     def _gather_timings(self, compute: float, wait: float) -> list[list[float]]:
@@ -419,7 +443,9 @@ class StageWorker:
         self.files.save_tensors(f"{partial}/{ckpt.rng_file(self.rank)}", ckpt.rng_state_tensors())
         dist.barrier()
         if self.rank == 0:
-            emit({"event": "checkpoint_written", "step": step, "partial": partial, "eval_before": eval_before})
+            emit(
+                {"event": "checkpoint_written", "step": step, "partial": partial, "eval_before": eval_before}
+            )
 
     def _send_state(self, directory: str) -> None:
         if self.replica == 0:

@@ -77,7 +77,11 @@ class RunFiles:
             return WeightReader(Path(self.job.inputs[MODEL_PREFIX + "config.json"]).parent)
         from shardpool.remote import RemoteWeightReader
 
-        names = [name for name in self.job.inputs if name.startswith(MODEL_PREFIX) and name.endswith(".safetensors")]
+        names = [
+            name
+            for name in self.job.inputs
+            if name.startswith(MODEL_PREFIX) and name.endswith(".safetensors")
+        ]
         return RemoteWeightReader(self._remote, sorted(names))
 
     def adapter_dir(self, prefix: str) -> Path:

@@ -37,7 +37,9 @@ def one_f_one_b(*, stage: int, num_stages: int, num_microbatches: int) -> list[A
 def gpipe(*, stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
     """GPipe: every forward, then every backward."""
     _check(stage, num_stages, num_microbatches)
-    return [("F", index) for index in range(num_microbatches)] + [("B", index) for index in range(num_microbatches)]
+    return [("F", index) for index in range(num_microbatches)] + [
+        ("B", index) for index in range(num_microbatches)
+    ]
 
 
 def schedule_for(name: str, *, stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
@@ -57,4 +59,6 @@ def peak_in_flight(actions: list[Action]) -> int:
 
 def _check(stage: int, num_stages: int, num_microbatches: int) -> None:
     if not 0 <= stage < num_stages or num_microbatches < 1:
-        raise ValueError(f"no schedule for stage {stage} of {num_stages} with {num_microbatches} micro-batches")
+        raise ValueError(
+            f"no schedule for stage {stage} of {num_stages} with {num_microbatches} micro-batches"
+        )

@@ -29,7 +29,10 @@ from shardpool.weights import WeightReader
 
 __all__ = ["StageSpec", "BaseSettings", "PipelineStage", "build_stage", "owned_tensor_names"]
 
-_MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+_MASK_BUILDERS = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+}
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,13 @@ def owned_tensor_names(spec: StageSpec, available: list[str], *, tie_word_embedd
 class PipelineStage(nn.Module):
     """The forward of one stage, and access to its LoRA tensors under their global keys."""
 
-    def __init__(self, peft_model: nn.Module, spec: StageSpec, hf_config: PretrainedConfig, gradient_checkpointing: bool):
+    def __init__(
+        self,
+        peft_model: nn.Module,
+        spec: StageSpec,
+        hf_config: PretrainedConfig,
+        gradient_checkpointing: bool,
+    ):
         super().__init__()
         self.peft_model = peft_model
         self.spec = spec
@@ -95,7 +104,9 @@ class PipelineStage(nn.Module):
         self._lm_head = causal_lm.lm_head if spec.is_last else None
         self._mask_kinds = {index: mask_kind(hf_config, index) for index in spec.layer_indices}
 
-    def forward(self, inputs: torch.Tensor, *, attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, inputs: torch.Tensor, *, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
+    ) -> torch.Tensor:
         """Token ids (stage 0) or hidden states in; hidden states or logits (last stage) out."""
         hidden = self._inner.embed_tokens(inputs) if self.spec.is_first else inputs
         position_embeddings = self._inner.rotary_emb(hidden, position_ids=position_ids)
@@ -133,7 +144,9 @@ class PipelineStage(nn.Module):
     def named_lora_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """(global adapter key, parameter) for every trainable LoRA tensor, sorted by key."""
         named = [
-            (_adapter_key(name), param) for name, param in self.peft_model.named_parameters() if param.requires_grad
+            (_adapter_key(name), param)
+            for name, param in self.peft_model.named_parameters()
+            if param.requires_grad
         ]
         return sorted(named, key=lambda item: item[0])
 
@@ -146,12 +159,16 @@ class PipelineStage(nn.Module):
         wanted = set(self.lora_state_dict())
         missing = sorted(wanted - tensors.keys())
         if missing:
-            raise ShardpoolError(f"{source} lacks {len(missing)} LoRA tensors, e.g. {missing[0]}; it does not fit this model")
+            raise ShardpoolError(
+                f"{source} lacks {len(missing)} LoRA tensors, e.g. {missing[0]}; it does not fit this model"
+            )
         subset = {name: tensors[name] for name in wanted}
         for name, tensor in subset.items():
             expected = self.lora_state_dict()[name].shape
             if tensor.shape != expected:
-                raise ShardpoolError(f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
+                raise ShardpoolError(
+                    f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected)}"
+                )
         result = set_peft_model_state_dict(self.peft_model, subset)
         if result.unexpected_keys:
             raise ShardpoolError(f"{source}: unexpected LoRA keys such as {result.unexpected_keys[0]}")
@@ -183,7 +200,15 @@ def build_stage(
     reader = reader or WeightReader(model_dir)
     try:
         model = _pruned_skeleton(hf_config, spec)
-        _materialize(model, reader, spec, base, device=device, compute_dtype=compute_dtype, tied=hf_config.tie_word_embeddings)
+        _materialize(
+            model,
+            reader,
+            spec,
+            base,
+            device=device,
+            compute_dtype=compute_dtype,
+            tied=hf_config.tie_word_embeddings,
+        )
     finally:
         if owns_reader:
             reader.close()
@@ -193,9 +218,13 @@ def build_stage(
     # which decides how the attention masks are made.
     stage = PipelineStage(peft_model, spec, model.config, base.gradient_checkpointing)
     if not stage.lora_parameters():
-        raise ShardpoolError(f"lora_target_modules {list(lora.target_modules)} match nothing in stage {spec.index}; fix the targets")
+        raise ShardpoolError(
+            f"lora_target_modules {list(lora.target_modules)} match nothing in stage {spec.index}; fix the targets"
+        )
     if lora.init_from:
-        stage.load_lora_state_dict(read_adapter_tensors(lora.init_from), source=f"lora_model_dir {lora.init_from}")
+        stage.load_lora_state_dict(
+            read_adapter_tensors(lora.init_from), source=f"lora_model_dir {lora.init_from}"
+        )
     else:
         lora_a = {name: param for name, param in stage.named_lora_parameters() if ".lora_A." in name}
         init_lora_weights(lora_a, seed=seed)
@@ -213,7 +242,9 @@ def _pruned_skeleton(hf_config: PretrainedConfig, spec: StageSpec) -> nn.Module:
         model = model_class(skeleton_config)
     inner = model.model
     if spec.stop > len(inner.layers):
-        raise ShardpoolError(f"stage {spec.index} asks for layers up to {spec.stop} but the model has {len(inner.layers)}")
+        raise ShardpoolError(
+            f"stage {spec.index} asks for layers up to {spec.stop} but the model has {len(inner.layers)}"
+        )
     inner.layers = nn.ModuleDict({str(index): inner.layers[index] for index in spec.layer_indices})
     if not spec.is_first:
         inner.embed_tokens = None

@@ -81,7 +81,9 @@ def parse_header(header: bytes, file: Path) -> dict[str, TensorEntry]:
             begin, end = (int(offset) for offset in info["data_offsets"])
             dtype, shape = str(info["dtype"]), tuple(int(size) for size in info["shape"])
         except (KeyError, TypeError, ValueError):
-            raise ShardpoolError(f"{file} has a malformed header entry for {name!r}; re-save the model") from None
+            raise ShardpoolError(
+                f"{file} has a malformed header entry for {name!r}; re-save the model"
+            ) from None
         if not 0 <= begin <= end:
             raise ShardpoolError(f"{file} gives {name!r} the byte range {begin}-{end}; re-save the model")
         entries[name] = TensorEntry(file, data_start + begin, data_start + end, dtype, shape)
@@ -142,7 +144,9 @@ class WeightReader:
         with open(entry.file, "rb", buffering=0) as handle:
             got = os.preadv(handle.fileno(), [buffer], entry.start) if size else 0
         if got != size:
-            raise ShardpoolError(f"{entry.file} is truncated: {name!r} needs {size} bytes, got {got}; re-save the model")
+            raise ShardpoolError(
+                f"{entry.file} is truncated: {name!r} needs {size} bytes, got {got}; re-save the model"
+            )
         self.names_read.append(name)
         self.bytes_read += size
         return tensor_from_bytes(buffer, entry, name)
@@ -150,7 +154,9 @@ class WeightReader:
     def _entry(self, name: str) -> TensorEntry:
         entry = self.entries.get(name)
         if entry is None:
-            raise ShardpoolError(f"tensor {name!r} is missing from {self.model_dir}; the checkpoint is incomplete")
+            raise ShardpoolError(
+                f"tensor {name!r} is missing from {self.model_dir}; the checkpoint is incomplete"
+            )
         return entry
 
     def close(self) -> None:
@@ -166,11 +172,18 @@ class WeightReader:
 def _index_tensors(model_dir: Path) -> dict[str, TensorEntry]:
     index_file = model_dir / "model.safetensors.index.json"
     if index_file.is_file():
-        files = sorted({model_dir / file for file in json.loads(index_file.read_text(encoding="utf-8"))["weight_map"].values()})
+        files = sorted(
+            {
+                model_dir / file
+                for file in json.loads(index_file.read_text(encoding="utf-8"))["weight_map"].values()
+            }
+        )
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise ShardpoolError(f"{model_dir} has no .safetensors files; re-save the model with safe_serialization=True")
+        raise ShardpoolError(
+            f"{model_dir} has no .safetensors files; re-save the model with safe_serialization=True"
+        )
     entries: dict[str, TensorEntry] = {}
     for file in files:
         entries.update(read_header(file))

@@ -23,7 +23,13 @@ def main(argv: list[str]) -> int:
     except BaseException as error:  # noqa: BLE001 - every failure must reach the launcher
         traceback.print_exc(file=sys.stderr)
         message = str(error) if isinstance(error, ShardpoolError) else f"{type(error).__name__}: {error}"
-        emit({"event": "error", "rank": rank, "message": message.splitlines()[0] if message else type(error).__name__})
+        emit(
+            {
+                "event": "error",
+                "rank": rank,
+                "message": message.splitlines()[0] if message else type(error).__name__,
+            }
+        )
         sys.stderr.flush()
         os._exit(1)
     return 0

@@ -25,7 +25,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 6-layer random Llama with a trained BPE tokenizer, saved as a real model directory."""
     from shardpool.tinymodel import make_tiny_llama  # imported here so mesh-only runs never load torch
 
-    return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", num_layers=6, hidden_size=64, seed=3)
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("models") / "tiny-llama", num_layers=6, hidden_size=64, seed=3
+    )
 
 
 def completion_rows(count: int, *, seed: int = 0) -> list[dict[str, str]]:
@@ -39,7 +41,9 @@ def completion_rows(count: int, *, seed: int = 0) -> list[dict[str, str]]:
 
 def write_jsonl(path: Path, rows: list[Any]) -> Path:
     """Write rows as JSON lines (strings are written as they are, for malformed-line tests)."""
-    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows), encoding="utf-8")
+    path.write_text(
+        "".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows), encoding="utf-8"
+    )
     return path
 
 

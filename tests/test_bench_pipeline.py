@@ -29,10 +29,18 @@ def test_ring_allreduce_bytes() -> None:
 
 
 def test_boundary_bytes_count_both_directions_over_every_boundary() -> None:
-    args = {"microbatches": 8, "micro_batch_size": 1, "sequence_len": 128, "hidden_size": 512, "wire_bytes": 4}
+    args = {
+        "microbatches": 8,
+        "micro_batch_size": 1,
+        "sequence_len": 128,
+        "hidden_size": 512,
+        "wire_bytes": 4,
+    }
     assert bench.boundary_bytes_per_step(stages=1, **args) == 0
     assert bench.boundary_bytes_per_step(stages=2, **args) == 2 * 8 * 128 * 512 * 4
-    assert bench.boundary_bytes_per_step(stages=4, **args) == 3 * bench.boundary_bytes_per_step(stages=2, **args)
+    assert bench.boundary_bytes_per_step(stages=4, **args) == 3 * bench.boundary_bytes_per_step(
+        stages=2, **args
+    )
 
 
 def test_efficiency_and_medians() -> None:

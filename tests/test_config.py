@@ -9,7 +9,11 @@ import pytest
 from shardpool.config import Config, parse_config
 from shardpool.errors import ShardpoolError
 
-BASE: dict[str, Any] = {"base_model": "m", "datasets": [{"path": "d.jsonl", "type": "alpaca"}], "lora_target_linear": True}
+BASE: dict[str, Any] = {
+    "base_model": "m",
+    "datasets": [{"path": "d.jsonl", "type": "alpaca"}],
+    "lora_target_linear": True,
+}
 
 
 def _error(**changes: Any) -> str:
@@ -22,13 +26,20 @@ def _error(**changes: Any) -> str:
 
 def test_defaults_follow_axolotl() -> None:
     config = parse_config(BASE)
-    assert (config.adapter, config.load_in_4bit, config.lr_scheduler, config.optimizer) == ("qlora", True, "cosine", "adamw_torch")
+    assert (config.adapter, config.load_in_4bit, config.lr_scheduler, config.optimizer) == (
+        "qlora",
+        True,
+        "cosine",
+        "adamw_torch",
+    )
     assert config.shardpool.num_stages == 2 and config.shardpool.schedule == "1f1b"
     assert config.compute_dtype_name == config.wire_dtype_name == "float32"
 
 
 def test_numbers_written_the_axolotl_way_are_accepted() -> None:
-    config = parse_config({**BASE, "learning_rate": "2e-4", "lora_alpha": 16, "bf16": True, "shardpool": {"wire_dtype": "fp32"}})
+    config = parse_config(
+        {**BASE, "learning_rate": "2e-4", "lora_alpha": 16, "bf16": True, "shardpool": {"wire_dtype": "fp32"}}
+    )
     assert config.learning_rate == 2e-4 and config.lora_alpha == 16.0
     assert config.compute_dtype_name == "bfloat16" and config.wire_dtype_name == "float32"
 

@@ -112,7 +112,9 @@ def test_predictions_match_a_real_local_pipeline_run(tmp_path: Path) -> None:
     from shardpool.tinymodel import make_tiny_llama
     from tests.conftest import base_config, completion_rows, read_metrics, write_jsonl
 
-    model = make_tiny_llama(tmp_path / "model", num_layers=6, hidden_size=256, intermediate_size=768, num_heads=4, seed=4)
+    model = make_tiny_llama(
+        tmp_path / "model", num_layers=6, hidden_size=256, intermediate_size=768, num_heads=4, seed=4
+    )
     data = write_jsonl(tmp_path / "data.jsonl", completion_rows(96))
     config = base_config(
         model, data, tmp_path / "out", max_steps=12, val_set_size=0, sequence_len=64, micro_batch_size=4,
@@ -129,4 +131,8 @@ def test_predictions_match_a_real_local_pipeline_run(tmp_path: Path) -> None:
         print(json.dumps({"stage": index, "measured_ms": measured_ms, "predicted_ms": predicted_ms,
                           "measured_peak_bytes": measured_bytes, "predicted_bytes": stage["memory_bytes"]}))  # fmt: skip
         assert abs(measured_ms - predicted_ms) <= 0.25 * measured_ms, (index, measured_ms, predicted_ms)
-        assert abs(measured_bytes - stage["memory_bytes"]) <= 0.25 * measured_bytes, (index, measured_bytes, stage)
+        assert abs(measured_bytes - stage["memory_bytes"]) <= 0.25 * measured_bytes, (
+            index,
+            measured_bytes,
+            stage,
+        )

@@ -120,7 +120,9 @@ def test_bad_input_fails_with_one_line_and_writes_nothing(
     assert time.monotonic() - started < 10
 
 
-def test_real_cli_prints_one_line_without_traceback(tmp_path: Path, tiny_model: Path, completion_data: Path) -> None:
+def test_real_cli_prints_one_line_without_traceback(
+    tmp_path: Path, tiny_model: Path, completion_data: Path
+) -> None:
     config_path, _ = _bad_case("misspelled key", tmp_path, tiny_model, completion_data)
     result = run_cli("finetune", str(config_path), timeout=60)
     assert result.returncode == 2
@@ -151,16 +153,23 @@ def _worker_pids(job_file: Path) -> dict[int, int]:
 
 
 @pytest.mark.slow
-def test_exception_in_one_stage_stops_the_whole_run(tmp_path: Path, tiny_model: Path, completion_data: Path) -> None:
+def test_exception_in_one_stage_stops_the_whole_run(
+    tmp_path: Path, tiny_model: Path, completion_data: Path
+) -> None:
     broken = tmp_path / "broken-model"
     broken.mkdir()
     for item in tiny_model.iterdir():
         if item.suffix != ".safetensors":
             (broken / item.name).write_bytes(item.read_bytes())
     tensors = load_file(str(tiny_model / "model.safetensors"))
-    save_file({k: v for k, v in tensors.items() if not k.startswith("model.layers.4.")}, str(broken / "model.safetensors"))
+    save_file(
+        {k: v for k, v in tensors.items() if not k.startswith("model.layers.4.")},
+        str(broken / "model.safetensors"),
+    )
     out = tmp_path / "out"
-    config = write_config(tmp_path / "c.yaml", base_config(broken, completion_data, out, shardpool={"layers": [3, 3]}))
+    config = write_config(
+        tmp_path / "c.yaml", base_config(broken, completion_data, out, shardpool={"layers": [3, 3]})
+    )
     started = time.monotonic()
     result = run_cli("finetune", str(config), timeout=120)
     elapsed = time.monotonic() - started
@@ -177,9 +186,17 @@ def test_exception_in_one_stage_stops_the_whole_run(tmp_path: Path, tiny_model: 
 def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(
     tmp_path: Path, tiny_model: Path, completion_data: Path
 ) -> None:
-    overrides: dict[str, Any] = {"num_epochs": 5, "max_steps": 40, "save_steps": 3, "val_set_size": 0, "shardpool": {"stages": 2}}
+    overrides: dict[str, Any] = {
+        "num_epochs": 5,
+        "max_steps": 40,
+        "save_steps": 3,
+        "val_set_size": 0,
+        "shardpool": {"stages": 2},
+    }
     killed_out = tmp_path / "killed"
-    config_path = write_config(tmp_path / "c.yaml", base_config(tiny_model, completion_data, killed_out, **overrides))
+    config_path = write_config(
+        tmp_path / "c.yaml", base_config(tiny_model, completion_data, killed_out, **overrides)
+    )
     job_file = killed_out / RUN_DIR_NAME / "job.json"
     env = dict(os.environ, COLUMNS="200")
     launcher = subprocess.Popen(
@@ -208,7 +225,8 @@ def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(
     assert steps == list(range(1, 41)), "metrics continue without gaps or repeats"
 
     clean_out = finetune(
-        parse_config(base_config(tiny_model, completion_data, tmp_path / "clean", **overrides)), console=Console(quiet=True)
+        parse_config(base_config(tiny_model, completion_data, tmp_path / "clean", **overrides)),
+        console=Console(quiet=True),
     )
     resumed_adapter = load_file(str(killed_out / "adapter_model.safetensors"))
     clean_adapter = load_file(str(clean_out / "adapter_model.safetensors"))

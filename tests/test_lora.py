@@ -46,7 +46,10 @@ def test_a_starting_adapter_with_other_hyperparameters_is_refused(tmp_path: Path
 
 
 def test_init_depends_only_on_seed_and_module_name() -> None:
-    first = {"x.lora_A.weight": torch.nn.Parameter(torch.zeros(4, 8)), "y.lora_A.weight": torch.nn.Parameter(torch.zeros(4, 8))}
+    first = {
+        "x.lora_A.weight": torch.nn.Parameter(torch.zeros(4, 8)),
+        "y.lora_A.weight": torch.nn.Parameter(torch.zeros(4, 8)),
+    }
     again = {"x.lora_A.weight": torch.nn.Parameter(torch.zeros(4, 8))}
     init_lora_weights(first, seed=1)
     init_lora_weights(again, seed=1)

@@ -40,7 +40,9 @@ MEASURED: dict[str, Any] = {}
 
 
 def _ok(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 0, f"exit {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
+    )
     return result.stdout
 
 
@@ -54,7 +56,9 @@ def _wait(condition: Any, timeout: float, step: float = 0.5) -> float:
 
 
 def _agent_healthy(lab: Lab, source: Host, address: str) -> bool:
-    probe = f"import urllib.request; urllib.request.urlopen('http://{address}:{AGENT_PORT}/v1/health', timeout=2)"
+    probe = (
+        f"import urllib.request; urllib.request.urlopen('http://{address}:{AGENT_PORT}/v1/health', timeout=2)"
+    )
     return lab.run(source, sys.executable, "-c", probe, timeout=20).returncode == 0
 
 
@@ -70,10 +74,26 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
 @pytest.fixture(scope="module")
 def mesh3(lab: Lab) -> dict[str, str]:
     a, b, c = (lab.hosts[name] for name in "abc")
-    out = _ok(lab.mesh(a, "init", "--endpoint", a.endpoint, "--name", "a", "--interface", a.interface, "--uses", "2"))
+    out = _ok(
+        lab.mesh(
+            a, "init", "--endpoint", a.endpoint, "--name", "a", "--interface", a.interface, "--uses", "2"
+        )
+    )
     token = out.strip().splitlines()[-1]
     for host in (b, c):
-        _ok(lab.mesh(host, "join", token, "--endpoint", host.endpoint, "--name", host.label, "--interface", host.interface))
+        _ok(
+            lab.mesh(
+                host,
+                "join",
+                token,
+                "--endpoint",
+                host.endpoint,
+                "--name",
+                host.label,
+                "--interface",
+                host.interface,
+            )
+        )
     addresses = {"a": "10.77.0.1", "b": "10.77.0.2", "c": "10.77.0.3"}
     for source in (a, b, c):
         for target, address in addresses.items():
@@ -85,7 +105,11 @@ def mesh3(lab: Lab) -> dict[str, str]:
 
 
 def _config(out: Path, private: Path, **overrides: Any) -> dict[str, Any]:
-    settings: dict[str, Any] = {"val_set_size": 8, "max_steps": 4, "shardpool": {"placement": "mesh", "stages": 3}}
+    settings: dict[str, Any] = {
+        "val_set_size": 8,
+        "max_steps": 4,
+        "shardpool": {"placement": "mesh", "stages": 3},
+    }
     settings.update(overrides)
     return base_config(private / "model", private / "data.jsonl", out, **settings)
 
@@ -101,7 +125,9 @@ write_jsonl(root / "data.jsonl", completion_rows(64))
 """
 
 
-def _launch(lab: Lab, host: Host, private: Path, config_path: Path, *extra: str, background: bool = False) -> Any:
+def _launch(
+    lab: Lab, host: Host, private: Path, config_path: Path, *extra: str, background: bool = False
+) -> Any:
     """Run ``shardpool finetune`` on ``host`` with the model and data on a tmpfs only it can see."""
     script = " && ".join(
         [
@@ -116,7 +142,10 @@ def _launch(lab: Lab, host: Host, private: Path, config_path: Path, *extra: str,
     env = ["env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", f"SHARDPOOL_HOME={host.home}", f"PYTHONPATH={REPO_ROOT}",
            f"HOME={host.home}", "COLUMNS=200"]  # fmt: skip
     return subprocess.Popen(
-        ["ip", "netns", "exec", host.netns, *env, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        ["ip", "netns", "exec", host.netns, *env, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -137,7 +166,9 @@ def _local_twin(tmp: Path, mesh_out: Path) -> Path:
     return finetune(parse_config(config), console=Console(quiet=True))
 
 
-def test_mesh_run_equals_local_run_and_loads_with_peft(lab: Lab, mesh3: dict[str, str], tmp_path: Path) -> None:
+def test_mesh_run_equals_local_run_and_loads_with_peft(
+    lab: Lab, mesh3: dict[str, str], tmp_path: Path
+) -> None:
     private = tmp_path / "private"
     private.mkdir()
     out = tmp_path / "mesh-out"

@@ -35,7 +35,8 @@ def start_adapter(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
     torch.manual_seed(11)
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     peft_model = get_peft_model(
-        model, LoraConfig(r=4, lora_alpha=8, target_modules=LINEARS, init_lora_weights=False, lora_dropout=0.0)
+        model,
+        LoraConfig(r=4, lora_alpha=8, target_modules=LINEARS, init_lora_weights=False, lora_dropout=0.0),
     )
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -51,7 +52,9 @@ def _train(config: dict[str, Any]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model: Path, completion_data: Path, start_adapter: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def runs(
+    tiny_model: Path, completion_data: Path, start_adapter: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
     """The same config trained with 1 stage and with 3 uneven stages [1, 3, 2]."""
     root = tmp_path_factory.mktemp("runs")
     common = {"lora_model_dir": str(start_adapter)}
@@ -62,17 +65,24 @@ def runs(tiny_model: Path, completion_data: Path, start_adapter: Path, tmp_path_
     return {"one": one, "three": three}
 
 
-def reference_training(model_dir: Path, adapter_dir: Path, data_file: Path, config: dict[str, Any]) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def reference_training(
+    model_dir: Path, adapter_dir: Path, data_file: Path, config: dict[str, Any]
+) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """A plain single-process peft + bitsandbytes QLoRA loop: the definition of correct."""
     data = load_prepared(data_file)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=bnb_config(), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(
+        model_dir, quantization_config=bnb_config(), dtype=torch.float32
+    )
     keep_exact_cpu_matmul(base)
     model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
     model.train()
     params = [param for param in model.parameters() if param.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config["learning_rate"], weight_decay=config["weight_decay"])
     scheduler = get_scheduler(
-        config["lr_scheduler"], optimizer, num_warmup_steps=config["warmup_steps"], num_training_steps=config["max_steps"]
+        config["lr_scheduler"],
+        optimizer,
+        num_warmup_steps=config["warmup_steps"],
+        num_training_steps=config["max_steps"],
     )
     per_step = config["gradient_accumulation_steps"]
     size = config["micro_batch_size"]
@@ -146,9 +156,13 @@ def test_pipeline_equals_plain_peft_bitsandbytes_loop(
         assert _max_adapter_diff(trained, reference) < 1e-4
 
 
-def test_adapter_loads_with_peft_and_reproduces_pipeline_logits(runs: dict[str, Path], tiny_model: Path) -> None:
+def test_adapter_loads_with_peft_and_reproduces_pipeline_logits(
+    runs: dict[str, Path], tiny_model: Path
+) -> None:
     output_dir = runs["three"]
-    base = AutoModelForCausalLM.from_pretrained(tiny_model, quantization_config=bnb_config(), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(
+        tiny_model, quantization_config=bnb_config(), dtype=torch.float32
+    )
     keep_exact_cpu_matmul(base)
     model = PeftModel.from_pretrained(base, output_dir)
     expected_keys = set(get_peft_model_state_dict(model).keys())
@@ -182,15 +196,31 @@ def test_two_replicas_equal_one_replica_with_double_accumulation(
             shardpool={"stages": 2, "replicas": 1},
         )
     )  # fmt: skip
-    _assert_losses_close([r["loss"] for r in read_metrics(replicated)], [r["loss"] for r in read_metrics(single)], rel=1e-5)
+    _assert_losses_close(
+        [r["loss"] for r in read_metrics(replicated)], [r["loss"] for r in read_metrics(single)], rel=1e-5
+    )
     left = load_file(str(replicated / "adapter_model.safetensors"))
     right = load_file(str(single / "adapter_model.safetensors"))
     assert _max_adapter_diff(left, right) < 1e-4
     assert len(read_metrics(replicated)[0]["stage_compute_s"]) == 4
 
 
-def test_gpipe_schedule_matches_1f1b(tiny_model: Path, completion_data: Path, start_adapter: Path, tmp_path: Path) -> None:
+def test_gpipe_schedule_matches_1f1b(
+    tiny_model: Path, completion_data: Path, start_adapter: Path, tmp_path: Path
+) -> None:
     common = {"lora_model_dir": str(start_adapter), "max_steps": 2, "val_set_size": 0}
-    gpipe = _train(base_config(tiny_model, completion_data, tmp_path / "g", **common, shardpool={"stages": 2, "schedule": "gpipe"}))
-    one_f = _train(base_config(tiny_model, completion_data, tmp_path / "f", **common, shardpool={"stages": 2}))
-    _assert_losses_close([r["loss"] for r in read_metrics(gpipe)], [r["loss"] for r in read_metrics(one_f)], rel=1e-6)
+    gpipe = _train(
+        base_config(
+            tiny_model,
+            completion_data,
+            tmp_path / "g",
+            **common,
+            shardpool={"stages": 2, "schedule": "gpipe"},
+        )
+    )
+    one_f = _train(
+        base_config(tiny_model, completion_data, tmp_path / "f", **common, shardpool={"stages": 2})
+    )
+    _assert_losses_close(
+        [r["loss"] for r in read_metrics(gpipe)], [r["loss"] for r in read_metrics(one_f)], rel=1e-6
+    )

@@ -44,10 +44,14 @@ def _simulate(schedules: list[list[tuple[str, int]]]) -> int:
 @settings(max_examples=200, deadline=None)
 @given(stages=st.integers(1, 8), microbatches=st.integers(1, 16), name=st.sampled_from(["1f1b", "gpipe"]))
 def test_schedules_complete_and_keep_backward_order(stages: int, microbatches: int, name: str) -> None:
-    schedules = [schedule_for(name, stage=i, num_stages=stages, num_microbatches=microbatches) for i in range(stages)]
+    schedules = [
+        schedule_for(name, stage=i, num_stages=stages, num_microbatches=microbatches) for i in range(stages)
+    ]
     _simulate(schedules)
     for actions in schedules:
-        assert sorted(actions) == sorted([("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)])
+        assert sorted(actions) == sorted(
+            [("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)]
+        )
         assert [m for kind, m in actions if kind == "B"] == list(range(microbatches))
         for m in range(microbatches):
             assert actions.index(("F", m)) < actions.index(("B", m))
@@ -58,7 +62,10 @@ def test_1f1b_holds_at_most_s_minus_i_microbatches(stages: int, microbatches: in
     for stage in range(stages):
         peak = peak_in_flight(one_f_one_b(stage=stage, num_stages=stages, num_microbatches=microbatches))
         assert peak == min(stages - stage, microbatches)
-        assert peak_in_flight(gpipe(stage=stage, num_stages=stages, num_microbatches=microbatches)) == microbatches
+        assert (
+            peak_in_flight(gpipe(stage=stage, num_stages=stages, num_microbatches=microbatches))
+            == microbatches
+        )
 
 
 def test_1f1b_on_four_stages_has_the_textbook_order() -> None:
@@ -66,7 +73,14 @@ def test_1f1b_on_four_stages_has_the_textbook_order() -> None:
         ("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4), ("B", 1), ("F", 5), ("B", 2),
         ("B", 3), ("B", 4), ("B", 5),
     ]  # fmt: skip
-    assert one_f_one_b(stage=3, num_stages=4, num_microbatches=3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    assert one_f_one_b(stage=3, num_stages=4, num_microbatches=3) == [
+        ("F", 0),
+        ("B", 0),
+        ("F", 1),
+        ("B", 1),
+        ("F", 2),
+        ("B", 2),
+    ]
 
 
 def test_bad_arguments_are_refused() -> None:

@@ -47,7 +47,11 @@ def _inputs(vocab: int) -> dict[str, torch.Tensor]:
     input_ids = torch.randint(4, vocab, (2, 12), generator=generator)
     attention_mask = torch.ones(2, 12, dtype=torch.long)
     attention_mask[1, 9:] = 0
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": torch.arange(12).expand(2, 12)}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": torch.arange(12).expand(2, 12),
+    }
 
 
 def _pipeline_logits(stages: list[PipelineStage], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -57,8 +61,12 @@ def _pipeline_logits(stages: list[PipelineStage], inputs: dict[str, torch.Tensor
     return hidden
 
 
-def _peft_reference(model_dir: Path, stages: list[PipelineStage], lora: LoraSettings = LORA) -> torch.nn.Module:
-    base = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=bnb_config(), dtype=torch.float32)
+def _peft_reference(
+    model_dir: Path, stages: list[PipelineStage], lora: LoraSettings = LORA
+) -> torch.nn.Module:
+    base = AutoModelForCausalLM.from_pretrained(
+        model_dir, quantization_config=bnb_config(), dtype=torch.float32
+    )
     keep_exact_cpu_matmul(base)
     model = get_peft_model(base, peft_config(lora))
     adapter: dict[str, torch.Tensor] = {}
@@ -78,7 +86,9 @@ def test_stage_reads_only_the_tensors_it_owns(tiny_model: Path) -> None:
     assert {name.split(".")[2] for name in read} == {"2", "3"}, "only layers 2 and 3"
     assert read == {name for name in everything if name.startswith(("model.layers.2.", "model.layers.3."))}
     layer_bytes = sum(e.stop - e.start for n, e in reader.entries.items() if n.startswith("model.layers."))
-    assert reader.bytes_read == layer_bytes // 3, "two of six equal layers: exactly a third of the layer bytes"
+    assert reader.bytes_read == layer_bytes // 3, (
+        "two of six equal layers: exactly a third of the layer bytes"
+    )
     with WeightReader(tiny_model) as reader:
         build_stage(tiny_model, StageSpec(2, 3, 4, 6, "cpu"), BaseSettings(), LORA, seed=0, reader=reader)
         assert "lm_head.weight" in reader.names_read and "model.norm.weight" in reader.names_read
@@ -88,7 +98,9 @@ def test_stage_reads_only_the_tensors_it_owns(tiny_model: Path) -> None:
 
 def test_nf4_base_is_bit_for_bit_what_transformers_loads(tiny_model: Path) -> None:
     stages = _stages(tiny_model, SPLIT)
-    reference = AutoModelForCausalLM.from_pretrained(tiny_model, quantization_config=bnb_config(), dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(
+        tiny_model, quantization_config=bnb_config(), dtype=torch.float32
+    )
     reference_modules = dict(reference.named_modules())
     compared = 0
     for stage in stages:
@@ -176,7 +188,9 @@ def test_owned_tensor_names_cover_the_model_once(tiny_model: Path) -> None:
     owned = [
         name
         for index, (start, stop) in enumerate(SPLIT)
-        for name in owned_tensor_names(StageSpec(index, 3, start, stop, "cpu"), names, tie_word_embeddings=False)
+        for name in owned_tensor_names(
+            StageSpec(index, 3, start, stop, "cpu"), names, tie_word_embeddings=False
+        )
     ]
     assert sorted(owned) == sorted(names)
 
@@ -203,13 +217,28 @@ print(json.dumps({"before_kib": before, "after_kib": status_kib("VmHWM")}))
 @pytest.mark.slow
 def test_peak_memory_of_a_quarter_stage_is_far_below_the_whole_model(tmp_path: Path) -> None:
     model_dir = make_tiny_llama(
-        tmp_path / "wide", num_layers=8, hidden_size=768, intermediate_size=3072, num_heads=8, num_kv_heads=8, seed=1
+        tmp_path / "wide",
+        num_layers=8,
+        hidden_size=768,
+        intermediate_size=3072,
+        num_heads=8,
+        num_kv_heads=8,
+        seed=1,
     )
     file_mib = (model_dir / "model.safetensors").stat().st_size / 2**20
     layer_mib = (4 * 768 * 768 + 3 * 768 * 3072) * 4 / 2**20
 
     def peak_growth_mib(start: int, stop: int, stages: int, index: int) -> float:
-        probe = [sys.executable, "-c", _RSS_PROBE, str(model_dir), str(start), str(stop), str(stages), str(index)]
+        probe = [
+            sys.executable,
+            "-c",
+            _RSS_PROBE,
+            str(model_dir),
+            str(start),
+            str(stop),
+            str(stages),
+            str(index),
+        ]
         # A fixed mmap threshold makes glibc return freed tensor buffers at once, so RSS tracks
         # what the stage keeps rather than what the allocator happens to cache.
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(2**20))
@@ -219,11 +248,21 @@ def test_peak_memory_of_a_quarter_stage_is_far_below_the_whole_model(tmp_path: P
 
     quarter = peak_growth_mib(2, 4, 4, 1)
     whole = peak_growth_mib(0, 8, 1, 0)
-    print(json.dumps({"layer_mib": layer_mib, "quarter_stage_peak_growth_mib": quarter, "whole_model_peak_growth_mib": whole}))
+    print(
+        json.dumps(
+            {
+                "layer_mib": layer_mib,
+                "quarter_stage_peak_growth_mib": quarter,
+                "whole_model_peak_growth_mib": whole,
+            }
+        )
+    )
     assert file_mib > 8 * layer_mib * 0.9
     # A full-precision base keeps every tensor it reads, so peak growth tracks the layers read: the
     # whole model holds 8 layers and the embeddings, a middle quarter 2 layers and nothing else.
-    assert whole - quarter > 5 * layer_mib, f"quarter stage grew {quarter:.0f} MiB, whole model {whole:.0f} MiB"
+    assert whole - quarter > 5 * layer_mib, (
+        f"quarter stage grew {quarter:.0f} MiB, whole model {whole:.0f} MiB"
+    )
     assert quarter < 0.4 * whole
 
 
@@ -232,10 +271,16 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_model: Path) -> No
     grads = []
     for recompute in (False, True):
         stage = build_stage(
-            tiny_model, StageSpec(0, 1, 0, 6, "cpu"), BaseSettings(gradient_checkpointing=recompute), LORA, seed=5
+            tiny_model,
+            StageSpec(0, 1, 0, 6, "cpu"),
+            BaseSettings(gradient_checkpointing=recompute),
+            LORA,
+            seed=5,
         )
         _randomize_lora_b([stage])
-        logits = stage(inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"])
+        logits = stage(
+            inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"]
+        )
         logits.float().pow(2).mean().backward()
         grads.append({name: param.grad.clone() for name, param in stage.named_lora_parameters()})
     assert grads[0].keys() == grads[1].keys()
@@ -247,7 +292,10 @@ def test_packed_samples_do_not_attend_across_their_boundary(tiny_model: Path) ->
     stages = _stages(tiny_model, [(0, 3), (3, 6)])
     _randomize_lora_b(stages)
     generator = torch.Generator().manual_seed(2)
-    first, second = torch.randint(4, 100, (1, 5), generator=generator), torch.randint(4, 100, (1, 7), generator=generator)
+    first, second = (
+        torch.randint(4, 100, (1, 5), generator=generator),
+        torch.randint(4, 100, (1, 7), generator=generator),
+    )
     packed = {
         "input_ids": torch.cat([first, second], dim=1),
         "attention_mask": None,
