@@ -13,9 +13,10 @@ removed at the end, with every process the lab started stopped by pid, also on f
      then waits for pings and for every agent's ``/v1/health``;
   3. measures the raw TCP throughput a -> b over the mesh (10.77.0.1 -> 10.77.0.2) and over the
      underlay (192.0.2.1 -> 192.0.2.2) with a stdlib socket sender/receiver, and the ping RTT;
-  4. runs ``shardpool finetune`` on host a with ``shardpool: {placement: mesh, stages: 3}`` and,
-     while it trains, snapshots the WireGuard transfer counters of every host after each step,
-     so the bytes that cross each hop per step are measured on the wire too;
+  4. runs ``shardpool finetune`` on host a with ``shardpool: {placement: mesh, stages: 3}`` (and
+     ``threads_per_stage`` = CPUs // 3, since the three hosts share this machine's cores); while
+     it trains, snapshots the WireGuard transfer counters of every host after each step, so the
+     bytes that cross each hop per step are measured on the wire too;
   5. tears the lab down and runs the same config with the mesh run's split
      (``shardpool: {placement: local, layers: [...]}``) as three local stage processes over loopback;
   6. compares the bytes the pipeline sends per step with what a DDP ring all-reduce of the full
