@@ -20,6 +20,18 @@ WORDS = (
 ).split()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def isolated_profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Layer profiles and fetched blobs go to a fresh directory, never the user's ~/.cache.
+
+    A profile cached by an earlier run on a differently loaded machine would make the planner's
+    predictions stale; each test session measures its own.
+    """
+    cache = tmp_path_factory.mktemp("shardpool-cache")
+    os.environ["SHARDPOOL_CACHE"] = str(cache)
+    return cache
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 6-layer random Llama with a trained BPE tokenizer, saved as a real model directory."""
