@@ -437,6 +437,35 @@ class Agent:
 
     # ------------------------------------------------------------------ devices
 
+    def probe(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Measure latency and bandwidth from this member to other members' agents.
+
+        Targets must be current mesh members (the same allowlist that guards this agent), so a
+        probe can never be aimed outside the mesh. Payloads are bounded by ``MAX_ECHO_BYTES``.
+        """
+        from shardpool.agent_client import AgentClient, AgentRefused, AgentUnreachable
+
+        targets = body.get("targets")
+        nbytes = body.get("bytes", 4 * 2**20)
+        if not isinstance(targets, list) or not all(
+            isinstance(t, dict) and {"name", "url"} <= t.keys() for t in targets
+        ):
+            raise HTTPError(HTTPStatus.BAD_REQUEST, "targets must be a list of {name, url}")
+        if not isinstance(nbytes, int) or not 1 <= nbytes <= MAX_ECHO_BYTES:
+            raise HTTPError(HTTPStatus.BAD_REQUEST, f"bytes must be an integer from 1 to {MAX_ECHO_BYTES}")
+        links: dict[str, Any] = {}
+        for target in targets[:64]:
+            host = urlsplit(str(target["url"])).hostname or ""
+            if not self._server.allowlist.allows(host):
+                raise HTTPError(HTTPStatus.FORBIDDEN, f"probe target {host!r} is not a mesh member")
+            try:
+                links[str(target["name"])] = AgentClient(str(target["url"]), timeout=10.0).measure_link(
+                    nbytes=nbytes
+                )
+            except (AgentUnreachable, AgentRefused) as error:
+                links[str(target["name"])] = {"error": str(error)}
+        return {"links": links}
+
     def devices(self, body: dict[str, Any]) -> dict[str, Any]:
         """This machine's devices with one profiled layer each, for the launcher's planner (cached).
 
@@ -579,6 +608,9 @@ def _tail(path: Path, lines: int) -> str:
     return "".join(line + "\n" for line in text[-lines:])
 
 
+# Largest body POST /v1/echo accepts: enough to time a link, small enough to be harmless.
+MAX_ECHO_BYTES = 32 * 2**20
+
 # ---------------------------------------------------------------------------- HTTP
 
 
@@ -625,9 +657,24 @@ class _AgentHandler(GuardedHandler):
             self.send_json(HTTPStatus.CREATED, self.agent.start_job(self.read_json_body()))
         elif parts == ["v1", "devices"]:
             self.send_json(HTTPStatus.OK, self.agent.devices(self.read_json_body()))
+        elif parts == ["v1", "echo"]:
+            self.send_json(HTTPStatus.OK, {"bytes": self._discard_body(MAX_ECHO_BYTES)})
+        elif parts == ["v1", "probe"]:
+            self.send_json(HTTPStatus.OK, self.agent.probe(self.read_json_body()))
         else:
             self.close_connection = True
             raise HTTPError(HTTPStatus.NOT_FOUND, f"unknown path {urlsplit(self.path).path!r}")
+
+    def _discard_body(self, limit: int) -> int:
+        """Read a bounded body without keeping it (bandwidth probes); return its length."""
+        remaining = length = self.content_length(limit)
+        while remaining:
+            chunk = self.rfile.read(min(remaining, 1 << 20))
+            if not chunk:
+                self.close_connection = True
+                raise HTTPError(HTTPStatus.BAD_REQUEST, "the request body ended early")
+            remaining -= len(chunk)
+        return length
 
     def _delete(self) -> None:
         parts, _ = self._parts()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -47,6 +49,32 @@ class AgentClient:
         )
         return list(reply["devices"])
 
+    def echo(self, nbytes: int) -> float:
+        """Send ``nbytes`` to the agent and return the seconds until it confirmed them all."""
+        payload = bytes(nbytes)
+        started = time.perf_counter()
+        reply = self._call("POST", "/v1/echo", raw_body=payload, timeout=60.0)
+        elapsed = time.perf_counter() - started
+        if int(reply.get("bytes", -1)) != nbytes:
+            raise AgentRefused(f"agent at {self.url} confirmed {reply.get('bytes')} of {nbytes} echo bytes")
+        return elapsed
+
+    def measure_link(self, *, nbytes: int = 4 * 2**20, pings: int = 3) -> dict[str, float]:
+        """One-way latency (half the median health round trip) and bandwidth (timed echo) to the agent."""
+        round_trips = []
+        for _ in range(pings):
+            started = time.perf_counter()
+            self.health()
+            round_trips.append(time.perf_counter() - started)
+        latency = statistics.median(round_trips) / 2
+        transfer = min(self.echo(nbytes) for _ in range(2))
+        return {"bandwidth": nbytes / max(transfer - 2 * latency, 1e-6), "latency": latency}
+
+    def probe(self, targets: dict[str, str], *, nbytes: int = 4 * 2**20) -> dict[str, dict[str, Any]]:
+        """Ask the agent to measure its links to other members' agents (name -> url)."""
+        body = {"targets": [{"name": name, "url": url} for name, url in targets.items()], "bytes": nbytes}
+        return dict(self._call("POST", "/v1/probe", body, timeout=120.0)["links"])
+
     def start_job(
         self, job_id: str, job: dict[str, Any], ranks: list[int], env: dict[str, str]
     ) -> dict[str, Any]:
@@ -68,12 +96,23 @@ class AgentClient:
         return str(self._call("GET", f"/v1/jobs/{job_id}/log/{rank}?tail={lines}", raw=True))
 
     def _call(
-        self, method: str, path: str, body: Any = None, *, timeout: float | None = None, raw: bool = False
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        timeout: float | None = None,
+        raw: bool = False,
+        raw_body: bytes | None = None,
     ) -> Any:
         parts = urlsplit(self.url)
         connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout or self.timeout)
-        payload = None if body is None else json.dumps(body).encode("utf-8")
-        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        if raw_body is not None:
+            payload: bytes | None = raw_body
+            headers = {"Content-Type": "application/octet-stream", "Content-Length": str(len(raw_body))}
+        else:
+            payload = None if body is None else json.dumps(body).encode("utf-8")
+            headers = {"Content-Type": "application/json"} if payload is not None else {}
         try:
             connection.request(method, path, body=payload, headers=headers)
             response = connection.getresponse()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import queue
 import secrets
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -22,11 +21,19 @@ from typing import Any
 from shardpool.agent_client import DEFAULT_AGENT_PORT, AgentClient, AgentRefused, AgentUnreachable
 from shardpool.costmodel import Workload
 from shardpool.errors import ShardpoolError
-from shardpool.fleet import DEFAULT_LINK, Device, Fleet, LinkSpec
+from shardpool.fleet import Device, Fleet, LinkSpec
 from shardpool.job import Job
 from shardpool.launcher import StageFailed
 
-__all__ = ["MeshMember", "online_members", "mesh_fleet", "run_mesh_job", "new_job_id", "MemberLost"]
+__all__ = [
+    "MeshMember",
+    "online_members",
+    "mesh_fleet",
+    "measure_links",
+    "run_mesh_job",
+    "new_job_id",
+    "MemberLost",
+]
 
 LOST_AFTER_S = 10.0
 _POLL_WAIT_S = 1.0
@@ -62,16 +69,16 @@ def online_members(state_dir: str | None = None, *, port: int = DEFAULT_AGENT_PO
 def mesh_fleet(
     members: list[MeshMember], *, model_config: dict[str, Any], workload: Workload, say: Callable[[str], None]
 ) -> Fleet:
-    """Devices of every member whose agent answers, profiled there, and the links to them."""
+    """Devices of every member whose agent answers, profiled there, and the measured links between them."""
     devices: list[Device] = []
-    launcher = next((member for member in members if member.is_self), None)
-    links: dict[frozenset[str], LinkSpec] = {}
+    answering: list[MeshMember] = []
     for member in members:
         try:
             reported = member.agent.devices(model_config, asdict(workload))
         except (AgentUnreachable, AgentRefused) as error:
             say(f"skipping member {member.name!r}: {error}")
             continue
+        answering.append(member)
         for info in reported:
             devices.append(
                 Device(
@@ -84,41 +91,40 @@ def mesh_fleet(
                     activation_bytes_per_layer=info.get("activation_bytes"),
                 )
             )
-        if launcher is not None and member is not launcher:
-            links[frozenset((launcher.name, member.name))] = measure_link(member.agent)
     if not devices:
         raise ShardpoolError(
             "no mesh member's agent answered; start `shardpool agent` on the members (see docs/agent.md)"
         )
-    _fill_member_links(links, [member.name for member in members], launcher.name if launcher else None)
-    return Fleet(devices=tuple(devices), links=links)
+    return Fleet(devices=tuple(devices), links=measure_links(answering, say=say))
 
 
-def measure_link(agent: AgentClient, *, pings: int = 5) -> LinkSpec:
-    """Latency to a member from the agent's round trip; bandwidth is the default mesh link's.
+def measure_links(members: list[MeshMember], *, say: Callable[[str], None]) -> dict[frozenset[str], LinkSpec]:
+    """Latency and bandwidth between every pair of members, each measured by one end's agent.
 
-    A round trip of a tiny request bounds the one-way latency from above; bandwidth between
-    members is not measured yet (docs/planner.md says which figure is assumed).
+    A pair whose probe fails keeps the planner's default link (1 Gbit/s, 1 ms).
     """
-    round_trips = []
-    for _ in range(pings):
-        started = time.perf_counter()
-        agent.health()
-        round_trips.append(time.perf_counter() - started)
-    return LinkSpec(bandwidth=DEFAULT_LINK.bandwidth, latency=statistics.median(round_trips) / 2)
-
-
-def _fill_member_links(links: dict[frozenset[str], LinkSpec], names: list[str], launcher: str | None) -> None:
-    """Between two members, assume the slower of their links to the launcher."""
-    for first in names:
-        for second in names:
-            pair = frozenset((first, second))
-            if first >= second or pair in links or launcher is None:
+    links: dict[frozenset[str], LinkSpec] = {}
+    for index, member in enumerate(members):
+        targets = {other.name: other.agent.url for other in members[index + 1 :]}
+        if not targets:
+            continue
+        try:
+            measured = member.agent.probe(targets)
+        except (AgentUnreachable, AgentRefused) as error:
+            say(f"could not measure links from {member.name!r}: {error}")
+            continue
+        for name, result in measured.items():
+            if "error" in result:
+                say(f"link {member.name} - {name}: {result['error']}")
                 continue
-            via = [links.get(frozenset((launcher, name)), DEFAULT_LINK) for name in (first, second)]
-            links[pair] = LinkSpec(
-                bandwidth=min(link.bandwidth for link in via), latency=max(link.latency for link in via)
+            links[frozenset((member.name, name))] = LinkSpec(
+                bandwidth=float(result["bandwidth"]), latency=float(result["latency"])
             )
+    for pair, link in sorted(links.items(), key=lambda item: sorted(item[0])):
+        say(
+            f"link {' - '.join(sorted(pair))}: {link.bandwidth * 8 / 1e9:.2f} Gbit/s, {link.latency * 1e3:.2f} ms"
+        )
+    return links
 
 
 def new_job_id() -> str:

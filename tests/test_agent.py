@@ -440,3 +440,23 @@ def test_agent_module_does_not_import_torch() -> None:
         env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_echo_and_probe_measure_links_between_members(agent: Agent, tmp_path: Path) -> None:
+    from shardpool.agent_client import AgentClient, AgentRefused
+
+    client = AgentClient(agent.url)
+    assert client.echo(1 << 20) > 0
+    link = client.measure_link(nbytes=1 << 20)
+    assert link["bandwidth"] > 1e6 and 0 < link["latency"] < 1.0
+    with Agent(
+        "127.0.0.1", 0, allowlist=LOOPBACK, work_dir=tmp_path / "other", interface=None, member_name="c",
+    ) as other:  # fmt: skip
+        measured = client.probe({"c": other.url}, nbytes=1 << 20)
+    assert set(measured) == {"c"} and measured["c"]["bandwidth"] > 1e6
+    with pytest.raises(AgentRefused, match="403"):
+        client.probe({"outside": "http://192.0.2.99:7710"})
+    status, reply = _call(
+        agent.url, "POST", "/v1/echo", raw=b"x" * 10, headers={"Content-Length": str(64 * 2**20)}
+    )
+    assert status == 413, reply

@@ -177,6 +177,8 @@ def test_mesh_run_equals_local_run_and_loads_with_peft(
     result = _launch(lab, lab.hosts["a"], private, config_path)
     MEASURED["mesh_run_s"] = round(time.monotonic() - started, 1)
     _ok(result)
+    for pair in ("a - b", "a - c", "b - c"):
+        assert f"link {pair}: " in result.stdout, "every link between members is measured"
     assert not any(private.iterdir()), "the model must be visible only inside the launcher's mount namespace"
     plan = json.loads((out / "plan.json").read_text())
     assert [stage["host"] for stage in plan["stages"]] == ["a", "b", "c"] or sorted(
