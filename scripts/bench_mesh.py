@@ -58,8 +58,9 @@ from scripts.bench_pipeline import (  # noqa: E402 - needs ROOT on sys.path
     machine_busy_seconds,
     own_cpu_seconds,
     ring_allreduce_bytes_per_worker,
+    training_config,
 )
-from tests.mesh_hosts import Host, Lab, netns_skip_reason  # noqa: E402 - needs ROOT on sys.path
+from tests.mesh_hosts import Host, Lab, LabError, netns_skip_reason  # noqa: E402 - needs ROOT on sys.path
 
 AGENT_PORT = 7710
 FP32_BYTES = 4
@@ -324,40 +325,11 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, step_
     return time.monotonic() - started
 
 
-def agent_healthy(lab: Lab, source: Host, address: str) -> bool:
-    """Whether the agent at ``address`` answers ``/v1/health`` from ``source``."""
-    probe = (
-        f"import urllib.request; urllib.request.urlopen('http://{address}:{AGENT_PORT}/v1/health', timeout=2)"
-    )
-    return lab.run(source, sys.executable, "-c", probe, timeout=20).returncode == 0
-
-
 def form_mesh(lab: Lab) -> float:
     """``mesh init`` on a, ``mesh join`` on b and c; wait for all pings and agents. Returns seconds taken."""
     started = time.monotonic()
     a, b, c = (lab.hosts[label] for label in "abc")
-    out = checked(
-        lab.mesh(
-            a, "init", "--endpoint", a.endpoint, "--name", "a", "--interface", a.interface, "--uses", "2"
-        ),
-        "mesh init on a",
-    )
-    token = out.strip().splitlines()[-1]
-    for host in (b, c):
-        checked(
-            lab.mesh(
-                host,
-                "join",
-                token,
-                "--endpoint",
-                host.endpoint,
-                "--name",
-                host.label,
-                "--interface",
-                host.interface,
-            ),
-            f"mesh join on {host.label}",
-        )
+    lab.form_mesh("a", "bc", uses=2)
     for source in (a, b, c):
         for target, address in MESH_ADDRESSES.items():
             if target != source.label:
@@ -367,7 +339,11 @@ def form_mesh(lab: Lab) -> float:
                     f"ping {source.label} -> {address}",
                 )
     for address in MESH_ADDRESSES.values():
-        wait_until(lambda address=address: agent_healthy(lab, a, address), 60, f"agent at {address} healthy")
+        wait_until(
+            lambda address=address: lab.agent_healthy(a, address, AGENT_PORT),
+            60,
+            f"agent at {address} healthy",
+        )
     return time.monotonic() - started
 
 
@@ -447,34 +423,6 @@ def wg_public_keys(lab: Lab) -> dict[str, str]:
 # ---------------------------------------------------------------------------- training runs
 
 
-def training_config(
-    model_dir: Path, data: Path, output_dir: Path, size: dict[str, Any], shardpool: dict[str, Any]
-) -> dict[str, Any]:
-    """The run config shared by the mesh and the loopback run (only ``output_dir`` and ``shardpool`` differ)."""
-    return {
-        "base_model": str(model_dir),
-        "adapter": "qlora",
-        "load_in_4bit": True,
-        "lora_r": size["lora_r"],
-        "lora_alpha": 2 * size["lora_r"],
-        "lora_dropout": 0.0,
-        "lora_target_linear": True,
-        "datasets": [{"path": str(data), "type": "completion"}],
-        "val_set_size": 0,
-        "sequence_len": size["sequence_len"],
-        "micro_batch_size": size["micro_batch_size"],
-        "gradient_accumulation_steps": size["gradient_accumulation_steps"],
-        "max_steps": size["max_steps"],
-        "learning_rate": 2e-4,
-        "lr_scheduler": "constant",
-        "max_grad_norm": 1.0,
-        "seed": 0,
-        "output_dir": str(output_dir),
-        "logging_steps": 1,
-        "shardpool": shardpool,
-    }
-
-
 def write_yaml(path: Path, config: dict[str, Any]) -> Path:
     """Write ``config`` as YAML to ``path``."""
     import yaml
@@ -529,16 +477,21 @@ def run_on_mesh(
                     snapshots[logged] = wg_counters(lab)
                 time.sleep(0.05)
         finally:
-            if launcher.poll() is None:
-                launcher.terminate()
-                try:
-                    launcher.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    launcher.kill()
-                    launcher.wait()
+            stop_launcher(launcher)
     if launcher.returncode != 0:
         raise BenchError(f"the mesh run failed (exit {launcher.returncode}):\n{log_tail(log)}")
     return snapshots
+
+
+def stop_launcher(launcher: subprocess.Popen[Any]) -> None:
+    """Terminate a launcher that is still running (its stages die with it), killing it after 15 s."""
+    if launcher.poll() is None:
+        launcher.terminate()
+        try:
+            launcher.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait()
 
 
 def run_on_loopback(config_path: Path, log: Path, env: dict[str, str], timeout_s: float) -> None:
@@ -553,13 +506,7 @@ def run_on_loopback(config_path: Path, log: Path, env: dict[str, str], timeout_s
                 f"the loopback run took over {timeout_s:.0f} s; log {log}:\n{log_tail(log)}"
             ) from error
         finally:
-            if launcher.poll() is None:  # its stage processes die with it (PR_SET_PDEATHSIG)
-                launcher.terminate()
-                try:
-                    launcher.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    launcher.kill()
-                    launcher.wait()
+            stop_launcher(launcher)
     if launcher.returncode != 0:
         raise BenchError(f"the loopback run failed (exit {launcher.returncode}):\n{log_tail(log)}")
 
@@ -879,7 +826,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with contextlib.redirect_stdout(sys.stderr):  # only the JSON report goes to stdout
             result = benchmark(quick=args.quick, keep=args.keep, max_wait_idle_s=args.max_wait_idle)
-    except BenchError as error:
+    except (BenchError, LabError) as error:
         print(f"bench_mesh: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -171,9 +171,9 @@ def completion_rows(count: int, *, examples_per_row: int = 6) -> list[dict[str, 
 
 
 def training_config(
-    model_dir: Path, data: Path, output_dir: Path, size: dict[str, Any], *, stages: int, threads: int
+    model_dir: Path, data: Path, output_dir: Path, size: dict[str, Any], shardpool: dict[str, Any]
 ) -> dict[str, Any]:
-    """The run config shared by every S (only ``output_dir`` and the ``shardpool`` block differ)."""
+    """The run config every benchmark run shares (only ``output_dir`` and the ``shardpool`` block differ)."""
     return {
         "base_model": str(model_dir),
         "adapter": "qlora",
@@ -194,7 +194,7 @@ def training_config(
         "seed": 0,
         "output_dir": str(output_dir),
         "logging_steps": 1,
-        "shardpool": {"stages": stages, "threads_per_stage": threads},
+        "shardpool": shardpool,
     }
 
 
@@ -528,8 +528,7 @@ def benchmark(
                         data,
                         work / f"out-s{stages}-{attempt}",
                         size,
-                        stages=stages,
-                        threads=threads,
+                        {"stages": stages, "threads_per_stage": threads},
                     )
                     return run_pipeline(config, stages=stages)
 
@@ -545,7 +544,11 @@ def benchmark(
 
             def plain_run(attempt: int) -> dict[str, Any]:
                 reference_config = training_config(
-                    model_dir, data, work / f"out-plain-{attempt}", size, stages=1, threads=budget
+                    model_dir,
+                    data,
+                    work / f"out-plain-{attempt}",
+                    size,
+                    {"stages": 1, "threads_per_stage": budget},
                 )
                 return run_plain(reference_config, threads=budget, work_dir=work)
 

@@ -91,7 +91,10 @@ def finetune(config: Config, *, resume: bool = False, console: Console | None = 
     run = prepare_run(config, resume=resume)
     output_dir, run_dir, first_step = _begin_outputs(run, console)
     store = rendezvous_store("127.0.0.1", port=config.shardpool.master_port or 0)
-    job = _make_job(run, master_addr="127.0.0.1", master_port=store.port, first_step=first_step)
+    inputs = job_inputs(config, run_dir, run.resume_from)
+    job = _make_job(
+        run, inputs=inputs, master_addr="127.0.0.1", master_port=store.port, first_step=first_step
+    )
     job_file = run_dir / "job.json"
     job.write(job_file)
     outcome = _follow(console, job, run, first_step=first_step, start=lambda on_event: run_local_job(
@@ -104,8 +107,7 @@ def finetune(config: Config, *, resume: bool = False, console: Console | None = 
 
 def _finetune_on_mesh(config: Config, *, resume: bool, console: Console) -> Path:
     """The same run with stages on mesh members: plan over their devices, serve them the files."""
-    from mesh.api import members as mesh_members
-    from shardpool.access import MemberAllowlist
+    from shardpool.access import MemberAllowlist, mesh_member_addresses
     from shardpool.fileserver import FileServer
     from shardpool.mesh_launcher import mesh_fleet, new_job_id, online_members, run_mesh_job
 
@@ -125,12 +127,17 @@ def _finetune_on_mesh(config: Config, *, resume: bool, console: Console) -> Path
     run = prepare_run(config, resume=resume, planner=plan_on_mesh)
     output_dir, run_dir, first_step = _begin_outputs(run, console)
     inputs = job_inputs(config, run_dir, run.resume_from)
-    allowlist = MemberAllowlist(lambda: {member.address for member in mesh_members(probe=False)})
+    allowlist = MemberAllowlist(mesh_member_addresses(None))
     files = {name: Path(path) for name, path in inputs.items()}
     with FileServer(me.address, 0, files=files, upload_root=output_dir, allowlist=allowlist) as server:
         store = rendezvous_store(me.address)
         job = _make_job(
-            run, master_addr=me.address, master_port=store.port, first_step=first_step, files_url=server.url
+            run,
+            inputs=inputs,
+            master_addr=me.address,
+            master_port=store.port,
+            first_step=first_step,
+            files_url=server.url,
         )
         job.write(run_dir / "job.json")
         by_name = {member.name: member for member in members}
@@ -169,14 +176,20 @@ def _begin_outputs(run: PreparedRun, console: Console) -> tuple[Path, Path, int]
 
 
 def _make_job(
-    run: PreparedRun, *, master_addr: str, master_port: int, first_step: int, files_url: str | None = None
+    run: PreparedRun,
+    *,
+    inputs: dict[str, str],
+    master_addr: str,
+    master_port: int,
+    first_step: int,
+    files_url: str | None = None,
 ) -> Job:
     config = run.config
     return Job(
         config=config.model_dump(mode="json"),
         stages=run.placements,
         replicas=config.shardpool.replicas,
-        inputs=job_inputs(config, Path(config.output_dir) / RUN_DIR_NAME, run.resume_from),
+        inputs=inputs,
         output_dir=str(Path(config.output_dir).resolve()),
         master_addr=master_addr,
         master_port=master_port,

@@ -159,7 +159,7 @@ def run_mesh_job(
     started: list[str] = []
     try:
         for name, (member, ranks, env) in ranks_by_member.items():
-            member.agent.start_job(job_id, _job_dict(job), ranks, env)
+            member.agent.start_job(job_id, asdict(job), ranks, env)
             started.append(name)
         threads = [
             threading.Thread(target=_poll, args=(follow, job_id, events, stop, lost_after_s), daemon=True)
@@ -203,10 +203,6 @@ def _stop_quietly(member: MeshMember, job_id: str) -> None:
         member.agent.stop_job(job_id, timeout=10.0)
     except (AgentUnreachable, AgentRefused):
         pass
-
-
-def _job_dict(job: Job) -> dict[str, Any]:
-    return asdict(job)
 
 
 def _poll(
@@ -264,16 +260,9 @@ def _failure(
     name, rank, code = (killed or reporting or failed)[0]
     stage = job.stage_index(rank)
     message = f"killed by signal {-code}" if code < 0 else errors.get(rank, f"exited with status {code}")
-    return (
-        MemberLost(
-            f"stage {stage} (rank {rank}) on member {name!r} failed at step {last_step}: {message}",
-            rank=rank,
-            stage=stage,
-        )
-        if code < 0
-        else StageFailed(
-            f"stage {stage} (rank {rank}) on member {name!r} failed at step {last_step}: {message}",
-            rank=rank,
-            stage=stage,
-        )
+    failure = MemberLost if code < 0 else StageFailed
+    return failure(
+        f"stage {stage} (rank {rank}) on member {name!r} failed at step {last_step}: {message}",
+        rank=rank,
+        stage=stage,
     )

@@ -286,27 +286,25 @@ class StageWorker:
         """One optimizer step: the schedule's micro-batches, gradient sync, clip, AdamW."""
         started = time.perf_counter()
         self.wire.wait_seconds = 0.0
-        all_microbatches = self.steps[step]
-        step_label_tokens = sum(
-            label_tokens(self.data.train.select(rows).labels) for rows in all_microbatches
-        )
+        all_microbatches = [self.data.train.select(rows) for rows in self.steps[step]]
+        step_label_tokens = sum(label_tokens(batch.labels) for batch in all_microbatches)
         per_replica = self.config.gradient_accumulation_steps
         mine = all_microbatches[self.replica * per_replica : (self.replica + 1) * per_replica]
-        totals = self._run_schedule([self.data.train.select(rows) for rows in mine], step_label_tokens)
+        totals = self._run_schedule(mine, step_label_tokens)
         self.wire.flush()
-        grad_norm = self._synchronize_and_clip_gradients(totals)
+        grad_norm, step_loss = self._synchronize_and_clip_gradients(totals)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         timings = self._gather_timings(totals.compute_seconds, self.wire.wait_seconds)
         if self.rank == 0:
             step_seconds = time.perf_counter() - started
-            tokens = sum(int(self.data.train.select(rows).attention_mask.sum()) for rows in all_microbatches)
+            tokens = sum(int(batch.attention_mask.sum()) for batch in all_microbatches)
             emit(
                 {
                     "event": "step",
                     "step": step + 1,
-                    "loss": self._last_loss,
+                    "loss": step_loss,
                     "lr": self.scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm,
                     "tokens_per_s": tokens / step_seconds,
@@ -369,7 +367,8 @@ class StageWorker:
         attention_mask = None if self.data.packed else rows.attention_mask.to(self.device)
         return {"attention_mask": attention_mask, "position_ids": rows.position_ids.to(self.device)}
 
-    def _synchronize_and_clip_gradients(self, totals: _StepTotals) -> float:
+    def _synchronize_and_clip_gradients(self, totals: _StepTotals) -> tuple[float, float]:
+        """Sum gradients over replicas, clip on the global norm; return (norm before clipping, step loss)."""
         grads = [param.grad for _, param in self.named_params]
         if self.replica_group is not None:
             flat = torch.cat([grad.reshape(-1) for grad in grads]).to("cpu")
@@ -382,13 +381,12 @@ class StageWorker:
         summary = torch.tensor([float((norms.double() ** 2).sum()), totals.loss], dtype=torch.float64)
         dist.all_reduce(summary)
         grad_norm = math.sqrt(float(summary[0]) / self.job.replicas)
-        self._last_loss = float(summary[1])
         if self.config.max_grad_norm > 0:
             coefficient = min(1.0, self.config.max_grad_norm / (grad_norm + 1e-6))
             torch._foreach_mul_(
                 grads, torch.tensor(coefficient, dtype=grads[0].dtype, device=grads[0].device)
             )
-        return grad_norm
+        return grad_norm, float(summary[1])
 
     def _gather_timings(self, compute: float, wait: float) -> list[list[float]]:
         mine = torch.tensor([compute, wait, float(self.wire.bytes_sent)], dtype=torch.float64)

@@ -85,15 +85,11 @@ class RunFiles:
         return RemoteWeightReader(self._remote, sorted(names))
 
     def adapter_dir(self, prefix: str) -> Path:
-        """A local directory holding the adapter files under input ``prefix`` (e.g. ``init_adapter/``)."""
+        """A local directory holding every input under ``prefix`` (e.g. ``init_adapter/``)."""
         names = [name for name in self.job.inputs if name.startswith(prefix)]
         if not names:
             raise ShardpoolError(f"the job has no inputs under {prefix!r}")
-        return Path(self.path(names[0])).parent if self._remote is None else self._fetch_all(names)
-
-    def _fetch_all(self, names: list[str]) -> Path:
-        paths = [self.path(name) for name in names]
-        return paths[0].parent
+        return [self.path(name) for name in names][0].parent
 
     def close(self) -> None:
         """Delete the files fetched for this run (the content-addressed cache keeps its copies)."""

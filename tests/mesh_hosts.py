@@ -40,6 +40,10 @@ def netns_skip_reason() -> str | None:
     return None
 
 
+class LabError(RuntimeError):
+    """A lab command failed; the message has its exit code and output."""
+
+
 def _ip(*argv: str) -> None:
     subprocess.run(["ip", *argv], check=True, capture_output=True, text=True, timeout=30)
 
@@ -121,6 +125,46 @@ class Lab:
     def mesh(self, host: Host, *argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         """Run ``shardpool mesh ARGV`` inside ``host`` through the real CLI."""
         return self.run(host, sys.executable, "-m", "shardpool", "mesh", *argv, timeout=timeout)
+
+    def form_mesh(self, coordinator: str, members: str, *, uses: int) -> str:
+        """``mesh init`` on ``coordinator``, then ``mesh join`` on each of ``members``, through the real CLI.
+
+        Returns the join token. Hosts are named by their labels; waiting for handshakes and
+        agents is left to the caller, which knows what it wants to measure.
+        """
+        first = self.hosts[coordinator]
+        init = ["init", "--endpoint", first.endpoint, "--name", first.label, "--interface", first.interface]
+        out = self._checked(self.mesh(first, *init, "--uses", str(uses)), f"mesh init on {coordinator}")
+        token = out.strip().splitlines()[-1]
+        for label in members:
+            host = self.hosts[label]
+            join = [
+                "join",
+                token,
+                "--endpoint",
+                host.endpoint,
+                "--name",
+                label,
+                "--interface",
+                host.interface,
+            ]
+            self._checked(self.mesh(host, *join), f"mesh join on {label}")
+        return token
+
+    def agent_healthy(self, source: Host, address: str, port: int = 7710) -> bool:
+        """Whether the shardpool agent at ``address`` answers ``/v1/health`` from ``source``."""
+        probe = (
+            f"import urllib.request; urllib.request.urlopen('http://{address}:{port}/v1/health', timeout=2)"
+        )
+        return self.run(source, sys.executable, "-c", probe, timeout=20).returncode == 0
+
+    @staticmethod
+    def _checked(result: subprocess.CompletedProcess[str], what: str) -> str:
+        if result.returncode != 0:
+            raise LabError(
+                f"{what}: exit {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
+            )
+        return result.stdout
 
     def ping(self, source: Host, address: str, timeout: int = 2, count: int = 3) -> bool:
         """Ping ``address`` from ``source`` (``count`` echoes 0.2 s apart); true if any was answered.

@@ -89,29 +89,9 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
 
 @pytest.fixture(scope="module")
 def mesh3(lab: Lab) -> dict[str, str]:
-    a, b, c = (lab.hosts[x] for x in "abc")
-    out = _ok(
-        lab.mesh(
-            a, "init", "--endpoint", a.endpoint, "--name", "a", "--interface", a.interface, "--uses", "2"
-        )
-    )
-    token = out.strip().splitlines()[-1]
+    token = lab.form_mesh("a", "bc", uses=2)
     assert token.startswith("spm1.") and " " not in token
-    for host in (b, c):
-        _ok(
-            lab.mesh(
-                host,
-                "join",
-                token,
-                "--endpoint",
-                host.endpoint,
-                "--name",
-                host.label,
-                "--interface",
-                host.interface,
-            )
-        )
-    return {host.label: _address(lab, host) for host in (a, b, c)}
+    return {label: _address(lab, lab.hosts[label]) for label in "abc"}
 
 
 def test_every_host_reaches_every_other_through_wireguard(lab: Lab, mesh3: dict[str, str]) -> None:

@@ -55,13 +55,6 @@ def _wait(condition: Any, timeout: float, step: float = 0.5) -> float:
     return time.monotonic() - started
 
 
-def _agent_healthy(lab: Lab, source: Host, address: str) -> bool:
-    probe = (
-        f"import urllib.request; urllib.request.urlopen('http://{address}:{AGENT_PORT}/v1/health', timeout=2)"
-    )
-    return lab.run(source, sys.executable, "-c", probe, timeout=20).returncode == 0
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     with Lab(tmp_path_factory.mktemp("mesh-train")) as built:
@@ -74,33 +67,14 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
 @pytest.fixture(scope="module")
 def mesh3(lab: Lab) -> dict[str, str]:
     a, b, c = (lab.hosts[name] for name in "abc")
-    out = _ok(
-        lab.mesh(
-            a, "init", "--endpoint", a.endpoint, "--name", "a", "--interface", a.interface, "--uses", "2"
-        )
-    )
-    token = out.strip().splitlines()[-1]
-    for host in (b, c):
-        _ok(
-            lab.mesh(
-                host,
-                "join",
-                token,
-                "--endpoint",
-                host.endpoint,
-                "--name",
-                host.label,
-                "--interface",
-                host.interface,
-            )
-        )
+    lab.form_mesh("a", "bc", uses=2)
     addresses = {"a": "10.77.0.1", "b": "10.77.0.2", "c": "10.77.0.3"}
     for source in (a, b, c):
         for target, address in addresses.items():
             if target != source.label:
                 _wait(lambda source=source, address=address: lab.ping(source, address, timeout=1), 20)
     for address in addresses.values():
-        _wait(lambda address=address: _agent_healthy(lab, a, address), 30)
+        _wait(lambda address=address: lab.agent_healthy(a, address, AGENT_PORT), 30)
     return addresses
 
 
@@ -220,7 +194,7 @@ def test_agent_refuses_requests_from_outside_the_mesh(lab: Lab, mesh3: dict[str,
     )
     answer = _ok(lab.run(outsider, sys.executable, "-c", probe, timeout=30)).strip()
     assert answer == "http 403" or answer.startswith("unreachable"), answer
-    assert _agent_healthy(lab, lab.hosts["b"], mesh3["a"]), "members are still served"
+    assert lab.agent_healthy(lab.hosts["b"], mesh3["a"], AGENT_PORT), "members are still served"
 
 
 def test_losing_a_member_stops_the_run_and_resume_finishes_on_the_rest(
