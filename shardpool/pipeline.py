@@ -17,7 +17,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +31,7 @@ from shardpool.data import PreparedData, TokenRows, load_prepared, step_batches
 from shardpool.job import Job
 from shardpool.lora import lora_settings
 from shardpool.nf4 import DTYPES
+from shardpool.process_group import Groups, Wire, join_process_group
 from shardpool.runfiles import RunFiles
 from shardpool.schedule import schedule_for
 from shardpool.stage import BaseSettings, PipelineStage, build_stage
@@ -101,44 +102,6 @@ def warmup_steps(config: Config, total_steps: int) -> int:
 
 
 @dataclass
-class _Wire:
-    """Point-to-point transfers of activations and their gradients between neighbouring stages."""
-
-    device: torch.device
-    wire_dtype: torch.dtype
-    compute_dtype: torch.dtype
-    through_cpu: bool
-    pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
-    wait_seconds: float = 0.0
-    bytes_sent: int = 0
-
-    def send(self, tensor: torch.Tensor, *, dst: int, tag: int) -> None:
-        """Start sending without blocking; the buffer is kept alive until :meth:`flush`."""
-        payload = tensor.detach().to(self.wire_dtype)
-        if self.through_cpu:
-            payload = payload.to("cpu")
-        payload = payload.contiguous()
-        self.pending.append((dist.isend(payload, dst=dst, tag=tag), payload))
-        self.bytes_sent += payload.numel() * payload.element_size()
-
-    def recv(self, shape: tuple[int, ...], *, src: int, tag: int) -> torch.Tensor:
-        """Block until the neighbour's tensor arrives; return it on this stage's device and dtype."""
-        buffer = torch.empty(shape, dtype=self.wire_dtype, device="cpu" if self.through_cpu else self.device)
-        started = time.perf_counter()
-        dist.recv(buffer, src=src, tag=tag)
-        self.wait_seconds += time.perf_counter() - started
-        return buffer.to(device=self.device, dtype=self.compute_dtype)
-
-    def flush(self) -> None:
-        """Wait for every send started since the last flush."""
-        started = time.perf_counter()
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
-        self.wait_seconds += time.perf_counter() - started
-
-
-@dataclass
 class _StepTotals:
     loss: float = 0.0
     compute_seconds: float = 0.0
@@ -160,31 +123,36 @@ class StageWorker:
         self.stage: PipelineStage
         self.data: PreparedData
         self.steps: list[list[list[int]]] = []
-        self.replica_group: Any = None
+        self.groups: Groups
+        self.wire: Wire
 
     # ----- set-up -------------------------------------------------------------------------
     def setup(self) -> None:
         """Join the process group, build the stage, load the data and the optimizer."""
         torch.set_num_threads(self._threads())
         torch.manual_seed(self.config.seed + self.rank)
-        all_cuda = all(stage.device.startswith("cuda") for stage in self.job.stages)
         timeout = timedelta(seconds=self.job.timeout_s)
         store = dist.TCPStore(self.job.master_addr, self.job.master_port, is_master=False, timeout=timeout)
-        dist.init_process_group(
-            backend="nccl" if all_cuda else "gloo",
+        self.groups = join_process_group(
             store=store,
             rank=self.rank,
             world_size=self.job.world_size,
+            num_stages=self.job.num_stages,
+            replicas=self.job.replicas,
+            device=self.device,
+            places=[self._place(rank) for rank in range(self.job.world_size)],
             timeout=timeout,
         )
         self.files = RunFiles(self.job)
-        self.wire = _Wire(
+        self.wire = Wire.for_rank(
+            self.groups,
+            rank=self.rank,
+            is_first=self.spec.is_first,
+            is_last=self.spec.is_last,
             device=self.device,
             wire_dtype=DTYPES[self.config.wire_dtype_name],
             compute_dtype=self.compute_dtype,
-            through_cpu=not all_cuda,
         )
-        self._make_replica_groups()
         self.lora = lora_settings(self.config, check_init_adapter=False)
         base = BaseSettings(
             quantize=self.config.adapter == "qlora",
@@ -234,14 +202,10 @@ class StageWorker:
             return max(1, (os.cpu_count() or 1) // int(local_ranks))
         return self.job.threads_per_process
 
-    def _make_replica_groups(self) -> None:
-        if self.job.replicas == 1:
-            return
-        for stage in range(self.job.num_stages):
-            ranks = [self.job.rank_of(replica=replica, stage=stage) for replica in range(self.job.replicas)]
-            group = dist.new_group(ranks=ranks)
-            if stage == self.spec.index:
-                self.replica_group = group
+    def _place(self, rank: int) -> str:
+        """The physical device of ``rank``: its host and torch device, as the job places it."""
+        placement = self.job.stages[self.job.stage_index(rank)]
+        return f"{placement.host}/{torch.device(placement.device)}"
 
     # ----- the run ------------------------------------------------------------------------
     def run(self) -> None:
@@ -344,35 +308,42 @@ class StageWorker:
             totals.loss += float(output.detach())
         totals.compute_seconds += time.perf_counter() - started
         if not self.spec.is_last:
-            self.wire.send(output, dst=self.rank + 1, tag=_FORWARD_TAG)
+            self.wire.send(output, self.wire.next, tag=_FORWARD_TAG)
         return inputs, output
 
     def _backward(self, inputs: torch.Tensor, output: torch.Tensor, totals: _StepTotals) -> None:
         gradient = None
         if not self.spec.is_last:
-            gradient = self.wire.recv(tuple(output.shape), src=self.rank + 1, tag=_BACKWARD_TAG)
+            gradient = self.wire.recv(tuple(output.shape), self.wire.next, tag=_BACKWARD_TAG)
         started = time.perf_counter()
         output.backward(gradient)
         totals.compute_seconds += time.perf_counter() - started
         if not self.spec.is_first:
-            self.wire.send(inputs.grad, dst=self.rank - 1, tag=_BACKWARD_TAG)
+            self.wire.send(inputs.grad, self.wire.previous, tag=_BACKWARD_TAG)
 
     def _stage_inputs(self, rows: TokenRows, *, tag: int) -> torch.Tensor:
         if self.spec.is_first:
             return rows.input_ids.to(self.device)
         shape = (rows.input_ids.shape[0], rows.input_ids.shape[1], self.hidden_size)
-        return self.wire.recv(shape, src=self.rank - 1, tag=tag)
+        return self.wire.recv(shape, self.wire.previous, tag=tag)
 
     def _positions(self, rows: TokenRows) -> dict[str, torch.Tensor | None]:
         attention_mask = None if self.data.packed else rows.attention_mask.to(self.device)
         return {"attention_mask": attention_mask, "position_ids": rows.position_ids.to(self.device)}
 
     def _synchronize_and_clip_gradients(self, totals: _StepTotals) -> tuple[float, float]:
-        """Sum gradients over replicas, clip on the global norm; return (norm before clipping, step loss)."""
+        """Sum gradients over replicas, clip on the global norm; return (norm before clipping, step loss).
+
+        The replica all-reduce runs on the device when the replicas share a native group, else on
+        the host over gloo; the norm and loss sums always run on the host over the gloo world.
+        """
         grads = [param.grad for _, param in self.named_params]
-        if self.replica_group is not None:
-            flat = torch.cat([grad.reshape(-1) for grad in grads]).to("cpu")
-            dist.all_reduce(flat, group=self.replica_group)
+        replicas = self.groups.replicas(self.spec.index)
+        if replicas is not None:
+            group, native = replicas
+            flat = torch.cat([grad.reshape(-1) for grad in grads])
+            flat = flat if native else flat.to("cpu")
+            dist.all_reduce(flat, group=group)
             offset = 0
             for grad in grads:
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
@@ -410,7 +381,7 @@ class StageWorker:
                 inputs = self._stage_inputs(batch, tag=_FORWARD_TAG)
                 output = self.stage(inputs, **self._positions(batch))
                 if not self.spec.is_last:
-                    self.wire.send(output, dst=self.rank + 1, tag=_FORWARD_TAG)
+                    self.wire.send(output, self.wire.next, tag=_FORWARD_TAG)
                     continue
                 loss_sum += float(token_loss_sum(output, batch.labels))
                 token_count += label_tokens(batch.labels)
