@@ -445,7 +445,6 @@ def cmd_leave(args: argparse.Namespace) -> int:
                 config.coordinator_address,
                 config.api_port,
                 read_private_key(paths.private_key),
-                config.public_key,
                 config.coordinator_key,
                 config.mesh_id,
                 timeout=3.0,

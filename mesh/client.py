@@ -8,21 +8,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from mesh.addresses import format_endpoint, parse_endpoint
+from mesh.auth import NONCE_HEADER, ROSTER_PURPOSE, AuthError, pair_key, sign_request, verify_reply
 from mesh.errors import MeshError
+from mesh.keys import public_key as public_key_of
 from mesh.model import Roster, RosterEntry
-from mesh.protocol import (
-    ProtocolError,
-    open_join_response,
-    seal_join_request,
-    sign_sync_request,
-    sync_key,
-    verify_sync_response,
-)
+from mesh.protocol import ProtocolError, open_join_response, seal_join_request
 from mesh.token import JoinToken
 
 __all__ = [
     "JoinResult",
     "Revoked",
+    "authenticated_request",
     "check_membership",
     "fetch_roster",
     "http_request",
@@ -133,46 +129,98 @@ def request_join(
     )
 
 
-def _signed_call(
+def authenticated_request(
+    host: str,
+    port: int,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    *,
+    private_key: str,
+    peer_public_key: str,
+    mesh_id: str,
+    purpose: bytes,
+    timeout: float = 10.0,
+) -> tuple[int, bytes]:
+    """Send one request signed with the pairwise key; return the status and body of a reply signed by the peer.
+
+    Raises :class:`mesh.auth.AuthError` (a :class:`MeshError`) when the reply's MAC is missing or
+    wrong, whatever its status says, and ``OSError``/``http.client.HTTPException`` when the peer
+    cannot be reached.
+    """
+    key = pair_key(private_key, peer_public_key, mesh_id, purpose)
+    headers = sign_request(
+        key,
+        sender_public=public_key_of(private_key),
+        receiver_public=peer_public_key,
+        method=method,
+        path=path,
+        body=body,
+    )
+    status, reply_headers, data = http_request(host, port, method, path, body, headers, timeout=timeout)
+    try:
+        verify_reply(key, status, reply_headers, data, headers[NONCE_HEADER])
+    except AuthError as error:
+        raise AuthError(
+            f"{format_endpoint(host, port)}: {error} (it said: {_error_text(data)})", 502
+        ) from None
+    return status, data
+
+
+def _coordinator_call(
     address: str,
     port: int,
     method: str,
     path: str,
     private_key: str,
-    public_key: str,
     coordinator_key: str,
     mesh_id: str,
     timeout: float,
-) -> tuple[int, dict[str, Any]]:
-    key = sync_key(private_key, coordinator_key, mesh_id)
-    headers = sign_sync_request(key, public_key, method, path, b"")
+) -> dict[str, Any]:
+    """Call the coordinator's roster service; raise :class:`Revoked` only on a signed "removed" reply."""
     try:
-        status, reply_headers, body = http_request(address, port, method, path, b"", headers, timeout=timeout)
+        status, body = authenticated_request(
+            address,
+            port,
+            method,
+            path,
+            private_key=private_key,
+            peer_public_key=coordinator_key,
+            mesh_id=mesh_id,
+            purpose=ROSTER_PURPOSE,
+            timeout=timeout,
+        )
     except (OSError, http.client.HTTPException) as error:
-        raise MeshError(f"cannot reach the coordinator at {address}:{port} over the mesh ({error})") from None
-    if status in (200, 403) and "X-Shardpool-Mac" in reply_headers:
-        verify_sync_response(key, headers["X-Shardpool-Nonce"], body, reply_headers.get("X-Shardpool-Mac"))
-        return status, json.loads(body)
-    raise MeshError(f"the coordinator refused the request: {_error_text(body)}")
+        raise MeshError(
+            f"cannot reach the coordinator at {format_endpoint(address, port)} ({error})"
+        ) from None
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        payload = None
+    if not isinstance(payload, dict):
+        raise ProtocolError("the coordinator's signed reply is not a JSON object")
+    if status == 403 and payload.get("removed") is True:
+        raise Revoked(
+            "this machine was removed from the mesh by its coordinator: join again with a new token"
+        )
+    if status != 200:
+        raise MeshError(f"the coordinator refused the request: {_error_text(body)}")
+    return payload
 
 
 def fetch_roster(
     address: str,
     port: int,
     private_key: str,
-    public_key: str,
     coordinator_key: str,
     mesh_id: str,
     timeout: float = 5.0,
 ) -> Roster:
     """Fetch the authenticated roster over the mesh; raise :class:`Revoked` if we were removed."""
-    status, payload = _signed_call(
-        address, port, "GET", "/v1/roster", private_key, public_key, coordinator_key, mesh_id, timeout
+    payload = _coordinator_call(
+        address, port, "GET", "/v1/roster", private_key, coordinator_key, mesh_id, timeout
     )
-    if status == 403:
-        raise Revoked(
-            "this machine was removed from the mesh by its coordinator: join again with a new token"
-        )
     roster = Roster.from_json(payload.get("roster"))
     if roster.mesh_id != mesh_id:
         raise ProtocolError("roster is for another mesh")
@@ -180,29 +228,26 @@ def fetch_roster(
 
 
 def check_membership(
-    endpoint: str, private_key: str, public_key: str, coordinator_key: str, mesh_id: str, timeout: float = 5.0
+    endpoint: str, private_key: str, coordinator_key: str, mesh_id: str, timeout: float = 5.0
 ) -> None:
     """Ask the coordinator's underlay endpoint whether we are still a member; raise :class:`Revoked` if not."""
     host, port = parse_endpoint(endpoint, "coordinator endpoint")
-    status, _ = _signed_call(
-        host, port, "GET", "/v1/membership", private_key, public_key, coordinator_key, mesh_id, timeout
-    )
-    if status == 403:
-        raise Revoked(
-            "this machine was removed from the mesh by its coordinator: join again with a new token"
-        )
+    _coordinator_call(host, port, "GET", "/v1/membership", private_key, coordinator_key, mesh_id, timeout)
 
 
 def send_leave(
     address: str,
     port: int,
     private_key: str,
-    public_key: str,
     coordinator_key: str,
     mesh_id: str,
     timeout: float = 5.0,
 ) -> None:
-    """Ask the coordinator to revoke this machine (best effort, used by ``mesh leave``)."""
-    _signed_call(
-        address, port, "POST", "/v1/leave", private_key, public_key, coordinator_key, mesh_id, timeout
-    )
+    """Ask the coordinator to revoke this machine (best effort, used by ``mesh leave``).
+
+    A signed "already removed" answer counts as success.
+    """
+    try:
+        _coordinator_call(address, port, "POST", "/v1/leave", private_key, coordinator_key, mesh_id, timeout)
+    except Revoked:
+        return

@@ -3,7 +3,8 @@
 Both are small HTTP/1.0 services (stdlib ``http.server``) that speak JSON. Requests larger than
 :data:`MAX_REQUEST_BYTES` are refused before their body is read, sockets time out after a few
 seconds, and every failure becomes a 4xx JSON error, so hostile input cannot crash the service
-or change the roster.
+or change the roster. Roster, membership and leave requests are authenticated by
+:mod:`mesh.auth` before anything else, and their replies are signed.
 """
 
 from __future__ import annotations
@@ -16,17 +17,9 @@ from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from mesh.auth import NONCE_CAP, ROSTER_PURPOSE, AuthError, Member, RequestVerifier, RosterStoreDirectory
 from mesh.errors import MeshError
-from mesh.protocol import (
-    MAX_CLOCK_SKEW,
-    NonceCache,
-    ProtocolError,
-    open_join_request,
-    seal_join_response,
-    sign_sync_response,
-    sync_key,
-    verify_sync_request,
-)
+from mesh.protocol import MAX_CLOCK_SKEW, ProtocolError, open_join_request, seal_join_response
 from mesh.roster import AdmitRequest, JoinRefused, RosterStore
 
 __all__ = ["MAX_REQUEST_BYTES", "CoordinatorService", "MeshHTTPServer", "start_server"]
@@ -57,16 +50,21 @@ class CoordinatorService:
         settings: dict[str, Any],
         clock: Callable[[], float] = time.time,
         on_change: Callable[[], None] | None = None,
+        nonce_cap: int = NONCE_CAP,
     ) -> None:
         self.store = store
         self.on_change = on_change
         self.private_key = private_key
         self.settings = settings
         self.clock = clock
-        self.nonces = NonceCache()
-        self._mesh_id = store.roster().mesh_id
-        self._keys: dict[str, bytes] = {}
-        self._lock = threading.Lock()
+        self.verifier = RequestVerifier(
+            private_key,
+            store.roster().mesh_id,
+            RosterStoreDirectory(store),
+            purpose=ROSTER_PURPOSE,
+            nonce_cap=nonce_cap,
+            clock=clock,
+        )
 
     def join(self, headers: Headers, body: bytes) -> Reply:
         """Admit a joiner: decrypt and check its request, admit it atomically, seal the reply."""
@@ -99,37 +97,41 @@ class CoordinatorService:
         payload = {"member": member.to_json(), "roster": self.store.roster().to_json(), "mesh": self.settings}
         return _json_reply(200, seal_join_response(context, payload))
 
-    def _authenticate(self, method: str, path: str, headers: Headers, body: bytes) -> tuple[str, bytes, bool]:
-        member_key = headers.get("X-Shardpool-Key")
-        found = (
-            self.store.lookup_key(member_key)
-            if isinstance(member_key, str) and len(member_key) == 44
-            else None
-        )
-        if found is None or member_key is None:
-            raise ProtocolError("sync request from a key that is not in this mesh", 401)
-        with self._lock:
-            key = self._keys.get(member_key)
-            if key is None:
-                key = self._keys[member_key] = sync_key(self.private_key, member_key, self._mesh_id)
-        verify_sync_request(key, headers, method, path, body, self.nonces, self.clock())
-        return member_key, key, found[1]
+    def _authenticated(
+        self, method: str, path: str, headers: Headers, body: bytes, handle: Callable[[Member], Reply]
+    ) -> Reply:
+        """Verify the request, run ``handle`` for its current member, and sign whatever it answers.
 
-    def _signed(self, status: int, payload: dict[str, Any], key: bytes, headers: Headers) -> Reply:
-        body = json.dumps(payload).encode("utf-8")
-        return status, body, {"X-Shardpool-Mac": sign_sync_response(key, headers["X-Shardpool-Nonce"], body)}
+        A removed member that proves its key gets a signed 403, so it can trust that it was
+        removed; every other refusal is an unsigned 401 that the member never acts on.
+        """
+        try:
+            member = self.verifier.verify(method, path, headers, body)
+        except AuthError as error:
+            if error.removed is None:
+                return _error(error.status, str(error))
+            status, reply, _ = _json_reply(error.status, {"error": str(error), "removed": True})
+            return (
+                status,
+                reply,
+                self.verifier.reply_headers(error.removed.public_key, status, reply, headers),
+            )
+        status, reply, extra = handle(member)
+        return (
+            status,
+            reply,
+            {**extra, **self.verifier.reply_headers(member.public_key, status, reply, headers)},
+        )
 
     def roster(self, headers: Headers, body: bytes) -> Reply:
-        """Send the current roster to an authenticated member (or tell a revoked one it was removed)."""
-        try:
-            _, key, revoked = self._authenticate("GET", "/v1/roster", headers, body)
-        except MeshError as error:
-            return _error(getattr(error, "status", 401), str(error))
-        if revoked:
-            return self._signed(
-                403, {"error": "revoked", "message": "this machine was removed from the mesh"}, key, headers
-            )
-        return self._signed(200, {"roster": self.store.roster().to_json()}, key, headers)
+        """Send the current roster to an authenticated member (or tell a removed one it was removed)."""
+        return self._authenticated(
+            "GET",
+            "/v1/roster",
+            headers,
+            body,
+            lambda member: _json_reply(200, {"roster": self.store.roster().to_json()}),
+        )
 
     def membership(self, headers: Headers, body: bytes) -> Reply:
         """Tell an authenticated key whether it is still a member, and nothing else.
@@ -137,29 +139,22 @@ class CoordinatorService:
         Served on the underlay, so a member cut off from the mesh learns that it was removed;
         it carries no roster, so nothing about the mesh is exposed there.
         """
-        try:
-            _, key, revoked = self._authenticate("GET", "/v1/membership", headers, body)
-        except MeshError as error:
-            return _error(getattr(error, "status", 401), str(error))
-        if revoked:
-            return self._signed(
-                403, {"error": "revoked", "message": "this machine was removed from the mesh"}, key, headers
-            )
-        return self._signed(200, {"member": True}, key, headers)
+        return self._authenticated(
+            "GET", "/v1/membership", headers, body, lambda member: _json_reply(200, {"member": True})
+        )
 
     def leave(self, headers: Headers, body: bytes) -> Reply:
         """Revoke the authenticated member that asks to leave."""
+        return self._authenticated("POST", "/v1/leave", headers, body, self._revoke)
+
+    def _revoke(self, member: Member) -> Reply:
         try:
-            member_key, key, revoked = self._authenticate("POST", "/v1/leave", headers, body)
-            if not revoked:
-                found = self.store.lookup_key(member_key)
-                if found is not None:
-                    self.store.revoke(found[0].name, self.clock())
-                    if self.on_change is not None:
-                        self.on_change()
+            self.store.revoke(member.name, self.clock())
         except MeshError as error:
-            return _error(getattr(error, "status", 400), str(error))
-        return self._signed(200, {"left": True}, key, headers)
+            return _error(400, str(error))
+        if self.on_change is not None:
+            self.on_change()
+        return _json_reply(200, {"left": True})
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -1,4 +1,4 @@
-"""The join exchange and roster-sync authentication: keys, sealing and replay checks.
+"""The join exchange: keys, sealing and replay checks.
 
 Join (one request, one reply, over the coordinator's underlay endpoint):
 
@@ -14,20 +14,17 @@ Join (one request, one reply, over the coordinator's underlay endpoint):
 * The reply is sealed with the reply key and bound to the request nonce; a joiner that cannot
   open it is talking to someone other than the pinned coordinator and refuses to join.
 
-Roster sync (over the mesh): each request carries the member's public key, a timestamp, a
-nonce and an HMAC-SHA256 keyed by HKDF of the static-static ``X25519(member, coordinator)``
-secret; the reply body is MACed with the same key and bound to the request nonce.
+Requests between members (roster sync, membership, leave) are authenticated by :mod:`mesh.auth`.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import hmac
 import json
+import math
 import os
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +35,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from mesh.auth import MAX_CLOCK_SKEW
 from mesh.errors import MeshError
 from mesh.keys import decode_key, encode_key, public_key, shared_secret
 from mesh.model import check_name
@@ -47,7 +45,6 @@ __all__ = [
     "MAX_CLOCK_SKEW",
     "JoinContext",
     "JoinRequest",
-    "NonceCache",
     "ProtocolError",
     "b64d",
     "b64e",
@@ -55,17 +52,10 @@ __all__ = [
     "open_join_response",
     "seal_join_request",
     "seal_join_response",
-    "sign_sync_request",
-    "sign_sync_response",
-    "sync_key",
-    "verify_sync_request",
-    "verify_sync_response",
 ]
 
 VERSION = 1
-MAX_CLOCK_SKEW = 120.0
 _JOIN_INFO = b"shardpool mesh join v1"
-_SYNC_INFO = b"shardpool mesh roster sync v1"
 
 
 class ProtocolError(MeshError):
@@ -218,7 +208,7 @@ def open_join_request(
         ) from None
     request = _parse_payload(plaintext, token_id)
     now = time.time() if now is None else now
-    if abs(now - request.timestamp) > MAX_CLOCK_SKEW:
+    if not math.isfinite(now) or abs(now - request.timestamp) > MAX_CLOCK_SKEW:
         raise ProtocolError(
             f"join request timestamp is {now - request.timestamp:+.0f} s off this coordinator's clock "
             f"(limit {MAX_CLOCK_SKEW:.0f} s): sync both clocks (NTP) and retry",
@@ -246,9 +236,9 @@ def _parse_payload(plaintext: bytes, token_id: bytes) -> JoinRequest:
         if not isinstance(endpoint, str):
             raise ProtocolError("join request endpoint is not text")
         parse_endpoint(endpoint, "joiner endpoint")
-    timestamp = payload.get("ts")
-    if not isinstance(timestamp, (int, float)) or isinstance(timestamp, bool):
-        raise ProtocolError("join request has no timestamp")
+    timestamp = _finite_time(payload.get("ts"))
+    if timestamp is None:
+        raise ProtocolError("join request has no finite timestamp: run `shardpool mesh join` again")
     return JoinRequest(
         token_id=token_id,
         secret=b64d(payload.get("secret"), "secret", 32),
@@ -256,8 +246,19 @@ def _parse_payload(plaintext: bytes, token_id: bytes) -> JoinRequest:
         public_key=key,
         endpoint=endpoint,
         nonce=b64d(payload.get("nonce"), "nonce", 16),
-        timestamp=float(timestamp),
+        timestamp=timestamp,
     )
+
+
+def _finite_time(value: Any) -> float | None:
+    """The Unix time in a JSON number, or ``None`` for anything else (NaN, infinities, huge ints, bools)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        moment = float(value)
+    except OverflowError:
+        return None
+    return moment if math.isfinite(moment) else None
 
 
 def _reply_aad(context: JoinContext) -> bytes:
@@ -291,94 +292,3 @@ def open_join_response(context: JoinContext, envelope: Any) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise ProtocolError(fail)
     return payload
-
-
-def sync_key(private_key: str, peer_public_key: str, mesh_id: str) -> bytes:
-    """Derive the roster-sync MAC key shared by a member and the coordinator (static-static X25519)."""
-    shared = shared_secret(private_key, peer_public_key)
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=mesh_id.encode("utf-8"), info=_SYNC_INFO).derive(
-        shared
-    )
-
-
-def _request_mac(key: bytes, method: str, path: str, timestamp: str, nonce: str, body: bytes) -> str:
-    message = "\n".join([method, path, timestamp, nonce, hashlib.sha256(body).hexdigest()]).encode("utf-8")
-    return hmac.new(key, message, hashlib.sha256).hexdigest()
-
-
-def sign_sync_request(
-    key: bytes, member_key: str, method: str, path: str, body: bytes, now: float | None = None
-) -> dict[str, str]:
-    """Return the headers that authenticate one roster-sync request."""
-    timestamp = f"{time.time() if now is None else now:.3f}"
-    nonce = os.urandom(16).hex()
-    return {
-        "X-Shardpool-Key": member_key,
-        "X-Shardpool-Time": timestamp,
-        "X-Shardpool-Nonce": nonce,
-        "X-Shardpool-Mac": _request_mac(key, method, path, timestamp, nonce, body),
-    }
-
-
-class NonceCache:
-    """Remembers recent sync nonces so a captured request cannot be replayed within the clock window."""
-
-    def __init__(self, window: float = MAX_CLOCK_SKEW, limit: int = 100_000) -> None:
-        self.window = window
-        self.limit = limit
-        self._seen: dict[str, float] = {}
-        self._lock = threading.Lock()
-
-    def check_and_add(self, nonce: str, now: float) -> bool:
-        """Record ``nonce``; return ``False`` if it was seen within the window."""
-        with self._lock:
-            if len(self._seen) > self.limit // 2:
-                self._seen = {k: t for k, t in self._seen.items() if now - t <= 2 * self.window}
-            if nonce in self._seen or len(self._seen) >= self.limit:
-                return False
-            self._seen[nonce] = now
-            return True
-
-
-def verify_sync_request(
-    key: bytes,
-    headers: Any,
-    method: str,
-    path: str,
-    body: bytes,
-    nonces: NonceCache,
-    now: float | None = None,
-) -> None:
-    """Check a sync request's MAC, freshness and nonce, raising :class:`ProtocolError` if any fails."""
-    timestamp, nonce, mac = (
-        headers.get(h) for h in ("X-Shardpool-Time", "X-Shardpool-Nonce", "X-Shardpool-Mac")
-    )
-    if not (isinstance(timestamp, str) and isinstance(nonce, str) and isinstance(mac, str)):
-        raise ProtocolError("sync request is missing its authentication headers", 401)
-    if len(nonce) != 32 or len(mac) != 64:
-        raise ProtocolError("sync request authentication headers are malformed", 401)
-    expected = _request_mac(key, method, path, timestamp, nonce, body)
-    if not hmac.compare_digest(expected, mac):
-        raise ProtocolError("sync request MAC is wrong", 401)
-    now = time.time() if now is None else now
-    try:
-        skew = abs(now - float(timestamp))
-    except ValueError:
-        raise ProtocolError("sync request timestamp is malformed", 401) from None
-    if skew > MAX_CLOCK_SKEW:
-        raise ProtocolError(f"sync request timestamp is {skew:.0f} s off: sync the clocks (NTP)", 401)
-    if not nonces.check_and_add(nonce, now):
-        raise ProtocolError("sync request is a replay", 401)
-
-
-def sign_sync_response(key: bytes, request_nonce: str, body: bytes) -> str:
-    """MAC a sync reply, bound to the request's nonce."""
-    return hmac.new(
-        key, b"reply\n" + request_nonce.encode("ascii") + b"\n" + body, hashlib.sha256
-    ).hexdigest()
-
-
-def verify_sync_response(key: bytes, request_nonce: str, body: bytes, mac: str | None) -> None:
-    """Check a sync reply's MAC; a wrong one means the reply did not come from the coordinator."""
-    if not mac or not hmac.compare_digest(sign_sync_response(key, request_nonce, body), mac):
-        raise ProtocolError("roster reply failed authentication: it did not come from the coordinator")

@@ -91,7 +91,6 @@ class SyncDaemon:
             self.config.coordinator_address,
             self.config.api_port,
             self.private_key,
-            self.config.public_key,
             self.config.coordinator_key,
             self.config.mesh_id,
             timeout=max(2.0, self.config.sync_interval * 2),
@@ -102,7 +101,11 @@ class SyncDaemon:
         write_json(self.paths.syncd_status, self.status)
 
     def step(self) -> bool:
-        """Sync once; return ``False`` when the daemon should stop (this machine was removed)."""
+        """Sync once; return ``False`` when the daemon should stop (this machine was removed).
+
+        Only a reply signed with the coordinator's pairwise key can say "removed"; an unsigned or
+        mis-signed refusal is treated like an unreachable coordinator, and the cached roster stays.
+        """
         try:
             roster = self._fetch()
         except Revoked as error:
@@ -144,8 +147,8 @@ class SyncDaemon:
         self._last_membership_check = now
         try:
             check_membership(
-                self.config.coordinator_endpoint, self.private_key, self.config.public_key,
-                self.config.coordinator_key, self.config.mesh_id, timeout=3.0,
+                self.config.coordinator_endpoint, self.private_key, self.config.coordinator_key,
+                self.config.mesh_id, timeout=3.0,
             )  # fmt: skip
         except Revoked as error:
             log.warning("%s", error)

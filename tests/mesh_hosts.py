@@ -258,7 +258,7 @@ class WireGuardGoInNetns:
 class InProcessCoordinator:
     """A real coordinator service (SQLite store + HTTP server) on 127.0.0.1, for protocol tests."""
 
-    def __init__(self, directory: Path, cidr: str = "10.77.0.0/24") -> None:
+    def __init__(self, directory: Path, cidr: str = "10.77.0.0/24", nonce_cap: int | None = None) -> None:
         from mesh.addresses import first_address, parse_cidr
         from mesh.coordinator import CoordinatorService, start_server
         from mesh.keys import generate_private_key, public_key
@@ -274,8 +274,9 @@ class InProcessCoordinator:
             cidr,
             RosterEntry("coord", self.address, self.public_key, "127.0.0.1:9", True),
         )
+        options = {} if nonce_cap is None else {"nonce_cap": nonce_cap}
         self.service = CoordinatorService(
-            self.store, self.private_key, {"mtu": 1420, "keepalive": 25, "api_port": 9}
+            self.store, self.private_key, {"mtu": 1420, "keepalive": 25, "api_port": 9}, **options
         )
         routes = {
             ("POST", "/v1/join"): self.service.join,
@@ -295,7 +296,101 @@ class InProcessCoordinator:
         self.store.add_token(token.token_id, secret_hash(token.secret), token.expires_at, uses)
         return token
 
+    def signed_request(
+        self, private_key: str, method: str, path: str, time_text: str | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        """Send one request signed by ``private_key`` the way members do, optionally with a hostile time text.
+
+        The reply is returned as it came, unverified, so tests can look at refusals too.
+        """
+        from mesh.auth import MAC_HEADER, NONCE_HEADER, ROSTER_PURPOSE, TIME_HEADER, pair_key, sign_request
+        from mesh.auth import _request_mac as request_mac
+        from mesh.client import http_request
+        from mesh.keys import public_key
+
+        key = pair_key(private_key, self.public_key, "testmesh", ROSTER_PURPOSE)
+        sender = public_key(private_key)
+        headers = sign_request(
+            key, sender_public=sender, receiver_public=self.public_key, method=method, path=path, body=b""
+        )
+        if time_text is not None:
+            headers[TIME_HEADER] = time_text
+            headers[MAC_HEADER] = request_mac(
+                key, method, path, b"", time_text, headers[NONCE_HEADER], sender, self.public_key
+            )
+        return http_request("127.0.0.1", self.port, method, path, b"", headers)
+
     def close(self) -> None:
         """Stop the HTTP server."""
         self.server.shutdown()
         self.server.server_close()
+
+
+class FakeDevice:
+    """Keeps peers in a dict, like a WireGuard device would (for sync tests without a real interface)."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.peers: dict[str, object] = {}
+
+    def show(self, ifname: str):  # noqa: ANN201 - returns mesh.backend.DeviceStatus
+        """Report the peers as a device would."""
+        from mesh.backend import DeviceStatus, PeerStatus
+
+        return DeviceStatus(
+            None,
+            51820,
+            tuple(
+                PeerStatus(k, p.endpoint, p.allowed_ips, None, 0, 0, p.persistent_keepalive or 0)
+                for k, p in self.peers.items()
+            ),
+        )
+
+    def update_peers(self, ifname: str, peers: list) -> None:
+        """Add, change or remove peers."""
+        for peer in peers:
+            if peer.remove:
+                self.peers.pop(peer.public_key, None)
+            else:
+                self.peers[peer.public_key] = peer
+
+
+def member_daemon(
+    state_dir: Path,
+    coordinator: InProcessCoordinator,
+    monkeypatch,  # noqa: ANN001 - pytest's MonkeyPatch
+    api_port: int | None = None,
+    coordinator_endpoint: str | None = None,
+):  # noqa: ANN201 - returns (mesh.syncd.SyncDaemon, FakeDevice)
+    """Join ``coordinator`` as member "b" and return its sync daemon, driving a :class:`FakeDevice`.
+
+    ``api_port`` is where it syncs over the "mesh" (127.0.0.1 here) and ``coordinator_endpoint``
+    where it asks whether it is still a member; both default to the coordinator itself.
+    """
+    from mesh import syncd as syncd_module
+    from mesh.client import request_join
+    from mesh.config import MeshConfig, save_config
+    from mesh.keys import generate_private_key, public_key, write_private_key
+    from mesh.node import save_cached_roster
+    from mesh.state import StatePaths
+
+    private = generate_private_key()
+    result = request_join(coordinator.invite(), "b", public_key(private), None)
+    paths = StatePaths(state_dir)
+    paths.ensure()
+    write_private_key(paths.private_key, private)
+    save_config(
+        paths,
+        MeshConfig(
+            role="member", mesh_id="testmesh", name="b", interface="fake0", backend="userspace", cidr=result.roster.cidr,
+            address=result.member.address, public_key=public_key(private), endpoint=None, listen_port=51820, mtu=1420,
+            keepalive=25, coordinator_key=coordinator.public_key,
+            coordinator_endpoint=coordinator_endpoint or coordinator.endpoint,
+            coordinator_address="127.0.0.1", api_port=api_port or coordinator.port,
+        ),
+    )  # fmt: skip
+    save_cached_roster(paths, result.roster)
+    device = FakeDevice()
+    monkeypatch.setattr(syncd_module, "backend_for", lambda paths, config: device)
+    return syncd_module.SyncDaemon(paths), device

@@ -31,9 +31,7 @@ def _join(coordinator: InProcessCoordinator, name: str = "b") -> tuple[str, str]
 
 
 def _fetch(coordinator: InProcessCoordinator, private: str):  # noqa: ANN202
-    return fetch_roster(
-        "127.0.0.1", coordinator.port, private, public_key(private), coordinator.public_key, "testmesh"
-    )
+    return fetch_roster("127.0.0.1", coordinator.port, private, coordinator.public_key, "testmesh")
 
 
 def test_join_result_carries_address_roster_and_settings(coordinator) -> None:
@@ -64,20 +62,18 @@ def test_a_removed_member_is_told_so(coordinator) -> None:
 
 def test_membership_check_tells_a_cut_off_member_it_was_removed(coordinator) -> None:
     private, key = _join(coordinator, "b")
-    check_membership(coordinator.endpoint, private, key, coordinator.public_key, "testmesh")
+    check_membership(coordinator.endpoint, private, coordinator.public_key, "testmesh")
     coordinator.store.revoke("b")
     with pytest.raises(Revoked, match="removed"):
-        check_membership(coordinator.endpoint, private, key, coordinator.public_key, "testmesh")
+        check_membership(coordinator.endpoint, private, coordinator.public_key, "testmesh")
     stranger = generate_private_key()
     with pytest.raises(MeshError, match="not in this mesh"):
-        check_membership(
-            coordinator.endpoint, stranger, public_key(stranger), coordinator.public_key, "testmesh"
-        )
+        check_membership(coordinator.endpoint, stranger, coordinator.public_key, "testmesh")
 
 
 def test_leave_revokes_the_caller(coordinator) -> None:
     private, key = _join(coordinator, "b")
-    send_leave("127.0.0.1", coordinator.port, private, key, coordinator.public_key, "testmesh")
+    send_leave("127.0.0.1", coordinator.port, private, coordinator.public_key, "testmesh")
     assert [m.name for m in coordinator.store.roster().members] == ["coord"]
 
 

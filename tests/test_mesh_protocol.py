@@ -1,4 +1,4 @@
-"""Tests of mesh/protocol.py: the sealed join exchange and roster-sync authentication."""
+"""Tests of mesh/protocol.py: the sealed join exchange."""
 
 from __future__ import annotations
 
@@ -13,17 +13,11 @@ from mesh.keys import generate_private_key, public_key
 from mesh.protocol import (
     MAX_CLOCK_SKEW,
     JoinContext,
-    NonceCache,
     ProtocolError,
     open_join_request,
     open_join_response,
     seal_join_request,
     seal_join_response,
-    sign_sync_request,
-    sign_sync_response,
-    sync_key,
-    verify_sync_request,
-    verify_sync_response,
 )
 from mesh.token import new_token, secret_hash
 
@@ -135,49 +129,3 @@ def test_reply_is_bound_to_its_request() -> None:
     assert open_join_response(context_a, reply_a) == {"ok": 1}
     with pytest.raises(ProtocolError):
         open_join_response(context_b, reply_a)
-
-
-def test_sync_keys_agree_and_depend_on_mesh() -> None:
-    member_private = generate_private_key()
-    member_public = public_key(member_private)
-    assert sync_key(member_private, COORD_PUBLIC, "m") == sync_key(COORD_PRIVATE, member_public, "m")
-    assert sync_key(member_private, COORD_PUBLIC, "m") != sync_key(member_private, COORD_PUBLIC, "other")
-
-
-def test_sync_request_verification() -> None:
-    key = sync_key(generate_private_key(), COORD_PUBLIC, "m")
-    headers = sign_sync_request(key, MEMBER_KEY, "GET", "/v1/roster", b"")
-    nonces = NonceCache()
-    verify_sync_request(key, headers, "GET", "/v1/roster", b"", nonces)
-    with pytest.raises(ProtocolError, match="replay"):
-        verify_sync_request(key, headers, "GET", "/v1/roster", b"", nonces)
-    fresh = sign_sync_request(key, MEMBER_KEY, "GET", "/v1/roster", b"")
-    with pytest.raises(ProtocolError, match="MAC"):
-        verify_sync_request(bytes(32), fresh, "GET", "/v1/roster", b"", nonces)
-    with pytest.raises(ProtocolError, match="MAC"):
-        verify_sync_request(key, fresh, "POST", "/v1/leave", b"", nonces)
-    old = sign_sync_request(key, MEMBER_KEY, "GET", "/v1/roster", b"", now=time.time() - 600)
-    with pytest.raises(ProtocolError, match="off"):
-        verify_sync_request(key, old, "GET", "/v1/roster", b"", nonces)
-    with pytest.raises(ProtocolError, match="missing"):
-        verify_sync_request(key, {}, "GET", "/v1/roster", b"", nonces)
-
-
-def test_sync_response_mac() -> None:
-    key = sync_key(generate_private_key(), COORD_PUBLIC, "m")
-    mac = sign_sync_response(key, "ab" * 16, b'{"roster": 1}')
-    verify_sync_response(key, "ab" * 16, b'{"roster": 1}', mac)
-    for args in (
-        (key, "cd" * 16, b'{"roster": 1}', mac),
-        (key, "ab" * 16, b'{"roster": 2}', mac),
-        (key, "ab" * 16, b"", None),
-    ):
-        with pytest.raises(ProtocolError, match="did not come from the coordinator"):
-            verify_sync_response(*args)
-
-
-def test_nonce_cache_is_bounded() -> None:
-    cache = NonceCache(window=10, limit=10)
-    assert all(cache.check_and_add(str(i), 0.0) for i in range(5))
-    assert not cache.check_and_add("1", 1.0)
-    assert all(cache.check_and_add(f"late{i}", 100.0) for i in range(5))

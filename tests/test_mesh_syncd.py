@@ -8,41 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from mesh import syncd as syncd_module
-from mesh.backend import DeviceStatus, PeerConfig, PeerStatus
 from mesh.client import request_join
-from mesh.config import MeshConfig, save_config
-from mesh.keys import generate_private_key, public_key, write_private_key
-from mesh.node import load_cached_roster, save_cached_roster
-from mesh.state import StatePaths
-from mesh.syncd import SyncDaemon
-from tests.mesh_hosts import InProcessCoordinator
-
-
-class FakeDevice:
-    """Keeps peers in a dict, like a WireGuard device would."""
-
-    name = "fake"
-
-    def __init__(self) -> None:
-        self.peers: dict[str, PeerConfig] = {}
-
-    def show(self, ifname: str) -> DeviceStatus:
-        return DeviceStatus(
-            None,
-            51820,
-            tuple(
-                PeerStatus(k, p.endpoint, p.allowed_ips, None, 0, 0, p.persistent_keepalive or 0)
-                for k, p in self.peers.items()
-            ),
-        )
-
-    def update_peers(self, ifname: str, peers: list[PeerConfig]) -> None:
-        for peer in peers:
-            if peer.remove:
-                self.peers.pop(peer.public_key, None)
-            else:
-                self.peers[peer.public_key] = peer
+from mesh.keys import generate_private_key, public_key
+from mesh.node import load_cached_roster
+from tests.mesh_hosts import InProcessCoordinator, member_daemon
 
 
 @pytest.fixture
@@ -52,27 +21,8 @@ def coordinator(tmp_path):
     service.close()
 
 
-def _member(
-    tmp_path, coordinator: InProcessCoordinator, monkeypatch, port: int | None = None
-) -> tuple[SyncDaemon, FakeDevice]:
-    private = generate_private_key()
-    result = request_join(coordinator.invite(), "b", public_key(private), None)
-    paths = StatePaths(tmp_path / "b")
-    paths.ensure()
-    write_private_key(paths.private_key, private)
-    save_config(
-        paths,
-        MeshConfig(
-            role="member", mesh_id="testmesh", name="b", interface="fake0", backend="userspace", cidr=result.roster.cidr,
-            address=result.member.address, public_key=public_key(private), endpoint=None, listen_port=51820, mtu=1420,
-            keepalive=25, coordinator_key=coordinator.public_key, coordinator_endpoint=coordinator.endpoint,
-            coordinator_address="127.0.0.1", api_port=port or coordinator.port,
-        ),
-    )  # fmt: skip
-    save_cached_roster(paths, result.roster)
-    device = FakeDevice()
-    monkeypatch.setattr(syncd_module, "backend_for", lambda paths, config: device)
-    return SyncDaemon(paths), device
+def _member(tmp_path, coordinator: InProcessCoordinator, monkeypatch, port: int | None = None):  # noqa: ANN202
+    return member_daemon(tmp_path / "b", coordinator, monkeypatch, api_port=port)
 
 
 def test_step_pulls_new_members_and_caches_the_roster(tmp_path, coordinator, monkeypatch) -> None:
