@@ -26,6 +26,7 @@ import binascii
 import hashlib
 import hmac
 import json
+import math
 import os
 import threading
 import time
@@ -246,9 +247,7 @@ def _parse_payload(plaintext: bytes, token_id: bytes) -> JoinRequest:
         if not isinstance(endpoint, str):
             raise ProtocolError("join request endpoint is not text")
         parse_endpoint(endpoint, "joiner endpoint")
-    timestamp = payload.get("ts")
-    if not isinstance(timestamp, (int, float)) or isinstance(timestamp, bool):
-        raise ProtocolError("join request has no timestamp")
+    timestamp = _finite_timestamp(payload.get("ts"))
     return JoinRequest(
         token_id=token_id,
         secret=b64d(payload.get("secret"), "secret", 32),
@@ -256,8 +255,21 @@ def _parse_payload(plaintext: bytes, token_id: bytes) -> JoinRequest:
         public_key=key,
         endpoint=endpoint,
         nonce=b64d(payload.get("nonce"), "nonce", 16),
-        timestamp=float(timestamp),
+        timestamp=timestamp,
     )
+
+
+def _finite_timestamp(value: Any) -> float:
+    """The join request's time as a finite float; NaN would pass every freshness comparison."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ProtocolError("join request has no timestamp")
+    try:
+        timestamp = float(value)
+    except OverflowError:  # an integer with hundreds of digits
+        timestamp = math.inf
+    if not math.isfinite(timestamp):
+        raise ProtocolError("join request timestamp is not a finite number: use `shardpool mesh join`")
+    return timestamp
 
 
 def _reply_aad(context: JoinContext) -> bytes:
