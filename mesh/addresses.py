@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 DEFAULT_CIDR = "10.77.0.0/24"
-_IFNAME = re.compile(r"^[A-Za-z0-9_.=+-]{1,15}$")
+_IFNAME = re.compile(r"[A-Za-z0-9_.=+-]{1,15}")
 
 
 def parse_cidr(text: str) -> ipaddress.IPv4Network:
@@ -115,7 +115,7 @@ def resolve_endpoint(text: str) -> str:
 
 def parse_interface_name(text: str) -> str:
     """Check a network interface name: 1 to 15 characters of letters, digits and ``_.=+-``."""
-    if not _IFNAME.match(text) or text in (".", ".."):
+    if not isinstance(text, str) or not _IFNAME.fullmatch(text) or text in (".", ".."):
         raise MeshError(
             f"--interface {text!r} is not a valid interface name: use 1-15 letters or digits, e.g. shardpool0"
         )

@@ -8,14 +8,17 @@ the last line of their output, so scripts can take it with ``tail -n 1``.
 from __future__ import annotations
 
 import argparse
+import getpass
 import importlib.util
 import json
 import os
 import secrets
 import shutil
 import socket
+import stat
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,15 +46,18 @@ from mesh.keys import generate_private_key, public_key, read_private_key, write_
 from mesh.model import RosterEntry, check_name
 from mesh.node import bring_down, bring_up, save_cached_roster, start_syncd, syncd_running
 from mesh.probe import probe_all
-from mesh.roster import RosterStore
+from mesh.roster import Invite, RosterStore
 from mesh.state import StatePaths, read_json, resolve_state_dir
-from mesh.token import new_token, secret_hash
+from mesh.token import TOKEN_PREFIX, JoinToken, find_token_text, new_token, parse_token, secret_hash
 from mesh.units import format_age, format_bytes, parse_duration
 from mesh.wgquick import WgQuickConfig, WgQuickPeer, render_wgquick, write_wgquick
 
-__all__ = ["add_mesh_commands", "build_parser", "main"]
+__all__ = ["TOKEN_ENV", "add_mesh_commands", "build_parser", "main", "read_join_token"]
 
 _DEFAULT_PORT = 51820
+TOKEN_ENV = "SHARDPOOL_JOIN_TOKEN"
+_MAX_TOKEN_TEXT = 64 * 1024  # a token is about 150 characters; all of `mesh init`'s output is under 1 KiB
+_TOKEN_SOURCES = f"the TOKEN argument, '-' for standard input, --token-file PATH, or {TOKEN_ENV}"
 
 
 # The shardpool agent (``shardpool agent``, port 7710 on the mesh address) lets launchers on other
@@ -164,20 +170,27 @@ def _discard_state(paths: StatePaths) -> None:
         Path(f"{paths.database}{suffix}").unlink(missing_ok=True)
 
 
-def _issue_token(paths: StatePaths, config: MeshConfig, ttl: str, uses: int) -> str:
+def _issue_token(
+    paths: StatePaths, config: MeshConfig, ttl: str, uses: int, member_name: str | None = None
+) -> JoinToken:
     seconds = parse_duration(ttl)
     if uses < 1:
         raise MeshError("--uses must be at least 1")
     token = new_token(config.public_key, config.coordinator_endpoint, seconds)
-    RosterStore(paths.database).add_token(token.token_id, secret_hash(token.secret), token.expires_at, uses)
-    return token.encode()
+    RosterStore(paths.database).add_token(
+        token.token_id, secret_hash(token.secret), token.expires_at, uses, member_name=member_name
+    )
+    return token
 
 
-def _print_token(token: str, ttl: str, uses: int) -> None:
+def _print_token(token: JoinToken, ttl: str, uses: int, member_name: str | None = None) -> None:
     plural = "s" if uses != 1 else ""
-    print(f"Join token (valid {ttl}, {uses} use{plural}); on another machine run:")
-    print("  shardpool mesh join TOKEN --endpoint THAT_MACHINE:PORT")
-    print(token)
+    made_for = f" for {member_name!r}" if member_name else ""
+    name_option = f" --name {member_name}" if member_name else ""
+    print(f"Join token {token.token_id.hex()}{made_for} (valid {ttl}, {uses} use{plural}).")
+    print("On another machine run this and paste the token (or pipe it in), so it stays out of `ps`:")
+    print(f"  shardpool mesh join -{name_option} --endpoint THAT_MACHINE:PORT")
+    print(token.encode())
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -242,24 +255,180 @@ def cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_invite(args: argparse.Namespace) -> int:
-    """Print another join token (coordinator only)."""
-    paths = _paths(args)
-    config = load_config(paths)
+def _require_coordinator(config: MeshConfig, action: str) -> None:
     if not config.is_coordinator:
         raise MeshError(
-            f"this machine is a member, not the coordinator: run `shardpool mesh invite` on {config.coordinator_endpoint}"
+            f"this machine is a member, not the coordinator: run `shardpool mesh {action}` on "
+            f"{config.coordinator_endpoint}"
         )
-    token = _issue_token(paths, config, args.ttl, args.uses)
-    _print_token(token, args.ttl, args.uses)
+
+
+def cmd_invite(args: argparse.Namespace) -> int:
+    """Print another join token, or list or revoke the invites (coordinator only)."""
+    paths = _paths(args)
+    config = load_config(paths)
+    _require_coordinator(config, "invite")
+    issue_options = [
+        o for o, v in (("--ttl", args.ttl), ("--uses", args.uses), ("--name", args.name)) if v is not None
+    ]
+    mode = "--list" if args.list else "--revoke" if args.revoke is not None else None
+    if mode and issue_options:
+        raise MeshError(f"{mode} does not take {', '.join(issue_options)}: those options are for a new token")
+    if args.json and not args.list:
+        raise MeshError("--json only goes with --list")
+    store = RosterStore(paths.database)
+    if args.list:
+        _list_invites(store.invites(), args.json)
+    elif args.revoke is not None:
+        _revoke_invite(store, args.revoke)
+    else:
+        ttl = args.ttl or "24h"
+        uses = 1 if args.uses is None else args.uses
+        member_name = check_name(args.name) if args.name else None
+        _print_token(_issue_token(paths, config, ttl, uses, member_name), ttl, uses, member_name)
     return 0
+
+
+def _utc(stamp: float | None) -> str:
+    return "-" if stamp is None else time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(stamp))
+
+
+def _list_invites(invites: list[Invite], as_json: bool) -> None:
+    now = time.time()
+    if as_json:
+        json.dump([invite.to_json(now) for invite in invites], sys.stdout, indent=2, sort_keys=True)
+        print()
+        return
+    table = [("ID", "CREATED", "EXPIRES", "USES LEFT", "STATE", "FOR", "JOINED")]
+    for invite in invites:
+        table.append(
+            (
+                invite.token_id,
+                _utc(invite.created_at),
+                _utc(invite.expires_at),
+                str(invite.uses_left),
+                invite.state(now),
+                invite.member_name or "-",
+                ",".join(invite.joined) or "-",
+            )
+        )
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    for line in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+
+
+def _invite_id(text: str) -> bytes:
+    """An invite id from ``--revoke``: the 16 hex digits that --list shows, or the whole token."""
+    cleaned = text.strip()
+    if cleaned.startswith(TOKEN_PREFIX):
+        return parse_token(cleaned).token_id
+    if len(cleaned) != 16 or any(c not in "0123456789abcdefABCDEF" for c in cleaned):
+        raise MeshError(
+            f"invite id {cleaned[:40]!r} is not 16 hex digits: copy it from `shardpool mesh invite --list`"
+        )
+    return bytes.fromhex(cleaned)
+
+
+def _revoke_invite(store: RosterStore, text: str) -> None:
+    invite, revoked_now = store.revoke_invite(_invite_id(text))
+    made_for = f" (made for {invite.member_name!r})" if invite.member_name else ""
+    if revoked_now:
+        print(f"Revoked invite {invite.token_id}{made_for}: the coordinator refuses it from now on.")
+    else:
+        print(f"Invite {invite.token_id}{made_for} was already revoked at {_utc(invite.revoked_at)}.")
+
+
+def _read_limited(read: Callable[[int], bytes | str], what: str) -> str:
+    data = read(_MAX_TOKEN_TEXT + 1)
+    if len(data) > _MAX_TOKEN_TEXT:
+        raise MeshError(f"{what} holds more than {_MAX_TOKEN_TEXT} bytes: it is not a join token")
+    if isinstance(data, bytes):
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise MeshError(f"{what} is not text: it is not a join token") from None
+    return str(data)
+
+
+def _read_fd(fd: int, limit: int) -> bytes:
+    """Read up to ``limit`` bytes or to the end, even from a pipe that delivers them in pieces."""
+    data = b""
+    while len(data) < limit:
+        chunk = os.read(fd, limit - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _read_token_file(path: str) -> str:
+    """Read a token file, refusing one that other users can read or change (like ssh's key files)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY)
+    except OSError as error:
+        raise MeshError(f"cannot open --token-file {path} ({error.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise MeshError(f"--token-file {path} is a directory: give the file that holds the token")
+        loose = stat.S_IMODE(info.st_mode) & 0o066
+        if loose:
+            who = "readable" if loose & 0o044 else "writable"
+            raise MeshError(
+                f"--token-file {path} is {who} by other users (mode {stat.S_IMODE(info.st_mode):04o}): "
+                f"run `chmod 600 {path}` and retry"
+            )
+        return _read_limited(lambda size: _read_fd(fd, size), f"--token-file {path}")
+    finally:
+        os.close(fd)
+
+
+def _read_token_stdin() -> str:
+    if sys.stdin is None or sys.stdin.closed:
+        raise MeshError("the token is '-' but standard input is closed: pipe the token in")
+    if sys.stdin.isatty():
+        return getpass.getpass("Join token (input hidden): ")
+    return _read_limited(sys.stdin.read, "standard input")
+
+
+def read_join_token(argument: str | None, token_file: str | None) -> JoinToken:
+    """Read the join token from exactly one source: argv, '-' (stdin), a file or the environment.
+
+    argv is the least private (any local user sees it in ``ps``); the others keep it out of the
+    process list. Zero or several sources is a one-line error, so a stale ``SHARDPOOL_JOIN_TOKEN``
+    never silently wins over the token the user typed.
+    """
+    environment = os.environ.get(TOKEN_ENV, "").strip()
+    sources = [
+        name
+        for name, given in (
+            ("the TOKEN argument", argument not in (None, "-")),
+            ("'-' (standard input)", argument == "-"),
+            ("--token-file", token_file is not None),
+            (TOKEN_ENV, bool(environment)),
+        )
+        if given
+    ]
+    if not sources:
+        raise MeshError(f"no join token given: pass it as {_TOKEN_SOURCES}")
+    if len(sources) > 1:
+        raise MeshError(f"join token given {len(sources)} ways ({', '.join(sources)}): use exactly one")
+    if token_file is not None:
+        text, where = _read_token_file(token_file), f"--token-file {token_file}"
+    elif argument == "-":
+        text, where = _read_token_stdin(), "standard input"
+    elif argument is not None:
+        text, where = argument, "the TOKEN argument"
+    else:
+        text, where = environment, TOKEN_ENV
+    if not text.strip():
+        raise MeshError(f"{where} is empty: it should hold the token printed by `shardpool mesh invite`")
+    return parse_token(find_token_text(text))
 
 
 def cmd_join(args: argparse.Namespace) -> int:
     """Join a mesh with a token: local keys, authenticated exchange, interface, background sync."""
-    from mesh.token import parse_token
-
-    token = parse_token(args.token)
+    token = read_join_token(args.token, args.token_file)
     token.check_not_expired()
     paths = _paths(args)
     _require_no_mesh(paths)
@@ -413,11 +582,22 @@ def cmd_remove(args: argparse.Namespace) -> int:
         raise MeshError(
             f"only the coordinator can remove members: run this on the coordinator ({config.coordinator_endpoint})"
         )
-    entry = RosterStore(paths.database).revoke(check_name(args.name))
-    print(
-        f"Removed {entry.name!r} ({entry.address}); every machine drops it within {config.sync_interval * 2:.0f} s."
-    )
-    print("Its address is retired and will not be given to another machine.")
+    name = check_name(args.name)
+    removal = RosterStore(paths.database).remove(name)
+    if removal.member is not None:
+        entry = removal.member
+        print(
+            f"Removed {entry.name!r} ({entry.address}); every machine drops it within {config.sync_interval * 2:.0f} s."
+        )
+        print("Its address is retired and will not be given to another machine.")
+    else:
+        print(f"No active member is called {name!r}.")
+    if removal.revoked_invites:
+        count = len(removal.revoked_invites)
+        print(
+            f"Revoked {count} invite{'s' if count != 1 else ''} made for or used by {name!r}: "
+            f"{', '.join(removal.revoked_invites)}."
+        )
     return 0
 
 
@@ -585,13 +765,45 @@ def _add_subcommands(mesh: argparse.ArgumentParser) -> None:
     )
     init.set_defaults(handler=cmd_init)
 
-    invite = sub.add_parser("invite", help="print another join token (on the coordinator)")
-    invite.add_argument("--ttl", default="24h", help="token lifetime, e.g. 30m, 24h, 7d (default 24h)")
-    invite.add_argument("--uses", type=int, default=1, help="how many machines it admits (default 1)")
+    invite = sub.add_parser(
+        "invite", help="print another join token, or list and revoke invites (on the coordinator)"
+    )
+    invite.add_argument("--ttl", help="token lifetime, e.g. 30m, 24h, 7d (default 24h)")
+    invite.add_argument("--uses", type=int, help="how many machines it admits (default 1)")
+    invite.add_argument(
+        "--name",
+        help="the member this token is for: only a machine joining with that --name is admitted, "
+        "and `mesh remove NAME` revokes the token",
+    )
+    invite_mode = invite.add_mutually_exclusive_group()
+    invite_mode.add_argument(
+        "--list", action="store_true", help="list every invite: id, dates, uses left, state, name"
+    )
+    invite_mode.add_argument(
+        "--revoke", metavar="ID", help="revoke the invite with this id (from --list) so it admits nobody"
+    )
+    invite.add_argument("--json", action="store_true", help="with --list: print JSON instead of a table")
     invite.set_defaults(handler=cmd_invite)
 
-    join = sub.add_parser("join", help="join a mesh with a token")
-    join.add_argument("token", help="the token printed by `mesh init` or `mesh invite`")
+    join = sub.add_parser(
+        "join",
+        help="join a mesh with a token",
+        description="Join a mesh with a token. Give the token in exactly one way. On the command line "
+        "it is visible to every local user in `ps`, so prefer '-' (paste it, or pipe it in), "
+        f"--token-file, or the {TOKEN_ENV} environment variable.",
+    )
+    join.add_argument(
+        "token",
+        nargs="?",
+        metavar="TOKEN",
+        help="the token printed by `mesh init` or `mesh invite`, or '-' to read it from standard input "
+        "(hidden when typed at a terminal)",
+    )
+    join.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help="read the token from this file; it must not be readable or writable by other users (chmod 600)",
+    )
     join.add_argument(
         "--endpoint",
         help="HOST:PORT where other machines reach this one; omit behind NAT without a port forward",

@@ -17,12 +17,12 @@ from mesh.keys import decode_key
 
 __all__ = ["Roster", "RosterEntry", "check_name"]
 
-_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 
 
 def check_name(name: str) -> str:
     """Check a member name: 1-63 lowercase letters, digits or dashes, starting with a letter or digit."""
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise MeshError(
             f"member name {str(name)[:70]!r} is invalid: use 1-63 lowercase letters, digits or '-', e.g. gpu-box-2"
         )

@@ -236,9 +236,7 @@ def _parse_payload(plaintext: bytes, token_id: bytes) -> JoinRequest:
         if not isinstance(endpoint, str):
             raise ProtocolError("join request endpoint is not text")
         parse_endpoint(endpoint, "joiner endpoint")
-    timestamp = _finite_time(payload.get("ts"))
-    if timestamp is None:
-        raise ProtocolError("join request has no finite timestamp: run `shardpool mesh join` again")
+    timestamp = _finite_timestamp(payload.get("ts"))
     return JoinRequest(
         token_id=token_id,
         secret=b64d(payload.get("secret"), "secret", 32),
@@ -250,15 +248,17 @@ def _parse_payload(plaintext: bytes, token_id: bytes) -> JoinRequest:
     )
 
 
-def _finite_time(value: Any) -> float | None:
-    """The Unix time in a JSON number, or ``None`` for anything else (NaN, infinities, huge ints, bools)."""
+def _finite_timestamp(value: Any) -> float:
+    """The join request's time as a finite float; NaN would pass every freshness comparison."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return None
+        raise ProtocolError("join request has no timestamp")
     try:
-        moment = float(value)
-    except OverflowError:
-        return None
-    return moment if math.isfinite(moment) else None
+        timestamp = float(value)
+    except OverflowError:  # an integer with hundreds of digits
+        timestamp = math.inf
+    if not math.isfinite(timestamp):
+        raise ProtocolError("join request timestamp is not a finite number: use `shardpool mesh join`")
+    return timestamp
 
 
 def _reply_aad(context: JoinContext) -> bytes:

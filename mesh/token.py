@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import math
 import secrets
 import struct
 import time
@@ -24,11 +25,12 @@ from mesh.addresses import parse_endpoint
 from mesh.errors import MeshError
 from mesh.keys import decode_key, encode_key
 
-__all__ = ["TOKEN_PREFIX", "JoinToken", "new_token", "parse_token", "secret_hash"]
+__all__ = ["TOKEN_PREFIX", "JoinToken", "find_token_text", "new_token", "parse_token", "secret_hash"]
 
 TOKEN_PREFIX = "spm1."
 _VERSION = 1
 _HEAD = struct.Struct(">B8s32s32sQB")
+_MAX_EXPIRY = 2**64 - 1  # the field is an unsigned 64-bit integer
 _FIX = "copy the whole last line printed by `shardpool mesh init` or `shardpool mesh invite`"
 
 
@@ -41,6 +43,12 @@ class JoinToken:
     coordinator_key: str
     endpoint: str
     expires_at: int
+
+    def __post_init__(self) -> None:
+        if type(self.expires_at) is not int or not 0 <= self.expires_at <= _MAX_EXPIRY:
+            raise MeshError(
+                f"join token expiry {self.expires_at!r} is not a whole number of seconds since 1970: {_FIX}"
+            )
 
     def encode(self) -> str:
         """Serialise the token to its one-line text form."""
@@ -58,8 +66,14 @@ class JoinToken:
         return TOKEN_PREFIX + base64.urlsafe_b64encode(body).decode("ascii").rstrip("=")
 
     def check_not_expired(self, now: float | None = None) -> None:
-        """Refuse a token whose expiry has passed, before contacting anybody."""
+        """Refuse a token whose expiry has passed, before contacting anybody.
+
+        A non-finite ``now`` is refused too: every comparison with NaN is false, so it would make
+        any token look unexpired.
+        """
         now = time.time() if now is None else now
+        if not math.isfinite(now):
+            raise MeshError(f"cannot check the join token's expiry against the time {now!r}: fix the clock")
         if now >= self.expires_at:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.expires_at))
             raise MeshError(
@@ -76,6 +90,8 @@ def new_token(coordinator_key: str, endpoint: str, ttl_seconds: int, now: float 
     """Make a fresh token with a random id and a 256-bit random secret."""
     parse_endpoint(endpoint)
     now = time.time() if now is None else now
+    if not math.isfinite(now) or not math.isfinite(ttl_seconds):
+        raise MeshError(f"join token lifetime must be finite: got now={now!r}, ttl={ttl_seconds!r}")
     return JoinToken(
         token_id=secrets.token_bytes(8),
         secret=secrets.token_bytes(32),
@@ -114,3 +130,13 @@ def parse_token(text: str) -> JoinToken:
     except (UnicodeDecodeError, MeshError):
         raise MeshError(f"join token carries an invalid coordinator endpoint: {_FIX}") from None
     return JoinToken(token_id, secret, encode_key(key), endpoint, expires_at)
+
+
+def find_token_text(text: str) -> str:
+    """Pick the token out of pasted text: from the last ``spm1.`` to the end, else all of it.
+
+    So the whole output of ``mesh init``/``mesh invite`` (token alone on its last line) works as
+    a token file, and a token wrapped over several lines still parses.
+    """
+    start = text.rfind(TOKEN_PREFIX)
+    return text[start:] if start >= 0 else text

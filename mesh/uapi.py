@@ -29,7 +29,7 @@ __all__ = [
 
 SOCKET_DIR = Path("/var/run/wireguard")
 _MAX_REPLY = 16 * 1024 * 1024
-_REPLY_END = re.compile(rb"(?:^|\n)errno=-?\d+\n\n$")
+_REPLY_END = re.compile(rb"(?:^|\n)errno=-?[0-9]+\n\n\Z")
 
 
 def socket_path(ifname: str) -> Path:

@@ -8,18 +8,24 @@ from mesh.errors import MeshError
 
 __all__ = ["format_age", "format_bytes", "parse_duration"]
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)\s*")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_MAX_SECONDS = 3650 * 86400
 
 
 def parse_duration(text: str) -> int:
     """Parse ``90s``, ``15m``, ``24h``, ``7d`` or ``2w`` (a bare number is seconds) into seconds."""
-    match = _DURATION.match(text)
+    match = _DURATION.fullmatch(text)
     if not match:
-        raise MeshError(f"duration {text!r} is not understood: use a number with s, m, h, d or w, like 24h")
-    seconds = int(float(match.group(1)) * _SECONDS[match.group(2)])
+        raise MeshError(
+            f"duration {text[:40]!r} is not understood: use a number with s, m, h, d or w, like 24h"
+        )
+    value = float(match.group(1)) * _SECONDS[match.group(2)]
+    if not value <= _MAX_SECONDS:  # also refuses the infinity that a few hundred digits become
+        raise MeshError(f"duration {text[:40]!r} is too long: the limit is 3650d (ten years)")
+    seconds = int(value)
     if seconds <= 0:
-        raise MeshError(f"duration {text!r} must be longer than zero seconds")
+        raise MeshError(f"duration {text[:40]!r} must be longer than zero seconds")
     return seconds
 
 

@@ -40,7 +40,7 @@ __all__ = [
     "clear_partials",
 ]
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = re.compile(r"step-([0-9]+)")
 _OPTIM_FIELDS = ("exp_avg", "exp_avg_sq", "step")
 
 
@@ -118,7 +118,7 @@ def newest_checkpoint(output_dir: str | Path) -> Path | None:
         return None
     complete = []
     for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
+        match = _STEP_DIR.fullmatch(child.name)
         if match and (child / "checkpoint.json").is_file():
             complete.append((int(match.group(1)), child))
     return max(complete)[1] if complete else None

@@ -102,8 +102,10 @@ class Lab:
         self.hosts[label] = host
         return host
 
-    def run(self, host: Host, *argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-        """Run a command inside ``host`` with its ``SHARDPOOL_HOME``."""
+    def run(
+        self, host: Host, *argv: str, timeout: float = 60.0, stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a command inside ``host`` with its ``SHARDPOOL_HOME``, feeding it ``stdin`` if given."""
         env = {
             "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
             "SHARDPOOL_HOME": str(host.home),
@@ -120,11 +122,13 @@ class Lab:
             *(f"{k}={v}" for k, v in env.items()),
             *argv,
         ]
-        return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, input=stdin)
 
-    def mesh(self, host: Host, *argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    def mesh(
+        self, host: Host, *argv: str, timeout: float = 60.0, stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """Run ``shardpool mesh ARGV`` inside ``host`` through the real CLI."""
-        return self.run(host, sys.executable, "-m", "shardpool", "mesh", *argv, timeout=timeout)
+        return self.run(host, sys.executable, "-m", "shardpool", "mesh", *argv, timeout=timeout, stdin=stdin)
 
     def form_mesh(self, coordinator: str, members: str, *, uses: int) -> str:
         """``mesh init`` on ``coordinator``, then ``mesh join`` on each of ``members``, through the real CLI.
@@ -394,3 +398,36 @@ def member_daemon(
     device = FakeDevice()
     monkeypatch.setattr(syncd_module, "backend_for", lambda paths, config: device)
     return syncd_module.SyncDaemon(paths), device
+
+
+def write_coordinator_state(coordinator: InProcessCoordinator) -> Path:
+    """Write ``mesh.json`` beside the in-process coordinator's database and return that state dir.
+
+    Then `mesh invite`, `mesh invite --list/--revoke` and `mesh remove` run through the real CLI
+    against the live coordinator, and the tokens they print point at its HTTP endpoint.
+    """
+    from mesh.config import MeshConfig, save_config
+    from mesh.state import StatePaths
+
+    directory = coordinator.store.path.parent
+    roster = coordinator.store.roster()
+    config = MeshConfig(
+        role="coordinator",
+        mesh_id=roster.mesh_id,
+        name="coord",
+        interface="spnever0",
+        backend="userspace",
+        cidr=roster.cidr,
+        address=coordinator.address,
+        public_key=coordinator.public_key,
+        endpoint=coordinator.endpoint,
+        listen_port=coordinator.port,
+        mtu=1420,
+        keepalive=25,
+        coordinator_key=coordinator.public_key,
+        coordinator_endpoint=coordinator.endpoint,
+        coordinator_address=coordinator.address,
+        api_port=coordinator.port,
+    )
+    save_config(StatePaths(directory), config)
+    return directory

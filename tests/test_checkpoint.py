@@ -52,6 +52,7 @@ def test_newest_checkpoint_ignores_stale_and_partial_directories(tmp_path: Path)
         ("step-10", True),
         ("step-12.partial", True),
         ("step-14", False),
+        ("step-30\n", True),  # not a checkpoint name: the whole name must match
     ):
         directory = tmp_path / "checkpoints" / name
         directory.mkdir(parents=True)

@@ -63,7 +63,7 @@ def test_bad_headers_are_refused(data) -> None:
         Roster.from_json(data)
 
 
-@pytest.mark.parametrize("name", ["", "-a", "A", "a_b", "x" * 64, None, 5])
+@pytest.mark.parametrize("name", ["", "-a", "A", "a_b", "x" * 64, None, 5, "a\nb", "a\n", "\na", "a b"])
 def test_bad_names(name) -> None:
     with pytest.raises(MeshError, match="member name"):
         check_name(name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import time
 from dataclasses import replace
 
@@ -89,6 +90,15 @@ def test_stale_or_future_timestamps_are_refused() -> None:
         envelope, _ = seal_join_request(token, "b", MEMBER_KEY, None, now=time.time() + offset)
         with pytest.raises(ProtocolError, match="clock"):
             open_join_request(envelope, COORD_PRIVATE, lookup)
+
+
+@pytest.mark.parametrize("stamp", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+def test_non_finite_timestamps_are_refused_as_malformed(stamp: float) -> None:
+    token, lookup = _setup()
+    envelope, _ = seal_join_request(token, "b", MEMBER_KEY, None, now=stamp)
+    with pytest.raises(ProtocolError, match="timestamp is not a finite number") as refused:
+        open_join_request(envelope, COORD_PRIVATE, lookup)
+    assert refused.value.status == 400
 
 
 @pytest.mark.parametrize(
