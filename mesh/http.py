@@ -58,6 +58,7 @@ from mesh.http_messages import (
     text_reply,
 )
 from mesh.http_transport import (
+    BACKLOG,
     ConnectionGuard,
     GuardedServer,
     Limits,
@@ -246,7 +247,7 @@ class HTTPServer:
         runner = web.ServerRunner(server, shutdown_timeout=1.0)
         await runner.setup()
         for sock in self._sockets:
-            await web.SockSite(runner, sock).start()
+            await web.SockSite(runner, sock, backlog=BACKLOG).start()
         return runner
 
     # ------------------------------------------------------------------ one request (event loop)

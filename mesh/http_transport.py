@@ -27,9 +27,11 @@ from aiohttp.web_protocol import RequestHandler
 
 from mesh.errors import MeshError
 
-__all__ = ["Limits", "Peer", "listen_tcp", "listen_unix", "raise_open_file_limit"]
+__all__ = ["BACKLOG", "Limits", "Peer", "listen_tcp", "listen_unix", "raise_open_file_limit"]
 
 log = logging.getLogger("shardpool.mesh.http")
+
+BACKLOG = 1024  # connections the kernel queues before accept; aiohttp would listen with 128
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ def listen_tcp(host: str, port: int, *, allow_wildcard: bool = False) -> socket.
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(address)
-        sock.listen(1024)
+        sock.listen(BACKLOG)
     except OSError as error:
         sock.close()
         raise MeshError(
@@ -135,7 +137,7 @@ def listen_unix(path: Path, *, mode: int = 0o660, group: str | None = None) -> s
         os.chmod(path, mode)
         if gid >= 0:
             os.chown(path, -1, gid)
-        sock.listen(1024)
+        sock.listen(BACKLOG)
     except OSError as error:
         sock.close()
         raise MeshError(
