@@ -238,7 +238,8 @@ class HTTPServer:
             self._serve,
             guard=self._guard,
             access_log=None,
-            keepalive_timeout=limits.head_timeout_s + 1,  # a backstop: our head timer fires first
+            # aiohttp's own idle timer, a backstop far behind ours (see Connection)
+            keepalive_timeout=2 * (limits.head_timeout_s + limits.keepalive_timeout_s),
             lingering_time=0,  # an unread body closes the connection instead of being drained
             max_line_size=limits.max_line_size,
             max_field_size=limits.max_field_size,
