@@ -274,6 +274,9 @@ class HTTPServer:
         if length > cap:
             message = f"a body of {length} bytes exceeds this endpoint's limit of {cap} bytes"
             return await self._send(raw, error_reply(413, message), True)
+        if length and raw.headers.get("Expect", "").lower() == "100-continue" and raw.version >= (1, 1):
+            await raw.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the body is within its cap
+            raw.writer.output_size = 0  # the reply itself has not started
         deadline = loop.time() + self.limits.transfer_s(length)
         request = Request(raw.method, path, raw.raw_path, parse_qs(query), raw.headers, peer, params, length)
         if route is not None and route.stream_body:

@@ -18,6 +18,7 @@ import resource
 import socket
 import stat
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ __all__ = ["BACKLOG", "Limits", "Peer", "listen_tcp", "listen_unix", "raise_open
 
 log = logging.getLogger("shardpool.mesh.http")
 
+_REFUSAL_LOG_EVERY_S = 10.0
 BACKLOG = 1024  # connections the kernel queues before accept; aiohttp would listen with 128
 
 
@@ -182,16 +184,32 @@ class ConnectionGuard:
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self.total = 0
+        self.refused = 0
         self._per_source: dict[str, int] = {}
+        self._refusals_logged_at = -_REFUSAL_LOG_EVERY_S
 
     def admit(self, source: str) -> bool:
         """Count a new connection, or return False if it would exceed a cap."""
         count = self._per_source.get(source, 0)
         if self.total >= self.limits.max_connections or count >= self.limits.max_connections_per_source:
+            self._note_refusal(source)
             return False
         self._per_source[source] = count + 1
         self.total += 1
         return True
+
+    def _note_refusal(self, source: str) -> None:
+        # one warning per interval: a flood of refused connections must not flood the log too
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._refusals_logged_at >= _REFUSAL_LOG_EVERY_S:
+            self._refusals_logged_at = now
+            log.warning(
+                "refusing connections over the caps (%d open, latest from %s; %d refused so far)",
+                self.total,
+                source,
+                self.refused,
+            )
 
     def release(self, source: str) -> None:
         """Forget a closed connection."""
@@ -226,7 +244,6 @@ class Connection(RequestHandler):
         super().connection_made(transport)
         self.peer = peer_of(transport)
         if not self.guard.admit(self.peer.source):
-            log.warning("refused a connection from %s: too many connections", self.peer.source)
             self.force_close()
             return
         self._counted = True

@@ -269,6 +269,18 @@ def test_a_body_over_the_route_cap_is_refused_before_it_is_sent(server: HTTPServ
     assert status == 200 and json.loads(body)["length"] == 1000
 
 
+def test_expect_100_continue_is_answered_only_within_the_cap(server: HTTPServer) -> None:
+    sock = open_socket(server.url, timeout=5.0)
+    sock.sendall(b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+    assert sock.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    sock.sendall(b"hello")
+    status, _, body = read_response(sock)
+    assert status == 200 and json.loads(body)["length"] == 5
+    sock.sendall(b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n")
+    assert read_response(sock)[0] == 413
+    sock.close()
+
+
 def test_chunked_bodies_are_refused(server: HTTPServer) -> None:
     sock = open_socket(server.url, timeout=5.0)
     sock.sendall(
