@@ -9,6 +9,8 @@ import logging
 import os
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
@@ -587,3 +589,17 @@ def test_start_and_stop_are_idempotent_and_leave_no_threads() -> None:
     assert fetch(server.url, path="/v1/who")[0] == 200
     server.stop()
     assert set(threading.enumerate()) == before
+
+
+def test_the_http_foundation_imports_neither_torch_nor_shardpool() -> None:
+    code = (
+        "import sys, mesh.http; print([m for m in sys.modules if m.split('.')[0] in ('torch', 'shardpool')])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)),
+        check=True,
+    )
+    assert result.stdout.strip() == "[]"
