@@ -257,6 +257,7 @@ class HTTPServer:
         connection = raw.protocol
         connection.head_complete()
         response = await self._respond(raw, connection.peer)
+        connection.request_answered()
         if connection.transport is not None:
             connection.await_next_head()
         return response

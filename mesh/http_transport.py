@@ -9,8 +9,10 @@ caps at once, and closes connections that stay idle or send their request head t
 from __future__ import annotations
 
 import asyncio
+import collections
 import grp
 import ipaddress
+import itertools
 import json
 import logging
 import os
@@ -230,7 +232,7 @@ class Connection(RequestHandler):
     header byte now and then therefore still loses the connection at the head deadline.
     """
 
-    __slots__ = ("guard", "peer", "_counted", "_idle_timer", "_head_timer")
+    __slots__ = ("guard", "peer", "_counted", "_idle_timer", "_head_timer", "_unanswered")
 
     def __init__(self, manager: web.Server, *, guard: ConnectionGuard, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -239,6 +241,9 @@ class Connection(RequestHandler):
         self._counted = False
         self._idle_timer: asyncio.TimerHandle | None = None
         self._head_timer: asyncio.TimerHandle | None = None
+        self._unanswered: collections.deque[Any] = (
+            collections.deque()
+        )  # bodies of parsed, unanswered requests
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -253,7 +258,30 @@ class Connection(RequestHandler):
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+        queued = len(self._messages)
         super().data_received(data)
+        self._unanswered.extend(payload for _, payload in itertools.islice(self._messages, queued, None))
+
+    def eof_received(self) -> bool | None:
+        """The client shut down its sending side: answer the requests it completed, then close.
+
+        aiohttp closes at once on EOF, so a client that sends a request and then half-closes
+        (as HTTP/1.0 tools do) would get no answer. A body cut short by the EOF fails at once
+        (400, not a wait for its deadline); with no whole request head there is nothing to
+        answer and the connection closes.
+        """
+        if not self._unanswered:
+            return None
+        for payload in self._unanswered:
+            if not payload.is_eof():
+                payload.feed_eof()
+        self.close()
+        return True
+
+    def request_answered(self) -> None:
+        """Note that the oldest parsed request has had its response (pipelined ones are answered in order)."""
+        if self._unanswered:
+            self._unanswered.popleft()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.head_complete()

@@ -244,6 +244,34 @@ def test_a_stalled_body_gets_408_at_the_body_deadline() -> None:
     assert 0.8 <= elapsed <= 2.5, elapsed
 
 
+def test_a_client_that_half_closes_gets_its_answer_and_a_body_cut_by_eof_fails_at_once() -> None:
+    limits = Limits(body_timeout_s=20.0, keepalive_timeout_s=20.0, head_timeout_s=20.0)
+    with HTTPServer(ROUTES, host="127.0.0.1", limits=limits) as server:
+        sock = open_socket(server.url)  # HTTP/1.1 keep-alive, then no more input: answer, then close
+        sock.sendall(b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+        sock.shutdown(socket.SHUT_WR)
+        status, _, body = read_response(sock)
+        assert status == 200 and json.loads(body)["length"] == 3
+        assert closed_by_peer(sock, 2.0)
+        sock.close()
+
+        sock = open_socket(server.url)
+        start = time.monotonic()
+        sock.sendall(b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc")
+        sock.shutdown(socket.SHUT_WR)
+        status, _, body = read_response(sock)
+        assert status == 400 and "ended early" in error_of(body)
+        assert time.monotonic() - start < 5.0, "the body's EOF must not wait for the 20 s body deadline"
+        sock.close()
+
+        sock = open_socket(server.url)  # half a head, then EOF: nothing to answer, closed at once
+        sock.sendall(b"GET /v1/who HTTP/1.1\r\nHost: ")
+        sock.shutdown(socket.SHUT_WR)
+        assert closed_by_peer(sock, 2.0)
+        sock.close()
+        assert fetch(server.url, path="/v1/who")[0] == 200
+
+
 def test_the_body_deadline_grows_with_the_declared_size() -> None:
     limits = Limits(body_timeout_s=0.5, min_rate_bps=500)  # 1000 bytes: 0.5 s + 2 s
     with HTTPServer(ROUTES, host="127.0.0.1", limits=limits) as server:
