@@ -1,47 +1,117 @@
 """The coordinator: the join service on the underlay and the roster service on the mesh.
 
-Both are small HTTP/1.0 services (stdlib ``http.server``) that speak JSON. Requests larger than
-:data:`MAX_REQUEST_BYTES` are refused before their body is read, sockets time out after a few
-seconds, and every failure becomes a 4xx JSON error, so hostile input cannot crash the service
-or change the roster. Roster, membership and leave requests are authenticated by
-:mod:`mesh.auth` before anything else, and their replies are signed.
+Both services run on :class:`mesh.http.HTTPServer` (aiohttp) and speak JSON:
+
+* The **join service** (``POST /v1/join``, ``GET /v1/membership``) listens on the coordinator's
+  underlay endpoint. It is the one service that may bind a wildcard address: when the configured
+  endpoint is not an address of this machine (a NAT port forward, a DNS name) it listens on
+  ``0.0.0.0``. Joiners are strangers until their token checks out, so its bounds are the tight
+  ones in :data:`JOIN_LIMITS`: a join body is a few hundred bytes, capped at
+  :data:`JOIN_MAX_BODY` (64 KiB) before any of it is read; the request head must arrive within
+  10 s of connecting, the body within 10 s plus 16 KiB/s; at most 64 connections per source
+  address (a lab behind one NAT still fits, a single host cannot hold the service) and 4,096 in
+  all, so 2,000 idle or trickling connections leave room for honest joiners; 4 handler threads,
+  because a join is a short burst of X25519 and one SQLite transaction.
+* The **roster service** (``GET /v1/roster``, ``POST /v1/leave``) listens on the coordinator's
+  mesh address only (never a wildcard), so only WireGuard peers reach it. Its requests carry no
+  body, capped at :data:`ROSTER_MAX_BODY` (4 KiB); :data:`ROSTER_LIMITS` allows 32 connections per
+  member (one sync loop plus a few CLI calls) and 8 handler threads; its replies (the roster) may
+  be large, and the reply allowance grows with their length at 256 KiB/s.
+
+Membership, roster and leave requests are authenticated by the server's ``authenticate`` hook
+with :class:`mesh.auth.RequestVerifier` (purpose :data:`mesh.auth.ROSTER_PURPOSE`) before their
+handler runs, so nothing in their body is parsed for an unproven sender; every reply to a proven
+sender (404s and 405s included) is signed by the ``sign_reply`` hook. A removed member that
+proves its key gets a signed 403 ``{"removed": true}`` so it can trust that it was removed; every
+other refusal is an unsigned 401 that members never act on. Every failure is a 4xx one-line JSON
+error, so hostile input cannot crash a service or change the roster.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import threading
 import time
-from collections.abc import Callable, Mapping
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from mesh.auth import NONCE_CAP, ROSTER_PURPOSE, AuthError, Member, RequestVerifier, RosterStoreDirectory
 from mesh.errors import MeshError
+from mesh.http import HTTPError, HTTPServer, Limits, Reply, Request, Route, error_reply, json_reply
 from mesh.protocol import MAX_CLOCK_SKEW, ProtocolError, open_join_request, seal_join_response
 from mesh.roster import AdmitRequest, JoinRefused, RosterStore
 
-__all__ = ["MAX_REQUEST_BYTES", "CoordinatorService", "MeshHTTPServer", "start_server"]
+__all__ = [
+    "JOIN_LIMITS",
+    "JOIN_MAX_BODY",
+    "ROSTER_LIMITS",
+    "ROSTER_MAX_BODY",
+    "SIGNED_PATHS",
+    "CoordinatorService",
+    "RemovedCaller",
+    "start_join_server",
+    "start_roster_server",
+]
 
-MAX_REQUEST_BYTES = 16 * 1024
 log = logging.getLogger("shardpool.mesh.coordinator")
 
-Reply = tuple[int, bytes, dict[str, str]]
-Headers = Mapping[str, str]
-Route = Callable[[Headers, bytes], Reply]
+JOIN_MAX_BODY = 64 * 1024
+"""Largest join request body accepted (a real one is under 1 KiB); larger ones get 413 unread."""
+ROSTER_MAX_BODY = 4 * 1024
+"""Largest body accepted on the roster service and the membership check (members send none)."""
+
+JOIN_LIMITS = Limits(
+    head_timeout_s=10.0,
+    keepalive_timeout_s=5.0,
+    body_timeout_s=10.0,
+    min_rate_bps=16 * 1024,
+    max_connections=4096,
+    max_connections_per_source=64,
+    handler_threads=4,
+    max_line_size=4096,
+    max_field_size=4096,
+    max_headers=32,
+)
+"""Bounds of the join service on the underlay (see the module docstring for why)."""
+
+ROSTER_LIMITS = Limits(
+    head_timeout_s=10.0,
+    keepalive_timeout_s=5.0,
+    body_timeout_s=10.0,
+    min_rate_bps=256 * 1024,
+    max_connections=4096,
+    max_connections_per_source=32,
+    handler_threads=8,
+    max_line_size=4096,
+    max_field_size=4096,
+    max_headers=32,
+)
+"""Bounds of the roster service on the mesh address (see the module docstring for why)."""
+
+SIGNED_PATHS = frozenset({"/v1/membership", "/v1/roster", "/v1/leave"})
+"""Paths whose every request must carry a member's proof (any method), checked before the body is read."""
+
+_WILDCARD_V4 = "0.0.0.0"
 
 
-def _json_reply(status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> Reply:
-    return status, json.dumps(payload).encode("utf-8"), headers or {}
+@dataclass(frozen=True)
+class RemovedCaller:
+    """The principal of a request whose sender proved a key that was removed from the mesh."""
+
+    member: Member
+    status: int
+    message: str
 
 
-def _error(status: int, message: str) -> Reply:
-    return _json_reply(status, {"error": message})
+def _require_length(request: Request) -> None:
+    if "Content-Length" not in request.headers:
+        raise HTTPError(411, "request needs a Content-Length")
 
 
 class CoordinatorService:
-    """Handles join, roster and leave requests against the SQLite roster."""
+    """Handles join, membership, roster and leave requests against the SQLite roster."""
 
     def __init__(
         self,
@@ -66,183 +136,179 @@ class CoordinatorService:
             clock=clock,
         )
 
-    def join(self, headers: Headers, body: bytes) -> Reply:
-        """Admit a joiner: decrypt and check its request, admit it atomically, seal the reply."""
+    # ------------------------------------------------------------------ routes
+
+    def join_routes(self) -> list[Route]:
+        """The routes of the join service on the underlay: joins, and the membership check."""
+        return [
+            Route("POST", "/v1/join", self.join, max_body=JOIN_MAX_BODY),
+            Route("GET", "/v1/membership", self.membership, max_body=ROSTER_MAX_BODY),
+        ]
+
+    def roster_routes(self) -> list[Route]:
+        """The routes of the roster service on the mesh address: roster sync and leave."""
+        return [
+            Route("GET", "/v1/roster", self.roster, max_body=ROSTER_MAX_BODY),
+            Route("POST", "/v1/leave", self.leave, max_body=ROSTER_MAX_BODY),
+        ]
+
+    def server(
+        self,
+        routes: Iterable[Route],
+        host: str,
+        port: int,
+        *,
+        limits: Limits,
+        allow_wildcard: bool = False,
+        name: str = "coordinator",
+    ) -> HTTPServer:
+        """An unstarted HTTP server for ``routes``; its routes on :data:`SIGNED_PATHS` need a proof.
+
+        Paths it does not route get a plain 404, proof or not, so each service shows only its own.
+        """
+        routes = list(routes)
+        signed = frozenset(route.pattern for route in routes) & SIGNED_PATHS
+        return HTTPServer(
+            routes,
+            host=host,
+            port=port,
+            allow_wildcard=allow_wildcard,
+            limits=limits,
+            authenticate=functools.partial(self.authenticate, signed_paths=signed),
+            sign_reply=self.sign_reply,
+            name=name,
+        )
+
+    # ------------------------------------------------------------------ hooks
+
+    def authenticate(
+        self, request: Request, signed_paths: frozenset[str] = SIGNED_PATHS
+    ) -> Member | RemovedCaller | None:
+        """Check the proof of a request to one of ``signed_paths`` before anything in its body is parsed.
+
+        Returns the current member, a :class:`RemovedCaller` for a removed member that proved its
+        key (its handler answers a signed 403), or ``None`` on other paths (the join, unknown paths).
+        """
+        if request.path not in signed_paths:
+            return None
         try:
-            envelope = json.loads(body)
+            return self.verifier.verify(request.method, request.target, request.headers, request.body or b"")
+        except AuthError as error:
+            if error.removed is None:
+                raise HTTPError(error.status, str(error)) from None
+            return RemovedCaller(error.removed, error.status, str(error))
+
+    def sign_reply(
+        self, request: Request, principal: Member | RemovedCaller | None, status: int, body: bytes | None
+    ) -> Mapping[str, str]:
+        """Sign every reply to a proven sender (status and body), so a flipped status is detected."""
+        if principal is None:
+            return {}
+        member = principal.member if isinstance(principal, RemovedCaller) else principal
+        return self.verifier.reply_headers(member.public_key, status, body or b"", request.headers)
+
+    # ------------------------------------------------------------------ handlers
+
+    def join(self, request: Request) -> Reply:
+        """Admit a joiner: decrypt and check its request, admit it atomically, seal the reply."""
+        _require_length(request)
+        try:
+            envelope = json.loads(request.body or b"")
         except (ValueError, UnicodeDecodeError):
-            return _error(400, "join request is not JSON: use `shardpool mesh join`")
+            return error_reply(400, "join request is not JSON: use `shardpool mesh join`")
         now = self.clock()
         try:
-            request, context = open_join_request(envelope, self.private_key, self.store.token_hash, now)
+            joiner, context = open_join_request(envelope, self.private_key, self.store.token_hash, now)
             member = self.store.admit(
                 AdmitRequest(
-                    token_id=request.token_id,
-                    secret=request.secret,
-                    nonce=request.nonce,
+                    token_id=joiner.token_id,
+                    secret=joiner.secret,
+                    nonce=joiner.nonce,
                     nonce_expires_at=now + 2 * MAX_CLOCK_SKEW,
-                    name=request.name,
-                    public_key=request.public_key,
-                    endpoint=request.endpoint,
+                    name=joiner.name,
+                    public_key=joiner.public_key,
+                    endpoint=joiner.endpoint,
                 ),
                 now,
             )
         except (ProtocolError, JoinRefused) as error:
-            return _error(error.status, str(error))
+            return error_reply(error.status, str(error))
         except MeshError as error:
-            return _error(400, str(error))
+            return error_reply(400, str(error))
         log.info("admitted %s at %s", member.name, member.address)
         if self.on_change is not None:
             self.on_change()
         payload = {"member": member.to_json(), "roster": self.store.roster().to_json(), "mesh": self.settings}
-        return _json_reply(200, seal_join_response(context, payload))
+        return json_reply(seal_join_response(context, payload))
 
-    def _authenticated(
-        self, method: str, path: str, headers: Headers, body: bytes, handle: Callable[[Member], Reply]
-    ) -> Reply:
-        """Verify the request, run ``handle`` for its current member, and sign whatever it answers.
-
-        A removed member that proves its key gets a signed 403, so it can trust that it was
-        removed; every other refusal is an unsigned 401 that the member never acts on.
-        """
-        try:
-            member = self.verifier.verify(method, path, headers, body)
-        except AuthError as error:
-            if error.removed is None:
-                return _error(error.status, str(error))
-            status, reply, _ = _json_reply(error.status, {"error": str(error), "removed": True})
-            return (
-                status,
-                reply,
-                self.verifier.reply_headers(error.removed.public_key, status, reply, headers),
-            )
-        status, reply, extra = handle(member)
-        return (
-            status,
-            reply,
-            {**extra, **self.verifier.reply_headers(member.public_key, status, reply, headers)},
-        )
-
-    def roster(self, headers: Headers, body: bytes) -> Reply:
-        """Send the current roster to an authenticated member (or tell a removed one it was removed)."""
-        return self._authenticated(
-            "GET",
-            "/v1/roster",
-            headers,
-            body,
-            lambda member: _json_reply(200, {"roster": self.store.roster().to_json()}),
-        )
-
-    def membership(self, headers: Headers, body: bytes) -> Reply:
+    def membership(self, request: Request) -> Reply:
         """Tell an authenticated key whether it is still a member, and nothing else.
 
         Served on the underlay, so a member cut off from the mesh learns that it was removed;
         it carries no roster, so nothing about the mesh is exposed there.
         """
-        return self._authenticated(
-            "GET", "/v1/membership", headers, body, lambda member: _json_reply(200, {"member": True})
-        )
+        return self._for_member(request, lambda member: json_reply({"member": True}))
 
-    def leave(self, headers: Headers, body: bytes) -> Reply:
+    def roster(self, request: Request) -> Reply:
+        """Send the current roster to an authenticated member (or tell a removed one it was removed)."""
+        return self._for_member(request, lambda member: json_reply({"roster": self.store.roster().to_json()}))
+
+    def leave(self, request: Request) -> Reply:
         """Revoke the authenticated member that asks to leave."""
-        return self._authenticated("POST", "/v1/leave", headers, body, self._revoke)
+        _require_length(request)
+        return self._for_member(request, self._revoke)
+
+    def _for_member(self, request: Request, handle: Callable[[Member], Reply]) -> Reply:
+        """Run ``handle`` for the proven current member; answer a removed one with its 403."""
+        caller = request.principal
+        if isinstance(caller, RemovedCaller):
+            return json_reply({"error": caller.message, "removed": True}, caller.status)
+        if not isinstance(caller, Member):  # served without the authenticate hook: never answer unproven
+            return error_reply(401, "this route needs a signed request, and this server checks none")
+        return handle(caller)
 
     def _revoke(self, member: Member) -> Reply:
         try:
             self.store.revoke(member.name, self.clock())
         except MeshError as error:
-            return _error(400, str(error))
+            return error_reply(400, str(error))
         if self.on_change is not None:
             self.on_change()
-        return _json_reply(200, {"left": True})
+        return json_reply({"left": True})
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server_version = "shardpool-mesh/1"
-    sys_version = ""
-    protocol_version = "HTTP/1.0"
-    timeout = 5.0
-    server: MeshHTTPServer
+def start_join_server(service: CoordinatorService, host: str, port: int) -> HTTPServer:
+    """Serve joins and membership checks on the underlay endpoint ``host:port``; returns the started server.
 
-    def parse_request(self) -> bool:
-        """Parse the request line and headers, answering 405 to methods other than GET and POST."""
-        if not super().parse_request():
-            return False
-        if self.command not in ("GET", "POST"):
-            self._send(*_error(405, f"method {self.command[:20]} is not allowed: use GET or POST"))
-            return False
-        return True
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server naming
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server naming
-        self._dispatch("POST")
-
-    def _dispatch(self, method: str) -> None:
-        route = self.server.routes.get((method, self.path))
-        if route is None:
-            self._send(*_error(404, f"no such endpoint {method} {self.path[:100]}"))
-            return
-        length_text = self.headers.get("Content-Length", "0" if method == "GET" else "")
-        if not length_text.isdigit():
-            self._send(*_error(411, "request needs a Content-Length"))
-            return
-        length = int(length_text)
-        if length > MAX_REQUEST_BYTES:
-            self._send(
-                *_error(413, f"request of {length} bytes is larger than the {MAX_REQUEST_BYTES}-byte limit")
-            )
-            return
-        body = self.rfile.read(length)
-        if len(body) != length:
-            self._send(*_error(400, "request body is shorter than its Content-Length"))
-            return
-        try:
-            reply = route(self.headers, body)
-        except Exception:  # noqa: BLE001 - the service must survive any bug triggered by input
-            log.exception("internal error on %s %s", method, self.path)
-            reply = _error(500, "internal error in the coordinator: see its log")
-        self._send(*reply)
-
-    def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        for key, value in headers.items():
-            self.send_header(key, value)
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - signature fixed by http.server
-        log.debug("%s " + format, self.address_string(), *args)
-
-
-class MeshHTTPServer(ThreadingHTTPServer):
-    """A threaded HTTP server with a fixed route table."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 64
-
-    def __init__(self, address: tuple[str, int], routes: dict[tuple[str, str], Route]) -> None:
-        self.routes = routes
-        super().__init__(address, _Handler)
-
-
-def start_server(host: str, port: int, routes: dict[tuple[str, str], Route]) -> MeshHTTPServer:
-    """Bind ``host:port`` and serve ``routes`` in a daemon thread; call ``shutdown()`` to stop."""
+    The configured endpoint may be a wildcard, or may not be an address of this machine (a NAT
+    port forward, or a DNS name): then the service listens on every IPv4 address. This is the one
+    service allowed a wildcard.
+    """
     try:
-        server = MeshHTTPServer((host, port), routes)
-    except OSError as error:
-        raise MeshError(
-            f"cannot listen on {host}:{port} ({error.strerror}): free the TCP port or choose another --listen-port"
-        ) from None
-    thread = threading.Thread(
-        target=server.serve_forever,
-        kwargs={"poll_interval": 0.1},
-        name=f"mesh-http-{host}:{port}",
-        daemon=True,
-    )
-    thread.start()
-    return server
+        return service.server(
+            service.join_routes(),
+            host,
+            port,
+            limits=JOIN_LIMITS,
+            allow_wildcard=True,
+            name="coordinator-join",
+        ).start()
+    except MeshError:
+        if host == _WILDCARD_V4:
+            raise
+        log.info("endpoint host %s is not an address of this machine; serving joins on all addresses", host)
+    return service.server(
+        service.join_routes(),
+        _WILDCARD_V4,
+        port,
+        limits=JOIN_LIMITS,
+        allow_wildcard=True,
+        name="coordinator-join",
+    ).start()
+
+
+def start_roster_server(service: CoordinatorService, mesh_address: str, port: int) -> HTTPServer:
+    """Serve roster syncs and leaves on the coordinator's mesh address only; returns the started server."""
+    return service.server(
+        service.roster_routes(), mesh_address, port, limits=ROSTER_LIMITS, name="coordinator-roster"
+    ).start()

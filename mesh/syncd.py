@@ -25,8 +25,9 @@ from mesh.addresses import parse_endpoint
 from mesh.backend import WireGuardBackend
 from mesh.client import Revoked, check_membership, fetch_roster
 from mesh.config import MeshConfig, load_config
-from mesh.coordinator import CoordinatorService, MeshHTTPServer, start_server
+from mesh.coordinator import CoordinatorService, start_join_server, start_roster_server
 from mesh.errors import MeshError
+from mesh.http import HTTPServer
 from mesh.keys import read_private_key
 from mesh.model import Roster
 from mesh.node import apply_roster, backend_for, load_cached_roster, save_cached_roster
@@ -48,7 +49,7 @@ class SyncDaemon:
         self.backend: WireGuardBackend = backend_for(paths, self.config)
         self.stop = threading.Event()
         self.wake = threading.Event()
-        self.servers: list[MeshHTTPServer] = []
+        self.servers: list[HTTPServer] = []
         self.applied: Roster | None = None
         self._last_membership_check = -1e9
         self.status: dict[str, object] = {
@@ -68,15 +69,8 @@ class SyncDaemon:
         }
         service = CoordinatorService(store, self.private_key, settings, on_change=self.wake.set)
         host, _ = parse_endpoint(self.config.coordinator_endpoint)
-        join_routes = {("POST", "/v1/join"): service.join, ("GET", "/v1/membership"): service.membership}
-        try:
-            self.servers.append(start_server(host, self.config.listen_port, join_routes))
-        except MeshError:
-            # The endpoint is not an address of this machine (NAT port forward, or a DNS name).
-            log.info("endpoint host %s is not local; serving joins on all addresses", host)
-            self.servers.append(start_server("0.0.0.0", self.config.listen_port, join_routes))
-        mesh_routes = {("GET", "/v1/roster"): service.roster, ("POST", "/v1/leave"): service.leave}
-        self.servers.append(start_server(self.config.address, self.config.api_port, mesh_routes))
+        self.servers.append(start_join_server(service, host, self.config.listen_port))
+        self.servers.append(start_roster_server(service, self.config.address, self.config.api_port))
         log.info(
             "coordinator serving joins on TCP %d and rosters on %s:%d",
             self.config.listen_port,
@@ -181,8 +175,7 @@ class SyncDaemon:
             keep_going = self.step()
             self._write_status()
         for server in self.servers:
-            server.shutdown()
-            server.server_close()
+            server.stop()
         return 0
 
 

@@ -260,11 +260,19 @@ class WireGuardGoInNetns:
 
 
 class InProcessCoordinator:
-    """A real coordinator service (SQLite store + HTTP server) on 127.0.0.1, for protocol tests."""
+    """A real coordinator service (SQLite store + HTTP server) on 127.0.0.1, for protocol tests.
 
-    def __init__(self, directory: Path, cidr: str = "10.77.0.0/24", nonce_cap: int | None = None) -> None:
+    By default one server on :attr:`port` carries the join and the roster routes, so a member can
+    use one port for everything. With ``split=True`` it runs the two production servers instead
+    (as `mesh.syncd` does): joins and membership checks on :attr:`port` (:attr:`server`), rosters
+    and leaves on :attr:`roster_port` (:attr:`roster_server`).
+    """
+
+    def __init__(
+        self, directory: Path, cidr: str = "10.77.0.0/24", nonce_cap: int | None = None, split: bool = False
+    ) -> None:
         from mesh.addresses import first_address, parse_cidr
-        from mesh.coordinator import CoordinatorService, start_server
+        from mesh.coordinator import JOIN_LIMITS, CoordinatorService, start_join_server, start_roster_server
         from mesh.keys import generate_private_key, public_key
         from mesh.model import RosterEntry
         from mesh.roster import RosterStore
@@ -282,14 +290,15 @@ class InProcessCoordinator:
         self.service = CoordinatorService(
             self.store, self.private_key, {"mtu": 1420, "keepalive": 25, "api_port": 9}, **options
         )
-        routes = {
-            ("POST", "/v1/join"): self.service.join,
-            ("GET", "/v1/roster"): self.service.roster,
-            ("POST", "/v1/leave"): self.service.leave,
-            ("GET", "/v1/membership"): self.service.membership,
-        }
-        self.server = start_server("127.0.0.1", 0, routes)
-        self.port = int(self.server.server_address[1])
+        if split:
+            self.server = start_join_server(self.service, "127.0.0.1", 0)
+            self.roster_server = start_roster_server(self.service, "127.0.0.1", 0)
+        else:
+            routes = self.service.join_routes() + self.service.roster_routes()
+            self.server = self.service.server(routes, "127.0.0.1", 0, limits=JOIN_LIMITS).start()
+            self.roster_server = self.server
+        self.port = int(self.server.url.rsplit(":", 1)[1])
+        self.roster_port = int(self.roster_server.url.rsplit(":", 1)[1])
         self.endpoint = f"127.0.0.1:{self.port}"
 
     def invite(self, ttl: int = 3600, uses: int = 1):  # noqa: ANN201 - returns mesh.token.JoinToken
@@ -322,12 +331,13 @@ class InProcessCoordinator:
             headers[MAC_HEADER] = request_mac(
                 key, method, path, b"", time_text, headers[NONCE_HEADER], sender, self.public_key
             )
-        return http_request("127.0.0.1", self.port, method, path, b"", headers)
+        port = self.roster_port if path.startswith(("/v1/roster", "/v1/leave")) else self.port
+        return http_request("127.0.0.1", port, method, path, b"", headers)
 
     def close(self) -> None:
-        """Stop the HTTP server."""
-        self.server.shutdown()
-        self.server.server_close()
+        """Stop the HTTP server(s) and join their threads."""
+        self.server.stop()
+        self.roster_server.stop()
 
 
 class FakeDevice:

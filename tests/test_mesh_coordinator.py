@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 
 from mesh.client import http_request, request_join
-from mesh.coordinator import MAX_REQUEST_BYTES
+from mesh.coordinator import JOIN_MAX_BODY, start_roster_server
 from mesh.errors import MeshError
 from mesh.keys import generate_private_key, public_key
 from mesh.protocol import seal_join_request
@@ -105,7 +105,7 @@ def test_replayed_join_message_is_refused(coordinator) -> None:
 
 def test_oversized_requests_are_refused_before_reading(coordinator) -> None:
     before = _snapshot(coordinator)
-    status, reply = _post(coordinator, b"x" * (MAX_REQUEST_BYTES + 1))
+    status, reply = _post(coordinator, b"x" * (JOIN_MAX_BODY + 1))
     assert status == 413 and "limit" in reply["error"]
     with socket.create_connection(("127.0.0.1", coordinator.port), timeout=5) as sock:
         sock.sendall(b"POST /v1/join HTTP/1.0\r\nContent-Length: 999999999999\r\n\r\n")
@@ -253,3 +253,31 @@ def test_fuzz_1200_hostile_requests_never_crash_or_change_the_roster(coordinator
     status, _ = _post(coordinator, json.dumps(valid).encode())
     assert status == 200
     assert [m.name for m in coordinator.store.roster().members] == ["coord", "existing", "fuzzed"]
+
+
+def test_the_two_production_services_serve_only_their_own_routes(tmp_path) -> None:
+    split = InProcessCoordinator(tmp_path, split=True)
+    try:
+        assert split.port != split.roster_port
+        # The underlay join service never serves the roster, and the mesh roster service never takes joins.
+        assert http_request("127.0.0.1", split.port, "GET", "/v1/roster")[0] == 404
+        assert http_request("127.0.0.1", split.roster_port, "POST", "/v1/join", b"{}")[0] == 404
+        assert http_request("127.0.0.1", split.port, "POST", "/v1/join", b"{}")[0] == 400
+        assert http_request("127.0.0.1", split.roster_port, "GET", "/v1/roster")[0] == 401
+        assert http_request("127.0.0.1", split.port, "GET", "/v1/membership")[0] == 401
+    finally:
+        split.close()
+
+
+def test_the_roster_service_refuses_a_wildcard_address(coordinator) -> None:
+    with pytest.raises(MeshError, match="refusing to listen on 0.0.0.0"):
+        start_roster_server(coordinator.service, "0.0.0.0", 0)
+
+
+def test_a_signed_path_is_refused_before_its_body_is_parsed(coordinator, monkeypatch) -> None:
+    parsed: list[bytes] = []
+    monkeypatch.setattr(coordinator.service, "_revoke", lambda member: parsed.append(b"revoke"))
+    before = _snapshot(coordinator)
+    status, reply = _post(coordinator, b'{"name": "coord"}', path="/v1/leave")
+    assert status == 401 and "X-Shardpool-Key" in reply["error"]
+    assert parsed == [] and _snapshot(coordinator) == before

@@ -7,6 +7,7 @@ and a member acts on "removed" only when the coordinator's pairwise key proves i
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 from dataclasses import replace
@@ -47,20 +48,32 @@ class StatusFlippingProxy:
                     pass
 
             threading.Thread(target=forward_request, daemon=True).start()
-            reply = b""
-            try:
-                while data := upstream.recv(65536):
-                    reply += data
-            except OSError:
-                pass
-            if reply.startswith(b"HTTP/1.0 200 OK\r\n"):
-                reply = b"HTTP/1.0 403 Forbidden\r\n" + reply[len(b"HTTP/1.0 200 OK\r\n") :]
-                self.flipped += 1
+            reply = _one_reply(upstream)
+            for version in (b"HTTP/1.0", b"HTTP/1.1"):
+                if reply.startswith(version + b" 200 OK\r\n"):
+                    reply = version + b" 403 Forbidden\r\n" + reply[len(version + b" 200 OK\r\n") :]
+                    self.flipped += 1
             client.sendall(reply)
 
     def close(self) -> None:
         """Stop accepting connections."""
         self.listener.close()
+
+
+def _one_reply(upstream: socket.socket) -> bytes:
+    """The raw bytes of one reply (head and Content-Length body), read without waiting for a close."""
+    reply = b""
+    try:
+        while b"\r\n\r\n" not in reply and (data := upstream.recv(65536)):
+            reply += data
+        head, _, body = reply.partition(b"\r\n\r\n")
+        found = re.search(rb"(?im)^content-length:\s*(\d+)\s*$", head)
+        length = int(found.group(1)) if found else 0
+        while len(body) < length and (data := upstream.recv(65536)):
+            body += data
+        return head + b"\r\n\r\n" + body
+    except OSError:
+        return reply
 
 
 class _UnsignedRefusal(BaseHTTPRequestHandler):
