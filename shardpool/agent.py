@@ -68,17 +68,23 @@ _MAX_EVENTS_PER_POLL = 5000
 _MAX_FINISHED_JOBS = 64
 
 
-def stage_environment(job_dir: Path, *, interface: str | None, local_ranks: int) -> dict[str, str]:
+def stage_environment(
+    job_dir: Path, *, interface: str | None, local_ranks: int, cache_dir: Path
+) -> dict[str, str]:
     """The whole environment of a stage process: a few of the agent's variables plus what it needs.
 
     Nothing comes from the launcher, and the agent's own environment is not passed on (it may hold
     credentials or ``LD_PRELOAD``). ``HOME`` and ``TMPDIR`` are the job directory, so whatever a
     stage writes stays there; gloo and NCCL are pinned to the mesh interface and InfiniBand is off,
     so training traffic stays inside WireGuard; threads are this machine's cores over its ranks.
+    ``SHARDPOOL_CACHE`` is the agent's when it has one, else ``cache_dir``: one content-addressed
+    cache for all jobs, so a resumed or repeated run downloads nothing it already has (every
+    cached byte is re-hashed when read).
     """
     threads = str(max(1, (os.cpu_count() or 1) // max(1, local_ranks)))
     env = {name: os.environ[name] for name in _INHERITED_ENV if os.environ.get(name)}
     env.setdefault("PATH", os.defpath)
+    env.setdefault("SHARDPOOL_CACHE", str(cache_dir))
     env.update(
         {
             "HOME": str(job_dir),
@@ -321,7 +327,9 @@ class Agent:
                 job_json = json.dumps(request.job.model_dump(mode="json"), indent=2, sort_keys=True)
                 out.write((job_json + "\n").encode("utf-8"))
                 out.commit()
-            child_env = stage_environment(directory, interface=self.interface, local_ranks=len(ranks))
+            child_env = stage_environment(
+                directory, interface=self.interface, local_ranks=len(ranks), cache_dir=self.work_dir / "cache"
+            )
             try:
                 for rank in ranks:
                     log_path = directory / f"rank-{rank}.log"

@@ -81,6 +81,7 @@ def test_stage_processes_get_the_agents_minimal_environment_not_its_own(
 ) -> None:
     monkeypatch.setenv("AGENT_ONLY_SECRET", "s3cret")
     monkeypatch.setenv("LD_PRELOAD", "")
+    monkeypatch.delenv("SHARDPOOL_CACHE", raising=False)
     status, reply = _post(agent, {"job_id": "env", "job": job_dict(), "ranks": [0, 1]})
     assert status == 201, reply
     _wait_finished(agent, "env")
@@ -94,6 +95,7 @@ def test_stage_processes_get_the_agents_minimal_environment_not_its_own(
         "NCCL_SOCKET_IFNAME": "sptest0",
     }
     assert (env["NCCL_IB_DISABLE"], env["SHARDPOOL_LOCAL_RANKS"]) == ("1", "2")
+    assert env["SHARDPOOL_CACHE"] == str(agent.work_dir / "cache"), "one cache for every job"
     assert int(env["OMP_NUM_THREADS"]) == max(1, (os.cpu_count() or 1) // 2)
 
 
