@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import queue
-import re
 import signal
 import subprocess
 import sys
@@ -44,46 +43,63 @@ from shardpool.access import (
     mesh_member_addresses,
     start_in_thread,
 )
+from shardpool.contract import EVENT_PREFIX, ContractError, NotAMember, StageEvent, parse_job_start
 from shardpool.fileserver import AtomicFile
 
 __all__ = [
     "AGENT_PORT",
     "EVENT_PREFIX",
     "Agent",
-    "allowed_env",
+    "stage_environment",
     "run_agent",
 ]
 
 log = logging.getLogger("shardpool.agent")
 
 AGENT_PORT = 7710
-#: Same value as :data:`shardpool.pipeline.EVENT_PREFIX` (a test checks); copied so the agent needs no torch.
-EVENT_PREFIX = "@shardpool "
-_ENV_KEY = re.compile(r"(SHARDPOOL_|GLOO_|NCCL_|OMP_|MKL_|TORCH_)[A-Za-z0-9_]*")
-_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_EVENT_NAMES = frozenset(event.value for event in StageEvent)
+#: The agent's own variables a stage process inherits; everything else it gets is set by the agent.
+_INHERITED_ENV = ("PATH", "LANG", "PYTHONPATH", "SHARDPOOL_CACHE")
+#: A relayed event line longer than this goes to the log instead (events are a few hundred bytes).
+_MAX_EVENT_LINE = 1 << 20
 _TERMINATE_GRACE_S = 5.0
 _MAX_WAIT_S = 30.0
 _MAX_EVENTS_PER_POLL = 5000
-_MAX_RANKS = 256
 _MAX_FINISHED_JOBS = 64
 
 
-def allowed_env(env: Any) -> dict[str, str]:
-    """Validate a job's extra environment: string values, keys only ``SHARDPOOL_``/``GLOO_``/``NCCL_``/
-    ``OMP_``/``MKL_``/``TORCH_``. A launcher must not be able to set ``LD_PRELOAD`` or ``PATH`` here."""
-    if env is None:
-        return {}
-    if not isinstance(env, dict):
-        raise HTTPError(HTTPStatus.BAD_REQUEST, "env must be an object of strings")
-    for key, value in env.items():
-        if not isinstance(key, str) or not _ENV_KEY.fullmatch(key):
-            raise HTTPError(
-                HTTPStatus.BAD_REQUEST,
-                f"env key {key!r} is not allowed; only SHARDPOOL_, GLOO_, NCCL_, OMP_, MKL_ and TORCH_ variables",
-            )
-        if not isinstance(value, str) or "\0" in value:
-            raise HTTPError(HTTPStatus.BAD_REQUEST, f"env value of {key} must be a string without NUL")
-    return dict(env)
+def stage_environment(
+    job_dir: Path, *, interface: str | None, local_ranks: int, cache_dir: Path
+) -> dict[str, str]:
+    """The whole environment of a stage process: a few of the agent's variables plus what it needs.
+
+    Nothing comes from the launcher, and the agent's own environment is not passed on (it may hold
+    credentials or ``LD_PRELOAD``). ``HOME`` and ``TMPDIR`` are the job directory, so whatever a
+    stage writes stays there; gloo and NCCL are pinned to the mesh interface and InfiniBand is off,
+    so training traffic stays inside WireGuard; threads are this machine's cores over its ranks.
+    ``SHARDPOOL_CACHE`` is the agent's when it has one, else ``cache_dir``: one content-addressed
+    cache for all jobs, so a resumed or repeated run downloads nothing it already has (every
+    cached byte is re-hashed when read).
+    """
+    threads = str(max(1, (os.cpu_count() or 1) // max(1, local_ranks)))
+    env = {name: os.environ[name] for name in _INHERITED_ENV if os.environ.get(name)}
+    env.setdefault("PATH", os.defpath)
+    env.setdefault("SHARDPOOL_CACHE", str(cache_dir))
+    env.update(
+        {
+            "HOME": str(job_dir),
+            "TMPDIR": str(job_dir),
+            "PYTHONUNBUFFERED": "1",
+            "NCCL_IB_DISABLE": "1",
+            "SHARDPOOL_LOCAL_RANKS": str(local_ranks),
+            "OMP_NUM_THREADS": threads,
+            "MKL_NUM_THREADS": threads,
+        }
+    )
+    if interface:
+        env["GLOO_SOCKET_IFNAME"] = interface
+        env["NCCL_SOCKET_IFNAME"] = interface
+    return env
 
 
 # ---------------------------------------------------------------------------- processes
@@ -201,7 +217,9 @@ class Agent:
 
     ``worker_command`` replaces ``[python, -m, shardpool.worker]`` (tests run small scripts);
     the job file and the rank are appended to it. ``interface`` is the mesh interface, given to
-    gloo as ``GLOO_SOCKET_IFNAME`` so training traffic stays inside WireGuard.
+    gloo and NCCL so training traffic stays inside WireGuard. ``is_member_address`` answers whether
+    an address in a job (its rendezvous and file server) is a current member's; it defaults to the
+    allowlist that guards the agent, which production reads from the roster.
     """
 
     def __init__(
@@ -216,8 +234,10 @@ class Agent:
         worker_command: list[str] | None = None,
         heartbeat_timeout_s: float = 20.0,
         max_events: int = 10_000,
+        is_member_address: Callable[[str], bool] | None = None,
     ) -> None:
         self.host = host
+        self.is_member_address = is_member_address or allowlist.allows
         self.work_dir = Path(work_dir)
         self.interface = interface
         self.member_name = member_name
@@ -277,8 +297,17 @@ class Agent:
     # ------------------------------------------------------------------ jobs
 
     def start_job(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Validate a ``POST /v1/jobs`` body, write the job file and start one process per rank."""
-        job_id, job, ranks, env = _parse_job_request(body)
+        """Validate a ``POST /v1/jobs`` body against the contract, write the job file, start its ranks.
+
+        A malformed request is 400; one naming an address outside the mesh is 403.
+        """
+        try:
+            request = parse_job_start(body, is_member_address=self.is_member_address)
+        except NotAMember as error:
+            raise HTTPError(HTTPStatus.FORBIDDEN, str(error)) from None
+        except ContractError as error:
+            raise HTTPError(HTTPStatus.BAD_REQUEST, str(error)) from None
+        job_id, ranks = request.job_id, request.ranks
         if self._closing.is_set() or self._spawner is None:
             raise HTTPError(HTTPStatus.SERVICE_UNAVAILABLE, "the agent is shutting down")
         directory = self.work_dir / "jobs" / job_id
@@ -292,15 +321,15 @@ class Agent:
             self._jobs[job_id] = entry
             self._forget_old_jobs()
         try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             job_file = directory / "job.json"
-            with AtomicFile(job_file) as out:
-                out.write((json.dumps(job, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+            with AtomicFile(job_file, mode=0o600) as out:
+                job_json = json.dumps(request.job.model_dump(mode="json"), indent=2, sort_keys=True)
+                out.write((job_json + "\n").encode("utf-8"))
                 out.commit()
-            child_env = dict(os.environ)
-            child_env.update(env)
-            if self.interface:
-                child_env["GLOO_SOCKET_IFNAME"] = self.interface
-            child_env["PYTHONUNBUFFERED"] = "1"
+            child_env = stage_environment(
+                directory, interface=self.interface, local_ranks=len(ranks), cache_dir=self.work_dir / "cache"
+            )
             try:
                 for rank in ranks:
                     log_path = directory / f"rank-{rank}.log"
@@ -392,14 +421,10 @@ class Agent:
         if stream is not None:
             with open(record.log_path, "ab") as log_file:
                 for raw in stream:
-                    if raw.startswith(EVENT_PREFIX.encode()):
-                        try:
-                            event = json.loads(raw[len(EVENT_PREFIX) :])
-                        except (json.JSONDecodeError, UnicodeDecodeError):
-                            event = None
-                        if isinstance(event, dict):
-                            entry.add_event(record.rank, event)
-                            continue
+                    event = _event_in(raw)
+                    if event is not None:
+                        entry.add_event(record.rank, event)
+                        continue
                     log_file.write(raw)
                     log_file.flush()
             stream.close()
@@ -534,31 +559,21 @@ def _profile_devices(shape: Any, workload: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def _parse_job_request(body: dict[str, Any]) -> tuple[str, dict[str, Any], list[int], dict[str, str]]:
-    job_id, job, ranks = body.get("job_id"), body.get("job"), body.get("ranks")
-    if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
-        raise HTTPError(
-            HTTPStatus.BAD_REQUEST,
-            "job_id must be 1-64 letters, digits, '._-', starting with a letter or digit",
-        )
-    if not isinstance(job, dict):
-        raise HTTPError(HTTPStatus.BAD_REQUEST, "job must be the job JSON object (as written by Job.write)")
-    stages, replicas = job.get("stages"), job.get("replicas")
-    if not isinstance(stages, list) or not stages or not isinstance(replicas, int) or replicas < 1:
-        raise HTTPError(
-            HTTPStatus.BAD_REQUEST, "job needs a non-empty 'stages' list and a positive 'replicas'"
-        )
-    world = len(stages) * replicas
-    if (
-        not isinstance(ranks, list)
-        or not ranks
-        or len(ranks) > _MAX_RANKS
-        or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks)
-    ):
-        raise HTTPError(HTTPStatus.BAD_REQUEST, "ranks must be a non-empty list of integers")
-    if len(set(ranks)) != len(ranks) or not all(0 <= r < world for r in ranks):
-        raise HTTPError(HTTPStatus.BAD_REQUEST, f"ranks {ranks} must be distinct and in 0..{world - 1}")
-    return job_id, job, list(ranks), allowed_env(body.get("env"))
+def _event_in(raw: bytes) -> dict[str, Any] | None:
+    """The event a stage's output line carries: a JSON object named by a :class:`StageEvent`.
+
+    Anything else (plain output, broken JSON, an unknown name, an overlong line) is not an event
+    and goes to the rank's log; the launcher validates each event's fields against the contract.
+    """
+    if not raw.startswith(EVENT_PREFIX.encode()) or len(raw) > _MAX_EVENT_LINE:
+        return None
+    try:
+        event = json.loads(raw[len(EVENT_PREFIX) :])
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if isinstance(event, dict) and event.get("event") in _EVENT_NAMES:
+        return event
+    return None
 
 
 def _terminate(ranks: list[_Rank], reason: str, jobs: list[_Job]) -> None:
@@ -717,13 +732,15 @@ def run_agent(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     paths = StatePaths(resolve_state_dir(state_dir))
     config = load_config(paths)
+    allowlist = MemberAllowlist(mesh_member_addresses(paths.root))
     agent = Agent(
         config.address,
         port,
-        allowlist=MemberAllowlist(mesh_member_addresses(paths.root)),
+        allowlist=allowlist,
         work_dir=Path(work_dir) if work_dir else paths.root / "work",
         interface=config.interface,
         member_name=config.name,
+        is_member_address=allowlist.allows,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

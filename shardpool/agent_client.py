@@ -75,13 +75,9 @@ class AgentClient:
         body = {"targets": [{"name": name, "url": url} for name, url in targets.items()], "bytes": nbytes}
         return dict(self._call("POST", "/v1/probe", body, timeout=120.0)["links"])
 
-    def start_job(
-        self, job_id: str, job: dict[str, Any], ranks: list[int], env: dict[str, str]
-    ) -> dict[str, Any]:
-        """Start the given ranks of a job on the member."""
-        return self._call(
-            "POST", "/v1/jobs", {"job_id": job_id, "job": job, "ranks": ranks, "env": env}, timeout=60.0
-        )
+    def start_job(self, job_id: str, job: dict[str, Any], ranks: list[int]) -> dict[str, Any]:
+        """Start the given ranks of a job on the member (the agent sets their environment itself)."""
+        return self._call("POST", "/v1/jobs", {"job_id": job_id, "job": job, "ranks": ranks}, timeout=60.0)
 
     def events(self, job_id: str, *, after: int, wait: float = 1.0) -> dict[str, Any]:
         """Events after sequence number ``after`` (long-polls up to ``wait`` s); also the heartbeat."""

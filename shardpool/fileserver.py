@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -25,6 +24,8 @@ from types import TracebackType
 from urllib.parse import unquote, urlsplit
 
 from shardpool.access import GuardedHandler, GuardedHTTPServer, HTTPError, MemberAllowlist, start_in_thread
+from shardpool.contract import ContractError, check_digest, resolve_inside
+from shardpool.contract import safe_relative_name as check_relative_name
 from shardpool.errors import ShardpoolError
 
 __all__ = [
@@ -41,21 +42,6 @@ log = logging.getLogger("shardpool.fileserver")
 MAX_UPLOAD_BYTES = 2 * 2**30
 _CHUNK = 1 << 20
 _IN_MEMORY_RANGE = 64 * 2**20
-_SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-def check_relative_name(text: str, what: str = "name") -> str:
-    """Return ``text`` if it is a safe relative path (``a/b.safetensors``), else raise ShardpoolError.
-
-    Segments are letters, digits, ``._-`` and never start with a dot, so ``..``, hidden files,
-    absolute paths, backslashes and empty segments are all refused.
-    """
-    if not text or len(text) > 1024 or not all(_SEGMENT.fullmatch(part) for part in text.split("/")):
-        raise ShardpoolError(
-            f"{what} {text!r} is not a safe relative path; use segments of letters, digits, '._-' joined by '/'"
-        )
-    return text
 
 
 def sha256_file(path: Path) -> str:
@@ -353,20 +339,18 @@ class _FileHandler(GuardedHandler):
         self.close_connection = True  # a refused upload leaves its body unread
         relative = unquote(path[len("/v1/upload/") :])
         try:
-            check_relative_name(relative, "upload path")
-        except ShardpoolError as error:
+            target = resolve_inside(self.owner.upload_root, relative, "upload path")
+        except ContractError as error:
             raise HTTPError(HTTPStatus.BAD_REQUEST, str(error)) from None
-        root = self.owner.upload_root.resolve()
-        target = (root / relative).resolve()
-        if not target.is_relative_to(root) or target == root:
-            raise HTTPError(HTTPStatus.BAD_REQUEST, f"upload path {relative!r} escapes the upload directory")
         if target.is_dir():
             raise HTTPError(HTTPStatus.CONFLICT, f"upload path {relative!r} is a directory on the launcher")
         expected = (self.headers.get("X-Content-SHA256") or "").strip().lower()
-        if not _SHA256.fullmatch(expected):
+        try:
+            check_digest(expected, "X-Content-SHA256")
+        except ContractError:
             raise HTTPError(
                 HTTPStatus.BAD_REQUEST, "the upload needs an X-Content-SHA256 header (64 hex digits)"
-            )
+            ) from None
         length = self.content_length(self.owner.max_upload_bytes)
         digest = hashlib.sha256()
         with AtomicFile(target) as out:

@@ -36,6 +36,7 @@ from shardpool.checkpoint import (
     newest_checkpoint,
 )
 from shardpool.config import Config, load_config
+from shardpool.contract import RESUME_PREFIX, StageEvent, resolve_inside
 from shardpool.costmodel import Workload
 from shardpool.data import PreparedData, load_tokenizer, prepare_data, save_prepared, step_batches
 from shardpool.errors import ShardpoolError
@@ -141,12 +142,10 @@ def _finetune_on_mesh(config: Config, *, resume: bool, console: Console) -> Path
         )
         job.write(run_dir / "job.json")
         by_name = {member.name: member for member in members}
-        assignments: dict[str, tuple[Any, list[int], dict[str, str]]] = {}
+        assignments: dict[str, tuple[Any, list[int]]] = {}
         for rank in range(job.world_size):
             host = job.stages[job.stage_index(rank)].host
-            assignments.setdefault(host, (by_name[host], [], {}))[1].append(rank)
-        for _, ranks, env in assignments.values():
-            env["SHARDPOOL_LOCAL_RANKS"] = str(len(ranks))
+            assignments.setdefault(host, (by_name[host], []))[1].append(rank)
         job_id = new_job_id()
         outcome = _follow(console, job, run, first_step=first_step, start=lambda on_event: run_mesh_job(
             job, job_id, assignments, on_event=on_event
@@ -226,7 +225,7 @@ def job_inputs(config: Config, run_dir: Path, resume_from: Path | None) -> dict[
     if resume_from is not None:
         for path in sorted(resume_from.glob("*.safetensors")):
             if path.name.startswith(("stage-", "rng-rank-")):
-                inputs[f"resume/{path.name}"] = str(path.resolve())
+                inputs[RESUME_PREFIX + path.name] = str(path.resolve())
     return inputs
 
 
@@ -390,7 +389,7 @@ def _follow(
 
         def on_event(event: dict[str, Any]) -> None:
             kind = event.get("event")
-            if kind == "step":
+            if kind == StageEvent.STEP:
                 outcome.last_loss = event["loss"]
                 outcome.last_step = event["step"]
                 progress.update(
@@ -401,26 +400,26 @@ def _follow(
                 )
                 if event["step"] % logging_steps == 0 or event["step"] == run.total_steps:
                     _append_metrics(metrics_path, event)
-            elif kind == "checkpoint_written":
+            elif kind == StageEvent.CHECKPOINT_WRITTEN:
                 final = finalize_checkpoint(
-                    output_dir / event["partial"],
+                    resolve_inside(output_dir, event["partial"], "checkpoint directory"),
                     step=event["step"],
                     settings=run.lora,
                     base_model=run.config.base_model,
                     extra={"eval_before": event.get("eval_before"), "total_steps": run.total_steps},
                 )
                 progress.console.print(f"checkpoint saved: {final}")
-            elif kind == "final_written":
-                final_dir = output_dir / event["directory"]
+            elif kind == StageEvent.FINAL_WRITTEN:
+                final_dir = resolve_inside(output_dir, event["directory"], "final adapter directory")
                 write_adapter(
                     output_dir, merge_stage_lora(final_dir), run.lora, base_model=run.config.base_model
                 )
                 shutil.rmtree(final_dir, ignore_errors=True)
-            elif kind == "stage_done":
+            elif kind == StageEvent.STAGE_DONE:
                 outcome.stages[int(event["rank"])] = {
                     key: value for key, value in event.items() if key != "event"
                 }
-            elif kind == "done":
+            elif kind == StageEvent.DONE:
                 outcome.eval_before = event.get("eval_before")
                 outcome.eval_after = event.get("eval_after")
 

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from shardpool.contract import EVENT_PREFIX, ContractError, StageEvent, parse_stage_event
 from shardpool.errors import ShardpoolError
 from shardpool.job import Job
-from shardpool.pipeline import EVENT_PREFIX
 
 __all__ = ["free_port", "run_local_job", "StageFailed"]
 
@@ -125,9 +125,10 @@ def _relay(
             line = raw.decode("utf-8", errors="replace")
             if line.startswith(EVENT_PREFIX):
                 try:
-                    events.put((rank, json.loads(line[len(EVENT_PREFIX) :])))
+                    event = parse_stage_event(json.loads(line[len(EVENT_PREFIX) :]))
+                    events.put((rank, event.model_dump(mode="json")))
                     continue
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, ContractError):
                     pass
             log.write(raw)
             log.flush()
@@ -147,7 +148,7 @@ def _dispatch(
             rank, event = events.get(timeout=remaining) if remaining > 0 else events.get_nowait()
         except queue.Empty:
             return
-        if event.get("event") == "error":
+        if event.get("event") == StageEvent.ERROR:
             errors.setdefault(rank, str(event.get("message", "unknown error")))
         else:
             on_event(event)

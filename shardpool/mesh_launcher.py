@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shardpool.agent_client import DEFAULT_AGENT_PORT, AgentClient, AgentRefused, AgentUnreachable
+from shardpool.contract import ContractError, StageEvent, parse_stage_event
 from shardpool.costmodel import Workload
 from shardpool.errors import ShardpoolError
 from shardpool.fleet import Device, Fleet, LinkSpec
@@ -145,21 +146,26 @@ class _Follow:
 def run_mesh_job(
     job: Job,
     job_id: str,
-    ranks_by_member: dict[str, tuple[MeshMember, list[int], dict[str, str]]],
+    ranks_by_member: dict[str, tuple[MeshMember, list[int]]],
     *,
     on_event: Callable[[dict[str, Any]], None],
     lost_after_s: float = LOST_AFTER_S,
 ) -> None:
-    """Run every rank on its member until all finish; raise StageFailed/MemberLost on the first failure."""
-    follows = {name: _Follow(member, ranks) for name, (member, ranks, _) in ranks_by_member.items()}
+    """Run every rank on its member until all finish; raise StageFailed/MemberLost on the first failure.
+
+    Each member's agent derives its stages' environment (threads from its own cores over the ranks
+    it runs, the mesh interface for gloo and NCCL) itself; nothing but the job crosses.
+    """
+    follows = {name: _Follow(member, ranks) for name, (member, ranks) in ranks_by_member.items()}
     events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
     stop = threading.Event()
     errors: dict[int, str] = {}
     last_step = job.resume_step
     started: list[str] = []
     try:
-        for name, (member, ranks, env) in ranks_by_member.items():
-            member.agent.start_job(job_id, asdict(job), ranks, env)
+        payload = job.model_dump(mode="json")
+        for name, (member, ranks) in ranks_by_member.items():
+            member.agent.start_job(job_id, payload, ranks)
             started.append(name)
         threads = [
             threading.Thread(target=_poll, args=(follow, job_id, events, stop, lost_after_s), daemon=True)
@@ -171,10 +177,10 @@ def run_mesh_job(
             try:
                 name, event = events.get(timeout=0.2)
                 kind = event.get("event")
-                if kind == "error":
+                if kind == StageEvent.ERROR:
                     errors.setdefault(int(event.get("rank", -1)), str(event.get("message", "unknown error")))
                 else:
-                    if kind == "step":
+                    if kind == StageEvent.STEP:
                         last_step = int(event["step"])
                     on_event(event)
             except queue.Empty:
@@ -229,7 +235,11 @@ def _poll(
         last_answer = time.monotonic()
         for item in reply.get("events", []):
             follow.seq = max(follow.seq, int(item["seq"]))
-            event = dict(item["event"])
+            try:
+                event = parse_stage_event(item["event"]).model_dump(mode="json")
+            except ContractError as error:
+                follow.lost = f"it relayed an event that breaks the contract ({error})"
+                return
             event.setdefault("rank", item.get("rank"))
             events.put((follow.member.name, event))
         follow.exited = {int(rank): int(code) for rank, code in reply.get("exited", {}).items()}

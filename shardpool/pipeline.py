@@ -27,6 +27,7 @@ from transformers import get_scheduler
 
 from shardpool import checkpoint as ckpt
 from shardpool.config import Config
+from shardpool.contract import EVENT_PREFIX, RESUME_PREFIX, StageEvent
 from shardpool.data import PreparedData, TokenRows, load_prepared, step_batches
 from shardpool.job import Job
 from shardpool.lora import lora_settings
@@ -47,7 +48,6 @@ __all__ = [
     "warmup_steps",
 ]
 
-EVENT_PREFIX = "@shardpool "
 DATA_INPUT = "data.safetensors"
 INIT_ADAPTER_PREFIX = "init_adapter/"
 FINAL_DIR = "checkpoints/final.partial"
@@ -213,7 +213,7 @@ class StageWorker:
         self.setup()
         first_step = self._resume() if self.job.resume_step else 0
         if self.rank == 0:
-            emit({"event": "ready", "total_steps": len(self.steps), "first_step": first_step})
+            emit({"event": StageEvent.READY, "total_steps": len(self.steps), "first_step": first_step})
         eval_before = self.job.eval_before
         if first_step == 0:
             eval_before = self.evaluate()
@@ -229,7 +229,7 @@ class StageWorker:
         self.write_final_adapter()
         emit(
             {
-                "event": "stage_done",
+                "event": StageEvent.STAGE_DONE,
                 "rank": self.rank,
                 "stage": self.spec.index,
                 "peak_rss_bytes": peak_rss_bytes(),
@@ -237,7 +237,7 @@ class StageWorker:
             }
         )
         if self.rank == 0:
-            emit({"event": "done", "eval_before": eval_before, "eval_after": eval_after})
+            emit({"event": StageEvent.DONE, "eval_before": eval_before, "eval_after": eval_after})
         dist.barrier()
         dist.destroy_process_group()
 
@@ -266,7 +266,7 @@ class StageWorker:
             tokens = sum(int(batch.attention_mask.sum()) for batch in all_microbatches)
             emit(
                 {
-                    "event": "step",
+                    "event": StageEvent.STEP,
                     "step": step + 1,
                     "loss": step_loss,
                     "lr": self.scheduler.get_last_lr()[0],
@@ -413,7 +413,12 @@ class StageWorker:
         dist.barrier()
         if self.rank == 0:
             emit(
-                {"event": "checkpoint_written", "step": step, "partial": partial, "eval_before": eval_before}
+                {
+                    "event": StageEvent.CHECKPOINT_WRITTEN,
+                    "step": step,
+                    "partial": partial,
+                    "eval_before": eval_before,
+                }
             )
 
     def _send_state(self, directory: str) -> None:
@@ -423,7 +428,9 @@ class StageWorker:
 
     def _resume(self) -> int:
         step = self.job.resume_step
-        stage_files = [self.files.path(name) for name in self.job.inputs if name.startswith("resume/stage-")]
+        stage_files = [
+            self.files.path(name) for name in self.job.inputs if name.startswith(RESUME_PREFIX + "stage-")
+        ]
         keys = [key for key, _ in self.named_params]
         lora, optim_state = ckpt.read_lora_and_optimizer(stage_files, keys)
         with torch.no_grad():
@@ -438,7 +445,7 @@ class StageWorker:
         self.optimizer.load_state_dict(state)
         for _ in range(step):
             self.scheduler.step()
-        rng_input = f"resume/{ckpt.rng_file(self.rank)}"
+        rng_input = RESUME_PREFIX + ckpt.rng_file(self.rank)
         if self.files.has(rng_input):
             torch.set_rng_state(ckpt.read_rng_state(self.files.path(rng_input)))
         return step
@@ -448,7 +455,7 @@ class StageWorker:
         self._send_state(FINAL_DIR)
         dist.barrier()
         if self.rank == 0:
-            emit({"event": "final_written", "directory": FINAL_DIR})
+            emit({"event": StageEvent.FINAL_WRITTEN, "directory": FINAL_DIR})
 
 
 def run_stage_process(job_path: str, rank: int) -> None:

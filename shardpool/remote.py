@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
+from shardpool.contract import ContractError, check_digest, resolve_inside, safe_relative_name
 from shardpool.errors import ShardpoolError
-from shardpool.fileserver import AtomicFile, check_relative_name, sha256_file
+from shardpool.fileserver import AtomicFile, sha256_file
 
 if TYPE_CHECKING:
     import torch
@@ -83,11 +84,9 @@ class RemoteFiles:
             status, _, body = self._request("GET", "/v1/manifest")
             self._check(status, body, "/v1/manifest", expected=200)
             try:
-                files = _json(body)["files"]
-                self._manifest = {
-                    str(name): {"size": int(info["size"]), "sha256": str(info["sha256"])}
-                    for name, info in files.items()
-                }
+                self._manifest = _checked_manifest(_json(body)["files"])
+            except ContractError as error:
+                raise ShardpoolError(f"{self.base_url}/v1/manifest is refused: {error}") from None
             except (KeyError, TypeError, ValueError, AttributeError):
                 raise ShardpoolError(
                     f"{self.base_url}/v1/manifest is malformed; is that a shardpool file server?"
@@ -151,7 +150,7 @@ class RemoteFiles:
         The bytes are stored once in the cache as ``blobs/sha256/<hex>`` and hard-linked (or copied,
         across file systems) into place, so fetching the same content again uses no network.
         """
-        check_relative_name(name, "file name")
+        dest = resolve_inside(dest_dir, name, "file name")
         info = self.info(name)
         blob = self._blob(info["sha256"])
         if blob.is_file() and blob.stat().st_size == info["size"]:
@@ -159,7 +158,6 @@ class RemoteFiles:
                 self.cache_hits += 1
         else:
             self._download(name, info, blob)
-        dest = Path(dest_dir) / name
         dest.parent.mkdir(parents=True, exist_ok=True)
         if dest.exists() and os.path.samefile(dest, blob):
             return dest
@@ -179,7 +177,7 @@ class RemoteFiles:
 
     def upload(self, local_path: Path, relative_path: str) -> dict[str, Any]:
         """Send a local file to the launcher's upload directory as ``relative_path`` (verified there)."""
-        check_relative_name(relative_path, "upload path")
+        safe_relative_name(relative_path, "upload path")
         local_path = Path(local_path)
         try:
             size = local_path.stat().st_size
@@ -297,13 +295,13 @@ class RemoteFiles:
     # ------------------------------------------------------------------ cache
 
     def _blob(self, sha256: str) -> Path:
-        return self.cache_dir / "blobs" / "sha256" / sha256
+        return self.cache_dir / "blobs" / "sha256" / check_digest(sha256)
 
     def _cached_range(self, key_file: Path, size: int) -> bytes | None:
         try:
             digest = key_file.read_text(encoding="ascii").strip()
             data = self._blob(digest).read_bytes()
-        except (OSError, UnicodeDecodeError):
+        except (OSError, UnicodeDecodeError, ContractError):
             return None
         if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
             log.warning("cache entry %s is corrupt; fetching it again", key_file)
@@ -395,6 +393,24 @@ class RemoteWeightReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _checked_manifest(files: Any) -> dict[str, dict[str, Any]]:
+    """The served files by name, each name a safe relative path and each digest 64 hex digits.
+
+    Names become paths in the fetch directory and digests become paths in the cache, so both are
+    checked before either is used.
+    """
+    if not isinstance(files, dict):
+        raise TypeError("files is not an object")
+    checked: dict[str, dict[str, Any]] = {}
+    for name, info in files.items():
+        safe_relative_name(name, "served file name")
+        size = info["size"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ContractError(f"the size of {name!r} is not a byte count")
+        checked[name] = {"size": size, "sha256": check_digest(info["sha256"], f"SHA-256 of {name!r}")}
+    return checked
 
 
 def _json(body: bytes) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from shardpool.atomic import save_tensors_atomic
+from shardpool.contract import resolve_inside, safe_relative_name
 from shardpool.errors import ShardpoolError
 from shardpool.job import Job
 from shardpool.weights import WeightReader
@@ -101,14 +102,14 @@ class RunFiles:
     def save_tensors(self, relative: str, tensors: dict[str, torch.Tensor]) -> None:
         """Write a safetensors file at ``output_dir/relative`` on the launcher, atomically."""
         if self._remote is None:
-            target = Path(self.job.output_dir) / relative
+            target = resolve_inside(self.job.output_dir, relative, "output path")
             target.parent.mkdir(parents=True, exist_ok=True)
             save_tensors_atomic(target, tensors)
             return
         assert self._fetch_dir is not None
         staging = self._fetch_dir / "outgoing"
         staging.mkdir(parents=True, exist_ok=True)
-        local = staging / Path(relative).name
+        local = staging / Path(safe_relative_name(relative, "output path")).name
         save_tensors_atomic(local, tensors)
         try:
             self._remote.upload(local, relative)

@@ -11,6 +11,7 @@ import os
 import sys
 import traceback
 
+from shardpool.contract import StageEvent
 from shardpool.errors import ShardpoolError
 from shardpool.pipeline import emit, run_stage_process
 
@@ -25,7 +26,7 @@ def main(argv: list[str]) -> int:
         message = str(error) if isinstance(error, ShardpoolError) else f"{type(error).__name__}: {error}"
         emit(
             {
-                "event": "error",
+                "event": StageEvent.ERROR,
                 "rank": rank,
                 "message": message.splitlines()[0] if message else type(error).__name__,
             }

@@ -1,8 +1,9 @@
 """Tests of shardpool/agent.py with real processes on loopback.
 
 The worker command is replaced by a small script (``worker_command``) that prints events, writes
-to its log, reads its environment, exits with a chosen code or sleeps until killed, so every test
-runs in about a second. Each test checks /proc that no process it started is left behind.
+to its log, records its environment, exits with a chosen code or sleeps until killed, so every test
+runs in about a second. The script's behaviour rides in the job as one extra input, whose "path"
+on the launcher is the JSON of the mode (the agent never opens input paths). Each test checks /proc that no process it started is left behind.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import pytest
 from shardpool import agent as agent_module
 from shardpool.access import MemberAllowlist
 from shardpool.agent import Agent
+from shardpool.contract import JobSpec
+from tests.helpers.jobs import job_dict
 
 REPO = Path(__file__).resolve().parent.parent
 LOOPBACK = MemberAllowlist.fixed({"127.0.0.1"})
@@ -33,7 +36,7 @@ WORKER = textwrap.dedent(
     import json, os, signal, subprocess, sys, time
     job = json.load(open(sys.argv[1]))
     rank = int(sys.argv[2])
-    extra = job["extra"]
+    extra = json.loads(job["inputs"]["fake-worker.json"])
 
     def emit(event):
         print("@shardpool " + json.dumps(event), flush=True)
@@ -45,13 +48,15 @@ WORKER = textwrap.dedent(
         print("@shardpool {not json", flush=True)
         for i in range(extra["count"]):
             emit({"event": "step", "rank": rank, "i": i})
-        keys = ("SHARDPOOL_X", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "PYTHONUNBUFFERED", "LD_PRELOAD")
-        emit({"event": "env", "env": {k: os.environ.get(k) for k in keys}, "cwd": os.getcwd()})
+        with open("/proc/self/environ", "rb") as initial:  # as the agent set it, before Python's own changes
+            env = dict(item.decode().split("=", 1) for item in initial.read().split(b"\\0") if item)
+        with open(f"env-rank-{rank}.json", "w") as out:
+            json.dump({"env": env, "cwd": os.getcwd()}, out)
         sys.exit(extra["codes"][rank])
     child = None if extra.get("no_child") else subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     if extra.get("stubborn"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    emit({"event": "started", "pid": os.getpid(), "child": child.pid if child else None})
+    emit({"event": "ready", "pid": os.getpid(), "child": child.pid if child else None})
     time.sleep(600)
     """
 )
@@ -94,11 +99,7 @@ def _call(
 
 
 def _job(mode: str, stages: int = 2, **extra: Any) -> dict[str, Any]:
-    return {
-        "stages": [{"start": 0, "stop": 1, "device": "cpu"}] * stages,
-        "replicas": 1,
-        "extra": {"mode": mode, **extra},
-    }
+    return job_dict(stages=stages, inputs={"fake-worker.json": json.dumps({"mode": mode, **extra})})
 
 
 @pytest.fixture
@@ -138,70 +139,80 @@ def test_health(agent: Agent) -> None:
     )
 
 
-def test_events_stream_with_seqs_and_exit_codes_and_env_is_filtered(agent: Agent, tmp_path: Path) -> None:
-    body = {
-        "job_id": "run-1",
-        "job": _job("events", count=5, codes=[0, 3]),
-        "ranks": [0, 1],
-        "env": {"SHARDPOOL_X": "yes", "OMP_NUM_THREADS": "2"},
-    }
+def test_events_stream_with_seqs_and_exit_codes(agent: Agent, tmp_path: Path) -> None:
+    body = {"job_id": "run-1", "job": _job("events", count=5, codes=[0, 3]), "ranks": [0, 1]}
     status, reply = _call(agent.url, "POST", "/v1/jobs", body)
     assert status == 201 and reply["job_id"] == "run-1" and sorted(reply["pids"]) == ["0", "1"]
     events, final = _drain(agent.url, "run-1")
-    assert [e["seq"] for e in events] == list(range(1, 13))
+    assert [e["seq"] for e in events] == list(range(1, 11))
     for rank in (0, 1):
         mine = [e["event"] for e in events if e["rank"] == rank]
         assert [e["i"] for e in mine if e["event"] == "step"] == [0, 1, 2, 3, 4]
-        env = next(e for e in mine if e["event"] == "env")
-        assert env["env"] == {
-            "SHARDPOOL_X": "yes",
-            "OMP_NUM_THREADS": "2",
-            "GLOO_SOCKET_IFNAME": "sptest0",
-            "PYTHONUNBUFFERED": "1",
-            "LD_PRELOAD": None,
-        }
-        assert env["cwd"] == str(tmp_path / "work" / "jobs" / "run-1")
     assert final["exited"] == {"0": 0, "1": 3}
-    assert json.loads((tmp_path / "work" / "jobs" / "run-1" / "job.json").read_text()) == body["job"]
+    job_dir = tmp_path / "work" / "jobs" / "run-1"
+    assert json.loads((job_dir / "job.json").read_text()) == JobSpec.model_validate(body["job"]).model_dump(
+        mode="json"
+    )
+    assert (job_dir.stat().st_mode & 0o777, (job_dir / "job.json").stat().st_mode & 0o777) == (0o700, 0o600)
     status, log = _call(agent.url, "GET", "/v1/jobs/run-1/log/1?tail=10")
     assert status == 200
     assert "plain line from rank 1" in log and "stderr line from rank 1" in log and "{not json" in log
     assert "step" not in log, "events go to the event list, not the log"
     assert _call(agent.url, "GET", "/v1/jobs/run-1/log/1?tail=1")[1].count("\n") == 1
     # polling from the middle returns only newer events
-    status, reply = _call(agent.url, "GET", "/v1/jobs/run-1/events?after=10&wait=0")
-    assert [e["seq"] for e in reply["events"]] == [11, 12] and reply["lost"] == 0
+    status, reply = _call(agent.url, "GET", "/v1/jobs/run-1/events?after=8&wait=0")
+    assert [e["seq"] for e in reply["events"]] == [9, 10] and reply["lost"] == 0
 
 
-def test_disallowed_env_and_bad_jobs_are_refused_with_400(agent: Agent) -> None:
+def test_stage_environment_is_set_by_the_agent_alone(
+    agent: Agent, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AGENT_ONLY_SECRET", "s3cret")
+    monkeypatch.setenv("LANG", "C.UTF-8")
+    monkeypatch.setenv("SHARDPOOL_CACHE", str(tmp_path / "cache"))
+    body = {"job_id": "env", "job": _job("events", stages=3, count=0, codes=[0, 0, 0]), "ranks": [0, 2]}
+    assert _call(agent.url, "POST", "/v1/jobs", body)[0] == 201
+    _drain(agent.url, "env")
+    job_dir = tmp_path / "work" / "jobs" / "env"
+    threads = str(max(1, (os.cpu_count() or 1) // 2))
+    expected = {
+        "PATH": os.environ["PATH"],
+        "LANG": "C.UTF-8",
+        "SHARDPOOL_CACHE": str(tmp_path / "cache"),
+        "HOME": str(job_dir),
+        "TMPDIR": str(job_dir),
+        "PYTHONUNBUFFERED": "1",
+        "GLOO_SOCKET_IFNAME": "sptest0",
+        "NCCL_SOCKET_IFNAME": "sptest0",
+        "NCCL_IB_DISABLE": "1",
+        "SHARDPOOL_LOCAL_RANKS": "2",
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+    }
+    if os.environ.get("PYTHONPATH"):
+        expected["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    for rank in (0, 2):
+        seen = json.loads((job_dir / f"env-rank-{rank}.json").read_text())
+        assert seen == {"env": expected, "cwd": str(job_dir)}
+
+
+def test_bad_job_requests_are_refused_with_400_and_one_line(agent: Agent) -> None:
     cases = [
         (
-            {
-                "job_id": "x",
-                "job": _job("events", count=1, codes=[0, 0]),
-                "ranks": [0],
-                "env": {"LD_PRELOAD": "/evil.so"},
-            },
-            "LD_PRELOAD",
-        ),
-        (
-            {
-                "job_id": "x",
-                "job": _job("events", count=1, codes=[0, 0]),
-                "ranks": [0],
-                "env": {"PATH": "/tmp"},
-            },
-            "PATH",
+            {"job_id": "x", "job": _job("events"), "ranks": [0], "env": {"PATH": "/tmp"}},
+            "unknown field `env`",
         ),
         ({"job_id": "../x", "job": _job("events"), "ranks": [0]}, "job_id"),
         ({"job_id": "x", "job": _job("events"), "ranks": [2]}, "0..1"),
         ({"job_id": "x", "job": _job("events"), "ranks": [0, 0]}, "distinct"),
-        ({"job_id": "x", "job": _job("events"), "ranks": ["0"]}, "integers"),
-        ({"job_id": "x", "job": "not a job", "ranks": [0]}, "job JSON"),
+        ({"job_id": "x", "job": _job("events"), "ranks": ["0"]}, "integer"),
+        ({"job_id": "x", "job": "not a job", "ranks": [0]}, "`job`"),
+        ({"job_id": "x", "job": {**_job("events"), "extra": 1}, "ranks": [0]}, "unknown field `job.extra`"),
+        ({"job_id": "x", "job": {**_job("events"), "files_url": None}, "ranks": [0]}, "needs files_url"),
     ]
     for body, fragment in cases:
         status, reply = _call(agent.url, "POST", "/v1/jobs", body)
-        assert status == 400 and fragment in reply["error"], (body, reply)
+        assert status == 400 and fragment in reply["error"] and "\n" not in reply["error"], (body, reply)
     assert _call(agent.url, "POST", "/v1/jobs", raw=b"{nope")[0] == 400
     assert (
         _call(agent.url, "POST", "/v1/jobs", raw=b"", headers={"Content-Length": str(17 * 2**20)})[0] == 413
