@@ -39,6 +39,7 @@ from shardpool.errors import ShardpoolError
 __all__ = [
     "EVENT_PREFIX",
     "RESUME_PREFIX",
+    "FILES_SECRET_FILE",
     "MAX_STAGES",
     "MAX_REPLICAS",
     "MAX_WORLD_SIZE",
@@ -75,6 +76,8 @@ __all__ = [
 EVENT_PREFIX = "@shardpool "
 #: Inputs under this prefix are the checkpoint a resumed run starts from.
 RESUME_PREFIX = "resume/"
+# the job file-server secret's file in a stage's job directory (0600, written by the agent)
+FILES_SECRET_FILE = "files.secret"
 
 MAX_STAGES = 512
 MAX_REPLICAS = 256
@@ -92,6 +95,7 @@ _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_SECRET = re.compile(r"[0-9a-f]{64}")
 _DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:[0-9]{1,4})?")
 
 
@@ -223,6 +227,11 @@ JobId = Annotated[
         _pattern(_JOB_ID, "job_id must be 1-64 letters, digits, '._-', starting with a letter or digit")
     ),
 ]
+FilesSecret = Annotated[
+    str,
+    Field(max_length=64),
+    AfterValidator(_pattern(_SECRET, "files_secret must be 64 lowercase hex digits")),
+]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 Steps = Annotated[int, Field(ge=0, le=MAX_STEPS)]
 
@@ -331,12 +340,14 @@ class JobStartRequest(_Closed):
 
     A stage started by an agent always reads and writes through the launcher's file server, so
     ``files_url`` is required: the launcher's paths (``inputs`` values, ``output_dir``) are never
-    opened on the member.
+    opened on the member. ``files_secret`` (32 random bytes as hex) is the bearer secret of the
+    launcher's file server; the agent hands it to the stages in a 0600 ``files.secret`` file.
     """
 
     job_id: JobId
     job: JobSpec
     ranks: list[int] = Field(min_length=1, max_length=MAX_RANKS)
+    files_secret: FilesSecret | None = None
 
     @model_validator(mode="after")
     def _ranks_of_this_job(self) -> JobStartRequest:

@@ -6,24 +6,38 @@ manifest gives every served file's size and SHA-256, which are also the keys of 
 content-addressed caches. Uploads (checkpoint pieces, adapter pieces, eval logits) are verified
 against the sender's hash and written atomically under one root directory.
 
-The server speaks JSON and raw bytes only, listens on one address (the mesh address), and answers
-only current mesh members (see :mod:`shardpool.access`).
+The server speaks JSON and raw bytes only, runs on :mod:`mesh.http` (deadlines, size caps, bounded
+handler threads), listens on one address (the launcher's mesh address), and answers only requests
+that carry the job's secret (``Authorization: Bearer``), which the launcher hands to each stage
+through its agent in a 0600 ``files.secret`` file: being on the mesh is not enough to read the
+model or write into the run's output.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import os
+import re
 import tempfile
 import threading
 from dataclasses import dataclass
-from http import HTTPStatus
 from pathlib import Path
 from types import TracebackType
-from urllib.parse import unquote, urlsplit
 
-from shardpool.access import GuardedHandler, GuardedHTTPServer, HTTPError, MemberAllowlist, start_in_thread
+from mesh.errors import MeshError
+from mesh.http import (
+    HTTPError,
+    HTTPServer,
+    Limits,
+    Reply,
+    Request,
+    Route,
+    error_reply,
+    json_reply,
+    stream_reply,
+)
 from shardpool.contract import ContractError, check_digest, resolve_inside
 from shardpool.contract import safe_relative_name as check_relative_name
 from shardpool.errors import ShardpoolError
@@ -41,7 +55,8 @@ log = logging.getLogger("shardpool.fileserver")
 
 MAX_UPLOAD_BYTES = 2 * 2**30
 _CHUNK = 1 << 20
-_IN_MEMORY_RANGE = 64 * 2**20
+_HASH_WAIT_S = 600.0  # a request for a file waits this long for the first hashing to finish
+_SECRET = re.compile(r"[0-9a-f]{64}")
 
 
 def sha256_file(path: Path) -> str:
@@ -143,11 +158,17 @@ class _Served:
 class FileServer:
     """Serve ``files`` (name → local path) by byte range, and accept verified uploads under ``upload_root``.
 
-    ``GET /v1/manifest``, ``GET /v1/files/{name}`` (optionally ``Range``) and
-    ``PUT /v1/upload/{relative/path}`` (``X-Content-SHA256`` required, at most ``max_upload_bytes``).
+    ``GET /v1/manifest``, ``GET``/``HEAD /v1/files/{name}`` (optionally ``Range``) and
+    ``PUT /v1/upload/{relative/path}`` (``X-Content-SHA256`` required, at most ``max_upload_bytes``,
+    streamed to a temporary file and renamed into place). Every request must carry
+    ``Authorization: Bearer <secret>``, the job's secret (64 hex digits), checked in constant time
+    before any route runs; anything else gets 401. The server listens on ``host`` only (the
+    launcher's mesh address; a wildcard is refused).
+
     Hashes are computed once, in a background thread started by :meth:`start`; the manifest waits
     for them. A served file that changes on disk afterwards is refused with 409 rather than served
-    with a stale hash. ``bytes_served`` and ``range_requests`` count what went out (for tests).
+    with a stale hash. ``bytes_served``, ``range_requests`` and ``uploads`` count what went through
+    (for tests).
     """
 
     def __init__(
@@ -157,19 +178,12 @@ class FileServer:
         *,
         files: dict[str, Path],
         upload_root: Path,
-        allowlist: MemberAllowlist,
+        secret: str,
         max_upload_bytes: int = MAX_UPLOAD_BYTES,
+        limits: Limits | None = None,
     ) -> None:
-        self._files: dict[str, _Served] = {}
-        for name, path in files.items():
-            check_relative_name(name, "served file name")
-            try:
-                stat = Path(path).stat()
-            except OSError as error:
-                raise ShardpoolError(f"cannot serve {name!r} from {path}: {error.strerror}") from None
-            if not Path(path).is_file():
-                raise ShardpoolError(f"cannot serve {name!r}: {path} is not a regular file")
-            self._files[name] = _Served(Path(path), stat.st_size, stat.st_mtime_ns)
+        self._secret = _checked_secret(secret)
+        self._files = {name: _served_entry(name, Path(path)) for name, path in files.items()}
         self.upload_root = Path(upload_root)
         self.upload_root.mkdir(parents=True, exist_ok=True)
         self.max_upload_bytes = max_upload_bytes
@@ -179,31 +193,47 @@ class FileServer:
         self.bytes_served = 0
         self.range_requests = 0
         self.uploads = 0
-        self._server = GuardedHTTPServer(host, port, _FileHandler, allowlist)
-        self._server.owner = self  # type: ignore[attr-defined]
-        self._thread: threading.Thread | None = None
+        routes = [
+            Route("GET", "/v1/manifest", self._get_manifest, max_body=0),
+            Route("GET", "/v1/files/{name:path}", self._get_file, max_body=0),
+            Route(
+                "PUT",
+                "/v1/upload/{relative:path}",
+                self._put_upload,
+                max_body=max_upload_bytes,
+                stream_body=True,
+            ),
+        ]
+        self._server = HTTPServer(
+            routes,
+            host=host,
+            port=port,
+            limits=limits,
+            authenticate=self._authenticate,
+            client_errors=(ContractError,),
+            name="fileserver",
+        )
         self._hasher: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        """Base URL, e.g. ``http://10.77.0.1:41234``."""
+        """Base URL once started, e.g. ``http://10.77.0.1:41234``."""
         return self._server.url
 
     def start(self) -> FileServer:
-        """Start hashing the files and serving requests; returns self."""
-        if self._thread is None:
+        """Start hashing the files and serving requests; returns self. A second call does nothing."""
+        if self._hasher is None:
             self._hasher = threading.Thread(target=self._hash_all, name="fileserver-hash", daemon=True)
             self._hasher.start()
-            self._thread = start_in_thread(self._server, "fileserver")
+        try:
+            self._server.start()
+        except MeshError as error:
+            raise ShardpoolError(f"the file server cannot start: {error}") from None
         return self
 
     def stop(self) -> None:
-        """Stop serving and close the listening socket."""
-        if self._thread is not None:
-            self._server.shutdown()
-            self._thread.join(timeout=5)
-            self._thread = None
-        self._server.server_close()
+        """Stop serving and close the listening socket (waits for requests in flight)."""
+        self._server.stop()
 
     def __enter__(self) -> FileServer:
         return self.start()
@@ -221,26 +251,94 @@ class FileServer:
             "files": {name: {"size": f.size, "sha256": f.sha256 or ""} for name, f in self._files.items()}
         }
 
-    def count(self, nbytes: int, *, ranged: bool) -> None:
-        """Record bytes sent (called by the handler)."""
-        with self._lock:
-            self.bytes_served += nbytes
-            self.range_requests += int(ranged)
+    # ------------------------------------------------------------------ request handling
 
-    def served(self, name: str) -> _Served:
-        """The served file called ``name``, checked unchanged since it was hashed; else HTTPError."""
+    def _authenticate(self, request: Request) -> str:
+        """Admit only requests bearing this job's secret; runs before any route (401 otherwise)."""
+        scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
+        offered = token.strip().encode("utf-8", "replace")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(offered, self._secret):
+            raise HTTPError(
+                401,
+                "this file server needs the job's secret: send Authorization: Bearer <files.secret>",
+                {"WWW-Authenticate": 'Bearer realm="shardpool files"'},
+            )
+        return "job"
+
+    def _get_manifest(self, request: Request) -> Reply:
+        try:
+            return json_reply(self.manifest(timeout=_HASH_WAIT_S))
+        except ShardpoolError as error:
+            raise HTTPError(503, str(error)) from None
+
+    def _get_file(self, request: Request) -> Reply:
+        name = request.params["name"]
         entry = self._files.get(name)
         if entry is None:
-            raise HTTPError(HTTPStatus.NOT_FOUND, f"no file named {name!r} is served; see /v1/manifest")
+            raise HTTPError(404, f"no file named {name[:200]!r} is served; see /v1/manifest")
+        header = request.headers.get("Range")
+        if header is None and (not self._hashed.wait(_HASH_WAIT_S) or entry.sha256 is None):
+            raise HTTPError(503, self._hash_error or "the file server could not hash its files")
+        chunks = _OpenRange.of(entry, name)
         try:
-            stat = entry.path.stat()
-        except OSError as error:
-            raise HTTPError(HTTPStatus.GONE, f"{name!r} is no longer readable ({error.strerror})") from None
-        if (stat.st_size, stat.st_mtime_ns) != (entry.size, entry.mtime_ns):
-            raise HTTPError(
-                HTTPStatus.CONFLICT, f"{name!r} changed on the launcher after it was hashed; restart the run"
-            )
-        return entry
+            if header is None:
+                return self._send(request, chunks, 0, entry.size, 200, entry.sha256 or "")
+            try:
+                start, stop = parse_range(header, entry.size)
+            except ValueError as error:
+                chunks.close()
+                return error_reply(416, str(error), {"Content-Range": f"bytes */{entry.size}"})
+            headers = {"Content-Range": f"bytes {start}-{stop - 1}/{entry.size}"}
+            return self._send(request, chunks, start, stop, 206, chunks.sha256(start, stop), headers)
+        except BaseException:
+            chunks.close()
+            raise
+
+    def _send(
+        self,
+        request: Request,
+        chunks: _OpenRange,
+        start: int,
+        stop: int,
+        status: int,
+        sha256: str,
+        headers: dict[str, str] | None = None,
+    ) -> Reply:
+        if request.method == "GET":
+            with self._lock:
+                self.bytes_served += stop - start
+                self.range_requests += int(status == 206)
+        chunks.seek(start, stop)
+        return stream_reply(
+            chunks, stop - start, status, headers={**(headers or {}), "X-Content-SHA256": sha256}
+        )
+
+    def _put_upload(self, request: Request) -> Reply:
+        relative = request.params["relative"]
+        target = resolve_inside(self.upload_root, relative, "upload path")
+        if target.is_dir():
+            raise HTTPError(409, f"upload path {relative!r} is a directory on the launcher")
+        expected = (request.headers.get("X-Content-SHA256") or "").strip().lower()
+        try:
+            check_digest(expected, "X-Content-SHA256")
+        except ContractError:
+            raise HTTPError(400, "the upload needs an X-Content-SHA256 header (64 hex digits)") from None
+        digest, received = hashlib.sha256(), 0
+        with AtomicFile(target) as out:
+            while chunk := request.read(_CHUNK):
+                digest.update(chunk)
+                out.write(chunk)
+                received += len(chunk)
+            if received != request.length:
+                raise HTTPError(400, f"the upload ended after {received} of {request.length} bytes")
+            if digest.hexdigest() != expected:
+                raise HTTPError(
+                    400, f"upload of {relative!r} does not match its X-Content-SHA256; nothing was written"
+                )
+            out.commit()
+        with self._lock:
+            self.uploads += 1
+        return json_reply({"path": relative, "size": received, "sha256": expected}, 201)
 
     def _hash_all(self) -> None:
         try:
@@ -256,134 +354,81 @@ class FileServer:
             self._hashed.set()
 
 
-class _FileHandler(GuardedHandler):
-    def do_GET(self) -> None:  # noqa: N802 - stdlib naming
-        self.dispatch(self._get)
+def _checked_secret(secret: str) -> bytes:
+    if not isinstance(secret, str) or not _SECRET.fullmatch(secret):
+        raise ShardpoolError(
+            "the file server's secret must be 64 lowercase hex digits; make one with secrets.token_hex(32)"
+        )
+    return secret.encode("ascii")
 
-    def do_PUT(self) -> None:  # noqa: N802 - stdlib naming
-        self.dispatch(self._put)
 
-    @property
-    def owner(self) -> FileServer:
-        return self.server.owner  # type: ignore[attr-defined,no-any-return]
+def _served_entry(name: str, path: Path) -> _Served:
+    check_relative_name(name, "served file name")
+    try:
+        stat = path.stat()
+    except OSError as error:
+        raise ShardpoolError(f"cannot serve {name!r} from {path}: {error.strerror}") from None
+    if not path.is_file():
+        raise ShardpoolError(f"cannot serve {name!r}: {path} is not a regular file")
+    return _Served(path, stat.st_size, stat.st_mtime_ns)
 
-    def _get(self) -> None:
-        path = urlsplit(self.path).path
-        if path == "/v1/manifest":
-            try:
-                manifest = self.owner.manifest(timeout=600)
-            except ShardpoolError as error:
-                raise HTTPError(HTTPStatus.SERVICE_UNAVAILABLE, str(error)) from None
-            self.send_json(HTTPStatus.OK, manifest)
-            return
-        if not path.startswith("/v1/files/"):
-            raise HTTPError(HTTPStatus.NOT_FOUND, f"unknown path {path!r}")
-        name = unquote(path[len("/v1/files/") :])
-        entry = self.owner.served(name)
-        header = self.headers.get("Range")
-        if header is None:
-            if not self.owner._hashed.wait(600) or entry.sha256 is None:
-                raise HTTPError(HTTPStatus.SERVICE_UNAVAILABLE, "the file server could not hash its files")
-            self._send_file(entry, 0, entry.size, HTTPStatus.OK, entry.sha256)
-            return
+
+class _OpenRange:
+    """One opened served file, checked unchanged, read 1 MiB at a time while it is sent.
+
+    The hash and the bytes sent come from the same open file, so a file renamed over on the
+    launcher mid-request cannot make them disagree. ``close`` may come from another thread.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd, self._offset, self._stop = fd, 0, 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, entry: _Served, name: str) -> _OpenRange:
+        """Open ``entry``; 410 if it is gone, 409 if it changed since it was hashed."""
         try:
-            start, stop = parse_range(header, entry.size)
-        except ValueError as error:
-            self.send_json(
-                HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE,
-                {"error": str(error)},
-                {"Content-Range": f"bytes */{entry.size}"},
-            )
-            return
-        self._send_file(entry, start, stop, HTTPStatus.PARTIAL_CONTENT, None)
+            fd = os.open(entry.path, os.O_RDONLY)
+        except OSError as error:
+            raise HTTPError(410, f"{name!r} is no longer readable ({error.strerror})") from None
+        opened = cls(fd)
+        stat = os.fstat(fd)
+        if (stat.st_size, stat.st_mtime_ns) != (entry.size, entry.mtime_ns):
+            opened.close()
+            raise HTTPError(409, f"{name!r} changed on the launcher after it was hashed; restart the run")
+        return opened
 
-    def _send_file(self, entry: _Served, start: int, stop: int, status: int, sha256: str | None) -> None:
-        length = stop - start
-        with open(entry.path, "rb", buffering=0) as handle:
-            fd = handle.fileno()
-            data: bytes | None = None
-            if sha256 is None:
-                if length <= _IN_MEMORY_RANGE:
-                    data = os.pread(fd, length, start)
-                    if len(data) != length:
-                        raise HTTPError(
-                            HTTPStatus.CONFLICT, "the file shrank while it was read; restart the run"
-                        )
-                    sha256 = hashlib.sha256(data).hexdigest()
-                else:
-                    sha256 = _hash_range(fd, start, stop)
-            self.send_response(status)
-            self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(length))
-            self.send_header("X-Content-SHA256", sha256)
-            if status == HTTPStatus.PARTIAL_CONTENT:
-                self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{entry.size}")
-            self.end_headers()
-            self.owner.count(length, ranged=status == HTTPStatus.PARTIAL_CONTENT)
-            if data is not None:
-                self.wfile.write(data)
-            else:
-                offset = start
-                while offset < stop:
-                    chunk = os.pread(fd, min(_CHUNK, stop - offset), offset)
-                    if not chunk:
-                        self.close_connection = True  # the length promised can no longer be kept
-                        return
-                    self.wfile.write(chunk)
-                    offset += len(chunk)
+    def sha256(self, start: int, stop: int) -> str:
+        """SHA-256 of bytes ``[start, stop)``, read in chunks (a large range is never held whole)."""
+        digest, offset = hashlib.sha256(), start
+        while offset < stop:
+            chunk = os.pread(self._fd, min(_CHUNK, stop - offset), offset)
+            if not chunk:
+                raise HTTPError(409, "the file shrank while it was read; restart the run")
+            digest.update(chunk)
+            offset += len(chunk)
+        return digest.hexdigest()
 
-    def _put(self) -> None:
-        path = urlsplit(self.path).path
-        if not path.startswith("/v1/upload/"):
-            raise HTTPError(HTTPStatus.NOT_FOUND, f"unknown path {path!r}")
-        self.close_connection = True  # a refused upload leaves its body unread
-        relative = unquote(path[len("/v1/upload/") :])
-        try:
-            target = resolve_inside(self.owner.upload_root, relative, "upload path")
-        except ContractError as error:
-            raise HTTPError(HTTPStatus.BAD_REQUEST, str(error)) from None
-        if target.is_dir():
-            raise HTTPError(HTTPStatus.CONFLICT, f"upload path {relative!r} is a directory on the launcher")
-        expected = (self.headers.get("X-Content-SHA256") or "").strip().lower()
-        try:
-            check_digest(expected, "X-Content-SHA256")
-        except ContractError:
-            raise HTTPError(
-                HTTPStatus.BAD_REQUEST, "the upload needs an X-Content-SHA256 header (64 hex digits)"
-            ) from None
-        length = self.content_length(self.owner.max_upload_bytes)
-        digest = hashlib.sha256()
-        with AtomicFile(target) as out:
-            remaining = length
-            while remaining:
-                chunk = self.rfile.read(min(_CHUNK, remaining))
-                if not chunk:
-                    raise HTTPError(
-                        HTTPStatus.BAD_REQUEST,
-                        f"the upload ended after {length - remaining} of {length} bytes",
-                    )
-                digest.update(chunk)
-                out.write(chunk)
-                remaining -= len(chunk)
-            if digest.hexdigest() != expected:
-                raise HTTPError(
-                    HTTPStatus.BAD_REQUEST,
-                    f"upload of {relative!r} does not match its X-Content-SHA256; nothing was written",
-                )
-            out.commit()
-        self.close_connection = False
-        with self.owner._lock:
-            self.owner.uploads += 1
-        self.send_json(HTTPStatus.CREATED, {"path": relative, "size": length, "sha256": expected})
+    def seek(self, start: int, stop: int) -> None:
+        """Make the iterator yield bytes ``[start, stop)``."""
+        self._offset, self._stop = start, stop
 
+    def __iter__(self) -> _OpenRange:
+        return self
 
-def _hash_range(fd: int, start: int, stop: int) -> str:
-    digest = hashlib.sha256()
-    offset = start
-    while offset < stop:
-        chunk = os.pread(fd, min(_CHUNK, stop - offset), offset)
-        if not chunk:
-            raise HTTPError(HTTPStatus.CONFLICT, "the file shrank while it was read; restart the run")
-        digest.update(chunk)
-        offset += len(chunk)
-    return digest.hexdigest()
+    def __next__(self) -> bytes:
+        with self._lock:
+            if self._offset >= self._stop or self._fd < 0:
+                raise StopIteration
+            chunk = os.pread(self._fd, min(_CHUNK, self._stop - self._offset), self._offset)
+            if not chunk:
+                raise OSError(f"the file ended at byte {self._offset}, before byte {self._stop}")
+            self._offset += len(chunk)
+            return chunk
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Callable
@@ -108,7 +109,6 @@ def finetune(config: Config, *, resume: bool = False, console: Console | None = 
 
 def _finetune_on_mesh(config: Config, *, resume: bool, console: Console) -> Path:
     """The same run with stages on mesh members: plan over their devices, serve them the files."""
-    from shardpool.access import MemberAllowlist, mesh_member_addresses
     from shardpool.fileserver import FileServer
     from shardpool.mesh_launcher import mesh_fleet, new_job_id, online_members, run_mesh_job
 
@@ -128,9 +128,10 @@ def _finetune_on_mesh(config: Config, *, resume: bool, console: Console) -> Path
     run = prepare_run(config, resume=resume, planner=plan_on_mesh)
     output_dir, run_dir, first_step = _begin_outputs(run, console)
     inputs = job_inputs(config, run_dir, run.resume_from)
-    allowlist = MemberAllowlist(mesh_member_addresses(None))
     files = {name: Path(path) for name, path in inputs.items()}
-    with FileServer(me.address, 0, files=files, upload_root=output_dir, allowlist=allowlist) as server:
+    # TODO(lead): run_mesh_job must send files_secret in each JobStartRequest (branch w2-launch)
+    files_secret = secrets.token_hex(32)
+    with FileServer(me.address, 0, files=files, upload_root=output_dir, secret=files_secret) as server:
         store = rendezvous_store(me.address)
         job = _make_job(
             run,
@@ -203,14 +204,42 @@ def _make_job(
 def rendezvous_store(host: str, *, port: int = 0, timeout_s: float = 300.0) -> Any:
     """The torch.distributed TCPStore the stage processes meet at, hosted by the launcher.
 
-    Hosting it here (not in rank 0) lets the OS pick a free port, and keeps rendezvous on the
-    launcher's address whichever machine runs stage 0.
+    Hosting it here (not in rank 0) lets the OS pick a free port (``port=0``), and keeps rendezvous
+    on the launcher's address whichever machine runs stage 0. The store listens on ``host`` only
+    (the launcher's mesh address, or loopback): torch's own master socket would listen on every
+    interface, so this creates the listening socket itself and hands it over as
+    ``master_listen_fd``. The store owns that socket from then on and closes it when it is freed.
     """
     import torch.distributed as dist
 
-    return dist.TCPStore(
-        host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-    )
+    from mesh.errors import MeshError
+    from mesh.http_transport import listen_tcp
+
+    try:
+        listener = listen_tcp(host, port)
+    except MeshError as error:
+        raise ShardpoolError(f"cannot host the rendezvous store: {error}") from None
+    bound_port = listener.getsockname()[1]
+    fd = listener.detach()
+    try:
+        return dist.TCPStore(
+            host,
+            bound_port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        _close_quietly(fd)
+        raise
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass  # the store already closed it
 
 
 def job_inputs(config: Config, run_dir: Path, resume_from: Path | None) -> dict[str, str]:

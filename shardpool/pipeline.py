@@ -19,6 +19,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -111,9 +112,10 @@ class _StepTotals:
 class StageWorker:
     """One stage process of one replica: builds its stage, then trains it step by step."""
 
-    def __init__(self, job: Job, rank: int) -> None:
+    def __init__(self, job: Job, rank: int, *, job_dir: Path | None = None) -> None:
         self.job = job
         self.rank = rank
+        self.job_dir = job_dir
         self.config = job.parsed_config()
         self.spec = job.stage_spec(rank)
         self.replica = job.replica_index(rank)
@@ -143,7 +145,7 @@ class StageWorker:
             places=[self._place(rank) for rank in range(self.job.world_size)],
             timeout=timeout,
         )
-        self.files = RunFiles(self.job)
+        self.files = RunFiles(self.job, job_dir=self.job_dir)
         self.wire = Wire.for_rank(
             self.groups,
             rank=self.rank,
@@ -462,7 +464,7 @@ def run_stage_process(job_path: str, rank: int) -> None:
     """Entry of a stage process (see :mod:`shardpool.worker`)."""
     job = Job.read(job_path)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    worker = StageWorker(job, rank)
+    worker = StageWorker(job, rank, job_dir=Path(job_path).resolve().parent)
     try:
         worker.run()
     finally:

@@ -56,14 +56,21 @@ def default_cache_dir() -> Path:
 class RemoteFiles:
     """A client of one :class:`shardpool.fileserver.FileServer`, with a content-addressed cache.
 
+    ``secret`` is the job's file-server secret (the stage reads it from ``files.secret`` in its job
+    directory); it is sent as ``Authorization: Bearer`` with every request and never logged.
     Counters for tests and logs: ``range_requests`` and ``bytes_fetched`` (network only),
     ``cache_hits`` (ranges or files served from the cache).
     """
 
-    def __init__(self, base_url: str, *, cache_dir: Path | None = None, timeout: float = 60) -> None:
+    def __init__(
+        self, base_url: str, *, secret: str, cache_dir: Path | None = None, timeout: float = 60
+    ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
             raise ShardpoolError(f"file server URL {base_url!r} is not like http://10.77.0.1:PORT")
+        if not isinstance(secret, str) or not secret or not secret.isascii() or not secret.isprintable():
+            raise ShardpoolError("the file server secret is empty or not printable ASCII; check files.secret")
+        self._authorization = {"Authorization": f"Bearer {secret}"}
         self.base_url = base_url.rstrip("/")
         self._host = parts.hostname
         self._port = parts.port or 80
@@ -186,6 +193,7 @@ class RemoteFiles:
         digest = sha256_file(local_path)
         path = f"/v1/upload/{quote(relative_path)}"
         headers = {
+            **self._authorization,
             "Content-Length": str(size),
             "X-Content-SHA256": digest,
             "Content-Type": "application/octet-stream",
@@ -249,7 +257,7 @@ class RemoteFiles:
         self, method: str, path: str, headers: dict[str, str] | None = None
     ) -> tuple[int, dict[str, str], bytes]:
         def send(connection: http.client.HTTPConnection) -> tuple[int, dict[str, str], bytes]:
-            connection.request(method, path, headers=headers or {})
+            connection.request(method, path, headers={**self._authorization, **(headers or {})})
             response = connection.getresponse()
             return response.status, dict(response.headers), response.read()
 
@@ -270,7 +278,7 @@ class RemoteFiles:
         path = f"/v1/files/{quote(name)}"
 
         def stream(connection: http.client.HTTPConnection) -> None:
-            connection.request("GET", path)
+            connection.request("GET", path, headers=self._authorization)
             response = connection.getresponse()
             if response.status != 200:
                 self._check(response.status, response.read(), path, expected=200)

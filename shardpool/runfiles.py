@@ -18,14 +18,36 @@ from typing import Any
 import torch
 
 from shardpool.atomic import save_tensors_atomic
-from shardpool.contract import resolve_inside, safe_relative_name
+from shardpool.contract import FILES_SECRET_FILE, resolve_inside, safe_relative_name
 from shardpool.errors import ShardpoolError
 from shardpool.job import Job
 from shardpool.weights import WeightReader
 
-__all__ = ["RunFiles", "MODEL_PREFIX", "model_file_names"]
+__all__ = ["RunFiles", "MODEL_PREFIX", "model_file_names", "read_files_secret"]
 
 MODEL_PREFIX = "model/"
+_SECRET_CHARS = 64
+
+
+def read_files_secret(job_dir: Path) -> str:
+    """The launcher's file-server secret from ``job_dir/files.secret`` (written 0600 by the agent).
+
+    The secret travels in a file, never on argv or in the environment, so other local users cannot
+    read it from ``/proc``. A missing or malformed file is a one-line error naming the file.
+    """
+    path = Path(job_dir) / FILES_SECRET_FILE
+    try:
+        with open(path, "rb") as handle:
+            text = handle.read(_SECRET_CHARS + 2).decode("ascii").strip()
+    except FileNotFoundError:
+        raise ShardpoolError(
+            f"{path} is missing: a remote stage needs the job's file-server secret; start it through an agent"
+        ) from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ShardpoolError(f"cannot read the file-server secret {path}: {error}") from None
+    if len(text) != _SECRET_CHARS or any(char not in "0123456789abcdef" for char in text):
+        raise ShardpoolError(f"{path} does not hold 64 lowercase hex digits; the agent wrote it wrongly")
+    return text
 
 
 def model_file_names(model_dir: Path) -> list[str]:
@@ -38,16 +60,24 @@ def model_file_names(model_dir: Path) -> list[str]:
 
 
 class RunFiles:
-    """Inputs by name (``job.inputs``: name → path on the launcher) and outputs by relative path."""
+    """Inputs by name (``job.inputs``: name → path on the launcher) and outputs by relative path.
 
-    def __init__(self, job: Job) -> None:
+    ``job_dir`` is the directory of the stage's job file; a remote stage reads the file server's
+    secret from ``files.secret`` there.
+    """
+
+    def __init__(self, job: Job, *, job_dir: Path | None = None) -> None:
         self.job = job
         self._remote: Any = None
         self._fetch_dir: Path | None = None
         if job.files_url:
             from shardpool.remote import RemoteFiles
 
-            self._remote = RemoteFiles(job.files_url)
+            if job_dir is None:
+                raise ShardpoolError(
+                    "a stage reading from the launcher's file server needs its job directory"
+                )
+            self._remote = RemoteFiles(job.files_url, secret=read_files_secret(job_dir))
             self._fetch_dir = Path(tempfile.mkdtemp(prefix="shardpool-run-"))
 
     @property

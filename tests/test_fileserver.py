@@ -9,16 +9,17 @@ import hashlib
 import http.client
 import json
 import os
+import secrets
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from shardpool.access import MemberAllowlist
 from shardpool.errors import ShardpoolError
 from shardpool.fileserver import FileServer, parse_range
 
-LOOPBACK = MemberAllowlist.fixed({"127.0.0.1"})
+SECRET = secrets.token_hex(32)
 
 
 @pytest.fixture
@@ -32,7 +33,7 @@ def served(tmp_path: Path) -> Iterator[tuple[FileServer, dict[str, bytes], Path]
         files[name] = path
     (tmp_path / "secret.txt").write_text("do not serve")
     with FileServer(
-        "127.0.0.1", files=files, upload_root=tmp_path / "out", allowlist=LOOPBACK, max_upload_bytes=1 << 20
+        "127.0.0.1", files=files, upload_root=tmp_path / "out", secret=SECRET, max_upload_bytes=1 << 20
     ) as server:
         yield server, contents, tmp_path
 
@@ -43,11 +44,14 @@ def _request(
     path: str,
     body: bytes | None = None,
     headers: dict[str, str] | None = None,
+    secret: str = SECRET,
 ):
     host, port = server.url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=10)
     try:
-        connection.request(method, path, body=body, headers=headers or {})
+        connection.request(
+            method, path, body=body, headers={"Authorization": f"Bearer {secret}", **(headers or {})}
+        )
         response = connection.getresponse()
         return response.status, dict(response.headers), response.read()
     finally:
@@ -204,21 +208,67 @@ def test_oversize_and_unhashed_uploads_are_refused(served) -> None:
     assert list((tmp_path / "out").iterdir()) == []
 
 
-def test_non_members_get_403(tmp_path: Path) -> None:
-    (tmp_path / "f").write_bytes(b"data")
-    allowlist = MemberAllowlist.fixed({"10.77.0.9"})
-    with FileServer(
-        "127.0.0.1", files={"f": tmp_path / "f"}, upload_root=tmp_path / "out", allowlist=allowlist
-    ) as server:
-        for method, path, body in (
-            ("GET", "/v1/manifest", None),
-            ("GET", "/v1/files/f", None),
-            ("PUT", "/v1/upload/x", b"x"),
-        ):
-            status, _, reply = _request(server, method, path, body, {"X-Content-SHA256": _sha(b"x")})
-            assert status == 403 and "not a current member" in json.loads(reply)["error"]
-        assert server.bytes_served == 0
+def test_a_request_without_the_secret_gets_401_and_nothing_else(served) -> None:
+    server, _, tmp_path = served
+    for method, path, body in (
+        ("GET", "/v1/manifest", None),
+        ("GET", "/v1/files/data.jsonl", None),
+        ("HEAD", "/v1/files/data.jsonl", None),
+        ("PUT", "/v1/upload/x", b"x"),
+        ("GET", "/v1/no-such-route", None),
+    ):
+        status, headers, reply = _request(server, method, path, body, {"X-Content-SHA256": _sha(b"x")}, "")
+        assert status == 401, (method, path)
+        assert headers["WWW-Authenticate"].startswith("Bearer")
+        if method != "HEAD":
+            assert "Authorization: Bearer" in json.loads(reply)["error"]
+    assert server.bytes_served == 0 and server.uploads == 0
     assert not (tmp_path / "out" / "x").exists()
+
+
+def test_head_gives_size_and_hash_without_the_body(served) -> None:
+    server, contents, _ = served
+    data = contents["model/weights.bin"]
+    status, headers, body = _request(server, "HEAD", "/v1/files/model/weights.bin")
+    assert (status, body) == (200, b"")
+    assert int(headers["Content-Length"]) == len(data)
+    assert headers["X-Content-SHA256"] == _sha(data)
+    status, headers, body = _request(
+        server, "HEAD", "/v1/files/model/weights.bin", headers={"Range": "bytes=10-19"}
+    )
+    assert (status, body) == (206, b"")
+    assert (
+        headers["X-Content-SHA256"] == _sha(data[10:20]) and headers["Content-Range"] == "bytes 10-19/300000"
+    )
+    assert server.bytes_served == 0
+
+
+def test_a_large_range_is_streamed_not_held_in_memory(tmp_path: Path) -> None:
+    block = os.urandom(1 << 20)
+    path = tmp_path / "big.bin"
+    with open(path, "wb") as handle:
+        for _ in range(48):
+            handle.write(block)
+    start, stop = 3, 46 * len(block) + 5
+    with FileServer("127.0.0.1", files={"big": path}, upload_root=tmp_path / "out", secret=SECRET) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=30)
+        tracemalloc.start()
+        try:
+            headers = {"Authorization": f"Bearer {SECRET}", "Range": f"bytes={start}-{stop - 1}"}
+            connection.request("GET", "/v1/files/big", headers=headers)
+            response = connection.getresponse()
+            digest, received = hashlib.sha256(), 0
+            while chunk := response.read(256 * 1024):
+                digest.update(chunk)
+                received += len(chunk)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+            connection.close()
+    assert response.status == 206 and received == stop - start
+    assert digest.hexdigest() == response.headers["X-Content-SHA256"]
+    assert peak < 16 * 2**20, f"peak {peak / 2**20:.0f} MiB while serving a {received / 2**20:.0f} MiB range"
 
 
 def test_malformed_requests_get_an_answer_and_the_server_keeps_serving(served) -> None:
@@ -240,13 +290,14 @@ def test_malformed_requests_get_an_answer_and_the_server_keeps_serving(served) -
 def test_construction_refuses_bad_names_and_missing_files(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(b"x")
     with pytest.raises(ShardpoolError, match="safe relative path"):
-        FileServer(
-            "127.0.0.1", files={"../f": tmp_path / "f"}, upload_root=tmp_path / "o", allowlist=LOOPBACK
-        )
+        FileServer("127.0.0.1", files={"../f": tmp_path / "f"}, upload_root=tmp_path / "o", secret=SECRET)
     with pytest.raises(ShardpoolError, match="cannot serve"):
-        FileServer(
-            "127.0.0.1", files={"g": tmp_path / "missing"}, upload_root=tmp_path / "o", allowlist=LOOPBACK
-        )
+        FileServer("127.0.0.1", files={"g": tmp_path / "missing"}, upload_root=tmp_path / "o", secret=SECRET)
+    for bad in ("", "short", SECRET.upper(), SECRET + "0"):
+        with pytest.raises(ShardpoolError, match="64 lowercase hex"):
+            FileServer("127.0.0.1", files={}, upload_root=tmp_path / "o", secret=bad)
+    with pytest.raises(ShardpoolError, match="refusing to listen on 0.0.0.0"):
+        FileServer("0.0.0.0", files={}, upload_root=tmp_path / "o", secret=SECRET).start()
 
 
 def test_parse_range_edges() -> None:

@@ -245,3 +245,35 @@ def test_resume_without_checkpoint_and_rerun_over_checkpoints_are_refused(
     (out / "checkpoints" / "step-2" / "checkpoint.json").write_text('{"step": 2}')
     assert main(["finetune", str(config)]) == 2
     assert "pass --resume" in capsys.readouterr().err
+
+
+def test_rendezvous_store_serves_on_its_host_only(tmp_path: Path) -> None:
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from shardpool.errors import ShardpoolError
+    from shardpool.finetune import rendezvous_store
+
+    store = rendezvous_store("127.0.0.1", timeout_s=10)
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+    client.set("rank-1", "ready")
+    assert store.get("rank-1") == b"ready"
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", store.port), timeout=5).close()
+    with pytest.raises(ShardpoolError, match="refusing to listen on 0.0.0.0"):
+        rendezvous_store("0.0.0.0")
+    with pytest.raises(ShardpoolError, match=f"port {store.port}"):
+        rendezvous_store("127.0.0.1", port=store.port)
+    port = store.port
+    del client, store
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the store closed the socket it was handed
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except ConnectionRefusedError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"port {port} still accepts connections after the store was freed")

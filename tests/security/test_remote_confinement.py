@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -10,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from shardpool.access import MemberAllowlist
 from shardpool.errors import ShardpoolError
 from shardpool.fileserver import FileServer
 from shardpool.remote import RemoteFiles
@@ -44,7 +44,7 @@ def hostile_url() -> Iterator[str]:
 
 
 def test_a_manifest_digest_that_is_not_64_hex_is_refused(hostile_url: str, tmp_path: Path) -> None:
-    files = RemoteFiles(hostile_url, cache_dir=tmp_path / "cache")
+    files = RemoteFiles(hostile_url, cache_dir=tmp_path / "cache", secret="s")
     with pytest.raises(ShardpoolError, match="64 lowercase hex"):
         files.manifest()
     with pytest.raises(ShardpoolError, match="64 lowercase hex"):
@@ -57,10 +57,10 @@ def test_a_fetched_file_cannot_land_outside_its_directory_through_a_symlink(tmp_
     (tmp_path / "fetched").mkdir()
     (tmp_path / "outside").mkdir()
     (tmp_path / "fetched" / "sub").symlink_to(tmp_path / "outside")
-    allowlist = MemberAllowlist.fixed({"127.0.0.1"})
+    secret = secrets.token_hex(32)
     served = {"sub/file.bin": tmp_path / "served.bin"}
-    with FileServer("127.0.0.1", files=served, upload_root=tmp_path / "up", allowlist=allowlist) as server:
-        files = RemoteFiles(server.url, cache_dir=tmp_path / "cache")
+    with FileServer("127.0.0.1", files=served, upload_root=tmp_path / "up", secret=secret) as server:
+        files = RemoteFiles(server.url, cache_dir=tmp_path / "cache", secret=secret)
         with pytest.raises(ShardpoolError, match="escapes"):
             files.fetch_file("sub/file.bin", tmp_path / "fetched")
         files.close()
