@@ -156,9 +156,16 @@ class Lab:
         return token
 
     def agent_healthy(self, source: Host, address: str, port: int = 7710) -> bool:
-        """Whether the shardpool agent at ``address`` answers ``/v1/health`` from ``source``."""
+        """Whether the shardpool agent at ``address`` answers ``/v1/health`` from ``source``.
+
+        The agent answers an unsigned request with 401: that it answers at all is what counts here.
+        """
         probe = (
-            f"import urllib.request; urllib.request.urlopen('http://{address}:{port}/v1/health', timeout=2)"
+            "import sys, urllib.error, urllib.request\n"
+            "try:\n"
+            f"    urllib.request.urlopen('http://{address}:{port}/v1/health', timeout=2)\n"
+            "except urllib.error.HTTPError as error:\n"
+            "    sys.exit(0 if error.code == 401 else 1)\n"
         )
         return self.run(source, sys.executable, "-c", probe, timeout=20).returncode == 0
 
