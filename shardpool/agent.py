@@ -79,7 +79,18 @@ log = logging.getLogger("shardpool.agent")
 
 _EVENT_NAMES = frozenset(event.value for event in StageEvent)
 #: The agent's own variables a stage process inherits; everything else it gets is set by the agent.
-_INHERITED_ENV = ("PATH", "LANG", "PYTHONPATH")
+#: Taken from the agent's own environment (set by the machine's admin, never by a launcher): the
+#: search paths, and which accelerators this machine lends and where their driver libraries are.
+_INHERITED_ENV = (
+    "PATH",
+    "LANG",
+    "PYTHONPATH",
+    "LD_LIBRARY_PATH",
+    "CUDA_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "ZE_AFFINITY_MASK",
+)
 #: A relayed event line longer than this goes to the log instead (events are a few hundred bytes).
 _MAX_EVENT_LINE = 1 << 20
 _TERMINATE_GRACE_S = 5.0
