@@ -2,7 +2,8 @@
 
 Half the connections stay silent after connecting; the other half send the start of a request
 head and then one more header byte a second, so they never finish it. The attack connects only
-to the server's own address and binds only the 127.0.0.x source addresses it is given.
+to loopback or to the lab's TEST-NET hosts (network namespaces a test made itself), and binds
+only the source addresses it is given.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import pytest
+
+#: Loopback, and the TEST-NET ranges the namespace lab gives its hosts.
+_TEST_TARGETS = ("127.", "192.0.2.", "203.0.113.")
 
 
 def loopback_sources(count: int, first: int = 2) -> list[str]:
@@ -40,8 +44,8 @@ class SlowlorisAttack:
 
     def __init__(self, url: str, count: int, sources: Sequence[str], head_start: bytes) -> None:
         parts = urlsplit(url)
-        if parts.hostname is None or not parts.hostname.startswith("127."):
-            raise ValueError(f"the slowloris helper attacks loopback servers only, not {url}")
+        if parts.hostname is None or not parts.hostname.startswith(_TEST_TARGETS):
+            raise ValueError(f"the slowloris helper attacks loopback or lab hosts only, not {url}")
         self.target = (parts.hostname, parts.port)
         self.count, self.sources, self.head_start = count, list(sources), head_start
         self.sockets: list[socket.socket] = []
