@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Callable
@@ -107,12 +108,15 @@ def finetune(config: Config, *, resume: bool = False, console: Console | None = 
 
 
 def _finetune_on_mesh(config: Config, *, resume: bool, console: Console) -> Path:
-    """The same run with stages on mesh members: plan over their devices, serve them the files."""
-    from shardpool.access import MemberAllowlist, mesh_member_addresses
-    from shardpool.fileserver import FileServer
+    """The same run with stages on mesh members: plan over their devices, serve them the files.
+
+    Everything goes through this machine's agent, over its Unix socket. Asking it for the members
+    comes first, so a user it refuses gets the one-line fix before anything is prepared anywhere.
+    """
+    from shardpool.agent_client import LocalAgentClient
     from shardpool.mesh_launcher import mesh_fleet, new_job_id, online_members, run_mesh_job
 
-    members = online_members()
+    members = online_members(LocalAgentClient())
     me = next((member for member in members if member.is_self), None)
     if me is None:
         raise ShardpoolError("this machine's mesh interface is down; run `shardpool mesh up` first")
@@ -128,9 +132,9 @@ def _finetune_on_mesh(config: Config, *, resume: bool, console: Console) -> Path
     run = prepare_run(config, resume=resume, planner=plan_on_mesh)
     output_dir, run_dir, first_step = _begin_outputs(run, console)
     inputs = job_inputs(config, run_dir, run.resume_from)
-    allowlist = MemberAllowlist(mesh_member_addresses(None))
     files = {name: Path(path) for name, path in inputs.items()}
-    with FileServer(me.address, 0, files=files, upload_root=output_dir, allowlist=allowlist) as server:
+    files_secret = secrets.token_hex(32)
+    with _run_file_server(me.address, files, output_dir, files_secret, members) as server:
         store = rendezvous_store(me.address)
         job = _make_job(
             run,
@@ -148,11 +152,30 @@ def _finetune_on_mesh(config: Config, *, resume: bool, console: Console) -> Path
             assignments.setdefault(host, (by_name[host], []))[1].append(rank)
         job_id = new_job_id()
         outcome = _follow(console, job, run, first_step=first_step, start=lambda on_event: run_mesh_job(
-            job, job_id, assignments, on_event=on_event
+            job, job_id, assignments, on_event=on_event, files_secret=files_secret
         ))  # fmt: skip
         del store
     _print_result(console, run, outcome)
     return output_dir
+
+
+def _run_file_server(
+    host: str, files: dict[str, Path], upload_root: Path, secret: str, members: list[Any]
+) -> Any:
+    """The launcher's file server for one run, on its mesh address, for the run's stages only.
+
+    The stages get ``secret`` through the agents (``files_secret`` in the job start).
+    """
+    from shardpool.access import MemberAllowlist
+    from shardpool.fileserver import FileServer
+
+    # TODO(lead, w2-files): once FileServer takes `secret=`, construct it with
+    # `FileServer(host, 0, files=files, upload_root=upload_root, secret=secret)` and drop this
+    # allowlist. Until then it admits the members the local agent listed (the launcher cannot read
+    # the 0700 roster itself), and `secret` only travels to the stages.
+    del secret
+    allowlist = MemberAllowlist.fixed(member.address for member in members)
+    return FileServer(host, 0, files=files, upload_root=upload_root, allowlist=allowlist)
 
 
 def shape_config(config: Config) -> dict[str, Any]:
