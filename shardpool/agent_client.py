@@ -256,7 +256,7 @@ class LocalAgentClient:
         status = int(reply.get("status", 0))
         answer = reply.get("body")
         route = f"{method} {path.split('?')[0]}"
-        if status in (502, 503, 504):
+        if status in (503, 504):
             raise AgentUnreachable(f"agent of member {member!r} did not answer {route}: {_error_of(answer)}")
         if status >= 400 or status == 0:
             raise AgentRefused(f"agent of member {member!r} refused {route}: {status} {_error_of(answer)}")
@@ -307,8 +307,11 @@ class LocalAgentClient:
             decoded = json.loads(text) if text else {}
         except json.JSONDecodeError:
             decoded = text
-        if response.status == 403:
-            raise self._not_allowed(_error_of(decoded))
+        if response.status == 403 and "usermod" in _error_of(decoded):
+            raise LaunchNotAllowed(_error_of(decoded))
+        if response.status in (503, 504):
+            # The local agent could not reach the member it was to forward to.
+            raise AgentUnreachable(_error_of(decoded))
         if response.status >= 400:
             raise AgentRefused(
                 f"the local shardpool agent refused {method} {path.split('?')[0]}: "
@@ -317,8 +320,6 @@ class LocalAgentClient:
         return decoded
 
     def _not_allowed(self, reason: str) -> LaunchNotAllowed:
-        if "usermod" in reason:
-            return LaunchNotAllowed(reason)
         user, group = _user_name(), _socket_group(self.socket_path)
         return LaunchNotAllowed(
             f"user {user!r} may not use the shardpool agent at {self.socket_path} ({reason}); "

@@ -26,13 +26,18 @@ def shared_socket_dir() -> Path:
 
 @dataclass
 class StubLocalAgent:
-    """Serves members, forward, and local jobs from ``members``, ``forward_replies`` and ``jobs``."""
+    """Serves members, forward, and local jobs from ``members``, ``forward_replies`` and ``jobs``.
+
+    ``refuse`` answers every request 403 with that text; a forward to a member in ``unreachable``
+    is answered 504, as the agent does when the member's agent does not answer.
+    """
 
     socket_path: Path
     members: list[dict[str, Any]] = field(default_factory=list)
     forward_replies: dict[str, tuple[int, Any]] = field(default_factory=dict)
     jobs: dict[str, dict[str, Any]] = field(default_factory=dict)
     refuse: str | None = None
+    unreachable: set[str] = field(default_factory=set)
     unix_mode: int = 0o660
     unix_group: str | None = None
     forwarded: list[dict[str, Any]] = field(default_factory=list)
@@ -72,6 +77,8 @@ class StubLocalAgent:
     def _forward(self, request: Request) -> Any:
         asked = request.json()
         self.forwarded.append(asked)
+        if asked["member"] in self.unreachable:
+            return error_reply(504, f"member {asked['member']}'s agent did not answer {asked['method']}")
         status, body = self.forward_replies.get(
             asked["path"].split("?")[0], (404, {"error": "no such route"})
         )
