@@ -219,12 +219,25 @@ def _mac(key: bytes, *fields: bytes) -> str:
 def _request_mac(
     key: bytes, method: str, path: str, body: bytes, timestamp: str, nonce: str, sender: str, receiver: str
 ) -> str:
+    return _digest_mac(key, method, path, hashlib.sha256(body).digest(), timestamp, nonce, sender, receiver)
+
+
+def _digest_mac(
+    key: bytes,
+    method: str,
+    path: str,
+    body_digest: bytes,
+    timestamp: str,
+    nonce: str,
+    sender: str,
+    receiver: str,
+) -> str:
     return _mac(
         key,
         b"shardpool request",
         method.encode("ascii", "replace"),
         path.encode("utf-8", "surrogateescape"),
-        hashlib.sha256(body).digest(),
+        body_digest,
         timestamp.encode("ascii"),
         nonce.encode("ascii"),
         sender.encode("ascii"),
@@ -438,9 +451,20 @@ class RequestVerifier:
         wrong MAC; only a proven request from a current member uses a slot in that member's own
         nonce cache.
         """
+        return self.verify_digest(method, path, headers, hashlib.sha256(body).digest(), now)
+
+    def precheck(self, headers: Mapping[str, str] | Any, now: float | None = None) -> Member:
+        """Check what can be checked before a streamed body arrives: well-formed proof, known sender,
+        fresh time. Records nothing; the request still needs :meth:`verify_digest` once its body is in.
+
+        A removed member passes this check (its refusal is decided, and signed, by the full check).
+        """
         proof = _parse_proof(headers)
         member = self._lookup(proof.sender)
-        moment = self.clock() if now is None else now
+        self._check_time(proof, self.clock() if now is None else now)
+        return member
+
+    def _check_time(self, proof: _Proof, moment: float) -> None:
         if not math.isfinite(moment):
             raise AuthError("this machine's clock gives a non-finite time: fix the clock", status=500)
         skew = moment - proof.timestamp
@@ -449,12 +473,26 @@ class RequestVerifier:
                 f"request time is {skew:+.0f} s off this machine's clock (limit {self.max_skew:.0f} s): "
                 "sync both clocks (NTP)"
             )
+
+    def verify_digest(
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str] | Any,
+        body_sha256: bytes,
+        now: float | None = None,
+    ) -> Member:
+        """:meth:`verify` for a body that was hashed while it streamed in (``body_sha256`` is its digest)."""
+        proof = _parse_proof(headers)
+        member = self._lookup(proof.sender)
+        moment = self.clock() if now is None else now
+        self._check_time(proof, moment)
         try:
             key = self.key_for(proof.sender)
         except MeshError as error:
             raise AuthError(f"cannot derive a key for the sender: {error}") from None
-        expected = _request_mac(
-            key, method, path, body, proof.timestamp_text, proof.nonce, proof.sender, self.public_key
+        expected = _digest_mac(
+            key, method, path, body_sha256, proof.timestamp_text, proof.nonce, proof.sender, self.public_key
         )
         if not hmac.compare_digest(expected, proof.mac):
             raise AuthError(

@@ -1,7 +1,9 @@
-"""The launcher's side of ``shardpool agent``: JSON over HTTP to one member's agent.
+"""The client side of ``shardpool agent``: JSON over HTTP to one member's agent.
 
 Every call has a timeout and raises :class:`AgentUnreachable` when the member does not answer,
-so the launcher can tell a lost member from a failed stage.
+so the launcher can tell a lost member from a failed stage. An agent's mesh listener answers only
+requests signed with a member's key (:mod:`mesh.auth`), so the agents call each other with
+:class:`SignedAgentClient`; :class:`AgentClient` is the same API over plain HTTP.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+from mesh.auth import CONTROL_PURPOSE, AuthError
+from mesh.client import authenticated_request
 from shardpool.accounts import DEFAULT_LAUNCH_GROUP
 from shardpool.errors import ShardpoolError
 
 __all__ = [
+    "AGENT_PORT",
     "AGENT_SOCKET_ENV",
     "DEFAULT_AGENT_PORT",
     "DEFAULT_AGENT_SOCKET",
@@ -33,10 +38,13 @@ __all__ = [
     "LocalAgentClient",
     "LocalMember",
     "NoLocalAgent",
+    "SignedAgentClient",
     "agent_socket_path",
 ]
 
-DEFAULT_AGENT_PORT = 7710
+AGENT_PORT = 7710
+"""The TCP port every member's agent listens on, on its mesh address (the one place it is set)."""
+DEFAULT_AGENT_PORT = AGENT_PORT
 
 
 class AgentUnreachable(ShardpoolError):
@@ -96,7 +104,10 @@ class AgentClient:
     def start_job(
         self, job_id: str, job: dict[str, Any], ranks: list[int], *, files_secret: str | None = None
     ) -> dict[str, Any]:
-        """Start the given ranks of a job on the member (the agent sets their environment itself)."""
+        """Start the given ranks of a job on the member (the agent sets their environment itself).
+
+        ``files_secret`` is the launcher's file-server secret, handed to the stages in a 0600 file.
+        """
         body: dict[str, Any] = {"job_id": job_id, "job": job, "ranks": ranks}
         if files_secret is not None:
             body["files_secret"] = files_secret
@@ -124,36 +135,77 @@ class AgentClient:
         raw: bool = False,
         raw_body: bytes | None = None,
     ) -> Any:
-        parts = urlsplit(self.url)
-        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout or self.timeout)
         if raw_body is not None:
-            payload: bytes | None = raw_body
-            headers = {"Content-Type": "application/octet-stream", "Content-Length": str(len(raw_body))}
+            payload, content_type = raw_body, "application/octet-stream"
         else:
-            payload = None if body is None else json.dumps(body).encode("utf-8")
-            headers = {"Content-Type": "application/json"} if payload is not None else {}
+            payload = b"" if body is None else json.dumps(body).encode("utf-8")
+            content_type = "application/json"
         try:
-            connection.request(method, path, body=payload, headers=headers)
-            response = connection.getresponse()
-            data = response.read()
+            status, data = self._exchange(method, path, payload, content_type, timeout or self.timeout)
         except (TimeoutError, OSError, http.client.HTTPException) as error:
             raise AgentUnreachable(
                 f"agent at {self.url} did not answer {method} {path.split('?')[0]}: {error}"
             ) from None
-        finally:
-            connection.close()
         text = data.decode("utf-8", errors="replace")
-        if response.status >= 400:
+        if status >= 400:
             try:
                 message = json.loads(text).get("error", text)
             except (json.JSONDecodeError, AttributeError):
                 message = text.strip()
             raise AgentRefused(
-                f"agent at {self.url} refused {method} {path.split('?')[0]}: {response.status} {message}"
+                f"agent at {self.url} refused {method} {path.split('?')[0]}: {status} {message}"
             )
         if raw:
             return text
         return json.loads(text) if text else {}
+
+    def _exchange(
+        self, method: str, path: str, payload: bytes, content_type: str, timeout: float
+    ) -> tuple[int, bytes]:
+        """Send one request and return the status and body (plain HTTP)."""
+        parts = urlsplit(self.url)
+        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+        headers = {"Content-Type": content_type} if payload else {}
+        try:
+            connection.request(method, path, body=payload or None, headers=headers)
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
+
+
+@dataclass(frozen=True, kw_only=True)
+class SignedAgentClient(AgentClient):
+    """An :class:`AgentClient` whose requests are signed with this member's WireGuard key.
+
+    Only root on a member can read ``private_key``, so only the agent (and root tools) use this.
+    ``peer_public_key`` is the called member's key: the request is signed for it alone, and a
+    reply without its valid signature (status included) raises :class:`AgentRefused`.
+    """
+
+    private_key: str
+    peer_public_key: str
+    mesh_id: str
+
+    def _exchange(
+        self, method: str, path: str, payload: bytes, content_type: str, timeout: float
+    ) -> tuple[int, bytes]:
+        parts = urlsplit(self.url)
+        try:
+            return authenticated_request(
+                parts.hostname or "",
+                parts.port or AGENT_PORT,
+                method,
+                path,
+                payload,
+                private_key=self.private_key,
+                peer_public_key=self.peer_public_key,
+                mesh_id=self.mesh_id,
+                purpose=CONTROL_PURPOSE,
+                timeout=timeout,
+            )
+        except AuthError as error:
+            raise AgentRefused(f"agent at {self.url}: {error}") from None
 
 
 # ----- the local agent's Unix socket ------------------------------------------------------------

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from mesh.errors import MeshError
+from shardpool.accounts import DEFAULT_LAUNCH_GROUP, DEFAULT_RUN_AS
 from shardpool.errors import ShardpoolError
 
 __all__ = ["main", "build_parser"]
@@ -18,6 +19,8 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with one sub-command per user action."""
+    from shardpool.agent_client import AGENT_PORT
+
     parser = argparse.ArgumentParser(
         prog="shardpool",
         description="QLoRA fine-tuning across mismatched devices over a WireGuard mesh.",
@@ -68,8 +71,26 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument(
         "--state-dir", help="mesh state directory (default: $SHARDPOOL_HOME, /var/lib/shardpool as root)"
     )
-    agent.add_argument("--port", type=int, default=7710, help="TCP port on the mesh address (default 7710)")
+    agent.add_argument(
+        "--port", type=int, default=AGENT_PORT, help=f"TCP port on the mesh address (default {AGENT_PORT})"
+    )
     agent.add_argument("--work-dir", help="where jobs keep their files and logs (default STATE/work)")
+    agent.add_argument(
+        "--run-as",
+        default=DEFAULT_RUN_AS,
+        metavar="USER",
+        help="the account stage processes run as (never root)",
+    )
+    agent.add_argument(
+        "--group",
+        default=DEFAULT_LAUNCH_GROUP,
+        help="local users in this group may launch jobs through the agent's socket (default shardpool)",
+    )
+    agent.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="the agent's local Unix socket (default $SHARDPOOL_AGENT_SOCKET or /run/shardpool/agent.sock)",
+    )
     agent.add_argument("--ready-file", help=argparse.SUPPRESS)
     agent.set_defaults(handler=_run_agent)
 
@@ -82,7 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_agent(args: argparse.Namespace) -> int:
     from shardpool.agent import run_agent
 
-    return run_agent(args.state_dir, args.port, work_dir=args.work_dir, ready_file=args.ready_file)
+    return run_agent(
+        args.state_dir,
+        args.port,
+        work_dir=args.work_dir,
+        ready_file=args.ready_file,
+        run_as=args.run_as,
+        group=args.group,
+        socket_path=args.socket,
+    )
 
 
 def _run_finetune(args: argparse.Namespace) -> int:

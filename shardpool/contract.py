@@ -92,6 +92,8 @@ _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_USER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,31}\$?")
+_SECRET = re.compile(r"[0-9a-f]{64}")
 _DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:[0-9]{1,4})?")
 
 
@@ -223,6 +225,16 @@ JobId = Annotated[
         _pattern(_JOB_ID, "job_id must be 1-64 letters, digits, '._-', starting with a letter or digit")
     ),
 ]
+UserName = Annotated[
+    str,
+    Field(max_length=33),
+    AfterValidator(_pattern(_USER_NAME, "a local user name is 1-32 letters, digits, '._-' (or a uid)")),
+]
+FilesSecret = Annotated[
+    str,
+    Field(max_length=64),
+    AfterValidator(_pattern(_SECRET, "files_secret must be 64 lowercase hex digits")),
+]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 Steps = Annotated[int, Field(ge=0, le=MAX_STEPS)]
 
@@ -332,11 +344,20 @@ class JobStartRequest(_Closed):
     A stage started by an agent always reads and writes through the launcher's file server, so
     ``files_url`` is required: the launcher's paths (``inputs`` values, ``output_dir``) are never
     opened on the member.
+
+    ``submitter`` is the local user who asked for the job on the launching member; that member's
+    agent stamps it from the kernel-reported uid of its socket peer, overriding anything the user
+    sent. ``origin`` is the launching member's name; the receiving agent overwrites it with the
+    member whose key signed the request. ``files_secret`` (32 random bytes as hex) is the bearer
+    secret of the launcher's file server; the agent hands it to the stages in a 0600 file.
     """
 
     job_id: JobId
     job: JobSpec
     ranks: list[int] = Field(min_length=1, max_length=MAX_RANKS)
+    submitter: UserName | None = None
+    origin: HostName | None = None
+    files_secret: FilesSecret | None = None
 
     @model_validator(mode="after")
     def _ranks_of_this_job(self) -> JobStartRequest:
