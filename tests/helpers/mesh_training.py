@@ -119,7 +119,8 @@ def launch(
     script = " && ".join(
         [
             f"mount -t tmpfs shardpool-private {shlex.quote(str(private))}",
-            f"{shlex.quote(sys.executable)} -c {shlex.quote(_MAKE_PRIVATE_FILES)} {shlex.quote(str(private))}",
+            # its progress bars go to stdout, so stderr holds the launcher's own lines only
+            f"{shlex.quote(sys.executable)} -c {shlex.quote(_MAKE_PRIVATE_FILES)} {shlex.quote(str(private))} 2>&1",
             "exec " + shlex.join(finetune),
         ]
     )
