@@ -186,7 +186,7 @@ def _write_private(path: Path, data: bytes, owner: RunAs) -> None:
 
 def _open_log(path: Path) -> int:
     """Open a rank's log for appending, refusing a symlink (the directory belongs to the stage's account)."""
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    return os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
 
 
 def _same_ip(left: str | None, right: str) -> bool:

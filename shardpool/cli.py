@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument(
         "--port", type=int, default=AGENT_PORT, help=f"TCP port on the mesh address (default {AGENT_PORT})"
     )
-    agent.add_argument("--work-dir", help="where jobs keep their files and logs (default STATE/work)")
+    agent.add_argument("--work-dir", help="where jobs keep their files and logs (default STATE-work)")
     agent.add_argument(
         "--run-as",
         default=DEFAULT_RUN_AS,

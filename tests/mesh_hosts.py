@@ -221,17 +221,17 @@ class Lab:
         return token
 
     def agent_healthy(self, source: Host, address: str, port: int = 7710) -> bool:
-        """Whether the shardpool agent at ``address`` answers HTTP from ``source``.
+        """Whether the shardpool agent at ``address`` answers ``/v1/health`` from ``source``.
 
-        Any reply counts, 401 included: the agent's mesh listener refuses unsigned requests, and
-        its answering at all shows it is up. :meth:`agent_serves` checks a signed request.
+        The agent answers an unsigned request with 401: that it answers at all is what counts here.
+        :meth:`agent_serves` checks a signed request.
         """
         probe = (
-            "import urllib.request, urllib.error\n"
+            "import sys, urllib.error, urllib.request\n"
             "try:\n"
             f"    urllib.request.urlopen('http://{address}:{port}/v1/health', timeout=2)\n"
-            "except urllib.error.HTTPError:\n"
-            "    pass\n"
+            "except urllib.error.HTTPError as error:\n"
+            "    sys.exit(0 if error.code == 401 else 1)\n"
         )
         return self.run(source, sys.executable, "-c", probe, timeout=20).returncode == 0
 

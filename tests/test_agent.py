@@ -1,9 +1,12 @@
-"""Tests of shardpool/agent.py with real processes on loopback.
+"""Tests of shardpool/agent.py with real processes on loopback, and requests signed by member keys.
 
 The worker command is replaced by a small script (``worker_command``) that prints events, writes
 to its log, records its environment, exits with a chosen code or sleeps until killed, so every test
 runs in about a second. The script's behaviour rides in the job as one extra input, whose "path"
-on the launcher is the JSON of the mode (the agent never opens input paths). Each test checks /proc that no process it started is left behind.
+on the launcher is the JSON of the mode (the agent never opens input paths). Each test checks /proc
+that no process it started is left behind. Every request to the mesh listener is signed by member
+"a" (tests/helpers/agents.py) unless the test is about unsigned requests; stages run as the
+``shardpool`` account, so the script and work directory live in a 0755 directory.
 """
 
 from __future__ import annotations
@@ -22,14 +25,25 @@ from typing import Any
 
 import pytest
 
+from mesh.auth import AuthError, FixedDirectory, Member, RequestVerifier
+from mesh.keys import public_key
 from shardpool import agent as agent_module
-from shardpool.access import MemberAllowlist
-from shardpool.agent import Agent
+from shardpool.agent import Agent, MeshPeer
 from shardpool.contract import JobSpec
+from tests.helpers.agents import (
+    AGENT_KEY,
+    LAUNCHER_KEY,
+    MESH_ID,
+    OTHER_KEY,
+    RUN_AS,
+    make_agent,
+    shared_dir,
+    signed,
+    write_worker,
+)
 from tests.helpers.jobs import job_dict
 
 REPO = Path(__file__).resolve().parent.parent
-LOOPBACK = MemberAllowlist.fixed({"127.0.0.1"})
 
 WORKER = textwrap.dedent(
     """
@@ -85,6 +99,7 @@ def _call(
     raw: bytes | None = None,
     headers: dict[str, str] | None = None,
 ) -> tuple[int, Any]:
+    """An unsigned request (for what the agent must refuse before any proof is checked)."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
     payload = raw if raw is not None else (None if body is None else json.dumps(body).encode())
@@ -103,18 +118,19 @@ def _job(mode: str, stages: int = 2, **extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-def worker_script(tmp_path: Path) -> list[str]:
-    script = tmp_path / "fake_worker.py"
-    script.write_text(WORKER)
-    return [sys.executable, str(script)]
+def shared() -> Iterator[Path]:
+    with shared_dir() as path:
+        yield path
 
 
 @pytest.fixture
-def agent(tmp_path: Path, worker_script: list[str]) -> Iterator[Agent]:
-    with Agent(
-        "127.0.0.1", 0, allowlist=LOOPBACK, work_dir=tmp_path / "work", interface="sptest0",
-        member_name="b", worker_command=worker_script, heartbeat_timeout_s=20.0,
-    ) as running:  # fmt: skip
+def worker_script(shared: Path) -> list[str]:
+    return write_worker(shared, WORKER)
+
+
+@pytest.fixture
+def agent(shared: Path, worker_script: list[str]) -> Iterator[Agent]:
+    with make_agent(shared / "work", worker_script, heartbeat_timeout_s=20.0) as running:
         yield running
 
 
@@ -123,7 +139,7 @@ def _drain(url: str, job_id: str, timeout: float = 15.0) -> tuple[list[dict[str,
     after = 0
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        status, reply = _call(url, "GET", f"/v1/jobs/{job_id}/events?after={after}&wait=1")
+        status, reply = signed(url, "GET", f"/v1/jobs/{job_id}/events?after={after}&wait=1")
         assert status == 200, reply
         events += reply["events"]
         after = events[-1]["seq"] if events else after
@@ -133,15 +149,15 @@ def _drain(url: str, job_id: str, timeout: float = 15.0) -> tuple[list[dict[str,
 
 
 def test_health(agent: Agent) -> None:
-    assert _call(agent.url, "GET", "/v1/health") == (
+    assert signed(agent.url, "GET", "/v1/health") == (
         200,
         {"name": "b", "address": "127.0.0.1", "version": "0.1.0"},
     )
 
 
-def test_events_stream_with_seqs_and_exit_codes(agent: Agent, tmp_path: Path) -> None:
+def test_events_stream_with_seqs_and_exit_codes(agent: Agent) -> None:
     body = {"job_id": "run-1", "job": _job("events", count=5, codes=[0, 3]), "ranks": [0, 1]}
-    status, reply = _call(agent.url, "POST", "/v1/jobs", body)
+    status, reply = signed(agent.url, "POST", "/v1/jobs", body)
     assert status == 201 and reply["job_id"] == "run-1" and sorted(reply["pids"]) == ["0", "1"]
     events, final = _drain(agent.url, "run-1")
     assert [e["seq"] for e in events] == list(range(1, 11))
@@ -149,36 +165,35 @@ def test_events_stream_with_seqs_and_exit_codes(agent: Agent, tmp_path: Path) ->
         mine = [e["event"] for e in events if e["rank"] == rank]
         assert [e["i"] for e in mine if e["event"] == "step"] == [0, 1, 2, 3, 4]
     assert final["exited"] == {"0": 0, "1": 3}
-    job_dir = tmp_path / "work" / "jobs" / "run-1"
+    job_dir = agent.work_dir / "jobs" / "run-1"
     assert json.loads((job_dir / "job.json").read_text()) == JobSpec.model_validate(body["job"]).model_dump(
         mode="json"
     )
     assert (job_dir.stat().st_mode & 0o777, (job_dir / "job.json").stat().st_mode & 0o777) == (0o700, 0o600)
-    status, log = _call(agent.url, "GET", "/v1/jobs/run-1/log/1?tail=10")
+    assert (job_dir.stat().st_uid, (job_dir / "job.json").stat().st_uid) == (RUN_AS.uid, RUN_AS.uid)
+    status, log = signed(agent.url, "GET", "/v1/jobs/run-1/log/1?tail=10")
     assert status == 200
     assert "plain line from rank 1" in log and "stderr line from rank 1" in log and "{not json" in log
     assert "step" not in log, "events go to the event list, not the log"
-    assert _call(agent.url, "GET", "/v1/jobs/run-1/log/1?tail=1")[1].count("\n") == 1
+    assert signed(agent.url, "GET", "/v1/jobs/run-1/log/1?tail=1")[1].count("\n") == 1
     # polling from the middle returns only newer events
-    status, reply = _call(agent.url, "GET", "/v1/jobs/run-1/events?after=8&wait=0")
+    status, reply = signed(agent.url, "GET", "/v1/jobs/run-1/events?after=8&wait=0")
     assert [e["seq"] for e in reply["events"]] == [9, 10] and reply["lost"] == 0
 
 
-def test_stage_environment_is_set_by_the_agent_alone(
-    agent: Agent, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_stage_environment_is_set_by_the_agent_alone(agent: Agent, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENT_ONLY_SECRET", "s3cret")
     monkeypatch.setenv("LANG", "C.UTF-8")
-    monkeypatch.setenv("SHARDPOOL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SHARDPOOL_CACHE", "/root/.cache/shardpool")
     body = {"job_id": "env", "job": _job("events", stages=3, count=0, codes=[0, 0, 0]), "ranks": [0, 2]}
-    assert _call(agent.url, "POST", "/v1/jobs", body)[0] == 201
+    assert signed(agent.url, "POST", "/v1/jobs", body)[0] == 201
     _drain(agent.url, "env")
-    job_dir = tmp_path / "work" / "jobs" / "env"
+    job_dir = agent.work_dir / "jobs" / "env"
     threads = str(max(1, (os.cpu_count() or 1) // 2))
     expected = {
         "PATH": os.environ["PATH"],
         "LANG": "C.UTF-8",
-        "SHARDPOOL_CACHE": str(tmp_path / "cache"),
+        "SHARDPOOL_CACHE": str(agent.work_dir / "cache"),
         "HOME": str(job_dir),
         "TMPDIR": str(job_dir),
         "PYTHONUNBUFFERED": "1",
@@ -194,6 +209,8 @@ def test_stage_environment_is_set_by_the_agent_alone(
     for rank in (0, 2):
         seen = json.loads((job_dir / f"env-rank-{rank}.json").read_text())
         assert seen == {"env": expected, "cwd": str(job_dir)}
+    cache = agent.work_dir / "cache"
+    assert (cache.stat().st_uid, cache.stat().st_mode & 0o777) == (RUN_AS.uid, 0o700)
 
 
 def test_bad_job_requests_are_refused_with_400_and_one_line(agent: Agent) -> None:
@@ -209,18 +226,20 @@ def test_bad_job_requests_are_refused_with_400_and_one_line(agent: Agent) -> Non
         ({"job_id": "x", "job": "not a job", "ranks": [0]}, "`job`"),
         ({"job_id": "x", "job": {**_job("events"), "extra": 1}, "ranks": [0]}, "unknown field `job.extra`"),
         ({"job_id": "x", "job": {**_job("events"), "files_url": None}, "ranks": [0]}, "needs files_url"),
+        ({"job_id": "x", "job": _job("events"), "ranks": [0], "files_secret": "AB" * 32}, "files_secret"),
+        ({"job_id": "x", "job": _job("events"), "ranks": [0], "submitter": "a b"}, "submitter"),
     ]
     for body, fragment in cases:
-        status, reply = _call(agent.url, "POST", "/v1/jobs", body)
+        status, reply = signed(agent.url, "POST", "/v1/jobs", body)
         assert status == 400 and fragment in reply["error"] and "\n" not in reply["error"], (body, reply)
-    assert _call(agent.url, "POST", "/v1/jobs", raw=b"{nope")[0] == 400
+    assert signed(agent.url, "POST", "/v1/jobs", raw=b"{nope")[0] == 400
     assert (
         _call(agent.url, "POST", "/v1/jobs", raw=b"", headers={"Content-Length": str(17 * 2**20)})[0] == 413
     )
-    assert _call(agent.url, "GET", "/v1/jobs/nope/events")[0] == 404
-    assert _call(agent.url, "GET", "/v1/jobs/x/events?after=abc")[0] in (400, 404)
-    assert _call(agent.url, "GET", "/v1/other")[0] == 404
-    assert _call(agent.url, "PUT", "/v1/jobs")[0] == 501
+    assert signed(agent.url, "GET", "/v1/jobs/nope/events")[0] == 404
+    assert signed(agent.url, "GET", "/v1/jobs/x/events?after=abc")[0] in (400, 404)
+    assert signed(agent.url, "GET", "/v1/other")[0] == 404
+    assert signed(agent.url, "PUT", "/v1/jobs")[0] == 405
     assert not (agent.work_dir / "jobs" / "x").exists()
 
 
@@ -228,7 +247,7 @@ def _started_events(url: str, job_id: str, count: int) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
     deadline = time.monotonic() + 10
     while len(events) < count and time.monotonic() < deadline:
-        reply = _call(url, "GET", f"/v1/jobs/{job_id}/events?after={len(events)}&wait=1")[1]
+        reply = signed(url, "GET", f"/v1/jobs/{job_id}/events?after={len(events)}&wait=1")[1]
         events += [e["event"] for e in reply["events"]]
     assert len(events) == count, f"only {len(events)} of {count} ranks started"
     return events
@@ -236,7 +255,7 @@ def _started_events(url: str, job_id: str, count: int) -> list[dict[str, Any]]:
 
 def test_delete_stops_the_job_and_its_children_and_a_running_id_is_409(agent: Agent) -> None:
     body = {"job_id": "sleepy", "job": _job("sleep"), "ranks": [0, 1]}
-    status, reply = _call(agent.url, "POST", "/v1/jobs", body)
+    status, reply = signed(agent.url, "POST", "/v1/jobs", body)
     assert status == 201
     pids = [int(p) for p in reply["pids"].values()]
     time.sleep(0.5)  # the request's connection and its server thread are gone by now
@@ -244,23 +263,24 @@ def test_delete_stops_the_job_and_its_children_and_a_running_id_is_409(agent: Ag
     started = _started_events(agent.url, "sleepy", 2)
     children = [e["child"] for e in started]
     assert all(_alive(p) for p in pids + children)
-    assert _call(agent.url, "POST", "/v1/jobs", body)[0] == 409
+    assert signed(agent.url, "POST", "/v1/jobs", body)[0] == 409
     t0 = time.monotonic()
-    status, reply = _call(agent.url, "DELETE", "/v1/jobs/sleepy")
+    status, reply = signed(agent.url, "DELETE", "/v1/jobs/sleepy")
     assert status == 200 and reply["exited"] == {"0": -signal.SIGTERM, "1": -signal.SIGTERM}
     assert time.monotonic() - t0 < 3
     assert _wait_dead(pids + children) == []
-    status, reply = _call(agent.url, "GET", "/v1/jobs/sleepy/events?after=2&wait=0")
+    status, reply = signed(agent.url, "GET", "/v1/jobs/sleepy/events?after=2&wait=0")
     assert reply["running"] is False and reply["stopped_by"] == "request"
     assert (
-        _call(agent.url, "POST", "/v1/jobs", {**body, "job": _job("events", count=0, codes=[0, 0])})[0] == 201
+        signed(agent.url, "POST", "/v1/jobs", {**body, "job": _job("events", count=0, codes=[0, 0])})[0]
+        == 201
     ), "a finished id can be reused"
     _drain(agent.url, "sleepy")
 
 
 def test_a_job_ignoring_sigterm_is_killed_after_the_grace_period(agent: Agent, monkeypatch) -> None:
     monkeypatch.setattr(agent_module, "_TERMINATE_GRACE_S", 0.5)
-    status, reply = _call(
+    status, reply = signed(
         agent.url,
         "POST",
         "/v1/jobs",
@@ -268,59 +288,48 @@ def test_a_job_ignoring_sigterm_is_killed_after_the_grace_period(agent: Agent, m
     )
     pid = int(reply["pids"]["0"])
     child = _started_events(agent.url, "stubborn", 1)[0]["child"]
-    status, reply = _call(agent.url, "DELETE", "/v1/jobs/stubborn")
+    status, reply = signed(agent.url, "DELETE", "/v1/jobs/stubborn")
     assert reply["exited"] == {"0": -signal.SIGKILL}
     assert _wait_dead([pid, child]) == []
 
 
-def test_heartbeat_timeout_stops_a_job_nobody_polls(tmp_path: Path, worker_script: list[str]) -> None:
-    with Agent(
-        "127.0.0.1", 0, allowlist=LOOPBACK, work_dir=tmp_path, interface=None, member_name="c",
-        worker_command=worker_script, heartbeat_timeout_s=1.0,
-    ) as agent:  # fmt: skip
-        status, reply = _call(
+def test_heartbeat_timeout_stops_a_job_nobody_polls(shared: Path, worker_script: list[str]) -> None:
+    with make_agent(shared / "w", worker_script, interface=None, heartbeat_timeout_s=1.0) as agent:
+        status, reply = signed(
             agent.url, "POST", "/v1/jobs", {"job_id": "orphan", "job": _job("sleep"), "ranks": [1]}
         )
         pid = int(reply["pids"]["1"])
         # polling keeps it alive past the timeout ...
         for _ in range(4):
-            assert _call(agent.url, "GET", "/v1/jobs/orphan/events?after=9&wait=0.4")[1]["running"]
+            assert signed(agent.url, "GET", "/v1/jobs/orphan/events?after=9&wait=0.4")[1]["running"]
         assert _alive(pid)
         # ... and silence stops it
         t0 = time.monotonic()
         assert _wait_dead([pid], timeout=5) == []
         assert time.monotonic() - t0 < 3
-        status, reply = _call(agent.url, "GET", "/v1/jobs/orphan/events?after=0&wait=0")
+        status, reply = signed(agent.url, "GET", "/v1/jobs/orphan/events?after=0&wait=0")
         assert reply["stopped_by"] == "heartbeat timeout" and reply["exited"] == {"1": -signal.SIGTERM}
 
 
 def test_long_poll_waits_for_events_but_not_longer(agent: Agent) -> None:
-    _call(agent.url, "POST", "/v1/jobs", {"job_id": "wait", "job": _job("sleep"), "ranks": [0]})
-    status, reply = _call(agent.url, "GET", "/v1/jobs/wait/events?after=0&wait=10")
+    signed(agent.url, "POST", "/v1/jobs", {"job_id": "wait", "job": _job("sleep"), "ranks": [0]})
+    status, reply = signed(agent.url, "GET", "/v1/jobs/wait/events?after=0&wait=10")
     assert len(reply["events"]) == 1, "returns as soon as an event exists"
     t0 = time.monotonic()
-    status, reply = _call(agent.url, "GET", "/v1/jobs/wait/events?after=1&wait=0.6")
+    status, reply = signed(agent.url, "GET", "/v1/jobs/wait/events?after=1&wait=0.6")
     assert reply["events"] == [] and reply["running"] is True
     assert 0.5 < time.monotonic() - t0 < 2.0
-    assert _call(agent.url, "GET", "/v1/jobs/wait/events?after=1&wait=999")[0] == 400
+    assert signed(agent.url, "GET", "/v1/jobs/wait/events?after=1&wait=999")[0] == 400
 
 
-def test_agent_stop_stops_every_job(tmp_path: Path, worker_script: list[str]) -> None:
-    agent = Agent(
-        "127.0.0.1",
-        0,
-        allowlist=LOOPBACK,
-        work_dir=tmp_path,
-        interface=None,
-        member_name="d",
-        worker_command=worker_script,
-    )
+def test_agent_stop_stops_every_job(shared: Path, worker_script: list[str]) -> None:
+    agent = make_agent(shared / "w", worker_script, interface=None)
     agent.start()
     pids = []
     for job_id in ("one", "two"):
         pids += [
             int(p)
-            for p in _call(
+            for p in signed(
                 agent.url, "POST", "/v1/jobs", {"job_id": job_id, "job": _job("sleep"), "ranks": [0, 1]}
             )[1]["pids"].values()
         ]
@@ -328,16 +337,14 @@ def test_agent_stop_stops_every_job(tmp_path: Path, worker_script: list[str]) ->
     assert _wait_dead(pids, timeout=2) == []
 
 
-def test_workers_die_when_the_agent_is_killed(tmp_path: Path, worker_script: list[str]) -> None:
+def test_workers_die_when_the_agent_is_killed(shared: Path, worker_script: list[str]) -> None:
     code = textwrap.dedent(
         f"""
         import sys, time
         from pathlib import Path
-        from shardpool.access import MemberAllowlist
-        from shardpool.agent import Agent
-        agent = Agent("127.0.0.1", 0, allowlist=MemberAllowlist.fixed({{"127.0.0.1"}}), work_dir=Path({str(tmp_path)!r}),
-                      interface=None, member_name="e", worker_command={worker_script!r}).start()
-        print(agent.url, flush=True)
+        from tests.helpers import agents
+        agent = agents.make_agent(Path({str(shared / "w")!r}), {worker_script!r}, interface=None).start()
+        print(agent.url, agents.AGENT_KEY, agents.LAUNCHER_KEY, flush=True)
         time.sleep(600)
         """
     )
@@ -347,11 +354,13 @@ def test_workers_die_when_the_agent_is_killed(tmp_path: Path, worker_script: lis
         text=True,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
+    pids: list[int] = []
     try:
-        url = process.stdout.readline().strip() if process.stdout else ""
-        reply = _call(
-            url, "POST", "/v1/jobs", {"job_id": "j", "job": _job("sleep", no_child=True), "ranks": [0, 1]}
-        )[1]
+        url, agent_key, launcher_key = (process.stdout.readline() if process.stdout else "").split()
+        reply = signed(
+            url, "POST", "/v1/jobs", {"job_id": "j", "job": _job("sleep", no_child=True), "ranks": [0, 1]},
+            key=launcher_key, to=agent_key,
+        )[1]  # fmt: skip
         pids = [int(p) for p in reply["pids"].values()]
         time.sleep(0.3)
         assert all(_alive(p) for p in pids)
@@ -367,30 +376,38 @@ def test_workers_die_when_the_agent_is_killed(tmp_path: Path, worker_script: lis
     assert survivors == [], "PR_SET_PDEATHSIG kills workers with the agent"
 
 
-def test_non_members_get_403(tmp_path: Path, worker_script: list[str]) -> None:
+def test_unsigned_strangers_and_misplaced_members_are_refused(shared: Path, worker_script: list[str]) -> None:
+    """Replaces the IP allowlist: no proof or a stranger's key is 401; a member's key from another
+    address than its own mesh address is 403; none of them starts anything."""
+    elsewhere = RequestVerifier(
+        AGENT_KEY,
+        MESH_ID,
+        FixedDirectory(
+            [
+                Member("a", "10.77.0.1", public_key(LAUNCHER_KEY), True),
+                Member("b", "127.0.0.1", public_key(AGENT_KEY), True),
+            ]
+        ),
+    )
     with Agent(
-        "127.0.0.1",
-        0,
-        allowlist=MemberAllowlist.fixed({"10.77.0.1"}),
-        work_dir=tmp_path,
-        interface=None,
-        member_name="f",
-        worker_command=worker_script,
-    ) as agent:
+        "127.0.0.1", 0, verifier=elsewhere, peers=lambda: [MeshPeer("b", "127.0.0.1", public_key(AGENT_KEY))],
+        work_dir=shared / "w", interface=None, member_name="f", run_as=RUN_AS, worker_command=worker_script,
+    ) as agent:  # fmt: skip
         for method, path, body in (
             ("GET", "/v1/health", None),
             ("POST", "/v1/jobs", {"job_id": "x", "job": _job("sleep"), "ranks": [0]}),
             ("DELETE", "/v1/jobs/x", None),
         ):
             status, reply = _call(agent.url, method, path, body)
-            assert status == 403 and "127.0.0.1 is not a current member" in reply["error"]
-        assert not (tmp_path / "jobs" / "x").exists()
+            assert status == 401 and "X-Shardpool" in reply["error"], reply
+            with pytest.raises(AuthError, match="403"):  # the refusal is not signed: never trusted
+                signed(agent.url, method, path, body)
+            with pytest.raises(AuthError, match="401"):
+                signed(agent.url, method, path, body, key=OTHER_KEY)
+        assert not (shared / "w" / "jobs" / "x").exists() and agent.jobs() == []
 
 
-def test_devices_profiles_each_device_once(
-    agent: Agent, tiny_model: Path, monkeypatch, tmp_path: Path
-) -> None:
-    monkeypatch.setenv("SHARDPOOL_CACHE", str(tmp_path / "cache"))
+def test_devices_profiles_each_device_once(agent: Agent, tiny_model: Path) -> None:
     config = json.loads((tiny_model / "config.json").read_text())
     workload = {
         "micro_batch_size": 1,
@@ -399,7 +416,7 @@ def test_devices_profiles_each_device_once(
         "lora_r": 4,
         "lora_targets": ["q_proj", "v_proj"],
     }
-    status, reply = _call(agent.url, "POST", "/v1/devices", {"model_config": config, "workload": workload})
+    status, reply = signed(agent.url, "POST", "/v1/devices", {"model_config": config, "workload": workload})
     assert status == 200, reply
     cpu = reply["devices"][-1]
     assert cpu["name"] == "cpu" and cpu["kind"] == "cpu" and cpu["threads"] >= 1
@@ -410,14 +427,14 @@ def test_devices_profiles_each_device_once(
     )
     t0 = time.monotonic()
     planner_only = {**workload, "stages": 3, "max_stages": None, "schedule": "gpipe", "wire_bytes": 2}
-    again = _call(agent.url, "POST", "/v1/devices", {"model_config": config, "workload": planner_only})
+    again = signed(agent.url, "POST", "/v1/devices", {"model_config": config, "workload": planner_only})
     assert again == (200, reply)
     assert time.monotonic() - t0 < 0.5, "cached: planner-only fields do not change a layer profile"
-    status, reply = _call(
+    status, reply = signed(
         agent.url, "POST", "/v1/devices", {"model_config": config, "workload": {"bogus": 1}}
     )
     assert status == 400 and "bogus" in reply["error"]
-    status, reply = _call(
+    status, reply = signed(
         agent.url, "POST", "/v1/devices", {"model_config": {"model_type": "gpt2"}, "workload": {}}
     )
     assert status == 400 and "not supported" in reply["error"]
@@ -453,18 +470,19 @@ def test_agent_module_does_not_import_torch() -> None:
     assert result.stdout.strip() == "[]"
 
 
-def test_echo_and_probe_measure_links_between_members(agent: Agent, tmp_path: Path) -> None:
-    from shardpool.agent_client import AgentClient, AgentRefused
+def test_echo_and_probe_measure_links_between_members(agent: Agent, shared: Path) -> None:
+    from shardpool.agent_client import AgentRefused, SignedAgentClient
 
-    client = AgentClient(agent.url)
+    client = SignedAgentClient(
+        agent.url, private_key=LAUNCHER_KEY, peer_public_key=public_key(AGENT_KEY), mesh_id=MESH_ID
+    )
     assert client.echo(1 << 20) > 0
     link = client.measure_link(nbytes=1 << 20)
     assert link["bandwidth"] > 1e6 and 0 < link["latency"] < 1.0
-    with Agent(
-        "127.0.0.1", 0, allowlist=LOOPBACK, work_dir=tmp_path / "other", interface=None, member_name="c",
-    ) as other:  # fmt: skip
-        measured = client.probe({"c": other.url}, nbytes=1 << 20)
-    assert set(measured) == {"c"} and measured["c"]["bandwidth"] > 1e6
+    port = int(agent.url.rsplit(":", 1)[1])
+    with make_agent(shared / "other", None, key=OTHER_KEY, name="c", host="127.0.0.2", port=port):
+        measured = client.probe({"c": f"http://127.0.0.2:{port}"}, nbytes=1 << 20)
+    assert set(measured) == {"c"} and measured["c"]["bandwidth"] > 1e6, measured
     with pytest.raises(AgentRefused, match="403"):
         client.probe({"outside": "http://192.0.2.99:7710"})
     status, reply = _call(

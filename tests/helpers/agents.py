@@ -124,22 +124,29 @@ def signed(
         return status, reply.decode()
 
 
+#: A raw HTTP/1.1 client: the agent refuses a caller before reading its body, so sending may fail
+#: with EPIPE while the one-line refusal already waits to be read (a Unix socket keeps it).
 _UNIX_CLIENT = """
-import http.client, json, socket, sys
-path, method, target, body = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
-class Unix(http.client.HTTPConnection):
-    def connect(self):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(60)
-        self.sock.connect(path)
+import json, socket, sys
+path, method, target, body = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].encode()
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.settimeout(60)
 try:
-    connection = Unix("localhost", timeout=60)
-    connection.request(method, target, body=body.encode() if body else None,
-                       headers={"Content-Type": "application/json"} if body else {})
-    response = connection.getresponse()
-    print(json.dumps({"status": response.status, "body": response.read().decode()}))
+    sock.connect(path)
 except PermissionError as error:
     print(json.dumps({"status": 0, "body": str(error)}))
+    sys.exit(0)
+head = f"{method} {target} HTTP/1.1\\r\\nHost: localhost\\r\\nContent-Length: {len(body)}\\r\\n"
+head += "Content-Type: application/json\\r\\nConnection: close\\r\\n\\r\\n"
+try:
+    sock.sendall(head.encode() + body)
+except (BrokenPipeError, ConnectionResetError):
+    pass
+data = b""
+while chunk := sock.recv(65536):
+    data += chunk
+head, _, rest = data.partition(b"\\r\\n\\r\\n")
+print(json.dumps({"status": int(head.split()[1]), "body": rest.decode()}))
 """
 
 

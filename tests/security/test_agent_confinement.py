@@ -3,49 +3,50 @@ the mesh launcher passes on only events that fit the contract. Real agent, real 
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from shardpool.access import MemberAllowlist
+from mesh.keys import public_key
 from shardpool.agent import Agent
-from shardpool.agent_client import AgentClient
+from shardpool.agent_client import SignedAgentClient
 from shardpool.errors import ShardpoolError
 from shardpool.job import Job
 from shardpool.mesh_launcher import MeshMember, run_mesh_job
+from tests.helpers.agents import (
+    AGENT_KEY,
+    LAUNCHER_KEY,
+    MESH_ID,
+    make_agent,
+    shared_dir,
+    signed,
+    write_worker,
+)
 from tests.helpers.jobs import RECORDING_WORKER, job_dict
 
 
 @pytest.fixture
-def agent(tmp_path: Path) -> Iterator[Agent]:
-    script = tmp_path / "worker.py"
-    script.write_text(RECORDING_WORKER)
-    with Agent(
-        "127.0.0.1", 0, allowlist=MemberAllowlist.fixed({"127.0.0.1"}), work_dir=tmp_path / "work",
-        interface="sptest0", member_name="b", worker_command=[sys.executable, str(script)],
-    ) as running:  # fmt: skip
-        yield running
+def agent() -> Iterator[Agent]:
+    with shared_dir() as shared:
+        with make_agent(shared / "work", write_worker(shared, RECORDING_WORKER)) as running:
+            yield running
+
+
+def _client(agent: Agent) -> SignedAgentClient:
+    return SignedAgentClient(
+        agent.url, private_key=LAUNCHER_KEY, peer_public_key=public_key(AGENT_KEY), mesh_id=MESH_ID
+    )
 
 
 def _post(agent: Agent, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    host, port = agent.url.removeprefix("http://").rsplit(":", 1)
-    connection = http.client.HTTPConnection(host, int(port), timeout=30)
-    try:
-        connection.request("POST", "/v1/jobs", body=json.dumps(body).encode())
-        response = connection.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        connection.close()
+    return signed(agent.url, "POST", "/v1/jobs", body)
 
 
 def _wait_finished(agent: Agent, job_id: str) -> None:
-    client = AgentClient(agent.url)
+    client = _client(agent)
     for _ in range(60):
         if not client.events(job_id, after=0, wait=1.0)["running"]:
             return
@@ -77,7 +78,7 @@ def test_requests_outside_the_contract_are_refused_with_400(
 
 
 def test_stage_processes_get_the_agents_minimal_environment_not_its_own(
-    agent: Agent, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    agent: Agent, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("AGENT_ONLY_SECRET", "s3cret")
     monkeypatch.setenv("LD_PRELOAD", "")
@@ -102,7 +103,7 @@ def test_stage_processes_get_the_agents_minimal_environment_not_its_own(
 def test_the_mesh_launcher_refuses_an_event_that_points_outside_the_output_dir(agent: Agent) -> None:
     escape = {"event": "checkpoint_written", "step": 1, "partial": "../../../etc", "eval_before": None}
     job = Job.model_validate(job_dict(stages=1, inputs={"events.json": json.dumps([escape])}))
-    member = MeshMember("b", "127.0.0.1", True, AgentClient(agent.url))
+    member = MeshMember("b", "127.0.0.1", True, _client(agent))
     seen: list[dict[str, Any]] = []
     with pytest.raises(ShardpoolError, match="breaks the contract"):
         run_mesh_job(job, "escape", {"b": (member, [0])}, on_event=seen.append)
