@@ -335,7 +335,13 @@ class LocalAgentClient:
         headers = {"Content-Type": "application/json"} if payload is not None else {}
         connection = _UnixConnection(self.socket_path, timeout or self.timeout)
         try:
-            connection.request(method, path, body=payload, headers=headers)
+            try:
+                connection.request(method, path, body=payload, headers=headers)
+            except (BrokenPipeError, ConnectionResetError):
+                if connection.sock is None:
+                    raise
+                # The agent refuses a caller before reading its body; its one-line answer is
+                # still there to read.
             response = connection.getresponse()
             data = response.read(_MAX_LOCAL_REPLY + 1)
         except (FileNotFoundError, ConnectionRefusedError):

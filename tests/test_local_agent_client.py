@@ -113,6 +113,18 @@ def test_a_refusal_by_the_local_agent_keeps_its_one_line_fix(socket_dir: Path) -
     assert str(caught.value) == reason
 
 
+def test_a_refusal_sent_before_a_large_body_was_read_is_still_the_answer(socket_dir: Path) -> None:
+    path = socket_dir / "agent.sock"
+    reason = "user 'shardpool' runs job stages and may not launch jobs itself"
+    big_job = {"inputs": {f"model/shard-{index:05d}": "x" * 200 for index in range(40_000)}}
+    with StubLocalAgent(path, members=MEMBERS, refuse=reason):
+        agent = LocalAgentClient(str(path)).member("b", "10.77.0.2")
+        with pytest.raises(AgentRefused) as caught:
+            agent.start_job("j1", big_job, [0])
+    assert not isinstance(caught.value, AgentUnreachable)
+    assert str(caught.value) == f"the local shardpool agent refused POST /v1/local/forward: 403 {reason}"
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the client as another uid")
 def test_a_user_the_socket_mode_keeps_out_gets_the_usermod_fix_naming_the_socket_group(
     socket_dir: Path,

@@ -6,6 +6,7 @@ over a real Unix socket without WireGuard keys or stage processes.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -46,7 +47,8 @@ class StubLocalAgent:
     def __enter__(self) -> StubLocalAgent:
         routes = [
             Route("GET", "/v1/local/members", self._members),
-            Route("POST", "/v1/local/forward", self._forward, max_body=16 * 2**20),
+            # streamed, as the agent does, so a refused caller's body is never read
+            Route("POST", "/v1/local/forward", self._forward, max_body=64 * 2**20, stream_body=True),
             Route("GET", "/v1/local/jobs", self._jobs),
             Route("GET", "/v1/local/jobs/{job_id}", self._job),
             Route("DELETE", "/v1/local/jobs/{job_id}", self._stop),
@@ -75,7 +77,8 @@ class StubLocalAgent:
         )
 
     def _forward(self, request: Request) -> Any:
-        asked = request.json()
+        body = b"".join(iter(request.read, b""))
+        asked = json.loads(body)
         self.forwarded.append(asked)
         if asked["member"] in self.unreachable:
             return error_reply(504, f"member {asked['member']}'s agent did not answer {asked['method']}")
