@@ -144,3 +144,28 @@ def test_a_user_the_socket_mode_keeps_out_gets_the_usermod_fix_naming_the_socket
         "(the socket's permissions refused you); ask an admin to run `usermod -aG shardpool nobody` "
         "(then log in again)"
     )
+
+
+def test_a_refused_user_gets_the_fix_from_finetune_before_anything_is_prepared(
+    socket_dir: Path,
+    tiny_model: Path,
+    completion_data: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rich.console import Console
+
+    from shardpool.config import parse_config
+    from shardpool.finetune import finetune
+    from tests.conftest import base_config
+
+    path = socket_dir / "agent.sock"
+    monkeypatch.setenv(AGENT_SOCKET_ENV, str(path))
+    out = tmp_path / "out"
+    config = parse_config(base_config(tiny_model, completion_data, out, shardpool={"placement": "mesh"}))
+    reason = "user 'eve' may not launch shardpool jobs on this machine; ask an admin to run `usermod -aG shardpool eve`"
+    with StubLocalAgent(path, members=MEMBERS, refuse=reason) as agent:
+        with pytest.raises(LaunchNotAllowed, match="usermod -aG shardpool eve"):
+            finetune(config, console=Console(quiet=True))
+    assert agent.forwarded == []
+    assert not out.exists()
