@@ -4,6 +4,10 @@ Every call has a timeout and raises :class:`AgentUnreachable` when the member do
 so the launcher can tell a lost member from a failed stage. An agent's mesh listener answers only
 requests signed with a member's key (:mod:`mesh.auth`), so the agents call each other with
 :class:`SignedAgentClient`; :class:`AgentClient` is the same API over plain HTTP.
+
+A launcher cannot sign, so it uses :class:`LocalAgentClient`: its own member's agent over a Unix
+socket (:func:`agent_socket_path`), which forwards each request, signed, to the member's agent.
+:class:`ForwardedAgent` keeps the old method names for one member reached that way.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The launcher speaks only to its own member's agent, over that agent's Unix socket: it lists the
 members there and has every request to a member's agent forwarded (signed by the local agent,
-which alone can read the WireGuard key). The launcher asks each online member's agent for its devices (profiled for this model), plans
-over them, then starts each member's ranks with one ``POST /v1/jobs`` and follows them by
+which alone can read the WireGuard key). It asks each online member's agent for its devices
+(profiled for this model), plans over them, then starts each member's ranks with one ``POST /v1/jobs`` and follows them by
 long-polling their events. The polls double as the launcher's heartbeat: an agent that stops
 hearing from the launcher stops its stages. A member whose agent stops answering for
 ``lost_after_s`` seconds, or whose stage exits non-zero, ends the run: every other member's
