@@ -52,7 +52,7 @@ from mesh.auth import AuthError, Member, RequestVerifier
 from mesh.http import CHUNK, HTTPError, HTTPServer, Limits, Reply, Request, Route, json_reply, text_reply
 from shardpool import __version__
 from shardpool.accounts import DEFAULT_LAUNCH_GROUP, RunAs
-from shardpool.agent_client import AGENT_PORT
+from shardpool.agent_client import AGENT_PORT, agent_socket_path
 from shardpool.contract import (
     EVENT_PREFIX,
     FILES_SECRET_FILE,
@@ -981,7 +981,7 @@ def _number(query: dict[str, list[str]], key: str, default: Any, kind: type, low
 
 def default_socket_path() -> Path:
     """Where the local listener lives: ``$SHARDPOOL_AGENT_SOCKET``, else ``/run/shardpool/agent.sock``."""
-    return Path(os.environ.get("SHARDPOOL_AGENT_SOCKET") or "/run/shardpool/agent.sock")
+    return Path(agent_socket_path())
 
 
 def _roster_peers(state_dir: Path) -> Callable[[], list[MeshPeer]]:

@@ -32,6 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
     finetune.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     finetune.set_defaults(handler=_run_finetune)
 
+    jobs = commands.add_parser(
+        "jobs", help="list, show or stop jobs started through this machine's agent (yours; root: all)"
+    )
+    jobs.add_argument("action", nargs="?", choices=("list", "show", "stop"), help="default: list")
+    jobs.add_argument("job_id", nargs="?", metavar="ID", help="the job to show or stop")
+    jobs.add_argument(
+        "--socket",
+        help="the local agent's socket (default $SHARDPOOL_AGENT_SOCKET or /run/shardpool/agent.sock)",
+    )
+    jobs.set_defaults(handler=_run_jobs)
+
     plan = commands.add_parser("plan", help="place the model's layers on devices and predict the step time")
     plan.add_argument("config", help="path to the YAML config (only base_model's config.json is read)")
     plan.add_argument("--fleet", help="YAML list of (hypothetical) devices to plan for instead of local ones")
@@ -107,6 +118,19 @@ def _run_finetune(args: argparse.Namespace) -> int:
     from shardpool.finetune import finetune_from_file
 
     finetune_from_file(args.config, resume=args.resume)
+    return 0
+
+
+def _run_jobs(args: argparse.Namespace) -> int:
+    from shardpool.jobs_command import run_jobs_command
+
+    if args.action in ("show", "stop") and args.job_id is None:
+        raise ShardpoolError(
+            f"`shardpool jobs {args.action}` needs a job id: `shardpool jobs {args.action} ID`"
+        )
+    if args.action in (None, "list") and args.job_id is not None:
+        raise ShardpoolError(f"did you mean `shardpool jobs show {args.job_id}`?")
+    print(run_jobs_command(args.action, args.job_id, socket_path=args.socket))
     return 0
 
 

@@ -108,11 +108,16 @@ def finetune(config: Config, *, resume: bool = False, console: Console | None = 
 
 
 def _finetune_on_mesh(config: Config, *, resume: bool, console: Console) -> Path:
-    """The same run with stages on mesh members: plan over their devices, serve them the files."""
+    """The same run with stages on mesh members: plan over their devices, serve them the files.
+
+    Everything goes through this machine's agent, over its Unix socket. Asking it for the members
+    comes first, so a user it refuses gets the one-line fix before anything is prepared anywhere.
+    """
+    from shardpool.agent_client import LocalAgentClient
     from shardpool.fileserver import FileServer
     from shardpool.mesh_launcher import mesh_fleet, new_job_id, online_members, run_mesh_job
 
-    members = online_members()
+    members = online_members(LocalAgentClient())
     me = next((member for member in members if member.is_self), None)
     if me is None:
         raise ShardpoolError("this machine's mesh interface is down; run `shardpool mesh up` first")
@@ -129,7 +134,6 @@ def _finetune_on_mesh(config: Config, *, resume: bool, console: Console) -> Path
     output_dir, run_dir, first_step = _begin_outputs(run, console)
     inputs = job_inputs(config, run_dir, run.resume_from)
     files = {name: Path(path) for name, path in inputs.items()}
-    # TODO(lead): run_mesh_job must send files_secret in each JobStartRequest (branch w2-launch)
     files_secret = secrets.token_hex(32)
     with FileServer(me.address, 0, files=files, upload_root=output_dir, secret=files_secret) as server:
         store = rendezvous_store(me.address)
@@ -149,7 +153,7 @@ def _finetune_on_mesh(config: Config, *, resume: bool, console: Console) -> Path
             assignments.setdefault(host, (by_name[host], []))[1].append(rank)
         job_id = new_job_id()
         outcome = _follow(console, job, run, first_step=first_step, start=lambda on_event: run_mesh_job(
-            job, job_id, assignments, on_event=on_event
+            job, job_id, assignments, on_event=on_event, files_secret=files_secret
         ))  # fmt: skip
         del store
     _print_result(console, run, outcome)

@@ -1,7 +1,9 @@
 """Run a job's stage processes on mesh members through their agents, and stop them all on failure.
 
-The launcher asks each online member's agent for its devices (profiled for this model), plans
-over them, then starts each member's ranks with one ``POST /v1/jobs`` and follows them by
+The launcher speaks only to its own member's agent, over that agent's Unix socket: it lists the
+members there and has every request to a member's agent forwarded (signed by the local agent,
+which alone can read the WireGuard key). It asks each online member's agent for its devices
+(profiled for this model), plans over them, then starts each member's ranks with one ``POST /v1/jobs`` and follows them by
 long-polling their events. The polls double as the launcher's heartbeat: an agent that stops
 hearing from the launcher stops its stages. A member whose agent stops answering for
 ``lost_after_s`` seconds, or whose stage exits non-zero, ends the run: every other member's
@@ -16,9 +18,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from shardpool.agent_client import DEFAULT_AGENT_PORT, AgentClient, AgentRefused, AgentUnreachable
+from shardpool.agent_client import AgentRefused, AgentUnreachable, LocalAgentClient
 from shardpool.contract import ContractError, StageEvent, parse_stage_event
 from shardpool.costmodel import Workload
 from shardpool.errors import ShardpoolError
@@ -27,6 +29,7 @@ from shardpool.job import Job
 from shardpool.launcher import StageFailed
 
 __all__ = [
+    "MemberAgent",
     "MeshMember",
     "online_members",
     "mesh_fleet",
@@ -44,6 +47,22 @@ class MemberLost(StageFailed):
     """A member stopped answering mid-run."""
 
 
+class MemberAgent(Protocol):
+    """What the launcher asks of one member's agent (a ForwardedAgent in production)."""
+
+    @property
+    def url(self) -> str: ...
+    def devices(
+        self, model_config: dict[str, Any], workload: dict[str, Any], *, timeout: float = ...
+    ) -> list[dict[str, Any]]: ...
+    def probe(self, targets: dict[str, str], *, nbytes: int = ...) -> dict[str, dict[str, Any]]: ...
+    def start_job(
+        self, job_id: str, job: dict[str, Any], ranks: list[int], *, files_secret: str | None = ...
+    ) -> dict[str, Any]: ...
+    def events(self, job_id: str, *, after: int, wait: float = ...) -> dict[str, Any]: ...
+    def stop_job(self, job_id: str, *, timeout: float = ...) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True)
 class MeshMember:
     """An online mesh member and the client of its agent."""
@@ -51,19 +70,20 @@ class MeshMember:
     name: str
     address: str
     is_self: bool
-    agent: AgentClient
+    agent: MemberAgent
 
 
-def online_members(state_dir: str | None = None, *, port: int = DEFAULT_AGENT_PORT) -> list[MeshMember]:
-    """The members that answer over the mesh now (this machine included), in roster order."""
-    from mesh.api import members
+def online_members(local: LocalAgentClient | None = None) -> list[MeshMember]:
+    """The members that answer over the mesh now (this machine included), as the local agent sees them.
 
-    found = [member for member in members(state_dir, probe=True) if member.online]
+    The first call of a launch: a user outside the launch group is refused here, with the fix,
+    before anything is prepared or started anywhere.
+    """
+    local = local or LocalAgentClient()
     return [
-        MeshMember(
-            member.name, member.address, member.is_self, AgentClient(f"http://{member.address}:{port}")
-        )
-        for member in found
+        MeshMember(member.name, member.address, member.is_self, local.member(member.name, member.address))
+        for member in local.members()
+        if member.online
     ]
 
 
@@ -150,8 +170,11 @@ def run_mesh_job(
     *,
     on_event: Callable[[dict[str, Any]], None],
     lost_after_s: float = LOST_AFTER_S,
+    files_secret: str | None = None,
 ) -> None:
     """Run every rank on its member until all finish; raise StageFailed/MemberLost on the first failure.
+
+    ``files_secret`` is the launcher's file-server secret; each agent hands it to its stages.
 
     Each member's agent derives its stages' environment (threads from its own cores over the ranks
     it runs, the mesh interface for gloo and NCCL) itself; nothing but the job crosses.
@@ -165,7 +188,7 @@ def run_mesh_job(
     try:
         payload = job.model_dump(mode="json")
         for name, (member, ranks) in ranks_by_member.items():
-            member.agent.start_job(job_id, payload, ranks)
+            member.agent.start_job(job_id, payload, ranks, files_secret=files_secret)
             started.append(name)
         threads = [
             threading.Thread(target=_poll, args=(follow, job_id, events, stop, lost_after_s), daemon=True)

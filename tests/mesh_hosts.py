@@ -1,18 +1,25 @@
 """A lab of hosts made of network namespaces, for the mesh's end-to-end tests.
 
 Each host is a namespace ``sp<pid>-<label>`` with ``eth0`` on a shared bridge (itself in a
-namespace of its own), an address in TEST-NET-1 (192.0.2.0/24), its own ``SHARDPOOL_HOME`` and
-its own WireGuard interface name. Nothing touches the machine's own namespace, and
-:meth:`Lab.close` stops every process the lab started, by pid, and deletes every namespace.
+namespace of its own), an address in TEST-NET-1 (192.0.2.0/24), its own ``SHARDPOOL_HOME``, its
+own agent socket (``SHARDPOOL_AGENT_SOCKET``) and its own WireGuard interface name. Nothing
+touches the machine's own namespace, and :meth:`Lab.close` stops every process the lab started, by
+pid, and deletes every namespace and the lab's directory under /tmp.
+
+The hosts' homes live in a 0755 directory under /tmp rather than pytest's (0700) temporary tree:
+an agent's stages run as the unprivileged run-as account, which must reach the agent's work
+directory beside the home, and people on a host must reach its agent socket.
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +64,7 @@ class Host:
     underlay: str
     home: Path
     interface: str
+    agent_socket: Path
 
     @property
     def endpoint(self) -> str:
@@ -70,6 +78,8 @@ class Lab:
     def __init__(self, workdir: Path) -> None:
         self.tag = f"sp{os.getpid()}"
         self.workdir = workdir
+        self.shared = Path(tempfile.mkdtemp(prefix=f"{self.tag}-lab-", dir="/tmp"))
+        os.chmod(self.shared, 0o755)
         self.switch = f"{self.tag}-sw"
         self.hosts: dict[str, Host] = {}
         self._namespaces: list[str] = []
@@ -98,31 +108,86 @@ class Lab:
         _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
         _ip("-n", netns, "addr", "add", f"{UNDERLAY}.{octet}/24", "dev", "eth0")
         _ip("-n", netns, "link", "set", "eth0", "up")
-        host = Host(label, netns, f"{UNDERLAY}.{octet}", self.workdir / label, f"{self.tag}{label}")
+        socket_path = self.shared / f"{label}-run" / "agent.sock"
+        host = Host(
+            label, netns, f"{UNDERLAY}.{octet}", self.shared / label, f"{self.tag}{label}", socket_path
+        )
         self.hosts[label] = host
         return host
 
     def run(
-        self, host: Host, *argv: str, timeout: float = 60.0, stdin: str | None = None
+        self,
+        host: Host,
+        *argv: str,
+        timeout: float = 60.0,
+        stdin: str | None = None,
+        user: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
-        """Run a command inside ``host`` with its ``SHARDPOOL_HOME``, feeding it ``stdin`` if given."""
-        env = {
+        """Run a command inside ``host`` with its ``SHARDPOOL_HOME`` and agent socket, feeding it ``stdin``.
+
+        ``user`` runs it as that local account instead of root (with its groups from /etc/group and
+        ``HOME`` a private directory of its own); ``env`` adds variables.
+        """
+        return subprocess.run(
+            self.command(host, *argv, user=user, env=env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            input=stdin,
+        )
+
+    def command(
+        self, host: Host, *argv: str, user: str | None = None, env: dict[str, str] | None = None
+    ) -> list[str]:
+        """The argv that runs ``argv`` inside ``host`` as :meth:`run` does (for Popen)."""
+        variables = {
             "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
             "SHARDPOOL_HOME": str(host.home),
+            "SHARDPOOL_AGENT_SOCKET": str(host.agent_socket),
             "PYTHONPATH": str(REPO),
             "HOME": str(host.home),
         }
-        command = [
+        drop: list[str] = []
+        if user is not None:
+            variables["HOME"] = str(self.user_home(user))
+            drop = ["setpriv", f"--reuid={user}", f"--regid={pwd.getpwnam(user).pw_gid}", "--init-groups"]
+        variables.update(env or {})
+        return [
             "ip",
             "netns",
             "exec",
             host.netns,
             "env",
             "-i",
-            *(f"{k}={v}" for k, v in env.items()),
+            *(f"{k}={v}" for k, v in variables.items()),
+            *drop,
             *argv,
         ]
-        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, input=stdin)
+
+    def user_home(self, user: str) -> Path:
+        """A private, writable home for ``user`` inside the lab (created on first use)."""
+        entry = pwd.getpwnam(user)
+        home = self.shared / f"home-{entry.pw_uid}"
+        home.mkdir(mode=0o700, exist_ok=True)
+        os.chown(home, entry.pw_uid, entry.pw_gid)
+        return home
+
+    def processes(self, host: Host, needle: str) -> dict[int, int]:
+        """pid -> real uid of every process in ``host`` whose command line contains ``needle``."""
+        found: dict[int, int] = {}
+        for pid in self._namespace_pids(host.netns):
+            try:
+                cmdline = (
+                    Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                )
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            if needle in cmdline:
+                uid_line = next(line for line in status.splitlines() if line.startswith("Uid:"))
+                found[pid] = int(uid_line.split()[1])
+        return found
 
     def mesh(
         self, host: Host, *argv: str, timeout: float = 60.0, stdin: str | None = None
@@ -159,6 +224,7 @@ class Lab:
         """Whether the shardpool agent at ``address`` answers ``/v1/health`` from ``source``.
 
         The agent answers an unsigned request with 401: that it answers at all is what counts here.
+        :meth:`agent_serves` checks a signed request.
         """
         probe = (
             "import sys, urllib.error, urllib.request\n"
@@ -168,6 +234,14 @@ class Lab:
             "    sys.exit(0 if error.code == 401 else 1)\n"
         )
         return self.run(source, sys.executable, "-c", probe, timeout=20).returncode == 0
+
+    def agent_serves(self, source: Host, member: str) -> bool:
+        """Whether ``member``'s agent answers a signed health request forwarded by ``source``'s agent."""
+        probe = (
+            "from shardpool.agent_client import LocalAgentClient\n"
+            f"assert LocalAgentClient().member({member!r}, '').health()['name'] == {member!r}\n"
+        )
+        return self.run(source, sys.executable, "-c", probe, timeout=30).returncode == 0
 
     @staticmethod
     def _checked(result: subprocess.CompletedProcess[str], what: str) -> str:
@@ -197,6 +271,7 @@ class Lab:
         for host in self.hosts.values():
             Path(f"/var/run/wireguard/{host.interface}.sock").unlink(missing_ok=True)
         self._namespaces.clear()
+        shutil.rmtree(self.shared, ignore_errors=True)
 
     @staticmethod
     def _namespace_pids(name: str) -> list[int]:

@@ -13,8 +13,6 @@ tensors from the launcher over the mesh. Scenario, in order:
 from __future__ import annotations
 
 import json
-import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -26,8 +24,18 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from tests.conftest import REPO_ROOT, base_config, completion_rows, write_config
-from tests.mesh_hosts import Host, Lab, netns_skip_reason
+from tests.conftest import write_config
+from tests.helpers.mesh_training import (
+    AGENT_PORT,
+    launch,
+    local_twin,
+    mesh_of_three,
+    ok,
+    training_config,
+    training_lab,
+    wait_for,
+)
+from tests.mesh_hosts import Lab, netns_skip_reason
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
@@ -35,109 +43,18 @@ SKIP = netns_skip_reason()
 if SKIP:
     pytest.skip(SKIP, allow_module_level=True)
 
-AGENT_PORT = 7710
 MEASURED: dict[str, Any] = {}
-
-
-def _ok(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 0, (
-        f"exit {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
-    )
-    return result.stdout
-
-
-def _wait(condition: Any, timeout: float, step: float = 0.5) -> float:
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout:
-            pytest.fail(f"condition not met within {timeout} s")
-        time.sleep(step)
-    return time.monotonic() - started
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    with Lab(tmp_path_factory.mktemp("mesh-train")) as built:
-        for index, label in enumerate("abcx", start=1):
-            built.add_host(label, index)
-        yield built
+    yield from training_lab(tmp_path_factory, "mesh-train")
     print("\nmeasured:", json.dumps(MEASURED, indent=1))
 
 
 @pytest.fixture(scope="module")
 def mesh3(lab: Lab) -> dict[str, str]:
-    a, b, c = (lab.hosts[name] for name in "abc")
-    lab.form_mesh("a", "bc", uses=2)
-    addresses = {"a": "10.77.0.1", "b": "10.77.0.2", "c": "10.77.0.3"}
-    for source in (a, b, c):
-        for target, address in addresses.items():
-            if target != source.label:
-                _wait(lambda source=source, address=address: lab.ping(source, address, timeout=1), 20)
-    for address in addresses.values():
-        _wait(lambda address=address: lab.agent_healthy(a, address, AGENT_PORT), 30)
-    return addresses
-
-
-def _config(out: Path, private: Path, **overrides: Any) -> dict[str, Any]:
-    settings: dict[str, Any] = {
-        "val_set_size": 8,
-        "max_steps": 4,
-        "shardpool": {"placement": "mesh", "stages": 3},
-    }
-    settings.update(overrides)
-    return base_config(private / "model", private / "data.jsonl", out, **settings)
-
-
-_MAKE_PRIVATE_FILES = """
-import json, sys
-from shardpool.tinymodel import make_tiny_llama
-from tests.conftest import completion_rows, write_jsonl
-from pathlib import Path
-root = Path(sys.argv[1])
-make_tiny_llama(root / "model", num_layers=6, hidden_size=64, seed=3)
-write_jsonl(root / "data.jsonl", completion_rows(64))
-"""
-
-
-def _launch(
-    lab: Lab, host: Host, private: Path, config_path: Path, *extra: str, background: bool = False
-) -> Any:
-    """Run ``shardpool finetune`` on ``host`` with the model and data on a tmpfs only it can see."""
-    script = " && ".join(
-        [
-            f"mount -t tmpfs shardpool-private {shlex.quote(str(private))}",
-            f"{shlex.quote(sys.executable)} -c {shlex.quote(_MAKE_PRIVATE_FILES)} {shlex.quote(str(private))}",
-            f"exec {shlex.quote(sys.executable)} -m shardpool finetune {shlex.quote(str(config_path))} {' '.join(extra)}",
-        ]
-    )
-    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
-    if not background:
-        return lab.run(host, *argv, timeout=600)
-    env = ["env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", f"SHARDPOOL_HOME={host.home}", f"PYTHONPATH={REPO_ROOT}",
-           f"HOME={host.home}", "COLUMNS=200"]  # fmt: skip
-    return subprocess.Popen(
-        ["ip", "netns", "exec", host.netns, *env, *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _local_twin(tmp: Path, mesh_out: Path) -> Path:
-    """Train the mesh run's config and split with local stage processes, from an identical model."""
-    from rich.console import Console
-
-    from shardpool.config import parse_config
-    from shardpool.finetune import finetune
-    from shardpool.tinymodel import make_tiny_llama
-    from tests.conftest import write_jsonl
-
-    make_tiny_llama(tmp / "model", num_layers=6, hidden_size=64, seed=3)
-    write_jsonl(tmp / "data.jsonl", completion_rows(64))
-    plan = json.loads((mesh_out / "plan.json").read_text())
-    sizes = [stop - start for start, stop in (stage["layers"] for stage in plan["stages"])]
-    config = _config(tmp / "local-out", tmp, shardpool={"placement": "local", "layers": sizes})
-    return finetune(parse_config(config), console=Console(quiet=True))
+    return mesh_of_three(lab)
 
 
 def test_mesh_run_equals_local_run_and_loads_with_peft(
@@ -146,11 +63,11 @@ def test_mesh_run_equals_local_run_and_loads_with_peft(
     private = tmp_path / "private"
     private.mkdir()
     out = tmp_path / "mesh-out"
-    config_path = write_config(tmp_path / "mesh.yaml", _config(out, private))
+    config_path = write_config(tmp_path / "mesh.yaml", training_config(out, private))
     started = time.monotonic()
-    result = _launch(lab, lab.hosts["a"], private, config_path)
+    result = launch(lab, lab.hosts["a"], private, config_path)
     MEASURED["mesh_run_s"] = round(time.monotonic() - started, 1)
-    _ok(result)
+    ok(result)
     for pair in ("a - b", "a - c", "b - c"):
         assert f"link {pair}: " in result.stdout, "every link between members is measured"
     assert not any(private.iterdir()), "the model must be visible only inside the launcher's mount namespace"
@@ -161,7 +78,7 @@ def test_mesh_run_equals_local_run_and_loads_with_peft(
     summary = json.loads((out / "run_summary.json").read_text())
     assert len(summary["ranks"]) == 3
 
-    twin = _local_twin(tmp_path / "twin", out)
+    twin = local_twin(tmp_path / "twin", out)
     mesh_adapter = load_file(str(out / "adapter_model.safetensors"))
     local_adapter = load_file(str(twin / "adapter_model.safetensors"))
     assert mesh_adapter.keys() == local_adapter.keys()
@@ -181,7 +98,7 @@ def test_mesh_run_equals_local_run_and_loads_with_peft(
 
 def test_agent_refuses_requests_from_outside_the_mesh(lab: Lab, mesh3: dict[str, str]) -> None:
     outsider, a = lab.hosts["x"], lab.hosts["a"]
-    _ok(lab.run(outsider, "ip", "route", "add", "10.77.0.0/24", "via", a.underlay))
+    ok(lab.run(outsider, "ip", "route", "add", "10.77.0.0/24", "via", a.underlay))
     probe = (
         "import urllib.request, urllib.error\n"
         "try:\n"
@@ -192,9 +109,9 @@ def test_agent_refuses_requests_from_outside_the_mesh(lab: Lab, mesh3: dict[str,
         "except OSError as error:\n"
         "    print('unreachable', error)\n"
     )
-    answer = _ok(lab.run(outsider, sys.executable, "-c", probe, timeout=30)).strip()
-    assert answer == "http 403" or answer.startswith("unreachable"), answer
-    assert lab.agent_healthy(lab.hosts["b"], mesh3["a"], AGENT_PORT), "members are still served"
+    answer = ok(lab.run(outsider, sys.executable, "-c", probe, timeout=30)).strip()
+    assert answer == "http 401" or answer.startswith("unreachable"), answer
+    assert lab.agent_serves(lab.hosts["b"], "a"), "members are still served"
 
 
 def test_losing_a_member_stops_the_run_and_resume_finishes_on_the_rest(
@@ -203,11 +120,11 @@ def test_losing_a_member_stops_the_run_and_resume_finishes_on_the_rest(
     private = tmp_path / "private"
     private.mkdir()
     out = tmp_path / "lossy-out"
-    config = _config(out, private, num_epochs=20, max_steps=200, save_steps=2, val_set_size=0)
+    config = training_config(out, private, num_epochs=20, max_steps=200, save_steps=2, val_set_size=0)
     config_path = write_config(tmp_path / "lossy.yaml", config)
-    launcher = _launch(lab, lab.hosts["a"], private, config_path, background=True)
+    launcher = launch(lab, lab.hosts["a"], private, config_path, background=True)
     try:
-        _wait(lambda: (out / "checkpoints" / "step-2").is_dir() or launcher.poll() is not None, 300, 0.2)
+        wait_for(lambda: (out / "checkpoints" / "step-2").is_dir() or launcher.poll() is not None, 300, 0.2)
         assert launcher.poll() is None, launcher.communicate()
         killed_at = time.monotonic()
         lab._kill_namespace_processes(lab.hosts["c"].netns)
@@ -222,8 +139,8 @@ def test_losing_a_member_stops_the_run_and_resume_finishes_on_the_rest(
     assert "'c'" in error and "step" in error, error
     assert (out / "checkpoints" / "step-2" / "adapter_model.safetensors").is_file()
 
-    resumed = _launch(lab, lab.hosts["a"], private, config_path, "--resume")
-    _ok(resumed)
+    resumed = launch(lab, lab.hosts["a"], private, config_path, "--resume")
+    ok(resumed)
     plan = json.loads((out / "plan.json").read_text())
     assert sorted({stage["host"] for stage in plan["stages"]}) == ["a", "b"]
     summary = json.loads((out / "run_summary.json").read_text())

@@ -1,0 +1,148 @@
+"""Shared pieces of the mesh training end-to-end tests: the lab, the three-member mesh, launches.
+
+The model and data of a launch exist only inside the launcher's private mount namespace on its
+host (a tmpfs no other process can see), so every stage must fetch its tensors over the mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import pwd
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import base_config, completion_rows
+from tests.mesh_hosts import Host, Lab
+
+__all__ = [
+    "AGENT_PORT",
+    "ADDRESSES",
+    "launch",
+    "local_twin",
+    "mesh_of_three",
+    "ok",
+    "training_config",
+    "training_lab",
+    "wait_for",
+]
+
+AGENT_PORT = 7710
+ADDRESSES = {"a": "10.77.0.1", "b": "10.77.0.2", "c": "10.77.0.3"}
+
+_MAKE_PRIVATE_FILES = """
+import json, sys
+from shardpool.tinymodel import make_tiny_llama
+from tests.conftest import completion_rows, write_jsonl
+from pathlib import Path
+root = Path(sys.argv[1])
+make_tiny_llama(root / "model", num_layers=6, hidden_size=64, seed=3)
+write_jsonl(root / "data.jsonl", completion_rows(64))
+"""
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> str:
+    """The stdout of a command that must have succeeded (else the test fails with its output)."""
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
+    )
+    return result.stdout
+
+
+def wait_for(condition: Any, timeout: float, step: float = 0.5) -> float:
+    """Poll ``condition`` until true; fail the test after ``timeout`` s. Returns the seconds waited."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout:
+            pytest.fail(f"condition not met within {timeout} s")
+        time.sleep(step)
+    return time.monotonic() - started
+
+
+def training_lab(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Lab]:
+    """Hosts a, b, c (members) and x (an outsider on the underlay); closed when the generator ends."""
+    with Lab(tmp_path_factory.mktemp(name)) as built:
+        for index, label in enumerate("abcx", start=1):
+            built.add_host(label, index)
+        yield built
+
+
+def mesh_of_three(lab: Lab) -> dict[str, str]:
+    """Form the mesh a (coordinator), b, c through the real CLI; wait for pings and agents."""
+    a, b, c = (lab.hosts[name] for name in "abc")
+    lab.form_mesh("a", "bc", uses=2)
+    for source in (a, b, c):
+        for target, address in ADDRESSES.items():
+            if target != source.label:
+                wait_for(lambda source=source, address=address: lab.ping(source, address, timeout=1), 20)
+    for address in ADDRESSES.values():
+        wait_for(lambda address=address: lab.agent_healthy(a, address, AGENT_PORT), 30)
+    return dict(ADDRESSES)
+
+
+def training_config(out: Path, private: Path, **overrides: Any) -> dict[str, Any]:
+    """A 4-step, three-stage mesh run of the tiny model in ``private`` into ``out``."""
+    settings: dict[str, Any] = {
+        "val_set_size": 8,
+        "max_steps": 4,
+        "shardpool": {"placement": "mesh", "stages": 3},
+    }
+    settings.update(overrides)
+    return base_config(private / "model", private / "data.jsonl", out, **settings)
+
+
+def launch(
+    lab: Lab,
+    host: Host,
+    private: Path,
+    config_path: Path,
+    *extra: str,
+    background: bool = False,
+    user: str | None = None,
+) -> Any:
+    """Run ``shardpool finetune`` on ``host`` with the model and data on a tmpfs only it can see.
+
+    Root mounts the tmpfs and writes the files; with ``user`` the launcher itself then runs as
+    that account. Returns the CompletedProcess, or the Popen with ``background``.
+    """
+    finetune = [sys.executable, "-m", "shardpool", "finetune", str(config_path), *extra]
+    if user is not None:
+        entry = pwd.getpwnam(user)
+        finetune = ["setpriv", f"--reuid={user}", f"--regid={entry.pw_gid}", "--init-groups", "env",
+                    f"HOME={lab.user_home(user)}", *finetune]  # fmt: skip
+    script = " && ".join(
+        [
+            f"mount -t tmpfs shardpool-private {shlex.quote(str(private))}",
+            # its progress bars go to stdout, so stderr holds the launcher's own lines only
+            f"{shlex.quote(sys.executable)} -c {shlex.quote(_MAKE_PRIVATE_FILES)} {shlex.quote(str(private))} 2>&1",
+            "exec " + shlex.join(finetune),
+        ]
+    )
+    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+    if not background:
+        return lab.run(host, *argv, timeout=600, env={"COLUMNS": "200"})
+    command = lab.command(host, *argv, env={"COLUMNS": "200"})
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def local_twin(tmp: Path, mesh_out: Path) -> Path:
+    """Train the mesh run's config and split with local stage processes, from an identical model."""
+    from rich.console import Console
+
+    from shardpool.config import parse_config
+    from shardpool.finetune import finetune
+    from shardpool.tinymodel import make_tiny_llama
+    from tests.conftest import write_jsonl
+
+    make_tiny_llama(tmp / "model", num_layers=6, hidden_size=64, seed=3)
+    write_jsonl(tmp / "data.jsonl", completion_rows(64))
+    plan = json.loads((mesh_out / "plan.json").read_text())
+    sizes = [stop - start for start, stop in (stage["layers"] for stage in plan["stages"])]
+    config = training_config(tmp / "local-out", tmp, shardpool={"placement": "local", "layers": sizes})
+    return finetune(parse_config(config), console=Console(quiet=True))
