@@ -53,6 +53,7 @@ from mesh.http import CHUNK, HTTPError, HTTPServer, Limits, Reply, Request, Rout
 from shardpool import __version__
 from shardpool.accounts import DEFAULT_LAUNCH_GROUP, RunAs
 from shardpool.agent_client import AGENT_PORT, agent_socket_path
+from shardpool.confine import landlock_abi, restrict_writes, stage_writable_dirs
 from shardpool.contract import (
     EVENT_PREFIX,
     FILES_SECRET_FILE,
@@ -217,13 +218,16 @@ def _same_ip(left: str | None, right: str) -> bool:
 # ---------------------------------------------------------------------------- processes
 
 
-def _die_with_parent(parent: int) -> Callable[[], None]:
-    """A ``preexec_fn``: SIGKILL the child when the agent dies (and exit if it already has)."""
+def _die_with_parent(parent: int, writable: list[str] | None = None, abi: int = 0) -> Callable[[], None]:
+    """A ``preexec_fn``: SIGKILL the child when the agent dies (and exit if it already has); where
+    the kernel has Landlock (``abi`` > 0), forbid it every write outside ``writable``."""
 
     def preexec() -> None:
         if sys.platform.startswith("linux"):
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if writable is not None and abi > 0:
+            restrict_writes(writable, abi)
         if os.getppid() != parent:
             os._exit(1)
 
@@ -388,6 +392,13 @@ class Agent:
         self.interface = interface
         self.member_name = member_name
         self.run_as = run_as
+        self.landlock_abi = landlock_abi()
+        if not self.landlock_abi:
+            log.warning(
+                "this kernel has no Landlock: stages run as %r in 0700 job directories, but may write "
+                "wherever that account can (see docs/security.md)",
+                run_as.user,
+            )
         self.worker_command = list(worker_command or [sys.executable, "-m", "shardpool.worker"])
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_events = max_events
@@ -628,7 +639,9 @@ class Agent:
             env=env,
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid()),
+            preexec_fn=_die_with_parent(
+                os.getpid(), stage_writable_dirs(cwd, self.cache_dir), self.landlock_abi
+            ),
             **self.run_as.popen_kwargs(),
         )
 
