@@ -44,6 +44,7 @@ from aiohttp import web
 from mesh.errors import MeshError
 from mesh.http_messages import (
     CHUNK,
+    FileChunks,
     HTTPError,
     Reply,
     Request,
@@ -69,6 +70,7 @@ from mesh.http_transport import (
 )
 
 __all__ = [
+    "FileChunks",
     "CHUNK",
     "HTTPError",
     "HTTPServer",

@@ -22,6 +22,7 @@ from mesh.http_transport import Peer
 
 __all__ = [
     "CHUNK",
+    "FileChunks",
     "HTTPError",
     "Reply",
     "Request",
@@ -112,19 +113,24 @@ def file_reply(
 
     The file is opened here, in the handler, so a missing file is the handler's error.
     """
-    chunks = _FileChunks(os.open(path, os.O_RDONLY), start, stop)
+    chunks = FileChunks(os.open(path, os.O_RDONLY), start, stop)
     return stream_reply(chunks, chunks.stop - start, status, content_type, headers)
 
 
-class _FileChunks:
-    """An iterator over a file range that owns the fd; ``close`` may come from another thread."""
+class FileChunks:
+    """An iterator over bytes ``[start, stop)`` of an open file that it owns, 1 MiB at a time;
+    ``close`` may come from another thread."""
 
-    def __init__(self, fd: int, start: int, stop: int | None) -> None:
+    def __init__(self, fd: int, start: int = 0, stop: int | None = None) -> None:
         self._fd, self._offset = fd, start
         self.stop = os.fstat(fd).st_size if stop is None else stop
         self._lock = threading.Lock()
 
-    def __iter__(self) -> _FileChunks:
+    def seek(self, start: int, stop: int) -> None:
+        """Make the iterator yield bytes ``[start, stop)``."""
+        self._offset, self.stop = start, stop
+
+    def __iter__(self) -> FileChunks:
         return self
 
     def __next__(self) -> bytes:
@@ -138,6 +144,7 @@ class _FileChunks:
             return chunk
 
     def close(self) -> None:
+        """Close the file (idempotent)."""
         with self._lock:
             if self._fd >= 0:
                 os.close(self._fd)

@@ -28,6 +28,7 @@ from types import TracebackType
 
 from mesh.errors import MeshError
 from mesh.http import (
+    FileChunks,
     HTTPError,
     HTTPServer,
     Limits,
@@ -373,16 +374,12 @@ def _served_entry(name: str, path: Path) -> _Served:
     return _Served(path, stat.st_size, stat.st_mtime_ns)
 
 
-class _OpenRange:
+class _OpenRange(FileChunks):
     """One opened served file, checked unchanged, read 1 MiB at a time while it is sent.
 
     The hash and the bytes sent come from the same open file, so a file renamed over on the
     launcher mid-request cannot make them disagree. ``close`` may come from another thread.
     """
-
-    def __init__(self, fd: int) -> None:
-        self._fd, self._offset, self._stop = fd, 0, 0
-        self._lock = threading.Lock()
 
     @classmethod
     def of(cls, entry: _Served, name: str) -> _OpenRange:
@@ -391,7 +388,7 @@ class _OpenRange:
             fd = os.open(entry.path, os.O_RDONLY)
         except OSError as error:
             raise HTTPError(410, f"{name!r} is no longer readable ({error.strerror})") from None
-        opened = cls(fd)
+        opened = cls(fd, 0, 0)
         stat = os.fstat(fd)
         if (stat.st_size, stat.st_mtime_ns) != (entry.size, entry.mtime_ns):
             opened.close()
@@ -408,27 +405,3 @@ class _OpenRange:
             digest.update(chunk)
             offset += len(chunk)
         return digest.hexdigest()
-
-    def seek(self, start: int, stop: int) -> None:
-        """Make the iterator yield bytes ``[start, stop)``."""
-        self._offset, self._stop = start, stop
-
-    def __iter__(self) -> _OpenRange:
-        return self
-
-    def __next__(self) -> bytes:
-        with self._lock:
-            if self._offset >= self._stop or self._fd < 0:
-                raise StopIteration
-            chunk = os.pread(self._fd, min(_CHUNK, self._stop - self._offset), self._offset)
-            if not chunk:
-                raise OSError(f"the file ended at byte {self._offset}, before byte {self._stop}")
-            self._offset += len(chunk)
-            return chunk
-
-    def close(self) -> None:
-        """Close the file (idempotent)."""
-        with self._lock:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
