@@ -4,7 +4,9 @@ The hosts are network namespaces joined by the real CLI over real wireguard-go (
 test_mesh_e2e). The model and data exist only inside the launcher's private mount namespace on
 host a (a tmpfs no other process can see), so every stage, a's own included, must fetch its
 tensors from the launcher over the mesh. Scenario, in order:
-1. the mesh run's adapter equals a local run of the same config and split, and loads with peft;
+1. a user in the launch group (made for the test) launches; the stages on every member run as
+   the unprivileged run-as account; the adapter, owned by the user, equals a local run of the
+   same config and split and loads with peft; ``shardpool jobs`` shows the user as submitter;
 2. a request to an agent from outside the mesh is refused;
 3. host c's processes are killed mid-run: the run stops within 60 s naming c, and ``--resume``
    completes on a and b from the last checkpoint.
@@ -13,6 +15,9 @@ tensors from the launcher over the mesh. Scenario, in order:
 from __future__ import annotations
 
 import json
+import os
+import pwd
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -44,6 +49,8 @@ if SKIP:
     pytest.skip(SKIP, allow_module_level=True)
 
 MEASURED: dict[str, Any] = {}
+RUN_AS = "shardpool"
+LAUNCH_GROUP = "shardpool"
 
 
 @pytest.fixture(scope="module")
@@ -57,26 +64,60 @@ def mesh3(lab: Lab) -> dict[str, str]:
     return mesh_of_three(lab)
 
 
+@pytest.fixture(scope="module")
+def student() -> Iterator[str]:
+    """A fresh local user in the launch group, removed afterwards."""
+    name = f"spstu{os.getpid() % 100000}"
+    subprocess.run(
+        ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", "--groups", LAUNCH_GROUP, name],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield name
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)
+
+
 def test_mesh_run_equals_local_run_and_loads_with_peft(
-    lab: Lab, mesh3: dict[str, str], tmp_path: Path
+    lab: Lab, mesh3: dict[str, str], student: str, tmp_path: Path
 ) -> None:
-    private = tmp_path / "private"
+    # Launched by a user in the launch group, not root: the stages on every member must run as the
+    # unprivileged run-as account, and the outputs belong to the user.
+    workspace = lab.user_home(student)
+    private = workspace / "private"
     private.mkdir()
-    out = tmp_path / "mesh-out"
-    config_path = write_config(tmp_path / "mesh.yaml", training_config(out, private))
+    out = workspace / "mesh-out"
+    config_path = write_config(workspace / "mesh.yaml", training_config(out, private))
     started = time.monotonic()
-    result = launch(lab, lab.hosts["a"], private, config_path)
+    launcher = launch(lab, lab.hosts["a"], private, config_path, background=True, user=student)
+    stage_uids: dict[str, set[int]] = {"a": set(), "b": set(), "c": set()}
+    try:
+        deadline = time.monotonic() + 600
+        while launcher.poll() is None and time.monotonic() < deadline:
+            for label in stage_uids:
+                stage_uids[label].update(lab.processes(lab.hosts[label], "shardpool.worker").values())
+            time.sleep(0.1)
+        stdout, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
     MEASURED["mesh_run_s"] = round(time.monotonic() - started, 1)
-    ok(result)
+    assert launcher.returncode == 0, f"stdout: {stdout}\nstderr: {stderr}"
     for pair in ("a - b", "a - c", "b - c"):
-        assert f"link {pair}: " in result.stdout, "every link between members is measured"
+        assert f"link {pair}: " in stdout, "every link between members is measured"
     assert not any(private.iterdir()), "the model must be visible only inside the launcher's mount namespace"
     plan = json.loads((out / "plan.json").read_text())
-    assert [stage["host"] for stage in plan["stages"]] == ["a", "b", "c"] or sorted(
-        stage["host"] for stage in plan["stages"]
-    ) == ["a", "b", "c"], plan["stages"]
+    assert sorted(stage["host"] for stage in plan["stages"]) == ["a", "b", "c"], plan["stages"]
     summary = json.loads((out / "run_summary.json").read_text())
     assert len(summary["ranks"]) == 3
+    run_as_uid = pwd.getpwnam(RUN_AS).pw_uid
+    assert stage_uids == {"a": {run_as_uid}, "b": {run_as_uid}, "c": {run_as_uid}}, stage_uids
+    assert os.stat(out / "adapter_model.safetensors").st_uid == pwd.getpwnam(student).pw_uid
+    listed = ok(lab.run(lab.hosts["a"], sys.executable, "-m", "shardpool", "jobs", user=student)).splitlines()
+    assert len(listed) == 2 and listed[1].split()[1] == student, listed
+    everyone = ok(lab.run(lab.hosts["a"], sys.executable, "-m", "shardpool", "jobs")).splitlines()
+    assert any(line.split()[1:2] == [student] for line in everyone[1:]), everyone
 
     twin = local_twin(tmp_path / "twin", out)
     mesh_adapter = load_file(str(out / "adapter_model.safetensors"))
@@ -120,7 +161,7 @@ def test_losing_a_member_stops_the_run_and_resume_finishes_on_the_rest(
     private = tmp_path / "private"
     private.mkdir()
     out = tmp_path / "lossy-out"
-    config = training_config(out, private, num_epochs=20, max_steps=200, save_steps=2, val_set_size=0)
+    config = training_config(out, private, num_epochs=20, max_steps=60, save_steps=2, val_set_size=0)
     config_path = write_config(tmp_path / "lossy.yaml", config)
     launcher = launch(lab, lab.hosts["a"], private, config_path, background=True)
     try:
