@@ -34,7 +34,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mesh.auth import NONCE_CAP, ROSTER_PURPOSE, AuthError, Member, RequestVerifier, RosterStoreDirectory
@@ -76,17 +76,8 @@ JOIN_LIMITS = Limits(
 )
 """Bounds of the join service on the underlay (see the module docstring for why)."""
 
-ROSTER_LIMITS = Limits(
-    head_timeout_s=10.0,
-    keepalive_timeout_s=5.0,
-    body_timeout_s=10.0,
-    min_rate_bps=256 * 1024,
-    max_connections=4096,
-    max_connections_per_source=32,
-    handler_threads=8,
-    max_line_size=4096,
-    max_field_size=4096,
-    max_headers=32,
+ROSTER_LIMITS = replace(
+    JOIN_LIMITS, min_rate_bps=256 * 1024, max_connections_per_source=32, handler_threads=8
 )
 """Bounds of the roster service on the mesh address (see the module docstring for why)."""
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from collections import Counter
@@ -39,6 +38,7 @@ from mesh.coordinator import JOIN_LIMITS, JOIN_MAX_BODY, ROSTER_LIMITS, ROSTER_M
 from mesh.keys import generate_private_key, public_key
 from mesh.protocol import seal_join_request
 from mesh.token import JoinToken
+from tests.helpers.raw_http import exchange
 from tests.mesh_hosts import InProcessCoordinator
 
 EXAMPLES = 1200
@@ -74,7 +74,6 @@ HEADER_NAMES = [
     MAC_HEADER,
     "X-Shardpool-Reply-Mac",
 ]
-REPLY_TIMEOUT_S = 15.0
 
 
 # ---------------------------------------------------------------------------- the coordinator under test
@@ -127,7 +126,7 @@ class Target:
         """Send one valid signed GET from the member, check it is accepted, and keep it for replays."""
         headers = self.signed(self.member_key, self.member_private, "GET", path, b"")
         port = self.port_for(path)
-        status, _ = exchange(port, build("GET", path, headers.items(), b""))
+        status, _ = exchange(("127.0.0.1", port), build("GET", path, headers.items(), b""))
         assert status == 200, f"the recorded {path} request must be accepted once"
         return Recorded(port, "GET", path, headers, b"", time.monotonic())
 
@@ -135,7 +134,7 @@ class Target:
         token = self.coordinator.invite()
         envelope, _ = seal_join_request(token, "joined", public_key(generate_private_key()), None)
         body = json.dumps(envelope).encode()
-        assert exchange(self.coordinator.port, build("POST", "/v1/join", [], body))[0] == 200
+        assert exchange(("127.0.0.1", self.coordinator.port), build("POST", "/v1/join", [], body))[0] == 200
         return body
 
     def _leave_once(self) -> Recorded:
@@ -144,7 +143,10 @@ class Target:
         key = pair_key(private, self.coordinator.public_key, MESH_ID, ROSTER_PURPOSE)
         headers = self.signed(key, private, "POST", "/v1/leave", b"")
         port = self.coordinator.roster_port
-        assert exchange(port, build("POST", "/v1/leave", headers.items(), b"", length=0))[0] == 200
+        assert (
+            exchange(("127.0.0.1", port), build("POST", "/v1/leave", headers.items(), b"", length=0))[0]
+            == 200
+        )
         return Recorded(port, "POST", "/v1/leave", headers, b"", time.monotonic())
 
     def state(self) -> tuple[Any, dict[str, int]]:
@@ -161,29 +163,6 @@ def build(method: str, target: str, headers: Any, body: bytes, length: int | Non
     if declared is not None:
         lines.append(f"Content-Length: {declared}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
-
-
-def exchange(port: int, data: bytes) -> tuple[int, bytes]:
-    """Send ``data``, shut down the sending side, read until the server closes: (final status or 0, body)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=REPLY_TIMEOUT_S) as sock:
-        try:
-            sock.sendall(data)
-            sock.shutdown(socket.SHUT_WR)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # refused before all was sent; the reply (if any) is still readable
-        reply = b""
-        try:
-            while chunk := sock.recv(65536):
-                reply += chunk
-        except ConnectionResetError:
-            pass
-    while reply.startswith(b"HTTP/1.1 100 "):
-        reply = reply.partition(b"\r\n\r\n")[2]
-    status_line, _, rest = reply.partition(b"\r\n")
-    parts = status_line.split(b" ", 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
-        return 0, b""
-    return int(parts[1]), rest.partition(b"\r\n\r\n")[2]
 
 
 def error_text(body: bytes) -> str:
@@ -415,25 +394,29 @@ def send(target: Target, case: Case) -> tuple[int, bytes]:
     """Send one hostile case to the service it names; return the status (0: no reply) and body."""
     port = target.port_for(case.port_path)
     if case.kind == "garbage":
-        return exchange(port, case.data)
+        return exchange(("127.0.0.1", port), case.data)
     if case.kind == "random":
         method, path, headers, body = case.data
-        return exchange(port, build(method, path, headers, body))
+        return exchange(("127.0.0.1", port), build(method, path, headers, body))
     if case.kind == "garbage_json":
-        return exchange(port, build("POST", "/v1/join", [], case.data, length=len(case.data)))
+        return exchange(("127.0.0.1", port), build("POST", "/v1/join", [], case.data, length=len(case.data)))
     if case.kind == "oversized":
         method, path, length = case.data
-        return exchange(port, build(method, path, [], b"", length=length))
+        return exchange(("127.0.0.1", port), build(method, path, [], b"", length=length))
     if case.kind == "forged":
-        return exchange(port, forged_request(target, case.data))
+        return exchange(("127.0.0.1", port), forged_request(target, case.data))
     if case.kind == "wrong_key_join":
-        return exchange(port, build("POST", "/v1/join", [], wrong_key_envelope(target, *case.data)))
+        return exchange(
+            ("127.0.0.1", port), build("POST", "/v1/join", [], wrong_key_envelope(target, *case.data))
+        )
     which, noise = case.data
     recorded = replay_request(target, which)
     if isinstance(recorded, bytes):
-        return exchange(port, build("POST", "/v1/join", noise, recorded))
+        return exchange(("127.0.0.1", port), build("POST", "/v1/join", noise, recorded))
     headers = [*recorded.headers.items(), *noise]
-    return exchange(recorded.port, build(recorded.method, recorded.path, headers, recorded.body, length=0))
+    return exchange(
+        ("127.0.0.1", recorded.port), build(recorded.method, recorded.path, headers, recorded.body, length=0)
+    )
 
 
 # ---------------------------------------------------------------------------- the test
