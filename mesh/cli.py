@@ -29,10 +29,10 @@ from mesh.addresses import (
     parse_endpoint,
     parse_interface_name,
 )
-from mesh.api import current_roster, device_status
-from mesh.backend import BACKENDS, choose_backend
-from mesh.client import request_join, send_leave
-from mesh.config import (
+from mesh.node.api import current_roster, device_status
+from mesh.wireguard.backend import BACKENDS, choose_backend
+from mesh.control.client import request_join, send_leave
+from mesh.node.config import (
     DEFAULT_INTERFACE,
     DEFAULT_KEEPALIVE,
     DEFAULT_MTU,
@@ -42,15 +42,15 @@ from mesh.config import (
 )
 from mesh.daemon import log_tail, read_pid, spawn_detached, stop_process
 from mesh.errors import MeshError
-from mesh.keys import generate_private_key, public_key, read_private_key, write_private_key
-from mesh.model import RosterEntry, check_name
-from mesh.node import bring_down, bring_up, save_cached_roster, start_syncd, syncd_running
-from mesh.probe import probe_all
-from mesh.roster import Invite, RosterStore
+from mesh.wireguard.keys import generate_private_key, public_key, read_private_key, write_private_key
+from mesh.control.model import RosterEntry, check_name
+from mesh.node.member import bring_down, bring_up, save_cached_roster, start_syncd, syncd_running
+from mesh.node.probe import probe_all
+from mesh.control.roster import Invite, RosterStore
 from mesh.state import StatePaths, read_json, resolve_state_dir
-from mesh.token import TOKEN_PREFIX, JoinToken, find_token_text, new_token, parse_token, secret_hash
+from mesh.control.token import TOKEN_PREFIX, JoinToken, find_token_text, new_token, parse_token, secret_hash
 from mesh.units import format_age, format_bytes, parse_duration
-from mesh.wgquick import WgQuickConfig, WgQuickPeer, render_wgquick, write_wgquick
+from mesh.wireguard.wgquick import WgQuickConfig, WgQuickPeer, render_wgquick, write_wgquick
 
 __all__ = ["TOKEN_ENV", "add_mesh_commands", "build_parser", "main", "read_join_token"]
 

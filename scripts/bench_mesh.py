@@ -7,7 +7,7 @@ It needs root, ``ip``, ``wireguard-go``, ``wg``, ``ping`` and ``/dev/net/tun`` (
 mesh tests). Everything happens in a temporary directory and in network namespaces that are
 removed at the end, with every process the lab started stopped by pid, also on failure or Ctrl-C:
 
-  1. builds a random tiny Llama (``shardpool.tinymodel.make_tiny_llama``) and a completion dataset;
+  1. builds a random tiny Llama (``shardpool.model.tinymodel.make_tiny_llama``) and a completion dataset;
   2. builds three hosts a, b, c (``tests/mesh_hosts.Lab``: namespaces + veth + bridge on
      192.0.2.0/24) and forms the mesh with the real CLI (``mesh init`` on a, ``mesh join`` on b, c),
      then waits for pings and for every agent's ``/v1/health``;
@@ -60,7 +60,7 @@ from scripts.bench_pipeline import (  # noqa: E402 - needs ROOT on sys.path
     ring_allreduce_bytes_per_worker,
     training_config,
 )
-from tests.mesh_hosts import Host, Lab, LabError, netns_skip_reason  # noqa: E402 - needs ROOT on sys.path
+from tests.helpers.mesh_hosts import Host, Lab, LabError, netns_skip_reason  # noqa: E402 - needs ROOT on sys.path
 
 AGENT_PORT = 7710
 FP32_BYTES = 4
@@ -566,7 +566,7 @@ def stage_threads() -> int:
 
 def build_inputs(work: Path, size: dict[str, Any]) -> tuple[Path, Path]:
     """The random tiny Llama and a dataset with exactly enough rows for ``max_steps`` steps."""
-    from shardpool.tinymodel import DEFAULT_CORPUS, make_tiny_llama, write_jsonl
+    from shardpool.model.tinymodel import DEFAULT_CORPUS, make_tiny_llama, write_jsonl
 
     rows = completion_rows(size["max_steps"] * size["micro_batch_size"] * size["gradient_accumulation_steps"])
     data = write_jsonl(rows, work / "data.jsonl")

@@ -4,7 +4,7 @@
     python scripts/bench_pipeline.py --quick    # a smaller model and fewer steps, for a smoke run
 
 What it does, all inside one temporary directory that is removed at the end:
-  1. builds a random tiny Llama (``shardpool.tinymodel.make_tiny_llama``, 8 decoder layers) and a
+  1. builds a random tiny Llama (``shardpool.model.tinymodel.make_tiny_llama``, 8 decoder layers) and a
      completion dataset;
   2. trains it with ``shardpool.finetune.finetune`` as S = 1, 2 and 4 pipeline stages, every run
      pinned to the same CPU cores (the affinity is set on this process and inherited by the stage
@@ -158,7 +158,7 @@ def completion_rows(count: int, *, examples_per_row: int = 6) -> list[dict[str, 
     Long rows fill ``sequence_len`` (they are truncated, never padded), so every position the
     model computes is a real token and tokens/s counts the work done.
     """
-    from shardpool.tinymodel import quickstart_corpus, quickstart_rows
+    from shardpool.model.tinymodel import quickstart_corpus, quickstart_rows
 
     texts = quickstart_corpus(quickstart_rows(count * examples_per_row))
     return [
@@ -200,7 +200,7 @@ def training_config(
 
 def count_parameters(model_dir: Path) -> int:
     """Parameters in the model's safetensors files (from the headers; no tensor data is read)."""
-    from shardpool.weights import WeightReader
+    from shardpool.model.weights import WeightReader
 
     total = 0
     with WeightReader(model_dir) as reader:
@@ -402,10 +402,10 @@ def plain_loop(spec_path: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, get_scheduler
 
     from shardpool.config import parse_config
-    from shardpool.data import load_tokenizer, prepare_data, step_batches
-    from shardpool.lora import lora_settings
-    from shardpool.nf4 import bnb_config, keep_exact_cpu_matmul
-    from shardpool.pipeline import label_tokens, scheduler_name, token_loss_sum
+    from shardpool.data.datasets import load_tokenizer, prepare_data, step_batches
+    from shardpool.model.lora import lora_settings
+    from shardpool.model.nf4 import bnb_config, keep_exact_cpu_matmul
+    from shardpool.train.pipeline import label_tokens, scheduler_name, token_loss_sum
 
     runtime_rss = _vm_status("VmRSS")
     config = parse_config(spec["config"])
@@ -494,7 +494,7 @@ def benchmark(
     import torch
     import transformers
 
-    from shardpool.tinymodel import make_tiny_llama, write_jsonl
+    from shardpool.model.tinymodel import make_tiny_llama, write_jsonl
 
     size = QUICK if quick else FULL
     budget = len(cores)
@@ -506,7 +506,7 @@ def benchmark(
     try:
         rows = completion_rows(size["rows"])
         data = write_jsonl(rows, work / "data.jsonl")
-        from shardpool.tinymodel import DEFAULT_CORPUS
+        from shardpool.model.tinymodel import DEFAULT_CORPUS
 
         model_dir = make_tiny_llama(
             work / "model",

@@ -19,11 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shardpool.costmodel import Workload  # noqa: E402
+from shardpool.plan.costmodel import Workload  # noqa: E402
 from shardpool.errors import ShardpoolError  # noqa: E402
-from shardpool.fleet import Device, Fleet, LinkSpec, load_fleet  # noqa: E402
-from shardpool.model_shape import ModelShape  # noqa: E402
-from shardpool.planner import evaluate_split, even_split, plan_pipeline, proportional_split  # noqa: E402
+from shardpool.plan.fleet import Device, Fleet, LinkSpec, load_fleet  # noqa: E402
+from shardpool.model.shape import ModelShape  # noqa: E402
+from shardpool.plan.planner import evaluate_split, even_split, plan_pipeline, proportional_split  # noqa: E402
 
 GIB = 2**30
 WORKLOADS = {
@@ -122,7 +122,7 @@ def profile_tiny() -> dict:
         import peft  # noqa: F401
         import transformers  # noqa: F401
 
-        from shardpool.profiler import profile_layer
+        from shardpool.plan.profiler import profile_layer
 
         imports = time.perf_counter() - start
         shape = ModelShape.from_config_dir(ROOT / "configs/models/tiny-llama.json")

@@ -1,7 +1,7 @@
 """Regenerate the quickstart dataset and tiny model: configs/data/quickstart.jsonl and models/quickstart/.
 
 Run from the repository root: ``python scripts/make_quickstart_model.py``. The output is
-byte-for-byte reproducible; tests/test_tinymodel.py checks the committed copy against a fresh build.
+byte-for-byte reproducible; tests/model/test_tinymodel.py checks the committed copy against a fresh build.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from shardpool.tinymodel import make_quickstart  # noqa: E402
+from shardpool.model.tinymodel import make_quickstart  # noqa: E402
 
 
 def main() -> int:

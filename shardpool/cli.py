@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from mesh.errors import MeshError
-from shardpool.accounts import DEFAULT_LAUNCH_GROUP, DEFAULT_RUN_AS
+from shardpool.agent.accounts import DEFAULT_LAUNCH_GROUP, DEFAULT_RUN_AS
 from shardpool.errors import ShardpoolError
 
 __all__ = ["main", "build_parser"]
@@ -19,7 +19,7 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with one sub-command per user action."""
-    from shardpool.agent_client import AGENT_PORT
+    from shardpool.agent.client import AGENT_PORT
 
     parser = argparse.ArgumentParser(
         prog="shardpool",
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_agent(args: argparse.Namespace) -> int:
-    from shardpool.agent import run_agent
+    from shardpool.agent.service import run_agent
 
     return run_agent(
         args.state_dir,
@@ -137,8 +137,8 @@ def _run_jobs(args: argparse.Namespace) -> int:
 def _run_plan(args: argparse.Namespace) -> int:
     import json
 
-    from shardpool.fleet import load_fleet
-    from shardpool.planner import load_config_with_overrides, plan_for_config, plan_table
+    from shardpool.plan.fleet import load_fleet
+    from shardpool.plan.planner import load_config_with_overrides, plan_for_config, plan_table
 
     config = load_config_with_overrides(args.config, args.set)
     fleet = load_fleet(args.fleet) if args.fleet else None
@@ -153,7 +153,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _run_devices(args: argparse.Namespace) -> int:
-    from shardpool.devices import show_devices
+    from shardpool.plan.devices import show_devices
 
     show_devices(args.config, profile=not args.no_profile, as_json=args.json)
     return 0

@@ -27,9 +27,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from shardpool.architecture import DECODER_LINEAR_NAMES, ModelInfo, read_model_info
+from shardpool.model.architecture import DECODER_LINEAR_NAMES, ModelInfo, read_model_info
 from shardpool.atomic import write_bytes_atomic, write_json_atomic
-from shardpool.checkpoint import (
+from shardpool.train.checkpoint import (
     checkpoint_step,
     clear_partials,
     finalize_checkpoint,
@@ -37,19 +37,19 @@ from shardpool.checkpoint import (
     newest_checkpoint,
 )
 from shardpool.config import Config, load_config
-from shardpool.contract import RESUME_PREFIX, StageEvent, resolve_inside
-from shardpool.costmodel import Workload
-from shardpool.data import PreparedData, load_tokenizer, prepare_data, save_prepared, step_batches
+from shardpool.contract.spec import RESUME_PREFIX, StageEvent, resolve_inside
+from shardpool.plan.costmodel import Workload
+from shardpool.data.datasets import PreparedData, load_tokenizer, prepare_data, save_prepared, step_batches
 from shardpool.errors import ShardpoolError
-from shardpool.job import Job, StagePlacement
-from shardpool.launcher import run_local_job
-from shardpool.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings, lora_settings, write_adapter
-from shardpool.model_shape import ModelShape
-from shardpool.pipeline import DATA_INPUT, INIT_ADAPTER_PREFIX
-from shardpool.planner import Plan, plan_for_config, plan_pipeline
-from shardpool.runfiles import MODEL_PREFIX, model_file_names
-from shardpool.stage import StageSpec, owned_tensor_names
-from shardpool.weights import WeightReader
+from shardpool.contract.jobfile import Job, StagePlacement
+from shardpool.launch.local_launcher import run_local_job
+from shardpool.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings, lora_settings, write_adapter
+from shardpool.model.shape import ModelShape
+from shardpool.train.pipeline import DATA_INPUT, INIT_ADAPTER_PREFIX
+from shardpool.plan.planner import Plan, plan_for_config, plan_pipeline
+from shardpool.train.runfiles import MODEL_PREFIX, model_file_names
+from shardpool.model.stage import StageSpec, owned_tensor_names
+from shardpool.model.weights import WeightReader
 
 __all__ = [
     "finetune_from_file",
@@ -113,9 +113,9 @@ def _finetune_on_mesh(config: Config, *, resume: bool, console: Console) -> Path
     Everything goes through this machine's agent, over its Unix socket. Asking it for the members
     comes first, so a user it refuses gets the one-line fix before anything is prepared anywhere.
     """
-    from shardpool.agent_client import LocalAgentClient
-    from shardpool.fileserver import FileServer
-    from shardpool.mesh_launcher import mesh_fleet, new_job_id, online_members, run_mesh_job
+    from shardpool.agent.client import LocalAgentClient
+    from shardpool.files.server import FileServer
+    from shardpool.launch.mesh_launcher import mesh_fleet, new_job_id, online_members, run_mesh_job
 
     members = online_members(LocalAgentClient())
     me = next((member for member in members if member.is_self), None)
@@ -217,7 +217,7 @@ def rendezvous_store(host: str, *, port: int = 0, timeout_s: float = 300.0) -> A
     import torch.distributed as dist
 
     from mesh.errors import MeshError
-    from mesh.http_transport import listen_tcp
+    from mesh.http.transport import listen_tcp
 
     try:
         listener = listen_tcp(host, port)

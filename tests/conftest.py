@@ -35,7 +35,7 @@ def isolated_profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 6-layer random Llama with a trained BPE tokenizer, saved as a real model directory."""
-    from shardpool.tinymodel import make_tiny_llama  # imported here so mesh-only runs never load torch
+    from shardpool.model.tinymodel import make_tiny_llama  # imported here so mesh-only runs never load torch
 
     return make_tiny_llama(
         tmp_path_factory.mktemp("models") / "tiny-llama", num_layers=6, hidden_size=64, seed=3

@@ -19,11 +19,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mesh.auth import CONTROL_PURPOSE, FixedDirectory, Member, RequestVerifier
-from mesh.client import authenticated_request
-from mesh.keys import generate_private_key, public_key
-from shardpool.accounts import RunAs, resolve_run_as
-from shardpool.agent import Agent, MeshPeer
+from mesh.control.auth import CONTROL_PURPOSE, FixedDirectory, Member, RequestVerifier
+from mesh.control.client import authenticated_request
+from mesh.wireguard.keys import generate_private_key, public_key
+from shardpool.agent.accounts import RunAs, resolve_run_as
+from shardpool.agent.service import Agent, MeshPeer
 
 MESH_ID = "agenttestmesh"
 AGENT_KEY = generate_private_key()  # member "b": the agent under test

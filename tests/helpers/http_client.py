@@ -1,4 +1,4 @@
-"""Small HTTP clients for tests of mesh.http servers: http.client over TCP or a Unix socket, raw sockets."""
+"""Small HTTP clients for tests of mesh.http.server servers: http.client over TCP or a Unix socket, raw sockets."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A stand-in for the local agent's Unix-socket API (AGENT_API.md section B) on a real mesh.http server.
+"""A stand-in for the local agent's Unix-socket API (AGENT_API.md section B) on a real mesh.http.server server.
 
 It answers from canned data and records what it was asked, so the launcher's client can be tested
 over a real Unix socket without WireGuard keys or stage processes.
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mesh.http import HTTPError, HTTPServer, Request, Route, error_reply, json_reply
+from mesh.http.server import HTTPError, HTTPServer, Request, Route, error_reply, json_reply
 
 __all__ = ["StubLocalAgent", "shared_socket_dir"]
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import base_config, completion_rows
-from tests.mesh_hosts import Host, Lab
+from tests.helpers.mesh_hosts import Host, Lab
 
 __all__ = [
     "AGENT_PORT",
@@ -38,7 +38,7 @@ ADDRESSES = {"a": "10.77.0.1", "b": "10.77.0.2", "c": "10.77.0.3"}
 
 _MAKE_PRIVATE_FILES = """
 import json, sys
-from shardpool.tinymodel import make_tiny_llama
+from shardpool.model.tinymodel import make_tiny_llama
 from tests.conftest import completion_rows, write_jsonl
 from pathlib import Path
 root = Path(sys.argv[1])
@@ -137,7 +137,7 @@ def local_twin(tmp: Path, mesh_out: Path) -> Path:
 
     from shardpool.config import parse_config
     from shardpool.finetune import finetune
-    from shardpool.tinymodel import make_tiny_llama
+    from shardpool.model.tinymodel import make_tiny_llama
     from tests.conftest import write_jsonl
 
     make_tiny_llama(tmp / "model", num_layers=6, hidden_size=64, seed=3)

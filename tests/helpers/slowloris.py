@@ -1,4 +1,4 @@
-"""A slowloris attack for tests of mesh.http servers: many idle or trickling connections from loopback sources.
+"""A slowloris attack for tests of mesh.http.server servers: many idle or trickling connections from loopback sources.
 
 Half the connections stay silent after connecting; the other half send the start of a request
 head and then one more header byte a second, so they never finish it. The attack connects only

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from shardpool.agent import Agent
+from shardpool.agent.service import Agent
 from tests.helpers.agents import (
     AGENT_KEY,
     REMOVED_KEY,
@@ -75,7 +75,7 @@ def _nothing_started(agent: Agent) -> None:
 
 def test_an_unsigned_request_to_the_mesh_listener_gets_401_and_starts_nothing(setup) -> None:
     agent, _ = setup
-    from tests.test_agent import _call
+    from tests.agent.test_service import _call
 
     for method, path, body in (
         ("POST", "/v1/jobs", _job_body("unsigned")),

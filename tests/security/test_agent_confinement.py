@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from mesh.keys import public_key
-from shardpool.agent import Agent
-from shardpool.agent_client import SignedAgentClient
+from mesh.wireguard.keys import public_key
+from shardpool.agent.service import Agent
+from shardpool.agent.client import SignedAgentClient
 from shardpool.errors import ShardpoolError
-from shardpool.job import Job
-from shardpool.mesh_launcher import MeshMember, run_mesh_job
+from shardpool.contract.jobfile import Job
+from shardpool.launch.mesh_launcher import MeshMember, run_mesh_job
 from tests.helpers.agents import (
     AGENT_KEY,
     LAUNCHER_KEY,

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mesh.auth import (
+from mesh.control.auth import (
     CONTROL_PURPOSE,
     KEY_HEADER,
     MAC_HEADER,
@@ -32,8 +32,8 @@ from mesh.auth import (
     pair_key,
     sign_request,
 )
-from mesh.keys import public_key
-from shardpool.agent import AGENT_LIMITS, Agent
+from mesh.wireguard.keys import public_key
+from shardpool.agent.service import AGENT_LIMITS, Agent
 from tests.helpers.agents import (
     AGENT_KEY,
     LAUNCHER_KEY,

@@ -23,7 +23,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mesh.auth import (
+from mesh.control.auth import (
     CONTROL_PURPOSE,
     KEY_HEADER,
     MAC_HEADER,
@@ -33,13 +33,13 @@ from mesh.auth import (
     pair_key,
     sign_request,
 )
-from mesh.client import check_membership, fetch_roster, request_join
-from mesh.coordinator import JOIN_LIMITS, JOIN_MAX_BODY, ROSTER_LIMITS, ROSTER_MAX_BODY
-from mesh.keys import generate_private_key, public_key
-from mesh.protocol import seal_join_request
-from mesh.token import JoinToken
+from mesh.control.client import check_membership, fetch_roster, request_join
+from mesh.control.coordinator import JOIN_LIMITS, JOIN_MAX_BODY, ROSTER_LIMITS, ROSTER_MAX_BODY
+from mesh.wireguard.keys import generate_private_key, public_key
+from mesh.control.protocol import seal_join_request
+from mesh.control.token import JoinToken
 from tests.helpers.raw_http import exchange
-from tests.mesh_hosts import InProcessCoordinator
+from tests.helpers.mesh_hosts import InProcessCoordinator
 
 EXAMPLES = 1200
 MESH_ID = "testmesh"

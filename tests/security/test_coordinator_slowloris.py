@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from mesh.client import check_membership, fetch_roster, request_join
-from mesh.coordinator import JOIN_LIMITS
-from mesh.keys import generate_private_key, public_key
+from mesh.control.client import check_membership, fetch_roster, request_join
+from mesh.control.coordinator import JOIN_LIMITS
+from mesh.wireguard.keys import generate_private_key, public_key
 from tests.helpers.slowloris import SlowlorisAttack, loopback_sources, raise_fd_limit
-from tests.mesh_hosts import InProcessCoordinator
+from tests.helpers.mesh_hosts import InProcessCoordinator
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardpool.contract import (
+from shardpool.contract.spec import (
     ContractError,
     JobSpec,
     NotAMember,
@@ -20,7 +20,7 @@ from shardpool.contract import (
     parse_stage_event,
     resolve_inside,
 )
-from shardpool.job import Job
+from shardpool.contract.jobfile import Job
 from tests.helpers.jobs import job_dict
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,8 +33,8 @@ def _start(job: dict, ranks: list[int] | None = None, **extra: object) -> object
 
 
 def test_the_contract_module_imports_neither_torch_transformers_nor_the_http_stack() -> None:
-    heavy = ("torch", "transformers", "aiohttp", "http.server", "shardpool.access", "shardpool.agent")
-    code = f"import sys, shardpool.contract; print([m for m in {heavy!r} if m in sys.modules])"
+    heavy = ("torch", "transformers", "aiohttp", "http.server", "shardpool.access", "shardpool.agent.service")
+    code = f"import sys, shardpool.contract.spec; print([m for m in {heavy!r} if m in sys.modules])"
     result = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True, text=True, check=True, env=dict(os.environ, PYTHONPATH=str(REPO)),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shardpool.fileserver import FileServer
+from shardpool.files.server import FileServer
 from tests.helpers.http_client import connect
 
 PAYLOAD = b"launcher-only model bytes " * 4000

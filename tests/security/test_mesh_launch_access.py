@@ -5,7 +5,7 @@ to a stage process, each with one line, and nothing starts on any member: an uns
 straight to another member's agent over the mesh, its own member's agent socket, and
 ``shardpool finetune`` with mesh placement. That a user in the group trains across the mesh with
 stages as the unprivileged run-as account is tested with the mesh exactness run, in
-tests/test_mesh_launcher.py, so that the suite trains across the mesh once.
+tests/launch/test_mesh_launcher.py, so that the suite trains across the mesh once.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tests.helpers.mesh_training import (
     training_config,
     training_lab,
 )
-from tests.mesh_hosts import Lab, netns_skip_reason
+from tests.helpers.mesh_hosts import Lab, netns_skip_reason
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
@@ -35,7 +35,7 @@ if SKIP:
     pytest.skip(SKIP, allow_module_level=True)
 
 OUTSIDER = "nobody"  # uid 65534
-WORKER = "shardpool.worker"
+WORKER = "shardpool.train.worker"
 RUN_AS = "shardpool"
 LAUNCH_GROUP = "shardpool"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mesh_hosts import REPO, UNDERLAY, Lab, netns_skip_reason
+from tests.helpers.mesh_hosts import REPO, UNDERLAY, Lab, netns_skip_reason
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-from mesh.client import request_join
-from mesh.keys import generate_private_key, public_key
-from tests.mesh_hosts import InProcessCoordinator
+from mesh.control.client import request_join
+from mesh.wireguard.keys import generate_private_key, public_key
+from tests.helpers.mesh_hosts import InProcessCoordinator
 
 CAP = 32
 

@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.mesh_hosts import InProcessCoordinator, member_daemon
+from tests.helpers.mesh_hosts import InProcessCoordinator, member_daemon
 
 
 class StatusFlippingProxy:

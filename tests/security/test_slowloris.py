@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from mesh.http import HTTPServer, Limits, Route, json_reply
+from mesh.http.server import HTTPServer, Limits, Route, json_reply
 from tests.helpers.http_client import fetch
 from tests.helpers.slowloris import SlowlorisAttack, loopback_sources, raise_fd_limit
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shardpool.confine import landlock_abi, restrict_writes
+from shardpool.agent.confine import landlock_abi, restrict_writes
 from tests.helpers.agents import RUN_AS, make_agent, shared_dir, signed, write_worker
 from tests.helpers.jobs import job_dict
 

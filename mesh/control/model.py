@@ -1,0 +1,114 @@
+"""The roster as data: members and the mesh settings, with strict checks on anything from the network.
+
+Rosters travel as JSON between coordinator and members and are cached on disk; every field is
+checked on the way in, so a garbled cache or a hostile reply cannot smuggle in bad values.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mesh.addresses import parse_endpoint
+from mesh.errors import MeshError
+from mesh.wireguard.keys import decode_key
+
+__all__ = ["Roster", "RosterEntry", "check_name"]
+
+_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+
+
+def check_name(name: str) -> str:
+    """Check a member name: 1-63 lowercase letters, digits or dashes, starting with a letter or digit."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise MeshError(
+            f"member name {str(name)[:70]!r} is invalid: use 1-63 lowercase letters, digits or '-', e.g. gpu-box-2"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class RosterEntry:
+    """One member of the mesh as the roster lists it."""
+
+    name: str
+    address: str
+    public_key: str
+    endpoint: str | None = None
+    coordinator: bool = False
+
+    @classmethod
+    def from_json(cls, data: Any) -> RosterEntry:
+        """Build an entry from untrusted JSON, checking every field."""
+        if not isinstance(data, dict):
+            raise MeshError("roster entry is not an object")
+        try:
+            entry = cls(
+                name=check_name(data["name"]),
+                address=str(ipaddress.IPv4Address(data["address"])),
+                public_key=data["public_key"],
+                endpoint=data.get("endpoint"),
+                coordinator=bool(data.get("coordinator", False)),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise MeshError(f"roster entry is malformed: {error}") from None
+        decode_key(str(entry.public_key), f"public key of {entry.name}")
+        if entry.endpoint is not None:
+            if not isinstance(entry.endpoint, str):
+                raise MeshError(f"endpoint of {entry.name} is not text")
+            parse_endpoint(entry.endpoint, f"endpoint of {entry.name}")
+        return entry
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the entry as a JSON-ready dictionary."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Roster:
+    """A versioned list of the mesh's active members."""
+
+    mesh_id: str
+    cidr: str
+    revision: int
+    members: tuple[RosterEntry, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Roster:
+        """Build a roster from untrusted JSON; duplicate names, keys or addresses are refused."""
+        if not isinstance(data, dict) or not isinstance(data.get("members"), list):
+            raise MeshError("roster is not an object with a members list")
+        try:
+            network = ipaddress.IPv4Network(data["cidr"])
+            revision = int(data["revision"])
+            mesh_id = str(data["mesh_id"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise MeshError(f"roster header is malformed: {error}") from None
+        members = tuple(RosterEntry.from_json(item) for item in data["members"])
+        for attribute in ("name", "address", "public_key"):
+            values = [getattr(member, attribute) for member in members]
+            if len(values) != len(set(values)):
+                raise MeshError(f"roster lists the same {attribute} twice")
+        for member in members:
+            if ipaddress.IPv4Address(member.address) not in network:
+                raise MeshError(f"roster address {member.address} of {member.name} is outside {network}")
+        return cls(mesh_id=mesh_id, cidr=str(network), revision=revision, members=members)
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the roster as a JSON-ready dictionary."""
+        return {
+            "mesh_id": self.mesh_id,
+            "cidr": self.cidr,
+            "revision": self.revision,
+            "members": [member.to_json() for member in self.members],
+        }
+
+    def by_name(self, name: str) -> RosterEntry | None:
+        """Return the member called ``name``, if any."""
+        return next((m for m in self.members if m.name == name), None)
+
+    def by_key(self, public_key: str) -> RosterEntry | None:
+        """Return the member with this public key, if any."""
+        return next((m for m in self.members if m.public_key == public_key), None)

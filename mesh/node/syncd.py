@@ -1,0 +1,209 @@
+"""The roster sync daemon of one machine: keeps its WireGuard peers equal to the roster.
+
+On a member it pulls the authenticated roster from the coordinator over the mesh every
+``sync_interval`` seconds, caches it atomically, and applies it; when the coordinator is
+unreachable it keeps the cached roster. On the coordinator it also serves joins on the
+underlay endpoint and rosters on the mesh address, and reads the roster from SQLite.
+
+Run as ``python -m mesh.node.syncd --state-dir DIR``; normally started by ``shardpool mesh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+
+from mesh.addresses import parse_endpoint
+from mesh.wireguard.backend import WireGuardBackend
+from mesh.control.client import Revoked, check_membership, fetch_roster
+from mesh.node.config import MeshConfig, load_config
+from mesh.control.coordinator import CoordinatorService, start_join_server, start_roster_server
+from mesh.errors import MeshError
+from mesh.http.server import HTTPServer
+from mesh.wireguard.keys import read_private_key
+from mesh.control.model import Roster
+from mesh.node.member import apply_roster, backend_for, load_cached_roster, save_cached_roster
+from mesh.control.roster import RosterStore
+from mesh.state import StatePaths, write_json
+
+__all__ = ["SyncDaemon", "main"]
+
+log = logging.getLogger("shardpool.mesh.syncd")
+
+
+class SyncDaemon:
+    """One machine's sync loop, plus the coordinator's servers when this machine is the coordinator."""
+
+    def __init__(self, paths: StatePaths) -> None:
+        self.paths = paths
+        self.config: MeshConfig = load_config(paths)
+        self.private_key = read_private_key(paths.private_key)
+        self.backend: WireGuardBackend = backend_for(paths, self.config)
+        self.stop = threading.Event()
+        self.wake = threading.Event()
+        self.servers: list[HTTPServer] = []
+        self.applied: Roster | None = None
+        self._last_membership_check = -1e9
+        self.status: dict[str, object] = {
+            "pid": 0,
+            "ready": False,
+            "last_sync": None,
+            "last_error": None,
+            "revision": None,
+        }
+
+    def _start_servers(self) -> None:
+        store = RosterStore(self.paths.database)
+        settings = {
+            "mtu": self.config.mtu,
+            "keepalive": self.config.keepalive,
+            "api_port": self.config.api_port,
+        }
+        service = CoordinatorService(store, self.private_key, settings, on_change=self.wake.set)
+        host, _ = parse_endpoint(self.config.coordinator_endpoint)
+        self.servers.append(start_join_server(service, host, self.config.listen_port))
+        self.servers.append(start_roster_server(service, self.config.address, self.config.api_port))
+        log.info(
+            "coordinator serving joins on TCP %d and rosters on %s:%d",
+            self.config.listen_port,
+            self.config.address,
+            self.config.api_port,
+        )
+
+    def _fetch(self) -> Roster:
+        if self.config.is_coordinator:
+            return RosterStore(self.paths.database).roster()
+        return fetch_roster(
+            self.config.coordinator_address,
+            self.config.api_port,
+            self.private_key,
+            self.config.coordinator_key,
+            self.config.mesh_id,
+            timeout=max(2.0, self.config.sync_interval * 2),
+        )
+
+    def _write_status(self) -> None:
+        self.status["pid"] = os.getpid()
+        write_json(self.paths.syncd_status, self.status)
+
+    def step(self) -> bool:
+        """Sync once; return ``False`` when the daemon should stop (this machine was removed).
+
+        Only a reply signed with the coordinator's pairwise key can say "removed"; an unsigned or
+        mis-signed refusal is treated like an unreachable coordinator, and the cached roster stays.
+        """
+        try:
+            roster = self._fetch()
+        except Revoked as error:
+            log.warning("%s", error)
+            self._drop_all_peers()
+            self.status.update(revoked=True, last_error=str(error))
+            return False
+        except (MeshError, OSError) as error:
+            self.status["last_error"] = f"coordinator unreachable, using the cached roster: {error}"
+            if self._removed():
+                return False
+            roster = self.applied or load_cached_roster(self.paths)
+            if roster is None:
+                return True
+        else:
+            self.status.update(last_sync=time.time(), last_error=None)
+            if self.applied is None or roster != self.applied:
+                save_cached_roster(self.paths, roster)
+        try:
+            changes = apply_roster(self.backend, self.config, roster, self.applied)
+        except MeshError as error:
+            self.status["last_error"] = f"cannot apply the roster: {error}"
+            log.error("%s", error)
+            return True
+        if changes:
+            log.info("applied roster revision %d (%d peer changes)", roster.revision, changes)
+        self.applied = roster
+        self.status["revision"] = roster.revision
+        return True
+
+    def _removed(self) -> bool:
+        """After a failed sync, ask the coordinator's underlay endpoint (at most every 10 s) if we were removed.
+
+        A removed member is cut off from the mesh, so this is how it learns of its removal.
+        """
+        now = time.monotonic()
+        if self.config.is_coordinator or now - self._last_membership_check < 10.0:
+            return False
+        self._last_membership_check = now
+        try:
+            check_membership(
+                self.config.coordinator_endpoint, self.private_key, self.config.coordinator_key,
+                self.config.mesh_id, timeout=3.0,
+            )  # fmt: skip
+        except Revoked as error:
+            log.warning("%s", error)
+            self._drop_all_peers()
+            self.status.update(revoked=True, last_error=str(error))
+            return True
+        except (MeshError, OSError):
+            pass
+        return False
+
+    def _drop_all_peers(self) -> None:
+        try:
+            empty = Roster(self.config.mesh_id, self.config.cidr, 0, ())
+            apply_roster(self.backend, self.config, empty, None)
+        except MeshError as error:
+            log.error("cannot remove peers: %s", error)
+
+    def run(self) -> int:
+        """Serve (on the coordinator) and sync until SIGTERM or removal from the mesh."""
+        if self.config.is_coordinator:
+            self._start_servers()
+        keep_going = self.step()
+        self.status["ready"] = True
+        self._write_status()
+        while keep_going and not self.stop.is_set():
+            self.wake.wait(self.config.sync_interval)
+            self.wake.clear()
+            if self.stop.is_set():
+                break
+            keep_going = self.step()
+            self._write_status()
+        for server in self.servers:
+            server.stop()
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the daemon process."""
+    parser = argparse.ArgumentParser(prog="python -m mesh.node.syncd", description=__doc__)
+    parser.add_argument("--state-dir", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
+    )
+    try:
+        daemon = SyncDaemon(StatePaths(Path(args.state_dir)))
+
+        def _stop(signum: int, frame: FrameType | None) -> None:
+            daemon.stop.set()
+            daemon.wake.set()
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+        return daemon.run()
+    except MeshError as error:
+        log.error("%s", error)
+        return 2
+    except OSError as error:
+        log.error("daemon stopped: %s", error)
+        return 1 if error.errno != errno.EINTR else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

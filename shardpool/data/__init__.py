@@ -1,0 +1,1 @@
+"""shardpool/data."""

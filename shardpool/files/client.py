@@ -1,0 +1,433 @@
+"""The remote side of the file server: fetch verified byte ranges and files, cache them by content.
+
+A stage on another machine reads the model through :class:`RemoteWeightReader`, which has the
+interface of :class:`shardpool.model.weights.WeightReader`: it parses the safetensors headers with range
+reads, then fetches each tensor it is asked for with one range read of exactly its bytes. Nothing
+else crosses the network, and every body is checked against the server's ``X-Content-SHA256``.
+
+Everything fetched lands in a content-addressed cache (``$SHARDPOOL_CACHE`` or ``~/.cache/shardpool``,
+under ``blobs/sha256/<hex>``). A range is remembered as "bytes a-b of the file whose SHA-256 is F
+have SHA-256 T", so a restarted stage (resume) re-reads its tensors from disk without the network,
+and a second run on the same model downloads nothing. Cached bytes are re-verified when read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, urlsplit
+
+from shardpool.contract.spec import ContractError, check_digest, resolve_inside, safe_relative_name
+from shardpool.errors import ShardpoolError
+from shardpool.files.server import AtomicFile, sha256_file
+
+if TYPE_CHECKING:
+    import torch
+
+    from shardpool.model.weights import TensorEntry
+
+__all__ = ["RemoteFiles", "RemoteWeightReader", "default_cache_dir"]
+
+log = logging.getLogger("shardpool.files.client")
+
+_CHUNK = 1 << 20
+_RETRYABLE = (
+    ConnectionError,
+    http.client.RemoteDisconnected,
+    http.client.IncompleteRead,
+    http.client.BadStatusLine,
+)
+
+
+def default_cache_dir() -> Path:
+    """``$SHARDPOOL_CACHE``, else ``~/.cache/shardpool`` (the profiler's cache root too)."""
+    root = os.environ.get("SHARDPOOL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "shardpool")
+    return Path(root)
+
+
+class RemoteFiles:
+    """A client of one :class:`shardpool.files.server.FileServer`, with a content-addressed cache.
+
+    ``secret`` is the job's file-server secret (the stage reads it from ``files.secret`` in its job
+    directory); it is sent as ``Authorization: Bearer`` with every request and never logged.
+    Counters for tests and logs: ``range_requests`` and ``bytes_fetched`` (network only),
+    ``cache_hits`` (ranges or files served from the cache).
+    """
+
+    def __init__(
+        self, base_url: str, *, secret: str, cache_dir: Path | None = None, timeout: float = 60
+    ) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+            raise ShardpoolError(f"file server URL {base_url!r} is not like http://10.77.0.1:PORT")
+        if not isinstance(secret, str) or not secret or not secret.isascii() or not secret.isprintable():
+            raise ShardpoolError("the file server secret is empty or not printable ASCII; check files.secret")
+        self._authorization = {"Authorization": f"Bearer {secret}"}
+        self.base_url = base_url.rstrip("/")
+        self._host = parts.hostname
+        self._port = parts.port or 80
+        self.timeout = timeout
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._manifest: dict[str, dict[str, Any]] | None = None
+        self.range_requests = 0
+        self.bytes_fetched = 0
+        self.cache_hits = 0
+
+    # ------------------------------------------------------------------ public API
+
+    def manifest(self, *, refresh: bool = False) -> dict[str, dict[str, Any]]:
+        """Every served file as ``{name: {"size": int, "sha256": hex}}`` (fetched once, then kept)."""
+        if self._manifest is None or refresh:
+            status, _, body = self._request("GET", "/v1/manifest")
+            self._check(status, body, "/v1/manifest", expected=200)
+            try:
+                self._manifest = _checked_manifest(_json(body)["files"])
+            except ContractError as error:
+                raise ShardpoolError(f"{self.base_url}/v1/manifest is refused: {error}") from None
+            except (KeyError, TypeError, ValueError, AttributeError):
+                raise ShardpoolError(
+                    f"{self.base_url}/v1/manifest is malformed; is that a shardpool file server?"
+                ) from None
+        return self._manifest
+
+    def info(self, name: str) -> dict[str, Any]:
+        """The manifest entry of ``name``, or a one-line error listing what is served."""
+        files = self.manifest()
+        if name not in files:
+            served = ", ".join(sorted(files)) or "nothing"
+            raise ShardpoolError(f"the launcher does not serve {name!r} (it serves {served})")
+        return files[name]
+
+    def read_range(self, name: str, start: int, stop: int, *, use_cache: bool = True) -> bytes:
+        """Bytes ``[start, stop)`` of the served file ``name``, verified; from the cache when known.
+
+        Raises ShardpoolError (one line) when the server sends the wrong length or bytes that do
+        not match its ``X-Content-SHA256``. A dropped connection is retried once.
+        """
+        if not (isinstance(start, int) and isinstance(stop, int)) or not 0 <= start <= stop:
+            raise ShardpoolError(f"bad byte range {start}-{stop} of {name!r}")
+        if start == stop:
+            return b""
+        key_file = None
+        if use_cache:
+            info = self.info(name)
+            if stop > info["size"]:
+                raise ShardpoolError(
+                    f"byte range {start}-{stop} is past the end of {name!r} ({info['size']} bytes)"
+                )
+            key_file = self.cache_dir / "ranges" / info["sha256"] / f"{start}-{stop}"
+            cached = self._cached_range(key_file, stop - start)
+            if cached is not None:
+                with self._lock:
+                    self.cache_hits += 1
+                return cached
+        path = f"/v1/files/{quote(name)}"
+        status, headers, body = self._request("GET", path, {"Range": f"bytes={start}-{stop - 1}"})
+        self._check(status, body, path, expected=206)
+        where = f"bytes {start}-{stop} of {name!r} from {self.base_url}"
+        if len(body) != stop - start:
+            raise ShardpoolError(
+                f"{where}: got {len(body)} bytes, expected {stop - start}; the file changed or the link is broken"
+            )
+        digest = hashlib.sha256(body).hexdigest()
+        if digest != (headers.get("X-Content-SHA256") or "").lower():
+            raise ShardpoolError(
+                f"{where}: SHA-256 mismatch (got {digest[:12]}…, server says {headers.get('X-Content-SHA256')!s:.12}…); the transfer was corrupted"
+            )
+        with self._lock:
+            self.range_requests += 1
+            self.bytes_fetched += len(body)
+        if key_file is not None:
+            self._store_range(key_file, body, digest)
+        return body
+
+    def fetch_file(self, name: str, dest_dir: Path) -> Path:
+        """Download the whole file ``name`` (verified against the manifest) to ``dest_dir/name``.
+
+        The bytes are stored once in the cache as ``blobs/sha256/<hex>`` and hard-linked (or copied,
+        across file systems) into place, so fetching the same content again uses no network.
+        """
+        dest = resolve_inside(dest_dir, name, "file name")
+        info = self.info(name)
+        blob = self._blob(info["sha256"])
+        if blob.is_file() and blob.stat().st_size == info["size"]:
+            with self._lock:
+                self.cache_hits += 1
+        else:
+            self._download(name, info, blob)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if dest.exists() and os.path.samefile(dest, blob):
+            return dest
+        fd, temp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}-", suffix=".link")
+        os.close(fd)
+        os.unlink(temp)
+        try:
+            try:
+                os.link(blob, temp)
+            except OSError:
+                shutil.copyfile(blob, temp)
+            os.replace(temp, dest)
+        finally:
+            if os.path.lexists(temp):
+                os.unlink(temp)
+        return dest
+
+    def upload(self, local_path: Path, relative_path: str) -> dict[str, Any]:
+        """Send a local file to the launcher's upload directory as ``relative_path`` (verified there)."""
+        safe_relative_name(relative_path, "upload path")
+        local_path = Path(local_path)
+        try:
+            size = local_path.stat().st_size
+        except OSError as error:
+            raise ShardpoolError(f"cannot upload {local_path}: {error.strerror}") from None
+        digest = sha256_file(local_path)
+        path = f"/v1/upload/{quote(relative_path)}"
+        headers = {
+            **self._authorization,
+            "Content-Length": str(size),
+            "X-Content-SHA256": digest,
+            "Content-Type": "application/octet-stream",
+        }
+
+        def send(connection: http.client.HTTPConnection) -> tuple[int, dict[str, str], bytes]:
+            with open(local_path, "rb") as body:
+                connection.request("PUT", path, body=body, headers=headers)
+                response = connection.getresponse()
+                return response.status, dict(response.headers), response.read()
+
+        status, _, body = self._with_retry(send, f"PUT {path}")
+        self._check(status, body, path, expected=201)
+        return _json(body)
+
+    def close(self) -> None:
+        """Close this thread's connection."""
+        connection = getattr(self._local, "connection", None)
+        if connection is not None:
+            connection.close()
+            self._local.connection = None
+
+    def __enter__(self) -> RemoteFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _connection(self) -> http.client.HTTPConnection:
+        connection = getattr(self._local, "connection", None)
+        if connection is None:
+            connection = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
+            self._local.connection = connection
+        return connection
+
+    def _with_retry(self, action: Callable[[http.client.HTTPConnection], Any], what: str) -> Any:
+        for attempt in (1, 2):
+            try:
+                return action(self._connection())
+            except (*_RETRYABLE, BrokenPipeError) as error:
+                self.close()
+                if attempt == 2:
+                    raise ShardpoolError(
+                        f"{what} on {self.base_url} failed twice: {error or type(error).__name__}"
+                    ) from None
+            except TimeoutError:
+                self.close()
+                raise ShardpoolError(
+                    f"{what} on {self.base_url} timed out after {self.timeout:.0f} s"
+                ) from None
+            except OSError as error:
+                self.close()
+                raise ShardpoolError(
+                    f"cannot reach the file server {self.base_url}: {error.strerror or error}"
+                ) from None
+        raise AssertionError("unreachable")
+
+    def _request(
+        self, method: str, path: str, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        def send(connection: http.client.HTTPConnection) -> tuple[int, dict[str, str], bytes]:
+            connection.request(method, path, headers={**self._authorization, **(headers or {})})
+            response = connection.getresponse()
+            return response.status, dict(response.headers), response.read()
+
+        return self._with_retry(send, f"{method} {path}")
+
+    def _check(self, status: int, body: bytes, path: str, *, expected: int) -> None:
+        if status == expected:
+            return
+        try:
+            message = str(_json(body).get("error") or "")
+        except ShardpoolError:
+            message = body[:200].decode("utf-8", errors="replace")
+        raise ShardpoolError(
+            f"{self.base_url}{path}: HTTP {status}: {' '.join(message.split()) or 'no detail'}"
+        )
+
+    def _download(self, name: str, info: dict[str, Any], blob: Path) -> None:
+        path = f"/v1/files/{quote(name)}"
+
+        def stream(connection: http.client.HTTPConnection) -> None:
+            connection.request("GET", path, headers=self._authorization)
+            response = connection.getresponse()
+            if response.status != 200:
+                self._check(response.status, response.read(), path, expected=200)
+            digest = hashlib.sha256()
+            received = 0
+            with AtomicFile(blob, mode=0o444) as out:
+                while chunk := response.read(_CHUNK):
+                    digest.update(chunk)
+                    out.write(chunk)
+                    received += len(chunk)
+                if received != info["size"] or digest.hexdigest() != info["sha256"]:
+                    raise ShardpoolError(
+                        f"{name!r} from {self.base_url} does not match the manifest "
+                        f"({received} of {info['size']} bytes, SHA-256 {digest.hexdigest()[:12]}…); it changed or was corrupted"
+                    )
+                out.commit()
+            with self._lock:
+                self.bytes_fetched += received
+
+        self._with_retry(stream, f"GET {path}")
+
+    # ------------------------------------------------------------------ cache
+
+    def _blob(self, sha256: str) -> Path:
+        return self.cache_dir / "blobs" / "sha256" / check_digest(sha256)
+
+    def _cached_range(self, key_file: Path, size: int) -> bytes | None:
+        try:
+            digest = key_file.read_text(encoding="ascii").strip()
+            data = self._blob(digest).read_bytes()
+        except (OSError, UnicodeDecodeError, ContractError):
+            return None
+        if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
+            log.warning("cache entry %s is corrupt; fetching it again", key_file)
+            return None
+        return data
+
+    def _store_range(self, key_file: Path, data: bytes, digest: str) -> None:
+        try:
+            blob = self._blob(digest)
+            if not (blob.is_file() and blob.stat().st_size == len(data)):
+                with AtomicFile(blob, mode=0o444) as out:
+                    out.write(data)
+                    out.commit()
+            with AtomicFile(key_file) as out:
+                out.write(digest.encode("ascii"))
+                out.commit()
+        except OSError as error:  # a full or read-only cache must not fail the read itself
+            log.warning("cannot cache %s: %s", key_file, error)
+
+
+class RemoteWeightReader:
+    """:class:`shardpool.model.weights.WeightReader` over a file server: one range read per tensor read.
+
+    ``file_names`` are the served names of the checkpoint's ``.safetensors`` files. Only their
+    headers are fetched up front; ``bytes_read`` counts the tensor bytes handed out.
+    """
+
+    def __init__(self, files: RemoteFiles, file_names: list[str]) -> None:
+        from shardpool.model.weights import header_length, parse_header
+
+        if not file_names:
+            raise ShardpoolError("no safetensors files were given to read remotely")
+        self.files = files
+        self.entries: dict[str, TensorEntry] = {}
+        self._served: dict[str, str] = {}
+        for name in file_names:
+            size = files.info(name)["size"]
+            length = header_length(files.read_range(name, 0, min(8, size)), name)
+            if 8 + length > size:
+                raise ShardpoolError(f"{name!r} is truncated inside its header; re-save the model")
+            header = parse_header(files.read_range(name, 8, 8 + length), Path(name))
+            for tensor, entry in header.items():
+                if entry.stop > size:
+                    raise ShardpoolError(
+                        f"{name!r} is truncated: {tensor!r} ends past byte {size}; re-save the model"
+                    )
+                self.entries[tensor] = entry
+                self._served[tensor] = name
+        self.names_read: list[str] = []
+        self.bytes_read = 0
+
+    def names(self) -> list[str]:
+        """Every tensor name in the checkpoint (from the headers; no tensor data is read)."""
+        return list(self.entries)
+
+    def has(self, name: str) -> bool:
+        """Whether the checkpoint holds a tensor of this name."""
+        return name in self.entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of a tensor, from the header only."""
+        return self._entry(name).shape
+
+    def read(self, name: str) -> torch.Tensor:
+        """Fetch one tensor with one verified range read (or from the cache), and record it."""
+        from shardpool.model.weights import tensor_from_bytes
+
+        entry = self._entry(name)
+        data = bytearray(self.files.read_range(self._served[name], entry.start, entry.stop))
+        tensor = tensor_from_bytes(data, entry, name)
+        self.names_read.append(name)
+        self.bytes_read += len(data)
+        return tensor
+
+    def _entry(self, name: str) -> TensorEntry:
+        entry = self.entries.get(name)
+        if entry is None:
+            raise ShardpoolError(
+                f"tensor {name!r} is missing from the launcher's checkpoint; it is incomplete"
+            )
+        return entry
+
+    def close(self) -> None:
+        """Close the HTTP connection (the reader stays usable; it reconnects on demand)."""
+        self.files.close()
+
+    def __enter__(self) -> RemoteWeightReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _checked_manifest(files: Any) -> dict[str, dict[str, Any]]:
+    """The served files by name, each name a safe relative path and each digest 64 hex digits.
+
+    Names become paths in the fetch directory and digests become paths in the cache, so both are
+    checked before either is used.
+    """
+    if not isinstance(files, dict):
+        raise TypeError("files is not an object")
+    checked: dict[str, dict[str, Any]] = {}
+    for name, info in files.items():
+        safe_relative_name(name, "served file name")
+        size = info["size"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ContractError(f"the size of {name!r} is not a byte count")
+        checked[name] = {"size": size, "sha256": check_digest(info["sha256"], f"SHA-256 of {name!r}")}
+    return checked
+
+
+def _json(body: bytes) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ShardpoolError("the server's reply is not JSON") from None
+    if not isinstance(value, dict):
+        raise ShardpoolError("the server's reply is not a JSON object")
+    return value

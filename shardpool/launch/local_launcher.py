@@ -1,0 +1,198 @@
+"""Start the stage processes of a job on this machine, relay their events, and stop them all on failure.
+
+Each stage process reports JSON events on its stdout (lines starting with ``@shardpool ``); every
+other line, and its stderr, goes to ``logs/rank-N.log``. If any process exits non-zero, the others
+are terminated at once and the run fails with that stage's error. Children die with the launcher
+(``PR_SET_PDEATHSIG`` on Linux), so no stage outlives a killed run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from shardpool.contract.spec import EVENT_PREFIX, ContractError, StageEvent, parse_stage_event
+from shardpool.errors import ShardpoolError
+from shardpool.contract.jobfile import Job
+
+__all__ = ["free_port", "run_local_job", "StageFailed"]
+
+_TERMINATE_GRACE_S = 5.0
+
+
+class StageFailed(ShardpoolError):
+    """A stage process failed; the message names the stage and its error."""
+
+    def __init__(self, message: str, *, rank: int, stage: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.stage = stage
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago, for the torch.distributed rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def run_local_job(
+    job: Job, job_file: Path, *, log_dir: Path, on_event: Callable[[dict[str, Any]], None]
+) -> None:
+    """Run every rank of ``job`` as a local process until all finish; raise StageFailed on the first failure."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+    processes: list[subprocess.Popen[bytes]] = []
+    readers: list[threading.Thread] = []
+    errors: dict[int, str] = {}
+    try:
+        for rank in range(job.world_size):
+            log_path = log_dir / f"rank-{rank}.log"
+            process = _start_rank(job, job_file, rank, log_path)
+            processes.append(process)
+            reader = threading.Thread(
+                target=_relay, args=(rank, process.stdout, log_path, events), daemon=True
+            )
+            reader.start()
+            readers.append(reader)
+        while True:
+            _dispatch(events, on_event, errors, timeout=0.2)
+            codes = [process.poll() for process in processes]
+            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                _stop_all(processes)
+                for reader in readers:
+                    reader.join(timeout=2.0)
+                _dispatch(events, on_event, errors, timeout=0.0)
+                raise _failure(job, failed, codes, errors, log_dir)
+            if all(code == 0 for code in codes):
+                for reader in readers:
+                    reader.join(timeout=5.0)
+                _dispatch(events, on_event, errors, timeout=0.0)
+                return
+    finally:
+        _stop_all(processes)
+
+
+def _start_rank(job: Job, job_file: Path, rank: int, log_path: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "OMP_NUM_THREADS": str(job.threads_per_process),
+            "MKL_NUM_THREADS": str(job.threads_per_process),
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
+    log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed with it
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "shardpool.train.worker", str(job_file), str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
+    finally:
+        log.close()
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _relay(
+    rank: int, stream: IO[bytes] | None, log_path: Path, events: queue.Queue[tuple[int, dict[str, Any]]]
+) -> None:
+    if stream is None:
+        return
+    with open(log_path, "ab") as log:
+        for raw in stream:
+            line = raw.decode("utf-8", errors="replace")
+            if line.startswith(EVENT_PREFIX):
+                try:
+                    event = parse_stage_event(json.loads(line[len(EVENT_PREFIX) :]))
+                    events.put((rank, event.model_dump(mode="json")))
+                    continue
+                except (json.JSONDecodeError, ContractError):
+                    pass
+            log.write(raw)
+            log.flush()
+
+
+def _dispatch(
+    events: queue.Queue[tuple[int, dict[str, Any]]],
+    on_event: Callable[[dict[str, Any]], None],
+    errors: dict[int, str],
+    *,
+    timeout: float,
+) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            rank, event = events.get(timeout=remaining) if remaining > 0 else events.get_nowait()
+        except queue.Empty:
+            return
+        if event.get("event") == StageEvent.ERROR:
+            errors.setdefault(rank, str(event.get("message", "unknown error")))
+        else:
+            on_event(event)
+
+
+def _stop_all(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + _TERMINATE_GRACE_S
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _failure(
+    job: Job, failed: list[int], codes: list[int | None], errors: dict[int, str], log_dir: Path
+) -> StageFailed:
+    # The root cause is a rank killed by a signal, else the first rank to report an error; ranks
+    # that merely lost a peer report later.
+    killed = [rank for rank in failed if (codes[rank] or 0) < 0]
+    rank = killed[0] if killed else next(iter(errors), failed[0])
+    stage = job.stage_index(rank)
+    if killed:
+        message = f"killed by signal {-(codes[rank] or 0)}"
+    else:
+        message = errors.get(rank) or _last_line(log_dir / f"rank-{rank}.log") or "exited without a message"
+    return StageFailed(
+        f"stage {stage} (rank {rank}) failed: {message} (log: {log_dir / f'rank-{rank}.log'})",
+        rank=rank,
+        stage=stage,
+    )
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [
+            line.strip()
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines()
+            if line.strip()
+        ]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""

@@ -1,0 +1,162 @@
+"""LoRA settings, deterministic initialisation, and the PEFT adapter files shardpool reads and writes.
+
+Adapter tensors are always keyed with *global* layer indices, exactly as peft names them for the
+whole model (``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``), so an adapter
+trained on any split loads into the full model, and into any other split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+from safetensors.torch import load_file
+
+from shardpool.model.architecture import DECODER_LINEAR_NAMES
+from shardpool.atomic import save_tensors_atomic, write_bytes_atomic
+from shardpool.config import Config
+from shardpool.errors import ShardpoolError
+
+__all__ = [
+    "LoraSettings",
+    "lora_settings",
+    "peft_config",
+    "init_lora_weights",
+    "write_adapter",
+    "read_adapter_tensors",
+    "ADAPTER_WEIGHTS",
+    "ADAPTER_CONFIG",
+]
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The LoRA hyper-parameters every stage applies in the same way."""
+
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...]
+    init_from: str | None
+
+    @property
+    def scaling(self) -> float:
+        """The factor LoRA's update is multiplied by (alpha / r)."""
+        return self.alpha / self.r
+
+
+def lora_settings(config: Config, *, check_init_adapter: bool = True) -> LoraSettings:
+    """Resolve the LoRA targets of a config, and check them against ``lora_model_dir`` if given.
+
+    Stage processes on other machines pass ``check_init_adapter=False``: the launcher checked the
+    adapter, and its files reach them through the job's inputs, not at ``lora_model_dir``.
+    """
+    if config.lora_target_linear:
+        targets = DECODER_LINEAR_NAMES
+    else:
+        requested = tuple(config.lora_target_modules or ())
+        unknown = [name for name in requested if name not in DECODER_LINEAR_NAMES]
+        if unknown:
+            raise ShardpoolError(
+                f"lora_target_modules {unknown} match no Linear of the decoder layers; "
+                f"use names from {list(DECODER_LINEAR_NAMES)} or `lora_target_linear: true`"
+            )
+        targets = tuple(name for name in DECODER_LINEAR_NAMES if name in requested)
+    settings = LoraSettings(
+        r=config.lora_r,
+        alpha=float(config.lora_alpha),
+        dropout=config.lora_dropout,
+        target_modules=tuple(targets),
+        init_from=config.lora_model_dir,
+    )
+    if config.lora_model_dir is not None and check_init_adapter:
+        _check_matches_existing_adapter(settings, Path(config.lora_model_dir))
+    return settings
+
+
+def _check_matches_existing_adapter(settings: LoraSettings, adapter_dir: Path) -> None:
+    config_file = adapter_dir / ADAPTER_CONFIG
+    if not config_file.is_file() or not (adapter_dir / ADAPTER_WEIGHTS).is_file():
+        raise ShardpoolError(
+            f"lora_model_dir {str(adapter_dir)!r} has no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}; point it at a PEFT adapter"
+        )
+    existing = json.loads(config_file.read_text(encoding="utf-8"))
+    checks = {
+        "lora_r": (settings.r, existing.get("r")),
+        "lora_alpha": (settings.alpha, float(existing.get("lora_alpha", -1))),
+        "lora_target_modules": (
+            sorted(settings.target_modules),
+            sorted(existing.get("target_modules") or []),
+        ),
+    }
+    for key, (ours, theirs) in checks.items():
+        if ours != theirs:
+            raise ShardpoolError(
+                f"`{key}` is {ours} but lora_model_dir's adapter has {theirs}; make them equal"
+            )
+
+
+def peft_config(settings: LoraSettings) -> LoraConfig:
+    """The peft LoraConfig a stage wraps its layers with, and the adapter_config.json written."""
+    return LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def init_lora_weights(named_lora_a: dict[str, torch.nn.Parameter], *, seed: int) -> None:
+    """Initialise every lora_A from a generator seeded by (seed, global module name).
+
+    peft draws lora_A from one global RNG stream, so the values would depend on which layers a
+    process owns. Seeding per module makes the starting adapter the same for every split. The
+    distribution is peft's default (Kaiming-uniform with a = sqrt(5)); lora_B stays zero.
+    """
+    for name, weight in named_lora_a.items():
+        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+        generator = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little"))
+        values = torch.empty(weight.shape, dtype=torch.float32)
+        torch.nn.init.kaiming_uniform_(values, a=math.sqrt(5), generator=generator)
+        with torch.no_grad():
+            weight.copy_(values.to(device=weight.device, dtype=weight.dtype))
+
+
+def write_adapter(
+    output_dir: str | Path, tensors: dict[str, torch.Tensor], settings: LoraSettings, *, base_model: str
+) -> None:
+    """Write a PEFT adapter directory (config + safetensors), each file atomically."""
+    directory = Path(output_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = peft_config(settings)
+    config.base_model_name_or_path = str(base_model)
+    config.inference_mode = True
+    payload = json.dumps(config.to_dict(), indent=2, sort_keys=True, default=_json_default)
+    write_bytes_atomic(directory / ADAPTER_CONFIG, payload.encode("utf-8"))
+    save_tensors_atomic(directory / ADAPTER_WEIGHTS, dict(sorted(tensors.items())), metadata={"format": "pt"})
+
+
+def read_adapter_tensors(adapter_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Read the tensors of a PEFT adapter directory, keyed as peft saved them."""
+    path = Path(adapter_dir) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise ShardpoolError(f"{path} does not exist; point at a PEFT adapter directory")
+    return load_file(str(path))
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, set | frozenset):
+        return sorted(value)
+    if hasattr(value, "value"):
+        return value.value  # enums such as peft's TaskType
+    raise TypeError(f"cannot write {type(value).__name__} to adapter_config.json")

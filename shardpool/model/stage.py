@@ -1,0 +1,290 @@
+"""One pipeline stage: a contiguous run of decoder layers, NF4-quantized on its device, with LoRA.
+
+A stage is the transformers model with the layers it does not own removed. It is built on the
+meta device (no memory), pruned to what it owns, and only then are the owned tensors read from the
+safetensors files and placed on the device. Stage 0 also owns the embeddings; the last stage owns
+the final norm and ``lm_head``. Layers keep their global indices (a ``ModuleDict`` keyed ``"5"``
+names its modules ``model.layers.5...`` just like the full model's ``ModuleList``), so peft's
+adapter keys are the whole model's keys whatever the split.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from shardpool.model.architecture import EMBED_NAME, LM_HEAD_NAME, layer_prefix, mask_kind
+from shardpool.errors import ShardpoolError
+from shardpool.model.lora import LoraSettings, init_lora_weights, peft_config, read_adapter_tensors
+from shardpool.model.nf4 import DTYPES, quantize_linear
+from shardpool.model.weights import WeightReader
+
+__all__ = ["StageSpec", "BaseSettings", "PipelineStage", "build_stage", "owned_tensor_names"]
+
+_MASK_BUILDERS = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+}
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Which layers one stage owns, out of how many stages, and on which torch device."""
+
+    index: int
+    num_stages: int
+    start: int
+    stop: int
+    device: str
+
+    @property
+    def is_first(self) -> bool:
+        """Stage 0 owns the token embeddings."""
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """The last stage owns the final norm and lm_head, and computes the loss."""
+        return self.index == self.num_stages - 1
+
+    @property
+    def layer_indices(self) -> range:
+        """Global indices of the decoder layers this stage owns."""
+        return range(self.start, self.stop)
+
+
+@dataclass(frozen=True)
+class BaseSettings:
+    """How the frozen base is loaded: quantized or not, and in which dtype it computes."""
+
+    quantize: bool = True
+    quant_type: str = "nf4"
+    double_quant: bool = True
+    compute_dtype: str = "float32"
+    gradient_checkpointing: bool = False
+
+
+def owned_tensor_names(spec: StageSpec, available: list[str], *, tie_word_embeddings: bool) -> list[str]:
+    """The checkpoint tensors a stage reads: its layers, plus embeddings or norm/lm_head at the ends."""
+    prefixes = tuple(layer_prefix(index) for index in spec.layer_indices)
+    owned = [name for name in available if name.startswith(prefixes)]
+    if spec.is_first:
+        owned.append(EMBED_NAME)
+    if spec.is_last:
+        owned.append("model.norm.weight")
+        owned.append(EMBED_NAME if tie_word_embeddings and LM_HEAD_NAME not in available else LM_HEAD_NAME)
+    return sorted(set(owned), key=owned.index)
+
+
+class PipelineStage(nn.Module):
+    """The forward of one stage, and access to its LoRA tensors under their global keys."""
+
+    def __init__(
+        self,
+        peft_model: nn.Module,
+        spec: StageSpec,
+        hf_config: PretrainedConfig,
+        gradient_checkpointing: bool,
+    ):
+        super().__init__()
+        self.peft_model = peft_model
+        self.spec = spec
+        self.hf_config = hf_config
+        self.gradient_checkpointing = gradient_checkpointing
+        causal_lm = peft_model.get_base_model()
+        self._inner = causal_lm.model
+        self._lm_head = causal_lm.lm_head if spec.is_last else None
+        self._mask_kinds = {index: mask_kind(hf_config, index) for index in spec.layer_indices}
+
+    def forward(
+        self, inputs: torch.Tensor, *, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Token ids (stage 0) or hidden states in; hidden states or logits (last stage) out."""
+        hidden = self._inner.embed_tokens(inputs) if self.spec.is_first else inputs
+        position_embeddings = self._inner.rotary_emb(hidden, position_ids=position_ids)
+        masks = {
+            kind: _MASK_BUILDERS[kind](
+                config=self.hf_config,
+                inputs_embeds=hidden,
+                attention_mask=attention_mask,
+                past_key_values=None,
+                position_ids=position_ids,
+            )
+            for kind in set(self._mask_kinds.values())
+        }
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for index in self.spec.layer_indices:
+            layer = self._inner.layers[str(index)]
+            layer_kwargs = {
+                "attention_mask": masks[self._mask_kinds[index]],
+                "position_ids": position_ids,
+                "position_embeddings": position_embeddings,
+                "use_cache": False,
+            }
+            if recompute:
+                hidden = checkpoint(layer, hidden, use_reentrant=False, **layer_kwargs)
+            else:
+                hidden = layer(hidden, **layer_kwargs)
+        if not self.spec.is_last:
+            return hidden
+        return self._lm_head(self._inner.norm(hidden))
+
+    def lora_parameters(self) -> list[nn.Parameter]:
+        """The trainable LoRA parameters, in a fixed order."""
+        return [param for _, param in self.named_lora_parameters()]
+
+    def named_lora_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(global adapter key, parameter) for every trainable LoRA tensor, sorted by key."""
+        named = [
+            (_adapter_key(name), param)
+            for name, param in self.peft_model.named_parameters()
+            if param.requires_grad
+        ]
+        return sorted(named, key=lambda item: item[0])
+
+    def lora_state_dict(self) -> dict[str, torch.Tensor]:
+        """The stage's LoRA tensors keyed as peft saves them for the whole model."""
+        return dict(get_peft_model_state_dict(self.peft_model, save_embedding_layers=False))
+
+    def load_lora_state_dict(self, tensors: dict[str, torch.Tensor], *, source: str) -> None:
+        """Load this stage's part of a whole-model adapter; every owned key must be present."""
+        wanted = set(self.lora_state_dict())
+        missing = sorted(wanted - tensors.keys())
+        if missing:
+            raise ShardpoolError(
+                f"{source} lacks {len(missing)} LoRA tensors, e.g. {missing[0]}; it does not fit this model"
+            )
+        subset = {name: tensors[name] for name in wanted}
+        for name, tensor in subset.items():
+            expected = self.lora_state_dict()[name].shape
+            if tensor.shape != expected:
+                raise ShardpoolError(
+                    f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected)}"
+                )
+        result = set_peft_model_state_dict(self.peft_model, subset)
+        if result.unexpected_keys:
+            raise ShardpoolError(f"{source}: unexpected LoRA keys such as {result.unexpected_keys[0]}")
+
+
+def _adapter_key(parameter_name: str) -> str:
+    return parameter_name.replace(".default.", ".")
+
+
+def build_stage(
+    model_dir: str | Path,
+    spec: StageSpec,
+    base: BaseSettings,
+    lora: LoraSettings,
+    *,
+    seed: int,
+    reader: WeightReader | None = None,
+) -> PipelineStage:
+    """Build one stage on its device from only the tensors it owns, then add LoRA to it.
+
+    The LoRA starts from ``lora.init_from`` when given, else from a per-module seeded draw, so
+    every split of the same config starts from the same adapter.
+    """
+    device = torch.device(spec.device)
+    compute_dtype = DTYPES[base.compute_dtype]
+    hf_config = AutoConfig.from_pretrained(str(model_dir))
+    hf_config.use_cache = False
+    owns_reader = reader is None
+    reader = reader or WeightReader(model_dir)
+    try:
+        model = _pruned_skeleton(hf_config, spec)
+        _materialize(
+            model,
+            reader,
+            spec,
+            base,
+            device=device,
+            compute_dtype=compute_dtype,
+            tied=hf_config.tie_word_embeddings,
+        )
+    finally:
+        if owns_reader:
+            reader.close()
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_config).to(device)
+    peft_model = get_peft_model(model, peft_config(lora))
+    # model.config, not hf_config: building the model resolved its attention implementation,
+    # which decides how the attention masks are made.
+    stage = PipelineStage(peft_model, spec, model.config, base.gradient_checkpointing)
+    if not stage.lora_parameters():
+        raise ShardpoolError(
+            f"lora_target_modules {list(lora.target_modules)} match nothing in stage {spec.index}; fix the targets"
+        )
+    if lora.init_from:
+        stage.load_lora_state_dict(
+            read_adapter_tensors(lora.init_from), source=f"lora_model_dir {lora.init_from}"
+        )
+    else:
+        lora_a = {name: param for name, param in stage.named_lora_parameters() if ".lora_A." in name}
+        init_lora_weights(lora_a, seed=seed)
+    stage.train()
+    return stage
+
+
+def _pruned_skeleton(hf_config: PretrainedConfig, spec: StageSpec) -> nn.Module:
+    model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
+    # A stage never holds both ends of tied embeddings together (unless S = 1), so it is built
+    # untied and its lm_head is loaded from the embedding tensor instead (see _materialize).
+    skeleton_config = copy.deepcopy(hf_config)
+    skeleton_config.tie_word_embeddings = False
+    with torch.device("meta"):
+        model = model_class(skeleton_config)
+    inner = model.model
+    if spec.stop > len(inner.layers):
+        raise ShardpoolError(
+            f"stage {spec.index} asks for layers up to {spec.stop} but the model has {len(inner.layers)}"
+        )
+    inner.layers = nn.ModuleDict({str(index): inner.layers[index] for index in spec.layer_indices})
+    if not spec.is_first:
+        inner.embed_tokens = None
+    if not spec.is_last:
+        inner.norm = None
+        model.lm_head = None
+    return model
+
+
+def _materialize(
+    model: nn.Module,
+    reader: WeightReader,
+    spec: StageSpec,
+    base: BaseSettings,
+    *,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    tied: bool,
+) -> None:
+    if base.quantize:
+        for layer_index in spec.layer_indices:
+            layer = model.model.layers[str(layer_index)]
+            for name, module in list(layer.named_modules()):
+                if isinstance(module, nn.Linear):
+                    prefix = f"{layer_prefix(layer_index)}{name}."
+                    bias = reader.read(prefix + "bias").to(compute_dtype) if module.bias is not None else None
+                    quantized = quantize_linear(
+                        reader.read(prefix + "weight").to(compute_dtype),
+                        bias,
+                        device=device,
+                        compute_dtype=compute_dtype,
+                        quant_type=base.quant_type,
+                        double_quant=base.double_quant,
+                    )
+                    layer.set_submodule(name, quantized)
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        if param.device.type != "meta":
+            continue
+        source = EMBED_NAME if (name == LM_HEAD_NAME and tied and not reader.has(LM_HEAD_NAME)) else name
+        tensor = reader.read(source).to(device=device, dtype=compute_dtype)
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)

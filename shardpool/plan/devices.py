@@ -1,0 +1,198 @@
+"""Local devices torch can see: CUDA (ROCm included), MPS, XPU and the CPU, with their memory.
+
+The CPU is a device like the others; its memory is the RAM this process may use (the cgroup
+limit, when one is set, caps what ``/proc/meminfo`` reports).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from shardpool.errors import ShardpoolError
+
+__all__ = ["DeviceInfo", "device_info", "list_devices", "normalize_device", "show_devices", "synchronize"]
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One local device: torch name (``cuda:0``), kind (cuda, rocm, mps, xpu, cpu), product label,
+    total and free memory in bytes, and (CPU only) the threads torch uses."""
+
+    name: str
+    kind: str
+    label: str
+    total_bytes: int
+    free_bytes: int
+    threads: int = 0
+
+
+def normalize_device(name: str) -> str:
+    """Canonical torch device name: ``cuda`` becomes ``cuda:0``, ``CPU`` becomes ``cpu``."""
+    text = str(name).strip().lower()
+    if text in ("cuda", "xpu"):
+        return f"{text}:0"
+    if text in ("mps:0",):
+        return "mps"
+    if text.startswith("cpu"):
+        return "cpu"
+    return text
+
+
+def list_devices() -> list[DeviceInfo]:
+    """Every device torch sees here, accelerators first and the CPU last."""
+    found: list[DeviceInfo] = []
+    if torch.cuda.is_available():
+        found += [device_info(f"cuda:{i}") for i in range(torch.cuda.device_count())]
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        found += [device_info(f"xpu:{i}") for i in range(torch.xpu.device_count())]
+    if torch.backends.mps.is_available():
+        found.append(device_info("mps"))
+    found.append(device_info("cpu"))
+    return found
+
+
+def device_info(name: str) -> DeviceInfo:
+    """Name, kind, label and memory of one local device; a clear error when it isn't available."""
+    name = normalize_device(name)
+    kind, _, index_text = name.partition(":")
+    index = int(index_text) if index_text.isdigit() else 0
+    if kind == "cpu":
+        return _cpu_info()
+    if kind == "cuda":
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ShardpoolError(
+                f"device {name} is not available here; run `shardpool devices` to list devices"
+            )
+        free, total = torch.cuda.mem_get_info(index)
+        flavour = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+        return DeviceInfo(name, flavour, torch.cuda.get_device_name(index), int(total), int(free))
+    if kind == "xpu":
+        if not (hasattr(torch, "xpu") and torch.xpu.is_available()) or index >= torch.xpu.device_count():
+            raise ShardpoolError(
+                f"device {name} is not available here; run `shardpool devices` to list devices"
+            )
+        props = torch.xpu.get_device_properties(index)
+        total = int(props.total_memory)
+        try:
+            free = int(torch.xpu.mem_get_info(index)[0])
+        except (AttributeError, RuntimeError):
+            free = total - int(torch.xpu.memory_reserved(index))
+        return DeviceInfo(name, "xpu", str(props.name), total, free)
+    if kind == "mps":
+        if not torch.backends.mps.is_available():
+            raise ShardpoolError("device mps is not available here; run `shardpool devices` to list devices")
+        # Unified memory: Metal's recommended working set is the usable share of RAM.
+        total = int(torch.mps.recommended_max_memory())
+        free = max(0, total - int(torch.mps.driver_allocated_memory()))
+        return DeviceInfo("mps", "mps", f"Apple {platform.machine()} GPU", total, free)
+    raise ShardpoolError(f"device {name!r} is unknown; use cpu, cuda[:N], mps or xpu[:N]")
+
+
+def synchronize(name: str) -> None:
+    """Wait for queued work on a device (so timings measure the work, not its launch)."""
+    kind = normalize_device(name).partition(":")[0]
+    if kind == "cuda":
+        torch.cuda.synchronize(name)
+    elif kind == "mps":
+        torch.mps.synchronize()
+    elif kind == "xpu":
+        torch.xpu.synchronize(name)
+
+
+def _cpu_info() -> DeviceInfo:
+    memory = psutil.virtual_memory()
+    total, free = int(memory.total), int(memory.available)
+    limit = _cgroup_limit()
+    if limit is not None and limit < total:
+        used = _cgroup_usage() or 0
+        total, free = limit, max(0, min(free, limit - used))
+    return DeviceInfo("cpu", "cpu", _cpu_label(), total, free, threads=torch.get_num_threads())
+
+
+def _cgroup_limit() -> int | None:
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        value = _read_int(Path(path))
+        if value is not None and value < 1 << 60:
+            return value
+    return None
+
+
+def _cgroup_usage() -> int | None:
+    for path in ("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes"):
+        value = _read_int(Path(path))
+        if value is not None:
+            return value
+    return None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _cpu_label() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or f"cpu ({os.cpu_count()} cores)"
+
+
+def show_devices(config_path: str | None, *, profile: bool = True, as_json: bool = False) -> list[dict]:
+    """Print every local device with its memory and, given a config, its profiled layer time.
+
+    Backs ``shardpool devices``; returns the rows it printed.
+    """
+    import json
+
+    rows: list[dict] = []
+    shape = workload = None
+    if config_path and profile:
+        from shardpool.config import load_config
+        from shardpool.plan.costmodel import Workload
+        from shardpool.model.shape import ModelShape
+
+        config = load_config(config_path)
+        shape = ModelShape.from_config_dir(config.base_model)
+        workload = Workload.from_config(config)
+    for info in list_devices():
+        row: dict = {
+            "device": info.name,
+            "kind": info.kind,
+            "label": info.label,
+            "total_gib": round(info.total_bytes / 2**30, 2),
+            "free_gib": round(info.free_bytes / 2**30, 2),
+        }
+        if shape is not None and workload is not None:
+            from shardpool.plan.profiler import profile_layer
+
+            measured = profile_layer(shape, workload, device=info.name)
+            row["ms_per_layer"] = round(measured.seconds_per_layer * 1e3, 3)
+            row["activation_mib_per_layer"] = round(measured.activation_bytes / 2**20, 2)
+        rows.append(row)
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return rows
+    from rich.console import Console
+    from rich.table import Table
+
+    title = "local devices" + ("" if shape is None else f" (one NF4+LoRA layer of {shape.name})")
+    caption = None if shape is not None else "pass a config to profile one layer of its model on each device"
+    table = Table(title=title, caption=caption)
+    for column in rows[0]:
+        table.add_column(column, justify="right" if column not in ("device", "kind", "label") else "left")
+    for row in rows:
+        table.add_row(*(str(value) for value in row.values()))
+    Console().print(table)
+    return rows

@@ -1,0 +1,316 @@
+"""Fleets: the devices a plan may use and the links between their hosts.
+
+A fleet comes from one of two places: a YAML file of (possibly hypothetical) devices
+described by memory and TFLOPS (:func:`load_fleet`), or the devices of this machine,
+measured by the profiler (:func:`local_fleet`).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from shardpool.plan.costmodel import DEFAULT_EFFICIENCY, Workload, layer_flops
+from shardpool.errors import ShardpoolError
+from shardpool.model.shape import ModelShape
+
+if TYPE_CHECKING:
+    from shardpool.plan.profiler import LayerProfile
+
+__all__ = [
+    "DEFAULT_LINK",
+    "DEFAULT_LOOPBACK",
+    "Device",
+    "Fleet",
+    "LinkSpec",
+    "fleet_from_dict",
+    "load_fleet",
+    "local_fleet",
+]
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A one-way transfer path: ``bandwidth`` in bytes/s and ``latency`` in seconds."""
+
+    bandwidth: float
+    latency: float
+
+    def seconds(self, nbytes: float) -> float:
+        """Time to move ``nbytes`` over this link."""
+        return nbytes / self.bandwidth + self.latency
+
+
+#: Between stages on one host: activations go device -> host memory -> device (PCIe-class).
+DEFAULT_LOOPBACK = LinkSpec(bandwidth=8e9, latency=50e-6)
+#: Between hosts with no listed link: 1 Gbit/s Ethernet through the WireGuard mesh.
+DEFAULT_LINK = LinkSpec(bandwidth=1e9 / 8, latency=1e-3)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One place a stage can run.
+
+    ``name`` is unique in the fleet (``cpu#1`` when several stages share the CPU);
+    ``torch_device`` is what to hand to torch (``cpu``, ``cuda:0``; empty for hypothetical
+    devices). Speed is either measured (``seconds_per_layer``: forward + backward of one layer
+    per micro-batch, already slowed down for sharing) or nominal (``tflops`` x ``efficiency``).
+    ``memory_bytes`` is what the plan may use on it.
+    """
+
+    name: str
+    memory_bytes: int
+    host: str = "local"
+    seconds_per_layer: float | None = None
+    tflops: float | None = None
+    efficiency: float = DEFAULT_EFFICIENCY
+    kind: str = "cuda"
+    torch_device: str = ""
+    activation_bytes_per_layer: float | None = None
+    shared_by: int = 1
+
+    def layer_seconds(self, shape: ModelShape, workload: Workload) -> float:
+        """Forward + backward seconds of one decoder layer per micro-batch on this device."""
+        if self.seconds_per_layer is not None:
+            return self.seconds_per_layer
+        if not self.tflops:
+            raise ShardpoolError(f"device {self.name} has neither tflops nor a measured speed; give tflops")
+        return layer_flops(shape, workload) / (self.tflops * 1e12 * self.efficiency)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """Devices plus the links between their hosts (unordered host pairs)."""
+
+    devices: tuple[Device, ...]
+    links: Mapping[frozenset[str], LinkSpec] = None  # type: ignore[assignment]
+    loopback: LinkSpec = DEFAULT_LOOPBACK
+    default_link: LinkSpec = DEFAULT_LINK
+
+    def __post_init__(self) -> None:
+        if self.links is None:
+            object.__setattr__(self, "links", {})
+        if not self.devices:
+            raise ShardpoolError("the fleet has no devices; list at least one device")
+        names = Counter(device.name for device in self.devices)
+        duplicates = sorted(name for name, count in names.items() if count > 1)
+        if duplicates:
+            raise ShardpoolError(
+                f"device names {duplicates} appear more than once; give each device a unique name"
+            )
+
+    def link(self, host_a: str, host_b: str) -> LinkSpec:
+        """The link used between two hosts (loopback when they are the same host)."""
+        if host_a == host_b:
+            return self.loopback
+        return self.links.get(frozenset((host_a, host_b)), self.default_link)
+
+    def device(self, name: str) -> Device:
+        """The device called ``name``."""
+        for device in self.devices:
+            if device.name == name:
+                return device
+        raise ShardpoolError(f"the fleet has no device {name!r}; use one of {[d.name for d in self.devices]}")
+
+    @property
+    def hosts(self) -> list[str]:
+        """Hosts in first-seen order."""
+        return list(dict.fromkeys(device.host for device in self.devices))
+
+
+# ---------------------------------------------------------------------------- fleet files
+
+
+class _LinkEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    hosts: tuple[str, str]
+    bandwidth_gbps: float = Field(gt=0, description="Gbit/s")
+    latency_ms: float = Field(ge=0)
+
+
+class _PathEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    bandwidth_gbps: float = Field(gt=0)
+    latency_ms: float = Field(ge=0)
+
+
+class _DeviceEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    memory_gib: float = Field(gt=0)
+    tflops: float | None = Field(default=None, gt=0)
+    seconds_per_layer: float | None = Field(default=None, gt=0)
+    efficiency: float = Field(default=DEFAULT_EFFICIENCY, gt=0, le=1)
+    host: str | None = None
+    kind: str = "cuda"
+
+    @model_validator(mode="after")
+    def _speed_given(self) -> _DeviceEntry:
+        if self.tflops is None and self.seconds_per_layer is None:
+            raise ValueError("give tflops (datasheet or measured) or seconds_per_layer")
+        if self.kind not in ("cuda", "rocm", "mps", "xpu", "cpu"):
+            raise ValueError(f"kind {self.kind!r} is unknown; use cuda, rocm, mps, xpu or cpu")
+        return self
+
+
+class _FleetFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    devices: list[_DeviceEntry]
+    links: list[_LinkEntry] = []
+    loopback: _PathEntry | None = None
+    default_link: _PathEntry | None = None
+
+
+def load_fleet(path: str | Path) -> Fleet:
+    """Read a fleet YAML file (a list of devices, or a mapping with ``devices`` and ``links``)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ShardpoolError(
+            f"fleet file {path} does not exist; pass an existing --fleet YAML file"
+        ) from None
+    except (OSError, yaml.YAMLError) as error:
+        detail = " ".join(str(error).split())
+        raise ShardpoolError(f"cannot read fleet file {path} ({detail}); fix its YAML") from None
+    return fleet_from_dict(data, source=str(path))
+
+
+def fleet_from_dict(data: Any, *, source: str = "fleet") -> Fleet:
+    """Validate a parsed fleet file and build the :class:`Fleet`; errors name the field and the fix."""
+    if data is None or data == []:
+        data = {"devices": []}
+    if isinstance(data, list):
+        data = {"devices": data}
+    if not isinstance(data, dict):
+        raise ShardpoolError(
+            f"{source}: expected a list of devices or a mapping with 'devices'; fix the fleet file"
+        )
+    if not data.get("devices"):
+        raise ShardpoolError(
+            f"{source}: the fleet has zero devices; list at least one device under 'devices'"
+        )
+    try:
+        parsed = _FleetFile.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "fleet"
+        message = first["msg"].removeprefix("Value error, ")
+        raise ShardpoolError(
+            f"{source}: {where}: {message} (got {first.get('input')!r}); fix the fleet file"
+        ) from None
+
+    devices = []
+    for entry in parsed.devices:
+        devices.append(
+            Device(
+                name=entry.name,
+                memory_bytes=int(entry.memory_gib * GIB),
+                host=entry.host or entry.name,
+                seconds_per_layer=entry.seconds_per_layer,
+                tflops=entry.tflops,
+                efficiency=entry.efficiency,
+                kind=entry.kind,
+            )
+        )
+    hosts = {device.host for device in devices}
+    links: dict[frozenset[str], LinkSpec] = {}
+    for position, entry in enumerate(parsed.links):
+        a, b = entry.hosts
+        where = f"{source}: links.{position}"
+        if a == b:
+            raise ShardpoolError(
+                f"{where}: links host {a!r} to itself; set 'loopback' for same-host transfers"
+            )
+        unknown = sorted({a, b} - hosts)
+        if unknown:
+            raise ShardpoolError(f"{where}: host {unknown[0]!r} has no device; use a host of a listed device")
+        pair = frozenset((a, b))
+        if pair in links:
+            raise ShardpoolError(
+                f"{where}: the link {a} <-> {b} is listed twice; keep one entry per host pair"
+            )
+        links[pair] = LinkSpec(bandwidth=entry.bandwidth_gbps * 1e9 / 8, latency=entry.latency_ms / 1e3)
+    extra: dict[str, LinkSpec] = {}
+    for key in ("loopback", "default_link"):
+        entry = getattr(parsed, key)
+        if entry is not None:
+            extra[key] = LinkSpec(bandwidth=entry.bandwidth_gbps * 1e9 / 8, latency=entry.latency_ms / 1e3)
+    return Fleet(devices=tuple(devices), links=links, **extra)
+
+
+# ---------------------------------------------------------------------------- local fleet
+
+
+def local_fleet(
+    devices: Sequence[str],
+    *,
+    shape: ModelShape,
+    workload: Workload,
+    profiles: Mapping[str, LayerProfile] | None = None,
+    measure_loopback: bool = True,
+    use_cache: bool = True,
+    threads_per_stage: int | None = None,
+) -> Fleet:
+    """Build a fleet from local torch device names, e.g. ``["cpu", "cpu", "cpu"]`` or ``["cuda:0", "cpu"]``.
+
+    Each distinct physical device is profiled once (cached). When ``k`` entries name the same
+    device, it becomes ``k`` slots (``cpu#0``...), each with ``1/k`` of its free memory and,
+    since the slots run concurrently, ``1/k`` of its speed: a CPU slot is profiled with
+    ``threads // k`` threads (at least 1) and slowed further when the slots oversubscribe the
+    cores; an accelerator slot takes ``k`` times the measured layer time. ``profiles`` lets
+    callers supply measurements (keyed by normalized device name) instead of profiling.
+    ``threads_per_stage`` (the config's ``shardpool.threads_per_stage``) fixes a CPU slot's threads.
+    """
+    from shardpool.devices import device_info, normalize_device
+
+    if not devices:
+        raise ShardpoolError("no local devices were given; set shardpool.devices, e.g. [cpu]")
+    names = [normalize_device(name) for name in devices]
+    counts = Counter(names)
+    host = socket.gethostname()
+    built: list[Device] = []
+    seen: Counter[str] = Counter()
+    for name in names:
+        share = counts[name]
+        info = device_info(name)
+        profile = (profiles or {}).get(name)
+        threads = None
+        slowdown = float(share)
+        if info.kind == "cpu":
+            threads = threads_per_stage or max(1, info.threads // share)
+            slowdown = max(1.0, share * threads / info.threads)
+        if profile is None:
+            from shardpool.plan.profiler import profile_layer
+
+            profile = profile_layer(shape, workload, device=name, threads=threads, use_cache=use_cache)
+        slot = name if share == 1 else f"{name}#{seen[name]}"
+        seen[name] += 1
+        built.append(
+            Device(
+                name=slot,
+                memory_bytes=info.free_bytes // share,
+                host=host,
+                seconds_per_layer=profile.seconds_per_layer * slowdown,
+                kind=info.kind,
+                torch_device=name,
+                activation_bytes_per_layer=profile.activation_bytes,
+                shared_by=share,
+            )
+        )
+    loopback = DEFAULT_LOOPBACK
+    if measure_loopback:
+        from shardpool.plan.links import measure_loopback as _measure
+
+        measured = _measure()
+        loopback = LinkSpec(bandwidth=measured.bandwidth, latency=measured.latency)
+    return Fleet(devices=tuple(built), loopback=loopback)

@@ -1,0 +1,325 @@
+"""Measure one NF4 + LoRA decoder layer on a device: forward + backward time and activation bytes.
+
+The layer is built from the model shape alone (random weights): its Linear modules are
+quantized to NF4 with bitsandbytes (blocksize 64, double quantization) and wrapped with
+LoRA by peft, exactly as a training stage holds them. After a warm-up, the median of a few
+timed forward + backward passes at the configured micro-batch and sequence length is the
+profile. Results are cached per device, model shape and workload in
+``$SHARDPOOL_CACHE/profiles.json`` (default ``~/.cache/shardpool``), written atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from shardpool.plan.costmodel import Workload
+from shardpool.errors import ShardpoolError
+from shardpool.model.shape import ModelShape
+
+__all__ = ["LayerProfile", "cache_path", "profile_key", "profile_layer"]
+
+_LAYER_CLASSES = {
+    "llama": ("llama", "Llama"),
+    "mistral": ("mistral", "Mistral"),
+    "qwen2": ("qwen2", "Qwen2"),
+    "qwen3": ("qwen3", "Qwen3"),
+}
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """A measured layer: median forward + backward seconds per micro-batch, bytes autograd saved
+    for backward in one forward (no checkpointing), peak bytes the pass allocated on the device
+    (accelerators only), the device label and the thread count used (CPU)."""
+
+    seconds_per_layer: float
+    activation_bytes: int
+    peak_bytes: int | None
+    device: str
+    label: str
+    threads: int | None
+    runs: int
+
+
+def cache_path() -> Path:
+    """Where profiles are cached: ``$SHARDPOOL_CACHE/profiles.json`` or ``~/.cache/shardpool/profiles.json``."""
+    root = os.environ.get("SHARDPOOL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "shardpool")
+    return Path(root) / "profiles.json"
+
+
+def profile_key(shape: ModelShape, workload: Workload, *, label: str, threads: int | None) -> str:
+    """Cache key: device label, thread count, model shape digest and the workload's layer settings."""
+    import torch
+
+    return f"{label}|threads={threads}|{shape.key()}|{workload.profile_key()}|torch={torch.__version__}"
+
+
+def profile_layer(
+    shape: ModelShape,
+    workload: Workload,
+    *,
+    device: str = "cpu",
+    threads: int | None = None,
+    repeats: int = 3,
+    use_cache: bool = True,
+) -> LayerProfile:
+    """Profile one NF4 + LoRA decoder layer of ``shape`` on ``device`` (cached).
+
+    ``threads`` (CPU only) runs the benchmark with that many torch threads, for CPU slots
+    that share the processor. Raises ShardpoolError when the layer does not fit or the
+    device is unusable.
+    """
+    from shardpool.plan.devices import device_info, normalize_device
+
+    device = normalize_device(device)
+    info = device_info(device)
+    label = f"{device} {info.label}"
+    key = profile_key(shape, workload, label=label, threads=threads if info.kind == "cpu" else None)
+    if use_cache:
+        cached = _read_cache().get(key)
+        if cached is not None:
+            try:
+                return LayerProfile(**cached)
+            except TypeError:
+                pass
+    with _threads(threads if info.kind == "cpu" else None):
+        profile = _measure(shape, workload, device=device, label=label, threads=threads, repeats=repeats)
+    if use_cache:
+        _write_cache(key, asdict(profile))
+    return profile
+
+
+# ---------------------------------------------------------------------------- building the layer
+
+
+def _build_layer(shape: ModelShape, workload: Workload, device: str) -> tuple[Any, Any, Any]:
+    """One quantized decoder layer with LoRA, its rotary embedding and its HF config."""
+    import bitsandbytes as bnb
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig
+
+    module_name, prefix = _LAYER_CLASSES[shape.model_type]
+    modeling = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    layer_cls = getattr(modeling, f"{prefix}DecoderLayer")
+    rotary_cls = getattr(modeling, f"{prefix}RotaryEmbedding")
+    fields = shape.to_hf_config()
+    fields.pop("model_type")
+    fields["num_hidden_layers"] = 1
+    config = AutoConfig.for_model(shape.model_type, **fields)
+    config._attn_implementation = "sdpa"
+    dtype = {4: torch.float32, 2: torch.bfloat16}.get(workload.compute_bytes, torch.float32)
+    if workload.compute_bytes == 2 and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+        dtype = torch.float16
+
+    with torch.device("meta"):
+        layer = layer_cls(config, layer_idx=0)
+    generator = torch.Generator().manual_seed(0)
+    for parent in list(layer.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, child_name, _nf4_linear(child, dtype, device, generator, bnb))
+    for module in layer.modules():
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                fill = torch.zeros if param_name == "bias" else torch.ones
+                module.register_parameter(
+                    param_name,
+                    torch.nn.Parameter(fill(param.shape, dtype=dtype, device=device), requires_grad=False),
+                )
+
+    class _Holder(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.layer = inner
+
+        def forward(self, hidden: torch.Tensor, position_embeddings: Any) -> torch.Tensor:
+            out = self.layer(hidden, position_embeddings=position_embeddings)
+            return out[0] if isinstance(out, tuple) else out
+
+    holder = _Holder(layer)
+    if workload.lora_r > 0:
+        lora = LoraConfig(
+            r=workload.lora_r,
+            lora_alpha=2 * workload.lora_r,
+            lora_dropout=0.0,
+            target_modules=sorted(set(workload.lora_targets)),
+        )
+        holder = get_peft_model(holder, lora)
+        holder.to(device)
+    rotary = rotary_cls(config=config).to(device)
+    return holder, rotary, dtype
+
+
+def _nf4_linear(linear: Any, dtype: Any, device: str, generator: Any, bnb: Any) -> Any:
+    import torch
+
+    weight = torch.randn(linear.out_features, linear.in_features, generator=generator, dtype=dtype) * 0.02
+    quantized = bnb.nn.Linear4bit(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        compute_dtype=dtype,
+        compress_statistics=True,
+        quant_type="nf4",
+        device="meta" if linear.bias is not None else None,
+    )
+    quantized.weight = bnb.nn.Params4bit(
+        weight, requires_grad=False, quant_type="nf4", blocksize=64, compress_statistics=True
+    )
+    if linear.bias is not None:
+        quantized.bias = torch.nn.Parameter(
+            torch.zeros(linear.out_features, dtype=dtype), requires_grad=False
+        )
+    return quantized.to(device)
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def _measure(
+    shape: ModelShape, workload: Workload, *, device: str, label: str, threads: int | None, repeats: int
+) -> LayerProfile:
+    import torch
+    import torch.utils.checkpoint
+
+    from shardpool.plan.devices import synchronize
+
+    try:
+        model, rotary, dtype = _build_layer(shape, workload, device)
+        hidden = torch.randn(
+            workload.micro_batch_size, workload.sequence_len, shape.hidden_size, dtype=dtype, device=device
+        )
+        positions = torch.arange(workload.sequence_len, device=device).unsqueeze(0)
+        position_embeddings = rotary(hidden, positions.expand(workload.micro_batch_size, -1))
+
+        def step() -> None:
+            x = hidden.detach().requires_grad_(True)
+            if workload.gradient_checkpointing:
+                out = torch.utils.checkpoint.checkpoint(model, x, position_embeddings, use_reentrant=False)
+            else:
+                out = model(x, position_embeddings)
+            out.float().sum().backward()
+
+        activation_bytes = _saved_bytes(
+            lambda: model(hidden.detach().requires_grad_(True), position_embeddings)
+        )
+        _reset_peak(device)
+        warmup = 0.0
+        for attempt in range(3):  # warm-up: kernels, allocator; a third only while runs are cheap
+            synchronize(device)
+            start = time.perf_counter()
+            step()
+            synchronize(device)
+            warmup = time.perf_counter() - start
+            if attempt >= 1 and warmup > 0.5:
+                break
+        runs = 1 if warmup > 5.0 else max(1, repeats)
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            step()
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+        peak = _peak(device)
+    except torch.OutOfMemoryError:
+        raise ShardpoolError(
+            f"one decoder layer does not fit on {device} at micro_batch_size={workload.micro_batch_size}, "
+            f"sequence_len={workload.sequence_len}; lower them or enable gradient_checkpointing"
+        ) from None
+    return LayerProfile(
+        seconds_per_layer=statistics.median(times),
+        activation_bytes=activation_bytes,
+        peak_bytes=peak,
+        device=device,
+        label=label,
+        threads=threads,
+        runs=len(times),
+    )
+
+
+def _saved_bytes(forward: Any) -> int:
+    """Bytes of distinct storages autograd keeps for backward during ``forward()``."""
+    import torch
+
+    storages: dict[tuple[str, int], int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, torch.nn.Parameter) and not _is_quantized_weight(tensor):
+            storage = tensor.untyped_storage()
+            storages[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = forward()
+    del out
+    return int(sum(storages.values()))
+
+
+def _is_quantized_weight(tensor: Any) -> bool:
+    return type(tensor).__name__ == "Params4bit"
+
+
+def _reset_peak(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: str) -> int | None:
+    import torch
+
+    if device.startswith("cuda"):
+        return int(torch.cuda.max_memory_allocated(device))
+    return None
+
+
+@contextlib.contextmanager
+def _threads(count: int | None) -> Iterator[None]:
+    import torch
+
+    if count is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------- cache
+
+
+def _read_cache() -> dict[str, Any]:
+    try:
+        data = json.loads(cache_path().read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(key: str, value: dict[str, Any]) -> None:
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _read_cache()
+        data[key] = value
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".profiles-", suffix=".json")
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a cache that cannot be written only costs a re-measurement

@@ -1,0 +1,170 @@
+"""Checkpoints: adapter, optimizer, scheduler position, RNG and data position, saved atomically.
+
+Each stage sends its part into ``checkpoints/step-N.partial`` on the launching machine; after a
+barrier, the launcher merges the adapter and renames the directory to ``checkpoints/step-N`` in
+one step. A crash while saving
+leaves a ``.partial`` directory that is ignored (and cleared by the next run), and the previous
+checkpoint untouched.
+
+Every tensor is keyed by its global adapter key, so a checkpoint written by one split of the
+layers can be resumed by another.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from shardpool.atomic import write_json_atomic
+from shardpool.errors import ShardpoolError
+from shardpool.model.lora import LoraSettings, write_adapter
+
+__all__ = [
+    "partial_dir",
+    "stage_state_tensors",
+    "rng_state_tensors",
+    "stage_file",
+    "rng_file",
+    "read_stage_lora",
+    "merge_stage_lora",
+    "finalize_checkpoint",
+    "newest_checkpoint",
+    "read_lora_and_optimizer",
+    "read_rng_state",
+    "checkpoint_step",
+    "clear_partials",
+]
+
+_STEP_DIR = re.compile(r"step-([0-9]+)")
+_OPTIM_FIELDS = ("exp_avg", "exp_avg_sq", "step")
+
+
+def checkpoints_root(output_dir: str | Path) -> Path:
+    """``output_dir/checkpoints``."""
+    return Path(output_dir) / "checkpoints"
+
+
+def partial_dir(output_dir: str | Path, step: int) -> Path:
+    """The directory a checkpoint is assembled in before it is renamed into place."""
+    return checkpoints_root(output_dir) / f"step-{step}.partial"
+
+
+def stage_state_tensors(
+    *, named_parameters: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer
+) -> dict[str, torch.Tensor]:
+    """One stage's LoRA tensors and AdamW state, keyed by global adapter key."""
+    tensors: dict[str, torch.Tensor] = {}
+    for key, param in named_parameters:
+        tensors[f"lora.{key}"] = param.detach()
+        state = optimizer.state.get(param, {})
+        for field in _OPTIM_FIELDS:
+            if field in state:
+                value = state[field]
+                tensors[f"optim.{key}.{field}"] = (
+                    value if torch.is_tensor(value) else torch.tensor(float(value))
+                )
+    return tensors
+
+
+def rng_state_tensors() -> dict[str, torch.Tensor]:
+    """The torch RNG state of this process (dropout draws depend on it)."""
+    return {"cpu": torch.get_rng_state()}
+
+
+def stage_file(stage_index: int) -> str:
+    """File name of one stage's state inside a checkpoint."""
+    return f"stage-{stage_index}.safetensors"
+
+
+def rng_file(rank: int) -> str:
+    """File name of one rank's RNG state inside a checkpoint."""
+    return f"rng-rank-{rank}.safetensors"
+
+
+def finalize_checkpoint(
+    directory: Path, *, step: int, settings: LoraSettings, base_model: str, extra: dict[str, object]
+) -> Path:
+    """Merge the stages' LoRA tensors into an adapter, record the step, and rename into place."""
+    write_adapter(directory, merge_stage_lora(directory), settings, base_model=base_model)
+    write_json_atomic(directory / "checkpoint.json", {"step": step, **extra})
+    final = directory.parent / f"step-{step}"
+    if final.exists():
+        stale = directory.parent / f"step-{step}.stale"
+        shutil.rmtree(stale, ignore_errors=True)
+        final.rename(stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    directory.rename(final)
+    return final
+
+
+def read_stage_lora(path: Path) -> dict[str, torch.Tensor]:
+    """The LoRA tensors (global adapter keys) in one stage's state file."""
+    return {
+        name.removeprefix("lora."): tensor
+        for name, tensor in load_file(str(path)).items()
+        if name.startswith("lora.")
+    }
+
+
+def newest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step, or None."""
+    root = checkpoints_root(output_dir)
+    if not root.is_dir():
+        return None
+    complete = []
+    for child in root.iterdir():
+        match = _STEP_DIR.fullmatch(child.name)
+        if match and (child / "checkpoint.json").is_file():
+            complete.append((int(match.group(1)), child))
+    return max(complete)[1] if complete else None
+
+
+def checkpoint_step(directory: Path) -> int:
+    """The optimizer step a checkpoint was taken after."""
+    return int(json.loads((directory / "checkpoint.json").read_text(encoding="utf-8"))["step"])
+
+
+def read_lora_and_optimizer(
+    stage_files: list[Path], keys: list[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """The LoRA tensors and AdamW state of the given adapter keys, from whichever stage saved them."""
+    found: dict[str, torch.Tensor] = {}
+    for path in stage_files:
+        found.update(load_file(str(path)))
+    lora: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    for key in keys:
+        if f"lora.{key}" not in found:
+            raise ShardpoolError(f"the checkpoint lacks {key}; it belongs to a different model or LoRA setup")
+        lora[key] = found[f"lora.{key}"]
+        optim[key] = {
+            field: found[f"optim.{key}.{field}"] for field in _OPTIM_FIELDS if f"optim.{key}.{field}" in found
+        }
+    return lora, optim
+
+
+def read_rng_state(path: Path) -> torch.Tensor:
+    """A saved RNG state."""
+    return load_file(str(path))["cpu"]
+
+
+def merge_stage_lora(directory: Path) -> dict[str, torch.Tensor]:
+    """The LoRA tensors of every stage file in ``directory``, keyed as peft saves them."""
+    lora: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("stage-*.safetensors")):
+        lora.update(read_stage_lora(path))
+    return lora
+
+
+def clear_partials(output_dir: str | Path) -> None:
+    """Remove checkpoints that were being assembled when a run stopped."""
+    root = checkpoints_root(output_dir)
+    if root.is_dir():
+        for child in root.iterdir():
+            if child.name.endswith((".partial", ".stale")):
+                shutil.rmtree(child, ignore_errors=True)

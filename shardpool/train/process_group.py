@@ -1,0 +1,187 @@
+"""A stage process's torch.distributed groups and the wire between neighbouring stages.
+
+:func:`join_process_group` makes the gloo world group every rank joins, exchanges each rank's
+device kind over it (a tensor of small integers; nothing is unpickled), and creates the native
+subgroups :func:`shardpool.train.transport.plan_groups` chooses, each only by its members
+(``use_local_synchronization=True``). :class:`Wire` then moves activations and their gradients
+across each boundary by the transport chosen for it: on the device through the pair's native
+group, or through host memory over gloo, with pinned buffers and non-blocking copies on GPUs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardpool.train.transport import (
+    GroupPlan,
+    RankDevice,
+    decode_rank_device,
+    encode_rank_device,
+    plan_groups,
+    staging_is_pinned,
+)
+
+__all__ = ["Groups", "Link", "Wire", "join_process_group", "local_rank_device"]
+
+
+def local_rank_device(device: torch.device, place: str) -> RankDevice:
+    """This rank's device kind (ROCm told apart from CUDA) and whether its torch has the native backend."""
+    kind = device.type
+    if kind == "cuda" and getattr(torch.version, "hip", None):
+        kind = "rocm"
+    if kind in ("cuda", "rocm"):
+        native = dist.is_nccl_available()
+    elif kind == "xpu":
+        native = bool(getattr(dist, "is_xccl_available", lambda: False)())
+    else:
+        native = False
+    if kind not in ("cpu", "cuda", "rocm", "mps", "xpu"):
+        raise ValueError(f"device {device} is not one shardpool can run a stage on")
+    return RankDevice(kind, native, place)  # type: ignore[arg-type]
+
+
+@dataclass
+class Groups:
+    """The process groups one rank uses: the gloo world (``None``), its boundaries' and its replicas'."""
+
+    plan: GroupPlan
+    created: dict[tuple[int, ...], Any]
+
+    def boundary(self, a: int, b: int) -> tuple[Any, bool]:
+        """The group and ``staged`` flag of the boundary between neighbouring ranks ``a`` and ``b``."""
+        low, high = min(a, b), max(a, b)
+        transport = self.plan.boundaries[(low, high)]
+        return (None if transport.staged else self.created[(low, high)]), transport.staged
+
+    def replicas(self, stage: int) -> tuple[Any, bool] | None:
+        """The replica group of ``stage`` and whether it is native (device tensors), or None."""
+        entry = self.plan.replica_groups.get(stage)
+        if entry is None:
+            return None
+        backend, ranks = entry
+        return self.created[ranks], backend != "gloo"
+
+
+def join_process_group(
+    *,
+    store: Any,
+    rank: int,
+    world_size: int,
+    num_stages: int,
+    replicas: int,
+    device: torch.device,
+    places: list[str],
+    timeout: timedelta,
+) -> Groups:
+    """Join the gloo world group, learn every rank's device, and create this rank's subgroups.
+
+    ``places[rank]`` names each rank's physical device (host and device), so ranks sharing one GPU
+    are never put in one NCCL communicator.
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    mine = torch.tensor([encode_rank_device(local_rank_device(device, places[rank]))], dtype=torch.int64)
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    devices = [decode_rank_device(int(code), places[index]) for index, code in enumerate(gathered)]
+    plan = plan_groups(devices, num_stages=num_stages, replicas=replicas)
+    created: dict[tuple[int, ...], Any] = {}
+    for backend, ranks in plan.subgroups_of(rank):
+        created[ranks] = dist.new_group(
+            list(ranks), backend=backend, timeout=timeout, use_local_synchronization=True
+        )
+    return Groups(plan, created)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One neighbour: its global rank, the group to use (None: the gloo world), and whether the
+    tensor is staged through host memory (pinned when the device supports it)."""
+
+    peer: int
+    group: Any
+    staged: bool
+    pinned: bool
+
+
+@dataclass
+class Wire:
+    """Point-to-point transfers of activations and their gradients between neighbouring stages.
+
+    Tensors cross in ``wire_dtype`` and are cast to ``compute_dtype`` on arrival.
+    """
+
+    device: torch.device
+    wire_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    previous: Link | None
+    next: Link | None
+    pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    wait_seconds: float = 0.0
+    bytes_sent: int = 0
+
+    @classmethod
+    def for_rank(
+        cls,
+        groups: Groups,
+        *,
+        rank: int,
+        is_first: bool,
+        is_last: bool,
+        device: torch.device,
+        wire_dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+    ) -> Wire:
+        """The wire of ``rank``, with a link to each neighbour it has."""
+        pinned = staging_is_pinned(device.type) and device.type != "cpu"
+
+        def link(peer: int) -> Link:
+            group, staged = groups.boundary(rank, peer)
+            return Link(peer, group, staged, pinned and staged)
+
+        return cls(
+            device,
+            wire_dtype,
+            compute_dtype,
+            previous=None if is_first else link(rank - 1),
+            next=None if is_last else link(rank + 1),
+        )
+
+    def send(self, tensor: torch.Tensor, link: Link, *, tag: int) -> None:
+        """Start sending without blocking; the buffer is kept alive until :meth:`flush`."""
+        payload = tensor.detach().to(self.wire_dtype).contiguous()
+        if link.staged and payload.device.type != "cpu":
+            host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=link.pinned)
+            host.copy_(payload, non_blocking=link.pinned)
+            if link.pinned:
+                # gloo reads host memory from its own thread: the copy must have landed first.
+                torch.get_device_module(payload.device).current_stream(payload.device).synchronize()
+            payload = host
+        self.pending.append((dist.isend(payload, dst=link.peer, group=link.group, tag=tag), payload))
+        self.bytes_sent += payload.numel() * payload.element_size()
+
+    def recv(self, shape: tuple[int, ...], link: Link, *, tag: int) -> torch.Tensor:
+        """Block until the neighbour's tensor arrives; return it on this stage's device and dtype."""
+        on_host = link.staged
+        buffer = torch.empty(
+            shape, dtype=self.wire_dtype, device="cpu" if on_host else self.device, pin_memory=link.pinned
+        )
+        started = time.perf_counter()
+        dist.recv(buffer, src=link.peer, group=link.group, tag=tag)
+        self.wait_seconds += time.perf_counter() - started
+        return buffer.to(device=self.device, dtype=self.compute_dtype, non_blocking=link.pinned)
+
+    def flush(self) -> None:
+        """Wait for every send started since the last flush."""
+        started = time.perf_counter()
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+        self.wait_seconds += time.perf_counter() - started

@@ -1,0 +1,147 @@
+"""The files a stage process reads from, and writes to, the launching machine.
+
+The launcher owns everything: the base model, the tokenized data, the starting adapter, the
+checkpoints and ``output_dir``. A stage on the launcher's own machine opens those paths directly;
+a stage on another mesh member fetches them from the launcher's file server (byte ranges of only
+the tensors it owns, checked by size and hash) and sends its results back the same way. The
+training loop sees one interface either way, so moving a stage changes nothing in it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardpool.atomic import save_tensors_atomic
+from shardpool.contract.spec import FILES_SECRET_FILE, resolve_inside, safe_relative_name
+from shardpool.errors import ShardpoolError
+from shardpool.contract.jobfile import Job
+from shardpool.model.weights import WeightReader
+
+__all__ = ["RunFiles", "MODEL_PREFIX", "model_file_names", "read_files_secret"]
+
+MODEL_PREFIX = "model/"
+_SECRET_CHARS = 64
+
+
+def read_files_secret(job_dir: Path) -> str:
+    """The launcher's file-server secret from ``job_dir/files.secret`` (written 0600 by the agent).
+
+    The secret travels in a file, never on argv or in the environment, so other local users cannot
+    read it from ``/proc``. A missing or malformed file is a one-line error naming the file.
+    """
+    path = Path(job_dir) / FILES_SECRET_FILE
+    try:
+        with open(path, "rb") as handle:
+            text = handle.read(_SECRET_CHARS + 2).decode("ascii").strip()
+    except FileNotFoundError:
+        raise ShardpoolError(
+            f"{path} is missing: a remote stage needs the job's file-server secret; start it through an agent"
+        ) from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ShardpoolError(f"cannot read the file-server secret {path}: {error}") from None
+    if len(text) != _SECRET_CHARS or any(char not in "0123456789abcdef" for char in text):
+        raise ShardpoolError(f"{path} does not hold 64 lowercase hex digits; the agent wrote it wrongly")
+    return text
+
+
+def model_file_names(model_dir: Path) -> list[str]:
+    """The files of a model directory a stage needs: config.json and the safetensors (and index)."""
+    names = ["config.json"]
+    names += sorted(path.name for path in model_dir.glob("*.safetensors"))
+    if (model_dir / "model.safetensors.index.json").is_file():
+        names.append("model.safetensors.index.json")
+    return names
+
+
+class RunFiles:
+    """Inputs by name (``job.inputs``: name → path on the launcher) and outputs by relative path.
+
+    ``job_dir`` is the directory of the stage's job file; a remote stage reads the file server's
+    secret from ``files.secret`` there.
+    """
+
+    def __init__(self, job: Job, *, job_dir: Path | None = None) -> None:
+        self.job = job
+        self._remote: Any = None
+        self._fetch_dir: Path | None = None
+        if job.files_url:
+            from shardpool.files.client import RemoteFiles
+
+            if job_dir is None:
+                raise ShardpoolError(
+                    "a stage reading from the launcher's file server needs its job directory"
+                )
+            self._remote = RemoteFiles(job.files_url, secret=read_files_secret(job_dir))
+            self._fetch_dir = Path(tempfile.mkdtemp(prefix="shardpool-run-"))
+
+    @property
+    def remote(self) -> bool:
+        """Whether this process reads and writes through the launcher's file server."""
+        return self._remote is not None
+
+    def path(self, name: str) -> Path:
+        """A local path holding input ``name`` (fetched and verified first when remote)."""
+        if name not in self.job.inputs:
+            raise ShardpoolError(f"the job has no input named {name!r}")
+        if self._remote is None:
+            return Path(self.job.inputs[name])
+        assert self._fetch_dir is not None
+        return Path(self._remote.fetch_file(name, self._fetch_dir))
+
+    def has(self, name: str) -> bool:
+        """Whether the job provides input ``name``."""
+        return name in self.job.inputs
+
+    def model_dir(self) -> Path:
+        """A local directory with the model's config.json (for the architecture, never the weights)."""
+        return self.path(MODEL_PREFIX + "config.json").parent
+
+    def weight_reader(self) -> Any:
+        """A reader of the base model's tensors with WeightReader's interface, local or remote."""
+        if self._remote is None:
+            return WeightReader(Path(self.job.inputs[MODEL_PREFIX + "config.json"]).parent)
+        from shardpool.files.client import RemoteWeightReader
+
+        names = [
+            name
+            for name in self.job.inputs
+            if name.startswith(MODEL_PREFIX) and name.endswith(".safetensors")
+        ]
+        return RemoteWeightReader(self._remote, sorted(names))
+
+    def adapter_dir(self, prefix: str) -> Path:
+        """A local directory holding every input under ``prefix`` (e.g. ``init_adapter/``)."""
+        names = [name for name in self.job.inputs if name.startswith(prefix)]
+        if not names:
+            raise ShardpoolError(f"the job has no inputs under {prefix!r}")
+        return [self.path(name) for name in names][0].parent
+
+    def close(self) -> None:
+        """Delete the files fetched for this run (the content-addressed cache keeps its copies)."""
+        if self._fetch_dir is not None:
+            shutil.rmtree(self._fetch_dir, ignore_errors=True)
+            self._fetch_dir = None
+            self._remote.close()
+
+    def save_tensors(self, relative: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Write a safetensors file at ``output_dir/relative`` on the launcher, atomically."""
+        if self._remote is None:
+            target = resolve_inside(self.job.output_dir, relative, "output path")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            save_tensors_atomic(target, tensors)
+            return
+        assert self._fetch_dir is not None
+        staging = self._fetch_dir / "outgoing"
+        staging.mkdir(parents=True, exist_ok=True)
+        local = staging / Path(safe_relative_name(relative, "output path")).name
+        save_tensors_atomic(local, tensors)
+        try:
+            self._remote.upload(local, relative)
+        finally:
+            os.unlink(local)

@@ -1,0 +1,196 @@
+"""End to end: ``shardpool finetune`` on host a trains with stages on three mesh hosts.
+
+The hosts are network namespaces joined by the real CLI over real wireguard-go (as in
+test_mesh_e2e). The model and data exist only inside the launcher's private mount namespace on
+host a (a tmpfs no other process can see), so every stage, a's own included, must fetch its
+tensors from the launcher over the mesh. Scenario, in order:
+1. a user in the launch group (made for the test) launches; the stages on every member run as
+   the unprivileged run-as account; the adapter, owned by the user, equals a local run of the
+   same config and split and loads with peft; ``shardpool jobs`` shows the user as submitter;
+2. a request to an agent from outside the mesh is refused;
+3. host c's processes are killed mid-run: the run stops within 60 s naming c, and ``--resume``
+   completes on a and b from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+
+from tests.conftest import write_config
+from tests.helpers.mesh_training import (
+    AGENT_PORT,
+    launch,
+    local_twin,
+    mesh_of_three,
+    ok,
+    training_config,
+    training_lab,
+    wait_for,
+)
+from tests.helpers.mesh_hosts import Lab, netns_skip_reason
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+
+SKIP = netns_skip_reason()
+if SKIP:
+    pytest.skip(SKIP, allow_module_level=True)
+
+MEASURED: dict[str, Any] = {}
+RUN_AS = "shardpool"
+LAUNCH_GROUP = "shardpool"
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    yield from training_lab(tmp_path_factory, "mesh-train")
+    print("\nmeasured:", json.dumps(MEASURED, indent=1))
+
+
+@pytest.fixture(scope="module")
+def mesh3(lab: Lab) -> dict[str, str]:
+    return mesh_of_three(lab)
+
+
+@pytest.fixture(scope="module")
+def student() -> Iterator[str]:
+    """A fresh local user in the launch group, removed afterwards."""
+    name = f"spstu{os.getpid() % 100000}"
+    subprocess.run(
+        ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", "--groups", LAUNCH_GROUP, name],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield name
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)
+
+
+def test_mesh_run_equals_local_run_and_loads_with_peft(
+    lab: Lab, mesh3: dict[str, str], student: str, tmp_path: Path
+) -> None:
+    # Launched by a user in the launch group, not root: the stages on every member must run as the
+    # unprivileged run-as account, and the outputs belong to the user.
+    workspace = lab.user_home(student)
+    private = workspace / "private"
+    private.mkdir()
+    out = workspace / "mesh-out"
+    config_path = write_config(workspace / "mesh.yaml", training_config(out, private))
+    started = time.monotonic()
+    launcher = launch(lab, lab.hosts["a"], private, config_path, background=True, user=student)
+    stage_uids: dict[str, set[int]] = {"a": set(), "b": set(), "c": set()}
+    try:
+        deadline = time.monotonic() + 600
+        while launcher.poll() is None and time.monotonic() < deadline:
+            for label in stage_uids:
+                stage_uids[label].update(lab.processes(lab.hosts[label], "shardpool.train.worker").values())
+            time.sleep(0.1)
+        stdout, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    MEASURED["mesh_run_s"] = round(time.monotonic() - started, 1)
+    assert launcher.returncode == 0, f"stdout: {stdout}\nstderr: {stderr}"
+    for pair in ("a - b", "a - c", "b - c"):
+        assert f"link {pair}: " in stdout, "every link between members is measured"
+    assert not any(private.iterdir()), "the model must be visible only inside the launcher's mount namespace"
+    plan = json.loads((out / "plan.json").read_text())
+    assert sorted(stage["host"] for stage in plan["stages"]) == ["a", "b", "c"], plan["stages"]
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert len(summary["ranks"]) == 3
+    run_as_uid = pwd.getpwnam(RUN_AS).pw_uid
+    assert stage_uids == {"a": {run_as_uid}, "b": {run_as_uid}, "c": {run_as_uid}}, stage_uids
+    assert os.stat(out / "adapter_model.safetensors").st_uid == pwd.getpwnam(student).pw_uid
+    listed = ok(lab.run(lab.hosts["a"], sys.executable, "-m", "shardpool", "jobs", user=student)).splitlines()
+    assert len(listed) == 2 and listed[1].split()[1] == student, listed
+    everyone = ok(lab.run(lab.hosts["a"], sys.executable, "-m", "shardpool", "jobs")).splitlines()
+    assert any(line.split()[1:2] == [student] for line in everyone[1:]), everyone
+
+    twin = local_twin(tmp_path / "twin", out)
+    mesh_adapter = load_file(str(out / "adapter_model.safetensors"))
+    local_adapter = load_file(str(twin / "adapter_model.safetensors"))
+    assert mesh_adapter.keys() == local_adapter.keys()
+    difference = max(float((mesh_adapter[key] - local_adapter[key]).abs().max()) for key in local_adapter)
+    MEASURED["mesh_vs_local_max_abs_diff"] = difference
+    assert difference < 1e-4
+
+    from transformers import AutoModelForCausalLM
+
+    from shardpool.model.nf4 import bnb_config
+
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "twin" / "model", quantization_config=bnb_config())
+    model = PeftModel.from_pretrained(base, out)
+    assert any("lora_A" in name for name, _ in model.named_parameters())
+    assert torch.isfinite(model(input_ids=torch.tensor([[1, 5, 6, 7]])).logits).all()
+
+
+def test_agent_refuses_requests_from_outside_the_mesh(lab: Lab, mesh3: dict[str, str]) -> None:
+    outsider, a = lab.hosts["x"], lab.hosts["a"]
+    ok(lab.run(outsider, "ip", "route", "add", "10.77.0.0/24", "via", a.underlay))
+    probe = (
+        "import urllib.request, urllib.error\n"
+        "try:\n"
+        f"    urllib.request.urlopen('http://{mesh3['a']}:{AGENT_PORT}/v1/health', timeout=5)\n"
+        "    print('accepted')\n"
+        "except urllib.error.HTTPError as error:\n"
+        "    print('http', error.code)\n"
+        "except OSError as error:\n"
+        "    print('unreachable', error)\n"
+    )
+    answer = ok(lab.run(outsider, sys.executable, "-c", probe, timeout=30)).strip()
+    assert answer == "http 401" or answer.startswith("unreachable"), answer
+    assert lab.agent_serves(lab.hosts["b"], "a"), "members are still served"
+
+
+def test_losing_a_member_stops_the_run_and_resume_finishes_on_the_rest(
+    lab: Lab, mesh3: dict[str, str], tmp_path: Path
+) -> None:
+    private = tmp_path / "private"
+    private.mkdir()
+    out = tmp_path / "lossy-out"
+    config = training_config(out, private, num_epochs=20, max_steps=60, save_steps=2, val_set_size=0)
+    config_path = write_config(tmp_path / "lossy.yaml", config)
+    launcher = launch(lab, lab.hosts["a"], private, config_path, background=True)
+    try:
+        wait_for(lambda: (out / "checkpoints" / "step-2").is_dir() or launcher.poll() is not None, 300, 0.2)
+        assert launcher.poll() is None, launcher.communicate()
+        killed_at = time.monotonic()
+        lab._kill_namespace_processes(lab.hosts["c"].netns)
+        _, stderr = launcher.communicate(timeout=120)
+        MEASURED["stopped_after_member_loss_s"] = round(time.monotonic() - killed_at, 1)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 2, stderr
+    assert MEASURED["stopped_after_member_loss_s"] < 60
+    error = stderr.strip().splitlines()[-1]
+    assert "'c'" in error and "step" in error, error
+    assert (out / "checkpoints" / "step-2" / "adapter_model.safetensors").is_file()
+
+    resumed = launch(lab, lab.hosts["a"], private, config_path, "--resume")
+    ok(resumed)
+    plan = json.loads((out / "plan.json").read_text())
+    assert sorted({stage["host"] for stage in plan["stages"]}) == ["a", "b"]
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["resumed_from_step"] >= 2
+    from transformers import AutoModelForCausalLM
+
+    from shardpool.model.nf4 import bnb_config
+    from shardpool.model.tinymodel import make_tiny_llama
+
+    make_tiny_llama(tmp_path / "model", num_layers=6, hidden_size=64, seed=3)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "model", quantization_config=bnb_config())
+    PeftModel.from_pretrained(base, out)

@@ -1,0 +1,139 @@
+"""Cost model pieces against bitsandbytes' real storage and a measured layer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from shardpool.config import load_config
+from shardpool.plan.costmodel import (
+    Workload,
+    activation_bytes_per_layer,
+    bubble_fraction,
+    in_flight_microbatches,
+    layer_flops,
+    nf4_bytes,
+    stage_costs,
+    step_seconds,
+)
+from shardpool.model.shape import ModelShape
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ModelShape.from_config_dir(ROOT / "configs/models/tiny-llama.json")
+
+
+def test_nf4_bytes_matches_bitsandbytes_storage() -> None:
+    import bitsandbytes as bnb
+    import torch
+
+    weight = torch.randn(688, 256)
+    param = bnb.nn.Params4bit(
+        weight, requires_grad=False, quant_type="nf4", blocksize=64, compress_statistics=True
+    )
+    param = param.to("cpu")
+    state = param.quant_state
+    stored = param.numel() * param.element_size() + state.absmax.numel() * state.absmax.element_size()
+    stored += sum(
+        t.numel() * t.element_size() for t in (state.state2.absmax, state.state2.code, state.offset)
+    )
+    assert nf4_bytes(weight.numel()) == pytest.approx(stored, rel=0.01)
+
+
+def test_in_flight_and_pipeline_formulas() -> None:
+    w = Workload(gradient_accumulation_steps=8)
+    assert [in_flight_microbatches(w, index=i, num_stages=4) for i in range(4)] == [4, 3, 2, 1]
+    assert in_flight_microbatches(replace(w, gradient_accumulation_steps=2), index=0, num_stages=4) == 2
+    assert in_flight_microbatches(replace(w, schedule="gpipe"), index=3, num_stages=4) == 8
+    assert step_seconds(2.0, microbatches=8, num_stages=4) == pytest.approx(22.0)
+    assert bubble_fraction(microbatches=8, num_stages=4) == pytest.approx(3 / 11)
+
+
+@pytest.mark.parametrize("compute_bytes", [4, 2])
+def test_activation_estimate_close_to_measured(compute_bytes: int) -> None:
+    from shardpool.plan.profiler import profile_layer
+
+    w = Workload(micro_batch_size=2, sequence_len=64, lora_r=8, compute_bytes=compute_bytes)
+    measured = profile_layer(TINY, w, use_cache=False, repeats=1).activation_bytes
+    assert activation_bytes_per_layer(TINY, w) == pytest.approx(measured, rel=0.15)
+
+
+def test_stage_memory_parts_and_checkpointing() -> None:
+    w = Workload(micro_batch_size=1, sequence_len=128, gradient_accumulation_steps=4)
+    common = dict(seconds_per_layer=0.01, capacity_bytes=2**30, kind="cuda", num_stages=3)
+    first = stage_costs(TINY, w, index=0, **common)
+    middle = stage_costs(TINY, w, index=1, **common)
+    last = stage_costs(TINY, w, index=2, **common)
+    assert "embeddings" in first.fixed_breakdown and "lm_head" not in first.fixed_breakdown
+    assert "lm_head" in last.fixed_breakdown and last.fixed_s > middle.fixed_s
+    # 1F1B: the first stage holds 3 micro-batches, the middle 2.
+    act = first.per_layer_breakdown["activations"]
+    assert act == pytest.approx(1.5 * middle.per_layer_breakdown["activations"])
+    checkpointed = stage_costs(TINY, replace(w, gradient_checkpointing=True), index=0, **common)
+    assert checkpointed.per_layer_breakdown["activations"] < act / 5
+    assert sum(first.breakdown(3).values()) == pytest.approx(first.memory(3), abs=8)
+    assert first.memory(first.max_layers()) <= 2**30 < first.memory(first.max_layers() + 1)
+
+
+def test_flops_grow_with_tokens_and_recompute() -> None:
+    w = Workload(micro_batch_size=1, sequence_len=128)
+    assert layer_flops(TINY, replace(w, micro_batch_size=2)) == pytest.approx(2 * layer_flops(TINY, w))
+    assert layer_flops(TINY, replace(w, gradient_checkpointing=True)) > 1.3 * layer_flops(TINY, w)
+
+
+def test_workload_from_config() -> None:
+    config = load_config(ROOT / "configs/quickstart.yaml")
+    w = Workload.from_config(config)
+    assert (w.micro_batch_size, w.sequence_len, w.gradient_accumulation_steps) == (
+        config.micro_batch_size,
+        config.sequence_len,
+        config.gradient_accumulation_steps,
+    )
+    assert w.lora_r == config.lora_r and w.stages == config.shardpool.stages
+    assert w.compute_bytes == (4 if config.compute_dtype_name == "float32" else 2)
+    assert w.schedule == config.shardpool.schedule
+    mapping = Workload.from_config(
+        {"bf16": True, "lora_target_modules": ["q_proj"], "shardpool": {"wire_dtype": "fp32"}}
+    )
+    assert (mapping.compute_bytes, mapping.wire_bytes, mapping.lora_targets) == (2, 4, ("q_proj",))
+
+
+@pytest.mark.slow
+def test_predictions_match_a_real_local_pipeline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan's per-stage compute time and peak memory are within 25% of a real CPU run."""
+    monkeypatch.setenv("SHARDPOOL_CACHE", str(tmp_path / "cache"))  # profile now, under this run's load
+    import statistics
+
+    from rich.console import Console
+
+    from shardpool.config import parse_config
+    from shardpool.finetune import finetune
+    from shardpool.model.tinymodel import make_tiny_llama
+    from tests.conftest import base_config, completion_rows, read_metrics, write_jsonl
+
+    model = make_tiny_llama(
+        tmp_path / "model", num_layers=6, hidden_size=256, intermediate_size=768, num_heads=4, seed=4
+    )
+    data = write_jsonl(tmp_path / "data.jsonl", completion_rows(96))
+    config = base_config(
+        model, data, tmp_path / "out", max_steps=12, val_set_size=0, sequence_len=64, micro_batch_size=4,
+        gradient_accumulation_steps=4, shardpool={"stages": 2, "devices": ["cpu", "cpu"], "threads_per_stage": 1},
+    )  # fmt: skip
+    output = finetune(parse_config(config), console=Console(quiet=True))
+    plan = json.loads((output / "plan.json").read_text())
+    summary = json.loads((output / "run_summary.json").read_text())
+    metrics = read_metrics(output)[2:]  # the first steps warm up allocators and caches
+    for index, stage in enumerate(plan["stages"]):
+        measured_ms = statistics.median(record["stage_compute_s"][index] / 4 * 1000 for record in metrics)
+        predicted_ms = stage["compute_ms"]
+        measured_bytes = summary["ranks"][index]["peak_rss_bytes"]
+        print(json.dumps({"stage": index, "measured_ms": measured_ms, "predicted_ms": predicted_ms,
+                          "measured_peak_bytes": measured_bytes, "predicted_bytes": stage["memory_bytes"]}))  # fmt: skip
+        assert abs(measured_ms - predicted_ms) <= 0.25 * measured_ms, (index, measured_ms, predicted_ms)
+        assert abs(measured_bytes - stage["memory_bytes"]) <= 0.25 * measured_bytes, (
+            index,
+            measured_bytes,
+            stage,
+        )

@@ -1,0 +1,388 @@
+"""The planner: optimal against brute force, aware of speed and memory, fast at scale, and its CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shardpool.plan.costmodel import Workload, boundary_bytes, reserve_bytes, stage_costs, step_seconds
+from shardpool.errors import ShardpoolError
+from shardpool.plan.fleet import Device, Fleet, LinkSpec, local_fleet
+from shardpool.model.shape import ModelShape
+from shardpool.plan.planner import (
+    Plan,
+    evaluate_split,
+    even_split,
+    plan_pipeline,
+    proportional_split,
+)
+from shardpool.plan.profiler import LayerProfile
+
+ROOT = Path(__file__).resolve().parents[2]
+GIB = 2**30
+EIGHT_B = ModelShape.from_config_dir(ROOT / "configs/models/llama-3-8b.json")
+SEVENTY_B = ModelShape.from_config_dir(ROOT / "configs/models/llama-2-70b.json")
+BIG_WORKLOAD = Workload(
+    micro_batch_size=1,
+    sequence_len=2048,
+    gradient_accumulation_steps=16,
+    gradient_checkpointing=True,
+    compute_bytes=2,
+    wire_bytes=2,
+)
+
+
+def small_shape(layers: int, hidden: int, vocab: int) -> ModelShape:
+    return ModelShape.from_config_json(
+        {
+            "model_type": "llama",
+            "hidden_size": hidden,
+            "intermediate_size": 3 * hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": vocab,
+        },
+        name="small",
+    )
+
+
+def brute_force(shape: ModelShape, workload: Workload, fleet: Fleet) -> float | None:
+    """Best step time over every ordered device subset and every contiguous split, straight from stage_costs."""
+    layers, n = shape.num_layers, len(fleet.devices)
+    nbytes = boundary_bytes(shape, workload)
+    best = None
+    counts_allowed = [workload.stages] if workload.stages else range(1, min(n, layers) + 1)
+    for s in counts_allowed:
+        for seq in itertools.permutations(fleet.devices, s):
+            costs = []
+            for i, device in enumerate(seq):
+                fwd = fleet.link(device.host, seq[i + 1].host).seconds(nbytes) if i < s - 1 else 0.0
+                bwd = fleet.link(device.host, seq[i - 1].host).seconds(nbytes) if i > 0 else 0.0
+                costs.append(
+                    stage_costs(
+                        shape,
+                        workload,
+                        seconds_per_layer=device.layer_seconds(shape, workload),
+                        capacity_bytes=device.memory_bytes,
+                        kind=device.kind,
+                        index=i,
+                        num_stages=s,
+                        send_forward_s=fwd,
+                        send_backward_s=bwd,
+                    )
+                )
+            for cuts in itertools.combinations(range(1, layers), s - 1):
+                bounds = (0, *cuts, layers)
+                counts = [b - a for a, b in itertools.pairwise(bounds)]
+                if any(c.memory(k) > c.capacity_bytes for c, k in zip(costs, counts, strict=True)):
+                    continue
+                slowest = max(c.seconds(k) for c, k in zip(costs, counts, strict=True))
+                step = step_seconds(slowest, microbatches=workload.gradient_accumulation_steps, num_stages=s)
+                best = step if best is None else min(best, step)
+    return best
+
+
+@st.composite
+def planning_cases(draw: st.DrawFn) -> tuple[ModelShape, Workload, Fleet]:
+    shape = small_shape(
+        draw(st.integers(1, 8)),
+        draw(st.sampled_from([64, 128, 256])),
+        draw(st.sampled_from([64, 4096, 32000])),
+    )
+    workload = Workload(
+        micro_batch_size=draw(st.integers(1, 2)),
+        sequence_len=draw(st.sampled_from([16, 64, 256])),
+        gradient_accumulation_steps=draw(st.integers(1, 64)),
+        lora_r=draw(st.sampled_from([0, 4, 16])),
+        gradient_checkpointing=draw(st.booleans()),
+        schedule=draw(st.sampled_from(["1f1b", "gpipe"])),
+        compute_bytes=draw(st.sampled_from([2, 4])),
+        wire_bytes=draw(st.sampled_from([2, 4])),
+    )
+    hosts = ["a", "b", "c"][: draw(st.integers(1, 3))]
+    # Memory is drawn relative to what the model needs, so most cases are tight somewhere.
+    whole = stage_costs(
+        shape, workload, seconds_per_layer=1.0, capacity_bytes=0, kind="cpu", index=0, num_stages=1
+    )
+    devices = []
+    for i in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["cpu", "cuda"]))
+        room = whole.fixed_bytes * draw(st.floats(0.6, 1.3)) + whole.per_layer_bytes * draw(
+            st.floats(0.5, shape.num_layers)
+        )
+        reserve = reserve_bytes(kind, room)
+        devices.append(
+            Device(
+                name=f"d{i}",
+                host=draw(st.sampled_from(hosts)),
+                memory_bytes=int(room + reserve),
+                tflops=draw(st.floats(0.01, 10.0)),
+                kind=kind,
+            )
+        )
+    links = {}
+    for a, b in itertools.combinations(hosts, 2):
+        if draw(st.booleans()):
+            links[frozenset((a, b))] = LinkSpec(draw(st.floats(1e7, 1e11)), draw(st.floats(0, 0.001)))
+    return shape, workload, Fleet(devices=tuple(devices), links=links)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(planning_cases())
+def test_planner_matches_brute_force(case: tuple[ModelShape, Workload, Fleet]) -> None:
+    shape, workload, fleet = case
+    optimum = brute_force(shape, workload, fleet)
+    if optimum is None:
+        with pytest.raises(ShardpoolError, match="does not fit"):
+            plan_pipeline(shape, workload, fleet)
+        return
+    plan = plan_pipeline(shape, workload, fleet)
+    assert plan.search == "exact"
+    assert plan.predicted_step_s == pytest.approx(optimum, rel=1e-9)
+    assert [s.start for s in plan.stages] == [0, *[s.stop for s in plan.stages[:-1]]]
+    assert plan.stages[-1].stop == shape.num_layers
+    for stage in plan.stages:
+        assert stage.memory_bytes <= fleet.device(stage.slot).memory_bytes
+        assert stage.free_bytes >= 0
+    again = evaluate_split(
+        shape, workload, fleet, devices=[s.slot for s in plan.stages], layers=plan.layer_ranges()
+    )
+    assert again.predicted_step_s == pytest.approx(plan.predicted_step_s, rel=1e-12) and again.fits
+
+
+def test_forced_stage_count_matches_brute_force() -> None:
+    shape = small_shape(6, 128, 4096)
+    fleet = Fleet(devices=tuple(Device(name=f"d{i}", memory_bytes=GIB, tflops=1 + i) for i in range(4)))
+    workload = Workload(micro_batch_size=1, sequence_len=256, gradient_accumulation_steps=4, stages=3)
+    plan = plan_pipeline(shape, workload, fleet)
+    assert len(plan.stages) == 3
+    assert plan.predicted_step_s == pytest.approx(brute_force(shape, workload, fleet), rel=1e-9)
+
+
+def test_three_times_faster_device_gets_three_times_the_layers() -> None:
+    fleet = Fleet(
+        devices=(
+            Device(name="slow", memory_bytes=48 * GIB, tflops=30, host="box"),
+            Device(name="fast", memory_bytes=48 * GIB, tflops=90, host="box"),
+        )
+    )
+    plan = plan_pipeline(EIGHT_B, BIG_WORKLOAD, fleet)
+    layers = {stage.slot: stage.num_layers for stage in plan.stages}
+    assert 2.5 <= layers["fast"] / layers["slow"] <= 3.5, layers
+
+
+def test_small_memory_device_gets_only_what_fits() -> None:
+    fleet = Fleet(
+        devices=(
+            Device(name="tiny-fast", memory_bytes=3 * GIB, tflops=300, host="box"),
+            Device(name="big-slow", memory_bytes=40 * GIB, tflops=30, host="box"),
+        )
+    )
+    plan = plan_pipeline(EIGHT_B, BIG_WORKLOAD, fleet)
+    even = evaluate_split(
+        EIGHT_B, BIG_WORKLOAD, fleet, devices=["tiny-fast", "big-slow"], layers=even_split(32, 2)
+    )
+    assert not even.fits
+    tiny = [stage for stage in plan.stages if stage.slot == "tiny-fast"]
+    for stage in plan.stages:
+        assert stage.memory_bytes <= stage.capacity_bytes
+    if tiny:
+        assert tiny[0].num_layers < 16
+    starved = Fleet(devices=(Device(name="crumb", memory_bytes=GIB // 2, tflops=300), *fleet.devices[1:]))
+    assert [s.slot for s in plan_pipeline(EIGHT_B, BIG_WORKLOAD, starved).stages] == ["big-slow"]
+
+
+def test_slow_device_is_left_out() -> None:
+    fleet = Fleet(
+        devices=(
+            Device(name="a", memory_bytes=40 * GIB, tflops=80, host="box"),
+            Device(name="b", memory_bytes=40 * GIB, tflops=80, host="box"),
+            Device(name="snail", memory_bytes=40 * GIB, tflops=0.5, host="box"),
+        )
+    )
+    plan = plan_pipeline(EIGHT_B, BIG_WORKLOAD, fleet)
+    assert plan.left_out == ["snail"]
+
+
+def test_seventy_b_on_64_devices_plans_under_two_seconds() -> None:
+    memories, speeds = [8, 12, 16, 24, 48, 80], [7, 35, 80, 125, 300]
+    devices = tuple(
+        Device(
+            name=f"gpu{i}",
+            host=f"host{i % 8}",
+            memory_bytes=memories[i % len(memories)] * GIB,
+            tflops=speeds[(i * 7) % len(speeds)],
+        )
+        for i in range(64)
+    )
+    links = {
+        frozenset((f"host{a}", f"host{b}")): LinkSpec(1.25e9, 2e-4)
+        for a, b in itertools.combinations(range(8), 2)
+    }
+    start = time.perf_counter()
+    plan = plan_pipeline(SEVENTY_B, BIG_WORKLOAD, Fleet(devices=devices, links=links))
+    elapsed = time.perf_counter() - start
+    assert elapsed < 2.0
+    assert plan.search == "heuristic" and plan.stages[-1].stop == 80
+    assert all(stage.free_bytes >= 0 for stage in plan.stages)
+
+
+def test_heuristic_close_to_exact_on_seven_devices() -> None:
+    import random
+
+    rng = random.Random(7)
+    for _ in range(5):
+        devices = tuple(
+            Device(
+                name=f"d{i}",
+                host=f"h{rng.randrange(3)}",
+                memory_bytes=int(rng.uniform(4, 24) * GIB),
+                tflops=rng.uniform(5, 150),
+            )
+            for i in range(7)
+        )
+        fleet = Fleet(devices=devices, links={frozenset(("h0", "h1")): LinkSpec(1.25e8, 1e-3)})
+        exact = plan_pipeline(EIGHT_B, BIG_WORKLOAD, fleet)
+        heuristic = plan_pipeline(EIGHT_B, BIG_WORKLOAD, fleet, exact_limit=0)
+        assert exact.search == "exact" and heuristic.search == "heuristic"
+        assert exact.predicted_step_s <= heuristic.predicted_step_s <= 1.1 * exact.predicted_step_s
+
+
+def test_model_that_cannot_fit_says_what_is_missing() -> None:
+    fleet = Fleet(
+        devices=(
+            Device(name="small", memory_bytes=8 * GIB, tflops=50),
+            Device(name="smaller", memory_bytes=6 * GIB, tflops=50),
+        )
+    )
+    with pytest.raises(ShardpoolError) as error:
+        plan_pipeline(SEVENTY_B, BIG_WORKLOAD, fleet)
+    message = str(error.value)
+    assert "GiB are missing" in message and "more on small" in message and "\n" not in message
+
+
+def test_recommended_microbatches_and_bubble() -> None:
+    fleet = Fleet(
+        devices=tuple(Device(name=f"d{i}", memory_bytes=24 * GIB, tflops=80, host="box") for i in range(4))
+    )
+    plan = plan_pipeline(EIGHT_B, BIG_WORKLOAD, fleet)
+    s = len(plan.stages)
+    assert plan.microbatches == 16
+    assert plan.bubble_fraction == pytest.approx((s - 1) / (16 + s - 1))
+    assert plan.recommended_microbatches == 4 * s
+    gpipe = plan_pipeline(EIGHT_B, Workload(**{**BIG_WORKLOAD.__dict__, "schedule": "gpipe"}), fleet)
+    assert 1 <= gpipe.recommended_microbatches <= 4 * len(gpipe.stages)
+
+
+def test_splits() -> None:
+    assert even_split(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert proportional_split(12, [3, 1]) == [(0, 9), (9, 12)]
+    assert proportional_split(3, [100, 0, 0]) == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(ShardpoolError):
+        even_split(2, 3)
+
+
+def test_plan_json_round_trip_and_validation() -> None:
+    fleet = Fleet(
+        devices=(
+            Device(name="a", memory_bytes=24 * GIB, tflops=80),
+            Device(name="b", memory_bytes=24 * GIB, tflops=40),
+        )
+    )
+    plan = plan_pipeline(EIGHT_B, BIG_WORKLOAD, fleet)
+    data = json.loads(json.dumps(plan.to_json()))
+    assert set(data["stages"][0]) >= {
+        "device",
+        "host",
+        "layers",
+        "predicted_ms_per_microbatch",
+        "memory_bytes",
+    }
+    again = Plan.from_json(data)
+    assert again.layer_ranges() == plan.layer_ranges()
+    assert again.predicted_step_s == pytest.approx(plan.predicted_step_s, rel=1e-6)
+    minimal = Plan.from_json(
+        {"stages": [{"device": "cpu", "layers": [0, 2]}, {"device": "cpu", "layers": [2, 4]}]}
+    )
+    assert minimal.num_layers == 4
+    with pytest.raises(ShardpoolError, match="contiguous"):
+        Plan.from_json({"stages": [{"device": "cpu", "layers": [0, 2]}, {"device": "cpu", "layers": [3, 4]}]})
+
+
+def test_local_fleet_shares_one_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardpool.plan.devices import device_info
+
+    info = device_info("cpu")
+    profile = LayerProfile(0.01, 1000, None, "cpu", "cpu", None, 1)
+    fleet = local_fleet(
+        ["cpu", "cpu", "cpu"],
+        shape=EIGHT_B,
+        workload=BIG_WORKLOAD,
+        profiles={"cpu": profile},
+        measure_loopback=False,
+    )
+    assert [d.name for d in fleet.devices] == ["cpu#0", "cpu#1", "cpu#2"]
+    assert {d.torch_device for d in fleet.devices} == {"cpu"}
+    for device in fleet.devices:
+        assert device.memory_bytes == pytest.approx(info.free_bytes / 3, rel=0.05)
+        threads = max(1, info.threads // 3)
+        assert device.seconds_per_layer == pytest.approx(0.01 * max(1.0, 3 * threads / info.threads))
+    assert len({d.host for d in fleet.devices}) == 1
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "shardpool", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+
+
+def test_cli_plan_json_on_seed_fleet() -> None:
+    result = run_cli(
+        "plan",
+        "configs/quickstart.yaml",
+        "--fleet",
+        "configs/fleet-seed.yaml",
+        "--model",
+        "configs/models/llama-2-70b.json",
+        "--set",
+        "sequence_len=2048",
+        "--set",
+        "micro_batch_size=1",
+        "--set",
+        "gradient_checkpointing=true",
+        "--set",
+        "bf16=true",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    plan = Plan.from_json(json.loads(result.stdout))
+    assert plan.stages[-1].stop == 80 and plan.num_layers == 80
+    assert {s.device for s in plan.stages} <= {"rtx3090", "rtx4090", "v100", "m40"}
+
+
+def test_cli_plan_table_marks_bottleneck() -> None:
+    result = run_cli("plan", "configs/quickstart.yaml", "--fleet", "configs/fleet-seed.yaml")
+    assert result.returncode == 0, result.stderr
+    assert "bottleneck" in result.stdout and "Predicted step" in result.stdout and "bubble" in result.stdout
+
+
+def test_cli_model_that_cannot_fit(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet-tiny.yaml"
+    fleet.write_text(
+        "- {name: small, memory_gib: 4, tflops: 20}\n- {name: smaller, memory_gib: 2, tflops: 10}\n"
+    )
+    result = run_cli(
+        "plan", "configs/quickstart.yaml", "--fleet", str(fleet), "--model", "configs/models/llama-2-70b.json"
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "GiB are missing" in lines[0] and "Traceback" not in result.stderr

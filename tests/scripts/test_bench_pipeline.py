@@ -1,0 +1,76 @@
+"""The pure helpers of scripts/bench_pipeline.py (the benchmark itself is a script, not a test)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_pipeline.py"
+_spec = importlib.util.spec_from_file_location("bench_pipeline", _SCRIPT)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_thread_split_keeps_the_budget_with_at_least_one_thread() -> None:
+    assert bench.threads_per_stage(2, 1) == 2
+    assert bench.threads_per_stage(2, 2) == 1
+    assert bench.threads_per_stage(2, 4) == 1
+    assert bench.threads_per_stage(8, 4) == 2
+
+
+def test_ring_allreduce_bytes() -> None:
+    assert bench.ring_allreduce_bytes_per_worker(1000, 1) == 0
+    assert bench.ring_allreduce_bytes_per_worker(1000, 2) == 1000
+    assert bench.ring_allreduce_bytes_per_worker(1000, 4) == 1500
+    with pytest.raises(ValueError):
+        bench.ring_allreduce_bytes_per_worker(1000, 0)
+
+
+def test_boundary_bytes_count_both_directions_over_every_boundary() -> None:
+    args = {
+        "microbatches": 8,
+        "micro_batch_size": 1,
+        "sequence_len": 128,
+        "hidden_size": 512,
+        "wire_bytes": 4,
+    }
+    assert bench.boundary_bytes_per_step(stages=1, **args) == 0
+    assert bench.boundary_bytes_per_step(stages=2, **args) == 2 * 8 * 128 * 512 * 4
+    assert bench.boundary_bytes_per_step(stages=4, **args) == 3 * bench.boundary_bytes_per_step(
+        stages=2, **args
+    )
+
+
+def test_efficiency_and_medians() -> None:
+    assert bench.pipeline_efficiency([0.5, 0.5], 0.5) == pytest.approx(1.0)
+    assert bench.pipeline_efficiency([0.25, 0.25], 0.5) == pytest.approx(0.5)
+    assert bench.median_after_warmup([9.0, 9.0, 1.0, 2.0, 3.0]) == 2.0
+    assert bench.median_after_warmup([4.0]) == 4.0
+
+
+def test_summarize_steps_skips_warmup() -> None:
+    records = [
+        {
+            "step": step,
+            "loss": 1.0 / step,
+            "step_seconds": 10.0 if step <= 2 else 1.0,
+            "tokens_per_s": 100.0,
+            "stage_compute_s": [0.5, 0.25],
+            "stage_wait_s": [0.1, 0.2],
+            "bytes_sent": 64,
+        }
+        for step in (4, 1, 3, 2)
+    ]
+    summary = bench.summarize_steps(records)
+    assert summary["steps_measured"] == 2
+    assert summary["step_seconds"] == 1.0
+    assert summary["pipeline_efficiency"] == pytest.approx(0.375)
+    assert summary["bytes_sent_per_step"] == 64
+    assert summary["final_loss"] == 0.25
+
+
+def test_disturbed() -> None:
+    assert not bench.disturbed({"other_cpu_seconds": 0.5, "elapsed_seconds": 10.0}, 2)
+    assert bench.disturbed({"other_cpu_seconds": 1.5, "elapsed_seconds": 10.0}, 2)

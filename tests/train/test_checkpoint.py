@@ -1,0 +1,84 @@
+"""shardpool.train.checkpoint: checkpoints appear whole or not at all, and any split can read them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from shardpool.train import checkpoint as ckpt
+from shardpool.atomic import save_tensors_atomic
+from shardpool.model.lora import LoraSettings
+
+SETTINGS = LoraSettings(r=2, alpha=4.0, dropout=0.0, target_modules=("q_proj",), init_from=None)
+KEYS = [
+    f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{ab}.weight" for i in range(3) for ab in "AB"
+]
+
+
+def _trained_state(keys: list[str]) -> tuple[list[tuple[str, torch.nn.Parameter]], torch.optim.Optimizer]:
+    params = [(key, torch.nn.Parameter(torch.randn(2, 4))) for key in keys]
+    optimizer = torch.optim.AdamW([p for _, p in params], lr=0.1)
+    for _, param in params:
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    return params, optimizer
+
+
+def test_partial_checkpoints_are_invisible_until_finalized(tmp_path: Path) -> None:
+    partial = ckpt.partial_dir(tmp_path, 4)
+    partial.mkdir(parents=True)
+    params, optimizer = _trained_state(KEYS)
+    save_tensors_atomic(
+        partial / ckpt.stage_file(0), ckpt.stage_state_tensors(named_parameters=params, optimizer=optimizer)
+    )
+    assert ckpt.newest_checkpoint(tmp_path) is None, "an unfinished checkpoint is never picked up"
+    final = ckpt.finalize_checkpoint(
+        partial, step=4, settings=SETTINGS, base_model="m", extra={"eval_before": 1.5}
+    )
+    assert final == tmp_path / "checkpoints" / "step-4" and not partial.exists()
+    assert ckpt.newest_checkpoint(tmp_path) == final
+    assert json.loads((final / "checkpoint.json").read_text()) == {"step": 4, "eval_before": 1.5}
+    adapter = load_file(str(final / "adapter_model.safetensors"))
+    assert set(adapter) == set(KEYS)
+    assert all(torch.equal(adapter[key], param.detach()) for key, param in params)
+
+
+def test_newest_checkpoint_ignores_stale_and_partial_directories(tmp_path: Path) -> None:
+    for name, complete in (
+        ("step-2", True),
+        ("step-10", True),
+        ("step-12.partial", True),
+        ("step-14", False),
+        ("step-30\n", True),  # not a checkpoint name: the whole name must match
+    ):
+        directory = tmp_path / "checkpoints" / name
+        directory.mkdir(parents=True)
+        if complete:
+            (directory / "checkpoint.json").write_text("{}")
+    assert ckpt.newest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-10"
+    ckpt.clear_partials(tmp_path)
+    assert not (tmp_path / "checkpoints" / "step-12.partial").exists()
+    assert (tmp_path / "checkpoints" / "step-10").exists()
+
+
+def test_a_checkpoint_from_one_split_loads_into_another(tmp_path: Path) -> None:
+    first, optimizer_first = _trained_state(KEYS[:2])
+    second, optimizer_second = _trained_state(KEYS[2:])
+    save_tensors_atomic(
+        tmp_path / "stage-0.safetensors",
+        ckpt.stage_state_tensors(named_parameters=first, optimizer=optimizer_first),
+    )
+    save_tensors_atomic(
+        tmp_path / "stage-1.safetensors",
+        ckpt.stage_state_tensors(named_parameters=second, optimizer=optimizer_second),
+    )
+    files = [tmp_path / "stage-0.safetensors", tmp_path / "stage-1.safetensors"]
+    wanted = [KEYS[1], KEYS[4]]  # a stage of a different split owns one tensor from each file
+    lora, optim = ckpt.read_lora_and_optimizer(files, wanted)
+    assert torch.equal(lora[KEYS[1]], first[1][1].detach())
+    assert torch.equal(lora[KEYS[4]], second[2][1].detach())
+    assert torch.equal(optim[KEYS[4]]["exp_avg"], optimizer_second.state[second[2][1]]["exp_avg"])
+    assert float(optim[KEYS[1]]["step"]) == 1.0

@@ -1,0 +1,226 @@
+"""shardpool.train.pipeline: pipelined training equals single-device QLoRA.
+
+Every run here is real: NF4 bases from bitsandbytes, peft LoRA, stage processes talking over
+torch.distributed (gloo on loopback). The reference is a plain single-process peft + bitsandbytes
+loop written out below, on the same NF4 base, the same starting adapter and the same micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from rich.console import Console
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, get_scheduler
+
+from shardpool.config import parse_config
+from shardpool.data.datasets import load_prepared
+from shardpool.finetune import RUN_DIR_NAME, finetune
+from shardpool.model.nf4 import bnb_config, keep_exact_cpu_matmul
+from tests.conftest import base_config, read_metrics
+
+pytestmark = pytest.mark.slow
+
+LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def start_adapter(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A starting adapter with random (non-zero) A and B, so every LoRA tensor gets gradients."""
+    torch.manual_seed(11)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(r=4, lora_alpha=8, target_modules=LINEARS, init_lora_weights=False, lora_dropout=0.0),
+    )
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.mul_(0.05)
+    directory = tmp_path_factory.mktemp("start-adapter")
+    peft_model.save_pretrained(directory)
+    return directory
+
+
+def _train(config: dict[str, Any]) -> Path:
+    return finetune(parse_config(config), console=Console(quiet=True))
+
+
+@pytest.fixture(scope="module")
+def runs(
+    tiny_model: Path, completion_data: Path, start_adapter: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """The same config trained with 1 stage and with 3 uneven stages [1, 3, 2]."""
+    root = tmp_path_factory.mktemp("runs")
+    common = {"lora_model_dir": str(start_adapter)}
+    one = _train(base_config(tiny_model, completion_data, root / "one", **common, shardpool={"stages": 1}))
+    three = _train(
+        base_config(tiny_model, completion_data, root / "three", **common, shardpool={"layers": [1, 3, 2]})
+    )
+    return {"one": one, "three": three}
+
+
+def reference_training(
+    model_dir: Path, adapter_dir: Path, data_file: Path, config: dict[str, Any]
+) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """A plain single-process peft + bitsandbytes QLoRA loop: the definition of correct."""
+    data = load_prepared(data_file)
+    base = AutoModelForCausalLM.from_pretrained(
+        model_dir, quantization_config=bnb_config(), dtype=torch.float32
+    )
+    keep_exact_cpu_matmul(base)
+    model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+    model.train()
+    params = [param for param in model.parameters() if param.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config["learning_rate"], weight_decay=config["weight_decay"])
+    scheduler = get_scheduler(
+        config["lr_scheduler"],
+        optimizer,
+        num_warmup_steps=config["warmup_steps"],
+        num_training_steps=config["max_steps"],
+    )
+    per_step = config["gradient_accumulation_steps"]
+    size = config["micro_batch_size"]
+    losses, norms = [], []
+    for step in range(config["max_steps"]):
+        microbatches = [
+            data.train.select(range((step * per_step + index) * size, (step * per_step + index + 1) * size))
+            for index in range(per_step)
+        ]
+        tokens = sum(int((rows.labels[:, 1:] != -100).sum()) for rows in microbatches)
+        step_loss = 0.0
+        for rows in microbatches:
+            output = model(
+                input_ids=rows.input_ids,
+                attention_mask=rows.attention_mask,
+                position_ids=rows.position_ids,
+                labels=rows.labels,
+                num_items_in_batch=torch.tensor(tokens),
+            )
+            output.loss.backward()
+            step_loss += float(output.loss)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, config["max_grad_norm"])))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(step_loss)
+    return losses, norms, dict(get_peft_model_state_dict(model))
+
+
+def _assert_losses_close(left: list[float], right: list[float], *, rel: float) -> None:
+    assert len(left) == len(right)
+    for a, b in zip(left, right, strict=True):
+        assert abs(a - b) <= rel * abs(b), f"losses differ: {left} vs {right}"
+
+
+def _max_adapter_diff(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> float:
+    assert left.keys() == right.keys()
+    return max(float((left[key] - right[key]).abs().max()) for key in left)
+
+
+def test_one_stage_and_three_uneven_stages_train_identically(runs: dict[str, Path]) -> None:
+    one, three = read_metrics(runs["one"]), read_metrics(runs["three"])
+    assert [record["step"] for record in one] == [1, 2, 3]
+    _assert_losses_close([r["loss"] for r in three], [r["loss"] for r in one], rel=1e-5)
+    adapter_one = load_file(str(runs["one"] / "adapter_model.safetensors"))
+    adapter_three = load_file(str(runs["three"] / "adapter_model.safetensors"))
+    assert _max_adapter_diff(adapter_three, adapter_one) < 1e-4
+    assert len(three[0]["stage_compute_s"]) == 3
+
+
+def test_pipeline_equals_plain_peft_bitsandbytes_loop(
+    runs: dict[str, Path], tiny_model: Path, start_adapter: Path, completion_data: Path
+) -> None:
+    config = base_config(tiny_model, completion_data, runs["one"])
+    data_file = runs["one"] / RUN_DIR_NAME / "data.safetensors"
+    data = load_prepared(data_file)
+    first_step = [data.train.select(range(i * 2, i * 2 + 2)) for i in range(3)]
+    counts = [int((rows.labels[:, 1:] != -100).sum()) for rows in first_step]
+    assert len(set(counts)) > 1, f"micro-batches should carry unequal token counts, got {counts}"
+
+    losses, norms, reference = reference_training(tiny_model, start_adapter, data_file, config)
+    assert all(norm > config["max_grad_norm"] for norm in norms), "clipping must be active in this test"
+    start = load_file(str(start_adapter / "adapter_model.safetensors"))
+    assert _max_adapter_diff(reference, start) > 1e-3, "training must move the adapter"
+    for run in ("one", "three"):
+        metrics = read_metrics(runs[run])
+        _assert_losses_close([r["loss"] for r in metrics], losses, rel=1e-5)
+        for record, norm in zip(metrics, norms, strict=True):
+            assert math.isclose(record["grad_norm"], norm, rel_tol=1e-4)
+        trained = load_file(str(runs[run] / "adapter_model.safetensors"))
+        assert _max_adapter_diff(trained, reference) < 1e-4
+
+
+def test_adapter_loads_with_peft_and_reproduces_pipeline_logits(
+    runs: dict[str, Path], tiny_model: Path
+) -> None:
+    output_dir = runs["three"]
+    base = AutoModelForCausalLM.from_pretrained(
+        tiny_model, quantization_config=bnb_config(), dtype=torch.float32
+    )
+    keep_exact_cpu_matmul(base)
+    model = PeftModel.from_pretrained(base, output_dir)
+    expected_keys = set(get_peft_model_state_dict(model).keys())
+    saved_keys = set(load_file(str(output_dir / "adapter_model.safetensors")).keys())
+    assert saved_keys == expected_keys, "no missing and no unexpected adapter keys"
+    assert any(".layers.5." in key for key in saved_keys), "keys use global layer indices"
+    reference = load_file(str(output_dir / "eval_logits.safetensors"))
+    model.eval()
+    with torch.no_grad():
+        logits = model(
+            input_ids=reference["input_ids"],
+            attention_mask=reference["attention_mask"],
+            position_ids=reference["position_ids"],
+        ).logits
+    assert float((logits - reference["logits"]).abs().max()) < 1e-4
+
+
+def test_two_replicas_equal_one_replica_with_double_accumulation(
+    tiny_model: Path, completion_data: Path, start_adapter: Path, tmp_path: Path
+) -> None:
+    common = {"lora_model_dir": str(start_adapter), "max_steps": 2, "val_set_size": 0}
+    replicated = _train(
+        base_config(
+            tiny_model, completion_data, tmp_path / "r2", **common, gradient_accumulation_steps=2,
+            shardpool={"stages": 2, "replicas": 2},
+        )
+    )  # fmt: skip
+    single = _train(
+        base_config(
+            tiny_model, completion_data, tmp_path / "r1", **common, gradient_accumulation_steps=4,
+            shardpool={"stages": 2, "replicas": 1},
+        )
+    )  # fmt: skip
+    _assert_losses_close(
+        [r["loss"] for r in read_metrics(replicated)], [r["loss"] for r in read_metrics(single)], rel=1e-5
+    )
+    left = load_file(str(replicated / "adapter_model.safetensors"))
+    right = load_file(str(single / "adapter_model.safetensors"))
+    assert _max_adapter_diff(left, right) < 1e-4
+    assert len(read_metrics(replicated)[0]["stage_compute_s"]) == 4
+
+
+def test_gpipe_schedule_matches_1f1b(
+    tiny_model: Path, completion_data: Path, start_adapter: Path, tmp_path: Path
+) -> None:
+    common = {"lora_model_dir": str(start_adapter), "max_steps": 2, "val_set_size": 0}
+    gpipe = _train(
+        base_config(
+            tiny_model,
+            completion_data,
+            tmp_path / "g",
+            **common,
+            shardpool={"stages": 2, "schedule": "gpipe"},
+        )
+    )
+    one_f = _train(
+        base_config(tiny_model, completion_data, tmp_path / "f", **common, shardpool={"stages": 2})
+    )
+    _assert_losses_close(
+        [r["loss"] for r in read_metrics(gpipe)], [r["loss"] for r in read_metrics(one_f)], rel=1e-6
+    )

@@ -1,0 +1,90 @@
+"""shardpool.train.schedule: every action list runs to completion with blocking receives, backward passes
+run in micro-batch order, and 1F1B bounds the activations a stage holds."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardpool.train.schedule import gpipe, one_f_one_b, peak_in_flight, schedule_for
+
+
+def _simulate(schedules: list[list[tuple[str, int]]]) -> int:
+    """Run the stages' action lists against each other: sends never block, receives do.
+
+    Returns the number of rounds taken; fails on a deadlock (no stage can make progress).
+    """
+    stages = len(schedules)
+    position = [0] * stages
+    forward_mail = [set() for _ in range(stages)]  # micro-batches whose activations reached stage i
+    backward_mail = [set() for _ in range(stages)]  # micro-batches whose gradients reached stage i
+    rounds = 0
+    while any(position[i] < len(schedules[i]) for i in range(stages)):
+        progressed = False
+        for i in range(stages):
+            if position[i] == len(schedules[i]):
+                continue
+            kind, index = schedules[i][position[i]]
+            if kind == "F" and (i == 0 or index in forward_mail[i]):
+                if i + 1 < stages:
+                    forward_mail[i + 1].add(index)
+            elif kind == "B" and (i == stages - 1 or index in backward_mail[i]):
+                if i > 0:
+                    backward_mail[i - 1].add(index)
+            else:
+                continue
+            position[i] += 1
+            progressed = True
+        assert progressed, f"deadlock at positions {position}"
+        rounds += 1
+    return rounds
+
+
+@settings(max_examples=200, deadline=None)
+@given(stages=st.integers(1, 8), microbatches=st.integers(1, 16), name=st.sampled_from(["1f1b", "gpipe"]))
+def test_schedules_complete_and_keep_backward_order(stages: int, microbatches: int, name: str) -> None:
+    schedules = [
+        schedule_for(name, stage=i, num_stages=stages, num_microbatches=microbatches) for i in range(stages)
+    ]
+    _simulate(schedules)
+    for actions in schedules:
+        assert sorted(actions) == sorted(
+            [("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)]
+        )
+        assert [m for kind, m in actions if kind == "B"] == list(range(microbatches))
+        for m in range(microbatches):
+            assert actions.index(("F", m)) < actions.index(("B", m))
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(4, 8), (3, 2), (2, 6)])
+def test_1f1b_holds_at_most_s_minus_i_microbatches(stages: int, microbatches: int) -> None:
+    for stage in range(stages):
+        peak = peak_in_flight(one_f_one_b(stage=stage, num_stages=stages, num_microbatches=microbatches))
+        assert peak == min(stages - stage, microbatches)
+        assert (
+            peak_in_flight(gpipe(stage=stage, num_stages=stages, num_microbatches=microbatches))
+            == microbatches
+        )
+
+
+def test_1f1b_on_four_stages_has_the_textbook_order() -> None:
+    assert one_f_one_b(stage=0, num_stages=4, num_microbatches=6) == [
+        ("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4), ("B", 1), ("F", 5), ("B", 2),
+        ("B", 3), ("B", 4), ("B", 5),
+    ]  # fmt: skip
+    assert one_f_one_b(stage=3, num_stages=4, num_microbatches=3) == [
+        ("F", 0),
+        ("B", 0),
+        ("F", 1),
+        ("B", 1),
+        ("F", 2),
+        ("B", 2),
+    ]
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError):
+        one_f_one_b(stage=4, num_stages=4, num_microbatches=2)
+    with pytest.raises(ValueError):
+        gpipe(stage=0, num_stages=1, num_microbatches=0)
