@@ -29,9 +29,14 @@ from mesh.addresses import (
     parse_endpoint,
     parse_interface_name,
 )
-from mesh.node.api import current_roster, device_status
-from mesh.wireguard.backend import BACKENDS, choose_backend
+from mesh.constants import TOKEN_ENV, WIREGUARD_PORT
 from mesh.control.client import request_join, send_leave
+from mesh.control.model import RosterEntry, check_name
+from mesh.control.roster import Invite, RosterStore
+from mesh.control.token import TOKEN_PREFIX, JoinToken, find_token_text, new_token, parse_token, secret_hash
+from mesh.daemon import log_tail, read_pid, spawn_detached, stop_process
+from mesh.errors import MeshError
+from mesh.node.api import current_roster, device_status
 from mesh.node.config import (
     DEFAULT_INTERFACE,
     DEFAULT_KEEPALIVE,
@@ -40,27 +45,21 @@ from mesh.node.config import (
     load_config,
     save_config,
 )
-from mesh.daemon import log_tail, read_pid, spawn_detached, stop_process
-from mesh.errors import MeshError
-from mesh.wireguard.keys import generate_private_key, public_key, read_private_key, write_private_key
-from mesh.control.model import RosterEntry, check_name
 from mesh.node.member import bring_down, bring_up, save_cached_roster, start_syncd, syncd_running
 from mesh.node.probe import probe_all
-from mesh.control.roster import Invite, RosterStore
 from mesh.state import StatePaths, read_json, resolve_state_dir
-from mesh.control.token import TOKEN_PREFIX, JoinToken, find_token_text, new_token, parse_token, secret_hash
 from mesh.units import format_age, format_bytes, parse_duration
+from mesh.wireguard.backend import BACKENDS, choose_backend
+from mesh.wireguard.keys import generate_private_key, public_key, read_private_key, write_private_key
 from mesh.wireguard.wgquick import WgQuickConfig, WgQuickPeer, render_wgquick, write_wgquick
 
 __all__ = ["TOKEN_ENV", "add_mesh_commands", "build_parser", "main", "read_join_token"]
 
-_DEFAULT_PORT = 51820
-TOKEN_ENV = "SHARDPOOL_JOIN_TOKEN"
 _MAX_TOKEN_TEXT = 64 * 1024  # a token is about 150 characters; all of `mesh init`'s output is under 1 KiB
 _TOKEN_SOURCES = f"the TOKEN argument, '-' for standard input, --token-file PATH, or {TOKEN_ENV}"
 
 
-# The shardpool agent (``shardpool agent``, port 7710 on the mesh address) lets launchers on other
+# The shardpool agent (``shardpool agent``, :data:`AGENT_PORT` on the mesh address) lets launchers on other
 # members start training stages here. It is started as a separate program, only when the shardpool
 # package is installed, because this package never imports shardpool or torch.
 def _shardpool_agent_files(paths: StatePaths) -> tuple[Path, Path, Path, Path]:
@@ -457,7 +456,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         address=result.member.address,
         public_key=own_key,
         endpoint=args.endpoint,
-        listen_port=args.listen_port or endpoint_port or _DEFAULT_PORT,
+        listen_port=args.listen_port or endpoint_port or WIREGUARD_PORT,
         mtu=mtu or result.mtu,
         keepalive=result.keepalive,
         coordinator_key=token.coordinator_key,
@@ -815,7 +814,9 @@ def _add_subcommands(mesh: argparse.ArgumentParser) -> None:
         help=f"WireGuard interface name (default {DEFAULT_INTERFACE})",
     )
     join.add_argument(
-        "--listen-port", type=int, help=f"local UDP port (default: the endpoint's port, else {_DEFAULT_PORT})"
+        "--listen-port",
+        type=int,
+        help=f"local UDP port (default: the endpoint's port, else {WIREGUARD_PORT})",
     )
     join.add_argument("--mtu", type=int, help="interface MTU (default: the mesh's)")
     join.add_argument(

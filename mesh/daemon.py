@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 
 from mesh.errors import MeshError
-from mesh.state import atomic_write
+from mesh.files import atomic_write
 
 __all__ = ["log_tail", "read_pid", "spawn_detached", "stop_process"]
 

@@ -1,4 +1,4 @@
-"""Where a machine keeps its mesh state, and how every file there is written (atomically).
+"""Where a machine keeps its mesh state (written through :mod:`mesh.files`, atomically).
 
 The state directory is ``--state-dir``, else ``$SHARDPOOL_HOME``, else ``/var/lib/shardpool`` for
 root and ``~/.local/share/shardpool`` for anyone else.
@@ -8,62 +8,29 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mesh.constants import ROOT_STATE_DIR, STATE_DIR_ENV
 from mesh.errors import MeshError
 
-__all__ = ["StatePaths", "atomic_write", "default_state_dir", "read_json", "resolve_state_dir", "write_json"]
+__all__ = ["StatePaths", "default_state_dir", "read_json", "resolve_state_dir"]
 
 
 def default_state_dir() -> Path:
     """Return ``$SHARDPOOL_HOME`` if set, else the root or per-user default directory."""
-    env = os.environ.get("SHARDPOOL_HOME")
+    env = os.environ.get(STATE_DIR_ENV)
     if env:
         return Path(env)
     if os.geteuid() == 0:
-        return Path("/var/lib/shardpool")
+        return ROOT_STATE_DIR
     return Path.home() / ".local" / "share" / "shardpool"
 
 
 def resolve_state_dir(explicit: str | os.PathLike[str] | None) -> Path:
     """Pick the state directory: an explicit ``--state-dir`` wins over the environment and defaults."""
     return Path(explicit) if explicit else default_state_dir()
-
-
-def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write ``data`` to ``path`` so readers see either the old or the new file, never a partial one.
-
-    The temporary file is created in the same directory with ``mode`` already set, synced, then
-    renamed over the target; the directory is synced so the rename survives a crash.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def write_json(path: Path, obj: Any, mode: int = 0o644) -> None:
-    """Write ``obj`` as indented JSON, atomically."""
-    atomic_write(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"), mode=mode)
 
 
 def read_json(path: Path) -> Any:

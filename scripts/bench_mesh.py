@@ -50,6 +50,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mesh.constants import AGENT_PORT  # noqa: E402
 from scripts.bench_pipeline import (  # noqa: E402 - needs ROOT on sys.path
     boundary_bytes_per_step,
     completion_rows,
@@ -62,7 +63,6 @@ from scripts.bench_pipeline import (  # noqa: E402 - needs ROOT on sys.path
 )
 from tests.helpers.mesh_hosts import Host, Lab, LabError, netns_skip_reason  # noqa: E402 - needs ROOT on sys.path
 
-AGENT_PORT = 7710
 FP32_BYTES = 4
 MB = 1e6
 MIB = 1 << 20

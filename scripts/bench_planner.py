@@ -19,10 +19,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shardpool.plan.costmodel import Workload  # noqa: E402
 from shardpool.errors import ShardpoolError  # noqa: E402
-from shardpool.plan.fleet import Device, Fleet, LinkSpec, load_fleet  # noqa: E402
 from shardpool.model.shape import ModelShape  # noqa: E402
+from shardpool.plan.costmodel import Workload  # noqa: E402
+from shardpool.plan.fleet import Device, Fleet, LinkSpec, load_fleet  # noqa: E402
 from shardpool.plan.planner import evaluate_split, even_split, plan_pipeline, proportional_split  # noqa: E402
 
 GIB = 2**30

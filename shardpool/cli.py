@@ -19,7 +19,7 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with one sub-command per user action."""
-    from shardpool.agent.client import AGENT_PORT
+    from mesh.constants import AGENT_PORT
 
     parser = argparse.ArgumentParser(
         prog="shardpool",

@@ -27,8 +27,20 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from mesh.files import atomic_write, write_json
+from shardpool.config import Config, load_config
+from shardpool.contract.jobfile import Job, StagePlacement
+from shardpool.contract.spec import RESUME_PREFIX, StageEvent, resolve_inside
+from shardpool.data.datasets import PreparedData, load_tokenizer, prepare_data, save_prepared, step_batches
+from shardpool.errors import ShardpoolError
+from shardpool.launch.local_launcher import run_local_job
 from shardpool.model.architecture import DECODER_LINEAR_NAMES, ModelInfo, read_model_info
-from shardpool.atomic import write_bytes_atomic, write_json_atomic
+from shardpool.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings, lora_settings, write_adapter
+from shardpool.model.shape import ModelShape
+from shardpool.model.stage import StageSpec, owned_tensor_names
+from shardpool.model.weights import WeightReader
+from shardpool.plan.costmodel import Workload
+from shardpool.plan.planner import Plan, plan_for_config, plan_pipeline
 from shardpool.train.checkpoint import (
     checkpoint_step,
     clear_partials,
@@ -36,20 +48,8 @@ from shardpool.train.checkpoint import (
     merge_stage_lora,
     newest_checkpoint,
 )
-from shardpool.config import Config, load_config
-from shardpool.contract.spec import RESUME_PREFIX, StageEvent, resolve_inside
-from shardpool.plan.costmodel import Workload
-from shardpool.data.datasets import PreparedData, load_tokenizer, prepare_data, save_prepared, step_batches
-from shardpool.errors import ShardpoolError
-from shardpool.contract.jobfile import Job, StagePlacement
-from shardpool.launch.local_launcher import run_local_job
-from shardpool.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings, lora_settings, write_adapter
-from shardpool.model.shape import ModelShape
 from shardpool.train.pipeline import DATA_INPUT, INIT_ADAPTER_PREFIX
-from shardpool.plan.planner import Plan, plan_for_config, plan_pipeline
 from shardpool.train.runfiles import MODEL_PREFIX, model_file_names
-from shardpool.model.stage import StageSpec, owned_tensor_names
-from shardpool.model.weights import WeightReader
 
 __all__ = [
     "finetune_from_file",
@@ -172,7 +172,7 @@ def _begin_outputs(run: PreparedRun, console: Console) -> tuple[Path, Path, int]
     run_dir.mkdir(parents=True, exist_ok=True)
     clear_partials(output_dir)
     save_prepared(run.data, run_dir / DATA_INPUT)
-    write_json_atomic(output_dir / "plan.json", run.plan)
+    write_json(output_dir / "plan.json", run.plan)
     first_step = checkpoint_step(run.resume_from) if run.resume_from else 0
     _trim_metrics(output_dir / "metrics.jsonl", keep_through_step=first_step)
     _print_placement(console, run)
@@ -467,7 +467,7 @@ def _follow(
 
 def _write_summary(path: Path, outcome: _Outcome, *, first_step: int, total_steps: int) -> None:
     """Record how the run ended: eval losses, time, and each stage process's peak memory."""
-    write_json_atomic(
+    write_json(
         path,
         {
             "eval_loss_before": outcome.eval_before,
@@ -507,7 +507,7 @@ def _trim_metrics(path: Path, *, keep_through_step: int) -> None:
         for line in path.read_text(encoding="utf-8").splitlines()
         if json.loads(line)["step"] <= keep_through_step
     ]
-    write_bytes_atomic(path, ("\n".join(kept) + "\n").encode("utf-8") if kept else b"")
+    atomic_write(path, ("\n".join(kept) + "\n").encode("utf-8") if kept else b"")
 
 
 def _print_result(console: Console, run: PreparedRun, outcome: _Outcome) -> None:

@@ -42,11 +42,11 @@ from typing import Any, Protocol
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from mesh.errors import MeshError
-from mesh.wireguard.keys import decode_key, public_key, shared_secret
 from mesh.control.model import Roster
 from mesh.control.roster import RosterStore
+from mesh.errors import MeshError
 from mesh.state import read_json
+from mesh.wireguard.keys import decode_key, public_key, shared_secret
 
 __all__ = [
     "CONTROL_PURPOSE",

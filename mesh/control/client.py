@@ -9,11 +9,11 @@ from typing import Any
 
 from mesh.addresses import format_endpoint, parse_endpoint
 from mesh.control.auth import NONCE_HEADER, ROSTER_PURPOSE, AuthError, pair_key, sign_request, verify_reply
-from mesh.errors import MeshError
-from mesh.wireguard.keys import public_key as public_key_of
 from mesh.control.model import Roster, RosterEntry
 from mesh.control.protocol import ProtocolError, open_join_response, seal_join_request
 from mesh.control.token import JoinToken
+from mesh.errors import MeshError
+from mesh.wireguard.keys import public_key as public_key_of
 
 __all__ = [
     "JoinResult",

@@ -36,10 +36,10 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from mesh.control.auth import MAX_CLOCK_SKEW
-from mesh.errors import MeshError
-from mesh.wireguard.keys import decode_key, encode_key, public_key, shared_secret
 from mesh.control.model import check_name
 from mesh.control.token import JoinToken, secret_hash
+from mesh.errors import MeshError
+from mesh.wireguard.keys import decode_key, encode_key, public_key, shared_secret
 
 __all__ = [
     "MAX_CLOCK_SKEW",

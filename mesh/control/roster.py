@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mesh.addresses import allocate_address, parse_cidr
-from mesh.errors import MeshError
 from mesh.control.model import Roster, RosterEntry, check_name
 from mesh.control.token import secret_hash
+from mesh.errors import MeshError
 
 __all__ = ["SCHEMA_VERSION", "AdmitRequest", "Invite", "JoinRefused", "Removal", "RosterStore"]
 

@@ -17,14 +17,14 @@ import os
 import time
 from dataclasses import dataclass
 
-from mesh.wireguard.backend import DeviceStatus
-from mesh.node.config import MeshConfig, load_config
-from mesh.errors import MeshError
 from mesh.control.model import Roster
+from mesh.control.roster import RosterStore
+from mesh.errors import MeshError
+from mesh.node.config import MeshConfig, load_config
 from mesh.node.member import backend_for, load_cached_roster
 from mesh.node.probe import probe_all
-from mesh.control.roster import RosterStore
 from mesh.state import StatePaths, resolve_state_dir
+from mesh.wireguard.backend import DeviceStatus
 
 __all__ = ["HANDSHAKE_FRESH_SECONDS", "Member", "current_roster", "device_status", "member", "members"]
 

@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from mesh.errors import MeshError
-from mesh.state import StatePaths, read_json, write_json
+from mesh.files import write_json
+from mesh.state import StatePaths, read_json
 
 __all__ = [
     "DEFAULT_INTERFACE",

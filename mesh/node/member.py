@@ -12,14 +12,15 @@ import time
 from pathlib import Path
 
 from mesh.addresses import resolve_endpoint
-from mesh.wireguard.backend import WireGuardBackend, make_backend
-from mesh.node.config import MeshConfig
+from mesh.control.model import Roster
 from mesh.daemon import log_tail, read_pid, spawn_detached, stop_process
 from mesh.errors import MeshError
-from mesh.wireguard.links import set_address, set_link_up
-from mesh.control.model import Roster
+from mesh.files import write_json
+from mesh.node.config import MeshConfig
 from mesh.node.reconcile import plan_peer_changes
-from mesh.state import StatePaths, read_json, write_json
+from mesh.state import StatePaths, read_json
+from mesh.wireguard.backend import WireGuardBackend, make_backend
+from mesh.wireguard.links import set_address, set_link_up
 
 __all__ = [
     "syncd_running",

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mesh.wireguard.backend import DeviceStatus, PeerConfig
-from mesh.errors import MeshError
 from mesh.control.model import Roster, RosterEntry
+from mesh.errors import MeshError
+from mesh.wireguard.backend import DeviceStatus, PeerConfig
 
 __all__ = ["plan_peer_changes", "wanted_peers"]
 

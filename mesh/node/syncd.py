@@ -22,17 +22,18 @@ from pathlib import Path
 from types import FrameType
 
 from mesh.addresses import parse_endpoint
-from mesh.wireguard.backend import WireGuardBackend
 from mesh.control.client import Revoked, check_membership, fetch_roster
-from mesh.node.config import MeshConfig, load_config
 from mesh.control.coordinator import CoordinatorService, start_join_server, start_roster_server
-from mesh.errors import MeshError
-from mesh.http.server import HTTPServer
-from mesh.wireguard.keys import read_private_key
 from mesh.control.model import Roster
-from mesh.node.member import apply_roster, backend_for, load_cached_roster, save_cached_roster
 from mesh.control.roster import RosterStore
-from mesh.state import StatePaths, write_json
+from mesh.errors import MeshError
+from mesh.files import write_json
+from mesh.http.server import HTTPServer
+from mesh.node.config import MeshConfig, load_config
+from mesh.node.member import apply_roster, backend_for, load_cached_roster, save_cached_roster
+from mesh.state import StatePaths
+from mesh.wireguard.backend import WireGuardBackend
+from mesh.wireguard.keys import read_private_key
 
 __all__ = ["SyncDaemon", "main"]
 

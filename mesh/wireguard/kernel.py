@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from mesh.addresses import parse_endpoint
-from mesh.wireguard.backend import DeviceStatus, PeerConfig, PeerStatus
 from mesh.errors import MeshError
+from mesh.wireguard.backend import DeviceStatus, PeerConfig, PeerStatus
 from mesh.wireguard.keys import public_key
 
 __all__ = ["KernelBackend", "kernel_wireguard_available", "merge_dump", "peer_request"]

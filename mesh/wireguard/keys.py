@@ -15,7 +15,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 from mesh.errors import MeshError
-from mesh.state import atomic_write
+from mesh.files import atomic_write
 
 __all__ = [
     "KEY_LEN",

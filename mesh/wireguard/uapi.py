@@ -13,8 +13,8 @@ import socket
 from collections.abc import Iterable
 from pathlib import Path
 
-from mesh.wireguard.backend import DeviceStatus, PeerConfig, PeerStatus
 from mesh.errors import MeshError
+from mesh.wireguard.backend import DeviceStatus, PeerConfig, PeerStatus
 from mesh.wireguard.keys import key_from_hex, key_to_hex, public_key
 
 __all__ = [

@@ -13,9 +13,9 @@ import shutil
 import time
 from pathlib import Path
 
-from mesh.wireguard.backend import DeviceStatus, PeerConfig
 from mesh.daemon import log_tail, read_pid, spawn_detached, stop_process
 from mesh.errors import MeshError
+from mesh.wireguard.backend import DeviceStatus, PeerConfig
 from mesh.wireguard.links import delete_link, link_exists
 from mesh.wireguard.uapi import UapiClient, encode_set, socket_path
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mesh.errors import MeshError
+from mesh.files import atomic_write
 from mesh.wireguard.keys import decode_key
-from mesh.state import atomic_write
 
 __all__ = ["WgQuickConfig", "WgQuickPeer", "parse_wgquick", "render_wgquick", "write_wgquick"]
 

@@ -24,15 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+from mesh.constants import AGENT_PORT, AGENT_SOCKET_ENV, DEFAULT_AGENT_SOCKET
 from mesh.control.auth import CONTROL_PURPOSE, AuthError
 from mesh.control.client import authenticated_request
 from shardpool.agent.accounts import DEFAULT_LAUNCH_GROUP
 from shardpool.errors import ShardpoolError
 
 __all__ = [
-    "AGENT_PORT",
     "AGENT_SOCKET_ENV",
-    "DEFAULT_AGENT_PORT",
     "DEFAULT_AGENT_SOCKET",
     "AgentClient",
     "AgentRefused",
@@ -45,10 +44,6 @@ __all__ = [
     "SignedAgentClient",
     "agent_socket_path",
 ]
-
-AGENT_PORT = 7710
-"""The TCP port every member's agent listens on, on its mesh address (the one place it is set)."""
-DEFAULT_AGENT_PORT = AGENT_PORT
 
 
 class AgentUnreachable(ShardpoolError):
@@ -216,8 +211,6 @@ class SignedAgentClient(AgentClient):
 # A launcher never talks to other members' agents itself: it cannot sign (only root reads the
 # WireGuard key), so it asks its own agent, over a Unix socket, to forward signed requests.
 
-AGENT_SOCKET_ENV = "SHARDPOOL_AGENT_SOCKET"
-DEFAULT_AGENT_SOCKET = "/run/shardpool/agent.sock"
 _MAX_LOCAL_REPLY = 64 * 1024 * 1024
 
 
@@ -404,7 +397,7 @@ class ForwardedAgent:
     local: LocalAgentClient
     name: str
     address: str
-    port: int = DEFAULT_AGENT_PORT
+    port: int = AGENT_PORT
 
     @property
     def url(self) -> str:

@@ -38,7 +38,6 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -48,11 +47,23 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
+from mesh.constants import AGENT_PORT
 from mesh.control.auth import AuthError, Member, RequestVerifier
-from mesh.http.server import CHUNK, HTTPError, HTTPServer, Limits, Reply, Request, Route, json_reply, text_reply
+from mesh.files import atomic_write
+from mesh.http.server import (
+    CHUNK,
+    HTTPError,
+    HTTPServer,
+    Limits,
+    Reply,
+    Request,
+    Route,
+    json_reply,
+    text_reply,
+)
 from shardpool import __version__
 from shardpool.agent.accounts import DEFAULT_LAUNCH_GROUP, RunAs
-from shardpool.agent.client import AGENT_PORT, agent_socket_path
+from shardpool.agent.client import agent_socket_path
 from shardpool.agent.confine import landlock_abi, restrict_writes, stage_writable_dirs
 from shardpool.contract.spec import (
     EVENT_PREFIX,
@@ -66,7 +77,6 @@ from shardpool.contract.spec import (
 from shardpool.errors import ShardpoolError
 
 __all__ = [
-    "AGENT_PORT",
     "EVENT_PREFIX",
     "MAX_ECHO_BYTES",
     "Agent",
@@ -177,24 +187,11 @@ def check_reachable(account: RunAs, directory: Path) -> None:
 def _write_private(path: Path, data: bytes, owner: RunAs) -> None:
     """Write ``path`` atomically, 0600 and owned by ``owner``, never following a link a stage planted.
 
-    The job directory belongs to the run-as account, so anything in it may be a trap: the file is
-    created with O_EXCL under a random name, chowned through its descriptor, then renamed.
+    The job directory belongs to the run-as account, so anything in it may be a trap:
+    :func:`mesh.files.atomic_write` creates the file with O_EXCL under a random name and chowns it
+    through its descriptor before the rename.
     """
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o600)
-        os.fchown(fd, owner.uid, owner.gid)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        try:
-            os.unlink(temp)
-        except FileNotFoundError:
-            pass
-        raise
+    atomic_write(path, data, 0o600, owner=(owner.uid, owner.gid))
 
 
 def _open_log(path: Path) -> int:
@@ -868,8 +865,8 @@ def _shape_and_workload(model_config: dict[str, Any], workload_fields: dict[str,
     """Validate the request's model config and workload (cheap: no torch)."""
     import dataclasses
 
-    from shardpool.plan.costmodel import Workload
     from shardpool.model.shape import ModelShape
+    from shardpool.plan.costmodel import Workload
 
     known = [f.name for f in dataclasses.fields(Workload)]
     unknown = sorted(set(workload_fields) - set(known))
@@ -1029,8 +1026,8 @@ def run_agent(
 
     from mesh.control.auth import CachedRosterDirectory
     from mesh.node.config import load_config
+    from mesh.state import StatePaths, resolve_state_dir
     from mesh.wireguard.keys import read_private_key
-    from mesh.state import StatePaths, atomic_write, resolve_state_dir
     from shardpool.agent.accounts import resolve_run_as
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

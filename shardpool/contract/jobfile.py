@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from shardpool.atomic import write_json_atomic
+from mesh.files import write_json
 from shardpool.contract.spec import (
     MAX_JOB_JSON_BYTES,
     ContractError,
@@ -48,7 +48,7 @@ class Job(JobSpec):
 
     def write(self, path: str | Path) -> None:
         """Save as JSON, atomically."""
-        write_json_atomic(path, self.model_dump(mode="json"))
+        write_json(path, self.model_dump(mode="json"))
 
     @classmethod
     def read(cls, path: str | Path) -> Job:

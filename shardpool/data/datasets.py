@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import random
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mesh.files import AtomicFile
 from shardpool.config import Config, DatasetSpec
 from shardpool.errors import ShardpoolError
 
@@ -531,14 +531,9 @@ def save_prepared(data: PreparedData, path: str | os.PathLike[str]) -> None:
         "truncated_rows": str(data.truncated_rows),
         "sequence_len": str(data.train.sequence_len),
     }
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(handle)
-    try:
-        save_file(tensors, temporary, metadata=metadata)
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    with AtomicFile(target) as file:
+        save_file(tensors, file.temp_path, metadata=metadata)
+        file.commit()
 
 
 def load_prepared(path: str | os.PathLike[str]) -> PreparedData:

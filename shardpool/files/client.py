@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
+from mesh.constants import cache_root
+from mesh.files import AtomicFile
 from shardpool.contract.spec import ContractError, check_digest, resolve_inside, safe_relative_name
 from shardpool.errors import ShardpoolError
-from shardpool.files.server import AtomicFile, sha256_file
+from shardpool.files.server import sha256_file
 
 if TYPE_CHECKING:
     import torch
@@ -49,8 +51,7 @@ _RETRYABLE = (
 
 def default_cache_dir() -> Path:
     """``$SHARDPOOL_CACHE``, else ``~/.cache/shardpool`` (the profiler's cache root too)."""
-    root = os.environ.get("SHARDPOOL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "shardpool")
-    return Path(root)
+    return cache_root()
 
 
 class RemoteFiles:

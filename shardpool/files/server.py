@@ -20,13 +20,12 @@ import hmac
 import logging
 import os
 import re
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
 from mesh.errors import MeshError
+from mesh.files import AtomicFile
 from mesh.http.server import (
     FileChunks,
     HTTPError,
@@ -45,7 +44,6 @@ from shardpool.errors import ShardpoolError
 
 __all__ = [
     "MAX_UPLOAD_BYTES",
-    "AtomicFile",
     "FileServer",
     "check_relative_name",
     "parse_range",
@@ -67,60 +65,6 @@ def sha256_file(path: Path) -> str:
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-class AtomicFile:
-    """A file written in pieces and published with one rename, so readers never see half of it.
-
-    The temporary file lives beside the target; :meth:`commit` fsyncs it, renames it over the target
-    and fsyncs the directory. Leaving the ``with`` block by an exception discards it. Used for
-    streamed uploads and cache blobs, which are too big for ``shardpool.atomic.write_bytes_atomic``.
-    """
-
-    def __init__(self, path: Path, mode: int = 0o644) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self._temp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}-", suffix=".part")
-        os.fchmod(fd, mode)
-        self._handle = os.fdopen(fd, "wb")
-        self._done = False
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        """Append bytes."""
-        self._handle.write(data)
-
-    def commit(self) -> None:
-        """Make the written bytes the content of ``path``, durably."""
-        self._handle.flush()
-        os.fsync(self._handle.fileno())
-        self._handle.close()
-        os.replace(self._temp, self.path)
-        self._done = True
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-    def abort(self) -> None:
-        """Discard the temporary file (no-op after :meth:`commit`)."""
-        if self._done:
-            return
-        self._done = True
-        self._handle.close()
-        try:
-            os.unlink(self._temp)
-        except FileNotFoundError:
-            pass
-
-    def __enter__(self) -> AtomicFile:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
-    ) -> None:
-        if kind is not None or not self._done:
-            self.abort()
 
 
 def parse_range(header: str, size: int) -> tuple[int, int]:

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from shardpool.contract.jobfile import Job
 from shardpool.contract.spec import EVENT_PREFIX, ContractError, StageEvent, parse_stage_event
 from shardpool.errors import ShardpoolError
-from shardpool.contract.jobfile import Job
 
 __all__ = ["free_port", "run_local_job", "StageFailed"]
 

@@ -21,12 +21,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from shardpool.agent.client import AgentRefused, AgentUnreachable, LocalAgentClient
-from shardpool.contract.spec import ContractError, StageEvent, parse_stage_event
-from shardpool.plan.costmodel import Workload
-from shardpool.errors import ShardpoolError
-from shardpool.plan.fleet import Device, Fleet, LinkSpec
 from shardpool.contract.jobfile import Job
+from shardpool.contract.spec import ContractError, StageEvent, parse_stage_event
+from shardpool.errors import ShardpoolError
 from shardpool.launch.local_launcher import StageFailed
+from shardpool.plan.costmodel import Workload
+from shardpool.plan.fleet import Device, Fleet, LinkSpec
 
 __all__ = [
     "MemberAgent",

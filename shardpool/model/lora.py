@@ -17,10 +17,11 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file
 
-from shardpool.model.architecture import DECODER_LINEAR_NAMES
-from shardpool.atomic import save_tensors_atomic, write_bytes_atomic
+from mesh.files import atomic_write
 from shardpool.config import Config
 from shardpool.errors import ShardpoolError
+from shardpool.model.architecture import DECODER_LINEAR_NAMES
+from shardpool.model.weights import save_tensors
 
 __all__ = [
     "LoraSettings",
@@ -142,8 +143,8 @@ def write_adapter(
     config.base_model_name_or_path = str(base_model)
     config.inference_mode = True
     payload = json.dumps(config.to_dict(), indent=2, sort_keys=True, default=_json_default)
-    write_bytes_atomic(directory / ADAPTER_CONFIG, payload.encode("utf-8"))
-    save_tensors_atomic(directory / ADAPTER_WEIGHTS, dict(sorted(tensors.items())), metadata={"format": "pt"})
+    atomic_write(directory / ADAPTER_CONFIG, payload.encode("utf-8"))
+    save_tensors(directory / ADAPTER_WEIGHTS, dict(sorted(tensors.items())), metadata={"format": "pt"})
 
 
 def read_adapter_tensors(adapter_dir: str | Path) -> dict[str, torch.Tensor]:

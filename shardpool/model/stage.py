@@ -21,8 +21,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from shardpool.model.architecture import EMBED_NAME, LM_HEAD_NAME, layer_prefix, mask_kind
 from shardpool.errors import ShardpoolError
+from shardpool.model.architecture import EMBED_NAME, LM_HEAD_NAME, layer_prefix, mask_kind
 from shardpool.model.lora import LoraSettings, init_lora_weights, peft_config, read_adapter_tensors
 from shardpool.model.nf4 import DTYPES, quantize_linear
 from shardpool.model.weights import WeightReader

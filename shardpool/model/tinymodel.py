@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from mesh.files import atomic_write
+
 __all__ = [
     "DEFAULT_CORPUS",
     "MODEL_TYPES",
@@ -279,15 +281,8 @@ def write_jsonl(rows: Sequence[dict[str, str]], path: str | os.PathLike[str]) ->
 
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8", newline="\n") as stream:
-            stream.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    atomic_write(target, text.encode("utf-8"))
     return target
 
 

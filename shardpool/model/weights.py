@@ -15,10 +15,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
+from mesh.files import AtomicFile
 from shardpool.errors import ShardpoolError
 
-__all__ = ["WeightReader", "TensorEntry", "header_length", "parse_header", "read_header", "tensor_from_bytes"]
+__all__ = [
+    "save_tensors",
+    "WeightReader",
+    "TensorEntry",
+    "header_length",
+    "parse_header",
+    "read_header",
+    "tensor_from_bytes",
+]
 
 _DTYPES = {
     "F64": torch.float64,
@@ -188,3 +198,13 @@ def _index_tensors(model_dir: Path) -> dict[str, TensorEntry]:
     for file in files:
         entries.update(read_header(file))
     return entries
+
+
+def save_tensors(
+    path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
+    """Replace ``path`` with a safetensors file of ``tensors`` (moved to CPU, made contiguous), atomically."""
+    prepared = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
+    with AtomicFile(path) as file:
+        save_file(prepared, file.temp_path, metadata=metadata)
+        file.commit()

@@ -160,8 +160,8 @@ def show_devices(config_path: str | None, *, profile: bool = True, as_json: bool
     shape = workload = None
     if config_path and profile:
         from shardpool.config import load_config
-        from shardpool.plan.costmodel import Workload
         from shardpool.model.shape import ModelShape
+        from shardpool.plan.costmodel import Workload
 
         config = load_config(config_path)
         shape = ModelShape.from_config_dir(config.base_model)

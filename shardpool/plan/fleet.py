@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from shardpool.plan.costmodel import DEFAULT_EFFICIENCY, Workload, layer_flops
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
+from shardpool.plan.costmodel import DEFAULT_EFFICIENCY, Workload, layer_flops
 
 if TYPE_CHECKING:
     from shardpool.plan.profiler import LayerProfile
@@ -271,7 +271,7 @@ def local_fleet(
     callers supply measurements (keyed by normalized device name) instead of profiling.
     ``threads_per_stage`` (the config's ``shardpool.threads_per_stage``) fixes a CPU slot's threads.
     """
-    from shardpool.devices import device_info, normalize_device
+    from shardpool.plan.devices import device_info, normalize_device
 
     if not devices:
         raise ShardpoolError("no local devices were given; set shardpool.devices, e.g. [cpu]")

@@ -23,6 +23,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from shardpool.errors import ShardpoolError
+from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import (
     StageCosts,
     Workload,
@@ -31,9 +33,7 @@ from shardpool.plan.costmodel import (
     stage_costs,
     step_seconds,
 )
-from shardpool.errors import ShardpoolError
 from shardpool.plan.fleet import Device, Fleet, local_fleet
-from shardpool.model.shape import ModelShape
 
 __all__ = [
     "Plan",

@@ -13,18 +13,18 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from shardpool.plan.costmodel import Workload
+from mesh.constants import cache_root
+from mesh.files import atomic_write
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
+from shardpool.plan.costmodel import Workload
 
 __all__ = ["LayerProfile", "cache_path", "profile_key", "profile_layer"]
 
@@ -53,8 +53,7 @@ class LayerProfile:
 
 def cache_path() -> Path:
     """Where profiles are cached: ``$SHARDPOOL_CACHE/profiles.json`` or ``~/.cache/shardpool/profiles.json``."""
-    root = os.environ.get("SHARDPOOL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "shardpool")
-    return Path(root) / "profiles.json"
+    return cache_root() / "profiles.json"
 
 
 def profile_key(shape: ModelShape, workload: Workload, *, label: str, threads: int | None) -> str:
@@ -317,9 +316,6 @@ def _write_cache(key: str, value: dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = _read_cache()
         data[key] = value
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".profiles-", suffix=".json")
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(data, indent=1, sort_keys=True).encode("utf-8"))
     except OSError:
         pass  # a cache that cannot be written only costs a re-measurement

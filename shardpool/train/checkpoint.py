@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from shardpool.atomic import write_json_atomic
+from mesh.files import write_json
 from shardpool.errors import ShardpoolError
 from shardpool.model.lora import LoraSettings, write_adapter
 
@@ -91,7 +91,7 @@ def finalize_checkpoint(
 ) -> Path:
     """Merge the stages' LoRA tensors into an adapter, record the step, and rename into place."""
     write_adapter(directory, merge_stage_lora(directory), settings, base_model=base_model)
-    write_json_atomic(directory / "checkpoint.json", {"step": step, **extra})
+    write_json(directory / "checkpoint.json", {"step": step, **extra})
     final = directory.parent / f"step-{step}"
     if final.exists():
         stale = directory.parent / f"step-{step}.stale"

@@ -26,17 +26,17 @@ import torch
 import torch.distributed as dist
 from transformers import get_scheduler
 
-from shardpool.train import checkpoint as ckpt
 from shardpool.config import Config
+from shardpool.contract.jobfile import Job
 from shardpool.contract.spec import EVENT_PREFIX, RESUME_PREFIX, StageEvent
 from shardpool.data.datasets import PreparedData, TokenRows, load_prepared, step_batches
-from shardpool.contract.jobfile import Job
 from shardpool.model.lora import lora_settings
 from shardpool.model.nf4 import DTYPES
+from shardpool.model.stage import BaseSettings, PipelineStage, build_stage
+from shardpool.train import checkpoint as ckpt
 from shardpool.train.process_group import Groups, Wire, join_process_group
 from shardpool.train.runfiles import RunFiles
 from shardpool.train.schedule import schedule_for
-from shardpool.model.stage import BaseSettings, PipelineStage, build_stage
 
 __all__ = [
     "StageWorker",

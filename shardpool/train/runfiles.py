@@ -17,11 +17,10 @@ from typing import Any
 
 import torch
 
-from shardpool.atomic import save_tensors_atomic
+from shardpool.contract.jobfile import Job
 from shardpool.contract.spec import FILES_SECRET_FILE, resolve_inside, safe_relative_name
 from shardpool.errors import ShardpoolError
-from shardpool.contract.jobfile import Job
-from shardpool.model.weights import WeightReader
+from shardpool.model.weights import WeightReader, save_tensors
 
 __all__ = ["RunFiles", "MODEL_PREFIX", "model_file_names", "read_files_secret"]
 
@@ -134,13 +133,13 @@ class RunFiles:
         if self._remote is None:
             target = resolve_inside(self.job.output_dir, relative, "output path")
             target.parent.mkdir(parents=True, exist_ok=True)
-            save_tensors_atomic(target, tensors)
+            save_tensors(target, tensors)
             return
         assert self._fetch_dir is not None
         staging = self._fetch_dir / "outgoing"
         staging.mkdir(parents=True, exist_ok=True)
         local = staging / Path(safe_relative_name(relative, "output path")).name
-        save_tensors_atomic(local, tensors)
+        save_tensors(local, tensors)
         try:
             self._remote.upload(local, relative)
         finally:

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from mesh.constants import AGENT_SOCKET_ENV, DEFAULT_AGENT_SOCKET
 from shardpool.agent.client import (
-    AGENT_SOCKET_ENV,
-    DEFAULT_AGENT_SOCKET,
     AgentRefused,
     AgentUnreachable,
     LaunchNotAllowed,

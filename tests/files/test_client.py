@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardpool.errors import ShardpoolError
-from shardpool.files.server import FileServer
 from shardpool.files.client import RemoteFiles, RemoteWeightReader
+from shardpool.files.server import FileServer
 from shardpool.model.weights import WeightReader
 
 SECRET = secrets.token_hex(32)

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mesh.constants import AGENT_PORT
+
 REPO = Path(__file__).resolve().parents[2]
 UNDERLAY = "192.0.2"
 
@@ -220,7 +222,7 @@ class Lab:
             self._checked(self.mesh(host, *join), f"mesh join on {label}")
         return token
 
-    def agent_healthy(self, source: Host, address: str, port: int = 7710) -> bool:
+    def agent_healthy(self, source: Host, address: str, port: int = AGENT_PORT) -> bool:
         """Whether the shardpool agent at ``address`` answers ``/v1/health`` from ``source``.
 
         The agent answers an unsigned request with 401: that it answers at all is what counts here.
@@ -354,10 +356,15 @@ class InProcessCoordinator:
         self, directory: Path, cidr: str = "10.77.0.0/24", nonce_cap: int | None = None, split: bool = False
     ) -> None:
         from mesh.addresses import first_address, parse_cidr
-        from mesh.control.coordinator import JOIN_LIMITS, CoordinatorService, start_join_server, start_roster_server
-        from mesh.wireguard.keys import generate_private_key, public_key
+        from mesh.control.coordinator import (
+            JOIN_LIMITS,
+            CoordinatorService,
+            start_join_server,
+            start_roster_server,
+        )
         from mesh.control.model import RosterEntry
         from mesh.control.roster import RosterStore
+        from mesh.wireguard.keys import generate_private_key, public_key
 
         self.private_key = generate_private_key()
         self.public_key = public_key(self.private_key)
@@ -398,7 +405,14 @@ class InProcessCoordinator:
 
         The reply is returned as it came, unverified, so tests can look at refusals too.
         """
-        from mesh.control.auth import MAC_HEADER, NONCE_HEADER, ROSTER_PURPOSE, TIME_HEADER, pair_key, sign_request
+        from mesh.control.auth import (
+            MAC_HEADER,
+            NONCE_HEADER,
+            ROSTER_PURPOSE,
+            TIME_HEADER,
+            pair_key,
+            sign_request,
+        )
         from mesh.control.auth import _request_mac as request_mac
         from mesh.control.client import http_request
         from mesh.wireguard.keys import public_key
@@ -464,12 +478,12 @@ def member_daemon(
     ``api_port`` is where it syncs over the "mesh" (127.0.0.1 here) and ``coordinator_endpoint``
     where it asks whether it is still a member; both default to the coordinator itself.
     """
-    from mesh.node import syncd as syncd_module
     from mesh.control.client import request_join
+    from mesh.node import syncd as syncd_module
     from mesh.node.config import MeshConfig, save_config
-    from mesh.wireguard.keys import generate_private_key, public_key, write_private_key
     from mesh.node.member import save_cached_roster
     from mesh.state import StatePaths
+    from mesh.wireguard.keys import generate_private_key, public_key, write_private_key
 
     private = generate_private_key()
     result = request_join(coordinator.invite(), "b", public_key(private), None)

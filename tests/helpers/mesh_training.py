@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from mesh.constants import AGENT_PORT
 from tests.conftest import base_config, completion_rows
 from tests.helpers.mesh_hosts import Host, Lab
 
@@ -33,7 +34,6 @@ __all__ = [
     "wait_for",
 ]
 
-AGENT_PORT = 7710
 ADDRESSES = {"a": "10.77.0.1", "b": "10.77.0.2", "c": "10.77.0.3"}
 
 _MAKE_PRIVATE_FILES = """

@@ -30,6 +30,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from tests.conftest import write_config
+from tests.helpers.mesh_hosts import Lab, netns_skip_reason
 from tests.helpers.mesh_training import (
     AGENT_PORT,
     launch,
@@ -40,7 +41,6 @@ from tests.helpers.mesh_training import (
     training_lab,
     wait_for,
 )
-from tests.helpers.mesh_hosts import Lab, netns_skip_reason
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

@@ -18,10 +18,10 @@ import pytest
 
 from mesh.cli import TOKEN_ENV, main, read_join_token
 from mesh.control.client import request_join
-from mesh.node.config import load_config, save_config
-from mesh.wireguard.keys import generate_private_key, public_key
-from mesh.state import StatePaths
 from mesh.control.token import new_token, parse_token
+from mesh.node.config import load_config, save_config
+from mesh.state import StatePaths
+from mesh.wireguard.keys import generate_private_key, public_key
 from tests.helpers.mesh_hosts import InProcessCoordinator, write_coordinator_state
 
 REPO = Path(__file__).resolve().parents[2]

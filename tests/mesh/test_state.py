@@ -8,7 +8,8 @@ import stat
 import pytest
 
 from mesh.errors import MeshError
-from mesh.state import StatePaths, atomic_write, default_state_dir, read_json, resolve_state_dir, write_json
+from mesh.files import atomic_write, write_json
+from mesh.state import StatePaths, default_state_dir, read_json, resolve_state_dir
 
 
 def test_state_dir_precedence(monkeypatch, tmp_path) -> None:

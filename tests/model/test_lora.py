@@ -11,7 +11,13 @@ from peft import PeftConfig
 
 from shardpool.config import parse_config
 from shardpool.errors import ShardpoolError
-from shardpool.model.lora import LoraSettings, init_lora_weights, lora_settings, read_adapter_tensors, write_adapter
+from shardpool.model.lora import (
+    LoraSettings,
+    init_lora_weights,
+    lora_settings,
+    read_adapter_tensors,
+    write_adapter,
+)
 
 BASE = {"base_model": "m", "datasets": [{"path": "d.jsonl"}]}
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from shardpool.config import load_config
+from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import (
     Workload,
     activation_bytes_per_layer,
@@ -19,7 +20,6 @@ from shardpool.plan.costmodel import (
     stage_costs,
     step_seconds,
 )
-from shardpool.model.shape import ModelShape
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ModelShape.from_config_dir(ROOT / "configs/models/tiny-llama.json")

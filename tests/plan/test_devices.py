@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardpool.plan.devices import device_info, list_devices, normalize_device
 from shardpool.errors import ShardpoolError
+from shardpool.plan.devices import device_info, list_devices, normalize_device
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardpool.plan.costmodel import Workload, boundary_bytes, reserve_bytes, stage_costs, step_seconds
 from shardpool.errors import ShardpoolError
-from shardpool.plan.fleet import Device, Fleet, LinkSpec, local_fleet
 from shardpool.model.shape import ModelShape
+from shardpool.plan.costmodel import Workload, boundary_bytes, reserve_bytes, stage_costs, step_seconds
+from shardpool.plan.fleet import Device, Fleet, LinkSpec, local_fleet
 from shardpool.plan.planner import (
     Plan,
     evaluate_split,

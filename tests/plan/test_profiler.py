@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardpool.plan.costmodel import Workload
 from shardpool.model.shape import ModelShape
+from shardpool.plan.costmodel import Workload
 from shardpool.plan.profiler import cache_path, profile_layer
 
 ROOT = Path(__file__).resolve().parents[2]

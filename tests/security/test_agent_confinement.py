@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from mesh.wireguard.keys import public_key
-from shardpool.agent.service import Agent
 from shardpool.agent.client import SignedAgentClient
-from shardpool.errors import ShardpoolError
+from shardpool.agent.service import Agent
 from shardpool.contract.jobfile import Job
+from shardpool.errors import ShardpoolError
 from shardpool.launch.mesh_launcher import MeshMember, run_mesh_job
 from tests.helpers.agents import (
     AGENT_KEY,

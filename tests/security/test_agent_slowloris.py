@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from shardpool.files.server import FileServer
 from shardpool.files.client import RemoteFiles
+from shardpool.files.server import FileServer
 from tests.helpers.agents import make_agent, shared_dir, signed, write_worker
 from tests.helpers.jobs import job_dict
 from tests.helpers.slowloris import SlowlorisAttack, loopback_sources, raise_fd_limit

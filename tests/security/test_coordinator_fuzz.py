@@ -35,11 +35,11 @@ from mesh.control.auth import (
 )
 from mesh.control.client import check_membership, fetch_roster, request_join
 from mesh.control.coordinator import JOIN_LIMITS, JOIN_MAX_BODY, ROSTER_LIMITS, ROSTER_MAX_BODY
-from mesh.wireguard.keys import generate_private_key, public_key
 from mesh.control.protocol import seal_join_request
 from mesh.control.token import JoinToken
-from tests.helpers.raw_http import exchange
+from mesh.wireguard.keys import generate_private_key, public_key
 from tests.helpers.mesh_hosts import InProcessCoordinator
+from tests.helpers.raw_http import exchange
 
 EXAMPLES = 1200
 MESH_ID = "testmesh"

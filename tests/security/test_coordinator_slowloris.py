@@ -17,8 +17,8 @@ import pytest
 from mesh.control.client import check_membership, fetch_roster, request_join
 from mesh.control.coordinator import JOIN_LIMITS
 from mesh.wireguard.keys import generate_private_key, public_key
-from tests.helpers.slowloris import SlowlorisAttack, loopback_sources, raise_fd_limit
 from tests.helpers.mesh_hosts import InProcessCoordinator
+from tests.helpers.slowloris import SlowlorisAttack, loopback_sources, raise_fd_limit
 
 pytestmark = pytest.mark.slow
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from shardpool.contract.jobfile import Job
 from shardpool.contract.spec import (
     ContractError,
     JobSpec,
@@ -20,7 +21,6 @@ from shardpool.contract.spec import (
     parse_stage_event,
     resolve_inside,
 )
-from shardpool.contract.jobfile import Job
 from tests.helpers.jobs import job_dict
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import write_config
+from tests.helpers.mesh_hosts import Lab, netns_skip_reason
 from tests.helpers.mesh_training import (
     AGENT_PORT,
     launch,
@@ -26,7 +27,6 @@ from tests.helpers.mesh_training import (
     training_config,
     training_lab,
 )
-from tests.helpers.mesh_hosts import Lab, netns_skip_reason
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

@@ -17,13 +17,13 @@ import pytest
 from mesh.addresses import parse_interface_name
 from mesh.cli import main
 from mesh.control.client import http_request, request_join
-from mesh.errors import MeshError
-from mesh.wireguard.keys import generate_private_key, public_key
 from mesh.control.model import RosterEntry, check_name
 from mesh.control.protocol import ProtocolError, open_join_request, seal_join_request
 from mesh.control.roster import AdmitRequest, JoinRefused
 from mesh.control.token import JoinToken, new_token, parse_token, secret_hash
+from mesh.errors import MeshError
 from mesh.units import parse_duration
+from mesh.wireguard.keys import generate_private_key, public_key
 from tests.helpers.mesh_hosts import InProcessCoordinator, write_coordinator_state
 
 COORD_PRIVATE = generate_private_key()

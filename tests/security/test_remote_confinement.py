@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from shardpool.errors import ShardpoolError
-from shardpool.files.server import FileServer
 from shardpool.files.client import RemoteFiles
+from shardpool.files.server import FileServer
 
 
 class _HostileManifest(BaseHTTPRequestHandler):

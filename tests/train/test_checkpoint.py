@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from shardpool.train import checkpoint as ckpt
-from shardpool.atomic import save_tensors_atomic
 from shardpool.model.lora import LoraSettings
+from shardpool.model.weights import save_tensors
+from shardpool.train import checkpoint as ckpt
 
 SETTINGS = LoraSettings(r=2, alpha=4.0, dropout=0.0, target_modules=("q_proj",), init_from=None)
 KEYS = [
@@ -31,7 +31,7 @@ def test_partial_checkpoints_are_invisible_until_finalized(tmp_path: Path) -> No
     partial = ckpt.partial_dir(tmp_path, 4)
     partial.mkdir(parents=True)
     params, optimizer = _trained_state(KEYS)
-    save_tensors_atomic(
+    save_tensors(
         partial / ckpt.stage_file(0), ckpt.stage_state_tensors(named_parameters=params, optimizer=optimizer)
     )
     assert ckpt.newest_checkpoint(tmp_path) is None, "an unfinished checkpoint is never picked up"
@@ -67,11 +67,11 @@ def test_newest_checkpoint_ignores_stale_and_partial_directories(tmp_path: Path)
 def test_a_checkpoint_from_one_split_loads_into_another(tmp_path: Path) -> None:
     first, optimizer_first = _trained_state(KEYS[:2])
     second, optimizer_second = _trained_state(KEYS[2:])
-    save_tensors_atomic(
+    save_tensors(
         tmp_path / "stage-0.safetensors",
         ckpt.stage_state_tensors(named_parameters=first, optimizer=optimizer_first),
     )
-    save_tensors_atomic(
+    save_tensors(
         tmp_path / "stage-1.safetensors",
         ckpt.stage_state_tensors(named_parameters=second, optimizer=optimizer_second),
     )

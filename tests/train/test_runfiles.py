@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from shardpool.contract.jobfile import Job
 from shardpool.contract.spec import FILES_SECRET_FILE
 from shardpool.errors import ShardpoolError
 from shardpool.files.server import FileServer
-from shardpool.contract.jobfile import Job
 from shardpool.train.runfiles import RunFiles, read_files_secret
 from tests.helpers.jobs import job_dict
 

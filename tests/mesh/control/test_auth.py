@@ -29,10 +29,10 @@ from mesh.control.auth import (
     verify_reply,
 )
 from mesh.control.auth import _request_mac as request_mac
-from mesh.wireguard.keys import generate_private_key, public_key
 from mesh.control.model import Roster, RosterEntry
 from mesh.control.roster import RosterStore
-from mesh.state import write_json
+from mesh.files import write_json
+from mesh.wireguard.keys import generate_private_key, public_key
 
 MESH = "testmesh"
 RECEIVER_PRIVATE = generate_private_key()

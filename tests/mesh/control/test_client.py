@@ -10,10 +10,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from mesh.control.client import Revoked, check_membership, fetch_roster, request_join, send_leave
-from mesh.errors import MeshError
-from mesh.wireguard.keys import generate_private_key, public_key
 from mesh.control.protocol import JoinContext, seal_join_response
 from mesh.control.token import new_token
+from mesh.errors import MeshError
+from mesh.wireguard.keys import generate_private_key, public_key
 from tests.helpers.mesh_hosts import InProcessCoordinator
 
 

@@ -18,10 +18,10 @@ import pytest
 
 from mesh.control.client import http_request, request_join
 from mesh.control.coordinator import JOIN_MAX_BODY, start_roster_server
-from mesh.errors import MeshError
-from mesh.wireguard.keys import generate_private_key, public_key
 from mesh.control.protocol import seal_join_request
 from mesh.control.token import secret_hash
+from mesh.errors import MeshError
+from mesh.wireguard.keys import generate_private_key, public_key
 from tests.helpers.mesh_hosts import InProcessCoordinator
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from mesh.control.model import Roster, RosterEntry, check_name
 from mesh.errors import MeshError
 from mesh.wireguard.keys import generate_private_key, public_key
-from mesh.control.model import Roster, RosterEntry, check_name
 
 KEYS = [public_key(generate_private_key()) for _ in range(3)]
 

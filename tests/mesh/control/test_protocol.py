@@ -10,7 +10,6 @@ from dataclasses import replace
 
 import pytest
 
-from mesh.wireguard.keys import generate_private_key, public_key
 from mesh.control.protocol import (
     MAX_CLOCK_SKEW,
     JoinContext,
@@ -21,6 +20,7 @@ from mesh.control.protocol import (
     seal_join_response,
 )
 from mesh.control.token import new_token, secret_hash
+from mesh.wireguard.keys import generate_private_key, public_key
 
 COORD_PRIVATE = generate_private_key()
 COORD_PUBLIC = public_key(COORD_PRIVATE)

@@ -11,11 +11,11 @@ import time
 import pytest
 
 from mesh.addresses import first_address, parse_cidr
-from mesh.errors import MeshError
-from mesh.wireguard.keys import generate_private_key, public_key
 from mesh.control.model import RosterEntry
 from mesh.control.roster import SCHEMA_VERSION, AdmitRequest, JoinRefused, RosterStore
 from mesh.control.token import secret_hash
+from mesh.errors import MeshError
+from mesh.wireguard.keys import generate_private_key, public_key
 
 COORD_KEY = public_key(generate_private_key())
 

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mesh.control.token import TOKEN_PREFIX, JoinToken, new_token, parse_token, secret_hash
 from mesh.errors import MeshError
 from mesh.wireguard.keys import generate_private_key, public_key
-from mesh.control.token import TOKEN_PREFIX, JoinToken, new_token, parse_token, secret_hash
 
 COORDINATOR = public_key(generate_private_key())
 

@@ -620,9 +620,7 @@ def test_start_and_stop_are_idempotent_and_leave_no_threads() -> None:
 
 
 def test_the_http_foundation_imports_neither_torch_nor_shardpool() -> None:
-    code = (
-        "import sys, mesh.http.server; print([m for m in sys.modules if m.split('.')[0] in ('torch', 'shardpool')])"
-    )
+    code = "import sys, mesh.http.server; print([m for m in sys.modules if m.split('.')[0] in ('torch', 'shardpool')])"
     result = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

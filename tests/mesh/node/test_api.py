@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from mesh.control.model import Roster, RosterEntry
+from mesh.errors import MeshError
 from mesh.node.api import Member, member, members
 from mesh.node.config import MeshConfig, save_config
-from mesh.errors import MeshError
-from mesh.wireguard.keys import generate_private_key, public_key, write_private_key
-from mesh.control.model import Roster, RosterEntry
 from mesh.node.member import save_cached_roster
 from mesh.state import StatePaths
+from mesh.wireguard.keys import generate_private_key, public_key, write_private_key
 
 PRIVATE = generate_private_key()
 SELF = public_key(PRIVATE)

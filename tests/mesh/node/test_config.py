@@ -8,8 +8,8 @@ import stat
 
 import pytest
 
-from mesh.node.config import MeshConfig, load_config, save_config
 from mesh.errors import MeshError
+from mesh.node.config import MeshConfig, load_config, save_config
 from mesh.state import StatePaths
 
 

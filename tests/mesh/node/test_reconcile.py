@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from mesh.wireguard.backend import DeviceStatus, PeerConfig, PeerStatus
-from mesh.wireguard.keys import generate_private_key, public_key
 from mesh.control.model import Roster, RosterEntry
 from mesh.node.reconcile import plan_peer_changes
+from mesh.wireguard.backend import DeviceStatus, PeerConfig, PeerStatus
+from mesh.wireguard.keys import generate_private_key, public_key
 
 SELF, A, B, C = (public_key(generate_private_key()) for _ in range(4))
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from mesh.control.client import request_join
-from mesh.wireguard.keys import generate_private_key, public_key
 from mesh.node.member import load_cached_roster
+from mesh.wireguard.keys import generate_private_key, public_key
 from tests.helpers.mesh_hosts import InProcessCoordinator, member_daemon
 
 

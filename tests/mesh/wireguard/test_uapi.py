@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.wireguard.backend import PeerConfig
 from mesh.errors import MeshError
+from mesh.wireguard.backend import PeerConfig
 from mesh.wireguard.keys import generate_private_key, key_to_hex, public_key
 from mesh.wireguard.uapi import UapiClient, encode_get, encode_set, parse_errno, parse_get
 from tests.helpers.mesh_hosts import WireGuardGoInNetns, netns_skip_reason
