@@ -1,23 +1,16 @@
-"""Shared fixtures: tiny real models saved as safetensors, datasets, configs and CLI runs."""
+"""Shared fixtures: tiny real models saved as safetensors, datasets and the profile cache.
+
+Helpers that tests call directly live in :mod:`tests.helpers.training`, imported by name.
+"""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-WORDS = (
-    "alpha beta gamma delta stage layer pipeline adapter token gradient loss model tiny fast slow "
-    "red green blue one two three four five six seven eight nine ten"
-).split()
+from tests.helpers.training import completion_rows, write_jsonl
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -42,84 +35,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def completion_rows(count: int, *, seed: int = 0) -> list[dict[str, str]]:
-    """Sentences of varied length, so micro-batches carry unequal numbers of label tokens."""
-    rows = []
-    for index in range(count):
-        length = 3 + (index * 7 + seed) % 17
-        rows.append({"text": " ".join(WORDS[(index * 5 + k * 3 + seed) % len(WORDS)] for k in range(length))})
-    return rows
-
-
-def write_jsonl(path: Path, rows: list[Any]) -> Path:
-    """Write rows as JSON lines (strings are written as they are, for malformed-line tests)."""
-    path.write_text(
-        "".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows), encoding="utf-8"
-    )
-    return path
-
-
 @pytest.fixture(scope="session")
 def completion_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A completion dataset of 64 rows."""
     return write_jsonl(tmp_path_factory.mktemp("data") / "completion.jsonl", completion_rows(64))
-
-
-def base_config(model: Path, data: Path, output_dir: Path, **overrides: Any) -> dict[str, Any]:
-    """A small, fast, deterministic training config (fp32, file order, no dropout)."""
-    config: dict[str, Any] = {
-        "base_model": str(model),
-        "adapter": "qlora",
-        "load_in_4bit": True,
-        "lora_r": 4,
-        "lora_alpha": 8,
-        "lora_dropout": 0.0,
-        "lora_target_linear": True,
-        "datasets": [{"path": str(data), "type": "completion"}],
-        "val_set_size": 8,
-        "sequence_len": 32,
-        "shuffle_merged_datasets": False,
-        "curriculum_sampling": True,
-        "micro_batch_size": 2,
-        "gradient_accumulation_steps": 3,
-        "max_steps": 3,
-        "learning_rate": 0.01,
-        "lr_scheduler": "cosine",
-        "warmup_steps": 1,
-        "max_grad_norm": 0.05,
-        "weight_decay": 0.01,
-        "seed": 7,
-        "output_dir": str(output_dir),
-        "logging_steps": 1,
-        "shardpool": {"stages": 1},
-    }
-    for key, value in overrides.items():
-        if key == "shardpool":
-            config["shardpool"] = dict(value)
-        else:
-            config[key] = value
-    return config
-
-
-def write_config(path: Path, config: dict[str, Any]) -> Path:
-    """Write a config dict as YAML."""
-    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-    return path
-
-
-def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """Run the real ``shardpool`` CLI in a fresh interpreter."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "shardpool", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=str(cwd or REPO_ROOT),
-        env=env,
-    )
-
-
-def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
-    """The records of ``metrics.jsonl``."""
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from shardpool.cli import main
 from shardpool.config import parse_config
 from shardpool.finetune import RUN_DIR_NAME, finetune
-from tests.conftest import REPO_ROOT, base_config, read_metrics, run_cli, write_config, write_jsonl
+from tests.helpers.training import REPO_ROOT, base_config, read_metrics, run_cli, write_config, write_jsonl
 
 
 def _bad_case(name: str, tmp: Path, model: Path, data: Path) -> tuple[Path, str]:

@@ -156,7 +156,7 @@ def test_a_refused_user_gets_the_fix_from_finetune_before_anything_is_prepared(
 
     from shardpool.config import parse_config
     from shardpool.finetune import finetune
-    from tests.conftest import base_config
+    from tests.helpers.training import base_config
 
     path = socket_dir / "agent.sock"
     monkeypatch.setenv(AGENT_SOCKET_ENV, str(path))

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from mesh.constants import AGENT_PORT
-from tests.conftest import base_config, completion_rows
 from tests.helpers.mesh_hosts import Host, Lab
+from tests.helpers.training import base_config, completion_rows
 
 __all__ = [
     "AGENT_PORT",
@@ -39,7 +39,7 @@ ADDRESSES = {"a": "10.77.0.1", "b": "10.77.0.2", "c": "10.77.0.3"}
 _MAKE_PRIVATE_FILES = """
 import json, sys
 from shardpool.model.tinymodel import make_tiny_llama
-from tests.conftest import completion_rows, write_jsonl
+from tests.helpers.training import completion_rows, write_jsonl
 from pathlib import Path
 root = Path(sys.argv[1])
 make_tiny_llama(root / "model", num_layers=6, hidden_size=64, seed=3)
@@ -138,7 +138,7 @@ def local_twin(tmp: Path, mesh_out: Path) -> Path:
     from shardpool.config import parse_config
     from shardpool.finetune import finetune
     from shardpool.model.tinymodel import make_tiny_llama
-    from tests.conftest import write_jsonl
+    from tests.helpers.training import write_jsonl
 
     make_tiny_llama(tmp / "model", num_layers=6, hidden_size=64, seed=3)
     write_jsonl(tmp / "data.jsonl", completion_rows(64))

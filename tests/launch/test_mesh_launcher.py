@@ -29,7 +29,6 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from tests.conftest import write_config
 from tests.helpers.mesh_hosts import Lab, netns_skip_reason
 from tests.helpers.mesh_training import (
     AGENT_PORT,
@@ -41,6 +40,7 @@ from tests.helpers.mesh_training import (
     training_lab,
     wait_for,
 )
+from tests.helpers.training import write_config
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

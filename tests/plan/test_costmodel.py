@@ -111,7 +111,7 @@ def test_predictions_match_a_real_local_pipeline_run(tmp_path: Path, monkeypatch
     from shardpool.config import parse_config
     from shardpool.finetune import finetune
     from shardpool.model.tinymodel import make_tiny_llama
-    from tests.conftest import base_config, completion_rows, read_metrics, write_jsonl
+    from tests.helpers.training import base_config, completion_rows, read_metrics, write_jsonl
 
     model = make_tiny_llama(
         tmp_path / "model", num_layers=6, hidden_size=256, intermediate_size=768, num_heads=4, seed=4

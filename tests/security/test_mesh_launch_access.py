@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_config
 from tests.helpers.mesh_hosts import Lab, netns_skip_reason
 from tests.helpers.mesh_training import (
     AGENT_PORT,
@@ -27,6 +26,7 @@ from tests.helpers.mesh_training import (
     training_config,
     training_lab,
 )
+from tests.helpers.training import write_config
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

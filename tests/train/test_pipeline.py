@@ -22,7 +22,7 @@ from shardpool.config import parse_config
 from shardpool.data.datasets import load_prepared
 from shardpool.finetune import RUN_DIR_NAME, finetune
 from shardpool.model.nf4 import bnb_config, keep_exact_cpu_matmul
-from tests.conftest import base_config, read_metrics
+from tests.helpers.training import base_config, read_metrics
 
 pytestmark = pytest.mark.slow
 
