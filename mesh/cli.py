@@ -49,7 +49,7 @@ from mesh.node.member import bring_down, bring_up, save_cached_roster, start_syn
 from mesh.node.probe import probe_all
 from mesh.state import StatePaths, read_json, resolve_state_dir
 from mesh.units import format_age, format_bytes, parse_duration
-from mesh.wireguard.backend import BACKENDS, choose_backend
+from mesh.wireguard.choice import BACKENDS, choose_backend
 from mesh.wireguard.keys import generate_private_key, public_key, read_private_key, write_private_key
 from mesh.wireguard.wgquick import WgQuickConfig, WgQuickPeer, render_wgquick, write_wgquick
 

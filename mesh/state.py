@@ -44,56 +44,40 @@ def read_json(path: Path) -> Any:
         ) from None
 
 
+class _StateFile:
+    """A path at a fixed place under the state root, read as an attribute of :class:`StatePaths`."""
+
+    def __init__(self, relative: str) -> None:
+        self.relative = relative
+
+    def __get__(self, paths: StatePaths, owner: type[StatePaths] | None = None) -> Path:
+        return paths.root / self.relative
+
+
 @dataclass(frozen=True)
 class StatePaths:
     """The files of one machine's mesh state, all under one root directory."""
 
     root: Path
 
-    @property
-    def config(self) -> Path:
-        """This machine's mesh settings (JSON)."""
-        return self.root / "mesh.json"
-
-    @property
-    def private_key(self) -> Path:
-        """This machine's WireGuard private key (base64, mode 0600)."""
-        return self.root / "private.key"
-
-    @property
-    def roster(self) -> Path:
-        """The cached roster, used while the coordinator is unreachable."""
-        return self.root / "roster.json"
-
-    @property
-    def database(self) -> Path:
-        """The coordinator's SQLite roster and token store (coordinator only)."""
-        return self.root / "coordinator.db"
-
-    @property
-    def run(self) -> Path:
-        """Pid files and live status of background processes."""
-        return self.root / "run"
-
-    @property
-    def logs(self) -> Path:
-        """Logs of background processes."""
-        return self.root / "logs"
-
-    @property
-    def syncd_pid(self) -> Path:
-        """Pid file of the background sync daemon (roster sync, and the coordinator service if any)."""
-        return self.run / "syncd.pid"
-
-    @property
-    def syncd_status(self) -> Path:
-        """The sync daemon's last sync result, for ``mesh status``."""
-        return self.run / "syncd-status.json"
-
-    @property
-    def syncd_log(self) -> Path:
-        """Log of the background sync daemon."""
-        return self.logs / "syncd.log"
+    config = _StateFile("mesh.json")
+    """This machine's mesh settings (JSON)."""
+    private_key = _StateFile("private.key")
+    """This machine's WireGuard private key (base64, mode 0600)."""
+    roster = _StateFile("roster.json")
+    """The cached roster, used while the coordinator is unreachable."""
+    database = _StateFile("coordinator.db")
+    """The coordinator's SQLite roster and token store (coordinator only)."""
+    run = _StateFile("run")
+    """Pid files and live status of background processes."""
+    logs = _StateFile("logs")
+    """Logs of background processes."""
+    syncd_pid = _StateFile("run/syncd.pid")
+    """Pid file of the background sync daemon (roster sync, and the coordinator service if any)."""
+    syncd_status = _StateFile("run/syncd-status.json")
+    """The sync daemon's last sync result, for ``mesh status``."""
+    syncd_log = _StateFile("logs/syncd.log")
+    """Log of the background sync daemon."""
 
     def ensure(self) -> None:
         """Create the state directory tree, private to its owner."""

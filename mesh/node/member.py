@@ -19,7 +19,8 @@ from mesh.files import write_json
 from mesh.node.config import MeshConfig
 from mesh.node.reconcile import plan_peer_changes
 from mesh.state import StatePaths, read_json
-from mesh.wireguard.backend import WireGuardBackend, make_backend
+from mesh.wireguard.backend import WireGuardBackend
+from mesh.wireguard.choice import make_backend
 from mesh.wireguard.links import set_address, set_link_up
 
 __all__ = [

@@ -1,31 +1,17 @@
-"""The WireGuard backend interface, its data types, and automatic choice of a backend.
+"""The WireGuard backend interface and its data types (peer changes, device and peer status).
 
 Two backends implement :class:`WireGuardBackend`: the kernel module through pyroute2's netlink
 (:mod:`mesh.wireguard.kernel`) and ``wireguard-go`` through its UAPI socket
 (:mod:`mesh.wireguard.userspace`). Addresses, link state and routes go through :mod:`mesh.wireguard.links`
-for both.
+for both. Picking and building one is :mod:`mesh.wireguard.choice`, which sits above both.
 """
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
-from mesh.errors import MeshError
-
-__all__ = [
-    "BACKENDS",
-    "DeviceStatus",
-    "PeerConfig",
-    "PeerStatus",
-    "WireGuardBackend",
-    "choose_backend",
-    "make_backend",
-]
-
-BACKENDS = ("kernel", "userspace")
+__all__ = ["DeviceStatus", "PeerConfig", "PeerStatus", "WireGuardBackend"]
 
 
 @dataclass(frozen=True)
@@ -91,39 +77,3 @@ class WireGuardBackend(Protocol):
 
     def destroy(self, ifname: str) -> None:
         """Remove the interface and stop anything that serves it."""
-
-
-def kernel_available() -> bool:
-    """Probe whether the kernel can make WireGuard links (module loaded or loadable)."""
-    from mesh.wireguard.kernel import kernel_wireguard_available
-
-    return kernel_wireguard_available()
-
-
-def choose_backend(requested: str | None) -> str:
-    """Pick ``kernel`` when the kernel has WireGuard, else ``userspace``; honour a forced choice."""
-    if requested is not None:
-        if requested not in BACKENDS:
-            raise MeshError(f"--backend {requested!r} is unknown: use kernel or userspace")
-        return requested
-    if kernel_available():
-        return "kernel"
-    if shutil.which("wireguard-go"):
-        return "userspace"
-    raise MeshError(
-        "no WireGuard found: this kernel has no wireguard module and wireguard-go is not installed "
-        "(apt-get install wireguard-go wireguard-tools)"
-    )
-
-
-def make_backend(name: str, run_dir: Path, log_dir: Path) -> WireGuardBackend:
-    """Build the backend called ``name``; the userspace one keeps wireguard-go's pid in ``run_dir``."""
-    if name == "kernel":
-        from mesh.wireguard.kernel import KernelBackend
-
-        return KernelBackend()
-    if name == "userspace":
-        from mesh.wireguard.userspace import UserspaceBackend
-
-        return UserspaceBackend(run_dir, log_dir)
-    raise MeshError(f"backend {name!r} is unknown: use kernel or userspace")
