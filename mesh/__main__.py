@@ -2,6 +2,6 @@
 
 import sys
 
-from mesh.cli import main
+from mesh.cli.parser import main
 
 sys.exit(main())

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--ready-file", help=argparse.SUPPRESS)
     agent.set_defaults(handler=_run_agent)
 
-    from mesh.cli import add_mesh_commands
+    from mesh.cli.parser import add_mesh_commands
 
     add_mesh_commands(commands)
     return parser

@@ -1,4 +1,4 @@
-"""Tests of mesh/cli.py: bad input is refused in one clear line and leaves no state behind.
+"""Tests of mesh/cli/ (the mesh commands): bad input is refused in one clear line and leaves no state behind.
 
 The full command flow (init, join, status, remove, down, up, leave, export-config) runs for real
 in tests/mesh/test_e2e.py; these cover argument checking and error reporting.
@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from mesh.cli import TOKEN_ENV, main, read_join_token
+from mesh.cli.parser import main
+from mesh.cli.tokens import read_join_token
+from mesh.constants import TOKEN_ENV
 from mesh.control.client import request_join
 from mesh.control.token import new_token, parse_token
 from mesh.node.config import load_config, save_config
@@ -120,7 +122,7 @@ def test_shardpool_entry_point_reports_mesh_errors_without_traceback(tmp_path) -
 
 def test_mesh_package_never_imports_torch_or_shardpool() -> None:
     code = (
-        "import sys, mesh, mesh.cli, mesh.node.api, mesh.node.syncd, mesh.wireguard.kernel, mesh.wireguard.userspace;"
+        "import sys, mesh, mesh.cli.parser, mesh.node.api, mesh.node.syncd, mesh.wireguard.kernel, mesh.wireguard.userspace;"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'shardpool')]; print(bad)"
     )
     result = subprocess.run(

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from mesh.addresses import parse_interface_name
-from mesh.cli import main
+from mesh.cli.parser import main
 from mesh.control.client import http_request, request_join
 from mesh.control.model import RosterEntry, check_name
 from mesh.control.protocol import ProtocolError, open_join_request, seal_join_request
