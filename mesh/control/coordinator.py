@@ -37,16 +37,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mesh.control.auth import (
-    NONCE_CAP,
-    ROSTER_PURPOSE,
-    AuthError,
-    Member,
-    RequestVerifier,
-    RosterStoreDirectory,
-)
+from mesh.control.auth import ROSTER_PURPOSE, AuthError
+from mesh.control.directory import Member, RosterStoreDirectory
 from mesh.control.protocol import MAX_CLOCK_SKEW, ProtocolError, open_join_request, seal_join_response
 from mesh.control.roster import AdmitRequest, JoinRefused, RosterStore
+from mesh.control.verifier import NONCE_CAP, RequestVerifier
 from mesh.errors import MeshError
 from mesh.http.server import HTTPError, HTTPServer, Limits, Reply, Request, Route, error_reply, json_reply
 

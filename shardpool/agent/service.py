@@ -48,7 +48,9 @@ from typing import IO, Any
 from urllib.parse import urlsplit
 
 from mesh.constants import AGENT_PORT
-from mesh.control.auth import AuthError, Member, RequestVerifier
+from mesh.control.auth import AuthError
+from mesh.control.directory import Member
+from mesh.control.verifier import RequestVerifier
 from mesh.files import atomic_write
 from mesh.http.server import (
     CHUNK,
@@ -1024,7 +1026,7 @@ def run_agent(
     """
     import grp
 
-    from mesh.control.auth import CachedRosterDirectory
+    from mesh.control.directory import CachedRosterDirectory
     from mesh.node.config import load_config
     from mesh.state import StatePaths, resolve_state_dir
     from mesh.wireguard.keys import read_private_key

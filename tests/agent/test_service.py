@@ -25,7 +25,9 @@ from typing import Any
 
 import pytest
 
-from mesh.control.auth import AuthError, FixedDirectory, Member, RequestVerifier
+from mesh.control.auth import AuthError
+from mesh.control.directory import FixedDirectory, Member
+from mesh.control.verifier import RequestVerifier
 from mesh.wireguard.keys import public_key
 from shardpool.agent import service as agent_module
 from shardpool.agent.service import Agent, MeshPeer

@@ -19,8 +19,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mesh.control.auth import CONTROL_PURPOSE, FixedDirectory, Member, RequestVerifier
+from mesh.control.auth import CONTROL_PURPOSE
 from mesh.control.client import authenticated_request
+from mesh.control.directory import FixedDirectory, Member
+from mesh.control.verifier import RequestVerifier
 from mesh.wireguard.keys import generate_private_key, public_key
 from shardpool.agent.accounts import RunAs, resolve_run_as
 from shardpool.agent.service import Agent, MeshPeer

@@ -411,9 +411,9 @@ class InProcessCoordinator:
             ROSTER_PURPOSE,
             TIME_HEADER,
             pair_key,
+            request_mac,
             sign_request,
         )
-        from mesh.control.auth import _request_mac as request_mac
         from mesh.control.client import http_request
         from mesh.wireguard.keys import public_key
 

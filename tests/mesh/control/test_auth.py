@@ -1,4 +1,4 @@
-"""Tests of mesh/control/auth.py: pairwise keys, signed requests and replies, directories and nonce caches."""
+"""Tests of mesh/control/auth.py, verifier.py and directory.py: pairwise keys, signed requests and replies, directories and nonce caches."""
 
 from __future__ import annotations
 
@@ -18,19 +18,16 @@ from mesh.control.auth import (
     ROSTER_PURPOSE,
     TIME_HEADER,
     AuthError,
-    CachedRosterDirectory,
-    FixedDirectory,
-    Member,
-    RequestVerifier,
-    RosterStoreDirectory,
     pair_key,
+    request_mac,
     sign_reply,
     sign_request,
     verify_reply,
 )
-from mesh.control.auth import _request_mac as request_mac
+from mesh.control.directory import CachedRosterDirectory, FixedDirectory, Member, RosterStoreDirectory
 from mesh.control.model import Roster, RosterEntry
 from mesh.control.roster import RosterStore
+from mesh.control.verifier import RequestVerifier
 from mesh.files import write_json
 from mesh.wireguard.keys import generate_private_key, public_key
 
