@@ -11,8 +11,9 @@ import time
 
 from mesh.cli.common import print_table, require_coordinator, state_paths
 from mesh.cli.tokens import issue_token, print_token
+from mesh.control.invites import Invite
 from mesh.control.model import check_name
-from mesh.control.roster import Invite, RosterStore
+from mesh.control.roster import RosterStore
 from mesh.control.token import TOKEN_PREFIX, parse_token
 from mesh.errors import MeshError
 from mesh.node.config import load_config

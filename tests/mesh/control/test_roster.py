@@ -1,4 +1,4 @@
-"""Tests of mesh/control/roster.py: atomic admission, single-use tokens, revocation and address reuse."""
+"""Tests of mesh/control/roster.py, invites.py and roster_db.py: atomic admission, single-use tokens, revocation and address reuse."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 from mesh.addresses import first_address, parse_cidr
 from mesh.control.model import RosterEntry
-from mesh.control.roster import SCHEMA_VERSION, AdmitRequest, JoinRefused, RosterStore
+from mesh.control.roster import AdmitRequest, JoinRefused, RosterStore
+from mesh.control.roster_db import SCHEMA_VERSION
 from mesh.control.token import secret_hash
 from mesh.errors import MeshError
 from mesh.wireguard.keys import generate_private_key, public_key
