@@ -8,7 +8,7 @@ mesh tests). Everything happens in a temporary directory and in network namespac
 removed at the end, with every process the lab started stopped by pid, also on failure or Ctrl-C:
 
   1. builds a random tiny Llama (``shardpool.model.tinymodel.make_tiny_llama``) and a completion dataset;
-  2. builds three hosts a, b, c (``tests/mesh_hosts.Lab``: namespaces + veth + bridge on
+  2. builds three hosts a, b, c (``mesh.lab.Lab``: namespaces + veth + bridge on
      192.0.2.0/24) and forms the mesh with the real CLI (``mesh init`` on a, ``mesh join`` on b, c),
      then waits for pings and for every agent's ``/v1/health``;
   3. measures the raw TCP throughput a -> b over the mesh (10.77.0.1 -> 10.77.0.2) and over the
@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mesh.constants import AGENT_PORT  # noqa: E402
+from mesh.lab import Host, Lab, LabError, netns_skip_reason  # noqa: E402
 from scripts.bench_pipeline import (  # noqa: E402 - needs ROOT on sys.path
     boundary_bytes_per_step,
     completion_rows,
@@ -61,7 +62,6 @@ from scripts.bench_pipeline import (  # noqa: E402 - needs ROOT on sys.path
     ring_allreduce_bytes_per_worker,
     training_config,
 )
-from tests.helpers.mesh_hosts import Host, Lab, LabError, netns_skip_reason  # noqa: E402 - needs ROOT on sys.path
 
 FP32_BYTES = 4
 MB = 1e6

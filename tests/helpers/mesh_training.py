@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from mesh.constants import AGENT_PORT
-from tests.helpers.mesh_hosts import Host, Lab
+from mesh.lab import Host, Lab
 from tests.helpers.training import base_config, completion_rows
 
 __all__ = [

@@ -29,7 +29,8 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from tests.helpers.mesh_hosts import Lab, netns_skip_reason
+from mesh.lab import Lab, netns_skip_reason
+from tests.helpers.mesh_hosts import agent_serves
 from tests.helpers.mesh_training import (
     AGENT_PORT,
     launch,
@@ -152,7 +153,7 @@ def test_agent_refuses_requests_from_outside_the_mesh(lab: Lab, mesh3: dict[str,
     )
     answer = ok(lab.run(outsider, sys.executable, "-c", probe, timeout=30)).strip()
     assert answer == "http 401" or answer.startswith("unreachable"), answer
-    assert lab.agent_serves(lab.hosts["b"], "a"), "members are still served"
+    assert agent_serves(lab, lab.hosts["b"], "a"), "members are still served"
 
 
 def test_losing_a_member_stops_the_run_and_resume_finishes_on_the_rest(

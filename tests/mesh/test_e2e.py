@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from mesh.lab import Host, Lab, netns_skip_reason
 from mesh.wireguard.wgquick import parse_wgquick
-from tests.helpers.mesh_hosts import Host, Lab, netns_skip_reason
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

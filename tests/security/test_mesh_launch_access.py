@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.mesh_hosts import Lab, netns_skip_reason
+from mesh.lab import Lab, netns_skip_reason
 from tests.helpers.mesh_training import (
     AGENT_PORT,
     launch,

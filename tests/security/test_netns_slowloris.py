@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.mesh_hosts import REPO, UNDERLAY, Lab, netns_skip_reason
+from mesh.lab import UNDERLAY, Lab, netns_skip_reason
+from tests.helpers.mesh_hosts import REPO
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

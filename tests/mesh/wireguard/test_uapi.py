@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from mesh.errors import MeshError
+from mesh.lab import WireGuardGoInNetns, netns_skip_reason
 from mesh.wireguard.backend import PeerConfig
 from mesh.wireguard.keys import generate_private_key, key_to_hex, public_key
 from mesh.wireguard.uapi import UapiClient, encode_get, encode_set, parse_errno, parse_get
-from tests.helpers.mesh_hosts import WireGuardGoInNetns, netns_skip_reason
 
 PRIVATE = generate_private_key()
 PEER_A = public_key(generate_private_key())

@@ -15,7 +15,8 @@ import uuid
 
 import pytest
 
-from tests.helpers.mesh_hosts import REPO, netns_skip_reason
+from mesh.lab import netns_skip_reason
+from tests.helpers.mesh_hosts import REPO
 
 pytestmark = pytest.mark.netns
 
