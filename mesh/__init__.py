@@ -1,10 +1,12 @@
-"""shardpool's WireGuard mesh: keys, join protocol, coordinator and backends. Never imports torch.
+"""shardpool's WireGuard mesh: keys, join protocol, coordinator and backends. Never imports torch
+or shardpool.
 
-Modules: :mod:`mesh.node.api` (``members()`` for the training side), :mod:`mesh.cli` (commands),
-:mod:`mesh.wireguard.keys`, :mod:`mesh.control.token`, :mod:`mesh.control.protocol`, :mod:`mesh.control.roster`,
-:mod:`mesh.control.coordinator`, :mod:`mesh.node.syncd`, :mod:`mesh.wireguard.backend` and its two implementations.
+Sub-packages, top to bottom (a module imports only its own package or those below it):
+:mod:`mesh.cli` (the ``shardpool mesh`` / ``python -m mesh`` commands), :mod:`mesh.node` (this
+machine as a member; :mod:`mesh.node.api` is what the training side reads), :mod:`mesh.control`
+(tokens, join exchange, signed requests, roster, coordinator), :mod:`mesh.wireguard` (keys,
+kernel and userspace backends), :mod:`mesh.http` (the one HTTP server), then the base modules
+(mesh.errors, mesh.state, mesh.files, mesh.constants, mesh.units, mesh.addresses, mesh.daemon).
+:mod:`mesh.lab` (several hosts in network namespaces on one machine, for tests and benchmarks)
+uses only base modules.
 """
-
-from mesh.errors import MeshError
-
-__all__ = ["MeshError"]
