@@ -27,7 +27,7 @@ from urllib.parse import quote, urlsplit
 
 from mesh.constants import cache_root
 from mesh.files import AtomicFile
-from shardpool.contract.spec import ContractError, check_digest, resolve_inside, safe_relative_name
+from shardpool.contract.names import ContractError, check_digest, resolve_inside, safe_relative_name
 from shardpool.errors import ShardpoolError
 from shardpool.files.server import sha256_file
 

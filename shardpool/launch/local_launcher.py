@@ -22,8 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from shardpool.contract.jobfile import Job
-from shardpool.contract.spec import EVENT_PREFIX, ContractError, StageEvent, parse_stage_event
+from shardpool.contract.events import EVENT_PREFIX, StageEvent, parse_stage_event
+from shardpool.contract.job import Job
+from shardpool.contract.names import ContractError
 from shardpool.errors import ShardpoolError
 
 __all__ = ["free_port", "run_local_job", "StageFailed"]

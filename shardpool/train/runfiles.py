@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from shardpool.contract.jobfile import Job
-from shardpool.contract.spec import FILES_SECRET_FILE, resolve_inside, safe_relative_name
+from shardpool.contract.job import Job
+from shardpool.contract.names import resolve_inside, safe_relative_name
+from shardpool.contract.start import FILES_SECRET_FILE
 from shardpool.errors import ShardpoolError
 from shardpool.model.weights import WeightReader, save_tensors
 
