@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardpool.errors import ShardpoolError
-from shardpool.files.client import RemoteFiles, RemoteWeightReader
+from shardpool.files.client import RemoteFiles
 from shardpool.files.server import FileServer
 from shardpool.model.weights import WeightReader
 
@@ -66,9 +66,7 @@ def test_remote_reader_fetches_exactly_the_owned_tensors_then_serves_a_restart_f
     local = WeightReader(sharded_model)
     owned = [name for name in local.names() if name.startswith(("model.layers.2.", "model.layers.3."))]
     assert len(owned) > 10
-    with RemoteWeightReader(
-        RemoteFiles(server.url, cache_dir=tmp_path / "cache", secret=SECRET), names
-    ) as remote:
+    with WeightReader(RemoteFiles(server.url, cache_dir=tmp_path / "cache", secret=SECRET), names) as remote:
         assert sorted(remote.names()) == sorted(local.names())
         assert all(remote.shape(n) == local.shape(n) and remote.has(n) for n in local.names())
         assert server.bytes_served == sum(
@@ -87,7 +85,7 @@ def test_remote_reader_fetches_exactly_the_owned_tensors_then_serves_a_restart_f
     restarted_files = RemoteFiles(
         server.url, cache_dir=tmp_path / "cache", secret=SECRET
     )  # a resumed stage process
-    with RemoteWeightReader(restarted_files, names) as restarted:
+    with WeightReader(restarted_files, names) as restarted:
         for name in owned:
             assert torch.equal(restarted.read(name), local.read(name))
     assert (server.bytes_served, server.range_requests) == (served, requests), (
