@@ -11,6 +11,8 @@ import json
 import os
 import secrets
 import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,6 +28,7 @@ from shardpool.files.server import FileServer
 from shardpool.model.weights import WeightReader
 
 SECRET = secrets.token_hex(32)
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +249,12 @@ def test_changed_file_on_the_launcher_and_unreachable_server_are_one_line_errors
     assert "\n" not in str(caught.value)
     with pytest.raises(ShardpoolError, match="not like http"):
         RemoteFiles("ftp://10.0.0.1/x", secret=SECRET)
+
+
+def test_the_file_server_and_its_client_import_no_torch() -> None:
+    code = "import sys, shardpool.files.client, shardpool.files.server; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True, text=True, check=True, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )  # fmt: skip
+    assert result.stdout.strip() == "False"
