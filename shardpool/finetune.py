@@ -29,8 +29,9 @@ from rich.table import Table
 
 from mesh.files import atomic_write, write_json
 from shardpool.config import Config, load_config
-from shardpool.contract.jobfile import Job, StagePlacement
-from shardpool.contract.spec import RESUME_PREFIX, StageEvent, resolve_inside
+from shardpool.contract.events import StageEvent
+from shardpool.contract.job import RESUME_PREFIX, Job, StagePlacement
+from shardpool.contract.names import resolve_inside
 from shardpool.data.datasets import PreparedData, load_tokenizer, prepare_data, save_prepared, step_batches
 from shardpool.errors import ShardpoolError
 from shardpool.launch.local_launcher import run_local_job

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from mesh.http.server import CHUNK, HTTPError, HTTPServer, Limits, Reply, Request, Route, json_reply
 from shardpool.agent.accounts import Caller, LaunchPolicy
-from shardpool.contract.spec import MAX_JOB_JSON_BYTES
+from shardpool.contract.job import MAX_JOB_JSON_BYTES
 
 if TYPE_CHECKING:
     from shardpool.agent.service import Agent, MeshPeer

@@ -67,15 +67,10 @@ from shardpool import __version__
 from shardpool.agent.accounts import DEFAULT_LAUNCH_GROUP, RunAs
 from shardpool.agent.client import agent_socket_path
 from shardpool.agent.confine import landlock_abi, restrict_writes, stage_writable_dirs
-from shardpool.contract.spec import (
-    EVENT_PREFIX,
-    FILES_SECRET_FILE,
-    MAX_JOB_JSON_BYTES,
-    ContractError,
-    NotAMember,
-    StageEvent,
-    parse_job_start,
-)
+from shardpool.contract.events import EVENT_PREFIX, StageEvent
+from shardpool.contract.job import MAX_JOB_JSON_BYTES
+from shardpool.contract.names import ContractError
+from shardpool.contract.start import FILES_SECRET_FILE, NotAMember, parse_job_start
 from shardpool.errors import ShardpoolError
 
 __all__ = [

@@ -1,1 +1,7 @@
-"""shardpool/contract."""
+"""The job contract: the closed, capped pydantic schema of what crosses between launcher, agent and stage.
+
+It owns the job (:mod:`.job`), the agent's start request (:mod:`.start`), the stage events
+(:mod:`.events`), their field types (:mod:`.fields`) and the name/path/digest checks (:mod:`.names`).
+It may import only pydantic, the standard library, shardpool.config, shardpool.errors and mesh: never
+torch or the HTTP stack, so the agent and the launchers validate a job without loading a model.
+"""

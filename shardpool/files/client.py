@@ -1,9 +1,10 @@
 """The remote side of the file server: fetch verified byte ranges and files, cache them by content.
 
-A stage on another machine reads the model through :class:`RemoteWeightReader`, which has the
-interface of :class:`shardpool.model.weights.WeightReader`: it parses the safetensors headers with range
-reads, then fetches each tensor it is asked for with one range read of exactly its bytes. Nothing
-else crosses the network, and every body is checked against the server's ``X-Content-SHA256``.
+A stage on another machine reads the model through
+``shardpool.model.weights.WeightReader(RemoteFiles(...), names)``: :class:`RemoteFiles` is its byte
+source, so the safetensors headers arrive by range reads and each tensor asked for by one range read
+of exactly its bytes. Nothing else crosses the network, and every body is checked against the
+server's ``X-Content-SHA256``. This module imports no torch: it moves and verifies bytes only.
 
 Everything fetched lands in a content-addressed cache (``$SHARDPOOL_CACHE`` or ``~/.cache/shardpool``,
 under ``blobs/sha256/<hex>``). A range is remembered as "bytes a-b of the file whose SHA-256 is F
@@ -22,21 +23,16 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote, urlsplit
 
 from mesh.constants import cache_root
 from mesh.files import AtomicFile
-from shardpool.contract.spec import ContractError, check_digest, resolve_inside, safe_relative_name
+from shardpool.contract.names import ContractError, check_digest, resolve_inside, safe_relative_name
 from shardpool.errors import ShardpoolError
 from shardpool.files.server import sha256_file
 
-if TYPE_CHECKING:
-    import torch
-
-    from shardpool.model.weights import TensorEntry
-
-__all__ = ["RemoteFiles", "RemoteWeightReader", "default_cache_dir"]
+__all__ = ["RemoteFiles", "default_cache_dir"]
 
 log = logging.getLogger("shardpool.files.client")
 
@@ -108,6 +104,15 @@ class RemoteFiles:
             served = ", ".join(sorted(files)) or "nothing"
             raise ShardpoolError(f"the launcher does not serve {name!r} (it serves {served})")
         return files[name]
+
+    @property
+    def location(self) -> str:
+        """The URL the served files are under (``location/name`` is one file's URL)."""
+        return f"{self.base_url}/v1/files"
+
+    def file_sizes(self) -> dict[str, int]:
+        """Every served file's size by name, from the manifest (so a WeightReader can read from here)."""
+        return {name: info["size"] for name, info in self.manifest().items()}
 
     def read_range(self, name: str, start: int, stop: int, *, use_cache: bool = True) -> bytes:
         """Bytes ``[start, stop)`` of the served file ``name``, verified; from the cache when known.
@@ -329,79 +334,6 @@ class RemoteFiles:
                 out.commit()
         except OSError as error:  # a full or read-only cache must not fail the read itself
             log.warning("cannot cache %s: %s", key_file, error)
-
-
-class RemoteWeightReader:
-    """:class:`shardpool.model.weights.WeightReader` over a file server: one range read per tensor read.
-
-    ``file_names`` are the served names of the checkpoint's ``.safetensors`` files. Only their
-    headers are fetched up front; ``bytes_read`` counts the tensor bytes handed out.
-    """
-
-    def __init__(self, files: RemoteFiles, file_names: list[str]) -> None:
-        from shardpool.model.weights import header_length, parse_header
-
-        if not file_names:
-            raise ShardpoolError("no safetensors files were given to read remotely")
-        self.files = files
-        self.entries: dict[str, TensorEntry] = {}
-        self._served: dict[str, str] = {}
-        for name in file_names:
-            size = files.info(name)["size"]
-            length = header_length(files.read_range(name, 0, min(8, size)), name)
-            if 8 + length > size:
-                raise ShardpoolError(f"{name!r} is truncated inside its header; re-save the model")
-            header = parse_header(files.read_range(name, 8, 8 + length), Path(name))
-            for tensor, entry in header.items():
-                if entry.stop > size:
-                    raise ShardpoolError(
-                        f"{name!r} is truncated: {tensor!r} ends past byte {size}; re-save the model"
-                    )
-                self.entries[tensor] = entry
-                self._served[tensor] = name
-        self.names_read: list[str] = []
-        self.bytes_read = 0
-
-    def names(self) -> list[str]:
-        """Every tensor name in the checkpoint (from the headers; no tensor data is read)."""
-        return list(self.entries)
-
-    def has(self, name: str) -> bool:
-        """Whether the checkpoint holds a tensor of this name."""
-        return name in self.entries
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """The shape of a tensor, from the header only."""
-        return self._entry(name).shape
-
-    def read(self, name: str) -> torch.Tensor:
-        """Fetch one tensor with one verified range read (or from the cache), and record it."""
-        from shardpool.model.weights import tensor_from_bytes
-
-        entry = self._entry(name)
-        data = bytearray(self.files.read_range(self._served[name], entry.start, entry.stop))
-        tensor = tensor_from_bytes(data, entry, name)
-        self.names_read.append(name)
-        self.bytes_read += len(data)
-        return tensor
-
-    def _entry(self, name: str) -> TensorEntry:
-        entry = self.entries.get(name)
-        if entry is None:
-            raise ShardpoolError(
-                f"tensor {name!r} is missing from the launcher's checkpoint; it is incomplete"
-            )
-        return entry
-
-    def close(self) -> None:
-        """Close the HTTP connection (the reader stays usable; it reconnects on demand)."""
-        self.files.close()
-
-    def __enter__(self) -> RemoteWeightReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _checked_manifest(files: Any) -> dict[str, dict[str, Any]]:

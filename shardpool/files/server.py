@@ -38,14 +38,12 @@ from mesh.http.server import (
     json_reply,
     stream_reply,
 )
-from shardpool.contract.spec import ContractError, check_digest, resolve_inside
-from shardpool.contract.spec import safe_relative_name as check_relative_name
+from shardpool.contract.names import ContractError, check_digest, resolve_inside, safe_relative_name
 from shardpool.errors import ShardpoolError
 
 __all__ = [
     "MAX_UPLOAD_BYTES",
     "FileServer",
-    "check_relative_name",
     "parse_range",
     "sha256_file",
 ]
@@ -308,7 +306,7 @@ def _checked_secret(secret: str) -> bytes:
 
 
 def _served_entry(name: str, path: Path) -> _Served:
-    check_relative_name(name, "served file name")
+    safe_relative_name(name, "served file name")
     try:
         stat = path.stat()
     except OSError as error:

@@ -4,6 +4,15 @@ Each stage process reports JSON events on its stdout (lines starting with ``@sha
 other line, and its stderr, goes to ``logs/rank-N.log``. If any process exits non-zero, the others
 are terminated at once and the run fails with that stage's error. Children die with the launcher
 (``PR_SET_PDEATHSIG`` on Linux), so no stage outlives a killed run.
+
+Why not ``torch.distributed.elastic.multiprocessing.start_processes``: it does give per-rank
+environments and stop-all-on-first-failure, but (torch 2.13) it starts each binary with
+``start_new_session=True`` and no ``preexec_fn``, so a stage can neither be tied to the launcher
+with ``PR_SET_PDEATHSIG`` nor reached by the terminal's Ctrl-C: a SIGKILLed launcher would leave
+every stage running. It also sends stdout to files under ``<log_dir>/<run_id>/attempt_N/<rank>/``
+(read back by polling, for ``tee``), where events need a live pipe and one ``rank-N.log`` that holds
+no events. And it would import torch into :mod:`shardpool.launch`, which stays torch-free. This
+module is the small part of it we need: ``Popen`` per rank, a reader thread per stdout, one poll loop.
 """
 
 from __future__ import annotations
@@ -22,8 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from shardpool.contract.jobfile import Job
-from shardpool.contract.spec import EVENT_PREFIX, ContractError, StageEvent, parse_stage_event
+from shardpool.contract.events import EVENT_PREFIX, StageEvent, parse_stage_event
+from shardpool.contract.job import Job
+from shardpool.contract.names import ContractError
 from shardpool.errors import ShardpoolError
 
 __all__ = ["free_port", "run_local_job", "StageFailed"]

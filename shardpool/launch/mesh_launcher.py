@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from shardpool.agent.client import AgentRefused, AgentUnreachable, LocalAgentClient
-from shardpool.contract.jobfile import Job
-from shardpool.contract.spec import ContractError, StageEvent, parse_stage_event
+from shardpool.contract.events import StageEvent, parse_stage_event
+from shardpool.contract.job import Job
+from shardpool.contract.names import ContractError
 from shardpool.errors import ShardpoolError
 from shardpool.launch.local_launcher import StageFailed
 from shardpool.plan.costmodel import Workload

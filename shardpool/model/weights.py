@@ -1,9 +1,12 @@
 """Read single tensors out of a model's safetensors files by byte range, and record which were read.
 
-A stage reads only the tensors it owns. Each tensor is read with one positioned read of exactly its
-bytes (the safetensors header gives every tensor's offsets), so a stage holding 1/S of the layers
-never touches, maps or pages in the rest of the file. The same byte ranges are what a remote stage
-fetches from the launching machine. The record of names read is what tests check this against.
+A stage reads only the tensors it owns. Each tensor is one range read of exactly its bytes (the
+safetensors header gives every tensor's offsets), so a stage holding 1/S of the layers never
+touches, maps or pages in the rest of the checkpoint. :class:`WeightReader` does this over any
+:class:`ByteSource`: :class:`LocalFiles` (a model directory, positioned reads) on the launching
+machine, or :class:`shardpool.files.client.RemoteFiles` (verified HTTP range reads through the
+launcher's file server, cached by content) on another member. The record of names read is what
+tests check this against.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors.torch import save_file
@@ -20,15 +25,10 @@ from safetensors.torch import save_file
 from mesh.files import AtomicFile
 from shardpool.errors import ShardpoolError
 
-__all__ = [
-    "save_tensors",
-    "WeightReader",
-    "TensorEntry",
-    "header_length",
-    "parse_header",
-    "read_header",
-    "tensor_from_bytes",
-]
+__all__ = ["INDEX_FILE", "ByteSource", "LocalFiles", "TensorEntry", "WeightReader", "save_tensors"]
+
+#: The file of a sharded checkpoint that maps each tensor to the safetensors file holding it.
+INDEX_FILE = "model.safetensors.index.json"
 
 _DTYPES = {
     "F64": torch.float64,
@@ -47,88 +47,97 @@ _DTYPES = {
 _MAX_HEADER_BYTES = 100 * 2**20
 
 
+class ByteSource(Protocol):
+    """Named files whose byte ranges can be read: a model directory, or the launcher's file server."""
+
+    @property
+    def location(self) -> str:
+        """Where the files are (a directory or a URL), for messages; ``location/name`` names a file."""
+        ...
+
+    def file_sizes(self) -> dict[str, int]:
+        """Every file the source holds, by name, with its size in bytes."""
+        ...
+
+    def read_range(self, name: str, start: int, stop: int) -> bytes | bytearray:
+        """Exactly bytes ``[start, stop)`` of file ``name``, or a one-line ShardpoolError."""
+        ...
+
+    def close(self) -> None:
+        """Release what the source holds open; it stays usable."""
+        ...
+
+
+class LocalFiles:
+    """The regular files directly inside one directory, read with positioned reads (no mapping)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    @property
+    def location(self) -> str:
+        """The directory."""
+        return str(self.root)
+
+    def file_sizes(self) -> dict[str, int]:
+        """The regular files directly inside the directory, with their sizes."""
+        try:
+            with os.scandir(self.root) as entries:
+                return {entry.name: entry.stat().st_size for entry in entries if entry.is_file()}
+        except OSError as error:
+            raise ShardpoolError(f"cannot list the model directory {self.root}: {error.strerror}") from None
+
+    def read_range(self, name: str, start: int, stop: int) -> bytearray:
+        """Bytes ``[start, stop)`` of ``root/name`` into a new (writable) buffer; short files are refused."""
+        if Path(name).name != name or name in (".", ".."):
+            raise ShardpoolError(f"{name!r} is not a file name directly inside {self.root}")
+        buffer = bytearray(stop - start)
+        view, done = memoryview(buffer), 0
+        with open(self.root / name, "rb", buffering=0) as handle:
+            while done < len(buffer):  # one read returns at most ~2 GiB on Linux
+                got = os.preadv(handle.fileno(), [view[done:]], start + done)
+                if got == 0:
+                    raise ShardpoolError(
+                        f"{self.root / name} is truncated: bytes {start}-{stop} are past its end; re-save the model"
+                    )
+                done += got
+        return buffer
+
+    def close(self) -> None:
+        """Nothing stays open between reads."""
+
+
 @dataclass(frozen=True)
 class TensorEntry:
-    """Where one tensor's bytes are: file, absolute byte range, dtype and shape."""
+    """Where one tensor's bytes are: file name in the source, absolute byte range, dtype and shape."""
 
-    file: Path
+    file: str
     start: int
     stop: int
     dtype: str
     shape: tuple[int, ...]
 
 
-def header_length(prefix: bytes, source: str | Path) -> int:
-    """The JSON header length announced by a safetensors file's first 8 bytes (checked for sanity).
-
-    Split out of :func:`read_header` so a remote reader can parse a header it fetched by byte range.
-    """
-    if len(prefix) != 8:
-        raise ShardpoolError(f"{source} is not a safetensors file (too short); re-save the model")
-    (length,) = struct.unpack("<Q", prefix)
-    if length > _MAX_HEADER_BYTES:
-        raise ShardpoolError(f"{source} has a {length}-byte header; it is not a safetensors file")
-    return int(length)
-
-
-def parse_header(header: bytes, file: Path) -> dict[str, TensorEntry]:
-    """Turn a safetensors JSON header (the bytes after the 8-byte length) into absolute byte ranges.
-
-    ``file`` is recorded in each entry; for a remote file it is the name the file server knows it by.
-    """
-    try:
-        parsed = json.loads(header)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ShardpoolError(f"{file} has a corrupt safetensors header; re-save the model") from None
-    if not isinstance(parsed, dict):
-        raise ShardpoolError(f"{file} has a corrupt safetensors header; re-save the model")
-    data_start = 8 + len(header)
-    entries = {}
-    for name, info in parsed.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = (int(offset) for offset in info["data_offsets"])
-            dtype, shape = str(info["dtype"]), tuple(int(size) for size in info["shape"])
-        except (KeyError, TypeError, ValueError):
-            raise ShardpoolError(
-                f"{file} has a malformed header entry for {name!r}; re-save the model"
-            ) from None
-        if not 0 <= begin <= end:
-            raise ShardpoolError(f"{file} gives {name!r} the byte range {begin}-{end}; re-save the model")
-        entries[name] = TensorEntry(file, data_start + begin, data_start + end, dtype, shape)
-    return entries
-
-
-def read_header(file: Path) -> dict[str, TensorEntry]:
-    """Parse a safetensors file's header into absolute byte ranges (no tensor data is read)."""
-    with open(file, "rb") as handle:
-        length = header_length(handle.read(8), file)
-        header = handle.read(length)
-    if len(header) != length:
-        raise ShardpoolError(f"{file} is truncated inside its header; re-save the model")
-    return parse_header(header, file)
-
-
-def tensor_from_bytes(buffer: bytearray, entry: TensorEntry, name: str) -> torch.Tensor:
-    """Build the tensor ``entry`` describes from exactly its bytes (shared with the remote reader)."""
-    if entry.dtype not in _DTYPES:
-        raise ShardpoolError(f"tensor {name!r} in {entry.file} has unsupported dtype {entry.dtype}")
-    if len(buffer) != entry.stop - entry.start:
-        raise ShardpoolError(
-            f"tensor {name!r} in {entry.file} needs {entry.stop - entry.start} bytes, got {len(buffer)}"
-        )
-    if not buffer:
-        return torch.empty(entry.shape, dtype=_DTYPES[entry.dtype])
-    return torch.frombuffer(buffer, dtype=_DTYPES[entry.dtype]).reshape(entry.shape)
-
-
 class WeightReader:
-    """Recording, byte-range access to the tensors of a (possibly sharded) safetensors checkpoint."""
+    """Recording, byte-range access to the tensors of a (possibly sharded) safetensors checkpoint.
 
-    def __init__(self, model_dir: str | Path) -> None:
-        self.model_dir = Path(model_dir)
-        self.entries = _index_tensors(self.model_dir)
+    ``source`` is a model directory or any :class:`ByteSource`. ``file_names`` are the checkpoint's
+    safetensors files in it; by default those the index (``model.safetensors.index.json``) names,
+    else every ``.safetensors`` file. Only the headers are read up front; ``names_read`` and
+    ``bytes_read`` record the tensors handed out since.
+    """
+
+    def __init__(self, source: ByteSource | str | Path, file_names: Sequence[str] | None = None) -> None:
+        self.source: ByteSource = LocalFiles(source) if isinstance(source, (str, Path)) else source
+        sizes = self.source.file_sizes()
+        files = list(file_names) if file_names is not None else _checkpoint_files(self.source, sizes)
+        if not files:
+            raise ShardpoolError(
+                f"{self.source.location} has no .safetensors files; re-save the model with safe_serialization=True"
+            )
+        self.entries: dict[str, TensorEntry] = {}
+        for file in files:
+            self.entries.update(_read_header(self.source, file, sizes))
         self.names_read: list[str] = []
         self.bytes_read = 0
 
@@ -145,32 +154,36 @@ class WeightReader:
         return self._entry(name).shape
 
     def read(self, name: str) -> torch.Tensor:
-        """Read one tensor into CPU memory with a single positioned read, and record it."""
+        """Read one tensor into CPU memory with a single range read of exactly its bytes, and record it."""
         entry = self._entry(name)
         if entry.dtype not in _DTYPES:
-            raise ShardpoolError(f"tensor {name!r} in {entry.file} has unsupported dtype {entry.dtype}")
-        size = entry.stop - entry.start
-        buffer = bytearray(size)
-        with open(entry.file, "rb", buffering=0) as handle:
-            got = os.preadv(handle.fileno(), [buffer], entry.start) if size else 0
-        if got != size:
             raise ShardpoolError(
-                f"{entry.file} is truncated: {name!r} needs {size} bytes, got {got}; re-save the model"
+                f"tensor {name!r} in {self.source.location}/{entry.file} has unsupported dtype {entry.dtype}"
+            )
+        data = self.source.read_range(entry.file, entry.start, entry.stop)
+        buffer = data if isinstance(data, bytearray) else bytearray(data)
+        if len(buffer) != entry.stop - entry.start:
+            raise ShardpoolError(
+                f"tensor {name!r} in {self.source.location}/{entry.file} needs "
+                f"{entry.stop - entry.start} bytes, got {len(buffer)}"
             )
         self.names_read.append(name)
-        self.bytes_read += size
-        return tensor_from_bytes(buffer, entry, name)
+        self.bytes_read += len(buffer)
+        if not buffer:
+            return torch.empty(entry.shape, dtype=_DTYPES[entry.dtype])
+        return torch.frombuffer(buffer, dtype=_DTYPES[entry.dtype]).reshape(entry.shape)
 
     def _entry(self, name: str) -> TensorEntry:
         entry = self.entries.get(name)
         if entry is None:
             raise ShardpoolError(
-                f"tensor {name!r} is missing from {self.model_dir}; the checkpoint is incomplete"
+                f"tensor {name!r} is missing from {self.source.location}; the checkpoint is incomplete"
             )
         return entry
 
     def close(self) -> None:
-        """Nothing stays open between reads; kept so the reader works as a context manager."""
+        """Close the source's connections (the reader stays usable: a remote source reconnects)."""
+        self.source.close()
 
     def __enter__(self) -> WeightReader:
         return self
@@ -179,24 +192,64 @@ class WeightReader:
         self.close()
 
 
-def _index_tensors(model_dir: Path) -> dict[str, TensorEntry]:
-    index_file = model_dir / "model.safetensors.index.json"
-    if index_file.is_file():
-        files = sorted(
-            {
-                model_dir / file
-                for file in json.loads(index_file.read_text(encoding="utf-8"))["weight_map"].values()
-            }
-        )
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ShardpoolError(
-            f"{model_dir} has no .safetensors files; re-save the model with safe_serialization=True"
-        )
-    entries: dict[str, TensorEntry] = {}
-    for file in files:
-        entries.update(read_header(file))
+def _checkpoint_files(source: ByteSource, sizes: dict[str, int]) -> list[str]:
+    """The safetensors files of a checkpoint: those its index names, else every ``.safetensors`` file."""
+    if INDEX_FILE not in sizes:
+        return sorted(name for name in sizes if name.endswith(".safetensors"))
+    where = f"{source.location}/{INDEX_FILE}"
+    if sizes[INDEX_FILE] > _MAX_HEADER_BYTES:
+        raise ShardpoolError(f"{where} is {sizes[INDEX_FILE]} bytes; it is not a safetensors index")
+    try:
+        weight_map = json.loads(source.read_range(INDEX_FILE, 0, sizes[INDEX_FILE]))["weight_map"]
+        return sorted({str(file) for file in weight_map.values()})
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+        raise ShardpoolError(f"{where} has no weight_map; re-save the model") from None
+
+
+def _read_header(source: ByteSource, file: str, sizes: dict[str, int]) -> dict[str, TensorEntry]:
+    """Parse one safetensors file's header (two range reads) into absolute byte ranges, checked against its size."""
+    where = f"{source.location}/{file}"
+    size = sizes.get(file)
+    if size is None:
+        raise ShardpoolError(f"{where} does not exist; the checkpoint is incomplete")
+    prefix = source.read_range(file, 0, min(8, size))
+    if len(prefix) != 8:
+        raise ShardpoolError(f"{where} is not a safetensors file (too short); re-save the model")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > _MAX_HEADER_BYTES:
+        raise ShardpoolError(f"{where} has a {length}-byte header; it is not a safetensors file")
+    if 8 + length > size:
+        raise ShardpoolError(f"{where} is truncated inside its header; re-save the model")
+    entries = _parse_header(source.read_range(file, 8, 8 + length), file, where)
+    for tensor, entry in entries.items():
+        if entry.stop > size:
+            raise ShardpoolError(f"{where} is truncated: {tensor!r} ends past byte {size}; re-save the model")
+    return entries
+
+
+def _parse_header(header: bytes | bytearray, file: str, where: str) -> dict[str, TensorEntry]:
+    """Turn a safetensors JSON header (the bytes after the 8-byte length) into absolute byte ranges."""
+    try:
+        parsed = json.loads(header)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ShardpoolError(f"{where} has a corrupt safetensors header; re-save the model") from None
+    if not isinstance(parsed, dict):
+        raise ShardpoolError(f"{where} has a corrupt safetensors header; re-save the model")
+    data_start = 8 + len(header)
+    entries = {}
+    for name, info in parsed.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(offset) for offset in info["data_offsets"])
+            dtype, shape = str(info["dtype"]), tuple(int(size) for size in info["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise ShardpoolError(
+                f"{where} has a malformed header entry for {name!r}; re-save the model"
+            ) from None
+        if not 0 <= begin <= end:
+            raise ShardpoolError(f"{where} gives {name!r} the byte range {begin}-{end}; re-save the model")
+        entries[name] = TensorEntry(file, data_start + begin, data_start + end, dtype, shape)
     return entries
 
 

@@ -27,12 +27,12 @@ import torch.distributed as dist
 from transformers import get_scheduler
 
 from shardpool.config import Config
-from shardpool.contract.jobfile import Job
-from shardpool.contract.spec import EVENT_PREFIX, RESUME_PREFIX, StageEvent
+from shardpool.contract.events import EVENT_PREFIX, StageEvent
+from shardpool.contract.job import RESUME_PREFIX, Job
 from shardpool.data.datasets import PreparedData, TokenRows, load_prepared, step_batches
 from shardpool.model.lora import lora_settings
 from shardpool.model.nf4 import DTYPES
-from shardpool.model.stage import BaseSettings, PipelineStage, build_stage
+from shardpool.model.stage import BaseSettings, PipelineStage, StageSpec, build_stage
 from shardpool.train import checkpoint as ckpt
 from shardpool.train.process_group import Groups, Wire, join_process_group
 from shardpool.train.runfiles import RunFiles
@@ -40,9 +40,9 @@ from shardpool.train.schedule import schedule_for
 
 __all__ = [
     "StageWorker",
+    "stage_spec",
     "emit",
     "peak_rss_bytes",
-    "EVENT_PREFIX",
     "token_loss_sum",
     "label_tokens",
     "scheduler_name",
@@ -67,6 +67,19 @@ def peak_rss_bytes() -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def stage_spec(job: Job, rank: int) -> StageSpec:
+    """The StageSpec a global rank builds: its stage's layers and device, from the job's placement."""
+    index = job.stage_index(rank)
+    placement = job.stages[index]
+    return StageSpec(
+        index=index,
+        num_stages=job.num_stages,
+        start=placement.start,
+        stop=placement.stop,
+        device=placement.device,
+    )
 
 
 def emit(event: dict[str, Any]) -> None:
@@ -117,7 +130,7 @@ class StageWorker:
         self.rank = rank
         self.job_dir = job_dir
         self.config = job.parsed_config()
-        self.spec = job.stage_spec(rank)
+        self.spec = stage_spec(job, rank)
         self.replica = job.replica_index(rank)
         self.device = torch.device(self.spec.device)
         self.compute_dtype = DTYPES[self.config.compute_dtype_name]

@@ -13,14 +13,15 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from shardpool.contract.jobfile import Job
-from shardpool.contract.spec import FILES_SECRET_FILE, resolve_inside, safe_relative_name
+from shardpool.contract.job import Job
+from shardpool.contract.names import resolve_inside, safe_relative_name
+from shardpool.contract.start import FILES_SECRET_FILE
 from shardpool.errors import ShardpoolError
-from shardpool.model.weights import WeightReader, save_tensors
+from shardpool.files.client import RemoteFiles
+from shardpool.model.weights import INDEX_FILE, WeightReader, save_tensors
 
 __all__ = ["RunFiles", "MODEL_PREFIX", "model_file_names", "read_files_secret"]
 
@@ -53,8 +54,8 @@ def model_file_names(model_dir: Path) -> list[str]:
     """The files of a model directory a stage needs: config.json and the safetensors (and index)."""
     names = ["config.json"]
     names += sorted(path.name for path in model_dir.glob("*.safetensors"))
-    if (model_dir / "model.safetensors.index.json").is_file():
-        names.append("model.safetensors.index.json")
+    if (model_dir / INDEX_FILE).is_file():
+        names.append(INDEX_FILE)
     return names
 
 
@@ -67,11 +68,9 @@ class RunFiles:
 
     def __init__(self, job: Job, *, job_dir: Path | None = None) -> None:
         self.job = job
-        self._remote: Any = None
+        self._remote: RemoteFiles | None = None
         self._fetch_dir: Path | None = None
         if job.files_url:
-            from shardpool.files.client import RemoteFiles
-
             if job_dir is None:
                 raise ShardpoolError(
                     "a stage reading from the launcher's file server needs its job directory"
@@ -101,18 +100,16 @@ class RunFiles:
         """A local directory with the model's config.json (for the architecture, never the weights)."""
         return self.path(MODEL_PREFIX + "config.json").parent
 
-    def weight_reader(self) -> Any:
-        """A reader of the base model's tensors with WeightReader's interface, local or remote."""
+    def weight_reader(self) -> WeightReader:
+        """A reader of the base model's tensors: the model directory here, or the file server's copy."""
         if self._remote is None:
             return WeightReader(Path(self.job.inputs[MODEL_PREFIX + "config.json"]).parent)
-        from shardpool.files.client import RemoteWeightReader
-
         names = [
             name
             for name in self.job.inputs
             if name.startswith(MODEL_PREFIX) and name.endswith(".safetensors")
         ]
-        return RemoteWeightReader(self._remote, sorted(names))
+        return WeightReader(self._remote, sorted(names))
 
     def adapter_dir(self, prefix: str) -> Path:
         """A local directory holding every input under ``prefix`` (e.g. ``init_adapter/``)."""
@@ -126,6 +123,7 @@ class RunFiles:
         if self._fetch_dir is not None:
             shutil.rmtree(self._fetch_dir, ignore_errors=True)
             self._fetch_dir = None
+        if self._remote is not None:
             self._remote.close()
 
     def save_tensors(self, relative: str, tensors: dict[str, torch.Tensor]) -> None:

@@ -11,7 +11,7 @@ import os
 import sys
 import traceback
 
-from shardpool.contract.spec import StageEvent
+from shardpool.contract.events import StageEvent
 from shardpool.errors import ShardpoolError
 from shardpool.train.pipeline import emit, run_stage_process
 

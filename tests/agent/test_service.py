@@ -31,7 +31,7 @@ from mesh.control.verifier import RequestVerifier
 from mesh.wireguard.keys import public_key
 from shardpool.agent import service as agent_module
 from shardpool.agent.service import Agent, MeshPeer
-from shardpool.contract.spec import JobSpec
+from shardpool.contract.job import Job
 from tests.helpers.agents import (
     AGENT_KEY,
     LAUNCHER_KEY,
@@ -168,7 +168,7 @@ def test_events_stream_with_seqs_and_exit_codes(agent: Agent) -> None:
         assert [e["i"] for e in mine if e["event"] == "step"] == [0, 1, 2, 3, 4]
     assert final["exited"] == {"0": 0, "1": 3}
     job_dir = agent.work_dir / "jobs" / "run-1"
-    assert json.loads((job_dir / "job.json").read_text()) == JobSpec.model_validate(body["job"]).model_dump(
+    assert json.loads((job_dir / "job.json").read_text()) == Job.model_validate(body["job"]).model_dump(
         mode="json"
     )
     assert (job_dir.stat().st_mode & 0o777, (job_dir / "job.json").stat().st_mode & 0o777) == (0o700, 0o600)

@@ -11,6 +11,8 @@ import json
 import os
 import secrets
 import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,11 +23,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardpool.errors import ShardpoolError
-from shardpool.files.client import RemoteFiles, RemoteWeightReader
+from shardpool.files.client import RemoteFiles
 from shardpool.files.server import FileServer
 from shardpool.model.weights import WeightReader
 
 SECRET = secrets.token_hex(32)
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +69,7 @@ def test_remote_reader_fetches_exactly_the_owned_tensors_then_serves_a_restart_f
     local = WeightReader(sharded_model)
     owned = [name for name in local.names() if name.startswith(("model.layers.2.", "model.layers.3."))]
     assert len(owned) > 10
-    with RemoteWeightReader(
-        RemoteFiles(server.url, cache_dir=tmp_path / "cache", secret=SECRET), names
-    ) as remote:
+    with WeightReader(RemoteFiles(server.url, cache_dir=tmp_path / "cache", secret=SECRET), names) as remote:
         assert sorted(remote.names()) == sorted(local.names())
         assert all(remote.shape(n) == local.shape(n) and remote.has(n) for n in local.names())
         assert server.bytes_served == sum(
@@ -87,7 +88,7 @@ def test_remote_reader_fetches_exactly_the_owned_tensors_then_serves_a_restart_f
     restarted_files = RemoteFiles(
         server.url, cache_dir=tmp_path / "cache", secret=SECRET
     )  # a resumed stage process
-    with RemoteWeightReader(restarted_files, names) as restarted:
+    with WeightReader(restarted_files, names) as restarted:
         for name in owned:
             assert torch.equal(restarted.read(name), local.read(name))
     assert (server.bytes_served, server.range_requests) == (served, requests), (
@@ -248,3 +249,12 @@ def test_changed_file_on_the_launcher_and_unreachable_server_are_one_line_errors
     assert "\n" not in str(caught.value)
     with pytest.raises(ShardpoolError, match="not like http"):
         RemoteFiles("ftp://10.0.0.1/x", secret=SECRET)
+
+
+def test_the_file_server_and_its_client_import_no_torch() -> None:
+    code = "import sys, shardpool.files.client, shardpool.files.server; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True, text=True, check=True, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )  # fmt: skip
+    assert result.stdout.strip() == "False"

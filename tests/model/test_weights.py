@@ -54,3 +54,35 @@ def test_missing_tensor_and_truncated_file_are_one_line_errors(tmp_path: Path) -
     (tmp_path / "model.safetensors").write_bytes(b"\x05\x00")
     with pytest.raises(ShardpoolError, match="not a safetensors file"):
         WeightReader(tmp_path)
+
+
+class _MemoryFiles:
+    """A byte source over in-memory files that counts its range reads."""
+
+    location = "memory:"
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = files
+        self.ranges: list[tuple[str, int, int]] = []
+
+    def file_sizes(self) -> dict[str, int]:
+        return {name: len(data) for name, data in self.files.items()}
+
+    def read_range(self, name: str, start: int, stop: int) -> bytes:
+        self.ranges.append((name, start, stop))
+        return self.files[name][start:stop]
+
+    def close(self) -> None:
+        pass
+
+
+def test_any_byte_source_is_read_by_headers_then_one_range_per_tensor(tmp_path: Path) -> None:
+    tensors = {"a": torch.randn(4, 3), "b": torch.arange(5)}
+    save_file(tensors, str(tmp_path / "w.safetensors"))
+    source = _MemoryFiles({"w.safetensors": (tmp_path / "w.safetensors").read_bytes(), "notes.txt": b"x"})
+    reader = WeightReader(source)
+    assert sorted(reader.names()) == ["a", "b"] and len(source.ranges) == 2, "two reads for the header"
+    assert torch.equal(reader.read("b"), tensors["b"])
+    entry = reader.entries["b"]
+    assert source.ranges[-1] == ("w.safetensors", entry.start, entry.stop)
+    assert reader.bytes_read == entry.stop - entry.start == 5 * 8

@@ -13,7 +13,7 @@ import pytest
 from mesh.wireguard.keys import public_key
 from shardpool.agent.client import SignedAgentClient
 from shardpool.agent.service import Agent
-from shardpool.contract.jobfile import Job
+from shardpool.contract.job import Job
 from shardpool.errors import ShardpoolError
 from shardpool.launch.mesh_launcher import MeshMember, run_mesh_job
 from tests.helpers.agents import (

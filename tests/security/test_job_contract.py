@@ -10,17 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from shardpool.contract.jobfile import Job
-from shardpool.contract.spec import (
-    ContractError,
-    JobSpec,
-    NotAMember,
-    StageEvent,
-    check_digest,
-    parse_job_start,
-    parse_stage_event,
-    resolve_inside,
-)
+from shardpool.contract.events import StageEvent, parse_stage_event
+from shardpool.contract.job import Job
+from shardpool.contract.names import ContractError, check_digest, resolve_inside
+from shardpool.contract.start import NotAMember, parse_job_start
 from tests.helpers.jobs import job_dict
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,9 +25,12 @@ def _start(job: dict, ranks: list[int] | None = None, **extra: object) -> object
     return parse_job_start(body, is_member_address=MEMBERS.__contains__)
 
 
-def test_the_contract_module_imports_neither_torch_transformers_nor_the_http_stack() -> None:
+def test_the_contract_modules_import_neither_torch_transformers_nor_the_http_stack() -> None:
     heavy = ("torch", "transformers", "aiohttp", "http.server", "shardpool.access", "shardpool.agent.service")
-    code = f"import sys, shardpool.contract.spec; print([m for m in {heavy!r} if m in sys.modules])"
+    contract = "shardpool.contract." + ", shardpool.contract.".join(
+        ("names", "fields", "job", "events", "start")
+    )
+    code = f"import sys, {contract}; print([m for m in {heavy!r} if m in sys.modules])"
     result = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True, text=True, check=True, env=dict(os.environ, PYTHONPATH=str(REPO)),
@@ -121,7 +117,7 @@ def test_job_files_round_trip_and_oversize_files_are_refused(tmp_path: Path) -> 
     job = Job.model_validate(job_dict(launcher="10.77.0.1"))
     job.write(tmp_path / "job.json")
     assert Job.read(tmp_path / "job.json") == job
-    assert JobSpec.model_validate(job.model_dump(mode="json")) == JobSpec.model_validate(
+    assert Job.model_validate(job.model_dump(mode="json")) == Job.model_validate(
         job_dict(launcher="10.77.0.1")
     )
     (tmp_path / "big.json").write_bytes(b" " * (16 * 2**20 + 1))

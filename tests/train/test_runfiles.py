@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from shardpool.contract.jobfile import Job
-from shardpool.contract.spec import FILES_SECRET_FILE
+from shardpool.contract.job import Job
+from shardpool.contract.start import FILES_SECRET_FILE
 from shardpool.errors import ShardpoolError
 from shardpool.files.server import FileServer
 from shardpool.train.runfiles import RunFiles, read_files_secret

@@ -1,0 +1,167 @@
+"""The events a stage process reports to its launcher: their names, their fields, their wire form.
+
+A stage prints each event as one stdout line, :data:`EVENT_PREFIX` then a JSON object whose
+``event`` key is a :class:`StageEvent`; every other line is plain log output. The agent relays
+those lines and the launcher validates each one with :func:`parse_stage_event` into its closed
+model, so a stage cannot smuggle an unknown event or field past either of them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+)
+
+from shardpool.contract.fields import MAX_STAGES, MAX_STEPS, MAX_WORLD_SIZE, Steps, describe_validation_error
+from shardpool.contract.names import ContractError, safe_relative_name
+
+__all__ = [
+    "EVENT_PREFIX",
+    "StageEvent",
+    "ReadyEvent",
+    "StepEvent",
+    "CheckpointWrittenEvent",
+    "FinalWrittenEvent",
+    "StageDoneEvent",
+    "DoneEvent",
+    "ErrorEvent",
+    "StageEventModel",
+    "parse_stage_event",
+]
+
+#: Stdout lines of a stage process that start with this carry one JSON event.
+EVENT_PREFIX = "@shardpool "
+MAX_MESSAGE_CHARS = 2000
+
+
+class StageEvent(str, enum.Enum):
+    """The name of every event a stage process reports (the ``event`` key of its JSON lines)."""
+
+    READY = "ready"
+    STEP = "step"
+    CHECKPOINT_WRITTEN = "checkpoint_written"
+    FINAL_WRITTEN = "final_written"
+    STAGE_DONE = "stage_done"
+    DONE = "done"
+    ERROR = "error"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _first_line(text: Any) -> Any:
+    if isinstance(text, str):
+        line = text.splitlines()[0] if text.strip() else text
+        return line[:MAX_MESSAGE_CHARS]
+    return text
+
+
+OptionalLoss = float | None
+Timings = Annotated[list[float], Field(max_length=MAX_WORLD_SIZE)]
+RelativeOutput = Annotated[str, AfterValidator(lambda text: safe_relative_name(text, "output directory"))]
+
+
+class ReadyEvent(_Event):
+    """Rank 0 built its stage and is about to train."""
+
+    event: Literal[StageEvent.READY]
+    total_steps: Steps
+    first_step: Steps
+
+
+class StepEvent(_Event):
+    """One optimizer step finished (rank 0); losses may be NaN or infinite when training diverges."""
+
+    event: Literal[StageEvent.STEP]
+    step: int = Field(ge=1, le=MAX_STEPS)
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    step_seconds: float
+    stage_compute_s: Timings
+    stage_wait_s: Timings
+    bytes_sent: Timings
+
+
+class CheckpointWrittenEvent(_Event):
+    """Every stage's part of a checkpoint reached the launcher under ``partial`` (relative to output_dir)."""
+
+    event: Literal[StageEvent.CHECKPOINT_WRITTEN]
+    step: int = Field(ge=1, le=MAX_STEPS)
+    partial: RelativeOutput
+    eval_before: OptionalLoss = None
+
+
+class FinalWrittenEvent(_Event):
+    """Every stage's final LoRA tensors reached the launcher under ``directory`` (relative to output_dir)."""
+
+    event: Literal[StageEvent.FINAL_WRITTEN]
+    directory: RelativeOutput
+
+
+class StageDoneEvent(_Event):
+    """One stage process finished, with its peak memory."""
+
+    event: Literal[StageEvent.STAGE_DONE]
+    rank: int = Field(ge=0, lt=MAX_WORLD_SIZE)
+    stage: int = Field(ge=0, lt=MAX_STAGES)
+    peak_rss_bytes: int = Field(ge=0)
+    peak_device_bytes: int | None = Field(default=None, ge=0)
+
+
+class DoneEvent(_Event):
+    """The run finished (rank 0), with the eval loss before and after training."""
+
+    event: Literal[StageEvent.DONE]
+    eval_before: OptionalLoss = None
+    eval_after: OptionalLoss = None
+
+
+class ErrorEvent(_Event):
+    """A stage failed; ``message`` is one line (cut to 2,000 characters), the traceback is in its log."""
+
+    event: Literal[StageEvent.ERROR]
+    rank: int = Field(ge=0, lt=MAX_WORLD_SIZE)
+    message: Annotated[str, BeforeValidator(_first_line)]
+
+
+StageEventModel = Annotated[
+    Union[  # noqa: UP007 - a discriminated union needs the Union spelling for older pydantic
+        ReadyEvent,
+        StepEvent,
+        CheckpointWrittenEvent,
+        FinalWrittenEvent,
+        StageDoneEvent,
+        DoneEvent,
+        ErrorEvent,
+    ],
+    Field(discriminator="event"),
+]
+_EVENTS: TypeAdapter[Any] = TypeAdapter(StageEventModel)
+
+
+def parse_stage_event(raw: Any) -> Any:
+    """Validate one event a stage reported (a JSON object) into its model, or raise ContractError."""
+    try:
+        return _EVENTS.validate_python(raw)
+    except ValidationError as error:
+        first = error.errors()[0]
+        if first["type"] == "union_tag_invalid":
+            known = ", ".join(event.value for event in StageEvent)
+            named = str(first["input"].get("event"))[:40]
+            raise ContractError(f"stage event: unknown event {named!r}; known: {known}") from None
+        raise ContractError(describe_validation_error(error, "stage event")) from None

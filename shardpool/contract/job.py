@@ -1,0 +1,166 @@
+"""The job: the one description of a run that every stage process receives, as plain JSON.
+
+:class:`Job` holds where each stage runs (:class:`StagePlacement`), the run config, every input a
+stage may read by name, and the rendezvous and file-server addresses; :meth:`Job.write` and
+:meth:`Job.read` are its file, and :func:`read_job_json` parses its JSON text under a size cap.
+Moving a stage to another machine changes only its ``device``, its ``host`` and the rendezvous
+address here; nothing else a stage process reads depends on where it runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from mesh.files import write_json
+from shardpool.config import Config, parse_config
+from shardpool.contract.fields import (
+    MAX_INPUTS,
+    MAX_REPLICAS,
+    MAX_STAGES,
+    MAX_WORLD_SIZE,
+    Closed,
+    DeviceName,
+    FilesURL,
+    FiniteFloat,
+    HostName,
+    InputName,
+    IPText,
+    LauncherPath,
+    Steps,
+    describe_validation_error,
+)
+from shardpool.contract.names import ContractError
+from shardpool.errors import ShardpoolError
+
+__all__ = ["RESUME_PREFIX", "MAX_JOB_JSON_BYTES", "StagePlacement", "Job", "read_job_json"]
+
+#: Inputs under this prefix are the checkpoint a resumed run starts from.
+RESUME_PREFIX = "resume/"
+MAX_JOB_JSON_BYTES = 16 * 2**20
+
+
+class StagePlacement(Closed):
+    """Where one stage runs and which layers ``[start, stop)`` it owns."""
+
+    start: int = Field(ge=0, le=1_000_000)
+    stop: int = Field(ge=1, le=1_000_000)
+    device: DeviceName
+    host: HostName = "localhost"
+
+    @model_validator(mode="after")
+    def _layers_in_order(self) -> StagePlacement:
+        if self.stop <= self.start:
+            raise ValueError(f"stage layers [{self.start}, {self.stop}) are empty; stop must exceed start")
+        return self
+
+
+class Job(Closed):
+    """Everything a stage process needs to build its stage and train it.
+
+    ``inputs`` names every file a stage may read (``data.safetensors``, ``model/config.json``,
+    ``model/*.safetensors``, ``init_adapter/*``, ``resume/*``) with its path on the launching
+    machine. A stage on that machine opens the paths; a stage elsewhere fetches them by name from
+    ``files_url`` and sends its results there too, so ``output_dir`` and the input paths mean
+    nothing on another member. ``master_addr:master_port`` is the launcher's torch.distributed
+    TCPStore.
+    """
+
+    config: dict[str, Any]
+    stages: list[StagePlacement] = Field(min_length=1, max_length=MAX_STAGES)
+    replicas: int = Field(ge=1, le=MAX_REPLICAS)
+    inputs: dict[InputName, LauncherPath] = Field(max_length=MAX_INPUTS)
+    output_dir: LauncherPath
+    master_addr: IPText
+    master_port: int = Field(ge=1, le=65535)
+    total_steps: Steps
+    threads_per_process: int = Field(ge=1, le=4096)
+    resume_step: Steps = 0
+    eval_before: FiniteFloat | None = None
+    files_url: FilesURL | None = None
+    timeout_s: float = Field(default=300.0, gt=0, le=7 * 86400, allow_inf_nan=False)
+
+    @field_validator("config")
+    @classmethod
+    def _valid_run_config(cls, config: dict[str, Any]) -> dict[str, Any]:
+        try:
+            parse_config(config, source="job config")
+        except ShardpoolError as error:
+            raise ValueError(str(error)) from None
+        return config
+
+    @model_validator(mode="after")
+    def _contiguous_layers(self) -> Job:
+        expected = 0
+        for index, stage in enumerate(self.stages):
+            if stage.start != expected:
+                raise ValueError(f"stage {index} starts at layer {stage.start}, expected {expected}")
+            expected = stage.stop
+        if self.world_size > MAX_WORLD_SIZE:
+            raise ValueError(f"{self.world_size} stage processes in all; at most {MAX_WORLD_SIZE}")
+        return self
+
+    @property
+    def num_stages(self) -> int:
+        """Stages per pipeline."""
+        return len(self.stages)
+
+    @property
+    def world_size(self) -> int:
+        """Stage processes in all: stages × replicas."""
+        return self.num_stages * self.replicas
+
+    @property
+    def files_host(self) -> str | None:
+        """The address of the launcher's file server, when stages fetch their files from it."""
+        return urlsplit(self.files_url).hostname if self.files_url else None
+
+    def parsed_config(self) -> Config:
+        """The validated run config."""
+        return parse_config(self.config, source="job config")
+
+    def stage_index(self, rank: int) -> int:
+        """The stage a global rank runs (ranks are replica-major: rank = replica × S + stage)."""
+        return rank % self.num_stages
+
+    def replica_index(self, rank: int) -> int:
+        """The replica (pipeline copy) a global rank belongs to."""
+        return rank // self.num_stages
+
+    def rank_of(self, *, replica: int, stage: int) -> int:
+        """The global rank of a stage in a replica."""
+        return replica * self.num_stages + stage
+
+    def write(self, path: str | Path) -> None:
+        """Save as JSON, atomically."""
+        write_json(path, self.model_dump(mode="json"))
+
+    @classmethod
+    def read(cls, path: str | Path) -> Job:
+        """Load and validate a job written by :meth:`write` (at most 16 MiB)."""
+        path = Path(path)
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_JOB_JSON_BYTES + 1)
+        raw = read_job_json(data, source=str(path))
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as error:
+            raise ContractError(describe_validation_error(error, str(path))) from None
+
+
+def read_job_json(data: bytes | str, *, source: str = "job") -> dict[str, Any]:
+    """Parse a job's JSON text (at most 16 MiB) into a mapping, or raise ContractError in one line."""
+    size = len(data.encode("utf-8") if isinstance(data, str) else data)
+    if size > MAX_JOB_JSON_BYTES:
+        raise ContractError(f"{source} is {size} bytes; a job is at most {MAX_JOB_JSON_BYTES} bytes of JSON")
+    try:
+        raw = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ContractError(f"{source} is not valid JSON ({error}); rewrite it") from None
+    if not isinstance(raw, dict):
+        raise ContractError(f"{source} must be a JSON object")
+    return raw

@@ -1,0 +1,99 @@
+"""The agent's start request: ``POST /v1/jobs`` asks a member's agent to start some ranks of a job.
+
+:func:`parse_job_start` validates a request body into :class:`JobStartRequest` and then checks
+that every address the job names (rendezvous, file server) is a current mesh member's, so a job
+can never aim stage processes outside the mesh. :data:`FILES_SECRET_FILE` is where the agent
+hands the request's file-server secret to the stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import Field, ValidationError, model_validator
+
+from shardpool.contract.fields import (
+    MAX_RANKS,
+    Closed,
+    FilesSecret,
+    HostName,
+    JobId,
+    UserName,
+    describe_validation_error,
+)
+from shardpool.contract.job import Job
+from shardpool.contract.names import ContractError
+
+__all__ = ["FILES_SECRET_FILE", "NotAMember", "JobStartRequest", "parse_job_start", "check_member_addresses"]
+
+#: The job file-server secret's file in a stage's job directory (0600, written by the agent).
+FILES_SECRET_FILE = "files.secret"
+
+
+class NotAMember(ContractError):
+    """A job names an address that is not a current mesh member's (the agent answers 403)."""
+
+
+class JobStartRequest(Closed):
+    """``POST /v1/jobs``: start ``ranks`` of ``job`` on this member, as job ``job_id``.
+
+    A stage started by an agent always reads and writes through the launcher's file server, so
+    ``files_url`` is required: the launcher's paths (``inputs`` values, ``output_dir``) are never
+    opened on the member.
+
+    ``submitter`` is the local user who asked for the job on the launching member; that member's
+    agent stamps it from the kernel-reported uid of its socket peer, overriding anything the user
+    sent. ``origin`` is the launching member's name; the receiving agent overwrites it with the
+    member whose key signed the request. ``files_secret`` (32 random bytes as hex) is the bearer
+    secret of the launcher's file server; the agent hands it to the stages in a 0600 file.
+    """
+
+    job_id: JobId
+    job: Job
+    ranks: list[int] = Field(min_length=1, max_length=MAX_RANKS)
+    submitter: UserName | None = None
+    origin: HostName | None = None
+    files_secret: FilesSecret | None = None
+
+    @model_validator(mode="after")
+    def _ranks_of_this_job(self) -> JobStartRequest:
+        world = self.job.world_size
+        if len(set(self.ranks)) != len(self.ranks) or not all(0 <= r < world for r in self.ranks):
+            raise ValueError(f"ranks {self.ranks[:16]} must be distinct and in 0..{world - 1}")
+        if self.job.files_url is None:
+            raise ValueError(
+                "a job started through an agent needs files_url: its stages read and write only "
+                "through the launcher's file server"
+            )
+        return self
+
+
+def parse_job_start(body: Any, *, is_member_address: Callable[[str], bool]) -> JobStartRequest:
+    """Validate a ``POST /v1/jobs`` body, then check that every address it names is a member's.
+
+    Raises ContractError (bad shape: 400) or NotAMember (an address outside the mesh: 403).
+    """
+    try:
+        request = JobStartRequest.model_validate(body)
+    except ValidationError as error:
+        raise ContractError(describe_validation_error(error, "job request")) from None
+    check_member_addresses(request.job, is_member_address)
+    return request
+
+
+def check_member_addresses(job: Job, is_member_address: Callable[[str], bool]) -> None:
+    """Refuse a job whose rendezvous or file server is not at a current mesh member's address.
+
+    Otherwise a job could aim stage processes at any host: their downloads, uploads and
+    rendezvous traffic must stay inside the mesh.
+    """
+    named = [("master_addr", job.master_addr)]
+    if job.files_host is not None:
+        named.append(("files_url", job.files_host))
+    for field_name, address in named:
+        if not is_member_address(address):
+            raise NotAMember(
+                f"job {field_name} {address} is not a current mesh member's address; "
+                "launch from a member and use its mesh address"
+            )
