@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from shardpool.agent.client import AgentRefused, AgentUnreachable, LocalAgentClient
+from shardpool.agent.client import AgentRefused, AgentUnreachable
+from shardpool.agent.local_client import LocalAgentClient
 from shardpool.contract.jobfile import Job
 from shardpool.contract.spec import ContractError, StageEvent, parse_stage_event
 from shardpool.errors import ShardpoolError

@@ -23,7 +23,8 @@ from mesh.control.auth import CONTROL_PURPOSE, FixedDirectory, Member, RequestVe
 from mesh.control.client import authenticated_request
 from mesh.wireguard.keys import generate_private_key, public_key
 from shardpool.agent.accounts import RunAs, resolve_run_as
-from shardpool.agent.service import Agent, MeshPeer
+from shardpool.agent.members import MeshPeer
+from shardpool.agent.service import Agent
 
 MESH_ID = "agenttestmesh"
 AGENT_KEY = generate_private_key()  # member "b": the agent under test
