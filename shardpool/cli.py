@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_agent(args: argparse.Namespace) -> int:
-    from shardpool.agent.service import run_agent
+    from shardpool.agent.command import run_agent
 
     return run_agent(
         args.state_dir,

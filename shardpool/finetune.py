@@ -114,7 +114,7 @@ def _finetune_on_mesh(config: Config, *, resume: bool, console: Console) -> Path
     Everything goes through this machine's agent, over its Unix socket. Asking it for the members
     comes first, so a user it refuses gets the one-line fix before anything is prepared anywhere.
     """
-    from shardpool.agent.client import LocalAgentClient
+    from shardpool.agent.local_client import LocalAgentClient
     from shardpool.files.server import FileServer
     from shardpool.launch.mesh_launcher import mesh_fleet, new_job_id, online_members, run_mesh_job
 

@@ -10,7 +10,7 @@ import json
 import time
 from typing import Any
 
-from shardpool.agent.client import LocalAgentClient
+from shardpool.agent.local_client import LocalAgentClient
 
 __all__ = ["format_job", "format_jobs", "run_jobs_command"]
 

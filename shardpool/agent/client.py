@@ -1,49 +1,30 @@
-"""The client side of ``shardpool agent``: JSON over HTTP to one member's agent.
+"""The mesh client of ``shardpool agent``: JSON over HTTP to one member's agent.
 
 Every call has a timeout and raises :class:`AgentUnreachable` when the member does not answer,
 so the launcher can tell a lost member from a failed stage. An agent's mesh listener answers only
 requests signed with a member's key (:mod:`mesh.control.auth`), so the agents call each other with
 :class:`SignedAgentClient`; :class:`AgentClient` is the same API over plain HTTP.
 
-A launcher cannot sign, so it uses :class:`LocalAgentClient`: its own member's agent over a Unix
-socket (:func:`agent_socket_path`), which forwards each request, signed, to the member's agent.
-:class:`ForwardedAgent` keeps the old method names for one member reached that way.
+A launcher cannot sign: it talks to its own member's agent over a Unix socket instead
+(:mod:`shardpool.agent.local_client`).
 """
 
 from __future__ import annotations
 
-import grp
 import http.client
 import json
-import os
-import pwd
-import socket
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
-from mesh.constants import AGENT_PORT, AGENT_SOCKET_ENV, DEFAULT_AGENT_SOCKET
+from mesh.constants import AGENT_PORT
 from mesh.control.auth import CONTROL_PURPOSE, AuthError
 from mesh.control.client import authenticated_request
-from shardpool.agent.accounts import DEFAULT_LAUNCH_GROUP
 from shardpool.errors import ShardpoolError
 
-__all__ = [
-    "AGENT_SOCKET_ENV",
-    "DEFAULT_AGENT_SOCKET",
-    "AgentClient",
-    "AgentRefused",
-    "AgentUnreachable",
-    "ForwardedAgent",
-    "LaunchNotAllowed",
-    "LocalAgentClient",
-    "LocalMember",
-    "NoLocalAgent",
-    "SignedAgentClient",
-    "agent_socket_path",
-]
+__all__ = ["AgentClient", "AgentRefused", "AgentUnreachable", "SignedAgentClient"]
 
 
 class AgentUnreachable(ShardpoolError):
@@ -205,239 +186,3 @@ class SignedAgentClient(AgentClient):
             )
         except AuthError as error:
             raise AgentRefused(f"agent at {self.url}: {error}") from None
-
-
-# ----- the local agent's Unix socket ------------------------------------------------------------
-# A launcher never talks to other members' agents itself: it cannot sign (only root reads the
-# WireGuard key), so it asks its own agent, over a Unix socket, to forward signed requests.
-
-_MAX_LOCAL_REPLY = 64 * 1024 * 1024
-
-
-def agent_socket_path(explicit: str | None = None) -> str:
-    """The local agent's socket: ``explicit``, else ``$SHARDPOOL_AGENT_SOCKET``, else the default.
-
-    One rule for both ends, so a launcher finds the socket its agent listens on.
-    """
-    return explicit or os.environ.get(AGENT_SOCKET_ENV) or DEFAULT_AGENT_SOCKET
-
-
-class NoLocalAgent(AgentUnreachable):
-    """Nothing listens on the local agent's socket."""
-
-
-class LaunchNotAllowed(AgentRefused):
-    """The local agent (or the socket's permissions) refused this user."""
-
-
-class _UnixConnection(http.client.HTTPConnection):
-    """http.client over a Unix socket."""
-
-    def __init__(self, socket_path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.socket_path = socket_path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self.socket_path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
-
-
-def _user_name() -> str:
-    try:
-        return pwd.getpwuid(os.getuid()).pw_name
-    except KeyError:
-        return str(os.getuid())
-
-
-def _socket_group(socket_path: str) -> str:
-    """The group that owns the socket (the launch group), or the default when it cannot be read."""
-    try:
-        return grp.getgrgid(os.stat(socket_path).st_gid).gr_name
-    except (OSError, KeyError):
-        return DEFAULT_LAUNCH_GROUP
-
-
-@dataclass(frozen=True)
-class LocalMember:
-    """A mesh member as the local agent reports it."""
-
-    name: str
-    address: str
-    online: bool
-    is_self: bool
-
-
-@dataclass(frozen=True)
-class LocalAgentClient:
-    """The launcher's client of its own member's agent, over the agent's Unix socket.
-
-    The kernel tells the agent who is calling (SO_PEERCRED); the agent allows root and the launch
-    group only. Everything aimed at other members goes through :meth:`forward`.
-    """
-
-    socket_path: str = field(default_factory=agent_socket_path)
-    timeout: float = 10.0
-
-    def members(self) -> list[LocalMember]:
-        """Every mesh member, whether it answers now, and which one is this machine."""
-        reply = self._call("GET", "/v1/local/members")
-        return [
-            LocalMember(str(item["name"]), str(item["address"]), bool(item["online"]), bool(item["is_self"]))
-            for item in reply.get("members", [])
-        ]
-
-    def forward(
-        self, member: str, method: str, path: str, body: Any = None, *, timeout: float | None = None
-    ) -> Any:
-        """Have the local agent send a signed request to ``member``'s agent; return the reply body.
-
-        An error status from that agent raises :class:`AgentRefused` naming the member; a member
-        the local agent could not reach raises :class:`AgentUnreachable`.
-        """
-        request = {"member": member, "method": method, "path": path, "body": body}
-        reply = self._call("POST", "/v1/local/forward", request, timeout=timeout)
-        status = int(reply.get("status", 0))
-        answer = reply.get("body")
-        route = f"{method} {path.split('?')[0]}"
-        if status in (503, 504):
-            raise AgentUnreachable(f"agent of member {member!r} did not answer {route}: {_error_of(answer)}")
-        if status >= 400 or status == 0:
-            raise AgentRefused(f"agent of member {member!r} refused {route}: {status} {_error_of(answer)}")
-        return answer
-
-    def jobs(self) -> list[dict[str, Any]]:
-        """Jobs started through this agent: the caller's own, or everyone's for root."""
-        return list(self._call("GET", "/v1/local/jobs").get("jobs", []))
-
-    def job(self, job_id: str) -> dict[str, Any]:
-        """One job started through this agent (the caller's own, or any for root)."""
-        return dict(self._call("GET", f"/v1/local/jobs/{quote(job_id, safe='')}"))
-
-    def stop(self, job_id: str) -> dict[str, Any]:
-        """Stop a job on every member it runs on (the caller's own, or any for root)."""
-        return dict(self._call("DELETE", f"/v1/local/jobs/{quote(job_id, safe='')}", timeout=60.0))
-
-    def member(self, name: str, address: str) -> ForwardedAgent:
-        """A client of ``name``'s agent with the old :class:`AgentClient` methods, through this one."""
-        return ForwardedAgent(self, name, address)
-
-    def _call(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
-        payload = None if body is None else json.dumps(body).encode("utf-8")
-        headers = {"Content-Type": "application/json"} if payload is not None else {}
-        connection = _UnixConnection(self.socket_path, timeout or self.timeout)
-        try:
-            try:
-                connection.request(method, path, body=payload, headers=headers)
-            except (BrokenPipeError, ConnectionResetError):
-                if connection.sock is None:
-                    raise
-                # The agent refuses a caller before reading its body; its one-line answer is
-                # still there to read.
-            response = connection.getresponse()
-            data = response.read(_MAX_LOCAL_REPLY + 1)
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise NoLocalAgent(
-                f"no shardpool agent on this machine (nothing listens at {self.socket_path}); "
-                "start it with `shardpool mesh up` or `shardpool agent`"
-            ) from None
-        except PermissionError:
-            raise self._not_allowed("the socket's permissions refused you") from None
-        except (TimeoutError, OSError, http.client.HTTPException) as error:
-            raise AgentUnreachable(
-                f"the local shardpool agent at {self.socket_path} did not answer {method} "
-                f"{path.split('?')[0]}: {error}"
-            ) from None
-        finally:
-            connection.close()
-        if len(data) > _MAX_LOCAL_REPLY:
-            raise AgentRefused(f"the local shardpool agent's reply exceeds {_MAX_LOCAL_REPLY} bytes")
-        text = data.decode("utf-8", errors="replace")
-        try:
-            decoded = json.loads(text) if text else {}
-        except json.JSONDecodeError:
-            decoded = text
-        if response.status == 403 and "usermod" in _error_of(decoded):
-            raise LaunchNotAllowed(_error_of(decoded))
-        if response.status in (503, 504):
-            # The local agent could not reach the member it was to forward to.
-            raise AgentUnreachable(_error_of(decoded))
-        if response.status >= 400:
-            raise AgentRefused(
-                f"the local shardpool agent refused {method} {path.split('?')[0]}: "
-                f"{response.status} {_error_of(decoded)}"
-            )
-        return decoded
-
-    def _not_allowed(self, reason: str) -> LaunchNotAllowed:
-        user, group = _user_name(), _socket_group(self.socket_path)
-        return LaunchNotAllowed(
-            f"user {user!r} may not use the shardpool agent at {self.socket_path} ({reason}); "
-            f"ask an admin to run `usermod -aG {group} {user}` (then log in again)"
-        )
-
-
-def _error_of(answer: Any) -> str:
-    """The one-line error text in an agent's reply body."""
-    if isinstance(answer, dict):
-        answer = answer.get("error", answer)
-    text = str(answer).strip()
-    return (text.splitlines() or [""])[0][:500]
-
-
-@dataclass(frozen=True)
-class ForwardedAgent:
-    """One member's agent reached through the local agent, with :class:`AgentClient`'s method names."""
-
-    local: LocalAgentClient
-    name: str
-    address: str
-    port: int = AGENT_PORT
-
-    @property
-    def url(self) -> str:
-        """The member's agent URL on the mesh (what other agents probe)."""
-        return f"http://{self.address}:{self.port}"
-
-    def health(self) -> dict[str, Any]:
-        """The agent's name, address and version."""
-        return dict(self.local.forward(self.name, "GET", "/v1/health"))
-
-    def devices(
-        self, model_config: dict[str, Any], workload: dict[str, Any], *, timeout: float = 300.0
-    ) -> list[dict[str, Any]]:
-        """The member's devices, each profiled for this model shape and workload (cached there)."""
-        body = {"model_config": model_config, "workload": workload}
-        return list(self.local.forward(self.name, "POST", "/v1/devices", body, timeout=timeout)["devices"])
-
-    def probe(self, targets: dict[str, str], *, nbytes: int = 4 * 2**20) -> dict[str, dict[str, Any]]:
-        """Ask the member's agent to measure its links to other members' agents (name -> url)."""
-        body = {"targets": [{"name": name, "url": url} for name, url in targets.items()], "bytes": nbytes}
-        return dict(self.local.forward(self.name, "POST", "/v1/probe", body, timeout=130.0)["links"])
-
-    def start_job(
-        self, job_id: str, job: dict[str, Any], ranks: list[int], *, files_secret: str | None = None
-    ) -> dict[str, Any]:
-        """Start the given ranks of a job on the member; the local agent stamps who submitted it."""
-        body: dict[str, Any] = {"job_id": job_id, "job": job, "ranks": ranks}
-        if files_secret is not None:
-            body["files_secret"] = files_secret
-        return dict(self.local.forward(self.name, "POST", "/v1/jobs", body, timeout=70.0))
-
-    def events(self, job_id: str, *, after: int, wait: float = 1.0) -> dict[str, Any]:
-        """Events after sequence number ``after`` (long-polls up to ``wait`` s); also the heartbeat."""
-        path = f"/v1/jobs/{job_id}/events?after={after}&wait={wait}"
-        return dict(self.local.forward(self.name, "GET", path, timeout=wait + 10.0))
-
-    def stop_job(self, job_id: str, *, timeout: float = 15.0) -> dict[str, Any]:
-        """Stop every process of the job on the member."""
-        return dict(self.local.forward(self.name, "DELETE", f"/v1/jobs/{job_id}", timeout=timeout + 5.0))
-
-    def log_tail(self, job_id: str, rank: int, lines: int = 20) -> str:
-        """The last lines of one rank's log on the member."""
-        return str(self.local.forward(self.name, "GET", f"/v1/jobs/{job_id}/log/{rank}?tail={lines}"))

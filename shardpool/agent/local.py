@@ -20,16 +20,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mesh.http.server import CHUNK, HTTPError, HTTPServer, Limits, Reply, Request, Route, json_reply
 from shardpool.agent.accounts import Caller, LaunchPolicy
+from shardpool.agent.client import AgentRefused, SignedAgentClient
+from shardpool.agent.members import MeshPeer
 from shardpool.contract.job import MAX_JOB_JSON_BYTES
 
-if TYPE_CHECKING:
-    from shardpool.agent.service import Agent, MeshPeer
-
-__all__ = ["LocalService", "forward_route"]
+__all__ = ["LocalService", "MemberGateway", "forward_route"]
 
 _JOB_ID = r"(?P<job_id>[A-Za-z0-9][A-Za-z0-9._-]{0,63})"
 _QUERY = r"(?:\?[A-Za-z0-9=&._-]{0,200})?"
@@ -62,6 +61,17 @@ def forward_route(method: object, path: object) -> tuple[str | None, float]:
     raise HTTPError(403, f"{shown!r} is not a request the agent forwards; see docs/agent.md for the routes")
 
 
+class MemberGateway(Protocol):
+    """What the local listener needs of its agent: this member, the current members, and signing."""
+
+    @property
+    def member_name(self) -> str: ...
+    @property
+    def public_key(self) -> str: ...
+    def current_peers(self) -> list[MeshPeer]: ...
+    def signed_client(self, peer: MeshPeer, *, timeout: float = 10.0) -> SignedAgentClient: ...
+
+
 @dataclass
 class _LocalJob:
     """A job submitted through this agent: who asked, where it runs, and how it stands."""
@@ -86,12 +96,17 @@ class _LocalJob:
 
 
 class LocalService:
-    """The Unix-socket listener of one :class:`~shardpool.agent.service.Agent` and its record of local jobs."""
+    """The Unix-socket listener of one agent (reached through ``gateway``) and its record of local jobs.
 
-    def __init__(self, agent: Agent, *, socket_path: Path, group: str, limits: Limits) -> None:
-        self.agent = agent
+    ``run_as_uid`` is the account stages run as: it is refused here even when in ``group``.
+    """
+
+    def __init__(
+        self, gateway: MemberGateway, *, socket_path: Path, group: str, run_as_uid: int, limits: Limits
+    ) -> None:
+        self.gateway = gateway
         self.socket_path = socket_path
-        self.policy = LaunchPolicy(group, frozenset({agent.run_as.uid}))
+        self.policy = LaunchPolicy(group, frozenset({run_as_uid}))
         self._jobs: dict[str, _LocalJob] = {}
         self._lock = threading.Lock()
         self._server = HTTPServer(
@@ -143,10 +158,10 @@ class LocalService:
 
     def _members(self, request: Request) -> Reply:
         _read_body(request, 0)
-        mine = self.agent.verifier.public_key
+        mine = self.gateway.public_key
         return json_reply(
             {
-                "self": self.agent.member_name,
+                "self": self.gateway.member_name,
                 "members": [
                     {
                         "name": p.name,
@@ -154,7 +169,7 @@ class LocalService:
                         "online": p.online,
                         "is_self": p.public_key == mine,
                     }
-                    for p in self.agent.current_peers()
+                    for p in self.gateway.current_peers()
                 ],
             }
         )
@@ -214,15 +229,13 @@ class LocalService:
     # ------------------------------------------------------------------ helpers
 
     def _peer(self, name: object) -> MeshPeer:
-        for peer in self.agent.current_peers():
+        for peer in self.gateway.current_peers():
             if peer.name == name:
                 return peer
         raise HTTPError(404, f"{str(name)[:64]!r} is not a current mesh member; see `shardpool mesh status`")
 
     def _call(self, peer: MeshPeer, method: str, path: str, data: bytes, timeout: float) -> tuple[int, Any]:
-        from shardpool.agent.client import AgentRefused
-
-        client = self.agent.signed_client(peer, timeout=timeout)
+        client = self.gateway.signed_client(peer, timeout=timeout)
         try:
             status, raw = client._exchange(method, path, data, "application/json", timeout)
         except AgentRefused as error:  # the reply's signature failed: its status and body mean nothing

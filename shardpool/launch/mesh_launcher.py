@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from shardpool.agent.client import AgentRefused, AgentUnreachable, LocalAgentClient
+from shardpool.agent.client import AgentRefused, AgentUnreachable
+from shardpool.agent.local_client import LocalAgentClient
 from shardpool.contract.events import StageEvent, parse_stage_event
 from shardpool.contract.job import Job
 from shardpool.contract.names import ContractError

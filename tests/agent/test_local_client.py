@@ -12,14 +12,8 @@ from pathlib import Path
 import pytest
 
 from mesh.constants import AGENT_SOCKET_ENV, DEFAULT_AGENT_SOCKET
-from shardpool.agent.client import (
-    AgentRefused,
-    AgentUnreachable,
-    LaunchNotAllowed,
-    LocalAgentClient,
-    NoLocalAgent,
-    agent_socket_path,
-)
+from shardpool.agent.client import AgentRefused, AgentUnreachable
+from shardpool.agent.local_client import LaunchNotAllowed, LocalAgentClient, NoLocalAgent, agent_socket_path
 from shardpool.launch.mesh_launcher import online_members
 from tests.helpers.local_agent import StubLocalAgent, shared_socket_dir
 

@@ -1,4 +1,5 @@
-"""Tests of shardpool/agent/service.py with real processes on loopback, and requests signed by member keys.
+"""Tests of the agent (shardpool/agent/service.py and the modules it puts together) with real
+processes on loopback, and requests signed by member keys.
 
 The worker command is replaced by a small script (``worker_command``) that prints events, writes
 to its log, records its environment, exits with a chosen code or sleeps until killed, so every test
@@ -29,8 +30,9 @@ from mesh.control.auth import AuthError
 from mesh.control.directory import FixedDirectory, Member
 from mesh.control.verifier import RequestVerifier
 from mesh.wireguard.keys import public_key
-from shardpool.agent import service as agent_module
-from shardpool.agent.service import Agent, MeshPeer
+from shardpool.agent import jobs as agent_jobs
+from shardpool.agent.members import MeshPeer
+from shardpool.agent.service import Agent
 from shardpool.contract.job import Job
 from tests.helpers.agents import (
     AGENT_KEY,
@@ -281,7 +283,7 @@ def test_delete_stops_the_job_and_its_children_and_a_running_id_is_409(agent: Ag
 
 
 def test_a_job_ignoring_sigterm_is_killed_after_the_grace_period(agent: Agent, monkeypatch) -> None:
-    monkeypatch.setattr(agent_module, "_TERMINATE_GRACE_S", 0.5)
+    monkeypatch.setattr(agent_jobs, "_TERMINATE_GRACE_S", 0.5)
     status, reply = signed(
         agent.url,
         "POST",
@@ -445,7 +447,7 @@ def test_devices_profiles_each_device_once(agent: Agent, tiny_model: Path) -> No
 def test_event_prefix_matches_the_pipeline() -> None:
     from shardpool.train.pipeline import EVENT_PREFIX
 
-    assert agent_module.EVENT_PREFIX == EVENT_PREFIX
+    assert agent_jobs.EVENT_PREFIX == EVENT_PREFIX
 
 
 def test_agent_command_without_mesh_state_is_one_line_error(tmp_path: Path) -> None:
@@ -461,7 +463,12 @@ def test_agent_command_without_mesh_state_is_one_line_error(tmp_path: Path) -> N
 
 
 def test_agent_module_does_not_import_torch() -> None:
-    code = "import sys, shardpool.agent.service, shardpool.cli; print([m for m in sys.modules if m.split('.')[0] == 'torch'])"
+    code = (
+        "import importlib, pkgutil, sys, shardpool.agent, shardpool.cli\n"
+        "for module in pkgutil.iter_modules(shardpool.agent.__path__, 'shardpool.agent.'):\n"
+        "    importlib.import_module(module.name)\n"
+        "print([m for m in sys.modules if m.split('.')[0] == 'torch'])"
+    )
     result = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

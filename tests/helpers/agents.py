@@ -25,7 +25,8 @@ from mesh.control.directory import FixedDirectory, Member
 from mesh.control.verifier import RequestVerifier
 from mesh.wireguard.keys import generate_private_key, public_key
 from shardpool.agent.accounts import RunAs, resolve_run_as
-from shardpool.agent.service import Agent, MeshPeer
+from shardpool.agent.members import MeshPeer
+from shardpool.agent.service import Agent
 
 MESH_ID = "agenttestmesh"
 AGENT_KEY = generate_private_key()  # member "b": the agent under test

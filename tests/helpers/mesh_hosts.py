@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 def agent_serves(lab: Lab, source: Host, member: str) -> bool:
     """Whether ``member``'s agent answers a signed health request forwarded by ``source``'s agent."""
     probe = (
-        "from shardpool.agent.client import LocalAgentClient\n"
+        "from shardpool.agent.local_client import LocalAgentClient\n"
         f"assert LocalAgentClient().member({member!r}, '').health()['name'] == {member!r}\n"
     )
     return lab.run(source, sys.executable, "-c", probe, timeout=30).returncode == 0

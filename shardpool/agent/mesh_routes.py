@@ -1,0 +1,196 @@
+"""The agent's mesh listener: its routes, and the proof every request and reply carries.
+
+Every request must carry a :mod:`mesh.control.auth` proof from a current member's key. It is
+checked before any body byte is parsed: the proof's headers first (:meth:`MeshRoutes.authenticate`),
+then, while the body streams in, its digest (:meth:`MeshRoutes.proven`). A removed member gets a
+signed 403, and every reply to a proven sender is signed, status included. As a second line of
+defence, the connection's source IP must be the proven member's mesh address.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mesh.control.auth import AuthError
+from mesh.control.directory import Member
+from mesh.control.verifier import RequestVerifier
+from mesh.http.server import CHUNK, HTTPError, Reply, Request, Route, json_reply, text_reply
+from shardpool import __version__
+from shardpool.agent.members import same_ip
+from shardpool.contract.job import MAX_JOB_JSON_BYTES
+
+__all__ = ["MAX_ECHO_BYTES", "MeshRoutes", "MeshService"]
+
+log = logging.getLogger(__name__)
+
+#: Largest body POST /v1/echo accepts: enough to time a link, small enough to be harmless.
+MAX_ECHO_BYTES = 32 * 2**20
+_SMALL_BODY = 64 * 1024
+_MAX_WAIT_S = 30.0
+
+
+class MeshService(Protocol):
+    """What the mesh routes ask of the agent."""
+
+    host: str
+    member_name: str
+
+    def devices(self, body: dict[str, Any]) -> dict[str, Any]: ...
+    def probe(self, body: dict[str, Any]) -> dict[str, Any]: ...
+    def start_job(self, body: dict[str, Any], origin: Member) -> dict[str, Any]: ...
+    def poll(self, job_id: str, after: int, wait: float) -> dict[str, Any]: ...
+    def log_tail(self, job_id: str, rank: int, lines: int) -> str: ...
+    def delete_job(self, job_id: str, requester: Member) -> dict[str, Any]: ...
+
+
+@dataclass
+class _Sender:
+    """The principal of a mesh request: the member its proof names, and how far the proof got.
+
+    ``proven`` once the MAC over the whole body checked out; ``removed`` when the sender proved a
+    key that is no longer a member's. Only replies to those two are signed.
+    """
+
+    member: Member
+    proven: bool = False
+    removed: bool = False
+
+
+class MeshRoutes:
+    """The mesh listener's routes over ``service``, and its ``authenticate``/``sign_reply`` hooks.
+
+    ``verifier`` holds this member's private key and answers who signed a request;
+    ``check_peer_ip`` also requires the connection to come from the signer's mesh address.
+    """
+
+    def __init__(
+        self, service: MeshService, verifier: RequestVerifier, *, check_peer_ip: bool = True
+    ) -> None:
+        self.service = service
+        self.verifier = verifier
+        self.check_peer_ip = check_peer_ip
+
+    def routes(self) -> list[Route]:
+        """Every route of the mesh listener, each behind :meth:`proven`, with its body cap."""
+
+        def proven(handler: Callable[[Request, Member], Reply], cap: int, method: str, pattern: str) -> Route:
+            return Route(method, pattern, self.proven(handler), max_body=cap, stream_body=True)
+
+        return [
+            proven(self._get_health, 0, "GET", "/v1/health"),
+            proven(self._post_devices, 4 * 2**20, "POST", "/v1/devices"),
+            proven(self._post_echo, MAX_ECHO_BYTES, "POST", "/v1/echo"),
+            proven(self._post_probe, _SMALL_BODY, "POST", "/v1/probe"),
+            proven(self._post_job, MAX_JOB_JSON_BYTES, "POST", "/v1/jobs"),
+            proven(self._get_events, 0, "GET", "/v1/jobs/{job_id}/events"),
+            proven(self._get_log, 0, "GET", "/v1/jobs/{job_id}/log/{rank}"),
+            proven(self._delete_job, 0, "DELETE", "/v1/jobs/{job_id}"),
+        ]
+
+    def authenticate(self, request: Request) -> _Sender:
+        """Check the proof before any body byte is parsed: its headers (streamed routes) or all of it.
+
+        A removed member that proves its key on an unrouted path gets an unsigned 403; on a route
+        it gets a signed one from :meth:`proven`.
+        """
+        try:
+            if request.body is None:
+                member = self.verifier.precheck(request.headers)
+            else:
+                member = self.verifier.verify(request.method, request.target, request.headers, request.body)
+        except AuthError as error:
+            raise HTTPError(error.status, str(error)) from None
+        if self.check_peer_ip and not same_ip(request.peer.ip, member.address):
+            log.warning(
+                "refused a request signed by %s from %s, not its mesh address", member.name, request.peer.ip
+            )
+            raise HTTPError(
+                403, f"a request signed by {member.name} came from {request.peer.ip}, not its mesh address"
+            )
+        return _Sender(member, proven=request.body is not None and member.current)
+
+    def proven(self, handler: Callable[[Request, Member], Reply]) -> Callable[[Request], Reply]:
+        """Wrap a handler: read the body (hashing it), finish the proof, then run the handler."""
+
+        def run(request: Request) -> Reply:
+            sender: _Sender = request.principal
+            digest, parts, total = hashlib.sha256(), [], 0
+            keep = request.path != "/v1/echo"
+            while chunk := request.read(CHUNK):
+                digest.update(chunk)
+                total += len(chunk)
+                if keep:
+                    parts.append(chunk)
+            if total != request.length:
+                raise HTTPError(400, "the request body ended early")
+            try:
+                member = self.verifier.verify_digest(
+                    request.method, request.target, request.headers, digest.digest()
+                )
+            except AuthError as error:
+                if error.removed is None:
+                    raise HTTPError(error.status, str(error)) from None
+                sender.removed = True
+                return json_reply({"error": str(error).splitlines()[0], "removed": True}, 403)
+            sender.proven = True
+            request.body = b"".join(parts)
+            return handler(request, member)
+
+        return run
+
+    def sign_reply(self, request: Request, principal: Any, status: int, body: bytes | None) -> dict[str, str]:
+        """The headers that sign a reply to a proven (or proven-but-removed) sender; none otherwise."""
+        if isinstance(principal, _Sender) and (principal.proven or principal.removed):
+            return self.verifier.reply_headers(
+                principal.member.public_key, status, body or b"", request.headers
+            )
+        return {}
+
+    def _get_health(self, request: Request, member: Member) -> Reply:
+        return json_reply(
+            {"name": self.service.member_name, "address": self.service.host, "version": __version__}
+        )
+
+    def _post_devices(self, request: Request, member: Member) -> Reply:
+        return json_reply(self.service.devices(request.json()))
+
+    def _post_echo(self, request: Request, member: Member) -> Reply:
+        return json_reply({"bytes": request.length})
+
+    def _post_probe(self, request: Request, member: Member) -> Reply:
+        return json_reply(self.service.probe(request.json()))
+
+    def _post_job(self, request: Request, member: Member) -> Reply:
+        return json_reply(self.service.start_job(request.json(), member), 201)
+
+    def _get_events(self, request: Request, member: Member) -> Reply:
+        after = _number(request.query, "after", 0, int, 0, 2**62)
+        wait = _number(request.query, "wait", 1.0, float, 0.0, _MAX_WAIT_S)
+        return json_reply(self.service.poll(request.params["job_id"], after, wait))
+
+    def _get_log(self, request: Request, member: Member) -> Reply:
+        rank = request.params["rank"]
+        if not rank.isdigit() or len(rank) > 9:
+            raise HTTPError(400, f"rank {rank[:20]!r} is not a number")
+        lines = _number(request.query, "tail", 200, int, 1, 100_000)
+        return text_reply(self.service.log_tail(request.params["job_id"], int(rank), lines))
+
+    def _delete_job(self, request: Request, member: Member) -> Reply:
+        return json_reply(self.service.delete_job(request.params["job_id"], member))
+
+
+def _number(query: dict[str, list[str]], key: str, default: Any, kind: type, low: float, high: float) -> Any:
+    values = query.get(key)
+    if not values:
+        return default
+    try:
+        value = kind(values[0][:40])
+    except ValueError:
+        raise HTTPError(400, f"{key}={values[0][:40]!r} is not a number") from None
+    if not low <= value <= high:  # NaN fails both comparisons
+        raise HTTPError(400, f"{key}={value} is out of range {low}..{high}")
+    return value

@@ -1,0 +1,249 @@
+"""``POST /v1/devices``: this machine's devices, each with one profiled layer, measured in a child process.
+
+Profiling imports torch, bitsandbytes and the accelerator drivers, and runs their kernels. Done in
+the agent's own process, that would make the agent large and slow to start, and a driver that
+crashes, hangs or exhausts memory would take the agent down, and every job's stages with it
+(they die with the agent). So the agent stays torch-free: it checks the request itself (the
+model's shape and the workload need no torch), then runs ``python -m shardpool.plan.report`` the
+way it runs a stage: as the unprivileged run-as account, never root, with the environment the
+agent builds (:func:`shardpool.agent.processes.stage_environment`), in its own process group,
+fenced by Landlock to its own 0700 directory and ``/dev``, and tied to the agent's life. It
+gets a deadline and a cap on what it prints; a crash, a hang or a malformed report becomes a
+one-line 500 and the agent carries on. The report of each model shape and per-layer workload is
+kept, so a planner asking again (with other planner-only fields) gets it at once.
+
+The profiler keeps its measurement cache (``profiles.json``) in its own directory, not in the
+stages' shared cache, so a stage cannot plant profiles there where Landlock fences it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from mesh.http.server import HTTPError
+from shardpool.agent.processes import Spawner, StageSettings, popen_as, signal_group, stage_environment
+from shardpool.model.shape import ModelShape
+from shardpool.plan.costmodel import Workload
+
+__all__ = ["MAX_REPORT_BYTES", "PROFILE_TIMEOUT_S", "DeviceProfiler", "devices_request"]
+
+log = logging.getLogger(__name__)
+
+#: How long one profiling run may take: below the launcher's 300 s wait for ``/v1/devices``, so
+#: the launcher hears why rather than timing out.
+PROFILE_TIMEOUT_S = 280.0
+#: The most a report may print on stdout (a device's row is a few hundred bytes).
+MAX_REPORT_BYTES = 1 << 20
+_STDERR_TAIL = 64 * 1024
+_READ = 64 * 1024
+_ROW_FIELDS = {
+    "name": str,
+    "kind": str,
+    "label": str,
+    "total_bytes": int,
+    "free_bytes": int,
+    "threads": int,
+    "seconds_per_layer": (int, float),
+    "activation_bytes": int,
+}
+
+
+class ProfileFailed(Exception):
+    """The profiling child did not hand back a report (the message is one line)."""
+
+
+def devices_request(body: dict[str, Any]) -> tuple[ModelShape, Workload]:
+    """The model shape and workload a ``/v1/devices`` body asks for; a one-line 400 when malformed.
+
+    ``workload`` takes the fields of :class:`shardpool.plan.costmodel.Workload`.
+    """
+    model_config, workload_fields = body.get("model_config"), body.get("workload", {})
+    if not isinstance(model_config, dict):
+        raise HTTPError(400, "model_config must be the model's config.json object")
+    if not isinstance(workload_fields, dict):
+        raise HTTPError(400, "workload must be an object")
+    known = [f.name for f in dataclasses.fields(Workload)]
+    unknown = sorted(set(workload_fields) - set(known))
+    if unknown:
+        raise HTTPError(400, f"unknown workload fields {unknown}; use {known}")
+    fields = dict(workload_fields)
+    if "lora_targets" in fields:
+        targets = fields["lora_targets"]
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise HTTPError(400, "workload.lora_targets must be a list of module names")
+        fields["lora_targets"] = tuple(targets)
+    try:
+        workload = Workload(**fields)
+    except TypeError as error:
+        raise HTTPError(400, f"bad workload: {error}") from None
+    shape = ModelShape.from_config_json(model_config, name=str(model_config.get("_name_or_path", "")))
+    return shape, workload
+
+
+class DeviceProfiler:
+    """Runs the device report as the run-as account and keeps each answer.
+
+    ``command`` replaces ``[python, -m, shardpool.plan.report]`` (tests run small scripts); it
+    reads the request on stdin and prints the report on stdout within ``timeout_s``.
+    """
+
+    def __init__(
+        self,
+        settings: StageSettings,
+        spawner: Spawner,
+        *,
+        command: list[str] | None = None,
+        timeout_s: float = PROFILE_TIMEOUT_S,
+    ) -> None:
+        self.settings = settings
+        self.spawner = spawner
+        self.command = list(command or [sys.executable, "-m", "shardpool.plan.report"])
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._reports: dict[str, list[dict[str, Any]]] = {}
+
+    @property
+    def directory(self) -> Path:
+        """The profiler's home, temporary and cache directory, owned by the run-as account (0700)."""
+        return self.settings.work_dir / "profile"
+
+    def devices(self, body: dict[str, Any]) -> dict[str, Any]:
+        """This machine's devices with one profiled layer each, for the launcher's planner (cached).
+
+        The cache key is the model shape and the workload's per-layer settings, so planner-only
+        fields don't matter.
+        """
+        shape, workload = devices_request(body)
+        key = f"{shape.key()}|{workload.profile_key()}"
+        with self._lock:
+            if key not in self._reports:
+                if not self.spawner.running:
+                    raise HTTPError(503, "the agent is shutting down")
+                try:
+                    self._reports[key] = self._measure(shape, workload)
+                except ProfileFailed as error:
+                    log.warning("profiling the devices for %s failed: %s", shape.name or key, error)
+                    raise HTTPError(500, f"profiling this machine's devices failed: {error}") from None
+            return {"devices": self._reports[key]}
+
+    def _measure(self, shape: ModelShape, workload: Workload) -> list[dict[str, Any]]:
+        request = {"shape": dataclasses.asdict(shape), "workload": dataclasses.asdict(workload)}
+        try:
+            process = self.spawner.call(self._spawn)
+        except (OSError, subprocess.SubprocessError) as error:
+            raise ProfileFailed(f"cannot start {self.command[-1]}: {error}") from None
+        try:
+            code, out, err = _exchange(process, json.dumps(request).encode("utf-8"), self.timeout_s)
+        finally:
+            signal_group(process, signal.SIGKILL)  # whatever it left behind in its group
+            process.wait()
+            for stream in (process.stdin, process.stdout, process.stderr):
+                if stream is not None:
+                    stream.close()
+        if code != 0:
+            raise ProfileFailed(f"the report {_exit_reason(code)}: {_last_line(err)}")
+        return _report_rows(out)
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        run_as, home = self.settings.run_as, self.directory
+        run_as.make_private_dir(home)
+        env = stage_environment(home, interface=None, local_ranks=1, cache_dir=home)
+        return popen_as(
+            run_as, self.command, env=env, cwd=home,
+            writable=[str(home), "/dev"],  # /dev for the accelerators' device files
+            landlock_abi=self.settings.landlock_abi, stdin=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+
+
+def _exchange(process: subprocess.Popen[bytes], request: bytes, timeout_s: float) -> tuple[int, bytes, bytes]:
+    """Write ``request`` to the child, read its stdout (at most :data:`MAX_REPORT_BYTES`) and the tail
+    of its stderr until both end, then reap it; kills it past ``timeout_s`` or the cap."""
+    assert process.stdin is not None and process.stdout is not None and process.stderr is not None
+    deadline = time.monotonic() + timeout_s
+    out, err, pending = bytearray(), bytearray(), memoryview(request)
+    with selectors.DefaultSelector() as selector:
+        for stream, event in ((process.stdin, selectors.EVENT_WRITE), (process.stdout, selectors.EVENT_READ),
+                              (process.stderr, selectors.EVENT_READ)):  # fmt: skip
+            os.set_blocking(stream.fileno(), False)
+            selector.register(stream, event)
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ProfileFailed(f"it took longer than {timeout_s:.0f} s and was stopped")
+            for key, _ in selector.select(remaining):
+                stream: IO[bytes] = key.fileobj  # type: ignore[assignment]
+                if stream is process.stdin:
+                    pending = _feed(stream, pending)
+                    if not pending:
+                        selector.unregister(stream)
+                        stream.close()
+                    continue
+                chunk = os.read(stream.fileno(), _READ)
+                if not chunk:
+                    selector.unregister(stream)
+                elif stream is process.stdout:
+                    out += chunk
+                    if len(out) > MAX_REPORT_BYTES:
+                        raise ProfileFailed(
+                            f"the report printed more than {MAX_REPORT_BYTES} bytes and was stopped"
+                        )
+                else:
+                    err = (err + chunk)[-_STDERR_TAIL:]
+    try:
+        code = process.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise ProfileFailed(f"it took longer than {timeout_s:.0f} s and was stopped") from None
+    return code, bytes(out), bytes(err)
+
+
+def _feed(stream: IO[bytes], pending: memoryview) -> memoryview:
+    """Write what the pipe takes of ``pending``; what is left (nothing once the child closed its end)."""
+    try:
+        return pending[os.write(stream.fileno(), pending[:_READ]) :]
+    except BlockingIOError:
+        return pending
+    except BrokenPipeError:
+        return pending[len(pending) :]
+
+
+def _report_rows(out: bytes) -> list[dict[str, Any]]:
+    """The device rows of a report, each checked and cut down to the fields a planner reads."""
+    try:
+        rows = json.loads(out)["devices"]
+    except (ValueError, TypeError, KeyError):
+        raise ProfileFailed("the report is not a JSON object with a devices list") from None
+    if not isinstance(rows, list) or not rows:
+        raise ProfileFailed("the report lists no devices")
+    for row in rows:
+        if not isinstance(row, dict) or not set(_ROW_FIELDS) <= set(row):
+            raise ProfileFailed(f"a device row must have the fields {sorted(_ROW_FIELDS)}")
+        for name, kind in _ROW_FIELDS.items():
+            if not isinstance(row[name], kind) or isinstance(row[name], bool):
+                raise ProfileFailed(f"a device row's {name} is {str(row[name])[:40]!r}")
+    return [{name: row[name] for name in _ROW_FIELDS} for row in rows]
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _last_line(err: bytes) -> str:
+    """The last line the child wrote to stderr (its one-line error, or a traceback's last line)."""
+    lines = [line.strip() for line in err.decode("utf-8", errors="replace").splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "it printed nothing on stderr"

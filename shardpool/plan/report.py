@@ -1,0 +1,81 @@
+"""``python -m shardpool.plan.report``: this machine's devices, each with one profiled layer, as JSON.
+
+Reads one JSON object on stdin, ``{"shape": {fields of ModelShape}, "workload": {fields of
+Workload}}``, and prints one JSON document on stdout, ``{"devices": [row, ...]}``, a row per
+device (accelerators first, the CPU last) with its memory and the measured time and activation
+bytes of one NF4 + LoRA decoder layer (:func:`shardpool.plan.profiler.profile_layer`).
+
+The agent answers ``POST /v1/devices`` by running this module as a child process, as its
+unprivileged run-as account, instead of importing torch itself: a driver or kernel that crashes,
+hangs or exhausts memory then takes down only this child, and the agent stays torch-free and
+small (:mod:`shardpool.agent.profiling`). Whatever torch, bitsandbytes or a driver prints goes to
+stderr, so stdout carries the report alone. A failure exits non-zero with one line on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from shardpool.errors import ShardpoolError
+from shardpool.model.shape import ModelShape
+from shardpool.plan.costmodel import Workload
+from shardpool.plan.devices import list_devices
+from shardpool.plan.profiler import profile_layer
+
+__all__ = ["device_rows", "main", "read_request"]
+
+_MAX_REQUEST_BYTES = 8 * 2**20
+
+
+def read_request(text: str) -> tuple[ModelShape, Workload]:
+    """The model shape and workload of a report request (the JSON this module reads on stdin)."""
+    try:
+        request = json.loads(text)
+        workload = dict(request["workload"])
+        workload["lora_targets"] = tuple(workload.get("lora_targets", ()))
+        return ModelShape(**request["shape"]), Workload(**workload)
+    except (ValueError, TypeError, KeyError) as error:
+        raise ShardpoolError(f"the report request is not a shape and a workload: {error}") from None
+
+
+def device_rows(shape: ModelShape, workload: Workload) -> list[dict[str, Any]]:
+    """Every local device with its memory and one profiled layer of ``shape`` under ``workload``."""
+    rows = []
+    for info in list_devices():
+        threads = info.threads if info.kind == "cpu" else None
+        profile = profile_layer(shape, workload, device=info.name, threads=threads)
+        rows.append(
+            {
+                "name": info.name,
+                "kind": info.kind,
+                "label": info.label,
+                "total_bytes": info.total_bytes,
+                "free_bytes": info.free_bytes,
+                "threads": info.threads,
+                "seconds_per_layer": profile.seconds_per_layer,
+                "activation_bytes": profile.activation_bytes,
+            }
+        )
+    return rows
+
+
+def main() -> int:
+    """Read the request on stdin, print the report on stdout; 1 with a one-line error on failure."""
+    report = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # anything else printed, even by C code, goes to stderr
+    try:
+        shape, workload = read_request(sys.stdin.read(_MAX_REQUEST_BYTES))
+        rows = device_rows(shape, workload)
+    except ShardpoolError as error:
+        print(f"shardpool.plan.report: error: {error}", file=sys.stderr)
+        return 1
+    with report:
+        report.write(json.dumps({"devices": rows}).encode("utf-8") + b"\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

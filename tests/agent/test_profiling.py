@@ -1,0 +1,156 @@
+"""The agent's device profiling runs in a child process (shardpool/agent/profiling.py): as the run-as
+account, with the agent's environment, fed the shape and workload on stdin. A child that crashes,
+hangs, floods stdout or prints garbage costs a one-line 500, never the agent, and leaves no process.
+
+The profiler command is replaced by small scripts; the real ``python -m shardpool.plan.report`` is
+exercised by tests/agent/test_service.py::test_devices_profiles_each_device_once.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardpool.agent.confine import landlock_abi
+from shardpool.agent.service import Agent
+from tests.agent.test_service import _alive
+from tests.helpers.agents import RUN_AS, make_agent, shared_dir, signed
+
+#: A model config the agent accepts (it checks the shape itself before starting the child).
+CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+}
+WORKLOAD = {"micro_batch_size": 1, "sequence_len": 16, "lora_r": 4}
+
+#: Reports what it was asked and who it runs as, as the real report's one CPU row would.
+ECHO = textwrap.dedent(
+    """
+    import json, os, sys
+    request = json.load(sys.stdin)
+    with open("/proc/self/environ", "rb") as initial:
+        env = dict(item.decode().split("=", 1) for item in initial.read().split(b"\\0") if item)
+    try:
+        with open(f"/tmp/shardpool-profile-escape-{os.getpid()}", "w"):
+            escaped = True
+    except PermissionError:
+        escaped = False
+    with open("seen.json", "w") as out:
+        json.dump({"request": request, "uid": os.getuid(), "env": env, "cwd": os.getcwd(), "escaped": escaped}, out)
+    print("torch chatter on stdout would break the report", file=sys.stderr)
+    row = {"name": "cpu", "kind": "cpu", "label": "test cpu", "total_bytes": 8, "free_bytes": 4,
+           "threads": 2, "seconds_per_layer": 0.5, "activation_bytes": 1024, "extra": "dropped"}
+    print(json.dumps({"devices": [row]}))
+    """
+)
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    with shared_dir() as path:
+        yield path
+
+
+def _devices(agent: Agent, workload: dict[str, Any] = WORKLOAD) -> tuple[int, Any]:
+    return signed(agent.url, "POST", "/v1/devices", {"model_config": CONFIG, "workload": workload})
+
+
+def _profiler(shared: Path, code: str, **options: Any) -> Agent:
+    script = shared / "profile.py"
+    script.write_text(code)
+    script.chmod(0o644)
+    return make_agent(shared / "work", None, profile_command=[sys.executable, str(script)], **options)
+
+
+def test_the_report_runs_as_the_run_as_account_with_the_agents_environment(shared: Path) -> None:
+    with _profiler(shared, ECHO) as agent:
+        status, reply = _devices(agent)
+        assert status == 200, reply
+        assert reply == {
+            "devices": [
+                {"name": "cpu", "kind": "cpu", "label": "test cpu", "total_bytes": 8, "free_bytes": 4,
+                 "threads": 2, "seconds_per_layer": 0.5, "activation_bytes": 1024}
+            ]
+        }  # fmt: skip
+        home = agent.work_dir / "profile"
+        seen = json.loads((home / "seen.json").read_text())
+        assert seen["uid"] == RUN_AS.uid and seen["cwd"] == str(home)
+        assert seen["escaped"] is not bool(landlock_abi()), "Landlock fences the report to its directory"
+        assert (home.stat().st_uid, home.stat().st_mode & 0o777) == (RUN_AS.uid, 0o700)
+        env = seen["env"]
+        assert env["HOME"] == env["TMPDIR"] == env["SHARDPOOL_CACHE"] == str(home)
+        assert "GLOO_SOCKET_IFNAME" not in env and "SHARDPOOL_AGENT_SOCKET" not in env
+        assert seen["request"]["shape"]["hidden_size"] == 64
+        assert (
+            seen["request"]["workload"]["lora_r"] == 4 and seen["request"]["workload"]["sequence_len"] == 16
+        )
+        (home / "seen.json").unlink()
+        assert _devices(agent, {**WORKLOAD, "stages": 2}) == (200, reply), "cached across planner-only fields"
+        assert not (home / "seen.json").exists(), "the cached report started no child"
+
+
+@pytest.mark.parametrize(
+    ("code", "fragment"),
+    [
+        ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n", "was killed by SIGSEGV"),
+        (
+            "import sys\nprint('shardpool.plan.report: error: the GPU fell off', file=sys.stderr)\nsys.exit(1)\n",
+            "exited with status 1: shardpool.plan.report: error: the GPU fell off",
+        ),
+        ("print('not a report')\n", "not a JSON object"),
+        ("print('{\"devices\": []}')\n", "lists no devices"),
+        ('print(\'{"devices": [{"name": "cpu"}]}\')\n', "must have the fields"),
+        ("import sys\nsys.stdout.write('x' * (3 << 20))\n", "more than 1048576 bytes"),
+    ],
+)
+def test_a_failing_report_is_a_one_line_500_and_the_agent_carries_on(
+    shared: Path, code: str, fragment: str
+) -> None:
+    with _profiler(shared, code) as agent:
+        status, reply = _devices(agent)
+        assert status == 500 and fragment in reply["error"] and "\n" not in reply["error"], reply
+        assert reply["error"].startswith("profiling this machine's devices failed: ")
+        assert signed(agent.url, "GET", "/v1/health")[0] == 200
+
+
+def test_a_hanging_report_is_stopped_at_the_deadline_with_what_it_started(shared: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import os, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        with open("pids", "w") as out:
+            out.write(f"{os.getpid()} {child.pid}")
+        time.sleep(600)
+        """
+    )
+    with _profiler(shared, code, profile_timeout_s=2.0) as agent:
+        started = time.monotonic()
+        status, reply = _devices(agent)
+        assert status == 500 and "longer than 2 s" in reply["error"], reply
+        assert time.monotonic() - started < 6
+        pids = [int(p) for p in (agent.work_dir / "profile" / "pids").read_text().split()]
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids)
+        assert signed(agent.url, "GET", "/v1/health")[0] == 200
+
+
+def test_a_malformed_request_starts_no_child(shared: Path) -> None:
+    with _profiler(shared, ECHO) as agent:
+        assert signed(agent.url, "POST", "/v1/devices", {"workload": {}})[0] == 400
+        status, reply = _devices(agent, {"lora_targets": "q_proj"})
+        assert status == 400 and "lora_targets" in reply["error"]
+        assert not (agent.work_dir / "profile" / "seen.json").exists()
