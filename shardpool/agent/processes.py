@@ -3,6 +3,13 @@
 Every child runs as the unprivileged run-as account, never root, with an environment the agent
 builds itself (:func:`stage_environment`), in its own process group, fenced by Landlock where
 the kernel has it (:mod:`shardpool.agent.confine`), and dies with the agent (``PR_SET_PDEATHSIG``).
+
+Why not ``torch.distributed.elastic.multiprocessing.start_processes``: it takes no user, group,
+``preexec_fn`` or ``pass_fds``, so it cannot drop to the run-as account, apply Landlock before
+exec, or set a death signal (it puts each child in a new session, so a killed agent would leave
+stages running); it writes stdout into its own log tree instead of a pipe the agent relays events
+from; and it would import torch into the agent, which stays torch-free. The local launcher gives
+the same reasons (:mod:`shardpool.launch.local_launcher`).
 """
 
 from __future__ import annotations

@@ -444,12 +444,6 @@ def test_devices_profiles_each_device_once(agent: Agent, tiny_model: Path) -> No
     assert status == 400 and "not supported" in reply["error"]
 
 
-def test_event_prefix_matches_the_pipeline() -> None:
-    from shardpool.train.pipeline import EVENT_PREFIX
-
-    assert agent_jobs.EVENT_PREFIX == EVENT_PREFIX
-
-
 def test_agent_command_without_mesh_state_is_one_line_error(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "shardpool", "agent", "--state-dir", str(tmp_path)],
