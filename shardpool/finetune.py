@@ -35,9 +35,8 @@ from shardpool.contract.names import resolve_inside
 from shardpool.data.datasets import PreparedData, load_tokenizer, prepare_data, save_prepared, step_batches
 from shardpool.errors import ShardpoolError
 from shardpool.launch.local_launcher import run_local_job
-from shardpool.model.architecture import DECODER_LINEAR_NAMES, ModelInfo, read_model_info
 from shardpool.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings, lora_settings, write_adapter
-from shardpool.model.shape import ModelShape
+from shardpool.model.shape import DECODER_LINEAR_NAMES, ModelInfo, ModelShape, read_model_info
 from shardpool.model.stage import StageSpec, owned_tensor_names
 from shardpool.model.weights import WeightReader
 from shardpool.plan.costmodel import Workload

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from mesh.files import atomic_write
 from shardpool.config import Config
 from shardpool.errors import ShardpoolError
-from shardpool.model.architecture import DECODER_LINEAR_NAMES
+from shardpool.model.shape import DECODER_LINEAR_NAMES
 from shardpool.model.weights import save_tensors
 
 __all__ = [

@@ -1,8 +1,11 @@
-"""The shape of a Llama-family model, read from its ``config.json`` alone (no weights).
+"""The single description of a model architecture shardpool can split, read from ``config.json``.
 
-The planner only needs sizes: how many parameters each decoder layer's Linear modules hold,
-how big the embeddings and ``lm_head`` are, and the dimensions that set activation sizes.
-All decoder layers of these architectures are identical, which the planner relies on.
+The Llama family (Llama, Mistral, Qwen2, Qwen3) shares one layout in transformers 5.x:
+``model.embed_tokens`` -> ``model.layers.{i}`` -> ``model.norm`` -> ``lm_head``, with rotary position
+embeddings computed once per forward and passed to every decoder layer. All decoder layers are
+identical, which the planner relies on. This module holds the supported families, the state-dict
+names of that layout, the sizes the planner needs (:class:`ModelShape`, no weights read), and the
+checked base-model directory a run trains on (:class:`ModelInfo`).
 """
 
 from __future__ import annotations
@@ -10,16 +13,30 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from shardpool.errors import ShardpoolError
 
-__all__ = ["LINEAR_MODULES", "SUPPORTED_MODEL_TYPES", "ModelShape"]
+__all__ = [
+    "DECODER_LINEAR_NAMES",
+    "EMBED_NAME",
+    "LM_HEAD_NAME",
+    "NORM_NAME",
+    "SUPPORTED_MODEL_TYPES",
+    "ModelInfo",
+    "ModelShape",
+    "layer_prefix",
+    "mask_kind",
+    "read_model_info",
+]
 
-#: Names of the Linear modules inside one decoder layer, in execution order.
-LINEAR_MODULES: tuple[str, ...] = (
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+
+#: The Linear modules inside one decoder layer, in execution order: what NF4 quantizes and what
+#: ``lora_target_linear`` targets.
+DECODER_LINEAR_NAMES: tuple[str, ...] = (
     "q_proj",
     "k_proj",
     "v_proj",
@@ -29,7 +46,9 @@ LINEAR_MODULES: tuple[str, ...] = (
     "down_proj",
 )
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+EMBED_NAME = "model.embed_tokens.weight"
+NORM_NAME = "model.norm.weight"
+LM_HEAD_NAME = "lm_head.weight"
 
 _REQUIRED_KEYS = (
     "hidden_size",
@@ -38,6 +57,27 @@ _REQUIRED_KEYS = (
     "num_attention_heads",
     "vocab_size",
 )
+
+
+def layer_prefix(layer_index: int) -> str:
+    """The state-dict prefix of one decoder layer, e.g. ``model.layers.3.``."""
+    return f"model.layers.{layer_index}."
+
+
+def mask_kind(hf_config: Any, layer_index: int) -> str:
+    """Whether a decoder layer uses ``full_attention`` or ``sliding_attention``, as its model does.
+
+    ``hf_config`` is the transformers config object of the model (not a shardpool Config).
+    """
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types:
+        return str(layer_types[layer_index])
+    if (
+        getattr(hf_config, "model_type", "") == "mistral"
+        and getattr(hf_config, "sliding_window", None) is not None
+    ):
+        return "sliding_attention"
+    return "full_attention"
 
 
 @dataclass(frozen=True)
@@ -74,8 +114,8 @@ class ModelShape:
         model_type = str(config.get("model_type", ""))
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ShardpoolError(
-                f"model_type {model_type!r} is not supported by the planner; "
-                f"use a model of type {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"unsupported architecture {model_type or 'unknown'!r} in {name or 'config.json'}; "
+                f"shardpool supports {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         missing = [key for key in _REQUIRED_KEYS if config.get(key) is None]
         if missing:
@@ -119,16 +159,11 @@ class ModelShape:
         """Read ``config.json`` from a model directory (or the JSON file itself)."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
-        try:
-            data = json.loads(file.read_text())
-        except FileNotFoundError:
+        if not file.is_file():
             raise ShardpoolError(
                 f"{file} does not exist; point base_model at a directory holding config.json"
-            ) from None
-        except (OSError, json.JSONDecodeError) as error:
-            raise ShardpoolError(f"cannot read {file} ({error}); pass a valid HF config.json") from None
-        if not isinstance(data, dict):
-            raise ShardpoolError(f"{file} is not a JSON object; pass a valid HF config.json")
+            )
+        data = _read_json_object(file)
         return cls.from_config_json(data, name=data.get("_name_or_path") or path.stem)
 
     # ------------------------------------------------------------------ sizes
@@ -232,3 +267,58 @@ def _positive_int(config: Mapping[str, Any], key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ShardpoolError(f"config.json has {key}={value!r}; it must be a positive integer")
     return value
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A base model directory checked before any weight is loaded: its path and its shape."""
+
+    path: Path
+    shape: ModelShape
+
+    @property
+    def base_name(self) -> str:
+        """The model directory's name, for messages."""
+        return self.path.name
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers of the model."""
+        return self.shape.num_layers
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        """Whether ``lm_head`` shares the embedding matrix."""
+        return self.shape.tie_word_embeddings
+
+
+def read_model_info(model_dir: str | Path) -> ModelInfo:
+    """Read ``config.json`` of a local model directory and check shardpool can split it."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ShardpoolError(
+            f"base_model directory {str(path)!r} does not exist; point base_model at a local model directory"
+        )
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ShardpoolError(f"{path} has no config.json; base_model must be a Hugging Face model directory")
+    shape = ModelShape.from_config_json(_read_json_object(config_file), name=str(config_file))
+    if not any(path.glob("*.safetensors")):
+        raise ShardpoolError(
+            f"{path} has no .safetensors files; re-save the model with save_pretrained(safe_serialization=True)"
+        )
+    return ModelInfo(path=path, shape=replace(shape, name=path.name))
+
+
+def _read_json_object(file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ShardpoolError(
+            f"{file} is not valid JSON ({error.msg} at line {error.lineno}); fix or re-save it"
+        ) from None
+    except OSError as error:
+        raise ShardpoolError(f"cannot read {file} ({error}); pass a valid HF config.json") from None
+    if not isinstance(data, dict):
+        raise ShardpoolError(f"{file} is not a JSON object; pass a valid HF config.json")
+    return data

@@ -22,9 +22,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from shardpool.errors import ShardpoolError
-from shardpool.model.architecture import EMBED_NAME, LM_HEAD_NAME, layer_prefix, mask_kind
 from shardpool.model.lora import LoraSettings, init_lora_weights, peft_config, read_adapter_tensors
 from shardpool.model.nf4 import DTYPES, quantize_linear
+from shardpool.model.shape import EMBED_NAME, LM_HEAD_NAME, layer_prefix, mask_kind
 from shardpool.model.weights import WeightReader
 
 __all__ = ["StageSpec", "BaseSettings", "PipelineStage", "build_stage", "owned_tensor_names"]

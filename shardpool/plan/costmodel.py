@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shardpool.errors import ShardpoolError
-from shardpool.model.shape import LINEAR_MODULES, ModelShape
+from shardpool.model.shape import DECODER_LINEAR_NAMES, ModelShape
 
 __all__ = [
     "DEFAULT_EFFICIENCY",
@@ -72,7 +72,7 @@ class Workload:
     sequence_len: int = 2048
     gradient_accumulation_steps: int = 8
     lora_r: int = 16
-    lora_targets: tuple[str, ...] = LINEAR_MODULES
+    lora_targets: tuple[str, ...] = DECODER_LINEAR_NAMES
     gradient_checkpointing: bool = False
     schedule: Schedule = "1f1b"
     compute_bytes: int = 4
@@ -92,11 +92,11 @@ class Workload:
                 raise ShardpoolError(f"{name} is {getattr(self, name)}; it must be positive")
         if self.lora_r < 0:
             raise ShardpoolError(f"lora_r is {self.lora_r}; it must be zero or positive")
-        unknown = sorted(set(self.lora_targets) - set(LINEAR_MODULES))
+        unknown = sorted(set(self.lora_targets) - set(DECODER_LINEAR_NAMES))
         if unknown:
             raise ShardpoolError(
                 f"lora target modules {unknown} are not Linear modules of a decoder layer; "
-                f"choose from {', '.join(LINEAR_MODULES)}"
+                f"choose from {', '.join(DECODER_LINEAR_NAMES)}"
             )
         if self.schedule not in ("1f1b", "gpipe"):
             raise ShardpoolError(f"schedule {self.schedule!r} is unknown; use '1f1b' or 'gpipe'")
@@ -136,7 +136,7 @@ class Workload:
         wire_bytes = _dtype_bytes(wire) if wire not in (None, "auto") else compute_bytes
         targets = get("lora_target_modules")
         if _truthy(get("lora_target_linear")) or not targets:
-            targets = LINEAR_MODULES
+            targets = DECODER_LINEAR_NAMES
         defaults = cls()
         gc = get("gradient_checkpointing")
         stages = sp("stages")  # only an explicit count binds the planner; devices alone do not

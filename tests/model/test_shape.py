@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shardpool.errors import ShardpoolError
-from shardpool.model.shape import LINEAR_MODULES, ModelShape
+from shardpool.model.shape import DECODER_LINEAR_NAMES, ModelShape
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {
@@ -44,9 +44,9 @@ def test_counts_match_transformers_modules(model_type: str) -> None:
     layer = model.model.layers[0]
     modules = dict(layer.named_modules())
     for name, params in shape.linear_params().items():
-        path = ("self_attn." if name in LINEAR_MODULES[:4] else "mlp.") + name
+        path = ("self_attn." if name in DECODER_LINEAR_NAMES[:4] else "mlp.") + name
         assert modules[path].weight.numel() == params
-    linear_weights = {f"{p}.weight" for p in modules if p.endswith(LINEAR_MODULES)}
+    linear_weights = {f"{p}.weight" for p in modules if p.endswith(DECODER_LINEAR_NAMES)}
     dense = sum(t.numel() for n, t in layer.named_parameters() if n not in linear_weights)
     assert dense == shape.layer_dense_params()
     assert sum(p.numel() for p in model.parameters()) == shape.total_params()
