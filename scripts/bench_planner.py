@@ -8,7 +8,6 @@ Baselines use every device of the fleet in file order, like a hand-written split
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import sys
@@ -22,8 +21,9 @@ sys.path.insert(0, str(ROOT))
 from shardpool.errors import ShardpoolError  # noqa: E402
 from shardpool.model.shape import ModelShape  # noqa: E402
 from shardpool.plan.costmodel import Workload  # noqa: E402
-from shardpool.plan.fleet import Device, Fleet, LinkSpec, load_fleet  # noqa: E402
-from shardpool.plan.planner import evaluate_split, even_split, plan_pipeline, proportional_split  # noqa: E402
+from shardpool.plan.fleet import heterogeneous_fleet, load_fleet  # noqa: E402
+from shardpool.plan.planner import evaluate_split, plan_pipeline  # noqa: E402
+from shardpool.plan.splits import even_split, proportional_split  # noqa: E402
 
 GIB = 2**30
 WORKLOADS = {
@@ -86,23 +86,10 @@ def compare(fleet_path: Path, model: str) -> dict:
 
 def scale() -> dict:
     """80 layers (Llama-2-70B) over 64 heterogeneous devices on 8 hosts."""
-    memories, speeds = [8, 12, 16, 24, 48, 80], [7, 35, 80, 125, 300]
-    devices = tuple(
-        Device(
-            name=f"gpu{i}",
-            host=f"host{i % 8}",
-            memory_bytes=memories[i % len(memories)] * GIB,
-            tflops=speeds[(i * 7) % len(speeds)],
-        )
-        for i in range(64)
-    )
-    links = {
-        frozenset((f"host{a}", f"host{b}")): LinkSpec(1.25e9, 2e-4)
-        for a, b in itertools.combinations(range(8), 2)
-    }
+    fleet = heterogeneous_fleet(num_devices=64, num_hosts=8)
     shape = ModelShape.from_config_dir(ROOT / "configs/models/llama-2-70b.json")
     start = time.perf_counter()
-    plan = plan_pipeline(shape, WORKLOADS["llama-2-70b"], Fleet(devices=devices, links=links))
+    plan = plan_pipeline(shape, WORKLOADS["llama-2-70b"], fleet)
     return {
         "layers": 80,
         "devices": 64,

@@ -137,12 +137,17 @@ def _run_jobs(args: argparse.Namespace) -> int:
 def _run_plan(args: argparse.Namespace) -> int:
     import json
 
+    from shardpool.plan.config_plan import load_config_with_overrides, plan_for_config
     from shardpool.plan.fleet import load_fleet
-    from shardpool.plan.planner import load_config_with_overrides, plan_for_config, plan_table
+    from shardpool.plan.result import plan_table
 
     config = load_config_with_overrides(args.config, args.set)
-    fleet = load_fleet(args.fleet) if args.fleet else None
-    plan = plan_for_config(config, fleet=fleet, model_path=args.model)
+    if args.fleet:
+        plan = plan_for_config(config, fleet=load_fleet(args.fleet), model_path=args.model)
+    else:
+        from shardpool.plan.profiler import TorchProbe
+
+        plan = plan_for_config(config, probe=TorchProbe(), model_path=args.model)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
@@ -153,7 +158,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _run_devices(args: argparse.Namespace) -> int:
-    from shardpool.plan.devices import show_devices
+    from shardpool.plan.profiler import show_devices
 
     show_devices(args.config, profile=not args.no_profile, as_json=args.json)
     return 0

@@ -39,8 +39,11 @@ from shardpool.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings, 
 from shardpool.model.shape import DECODER_LINEAR_NAMES, ModelInfo, ModelShape, read_model_info
 from shardpool.model.stage import StageSpec, owned_tensor_names
 from shardpool.model.weights import WeightReader
+from shardpool.plan.config_plan import plan_for_config
 from shardpool.plan.costmodel import Workload
-from shardpool.plan.planner import Plan, plan_for_config, plan_pipeline
+from shardpool.plan.planner import plan_pipeline
+from shardpool.plan.profiler import TorchProbe
+from shardpool.plan.result import Plan
 from shardpool.train.checkpoint import (
     checkpoint_step,
     clear_partials,
@@ -287,7 +290,7 @@ def prepare_run(
     )
     resume_from = _resume_point(Path(config.output_dir), resume)
     plan = (
-        plan_for_config(config)
+        plan_for_config(config, probe=TorchProbe())
         if planner is None
         else planner(ModelShape.from_config_dir(config.base_model), Workload.from_config(config))
     )

@@ -1,1 +1,8 @@
-"""shardpool/plan."""
+"""Planning: which devices run which contiguous block of decoder layers, and how fast and big each stage is.
+
+Owns the cost model (costmodel, memory_model, time_model, stage_costs), fleets and links, the
+device-sequence searches and the plan they return. May import the layers below it (shardpool.files,
+.model, .data, .contract, .config, .errors) and mesh; never shardpool.train, .launch or .agent.
+torch is imported only by plan.devices and plan.profiler, which measure this machine; every other
+module here is torch-free, even transitively.
+"""

@@ -1,47 +1,23 @@
 """Local devices torch can see: CUDA (ROCm included), MPS, XPU and the CPU, with their memory.
 
 The CPU is a device like the others; its memory is the RAM this process may use (the cgroup
-limit, when one is set, caps what ``/proc/meminfo`` reports).
+limit, when one is set, caps what ``/proc/meminfo`` reports). Device names and the
+:class:`DeviceInfo` record are torch-free and live in ``plan.device_facts``.
 """
 
 from __future__ import annotations
 
 import os
 import platform
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import torch
 
 from shardpool.errors import ShardpoolError
+from shardpool.plan.device_facts import DeviceInfo, device_kind, normalize_device
 
-__all__ = ["DeviceInfo", "device_info", "list_devices", "normalize_device", "show_devices", "synchronize"]
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """One local device: torch name (``cuda:0``), kind (cuda, rocm, mps, xpu, cpu), product label,
-    total and free memory in bytes, and (CPU only) the threads torch uses."""
-
-    name: str
-    kind: str
-    label: str
-    total_bytes: int
-    free_bytes: int
-    threads: int = 0
-
-
-def normalize_device(name: str) -> str:
-    """Canonical torch device name: ``cuda`` becomes ``cuda:0``, ``CPU`` becomes ``cpu``."""
-    text = str(name).strip().lower()
-    if text in ("cuda", "xpu"):
-        return f"{text}:0"
-    if text in ("mps:0",):
-        return "mps"
-    if text.startswith("cpu"):
-        return "cpu"
-    return text
+__all__ = ["device_info", "list_devices", "synchronize"]
 
 
 def list_devices() -> list[DeviceInfo]:
@@ -96,7 +72,7 @@ def device_info(name: str) -> DeviceInfo:
 
 def synchronize(name: str) -> None:
     """Wait for queued work on a device (so timings measure the work, not its launch)."""
-    kind = normalize_device(name).partition(":")[0]
+    kind = device_kind(name)
     if kind == "cuda":
         torch.cuda.synchronize(name)
     elif kind == "mps":
@@ -147,52 +123,3 @@ def _cpu_label() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or f"cpu ({os.cpu_count()} cores)"
-
-
-def show_devices(config_path: str | None, *, profile: bool = True, as_json: bool = False) -> list[dict]:
-    """Print every local device with its memory and, given a config, its profiled layer time.
-
-    Backs ``shardpool devices``; returns the rows it printed.
-    """
-    import json
-
-    rows: list[dict] = []
-    shape = workload = None
-    if config_path and profile:
-        from shardpool.config import load_config
-        from shardpool.model.shape import ModelShape
-        from shardpool.plan.costmodel import Workload
-
-        config = load_config(config_path)
-        shape = ModelShape.from_config_dir(config.base_model)
-        workload = Workload.from_config(config)
-    for info in list_devices():
-        row: dict = {
-            "device": info.name,
-            "kind": info.kind,
-            "label": info.label,
-            "total_gib": round(info.total_bytes / 2**30, 2),
-            "free_gib": round(info.free_bytes / 2**30, 2),
-        }
-        if shape is not None and workload is not None:
-            from shardpool.plan.profiler import profile_layer
-
-            measured = profile_layer(shape, workload, device=info.name)
-            row["ms_per_layer"] = round(measured.seconds_per_layer * 1e3, 3)
-            row["activation_mib_per_layer"] = round(measured.activation_bytes / 2**20, 2)
-        rows.append(row)
-    if as_json:
-        print(json.dumps(rows, indent=2))
-        return rows
-    from rich.console import Console
-    from rich.table import Table
-
-    title = "local devices" + ("" if shape is None else f" (one NF4+LoRA layer of {shape.name})")
-    caption = None if shape is not None else "pass a config to profile one layer of its model on each device"
-    table = Table(title=title, caption=caption)
-    for column in rows[0]:
-        table.add_column(column, justify="right" if column not in ("device", "kind", "label") else "left")
-    for row in rows:
-        table.add_row(*(str(value) for value in row.values()))
-    Console().print(table)
-    return rows

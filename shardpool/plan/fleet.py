@@ -1,28 +1,28 @@
 """Fleets: the devices a plan may use and the links between their hosts.
 
-A fleet comes from one of two places: a YAML file of (possibly hypothetical) devices
-described by memory and TFLOPS (:func:`load_fleet`), or the devices of this machine,
-measured by the profiler (:func:`local_fleet`).
+A fleet comes from a YAML file of (possibly hypothetical) devices described by memory and
+TFLOPS (:func:`load_fleet`), from this machine's measured devices (``plan.local_fleet``), from
+the mesh members' agents (``launch.mesh_launcher``), or is made up for benchmarks
+(:func:`heterogeneous_fleet`).
 """
 
 from __future__ import annotations
 
-import socket
+import itertools
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
-from shardpool.plan.costmodel import DEFAULT_EFFICIENCY, Workload, layer_flops
-
-if TYPE_CHECKING:
-    from shardpool.plan.profiler import LayerProfile
+from shardpool.plan.costmodel import Workload
+from shardpool.plan.device_facts import DEVICE_KINDS
+from shardpool.plan.time_model import DEFAULT_EFFICIENCY, layer_flops
 
 __all__ = [
     "DEFAULT_LINK",
@@ -31,8 +31,8 @@ __all__ = [
     "Fleet",
     "LinkSpec",
     "fleet_from_dict",
+    "heterogeneous_fleet",
     "load_fleet",
-    "local_fleet",
 ]
 
 GIB = 2**30
@@ -157,8 +157,8 @@ class _DeviceEntry(BaseModel):
     def _speed_given(self) -> _DeviceEntry:
         if self.tflops is None and self.seconds_per_layer is None:
             raise ValueError("give tflops (datasheet or measured) or seconds_per_layer")
-        if self.kind not in ("cuda", "rocm", "mps", "xpu", "cpu"):
-            raise ValueError(f"kind {self.kind!r} is unknown; use cuda, rocm, mps, xpu or cpu")
+        if self.kind not in DEVICE_KINDS:
+            raise ValueError(f"kind {self.kind!r} is unknown; use {', '.join(DEVICE_KINDS)}")
         return self
 
 
@@ -248,69 +248,26 @@ def fleet_from_dict(data: Any, *, source: str = "fleet") -> Fleet:
     return Fleet(devices=tuple(devices), links=links, **extra)
 
 
-# ---------------------------------------------------------------------------- local fleet
+# ---------------------------------------------------------------------------- made-up fleets
 
 
-def local_fleet(
-    devices: Sequence[str],
-    *,
-    shape: ModelShape,
-    workload: Workload,
-    profiles: Mapping[str, LayerProfile] | None = None,
-    measure_loopback: bool = True,
-    use_cache: bool = True,
-    threads_per_stage: int | None = None,
-) -> Fleet:
-    """Build a fleet from local torch device names, e.g. ``["cpu", "cpu", "cpu"]`` or ``["cuda:0", "cpu"]``.
+def heterogeneous_fleet(num_devices: int = 64, num_hosts: int = 8) -> Fleet:
+    """A made-up mixed fleet for scale benchmarks and tests: 8 to 80 GiB, 7 to 300 TFLOPS.
 
-    Each distinct physical device is profiled once (cached). When ``k`` entries name the same
-    device, it becomes ``k`` slots (``cpu#0``...), each with ``1/k`` of its free memory and,
-    since the slots run concurrently, ``1/k`` of its speed: a CPU slot is profiled with
-    ``threads // k`` threads (at least 1) and slowed further when the slots oversubscribe the
-    cores; an accelerator slot takes ``k`` times the measured layer time. ``profiles`` lets
-    callers supply measurements (keyed by normalized device name) instead of profiling.
-    ``threads_per_stage`` (the config's ``shardpool.threads_per_stage``) fixes a CPU slot's threads.
+    Device ``i`` is on host ``i % num_hosts``; every pair of hosts has a 10 Gbit/s, 0.2 ms link.
     """
-    from shardpool.plan.devices import device_info, normalize_device
-
-    if not devices:
-        raise ShardpoolError("no local devices were given; set shardpool.devices, e.g. [cpu]")
-    names = [normalize_device(name) for name in devices]
-    counts = Counter(names)
-    host = socket.gethostname()
-    built: list[Device] = []
-    seen: Counter[str] = Counter()
-    for name in names:
-        share = counts[name]
-        info = device_info(name)
-        profile = (profiles or {}).get(name)
-        threads = None
-        slowdown = float(share)
-        if info.kind == "cpu":
-            threads = threads_per_stage or max(1, info.threads // share)
-            slowdown = max(1.0, share * threads / info.threads)
-        if profile is None:
-            from shardpool.plan.profiler import profile_layer
-
-            profile = profile_layer(shape, workload, device=name, threads=threads, use_cache=use_cache)
-        slot = name if share == 1 else f"{name}#{seen[name]}"
-        seen[name] += 1
-        built.append(
-            Device(
-                name=slot,
-                memory_bytes=info.free_bytes // share,
-                host=host,
-                seconds_per_layer=profile.seconds_per_layer * slowdown,
-                kind=info.kind,
-                torch_device=name,
-                activation_bytes_per_layer=profile.activation_bytes,
-                shared_by=share,
-            )
+    memories_gib, tflops = [8, 12, 16, 24, 48, 80], [7, 35, 80, 125, 300]
+    devices = tuple(
+        Device(
+            name=f"gpu{i}",
+            host=f"host{i % num_hosts}",
+            memory_bytes=memories_gib[i % len(memories_gib)] * GIB,
+            tflops=tflops[(i * 7) % len(tflops)],
         )
-    loopback = DEFAULT_LOOPBACK
-    if measure_loopback:
-        from shardpool.plan.links import measure_loopback as _measure
-
-        measured = _measure()
-        loopback = LinkSpec(bandwidth=measured.bandwidth, latency=measured.latency)
-    return Fleet(devices=tuple(built), loopback=loopback)
+        for i in range(num_devices)
+    )
+    links = {
+        frozenset((f"host{a}", f"host{b}")): LinkSpec(bandwidth=1.25e9, latency=2e-4)
+        for a, b in itertools.combinations(range(num_hosts), 2)
+    }
+    return Fleet(devices=devices, links=links)

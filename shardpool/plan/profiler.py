@@ -6,6 +6,8 @@ LoRA by peft, exactly as a training stage holds them. After a warm-up, the media
 timed forward + backward passes at the configured micro-batch and sequence length is the
 profile. Results are cached per device, model shape and workload in
 ``$SHARDPOOL_CACHE/profiles.json`` (default ``~/.cache/shardpool``), written atomically.
+:class:`TorchProbe` hands these measurements to ``plan.local_fleet``, and :func:`show_devices`
+prints them for ``shardpool devices``.
 """
 
 from __future__ import annotations
@@ -16,17 +18,22 @@ import json
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from mesh.constants import cache_root
 from mesh.files import atomic_write
+from shardpool.config import load_config
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
+from shardpool.plan.device_facts import DeviceInfo, LayerProfile, normalize_device
+from shardpool.plan.devices import device_info, list_devices, synchronize
+from shardpool.plan.fleet import LinkSpec
+from shardpool.plan.links import measure_loopback
 
-__all__ = ["LayerProfile", "cache_path", "profile_key", "profile_layer"]
+__all__ = ["TorchProbe", "cache_path", "profile_key", "profile_layer", "show_devices"]
 
 _LAYER_CLASSES = {
     "llama": ("llama", "Llama"),
@@ -34,21 +41,6 @@ _LAYER_CLASSES = {
     "qwen2": ("qwen2", "Qwen2"),
     "qwen3": ("qwen3", "Qwen3"),
 }
-
-
-@dataclass(frozen=True)
-class LayerProfile:
-    """A measured layer: median forward + backward seconds per micro-batch, bytes autograd saved
-    for backward in one forward (no checkpointing), peak bytes the pass allocated on the device
-    (accelerators only), the device label and the thread count used (CPU)."""
-
-    seconds_per_layer: float
-    activation_bytes: int
-    peak_bytes: int | None
-    device: str
-    label: str
-    threads: int | None
-    runs: int
 
 
 def cache_path() -> Path:
@@ -78,8 +70,6 @@ def profile_layer(
     that share the processor. Raises ShardpoolError when the layer does not fit or the
     device is unusable.
     """
-    from shardpool.plan.devices import device_info, normalize_device
-
     device = normalize_device(device)
     info = device_info(device)
     label = f"{device} {info.label}"
@@ -96,6 +86,29 @@ def profile_layer(
     if use_cache:
         _write_cache(key, asdict(profile))
     return profile
+
+
+class TorchProbe:
+    """Measures this machine with torch for ``plan.local_fleet.local_fleet`` (a ``DeviceProbe``):
+    device memory, one profiled layer (cached unless ``use_cache`` is False) and the loopback."""
+
+    def __init__(self, *, use_cache: bool = True) -> None:
+        self.use_cache = use_cache
+
+    def device_info(self, name: str) -> DeviceInfo:
+        """Kind, label, free memory and (CPU) threads of a local device."""
+        return device_info(name)
+
+    def profile_layer(
+        self, shape: ModelShape, workload: Workload, *, device: str, threads: int | None
+    ) -> LayerProfile:
+        """One decoder layer profiled on ``device`` (see :func:`profile_layer`)."""
+        return profile_layer(shape, workload, device=device, threads=threads, use_cache=self.use_cache)
+
+    def loopback(self) -> LinkSpec:
+        """The measured link between two stages on this machine (TCP over 127.0.0.1)."""
+        measured = measure_loopback()
+        return LinkSpec(bandwidth=measured.bandwidth, latency=measured.latency)
 
 
 # ---------------------------------------------------------------------------- building the layer
@@ -191,8 +204,6 @@ def _measure(
 ) -> LayerProfile:
     import torch
     import torch.utils.checkpoint
-
-    from shardpool.plan.devices import synchronize
 
     try:
         model, rotary, dtype = _build_layer(shape, workload, device)
@@ -319,3 +330,47 @@ def _write_cache(key: str, value: dict[str, Any]) -> None:
         atomic_write(path, json.dumps(data, indent=1, sort_keys=True).encode("utf-8"))
     except OSError:
         pass  # a cache that cannot be written only costs a re-measurement
+
+
+# ---------------------------------------------------------------------------- shardpool devices
+
+
+def show_devices(config_path: str | None, *, profile: bool = True, as_json: bool = False) -> list[dict]:
+    """Print every local device with its memory and, given a config, its profiled layer time.
+
+    Backs ``shardpool devices``; returns the rows it printed.
+    """
+    rows: list[dict] = []
+    shape = workload = None
+    if config_path and profile:
+        config = load_config(config_path)
+        shape = ModelShape.from_config_dir(config.base_model)
+        workload = Workload.from_config(config)
+    for info in list_devices():
+        row: dict = {
+            "device": info.name,
+            "kind": info.kind,
+            "label": info.label,
+            "total_gib": round(info.total_bytes / 2**30, 2),
+            "free_gib": round(info.free_bytes / 2**30, 2),
+        }
+        if shape is not None and workload is not None:
+            measured = profile_layer(shape, workload, device=info.name)
+            row["ms_per_layer"] = round(measured.seconds_per_layer * 1e3, 3)
+            row["activation_mib_per_layer"] = round(measured.activation_bytes / 2**20, 2)
+        rows.append(row)
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return rows
+    from rich.console import Console
+    from rich.table import Table
+
+    title = "local devices" + ("" if shape is None else f" (one NF4+LoRA layer of {shape.name})")
+    caption = None if shape is not None else "pass a config to profile one layer of its model on each device"
+    table = Table(title=title, caption=caption)
+    for column in rows[0]:
+        table.add_column(column, justify="right" if column not in ("device", "kind", "label") else "left")
+    for row in rows:
+        table.add_row(*(str(value) for value in row.values()))
+    Console().print(table)
+    return rows

@@ -7,19 +7,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import yaml
 
-from shardpool.config import load_config
+from shardpool.config import load_config, parse_config
 from shardpool.model.shape import ModelShape
-from shardpool.plan.costmodel import (
-    Workload,
-    activation_bytes_per_layer,
-    bubble_fraction,
-    in_flight_microbatches,
-    layer_flops,
-    nf4_bytes,
-    stage_costs,
-    step_seconds,
-)
+from shardpool.plan.costmodel import Workload
+from shardpool.plan.memory_model import activation_bytes_per_layer, in_flight_microbatches, nf4_bytes
+from shardpool.plan.stage_costs import stage_costs
+from shardpool.plan.time_model import bubble_fraction, layer_flops, step_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ModelShape.from_config_dir(ROOT / "configs/models/tiny-llama.json")
@@ -94,10 +89,11 @@ def test_workload_from_config() -> None:
     assert w.lora_r == config.lora_r and w.stages == config.shardpool.stages
     assert w.compute_bytes == (4 if config.compute_dtype_name == "float32" else 2)
     assert w.schedule == config.shardpool.schedule
-    mapping = Workload.from_config(
-        {"bf16": True, "lora_target_modules": ["q_proj"], "shardpool": {"wire_dtype": "fp32"}}
-    )
-    assert (mapping.compute_bytes, mapping.wire_bytes, mapping.lora_targets) == (2, 4, ("q_proj",))
+    raw = yaml.safe_load((ROOT / "configs/quickstart.yaml").read_text())
+    raw.update(bf16=True, lora_target_linear=False, lora_target_modules=["q_proj"])
+    raw["shardpool"] = {**raw.get("shardpool", {}), "wire_dtype": "fp32"}
+    other = Workload.from_config(parse_config(raw))
+    assert (other.compute_bytes, other.wire_bytes, other.lora_targets) == (2, 4, ("q_proj",))
 
 
 @pytest.mark.slow

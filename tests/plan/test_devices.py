@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from shardpool.errors import ShardpoolError
-from shardpool.plan.devices import device_info, list_devices, normalize_device
+from shardpool.plan.device_facts import normalize_device
+from shardpool.plan.devices import device_info, list_devices
 
 ROOT = Path(__file__).resolve().parents[2]
 

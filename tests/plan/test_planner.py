@@ -15,16 +15,16 @@ from hypothesis import strategies as st
 
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
-from shardpool.plan.costmodel import Workload, boundary_bytes, reserve_bytes, stage_costs, step_seconds
-from shardpool.plan.fleet import Device, Fleet, LinkSpec, local_fleet
-from shardpool.plan.planner import (
-    Plan,
-    evaluate_split,
-    even_split,
-    plan_pipeline,
-    proportional_split,
-)
-from shardpool.plan.profiler import LayerProfile
+from shardpool.plan.costmodel import Workload
+from shardpool.plan.device_facts import DeviceInfo, LayerProfile
+from shardpool.plan.fleet import Device, Fleet, LinkSpec, heterogeneous_fleet
+from shardpool.plan.local_fleet import local_fleet
+from shardpool.plan.memory_model import boundary_bytes, reserve_bytes
+from shardpool.plan.planner import evaluate_split, plan_pipeline
+from shardpool.plan.result import Plan
+from shardpool.plan.splits import even_split, proportional_split
+from shardpool.plan.stage_costs import stage_costs
+from shardpool.plan.time_model import step_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
@@ -214,22 +214,9 @@ def test_slow_device_is_left_out() -> None:
 
 
 def test_seventy_b_on_64_devices_plans_under_two_seconds() -> None:
-    memories, speeds = [8, 12, 16, 24, 48, 80], [7, 35, 80, 125, 300]
-    devices = tuple(
-        Device(
-            name=f"gpu{i}",
-            host=f"host{i % 8}",
-            memory_bytes=memories[i % len(memories)] * GIB,
-            tflops=speeds[(i * 7) % len(speeds)],
-        )
-        for i in range(64)
-    )
-    links = {
-        frozenset((f"host{a}", f"host{b}")): LinkSpec(1.25e9, 2e-4)
-        for a, b in itertools.combinations(range(8), 2)
-    }
+    fleet = heterogeneous_fleet(num_devices=64, num_hosts=8)
     start = time.perf_counter()
-    plan = plan_pipeline(SEVENTY_B, BIG_WORKLOAD, Fleet(devices=devices, links=links))
+    plan = plan_pipeline(SEVENTY_B, BIG_WORKLOAD, fleet)
     elapsed = time.perf_counter() - start
     assert elapsed < 2.0
     assert plan.search == "heuristic" and plan.stages[-1].stop == 80
@@ -318,17 +305,33 @@ def test_plan_json_round_trip_and_validation() -> None:
         Plan.from_json({"stages": [{"device": "cpu", "layers": [0, 2]}, {"device": "cpu", "layers": [3, 4]}]})
 
 
-def test_local_fleet_shares_one_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+class FixedProbe:
+    """A DeviceProbe that reports this machine's real CPU but a fixed layer profile and loopback."""
+
+    def __init__(self, profile: LayerProfile) -> None:
+        self.profile = profile
+
+    def device_info(self, name: str) -> DeviceInfo:
+        from shardpool.plan.devices import device_info
+
+        return device_info(name)
+
+    def profile_layer(
+        self, shape: ModelShape, workload: Workload, *, device: str, threads: int | None
+    ) -> LayerProfile:
+        return self.profile
+
+    def loopback(self) -> LinkSpec:
+        return LinkSpec(bandwidth=8e9, latency=50e-6)
+
+
+def test_local_fleet_shares_one_cpu() -> None:
     from shardpool.plan.devices import device_info
 
     info = device_info("cpu")
     profile = LayerProfile(0.01, 1000, None, "cpu", "cpu", None, 1)
     fleet = local_fleet(
-        ["cpu", "cpu", "cpu"],
-        shape=EIGHT_B,
-        workload=BIG_WORKLOAD,
-        profiles={"cpu": profile},
-        measure_loopback=False,
+        ["cpu", "cpu", "cpu"], shape=EIGHT_B, workload=BIG_WORKLOAD, probe=FixedProbe(profile)
     )
     assert [d.name for d in fleet.devices] == ["cpu#0", "cpu#1", "cpu#2"]
     assert {d.torch_device for d in fleet.devices} == {"cpu"}

@@ -1,0 +1,60 @@
+"""What the planner knows about a local device, without torch: its canonical name and kind, its
+memory (:class:`DeviceInfo`) and one measured decoder layer on it (:class:`LayerProfile`).
+
+``plan.devices`` and ``plan.profiler`` fill these in with torch; everything else in the plan
+package reads them from here, so planning never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DEVICE_KINDS", "DeviceInfo", "LayerProfile", "device_kind", "normalize_device"]
+
+#: Kinds of device a stage can run on; the kind sets a stage's framework memory reserve.
+DEVICE_KINDS: tuple[str, ...] = ("cuda", "rocm", "mps", "xpu", "cpu")
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One local device: torch name (``cuda:0``), kind (cuda, rocm, mps, xpu, cpu), product label,
+    total and free memory in bytes, and (CPU only) the threads torch uses."""
+
+    name: str
+    kind: str
+    label: str
+    total_bytes: int
+    free_bytes: int
+    threads: int = 0
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """A measured layer: median forward + backward seconds per micro-batch, bytes autograd saved
+    for backward in one forward (no checkpointing), peak bytes the pass allocated on the device
+    (accelerators only), the device label and the thread count used (CPU)."""
+
+    seconds_per_layer: float
+    activation_bytes: int
+    peak_bytes: int | None
+    device: str
+    label: str
+    threads: int | None
+    runs: int
+
+
+def normalize_device(name: str) -> str:
+    """Canonical torch device name: ``cuda`` becomes ``cuda:0``, ``CPU`` becomes ``cpu``."""
+    text = str(name).strip().lower()
+    if text in ("cuda", "xpu"):
+        return f"{text}:0"
+    if text in ("mps:0",):
+        return "mps"
+    if text.startswith("cpu"):
+        return "cpu"
+    return text
+
+
+def device_kind(name: str) -> str:
+    """The torch backend of a device name (``cuda`` for ``cuda:1``), before ROCm is told apart."""
+    return normalize_device(name).partition(":")[0]

@@ -1,0 +1,88 @@
+"""This machine's devices as a fleet: one slot per configured stage, measured by a probe.
+
+When ``k`` stages name the same device, it becomes ``k`` slots (``cpu#0``...) that run at the
+same time, so each gets ``1/k`` of its free memory and of its speed. The measuring itself needs
+torch, so it is behind :class:`DeviceProbe`: ``plan.profiler.TorchProbe`` is the real one, and
+this module (like the rest of the planner) never imports torch.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections import Counter
+from collections.abc import Sequence
+from typing import Protocol
+
+from shardpool.errors import ShardpoolError
+from shardpool.model.shape import ModelShape
+from shardpool.plan.costmodel import Workload
+from shardpool.plan.device_facts import DeviceInfo, LayerProfile, normalize_device
+from shardpool.plan.fleet import Device, Fleet, LinkSpec
+
+__all__ = ["DeviceProbe", "local_fleet"]
+
+
+class DeviceProbe(Protocol):
+    """Measures devices of this machine for :func:`local_fleet`."""
+
+    def device_info(self, name: str) -> DeviceInfo:
+        """Kind, label, free memory and (CPU) threads of the device ``name``."""
+        ...
+
+    def profile_layer(
+        self, shape: ModelShape, workload: Workload, *, device: str, threads: int | None
+    ) -> LayerProfile:
+        """Forward + backward time and activation bytes of one decoder layer on ``device``."""
+        ...
+
+    def loopback(self) -> LinkSpec:
+        """The link between two stages on this machine."""
+        ...
+
+
+def local_fleet(
+    devices: Sequence[str],
+    *,
+    shape: ModelShape,
+    workload: Workload,
+    probe: DeviceProbe,
+    threads_per_stage: int | None = None,
+) -> Fleet:
+    """Build a fleet from local torch device names, e.g. ``["cpu", "cpu", "cpu"]`` or ``["cuda:0", "cpu"]``.
+
+    Each slot is profiled through ``probe`` (which caches). A CPU slot is profiled with
+    ``threads // k`` threads (at least 1), or ``threads_per_stage`` (the config's
+    ``shardpool.threads_per_stage``) when given, and slowed further when the slots oversubscribe
+    the cores; an accelerator slot takes ``k`` times the measured layer time.
+    """
+    if not devices:
+        raise ShardpoolError("no local devices were given; set shardpool.devices, e.g. [cpu]")
+    names = [normalize_device(name) for name in devices]
+    counts = Counter(names)
+    host = socket.gethostname()
+    built: list[Device] = []
+    seen: Counter[str] = Counter()
+    for name in names:
+        share = counts[name]
+        info = probe.device_info(name)
+        threads = None
+        slowdown = float(share)
+        if info.kind == "cpu":
+            threads = threads_per_stage or max(1, info.threads // share)
+            slowdown = max(1.0, share * threads / info.threads)
+        profile = probe.profile_layer(shape, workload, device=name, threads=threads)
+        slot = name if share == 1 else f"{name}#{seen[name]}"
+        seen[name] += 1
+        built.append(
+            Device(
+                name=slot,
+                memory_bytes=info.free_bytes // share,
+                host=host,
+                seconds_per_layer=profile.seconds_per_layer * slowdown,
+                kind=info.kind,
+                torch_device=name,
+                activation_bytes_per_layer=profile.activation_bytes,
+                shared_by=share,
+            )
+        )
+    return Fleet(devices=tuple(built), loopback=probe.loopback())

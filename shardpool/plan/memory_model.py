@@ -1,0 +1,108 @@
+"""The memory side of the cost model: bytes of NF4 weights, LoRA state, activations and reserve.
+
+Each function prices one piece for one decoder layer or one stage boundary; ``plan.stage_costs``
+adds them up per stage. Numbers and assumptions are described in ``docs/planner.md``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from shardpool.model.shape import ModelShape
+from shardpool.plan.costmodel import Workload
+
+__all__ = [
+    "FRAGMENTATION",
+    "LORA_BYTES_PER_PARAM",
+    "NF4_BLOCKSIZE",
+    "activation_bytes_per_layer",
+    "boundary_bytes",
+    "in_flight_microbatches",
+    "lora_params_per_layer",
+    "nf4_bytes",
+    "reserve_base_bytes",
+    "reserve_bytes",
+]
+
+NF4_BLOCKSIZE = 64
+#: Absmax values per second-level (double-quant) block.
+DOUBLE_QUANT_BLOCKSIZE = 256
+#: Bytes per trainable LoRA parameter: fp32 weight + fp32 grad + two fp32 AdamW states.
+LORA_BYTES_PER_PARAM = 16
+#: Per-stage framework reserve by device kind: CUDA context and cuBLAS workspace, MPS/XPU runtime.
+#: A CPU stage's memory is its whole process: Python with torch, transformers, peft and
+#: bitsandbytes loaded is 440-480 MiB resident on Linux x86-64 before any tensor (measured with
+#: VmRSS on torch 2.13 / transformers 5.23). Plus a fraction of tensor memory for fragmentation.
+_RESERVE_BASE = {
+    "cuda": 0.75 * 2**30,
+    "rocm": 0.75 * 2**30,
+    "xpu": 0.75 * 2**30,
+    "mps": 0.5 * 2**30,
+    "cpu": 0.45 * 2**30,
+}
+#: Fraction of a stage's tensor bytes added to its reserve for allocator fragmentation.
+FRAGMENTATION = 0.05
+
+
+def nf4_bytes(params: int) -> float:
+    """Bytes of ``params`` weights in NF4 with double quantization (blocksize 64).
+
+    4 bits per weight, one uint8 absmax per 64 weights (double-quantized), one fp32 scale per
+    256 absmax values, plus the fp32 256-entry code table and offset of the second level.
+    """
+    blocks = math.ceil(params / NF4_BLOCKSIZE)
+    return params / 2 + blocks + 4 * math.ceil(blocks / DOUBLE_QUANT_BLOCKSIZE) + 4 * 256 + 4
+
+
+def lora_params_per_layer(shape: ModelShape, workload: Workload) -> int:
+    """Trainable LoRA parameters of one decoder layer: ``r * (in + out)`` per targeted Linear."""
+    dims = shape.linear_dims()
+    return sum(workload.lora_r * (dims[name][0] + dims[name][1]) for name in set(workload.lora_targets))
+
+
+def activation_bytes_per_layer(shape: ModelShape, workload: Workload) -> float:
+    """Bytes autograd saves for backward in one decoder layer, for one micro-batch, without checkpointing.
+
+    Per token, in compute dtype: the layer input and its normalized copy, the post-attention
+    residual and its normalized copy (4h); q (after RoPE), attention output and o_proj input
+    (3 q_dim); k and v (2 kv_dim); gate, SiLU(gate), up and their product (4 intermediate);
+    each LoRA ``A`` output (r per target), and the attention log-sum-exp (fp32 per head).
+    In 16-bit compute, peft's fp32 adapters keep an fp32 copy of each targeted module's input.
+    Assumes SDPA attention (no s x s probabilities kept). Checked against a measured layer in tests.
+    """
+    h, q, kv, inter = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size
+    targets = set(workload.lora_targets)
+    per_token = workload.compute_bytes * (4 * h + 3 * q + 2 * kv + 4 * inter + workload.lora_r * len(targets))
+    per_token += 4 * shape.num_attention_heads
+    if workload.compute_bytes < 4 and workload.lora_r > 0:
+        # peft keeps adapters in fp32 and casts each targeted module's input up: one fp32 copy each.
+        dims = shape.linear_dims()
+        per_token += 4 * sum(dims[name][0] for name in targets)
+    return per_token * workload.tokens
+
+
+def boundary_bytes(shape: ModelShape, workload: Workload) -> int:
+    """Bytes crossing a stage boundary per micro-batch in one direction (activation or its gradient)."""
+    return workload.tokens * shape.hidden_size * workload.wire_bytes
+
+
+def reserve_base_bytes(kind: str) -> float:
+    """The per-kind constant part of a stage's framework reserve (unknown kinds count as CUDA)."""
+    return _RESERVE_BASE.get(kind, _RESERVE_BASE["cuda"])
+
+
+def reserve_bytes(kind: str, tensor_bytes: float) -> float:
+    """Framework reserve of one stage: a per-kind constant plus 5% of its tensors for fragmentation."""
+    return reserve_base_bytes(kind) + FRAGMENTATION * tensor_bytes
+
+
+def in_flight_microbatches(workload: Workload, *, index: int, num_stages: int) -> int:
+    """Micro-batches whose activations stage ``index`` holds at once.
+
+    1F1B: stage i runs S - i warm-up forwards before its first backward, so it holds up to
+    ``S - i`` (never more than M). GPipe runs all M forwards first, so every stage holds M.
+    """
+    m = workload.gradient_accumulation_steps
+    if workload.schedule == "gpipe":
+        return m
+    return max(1, min(num_stages - index, m))

@@ -1,0 +1,210 @@
+"""A pipeline plan as the planner returns it and ``plan.json`` stores it, and its table for people.
+
+:class:`Plan` lists the stages in pipeline order (:class:`PlannedStage`: a device, its contiguous
+layers and the predicted time and memory); :func:`plan_table` renders it for ``shardpool plan``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardpool.errors import ShardpoolError
+from shardpool.plan.time_model import bubble_fraction
+
+__all__ = ["Plan", "PlannedStage", "plan_table"]
+
+GIB = 2**30
+
+
+@dataclass
+class PlannedStage:
+    """One pipeline stage: a device and its contiguous layers ``[start, stop)``, with predictions."""
+
+    device: str
+    host: str
+    start: int
+    stop: int
+    predicted_ms_per_microbatch: float
+    memory_bytes: int
+    free_bytes: int
+    slot: str = ""
+    capacity_bytes: int = 0
+    compute_ms: float = 0.0
+    comm_ms: float = 0.0
+    in_flight_microbatches: int = 1
+    memory_breakdown: dict[str, int] = field(default_factory=dict)
+    bottleneck: bool = False
+
+    @property
+    def num_layers(self) -> int:
+        """Number of decoder layers this stage holds."""
+        return self.stop - self.start
+
+    def to_json(self) -> dict[str, Any]:
+        """This stage as a ``plan.json`` entry."""
+        return {
+            "device": self.device,
+            "host": self.host,
+            "layers": [self.start, self.stop],
+            "slot": self.slot or self.device,
+            "predicted_ms_per_microbatch": round(self.predicted_ms_per_microbatch, 3),
+            "compute_ms": round(self.compute_ms, 3),
+            "comm_ms": round(self.comm_ms, 3),
+            "memory_bytes": self.memory_bytes,
+            "free_bytes": self.free_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "in_flight_microbatches": self.in_flight_microbatches,
+            "memory_breakdown": dict(self.memory_breakdown),
+            "bottleneck": self.bottleneck,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PlannedStage:
+        """Read a ``plan.json`` stage entry; only ``device`` and ``layers`` are required."""
+        try:
+            start, stop = (int(x) for x in data["layers"])
+            device = str(data["device"])
+        except (KeyError, TypeError, ValueError):
+            raise ShardpoolError(
+                f"plan stage {dict(data)!r} lacks 'device' or a 'layers': [start, stop] pair; fix plan.json"
+            ) from None
+        return cls(
+            device=device,
+            host=str(data.get("host", "local")),
+            start=start,
+            stop=stop,
+            predicted_ms_per_microbatch=float(data.get("predicted_ms_per_microbatch", 0.0)),
+            memory_bytes=int(data.get("memory_bytes", 0)),
+            free_bytes=int(data.get("free_bytes", 0)),
+            slot=str(data.get("slot", device)),
+            capacity_bytes=int(data.get("capacity_bytes", 0)),
+            compute_ms=float(data.get("compute_ms", 0.0)),
+            comm_ms=float(data.get("comm_ms", 0.0)),
+            in_flight_microbatches=int(data.get("in_flight_microbatches", 1)),
+            memory_breakdown={str(k): int(v) for k, v in dict(data.get("memory_breakdown", {})).items()},
+            bottleneck=bool(data.get("bottleneck", False)),
+        )
+
+
+@dataclass
+class Plan:
+    """A pipeline plan: stages in pipeline order and the predicted step.
+
+    ``predicted_step_s`` uses ``microbatches`` (the configured gradient accumulation);
+    ``recommended_microbatches`` is the smallest M that keeps the bubble under about 20%
+    (``M >= 4 S``) while fitting in memory. ``fits`` is False only for plans built by
+    :func:`evaluate_split` from a split that overflows a device.
+    """
+
+    stages: list[PlannedStage]
+    predicted_step_s: float
+    bubble_fraction: float
+    microbatches: int
+    recommended_microbatches: int
+    schedule: str = "1f1b"
+    num_layers: int = 0
+    model: str = ""
+    left_out: list[str] = field(default_factory=list)
+    search: str = "exact"
+    fits: bool = True
+
+    @property
+    def bottleneck_ms(self) -> float:
+        """Predicted milliseconds per micro-batch of the slowest stage."""
+        return max(stage.predicted_ms_per_microbatch for stage in self.stages)
+
+    @property
+    def bottleneck_index(self) -> int:
+        """Position of the slowest stage."""
+        times = [stage.predicted_ms_per_microbatch for stage in self.stages]
+        return times.index(max(times))
+
+    def layer_ranges(self) -> list[tuple[int, int]]:
+        """``[start, stop)`` of every stage, in pipeline order."""
+        return [(stage.start, stage.stop) for stage in self.stages]
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan in ``plan.json`` format (stages in pipeline order)."""
+        return {
+            "stages": [stage.to_json() for stage in self.stages],
+            "predicted_step_s": round(self.predicted_step_s, 6),
+            "bottleneck_ms": round(self.bottleneck_ms, 3),
+            "bottleneck_stage": self.bottleneck_index,
+            "bubble_fraction": round(self.bubble_fraction, 6),
+            "microbatches": self.microbatches,
+            "recommended_microbatches": self.recommended_microbatches,
+            "schedule": self.schedule,
+            "num_layers": self.num_layers,
+            "model": self.model,
+            "left_out": list(self.left_out),
+            "search": self.search,
+            "fits": self.fits,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Plan:
+        """Read a plan written by :meth:`to_json` (or a hand-written one with just stages)."""
+        raw_stages = data.get("stages") if isinstance(data, Mapping) else None
+        if not raw_stages or not isinstance(raw_stages, list):
+            raise ShardpoolError("plan.json has no 'stages' list; write at least one stage")
+        stages = [PlannedStage.from_json(stage) for stage in raw_stages]
+        expected = 0
+        for stage in stages:
+            if stage.start != expected or stage.stop <= stage.start:
+                raise ShardpoolError(
+                    f"plan.json stage on {stage.device} has layers [{stage.start}, {stage.stop}) but the "
+                    f"next stage must start at layer {expected} and hold at least one; make the ranges contiguous"
+                )
+            expected = stage.stop
+        num_stages = len(stages)
+        microbatches = int(data.get("microbatches", 1))
+        return cls(
+            stages=stages,
+            predicted_step_s=float(data.get("predicted_step_s", 0.0)),
+            bubble_fraction=float(
+                data.get("bubble_fraction", bubble_fraction(microbatches=microbatches, num_stages=num_stages))
+            ),
+            microbatches=microbatches,
+            recommended_microbatches=int(data.get("recommended_microbatches", microbatches)),
+            schedule=str(data.get("schedule", "1f1b")),
+            num_layers=int(data.get("num_layers", expected)),
+            model=str(data.get("model", "")),
+            left_out=[str(x) for x in data.get("left_out", [])],
+            search=str(data.get("search", "given")),
+            fits=bool(data.get("fits", True)),
+        )
+
+
+def plan_table(plan: Plan) -> Any:
+    """A rich Table of the plan: one row per stage, the bottleneck marked, step time and bubble below."""
+    from rich.table import Table
+
+    caption = (
+        f"ms/mb: predicted forward + backward per micro-batch. Predicted step {plan.predicted_step_s:.3f} s "
+        f"with {plan.microbatches} micro-batches ({plan.schedule}), "
+        f"bubble {plan.bubble_fraction:.1%}; recommended micro-batches: {plan.recommended_microbatches}"
+    )
+    if plan.left_out:
+        caption += f"; left out: {', '.join(plan.left_out)}"
+    if not plan.fits:
+        caption += "; DOES NOT FIT in memory"
+    title = f"plan for {plan.model or 'the model'} ({plan.num_layers} layers, {plan.search} search)"
+    table = Table(title=title, caption=caption)
+    for column in ("#", "host", "device", "layers", "used GiB", "free GiB", "ms/mb", ""):
+        table.add_column(
+            column, justify="right" if "GiB" in column or "ms" in column else "left", no_wrap=True
+        )
+    for index, stage in enumerate(plan.stages):
+        table.add_row(
+            str(index),
+            stage.host,
+            stage.slot or stage.device,
+            f"[{stage.start}, {stage.stop})",
+            f"{stage.memory_bytes / GIB:.2f}",
+            f"{stage.free_bytes / GIB:.2f}",
+            f"{stage.predicted_ms_per_microbatch:.1f}",
+            "bottleneck" if stage.bottleneck else "",
+        )
+    return table
