@@ -441,7 +441,7 @@ def test_devices_profiles_each_device_once(agent: Agent, tiny_model: Path) -> No
     status, reply = signed(
         agent.url, "POST", "/v1/devices", {"model_config": {"model_type": "gpt2"}, "workload": {}}
     )
-    assert status == 400 and "not supported" in reply["error"]
+    assert status == 400 and "unsupported architecture 'gpt2'" in reply["error"]
 
 
 def test_agent_command_without_mesh_state_is_one_line_error(tmp_path: Path) -> None:
