@@ -31,7 +31,11 @@ from mesh.files import atomic_write, write_json
 from shardpool.config import Config, load_config
 from shardpool.contract.jobfile import Job, StagePlacement
 from shardpool.contract.spec import RESUME_PREFIX, StageEvent, resolve_inside
-from shardpool.data.datasets import PreparedData, load_tokenizer, prepare_data, save_prepared, step_batches
+from shardpool.data.prepare import prepare_data
+from shardpool.data.prepared_file import save_prepared
+from shardpool.data.rows import PreparedData
+from shardpool.data.steps import step_batches
+from shardpool.data.tokenizing import load_tokenizer
 from shardpool.errors import ShardpoolError
 from shardpool.launch.local_launcher import run_local_job
 from shardpool.model.architecture import DECODER_LINEAR_NAMES, ModelInfo, read_model_info

@@ -29,7 +29,9 @@ from transformers import get_scheduler
 from shardpool.config import Config
 from shardpool.contract.jobfile import Job
 from shardpool.contract.spec import EVENT_PREFIX, RESUME_PREFIX, StageEvent
-from shardpool.data.datasets import PreparedData, TokenRows, load_prepared, step_batches
+from shardpool.data.prepared_file import load_prepared
+from shardpool.data.rows import PreparedData, TokenRows
+from shardpool.data.steps import step_batches
 from shardpool.model.lora import lora_settings
 from shardpool.model.nf4 import DTYPES
 from shardpool.model.stage import BaseSettings, PipelineStage, build_stage
