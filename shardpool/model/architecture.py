@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardpool.config import Config
 from shardpool.errors import ShardpoolError
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "DECODER_LINEAR_NAMES",
     "ModelInfo",
     "read_model_info",
+    "check_stage_count",
     "layer_prefix",
     "mask_kind",
 ]
@@ -86,6 +88,22 @@ def read_model_info(model_dir: str | Path) -> ModelInfo:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         raw_config=raw,
     )
+
+
+def check_stage_count(config: Config, model: ModelInfo) -> None:
+    """Refuse more stages than layers, and a manual split that does not cover the model exactly."""
+    stages = config.shardpool.num_stages
+    if stages > model.num_layers:
+        raise ShardpoolError(
+            f"{stages} stages but {model.base_name} has only {model.num_layers} decoder layers; "
+            f"use at most {model.num_layers} stages"
+        )
+    layers = config.shardpool.layers
+    if layers is not None and sum(layers) != model.num_layers:
+        raise ShardpoolError(
+            f"shardpool.layers {layers} sums to {sum(layers)} but the model has {model.num_layers} layers; "
+            f"make the counts add up to {model.num_layers}"
+        )
 
 
 def layer_prefix(layer_index: int) -> str:

@@ -20,7 +20,7 @@ from shardpool.agent.client import (
     NoLocalAgent,
     agent_socket_path,
 )
-from shardpool.launch.mesh_launcher import online_members
+from shardpool.launch.mesh_members import online_members
 from tests.helpers.local_agent import StubLocalAgent, shared_socket_dir
 
 REPO = Path(__file__).resolve().parents[2]

@@ -441,7 +441,7 @@ def test_devices_profiles_each_device_once(agent: Agent, tiny_model: Path) -> No
 
 
 def test_event_prefix_matches_the_pipeline() -> None:
-    from shardpool.train.pipeline import EVENT_PREFIX
+    from shardpool.contract.spec import EVENT_PREFIX
 
     assert agent_module.EVENT_PREFIX == EVENT_PREFIX
 
