@@ -50,7 +50,7 @@ from shardpool.model.footprint import stage_footprints
 from shardpool.model.lora import LoraSettings, lora_settings, write_adapter
 from shardpool.plan.planner import Plan
 from shardpool.train import checkpoint as ckpt
-from shardpool.train.process_group import rendezvous_store
+from shardpool.train.rendezvous import rendezvous_store
 from shardpool.train.runfiles import DATA_INPUT, job_inputs
 
 __all__ = ["PreparedRun", "finetune", "finetune_from_file", "prepare_run"]

@@ -255,7 +255,7 @@ def test_rendezvous_store_serves_on_its_host_only(tmp_path: Path) -> None:
     import torch.distributed as dist
 
     from shardpool.errors import ShardpoolError
-    from shardpool.train.process_group import rendezvous_store
+    from shardpool.train.rendezvous import rendezvous_store
 
     store = rendezvous_store("127.0.0.1", timeout_s=10)
     client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))

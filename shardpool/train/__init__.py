@@ -6,7 +6,7 @@ the loss and the per-step reductions across ranks (:mod:`.loss`), evaluation (:m
 its training state and share of checkpoints (:mod:`.stage_state`), the checkpoint files and their
 finalizing on the launcher (:mod:`.checkpoint`), the process groups and the wire between stages
 (:mod:`.process_group`, :mod:`.transport`), the files a stage reads and writes on the launcher
-(:mod:`.runfiles`), and the rendezvous store the launcher hosts (:func:`.process_group.rendezvous_store`).
+(:mod:`.runfiles`), and the rendezvous store the launcher hosts (:mod:`.rendezvous`).
 
 It may import torch, torch.distributed, transformers and peft, and from shardpool the layers below
 it: ``shardpool.files``, ``shardpool.model``, ``shardpool.data``, ``shardpool.contract``,

@@ -6,12 +6,12 @@ subgroups :func:`shardpool.train.transport.plan_groups` chooses, each only by it
 (``use_local_synchronization=True``). :class:`Wire` then moves activations and their gradients
 across each boundary by the transport chosen for it: on the device through the pair's native
 group, or through host memory over gloo, with pinned buffers and non-blocking copies on GPUs.
-The store every rank meets at first is hosted by the launcher (:func:`rendezvous_store`).
+The store every rank meets at first is hosted by the launcher
+(:func:`shardpool.train.rendezvous.rendezvous_store`).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -20,9 +20,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mesh.errors import MeshError
-from mesh.http.transport import listen_tcp
-from shardpool.errors import ShardpoolError
 from shardpool.train.transport import (
     GroupPlan,
     RankDevice,
@@ -32,43 +29,7 @@ from shardpool.train.transport import (
     staging_is_pinned,
 )
 
-__all__ = ["Groups", "Link", "Wire", "join_process_group", "local_rank_device", "rendezvous_store"]
-
-
-def rendezvous_store(host: str, *, port: int = 0, timeout_s: float = 300.0) -> Any:
-    """The torch.distributed TCPStore the stage processes meet at, hosted by the launcher.
-
-    Hosting it there (not in rank 0) lets the OS pick a free port (``port=0``), and keeps rendezvous
-    on the launcher's address whichever machine runs stage 0. The store listens on ``host`` only
-    (the launcher's mesh address, or loopback): torch's own master socket would listen on every
-    interface, so this creates the listening socket itself and hands it over as
-    ``master_listen_fd``. The store owns that socket from then on and closes it when it is freed.
-    """
-    try:
-        listener = listen_tcp(host, port)
-    except MeshError as error:
-        raise ShardpoolError(f"cannot host the rendezvous store: {error}") from None
-    bound_port = listener.getsockname()[1]
-    fd = listener.detach()
-    try:
-        return dist.TCPStore(
-            host,
-            bound_port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=timeout_s),
-            master_listen_fd=fd,
-        )
-    except BaseException:
-        _close_quietly(fd)
-        raise
-
-
-def _close_quietly(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass  # the store already closed it
+__all__ = ["Groups", "Link", "Wire", "join_process_group", "local_rank_device"]
 
 
 def local_rank_device(device: torch.device, place: str) -> RankDevice:
