@@ -402,10 +402,13 @@ def plain_loop(spec_path: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, get_scheduler
 
     from shardpool.config import parse_config
-    from shardpool.data.datasets import load_tokenizer, prepare_data, step_batches
+    from shardpool.data.prepare import prepare_data
+    from shardpool.data.steps import step_batches
+    from shardpool.data.tokenizing import load_tokenizer
     from shardpool.model.lora import lora_settings
     from shardpool.model.nf4 import bnb_config, keep_exact_cpu_matmul
-    from shardpool.train.pipeline import label_tokens, scheduler_name, token_loss_sum
+    from shardpool.train.loss import label_tokens, token_loss_sum
+    from shardpool.train.worker import scheduler_name
 
     runtime_rss = _vm_status("VmRSS")
     config = parse_config(spec["config"])

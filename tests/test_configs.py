@@ -64,7 +64,8 @@ def test_quickstart_values(in_repo_root: Path) -> None:
 
 
 def test_quickstart_data_fits_sequence_len(in_repo_root: Path) -> None:
-    from shardpool.data.datasets import load_tokenizer, prepare_data
+    from shardpool.data.prepare import prepare_data
+    from shardpool.data.tokenizing import load_tokenizer
 
     config = load_config("configs/quickstart.yaml")
     data = prepare_data(config, load_tokenizer(config.base_model))

@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from shardpool.cli import main
 from shardpool.config import parse_config
-from shardpool.finetune import RUN_DIR_NAME, finetune
+from shardpool.finetune import finetune
+from shardpool.launch.run import RUN_DIR_NAME
 from tests.helpers.training import REPO_ROOT, base_config, read_metrics, run_cli, write_config, write_jsonl
 
 
@@ -254,7 +255,7 @@ def test_rendezvous_store_serves_on_its_host_only(tmp_path: Path) -> None:
     import torch.distributed as dist
 
     from shardpool.errors import ShardpoolError
-    from shardpool.finetune import rendezvous_store
+    from shardpool.train.rendezvous import rendezvous_store
 
     store = rendezvous_store("127.0.0.1", timeout_s=10)
     client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))

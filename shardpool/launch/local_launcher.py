@@ -1,5 +1,8 @@
 """Start the stage processes of a job on this machine, relay their events, and stop them all on failure.
 
+:class:`LocalLauncher` is the launcher of a ``placement: local`` run: it plans on this machine's
+devices and the stages read the inputs where they are.
+
 Each stage process reports JSON events on its stdout (lines starting with ``@shardpool ``); every
 other line, and its stderr, goes to ``logs/rank-N.log``. If any process exits non-zero, the others
 are terminated at once and the run fails with that stage's error. Children die with the launcher
@@ -27,16 +30,21 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+from shardpool.config import Config
 from shardpool.contract.events import EVENT_PREFIX, StageEvent, parse_stage_event
 from shardpool.contract.job import Job
 from shardpool.contract.names import ContractError
 from shardpool.errors import ShardpoolError
+from shardpool.plan.config_plan import plan_for_config
+from shardpool.plan.local_fleet import DeviceProbe
+from shardpool.plan.result import Plan
 
-__all__ = ["free_port", "run_local_job", "StageFailed"]
+__all__ = ["LocalLauncher", "free_port", "run_local_job", "StageFailed"]
 
 _TERMINATE_GRACE_S = 5.0
 
@@ -48,6 +56,29 @@ class StageFailed(ShardpoolError):
         super().__init__(message)
         self.rank = rank
         self.stage = stage
+
+
+class LocalLauncher:
+    """Stages as processes on this machine, meeting on loopback; they read the inputs where they are."""
+
+    address = "127.0.0.1"
+
+    def __init__(self, *, probe: DeviceProbe, port: int = 0) -> None:
+        self.probe = probe  # measures this machine's devices for the planner
+        self.port = port  # of the rendezvous store (0: any free port)
+
+    def plan(self, config: Config) -> Plan:
+        """Place the stages on this machine's devices (``shardpool.devices``), or as ``shardpool.layers`` says."""
+        return plan_for_config(config, probe=self.probe)
+
+    @contextmanager
+    def serving(self, inputs: dict[str, str], output_dir: Path) -> Iterator[str | None]:
+        """Nothing to serve: local stages open the inputs' paths directly."""
+        yield None
+
+    def start(self, job: Job, job_file: Path, on_event: Callable[[dict[str, Any]], None]) -> None:
+        """Run every rank here until all finish, logging to ``logs/`` next to the job file."""
+        run_local_job(job, job_file, log_dir=job_file.parent / "logs", on_event=on_event)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,13 +1,13 @@
 """Run a job's stage processes on mesh members through their agents, and stop them all on failure.
 
-The launcher speaks only to its own member's agent, over that agent's Unix socket: it lists the
-members there and has every request to a member's agent forwarded (signed by the local agent,
-which alone can read the WireGuard key). It asks each online member's agent for its devices
-(profiled for this model), plans over them, then starts each member's ranks with one ``POST /v1/jobs`` and follows them by
-long-polling their events. The polls double as the launcher's heartbeat: an agent that stops
-hearing from the launcher stops its stages. A member whose agent stops answering for
-``lost_after_s`` seconds, or whose stage exits non-zero, ends the run: every other member's
-stages are stopped and the error names the member and the step.
+:class:`MeshLauncher` is the launcher of a ``placement: mesh`` run: it finds the members
+(:mod:`shardpool.launch.mesh_members`), plans over their devices, serves the run's inputs from a
+file server on this member's mesh address, and starts each member's ranks with one
+``POST /v1/jobs`` through this machine's agent, then follows them by long-polling their events.
+The polls double as the launcher's heartbeat: an agent that stops hearing from the launcher stops
+its stages. A member whose agent stops answering for ``lost_after_s`` seconds, or whose stage
+exits non-zero, ends the run: every other member's stages are stopped and the error names the
+member and the step.
 """
 
 from __future__ import annotations
@@ -16,30 +16,24 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from shardpool.agent.client import AgentRefused, AgentUnreachable
 from shardpool.agent.local_client import LocalAgentClient
+from shardpool.config import Config
 from shardpool.contract.events import StageEvent, parse_stage_event
 from shardpool.contract.job import Job
 from shardpool.contract.names import ContractError
-from shardpool.errors import ShardpoolError
+from shardpool.files.server import FileServer
 from shardpool.launch.local_launcher import StageFailed
-from shardpool.plan.costmodel import Workload
-from shardpool.plan.fleet import Device, Fleet, LinkSpec
+from shardpool.launch.mesh_members import MeshMember, launcher_member, mesh_planner, online_members
+from shardpool.plan.result import Plan
 
-__all__ = [
-    "MemberAgent",
-    "MeshMember",
-    "online_members",
-    "mesh_fleet",
-    "measure_links",
-    "run_mesh_job",
-    "new_job_id",
-    "MemberLost",
-]
+__all__ = ["MemberLost", "MeshLauncher", "new_job_id", "ranks_by_member", "run_mesh_job"]
 
 LOST_AFTER_S = 10.0
 _POLL_WAIT_S = 1.0
@@ -49,105 +43,52 @@ class MemberLost(StageFailed):
     """A member stopped answering mid-run."""
 
 
-class MemberAgent(Protocol):
-    """What the launcher asks of one member's agent (a ForwardedAgent in production)."""
+class MeshLauncher:
+    """Stages on mesh members, started through this machine's agent; inputs served by a file server."""
 
-    @property
-    def url(self) -> str: ...
-    def devices(
-        self, model_config: dict[str, Any], workload: dict[str, Any], *, timeout: float = ...
-    ) -> list[dict[str, Any]]: ...
-    def probe(self, targets: dict[str, str], *, nbytes: int = ...) -> dict[str, dict[str, Any]]: ...
-    def start_job(
-        self, job_id: str, job: dict[str, Any], ranks: list[int], *, files_secret: str | None = ...
-    ) -> dict[str, Any]: ...
-    def events(self, job_id: str, *, after: int, wait: float = ...) -> dict[str, Any]: ...
-    def stop_job(self, job_id: str, *, timeout: float = ...) -> dict[str, Any]: ...
+    port = 0  # the rendezvous store takes any free port on the mesh address
 
+    def __init__(self, members: list[MeshMember], *, say: Callable[[str], None]) -> None:
+        self.members = members
+        self.address = launcher_member(members).address
+        self._planner = mesh_planner(members, say=say)
+        self._files_secret = secrets.token_hex(32)
 
-@dataclass(frozen=True)
-class MeshMember:
-    """An online mesh member and the client of its agent."""
+    @classmethod
+    def connect(cls, *, say: Callable[[str], None]) -> MeshLauncher:
+        """Ask this machine's agent for the members online (a user it refuses stops here, with the fix)."""
+        members = online_members(LocalAgentClient())
+        launcher = cls(members, say=say)
+        say(f"mesh members online: {', '.join(member.name for member in members)}")
+        return launcher
 
-    name: str
-    address: str
-    is_self: bool
-    agent: MemberAgent
+    def plan(self, config: Config) -> Plan:
+        """Place the stages on the members' devices, profiled there for this model."""
+        return self._planner(config)
 
+    @contextmanager
+    def serving(self, inputs: dict[str, str], output_dir: Path) -> Iterator[str | None]:
+        """Serve ``inputs`` (and take uploads into ``output_dir``) to this run's stages only; yield the URL."""
+        files = {name: Path(path) for name, path in inputs.items()}
+        with FileServer(
+            self.address, 0, files=files, upload_root=output_dir, secret=self._files_secret
+        ) as server:
+            yield server.url
 
-def online_members(local: LocalAgentClient | None = None) -> list[MeshMember]:
-    """The members that answer over the mesh now (this machine included), as the local agent sees them.
-
-    The first call of a launch: a user outside the launch group is refused here, with the fix,
-    before anything is prepared or started anywhere.
-    """
-    local = local or LocalAgentClient()
-    return [
-        MeshMember(member.name, member.address, member.is_self, local.member(member.name, member.address))
-        for member in local.members()
-        if member.online
-    ]
+    def start(self, job: Job, job_file: Path, on_event: Callable[[dict[str, Any]], None]) -> None:
+        """Run every rank on the member hosting its stage until all finish (see :func:`run_mesh_job`)."""
+        ranks = ranks_by_member(job, self.members)
+        run_mesh_job(job, new_job_id(), ranks, on_event=on_event, files_secret=self._files_secret)
 
 
-def mesh_fleet(
-    members: list[MeshMember], *, model_config: dict[str, Any], workload: Workload, say: Callable[[str], None]
-) -> Fleet:
-    """Devices of every member whose agent answers, profiled there, and the measured links between them."""
-    devices: list[Device] = []
-    answering: list[MeshMember] = []
-    for member in members:
-        try:
-            reported = member.agent.devices(model_config, asdict(workload))
-        except (AgentUnreachable, AgentRefused) as error:
-            say(f"skipping member {member.name!r}: {error}")
-            continue
-        answering.append(member)
-        for info in reported:
-            devices.append(
-                Device(
-                    name=f"{member.name}/{info['name']}",
-                    memory_bytes=int(info["free_bytes"]),
-                    host=member.name,
-                    seconds_per_layer=float(info["seconds_per_layer"]),
-                    kind=str(info["kind"]),
-                    torch_device=str(info["name"]),
-                    activation_bytes_per_layer=info.get("activation_bytes"),
-                )
-            )
-    if not devices:
-        raise ShardpoolError(
-            "no mesh member's agent answered; start `shardpool agent` on the members (see docs/agent.md)"
-        )
-    return Fleet(devices=tuple(devices), links=measure_links(answering, say=say))
-
-
-def measure_links(members: list[MeshMember], *, say: Callable[[str], None]) -> dict[frozenset[str], LinkSpec]:
-    """Latency and bandwidth between every pair of members, each measured by one end's agent.
-
-    A pair whose probe fails keeps the planner's default link (1 Gbit/s, 1 ms).
-    """
-    links: dict[frozenset[str], LinkSpec] = {}
-    for index, member in enumerate(members):
-        targets = {other.name: other.agent.url for other in members[index + 1 :]}
-        if not targets:
-            continue
-        try:
-            measured = member.agent.probe(targets)
-        except (AgentUnreachable, AgentRefused) as error:
-            say(f"could not measure links from {member.name!r}: {error}")
-            continue
-        for name, result in measured.items():
-            if "error" in result:
-                say(f"link {member.name} - {name}: {result['error']}")
-                continue
-            links[frozenset((member.name, name))] = LinkSpec(
-                bandwidth=float(result["bandwidth"]), latency=float(result["latency"])
-            )
-    for pair, link in sorted(links.items(), key=lambda item: sorted(item[0])):
-        say(
-            f"link {' - '.join(sorted(pair))}: {link.bandwidth * 8 / 1e9:.2f} Gbit/s, {link.latency * 1e3:.2f} ms"
-        )
-    return links
+def ranks_by_member(job: Job, members: list[MeshMember]) -> dict[str, tuple[MeshMember, list[int]]]:
+    """The ranks each member runs (the member hosting their stage), by member name."""
+    by_name = {member.name: member for member in members}
+    assignments: dict[str, tuple[MeshMember, list[int]]] = {}
+    for rank in range(job.world_size):
+        host = job.stages[job.stage_index(rank)].host
+        assignments.setdefault(host, (by_name[host], []))[1].append(rank)
+    return assignments
 
 
 def new_job_id() -> str:

@@ -17,9 +17,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from shardpool.config import Config
 from shardpool.errors import ShardpoolError
 
 __all__ = [
+    "check_stage_count",
     "DECODER_LINEAR_NAMES",
     "EMBED_NAME",
     "LM_HEAD_NAME",
@@ -322,3 +324,19 @@ def _read_json_object(file: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ShardpoolError(f"{file} is not a JSON object; pass a valid HF config.json")
     return data
+
+
+def check_stage_count(config: Config, model: ModelInfo) -> None:
+    """Refuse more stages than layers, and a manual split that does not cover the model exactly."""
+    stages = config.shardpool.num_stages
+    if stages > model.num_layers:
+        raise ShardpoolError(
+            f"{stages} stages but {model.base_name} has only {model.num_layers} decoder layers; "
+            f"use at most {model.num_layers} stages"
+        )
+    layers = config.shardpool.layers
+    if layers is not None and sum(layers) != model.num_layers:
+        raise ShardpoolError(
+            f"shardpool.layers {layers} sums to {sum(layers)} but the model has {model.num_layers} layers; "
+            f"make the counts add up to {model.num_layers}"
+        )

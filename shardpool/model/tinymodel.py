@@ -268,7 +268,7 @@ def quickstart_rows(count: int = QUICKSTART_ROWS, seed: int = QUICKSTART_SEED) -
 
 def quickstart_corpus(rows: Sequence[dict[str, str]]) -> list[str]:
     """The texts the quickstart tokenizer learns from: each row as it is trained (prompt + response)."""
-    from shardpool.data.datasets import format_alpaca_prompt
+    from shardpool.data.formats import format_alpaca_prompt
 
     return [format_alpaca_prompt(row["instruction"], row["input"]) + row["output"] for row in rows] + list(
         DEFAULT_CORPUS

@@ -16,6 +16,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -37,7 +38,9 @@ __all__ = [
     "read_lora_and_optimizer",
     "read_rng_state",
     "checkpoint_step",
+    "checkpoint_eval_before",
     "clear_partials",
+    "resume_point",
 ]
 
 _STEP_DIR = re.compile(r"step-([0-9]+)")
@@ -126,7 +129,36 @@ def newest_checkpoint(output_dir: str | Path) -> Path | None:
 
 def checkpoint_step(directory: Path) -> int:
     """The optimizer step a checkpoint was taken after."""
-    return int(json.loads((directory / "checkpoint.json").read_text(encoding="utf-8"))["step"])
+    return int(_record(directory)["step"])
+
+
+def checkpoint_eval_before(directory: Path) -> float | None:
+    """The eval loss measured before training, as the run that took the checkpoint recorded it."""
+    return _record(directory).get("eval_before")
+
+
+def _record(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / "checkpoint.json").read_text(encoding="utf-8"))
+
+
+def resume_point(output_dir: str | Path, *, resume: bool) -> Path | None:
+    """The checkpoint a run starts from: the newest one with ``--resume``, else None.
+
+    ``--resume`` without a checkpoint is refused, and so is a fresh run into an ``output_dir``
+    that already holds checkpoints (it would mix two runs).
+    """
+    newest = newest_checkpoint(output_dir)
+    if resume:
+        if newest is None:
+            raise ShardpoolError(
+                f"--resume: no checkpoint in {checkpoints_root(output_dir)}; run without --resume"
+            )
+        return newest
+    if newest is not None:
+        raise ShardpoolError(
+            f"{output_dir} already holds checkpoints; pass --resume to continue, or choose a new output_dir"
+        )
+    return None
 
 
 def read_lora_and_optimizer(

@@ -6,6 +6,8 @@ subgroups :func:`shardpool.train.transport.plan_groups` chooses, each only by it
 (``use_local_synchronization=True``). :class:`Wire` then moves activations and their gradients
 across each boundary by the transport chosen for it: on the device through the pair's native
 group, or through host memory over gloo, with pinned buffers and non-blocking copies on GPUs.
+The store every rank meets at first is hosted by the launcher
+(:func:`shardpool.train.rendezvous.rendezvous_store`).
 """
 
 from __future__ import annotations

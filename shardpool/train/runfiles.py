@@ -1,7 +1,8 @@
 """The files a stage process reads from, and writes to, the launching machine.
 
 The launcher owns everything: the base model, the tokenized data, the starting adapter, the
-checkpoints and ``output_dir``. A stage on the launcher's own machine opens those paths directly;
+checkpoints and ``output_dir``; it names each file a stage may read in ``job.inputs``
+(:func:`job_inputs`). A stage on the launcher's own machine opens those paths directly;
 a stage on another mesh member fetches them from the launcher's file server (byte ranges of only
 the tensors it owns, checked by size and hash) and sends its results back the same way. The
 training loop sees one interface either way, so moving a stage changes nothing in it.
@@ -16,16 +17,28 @@ from pathlib import Path
 
 import torch
 
-from shardpool.contract.job import Job
+from shardpool.config import Config
+from shardpool.contract.job import RESUME_PREFIX, Job
 from shardpool.contract.names import resolve_inside, safe_relative_name
 from shardpool.contract.start import FILES_SECRET_FILE
 from shardpool.errors import ShardpoolError
 from shardpool.files.client import RemoteFiles
+from shardpool.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from shardpool.model.weights import INDEX_FILE, WeightReader, save_tensors
 
-__all__ = ["RunFiles", "MODEL_PREFIX", "model_file_names", "read_files_secret"]
+__all__ = [
+    "DATA_INPUT",
+    "INIT_ADAPTER_PREFIX",
+    "MODEL_PREFIX",
+    "RunFiles",
+    "job_inputs",
+    "model_file_names",
+    "read_files_secret",
+]
 
+DATA_INPUT = "data.safetensors"
 MODEL_PREFIX = "model/"
+INIT_ADAPTER_PREFIX = "init_adapter/"
 _SECRET_CHARS = 64
 
 
@@ -48,6 +61,26 @@ def read_files_secret(job_dir: Path) -> str:
     if len(text) != _SECRET_CHARS or any(char not in "0123456789abcdef" for char in text):
         raise ShardpoolError(f"{path} does not hold 64 lowercase hex digits; the agent wrote it wrongly")
     return text
+
+
+def job_inputs(config: Config, run_dir: Path, resume_from: Path | None) -> dict[str, str]:
+    """Every file a stage may read, by the name it asks for, with its path on the launcher.
+
+    The tokenized data, the base model's files, the starting adapter (``lora_model_dir``) and,
+    when resuming, the checkpoint's stage and RNG files.
+    """
+    model_dir = Path(config.base_model).resolve()
+    inputs = {DATA_INPUT: str((run_dir / DATA_INPUT).resolve())}
+    inputs.update({MODEL_PREFIX + name: str(model_dir / name) for name in model_file_names(model_dir)})
+    if config.lora_model_dir:
+        adapter = Path(config.lora_model_dir).resolve()
+        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            inputs[INIT_ADAPTER_PREFIX + name] = str(adapter / name)
+    if resume_from is not None:
+        for path in sorted(resume_from.glob("*.safetensors")):
+            if path.name.startswith(("stage-", "rng-rank-")):
+                inputs[RESUME_PREFIX + path.name] = str(path.resolve())
+    return inputs
 
 
 def model_file_names(model_dir: Path) -> list[str]:

@@ -1,4 +1,18 @@
-"""Entry point of one stage process: ``python -m shardpool.train.worker JOB_JSON RANK``.
+"""One stage process, top to bottom: ``python -m shardpool.train.worker JOB_JSON RANK``.
+
+Read it like a single-device loop. The process joins the others at the launcher's rendezvous
+store, builds its stage (its layers of the NF4 base, with LoRA), loads the tokenized data and the
+same step plan as the launcher, and sets up AdamW and the LR schedule over its LoRA parameters.
+Then, per optimizer step:
+  1. it runs its schedule of forward and backward micro-batches (:mod:`shardpool.train.pipeline`);
+     the last stage's loss is divided by the label tokens of the *whole* step;
+  2. replicas sum their LoRA gradients; the gradients are clipped on the global norm over all
+     stages (:mod:`shardpool.train.loss`); AdamW and the LR schedule step.
+It evaluates before and after (:mod:`shardpool.train.evaluate`), sends checkpoints and the final
+LoRA tensors to the launcher (:mod:`shardpool.train.stage_state`), and reports to it by JSON
+events on stdout. Because each stage runs exactly the layers of the single-device model on
+exactly the same inputs, and gradients accumulate in micro-batch order, the result is the
+single-device result.
 
 A failure is reported to the launcher as one JSON ``error`` event naming the stage, with the full
 traceback in the stage's log (stderr), and the process exits at once with status 1 so that no
@@ -7,13 +21,48 @@ collective is left waiting on it.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import sys
+import time
 import traceback
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
-from shardpool.contract.events import StageEvent
+import torch
+import torch.distributed as dist
+from transformers import get_scheduler
+
+from shardpool.config import Config
+from shardpool.contract.events import EVENT_PREFIX, StageEvent
+from shardpool.contract.job import Job
+from shardpool.data.prepared_file import load_prepared
+from shardpool.data.rows import PreparedData
+from shardpool.data.steps import config_step_batches
 from shardpool.errors import ShardpoolError
-from shardpool.train.pipeline import emit, run_stage_process
+from shardpool.model.lora import lora_settings
+from shardpool.model.nf4 import DTYPES
+from shardpool.model.stage import BaseSettings, StageSpec, build_stage
+from shardpool.train.evaluate import evaluate
+from shardpool.train.loss import gather_timings, label_tokens, reduce_and_clip_gradients
+from shardpool.train.pipeline import StagePipe
+from shardpool.train.process_group import Groups, Wire, join_process_group
+from shardpool.train.runfiles import DATA_INPUT, INIT_ADAPTER_PREFIX, RunFiles
+from shardpool.train.stage_state import StageState, restore_stage_state, send_checkpoint, send_final_lora
+
+__all__ = [
+    "stage_spec",
+    "StageWorker",
+    "emit",
+    "main",
+    "peak_rss_bytes",
+    "run_stage_process",
+    "scheduler_name",
+    "warmup_steps",
+]
 
 
 def main(argv: list[str]) -> int:
@@ -34,6 +83,275 @@ def main(argv: list[str]) -> int:
         sys.stderr.flush()
         os._exit(1)
     return 0
+
+
+def run_stage_process(job_path: str, rank: int) -> None:
+    """Train rank ``rank`` of the job in ``job_path`` to the end, then delete what it fetched."""
+    job = Job.read(job_path)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    worker = StageWorker(job, rank, job_dir=Path(job_path).resolve().parent)
+    try:
+        worker.run()
+    finally:
+        if hasattr(worker, "files"):
+            worker.files.close()
+
+
+def emit(event: dict[str, Any]) -> None:
+    """Send one JSON event line to the launcher over stdout."""
+    print(EVENT_PREFIX + json.dumps(event), flush=True)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM; unlike ru_maxrss it excludes the parent's)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def stage_spec(job: Job, rank: int) -> StageSpec:
+    """The StageSpec a global rank builds: its stage's layers and device, from the job's placement."""
+    index = job.stage_index(rank)
+    placement = job.stages[index]
+    return StageSpec(
+        index=index,
+        num_stages=job.num_stages,
+        start=placement.start,
+        stop=placement.stop,
+        device=placement.device,
+    )
+
+
+def scheduler_name(config: Config) -> str:
+    """The transformers scheduler for an axolotl ``lr_scheduler`` value."""
+    return {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[config.lr_scheduler]
+
+
+def warmup_steps(config: Config, total_steps: int) -> int:
+    """Warm-up steps from ``warmup_steps`` or ``warmup_ratio`` (rounded up, as transformers does)."""
+    if config.warmup_steps is not None:
+        return config.warmup_steps
+    return math.ceil(total_steps * (config.warmup_ratio or 0.0))
+
+
+class StageWorker:
+    """One stage process of one replica: builds its stage, then trains it step by step."""
+
+    def __init__(self, job: Job, rank: int, *, job_dir: Path | None = None) -> None:
+        self.job = job
+        self.rank = rank
+        self.job_dir = job_dir
+        self.config = job.parsed_config()
+        self.spec = stage_spec(job, rank)
+        self.replica = job.replica_index(rank)
+        self.device = torch.device(self.spec.device)
+        self.compute_dtype = DTYPES[self.config.compute_dtype_name]
+        self.data: PreparedData
+        self.steps: list[list[list[int]]] = []
+        self.groups: Groups
+        self.pipe: StagePipe
+        self.state: StageState
+
+    # ----- set-up -------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Join the process group, build the stage, load the data and the optimizer."""
+        torch.set_num_threads(self._threads())
+        torch.manual_seed(self.config.seed + self.rank)
+        timeout = timedelta(seconds=self.job.timeout_s)
+        store = dist.TCPStore(self.job.master_addr, self.job.master_port, is_master=False, timeout=timeout)
+        self.groups = join_process_group(
+            store=store,
+            rank=self.rank,
+            world_size=self.job.world_size,
+            num_stages=self.job.num_stages,
+            replicas=self.job.replicas,
+            device=self.device,
+            places=[self._place(rank) for rank in range(self.job.world_size)],
+            timeout=timeout,
+        )
+        self.files = RunFiles(self.job, job_dir=self.job_dir)
+        wire = Wire.for_rank(
+            self.groups,
+            rank=self.rank,
+            is_first=self.spec.is_first,
+            is_last=self.spec.is_last,
+            device=self.device,
+            wire_dtype=DTYPES[self.config.wire_dtype_name],
+            compute_dtype=self.compute_dtype,
+        )
+        lora = lora_settings(self.config, check_init_adapter=False)
+        base = BaseSettings(
+            quantize=self.config.adapter == "qlora",
+            quant_type=self.config.bnb_config_kwargs.bnb_4bit_quant_type,
+            double_quant=self.config.bnb_config_kwargs.bnb_4bit_use_double_quant,
+            compute_dtype=self.config.compute_dtype_name,
+            gradient_checkpointing=self.config.gradient_checkpointing,
+        )
+        if lora.init_from:
+            lora = replace(lora, init_from=str(self.files.adapter_dir(INIT_ADAPTER_PREFIX)))
+        with self.files.weight_reader() as reader:
+            stage = build_stage(
+                self.files.model_dir(), self.spec, base, lora, seed=self.config.seed, reader=reader
+            )
+        self.data = load_prepared(self.files.path(DATA_INPUT))
+        self.pipe = StagePipe(
+            stage, self.spec, wire, self.device, int(stage.hf_config.hidden_size), packed=self.data.packed
+        )
+        self.steps = config_step_batches(self.config, len(self.data.train), replicas=self.job.replicas)
+        named_params = stage.named_lora_parameters()
+        optimizer = torch.optim.AdamW(
+            [param for _, param in named_params],
+            lr=self.config.learning_rate,
+            betas=(self.config.adam_beta1, self.config.adam_beta2),
+            eps=self.config.adam_epsilon,
+            weight_decay=self.config.weight_decay,
+        )
+        scheduler = get_scheduler(
+            scheduler_name(self.config),
+            optimizer,
+            num_warmup_steps=warmup_steps(self.config, len(self.steps)),
+            num_training_steps=len(self.steps),
+        )
+        self.state = StageState(named_params, optimizer, scheduler)
+
+    def _threads(self) -> int:
+        """Intra-op threads: the configured count, else this machine's cores over its stage processes."""
+        if self.config.shardpool.threads_per_stage:
+            return self.config.shardpool.threads_per_stage
+        local_ranks = os.environ.get("SHARDPOOL_LOCAL_RANKS")
+        if local_ranks:
+            return max(1, (os.cpu_count() or 1) // int(local_ranks))
+        return self.job.threads_per_process
+
+    def _place(self, rank: int) -> str:
+        """The physical device of ``rank``: its host and torch device, as the job places it."""
+        placement = self.job.stages[self.job.stage_index(rank)]
+        return f"{placement.host}/{torch.device(placement.device)}"
+
+    # ----- the run ------------------------------------------------------------------------
+    def run(self) -> None:
+        """Train from the start or from a checkpoint, evaluate, and write the adapter."""
+        self.setup()
+        first_step = (
+            restore_stage_state(self.files, self.job, self.state, rank=self.rank)
+            if self.job.resume_step
+            else 0
+        )
+        if self.rank == 0:
+            emit({"event": StageEvent.READY, "total_steps": len(self.steps), "first_step": first_step})
+        eval_before = self.job.eval_before
+        if first_step == 0:
+            eval_before = self.evaluate()
+        for step in range(first_step, len(self.steps)):
+            self.train_step(step)
+            if (
+                self.config.save_steps
+                and (step + 1) % self.config.save_steps == 0
+                and step + 1 < len(self.steps)
+            ):
+                self.save_checkpoint(step + 1, eval_before=eval_before)
+        eval_after = self.evaluate(save_logits=True)
+        self.write_final_adapter()
+        emit(
+            {
+                "event": StageEvent.STAGE_DONE,
+                "rank": self.rank,
+                "stage": self.spec.index,
+                "peak_rss_bytes": peak_rss_bytes(),
+                "peak_device_bytes": self._peak_device_bytes(),
+            }
+        )
+        if self.rank == 0:
+            emit({"event": StageEvent.DONE, "eval_before": eval_before, "eval_after": eval_after})
+        dist.barrier()
+        dist.destroy_process_group()
+
+    def _peak_device_bytes(self) -> int | None:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return None
+
+    def train_step(self, step: int) -> None:
+        """One optimizer step: the schedule's micro-batches, gradient sync, clip, AdamW."""
+        started = time.perf_counter()
+        wire = self.pipe.wire
+        wire.wait_seconds = 0.0
+        all_microbatches = [self.data.train.select(rows) for rows in self.steps[step]]
+        step_label_tokens = sum(label_tokens(batch.labels) for batch in all_microbatches)
+        per_replica = self.config.gradient_accumulation_steps
+        mine = all_microbatches[self.replica * per_replica : (self.replica + 1) * per_replica]
+        totals = self.pipe.run_schedule(self.config.shardpool.schedule, mine, step_label_tokens)
+        wire.flush()
+        grad_norm, step_loss = reduce_and_clip_gradients(
+            [param.grad for _, param in self.state.named_params],
+            self.groups.replicas(self.spec.index),
+            loss=totals.loss,
+            replicas=self.job.replicas,
+            max_grad_norm=self.config.max_grad_norm,
+        )
+        self.state.optimizer.step()
+        self.state.scheduler.step()
+        self.state.optimizer.zero_grad(set_to_none=True)
+        timings = gather_timings(
+            totals.compute_seconds, wire.wait_seconds, wire.bytes_sent, self.job.world_size
+        )
+        wire.bytes_sent = 0
+        if self.rank == 0:
+            step_seconds = time.perf_counter() - started
+            tokens = sum(int(batch.attention_mask.sum()) for batch in all_microbatches)
+            emit(
+                {
+                    "event": StageEvent.STEP,
+                    "step": step + 1,
+                    "loss": step_loss,
+                    "lr": self.state.scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": tokens / step_seconds,
+                    "step_seconds": step_seconds,
+                    "stage_compute_s": timings[0],
+                    "stage_wait_s": timings[1],
+                    "bytes_sent": timings[2],
+                }
+            )
+
+    def evaluate(self, *, save_logits: bool = False) -> float | None:
+        """Mean next-token loss over the eval split through replica 0's pipeline (None if no split)."""
+        return evaluate(
+            self.pipe,
+            self.data.eval,
+            micro_batch_size=self.config.micro_batch_size,
+            replica=self.replica,
+            logits_to=self.files if save_logits else None,
+        )
+
+    # ----- saving -----------------------------------------------------------------------------
+    def save_checkpoint(self, step: int, *, eval_before: float | None) -> None:
+        """Send every stage's part of a checkpoint to the launcher, which then renames it into place."""
+        partial = send_checkpoint(
+            self.files, self.state, step, rank=self.rank, stage=self.spec.index, replica=self.replica
+        )
+        if self.rank == 0:
+            emit(
+                {
+                    "event": StageEvent.CHECKPOINT_WRITTEN,
+                    "step": step,
+                    "partial": partial,
+                    "eval_before": eval_before,
+                }
+            )
+
+    def write_final_adapter(self) -> None:
+        """Send every stage's LoRA tensors to the launcher, which merges them into one PEFT adapter."""
+        directory = send_final_lora(self.files, self.state, stage=self.spec.index, replica=self.replica)
+        if self.rank == 0:
+            emit({"event": StageEvent.FINAL_WRITTEN, "directory": directory})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import pytest
 from mesh.constants import AGENT_SOCKET_ENV, DEFAULT_AGENT_SOCKET
 from shardpool.agent.client import AgentRefused, AgentUnreachable
 from shardpool.agent.local_client import LaunchNotAllowed, LocalAgentClient, NoLocalAgent, agent_socket_path
-from shardpool.launch.mesh_launcher import online_members
+from shardpool.launch.mesh_members import online_members
 from tests.helpers.local_agent import StubLocalAgent, shared_socket_dir
 
 REPO = Path(__file__).resolve().parents[2]

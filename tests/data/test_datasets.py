@@ -1,4 +1,4 @@
-"""shardpool.data.datasets: each dataset kind, masking, truncation, packing, split, order, schedule, errors."""
+"""shardpool.data: each dataset kind, masking, truncation, packing, split, order, schedule, errors."""
 
 from __future__ import annotations
 
@@ -14,18 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardpool.config import Config, parse_config
-from shardpool.data.datasets import (
-    IGNORE_INDEX,
-    PreparedData,
-    TokenRows,
-    block_causal_mask,
-    format_alpaca_prompt,
-    load_prepared,
-    load_tokenizer,
-    prepare_data,
-    save_prepared,
-    step_batches,
-)
+from shardpool.data.formats import format_alpaca_prompt
+from shardpool.data.packing import block_causal_mask
+from shardpool.data.prepare import prepare_data
+from shardpool.data.prepared_file import load_prepared, save_prepared
+from shardpool.data.rows import IGNORE_INDEX, PreparedData, TokenRows
+from shardpool.data.steps import step_batches
+from shardpool.data.tokenizing import load_tokenizer
 from shardpool.errors import ShardpoolError
 from shardpool.model.tinymodel import make_tiny_llama, train_tokenizer
 
@@ -188,7 +183,7 @@ def test_rows_without_trainable_token_are_dropped(tmp_path: Path, model_dir: Pat
         {"input_ids": [5, 6, 7], "labels": [5, M, M]},  # label 0 is never predicted: nothing to train
         {"input_ids": [5, 6, 7], "labels": [M, M, M]},
     ]
-    with caplog.at_level(logging.WARNING, logger="shardpool.data.datasets"):
+    with caplog.at_level(logging.WARNING, logger="shardpool.data.prepare"):
         data = prepare_data(pretok(tmp_path, model_dir, rows), tok)
     assert data.train.labels[:, :3].tolist() == [[M, M, 7]]
     assert data.dropped_rows == 2

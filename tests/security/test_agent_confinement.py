@@ -15,7 +15,8 @@ from shardpool.agent.client import SignedAgentClient
 from shardpool.agent.service import Agent
 from shardpool.contract.job import Job
 from shardpool.errors import ShardpoolError
-from shardpool.launch.mesh_launcher import MeshMember, run_mesh_job
+from shardpool.launch.mesh_launcher import run_mesh_job
+from shardpool.launch.mesh_members import MeshMember
 from tests.helpers.agents import (
     AGENT_KEY,
     LAUNCHER_KEY,

@@ -159,7 +159,7 @@ def _listening_addresses(port: int) -> list[str]:
 
 
 def test_the_rendezvous_store_does_not_listen_on_every_interface() -> None:
-    from shardpool.finetune import rendezvous_store
+    from shardpool.train.rendezvous import rendezvous_store
 
     store = rendezvous_store("127.0.0.1", timeout_s=10)
     try:

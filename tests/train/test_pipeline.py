@@ -19,8 +19,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, get_scheduler
 
 from shardpool.config import parse_config
-from shardpool.data.datasets import load_prepared
-from shardpool.finetune import RUN_DIR_NAME, finetune
+from shardpool.data.prepared_file import load_prepared
+from shardpool.finetune import finetune
+from shardpool.launch.run import RUN_DIR_NAME
 from shardpool.model.nf4 import bnb_config, keep_exact_cpu_matmul
 from tests.helpers.training import base_config, read_metrics
 

@@ -1,0 +1,141 @@
+"""What ``shardpool finetune`` shows on the terminal: the placement, the progress bar, the result.
+
+Display only: everything here reads plain values it is given and writes nothing but the console.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from shardpool.config import Config
+from shardpool.contract.job import StagePlacement
+from shardpool.launch.run import RunRecord
+
+__all__ = ["TrainingProgress", "print_placement", "print_result"]
+
+_LEFT_COLUMNS = {"stage", "device", "host", "layers"}
+
+
+def print_placement(
+    console: Console,
+    config: Config,
+    *,
+    model_name: str,
+    num_layers: int,
+    placements: list[StagePlacement],
+    footprints: list[tuple[int, float]],
+    predicted_ms: list[float | None],
+    total_steps: int,
+    rows: tuple[int, int],
+) -> None:
+    """The placement table (each stage's device, layers, size and predicted time) and the step shape.
+
+    ``footprints`` holds each stage's (parameters, NF4 MiB); ``rows`` the train and eval row counts.
+    """
+    table = Table(title=f"placement of {model_name} ({num_layers} layers)")
+    for column in ("stage", "device", "host", "layers", "parameters", "NF4 MiB", "predicted ms/mb"):
+        table.add_column(column, justify="left" if column in _LEFT_COLUMNS else "right")
+    last = len(placements) - 1
+    for index, (placement, (params, mib), predicted) in enumerate(
+        zip(placements, footprints, predicted_ms, strict=True)
+    ):
+        extras = (["embed"] if index == 0 else []) + (["norm+lm_head"] if index == last else [])
+        layers = f"[{placement.start}, {placement.stop})" + (f" +{'+'.join(extras)}" if extras else "")
+        shown = "-" if predicted is None else f"{predicted:.1f}"
+        table.add_row(
+            str(index), placement.device, placement.host, layers, f"{params:,}", f"{mib:.2f}", shown
+        )
+    console.print(table)
+    replicas = config.shardpool.replicas
+    console.print(
+        f"{total_steps} steps × {config.gradient_accumulation_steps} micro-batches of "
+        f"{config.micro_batch_size} × {replicas} replica{'s' if replicas > 1 else ''}, "
+        f"schedule {config.shardpool.schedule}, {rows[0]} train rows, {rows[1]} eval rows"
+    )
+
+
+class TrainingProgress:
+    """The progress bar of a run (steps done, last loss, tokens per second, time left), as a context."""
+
+    def __init__(self, console: Console, *, total_steps: int, first_step: int) -> None:
+        columns = (
+            TextColumn("[bold]training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[tps]} tok/s"),
+            TimeRemainingColumn(),
+        )
+        self._progress = Progress(*columns, console=console, transient=False)
+        self._total_steps, self._first_step = total_steps, first_step
+        self._task: Any = None
+
+    def __enter__(self) -> TrainingProgress:
+        self._progress.__enter__()
+        self._task = self._progress.add_task(
+            "train", total=self._total_steps, completed=self._first_step, loss="-", tps="-"
+        )
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._progress.__exit__(kind, error, traceback)
+
+    def step(self, event: dict[str, Any]) -> None:
+        """Advance to a ``step`` event's step and show its loss and throughput."""
+        self._progress.update(
+            self._task,
+            completed=event["step"],
+            loss=f"{event['loss']:.4f}",
+            tps=f"{event['tokens_per_s']:.0f}",
+        )
+
+    def say(self, line: str) -> None:
+        """Print a line above the bar."""
+        self._progress.console.print(line)
+
+
+def print_result(console: Console, config: Config, record: RunRecord) -> None:
+    """The eval loss before and after (or the last train loss), and how to load the adapter."""
+    if record.eval_before is not None and record.eval_after is not None:
+        console.print(f"eval loss: {record.eval_before:.4f} before → {record.eval_after:.4f} after")
+    elif record.last_loss is not None:
+        console.print(f"final train loss: {record.last_loss:.4f} (no eval split: set val_set_size)")
+    console.print(f"adapter written to {Path(config.output_dir)}; load it with:")
+    console.print(
+        "\n".join(f"    {line}" for line in _loading_snippet(config)),
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def _loading_snippet(config: Config) -> list[str]:
+    """Python that loads the base model as shardpool trained on it, with the adapter on top."""
+    dtype = config.compute_dtype_name
+    quant = config.adapter == "qlora"
+    snippet = [
+        "import torch",
+        "from peft import PeftModel",
+        "from transformers import AutoModelForCausalLM" + (", BitsAndBytesConfig" if quant else ""),
+    ]
+    if quant:
+        kwargs = config.bnb_config_kwargs
+        snippet.append(
+            f'bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="{kwargs.bnb_4bit_quant_type}", '
+            f"bnb_4bit_use_double_quant={kwargs.bnb_4bit_use_double_quant}, bnb_4bit_compute_dtype=torch.{dtype})"
+        )
+    load_args = f'"{config.base_model}", dtype=torch.{dtype}' + (", quantization_config=bnb" if quant else "")
+    snippet.append(f"base = AutoModelForCausalLM.from_pretrained({load_args})")
+    snippet.append(f'model = PeftModel.from_pretrained(base, "{Path(config.output_dir)}")')
+    return snippet

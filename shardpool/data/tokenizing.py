@@ -1,0 +1,106 @@
+"""Tokenizing each dataset into samples, with the mask that decides which tokens are trained.
+
+An alpaca row trains only its response and eos (the prompt, and bos if the tokenizer adds one,
+get label -100); a completion row trains every token; pre-tokenized rows keep their own labels.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shardpool.config import DatasetSpec
+from shardpool.data.formats import alpaca_texts, completion_texts, pretokenized_samples, read_jsonl
+from shardpool.data.rows import IGNORE_INDEX, Sample
+from shardpool.errors import ShardpoolError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["dataset_samples", "load_tokenizer"]
+
+
+def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """Load the tokenizer saved with the base model, offline, making sure it can pad.
+
+    A tokenizer without a pad token pads with eos: padding is masked out of the loss, so which
+    id fills it does not matter, and the eos at the end of each row is still trained.
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ShardpoolError(
+            f"base_model directory {str(path)!r} does not exist; check the path (relative to the current directory)"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as error:  # transformers raises many types for a broken or missing tokenizer
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ShardpoolError(
+            f"cannot load a tokenizer from {str(path)!r} ({reason[:200]}); the base_model directory needs tokenizer.json and tokenizer_config.json"
+        ) from None
+    if tokenizer.eos_token_id is None:
+        raise ShardpoolError(
+            f"the tokenizer in {str(path)!r} has no eos token; set `eos_token` in its tokenizer_config.json"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def dataset_samples(spec: DatasetSpec, index: int, tokenizer: Any) -> list[Sample]:
+    """Every row of the dataset ``datasets[index]``, read, checked and tokenized by its ``type``."""
+    rows = read_jsonl(spec, index)
+    if spec.type == "alpaca":
+        return _alpaca_samples(rows, tokenizer)
+    if spec.type == "completion":
+        return _completion_samples(rows, tokenizer, spec.field or "text")
+    return pretokenized_samples(rows, len(tokenizer))
+
+
+def _adds_bos(tokenizer: Any) -> bool:
+    """Whether the tokenizer itself puts bos in front of a text (Llama yes, GPT-2 and Qwen no)."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return False
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bool(ids) and ids[0] == bos
+
+
+def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, without any special tokens."""
+    if not texts:
+        return []
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def _alpaca_samples(rows: list[tuple[str, dict[str, Any]]], tokenizer: Any) -> list[Sample]:
+    """Prompt tokens (and bos) get label -100; the response and eos are trained."""
+    prompts, responses = alpaca_texts(rows)
+    head = [tokenizer.bos_token_id] if _adds_bos(tokenizer) else []
+    eos = tokenizer.eos_token_id
+    samples = []
+    # Prompt and response are encoded separately, so the mask boundary is exactly where the response starts.
+    for (where, _), prompt_ids, response_ids in zip(
+        rows, _encode(tokenizer, prompts), _encode(tokenizer, responses), strict=True
+    ):
+        prompt = head + prompt_ids
+        answer = response_ids + [eos]
+        ids = prompt + answer
+        labels = [IGNORE_INDEX] * len(prompt) + answer
+        samples.append(Sample(ids, labels, [1] * len(ids), where))
+    return samples
+
+
+def _completion_samples(rows: list[tuple[str, dict[str, Any]]], tokenizer: Any, field: str) -> list[Sample]:
+    """Text plus eos, every token trained."""
+    texts = completion_texts(rows, field)
+    head = [tokenizer.bos_token_id] if _adds_bos(tokenizer) else []
+    eos = tokenizer.eos_token_id
+    samples = []
+    for (where, _), text_ids in zip(rows, _encode(tokenizer, texts), strict=True):
+        ids = head + text_ids + [eos]
+        samples.append(Sample(ids, list(ids), [1] * len(ids), where))
+    return samples

@@ -1,0 +1,162 @@
+"""The mesh as a launcher sees it: the members online, their devices and the links between them.
+
+The launcher speaks only to its own member's agent, over that agent's Unix socket: it lists the
+members there and has every request to a member's agent forwarded (signed by the local agent,
+which alone can read the WireGuard key). It asks each online member's agent for its devices
+(profiled for this model) and for the links to the others, and plans the stages over them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from shardpool.agent.client import AgentRefused, AgentUnreachable
+from shardpool.agent.local_client import LocalAgentClient
+from shardpool.config import Config
+from shardpool.errors import ShardpoolError
+from shardpool.model.shape import ModelShape
+from shardpool.plan.costmodel import Workload
+from shardpool.plan.fleet import Device, Fleet, LinkSpec
+from shardpool.plan.planner import plan_pipeline
+from shardpool.plan.result import Plan
+
+__all__ = [
+    "MemberAgent",
+    "MeshMember",
+    "launcher_member",
+    "measure_links",
+    "mesh_fleet",
+    "mesh_planner",
+    "online_members",
+]
+
+
+class MemberAgent(Protocol):
+    """What the launcher asks of one member's agent (a ForwardedAgent in production)."""
+
+    @property
+    def url(self) -> str: ...
+    def devices(
+        self, model_config: dict[str, Any], workload: dict[str, Any], *, timeout: float = ...
+    ) -> list[dict[str, Any]]: ...
+    def probe(self, targets: dict[str, str], *, nbytes: int = ...) -> dict[str, dict[str, Any]]: ...
+    def start_job(
+        self, job_id: str, job: dict[str, Any], ranks: list[int], *, files_secret: str | None = ...
+    ) -> dict[str, Any]: ...
+    def events(self, job_id: str, *, after: int, wait: float = ...) -> dict[str, Any]: ...
+    def stop_job(self, job_id: str, *, timeout: float = ...) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class MeshMember:
+    """An online mesh member and the client of its agent."""
+
+    name: str
+    address: str
+    is_self: bool
+    agent: MemberAgent
+
+
+def online_members(local: LocalAgentClient | None = None) -> list[MeshMember]:
+    """The members that answer over the mesh now (this machine included), as the local agent sees them.
+
+    The first call of a launch: a user outside the launch group is refused here, with the fix,
+    before anything is prepared or started anywhere.
+    """
+    local = local or LocalAgentClient()
+    return [
+        MeshMember(member.name, member.address, member.is_self, local.member(member.name, member.address))
+        for member in local.members()
+        if member.online
+    ]
+
+
+def launcher_member(members: list[MeshMember]) -> MeshMember:
+    """This machine among the online members; refused when its mesh interface is down."""
+    me = next((member for member in members if member.is_self), None)
+    if me is None:
+        raise ShardpoolError("this machine's mesh interface is down; run `shardpool mesh up` first")
+    return me
+
+
+def mesh_planner(members: list[MeshMember], *, say: Callable[[str], None]) -> Callable[[Config], Plan]:
+    """A planner that places a config's stages on the members' devices, profiled there for its model.
+
+    With more stages asked for than devices online, it plans one stage per device.
+    """
+
+    def plan_on_mesh(config: Config) -> Plan:
+        model_config = json.loads((Path(config.base_model) / "config.json").read_text(encoding="utf-8"))
+        shape, workload = ModelShape.from_config_dir(config.base_model), Workload.from_config(config)
+        fleet = mesh_fleet(members, model_config=model_config, workload=workload, say=say)
+        if workload.stages is not None and workload.stages > len(fleet.devices):
+            say(f"only {len(fleet.devices)} devices online: planning {len(fleet.devices)} stages")
+            workload = replace(workload, stages=len(fleet.devices))
+        return plan_pipeline(shape, workload, fleet)
+
+    return plan_on_mesh
+
+
+def mesh_fleet(
+    members: list[MeshMember], *, model_config: dict[str, Any], workload: Workload, say: Callable[[str], None]
+) -> Fleet:
+    """Devices of every member whose agent answers, profiled there, and the measured links between them."""
+    devices: list[Device] = []
+    answering: list[MeshMember] = []
+    for member in members:
+        try:
+            reported = member.agent.devices(model_config, asdict(workload))
+        except (AgentUnreachable, AgentRefused) as error:
+            say(f"skipping member {member.name!r}: {error}")
+            continue
+        answering.append(member)
+        for info in reported:
+            devices.append(
+                Device(
+                    name=f"{member.name}/{info['name']}",
+                    memory_bytes=int(info["free_bytes"]),
+                    host=member.name,
+                    seconds_per_layer=float(info["seconds_per_layer"]),
+                    kind=str(info["kind"]),
+                    torch_device=str(info["name"]),
+                    activation_bytes_per_layer=info.get("activation_bytes"),
+                )
+            )
+    if not devices:
+        raise ShardpoolError(
+            "no mesh member's agent answered; start `shardpool agent` on the members (see docs/agent.md)"
+        )
+    return Fleet(devices=tuple(devices), links=measure_links(answering, say=say))
+
+
+def measure_links(members: list[MeshMember], *, say: Callable[[str], None]) -> dict[frozenset[str], LinkSpec]:
+    """Latency and bandwidth between every pair of members, each measured by one end's agent.
+
+    A pair whose probe fails keeps the planner's default link (1 Gbit/s, 1 ms).
+    """
+    links: dict[frozenset[str], LinkSpec] = {}
+    for index, member in enumerate(members):
+        targets = {other.name: other.agent.url for other in members[index + 1 :]}
+        if not targets:
+            continue
+        try:
+            measured = member.agent.probe(targets)
+        except (AgentUnreachable, AgentRefused) as error:
+            say(f"could not measure links from {member.name!r}: {error}")
+            continue
+        for name, result in measured.items():
+            if "error" in result:
+                say(f"link {member.name} - {name}: {result['error']}")
+                continue
+            links[frozenset((member.name, name))] = LinkSpec(
+                bandwidth=float(result["bandwidth"]), latency=float(result["latency"])
+            )
+    for pair, link in sorted(links.items(), key=lambda item: sorted(item[0])):
+        say(
+            f"link {' - '.join(sorted(pair))}: {link.bandwidth * 8 / 1e9:.2f} Gbit/s, {link.latency * 1e3:.2f} ms"
+        )
+    return links

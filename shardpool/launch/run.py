@@ -1,0 +1,222 @@
+"""A run on the launcher's side: where it starts, the job its stages read, the records it keeps.
+
+A :class:`Launcher` starts a run's stages: :class:`~shardpool.launch.local_launcher.LocalLauncher`
+on this machine, :class:`~shardpool.launch.mesh_launcher.MeshLauncher` on mesh members.
+:func:`build_job` turns a planned run into the :class:`~shardpool.contract.jobfile.Job` every stage
+process reads from ``output_dir/.shardpool/job.json``. :class:`RunRecord` follows the stages'
+events and keeps ``metrics.jsonl`` (one line per logged step) and ``run_summary.json`` (how the
+run ended). Torch-free: nothing here touches a tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from mesh.files import atomic_write, write_json
+from shardpool.config import Config
+from shardpool.contract.events import StageEvent
+from shardpool.contract.job import Job, StagePlacement
+from shardpool.launch.local_launcher import LocalLauncher
+from shardpool.launch.mesh_launcher import MeshLauncher
+from shardpool.plan.local_fleet import DeviceProbe
+from shardpool.plan.result import Plan
+
+__all__ = [
+    "METRICS_FILE",
+    "RUN_DIR_NAME",
+    "Launcher",
+    "OnEvent",
+    "PlannedRun",
+    "RunRecord",
+    "build_job",
+    "launcher_for",
+    "trim_metrics",
+    "write_job",
+]
+
+RUN_DIR_NAME = ".shardpool"
+METRICS_FILE = "metrics.jsonl"
+_SUMMARY_FILE = "run_summary.json"
+_JOB_FILE = "job.json"
+
+OnEvent = Callable[[dict[str, Any]], None]  # what receives a stage's events, one at a time
+
+
+class Launcher(Protocol):
+    """Where a run's stages start, and what they reach the launcher at."""
+
+    @property
+    def address(self) -> str:
+        """The launcher's address as the stages reach it (rendezvous store, file server)."""
+        ...
+
+    @property
+    def port(self) -> int:
+        """The rendezvous store's port (0: any free port)."""
+        ...
+
+    def plan(self, config: Config) -> Plan:
+        """Place the config's stages on the devices this launcher starts them on."""
+        ...
+
+    def serving(self, inputs: dict[str, str], output_dir: Path) -> AbstractContextManager[str | None]:
+        """While open, the stages can read ``inputs`` and write into ``output_dir``; yields the file server's URL, if any."""
+        ...
+
+    def start(self, job: Job, job_file: Path, on_event: OnEvent) -> None:
+        """Run every rank of ``job`` until all finish, passing their events to ``on_event``."""
+        ...
+
+
+class PlannedRun(Protocol):
+    """What a job is built from: the config, where each stage runs, and where training starts."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def placements(self) -> list[StagePlacement]: ...
+    @property
+    def total_steps(self) -> int: ...
+    @property
+    def first_step(self) -> int: ...
+    @property
+    def eval_before(self) -> float | None: ...
+
+
+def launcher_for(config: Config, *, say: Callable[[str], None], probe: DeviceProbe) -> Launcher:
+    """This machine's launcher, or with ``placement: mesh`` the members' (their agents are asked first of all).
+
+    ``probe`` measures this machine's devices for a local plan (mesh members profile their own).
+    """
+    if config.shardpool.placement == "mesh":
+        return MeshLauncher.connect(say=say)
+    return LocalLauncher(probe=probe, port=config.shardpool.master_port or 0)
+
+
+def build_job(
+    run: PlannedRun,
+    *,
+    inputs: dict[str, str],
+    master_addr: str,
+    master_port: int,
+    files_url: str | None = None,
+) -> Job:
+    """The job of ``run``: its config, placements, input files by name and rendezvous address.
+
+    ``files_url`` is the launcher's file server, for stages on other machines.
+    """
+    config = run.config
+    return Job(
+        config=config.model_dump(mode="json"),
+        stages=run.placements,
+        replicas=config.shardpool.replicas,
+        inputs=inputs,
+        output_dir=str(Path(config.output_dir).resolve()),
+        master_addr=master_addr,
+        master_port=master_port,
+        total_steps=run.total_steps,
+        threads_per_process=_threads_per_process(config, len(run.placements) * config.shardpool.replicas),
+        resume_step=run.first_step,
+        eval_before=run.eval_before,
+        files_url=files_url,
+    )
+
+
+def write_job(job: Job, run_dir: Path) -> Path:
+    """Write ``job.json`` into the run directory; return its path."""
+    path = run_dir / _JOB_FILE
+    job.write(path)
+    return path
+
+
+def _threads_per_process(config: Config, processes: int) -> int:
+    if config.shardpool.threads_per_stage:
+        return config.shardpool.threads_per_stage
+    return max(1, (os.cpu_count() or 1) // processes)
+
+
+@dataclass
+class RunRecord:
+    """What the launcher records of a run from its stages' events, and writes into ``output_dir``."""
+
+    output_dir: Path
+    logging_steps: int
+    total_steps: int
+    first_step: int
+    eval_before: float | None = None
+    eval_after: float | None = None
+    last_loss: float | None = None
+    last_step: int = 0
+    ranks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def timed(self, start: Callable[[OnEvent], None], on_event: OnEvent) -> None:
+        """Run ``start(on_event)`` (the stages, until all finish) and record how long it took."""
+        started = time.monotonic()
+        start(on_event)
+        self.seconds = time.monotonic() - started
+
+    def record(self, event: dict[str, Any]) -> None:
+        """Note one event: a step's loss (and its metrics line when due), a rank's peaks, the eval losses."""
+        kind = event.get("event")
+        if kind == StageEvent.STEP:
+            self.last_loss = event["loss"]
+            self.last_step = event["step"]
+            if event["step"] % self.logging_steps == 0 or event["step"] == self.total_steps:
+                _append_metrics(self.output_dir / METRICS_FILE, event)
+        elif kind == StageEvent.STAGE_DONE:
+            self.ranks[int(event["rank"])] = {key: value for key, value in event.items() if key != "event"}
+        elif kind == StageEvent.DONE:
+            self.eval_before = event.get("eval_before")
+            self.eval_after = event.get("eval_after")
+
+    def write_summary(self) -> None:
+        """Record how the run ended: eval losses, time, and each stage process's peak memory."""
+        write_json(
+            self.output_dir / _SUMMARY_FILE,
+            {
+                "eval_loss_before": self.eval_before,
+                "eval_loss_after": self.eval_after,
+                "final_train_loss": self.last_loss,
+                "steps": self.total_steps,
+                "resumed_from_step": self.first_step,
+                "seconds": round(self.seconds, 3),
+                "ranks": [self.ranks[rank] for rank in sorted(self.ranks)],
+            },
+        )
+
+
+def _append_metrics(path: Path, event: dict[str, Any]) -> None:
+    record = {key: event[key] for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s")}
+    record.update(
+        {
+            "step_seconds": event["step_seconds"],
+            "stage_compute_s": event["stage_compute_s"],
+            "stage_wait_s": event["stage_wait_s"],
+            "bytes_sent": sum(event["bytes_sent"]),
+        }
+    )
+    with open(path, "a", encoding="utf-8") as file:
+        file.write(json.dumps(record) + "\n")
+
+
+def trim_metrics(path: Path, *, keep_through_step: int) -> None:
+    """Drop metric lines past the step a run restarts from, so a resumed run does not repeat them."""
+    if not path.is_file():
+        return
+    if keep_through_step == 0:
+        path.unlink()
+        return
+    kept = [
+        line
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if json.loads(line)["step"] <= keep_through_step
+    ]
+    atomic_write(path, ("\n".join(kept) + "\n").encode("utf-8") if kept else b"")

@@ -1,0 +1,86 @@
+"""The loss a step trains on, and what a step reduces across ranks.
+
+The last stage sums the next-token cross-entropy of a micro-batch and divides it by the label
+tokens of the *whole* step (all micro-batches, all replicas), as transformers does with
+``num_items_in_batch``. After the schedule, replicas sum their LoRA gradients, every rank adds its
+squared gradient norms and its loss into one global norm and step loss, and the gradients are
+clipped on that norm; every rank's compute and wait times are gathered for the step event.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["StepTotals", "gather_timings", "label_tokens", "reduce_and_clip_gradients", "token_loss_sum"]
+
+
+@dataclass
+class StepTotals:
+    """What one rank adds up over the micro-batches of a step."""
+
+    loss: float = 0.0
+    compute_seconds: float = 0.0
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over the label tokens, computed as transformers does."""
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+    return torch.nn.functional.cross_entropy(
+        logits.float().view(-1, logits.shape[-1]),
+        shifted.view(-1).to(logits.device),
+        ignore_index=-100,
+        reduction="sum",
+    )
+
+
+def label_tokens(labels: torch.Tensor) -> int:
+    """How many positions of ``labels`` contribute to the next-token loss."""
+    return int((labels[..., 1:] != -100).sum())
+
+
+def reduce_and_clip_gradients(
+    grads: list[torch.Tensor],
+    replica_group: tuple[Any, bool] | None,
+    *,
+    loss: float,
+    replicas: int,
+    max_grad_norm: float,
+) -> tuple[float, float]:
+    """Sum gradients over replicas, clip on the global norm; return (norm before clipping, step loss).
+
+    ``replica_group`` is this stage's replica group and whether it is native, or None without
+    replicas. The replica all-reduce runs on the device when the group is native, else on the host
+    over gloo; the norm and loss sums always run on the host over the gloo world.
+    """
+    if replica_group is not None:
+        group, native = replica_group
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        flat = flat if native else flat.to("cpu")
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+    norms = torch.stack([torch.linalg.vector_norm(grad, 2.0) for grad in grads]).to("cpu")
+    summary = torch.tensor([float((norms.double() ** 2).sum()), loss], dtype=torch.float64)
+    dist.all_reduce(summary)
+    grad_norm = math.sqrt(float(summary[0]) / replicas)
+    if max_grad_norm > 0:
+        coefficient = min(1.0, max_grad_norm / (grad_norm + 1e-6))
+        torch._foreach_mul_(grads, torch.tensor(coefficient, dtype=grads[0].dtype, device=grads[0].device))
+    return grad_norm, float(summary[1])
+
+
+def gather_timings(
+    compute_seconds: float, wait_seconds: float, bytes_sent: int, world_size: int
+) -> list[list[float]]:
+    """Every rank's compute seconds, wait seconds and bytes sent this step, each as a list by rank."""
+    mine = torch.tensor([compute_seconds, wait_seconds, float(bytes_sent)], dtype=torch.float64)
+    gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    return [[float(row[column]) for row in gathered] for column in range(3)]

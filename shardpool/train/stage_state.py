@@ -1,0 +1,83 @@
+"""A stage's training state, and its share of checkpoints and of the final adapter.
+
+At ``save_steps`` every stage of replica 0 sends its LoRA tensors and AdamW state, and every rank
+its RNG state, into ``checkpoints/step-N.partial`` on the launcher (see
+:mod:`shardpool.train.checkpoint` for the files and how the launcher finalizes them). At the end
+the same LoRA tensors go to ``checkpoints/final.partial``, which the launcher merges into the
+adapter. On ``--resume`` each stage restores the keys it owns from whichever stage file holds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardpool.contract.job import RESUME_PREFIX, Job
+from shardpool.train import checkpoint as ckpt
+from shardpool.train.runfiles import RunFiles
+
+__all__ = ["FINAL_DIR", "StageState", "restore_stage_state", "send_checkpoint", "send_final_lora"]
+
+FINAL_DIR = "checkpoints/final.partial"
+
+
+@dataclass
+class StageState:
+    """What a stage trains: its LoRA parameters (by global adapter key), AdamW and the LR schedule."""
+
+    named_params: list[tuple[str, torch.nn.Parameter]]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+
+
+def send_checkpoint(
+    files: RunFiles, state: StageState, step: int, *, rank: int, stage: int, replica: int
+) -> str:
+    """Send this rank's part of the checkpoint after ``step``, wait for every rank; return its directory."""
+    partial = f"checkpoints/{ckpt.partial_dir('', step).name}"
+    _send_lora_and_optimizer(files, state, partial, stage=stage, replica=replica)
+    files.save_tensors(f"{partial}/{ckpt.rng_file(rank)}", ckpt.rng_state_tensors())
+    dist.barrier()
+    return partial
+
+
+def send_final_lora(files: RunFiles, state: StageState, *, stage: int, replica: int) -> str:
+    """Send this stage's trained LoRA tensors for the adapter, wait for every rank; return their directory."""
+    _send_lora_and_optimizer(files, state, FINAL_DIR, stage=stage, replica=replica)
+    dist.barrier()
+    return FINAL_DIR
+
+
+def _send_lora_and_optimizer(
+    files: RunFiles, state: StageState, directory: str, *, stage: int, replica: int
+) -> None:
+    if replica == 0:
+        tensors = ckpt.stage_state_tensors(named_parameters=state.named_params, optimizer=state.optimizer)
+        files.save_tensors(f"{directory}/{ckpt.stage_file(stage)}", tensors)
+
+
+def restore_stage_state(files: RunFiles, job: Job, state: StageState, *, rank: int) -> int:
+    """Load the checkpoint the job resumes from into ``state`` (and this rank's RNG); return its step."""
+    step = job.resume_step
+    stage_files = [files.path(name) for name in job.inputs if name.startswith(RESUME_PREFIX + "stage-")]
+    keys = [key for key, _ in state.named_params]
+    lora, optim_state = ckpt.read_lora_and_optimizer(stage_files, keys)
+    with torch.no_grad():
+        for key, param in state.named_params:
+            param.copy_(lora[key].to(device=param.device, dtype=param.dtype))
+    optimizer_state = state.optimizer.state_dict()
+    optimizer_state["state"] = {
+        index: {field: value.to(param.device) for field, value in optim_state[key].items()}
+        for index, (key, param) in enumerate(state.named_params)
+        if optim_state[key]
+    }
+    state.optimizer.load_state_dict(optimizer_state)
+    for _ in range(step):
+        state.scheduler.step()
+    rng_input = RESUME_PREFIX + ckpt.rng_file(rank)
+    if files.has(rng_input):
+        torch.set_rng_state(ckpt.read_rng_state(files.path(rng_input)))
+    return step
