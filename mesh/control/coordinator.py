@@ -19,7 +19,7 @@ Both services run on :class:`mesh.http.server.HTTPServer` (aiohttp) and speak JS
   be large, and the reply allowance grows with their length at 256 KiB/s.
 
 Membership, roster and leave requests are authenticated by the server's ``authenticate`` hook
-with :class:`mesh.control.auth.RequestVerifier` (purpose :data:`mesh.control.auth.ROSTER_PURPOSE`) before their
+with :class:`mesh.control.verifier.RequestVerifier` (purpose :data:`mesh.control.auth.ROSTER_PURPOSE`) before their
 handler runs, so nothing in their body is parsed for an unproven sender; every reply to a proven
 sender (404s and 405s included) is signed by the ``sign_reply`` hook. A removed member that
 proves its key gets a signed 403 ``{"removed": true}`` so it can trust that it was removed; every

@@ -2,7 +2,7 @@
 
 A :class:`Launcher` starts a run's stages: :class:`~shardpool.launch.local_launcher.LocalLauncher`
 on this machine, :class:`~shardpool.launch.mesh_launcher.MeshLauncher` on mesh members.
-:func:`build_job` turns a planned run into the :class:`~shardpool.contract.jobfile.Job` every stage
+:func:`build_job` turns a planned run into the :class:`~shardpool.contract.job.Job` every stage
 process reads from ``output_dir/.shardpool/job.json``. :class:`RunRecord` follows the stages'
 events and keeps ``metrics.jsonl`` (one line per logged step) and ``run_summary.json`` (how the
 run ended). Torch-free: nothing here touches a tensor.
