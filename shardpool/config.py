@@ -75,9 +75,9 @@ class _Strict(BaseModel):
 
 
 class DatasetSpec(_Strict):
-    """One JSONL dataset. ``type`` absent means pre-tokenized rows with ``input_ids``."""
+    """One JSONL (or JSON array) dataset. ``type`` absent means pre-tokenized rows with ``input_ids``."""
 
-    path: str = Field(description="path to a .jsonl file, one JSON object per line")
+    path: str = Field(description="a .jsonl file (one JSON object per line) or a .json array of objects")
     type: Literal["alpaca", "completion"] | None = Field(
         default=None,
         description="alpaca: instruction/input/output; completion: one text field; absent: pre-tokenized",

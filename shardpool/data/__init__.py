@@ -1,9 +1,10 @@
-"""shardpool.data: a run's datasets, from JSONL files to the rows every stage trains on.
+"""shardpool.data: a run's datasets, from JSON(L) files to the rows every stage trains on.
 
-It owns reading and checking the dataset formats (:mod:`.formats`), tokenizing and masking
-(:mod:`.tokenizing`), padding and packing (:mod:`.packing`), cutting the train and eval splits
-(:mod:`.prepare`), the prepared-data file stages load (:mod:`.prepared_file`), and the step plan
-of row indices (:mod:`.steps`); :mod:`.rows` holds the shapes they pass along.
+It owns reading dataset files (:mod:`.reading`), checking the row formats (:mod:`.formats`),
+tokenizing and masking (:mod:`.tokenizing`), padding and packing (:mod:`.packing`), cutting the
+train and eval splits (:mod:`.prepare`), the prepared-data file stages load
+(:mod:`.prepared_file`), and the step plan of row indices (:mod:`.steps`); :mod:`.rows` holds the
+shapes they pass along.
 
 It may import torch, transformers (the tokenizer) and safetensors, and from shardpool only
 ``shardpool.config``, ``shardpool.errors`` and ``mesh.files``; nothing above it. Import each name

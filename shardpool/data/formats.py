@@ -1,20 +1,18 @@
-"""Reading JSONL datasets, and the three row formats shardpool understands (see docs/data.md).
+"""The three row formats shardpool understands (see docs/data.md).
 
 * ``type: alpaca``: ``instruction``, optional ``input``, ``output``; only the response is trained.
 * ``type: completion``: one text field (``text`` unless ``field:`` names another); every token trained.
 * no ``type``: pre-tokenized ``input_ids`` with optional ``labels`` and ``attention_mask``, used as given.
 
-Every row is checked here, with a one-line error naming its ``file:line`` and the fix; nothing is
-tokenized here (see :mod:`shardpool.data.tokenizing`).
+Every row is checked here, with a one-line error naming its ``file:line`` (or ``file row N``) and
+the fix. Files are read in :mod:`shardpool.data.reading`; nothing is tokenized here (see
+:mod:`shardpool.data.tokenizing`).
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
-from shardpool.config import DatasetSpec
 from shardpool.data.rows import IGNORE_INDEX, Sample
 from shardpool.errors import ShardpoolError
 
@@ -23,7 +21,6 @@ __all__ = [
     "completion_texts",
     "format_alpaca_prompt",
     "pretokenized_samples",
-    "read_jsonl",
 ]
 
 _PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
@@ -38,37 +35,6 @@ def format_alpaca_prompt(instruction: str, input: str = "") -> str:
     if input:
         return _PROMPT_WITH_INPUT.format(instruction=instruction, input=input)
     return _PROMPT_NO_INPUT.format(instruction=instruction)
-
-
-def read_jsonl(spec: DatasetSpec, index: int) -> list[tuple[str, dict[str, Any]]]:
-    """The rows of one dataset as ``(file:line, object)``; blank lines are skipped."""
-    path = Path(spec.path)
-    if not path.is_file():
-        raise ShardpoolError(
-            f"dataset file {spec.path!r} (datasets[{index}].path) does not exist; check the path (relative to the current directory)"
-        )
-    rows: list[tuple[str, dict[str, Any]]] = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{spec.path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ShardpoolError(
-                    f"{where}: invalid JSON ({error.msg} at column {error.colno}); fix the line"
-                ) from None
-            if not isinstance(row, dict):
-                raise ShardpoolError(
-                    f"{where}: expected a JSON object per line, got {type(row).__name__}; wrap the row in {{...}}"
-                )
-            rows.append((where, row))
-    if not rows:
-        raise ShardpoolError(
-            f"dataset file {spec.path!r} has no rows; add JSON lines or remove it from `datasets`"
-        )
-    return rows
 
 
 def _text_field(row: dict[str, Any], key: str, where: str, *, required: bool, fix: str) -> str:

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardpool.config import DatasetSpec
-from shardpool.data.formats import alpaca_texts, completion_texts, pretokenized_samples, read_jsonl
+from shardpool.data.formats import alpaca_texts, completion_texts, pretokenized_samples
+from shardpool.data.reading import read_rows
 from shardpool.data.rows import IGNORE_INDEX, Sample
 from shardpool.errors import ShardpoolError
 
@@ -52,7 +53,7 @@ def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase
 
 def dataset_samples(spec: DatasetSpec, index: int, tokenizer: Any) -> list[Sample]:
     """Every row of the dataset ``datasets[index]``, read, checked and tokenized by its ``type``."""
-    rows = read_jsonl(spec, index)
+    rows = read_rows(spec, index)
     if spec.type == "alpaca":
         return _alpaca_samples(rows, tokenizer)
     if spec.type == "completion":
