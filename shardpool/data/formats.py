@@ -23,18 +23,26 @@ __all__ = [
     "pretokenized_samples",
 ]
 
-_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-_PROMPT_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
+# axolotl's default alpaca prompter (AlpacaPrompter, prompt style "instruct", in
+# src/axolotl/prompters.py): a preamble, a blank line, then the turn. The response follows directly.
+_PREAMBLE_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+)
+_PREAMBLE_NO_INPUT = "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+_TURN_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+_TURN_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
 
 
 def format_alpaca_prompt(instruction: str, input: str = "") -> str:
-    """The alpaca prompt shardpool trains with; the response follows it directly.
+    """The alpaca prompt shardpool trains with, exactly axolotl's ``type: alpaca`` prompt.
 
-    An empty ``input`` leaves out the ``### Input:`` section.
+    The same rows must give the same training text as under axolotl, preamble included. An empty
+    ``input`` uses the shorter preamble and leaves out the ``### Input:`` section.
     """
     if input:
-        return _PROMPT_WITH_INPUT.format(instruction=instruction, input=input)
-    return _PROMPT_NO_INPUT.format(instruction=instruction)
+        return _PREAMBLE_WITH_INPUT + _TURN_WITH_INPUT.format(instruction=instruction, input=input)
+    return _PREAMBLE_NO_INPUT + _TURN_NO_INPUT.format(instruction=instruction)
 
 
 def _text_field(row: dict[str, Any], key: str, where: str, *, required: bool, fix: str) -> str:

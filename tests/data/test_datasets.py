@@ -106,20 +106,49 @@ def test_load_tokenizer_pads_with_eos_when_no_pad(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def test_alpaca_prompt_template() -> None:
-    assert format_alpaca_prompt("Say hi.") == "### Instruction:\nSay hi.\n\n### Response:\n"
+ALPACA_WITH_INPUT = {"instruction": "Add the two numbers.", "input": "2 + 3", "output": "5"}
+ALPACA_NO_INPUT = {"instruction": "Say hello.", "output": "Hello!"}
+# axolotl's alpaca prompt (AlpacaPrompter in src/axolotl/prompters.py), preamble included.
+RENDERED_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context."
+    " Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\nAdd the two numbers.\n\n### Input:\n2 + 3\n\n### Response:\n"
+)
+RENDERED_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\nSay hello.\n\n### Response:\n"
+)
+
+
+def test_alpaca_prompt_is_axolotls() -> None:
     assert (
-        format_alpaca_prompt("Add.", "1 + 2")
-        == "### Instruction:\nAdd.\n\n### Input:\n1 + 2\n\n### Response:\n"
+        format_alpaca_prompt(ALPACA_WITH_INPUT["instruction"], ALPACA_WITH_INPUT["input"])
+        == RENDERED_WITH_INPUT
     )
+    assert format_alpaca_prompt(ALPACA_NO_INPUT["instruction"]) == RENDERED_NO_INPUT
+    assert format_alpaca_prompt("Say hello.", "") == RENDERED_NO_INPUT
+
+
+def test_alpaca_rows_train_on_the_rendered_text(tmp_path: Path, model_dir: Path, tok: Any) -> None:
+    """The tokens of each row decode to exactly the fixed prompt, then the response and eos."""
+    rows = [ALPACA_WITH_INPUT, {**ALPACA_NO_INPUT, "input": None}]
+    config = make_config(
+        model_dir, [{"path": write_rows(tmp_path / "a.jsonl", rows), "type": "alpaca"}], sequence_len=256
+    )
+    ids, _, mask, _ = as_lists(prepare_data(config, tok).train)
+    texts = [
+        tok.decode([i for i, bit in zip(row, bits, strict=True) if bit])
+        for row, bits in zip(ids, mask, strict=True)
+    ]
+    assert texts == ["<s>" + RENDERED_WITH_INPUT + "5</s>", "<s>" + RENDERED_NO_INPUT + "Hello!</s>"]
 
 
 def test_alpaca_masks_prompt_and_padding(tmp_path: Path, model_dir: Path, tok: Any) -> None:
-    rows = [
-        {"instruction": "Add the two numbers.", "input": "2 + 3", "output": "5"},
-        {"instruction": "Say hello.", "output": "Hello!"},
-    ]
-    config = make_config(model_dir, [{"path": write_rows(tmp_path / "a.jsonl", rows), "type": "alpaca"}])
+    rows = [ALPACA_WITH_INPUT, ALPACA_NO_INPUT]
+    length = 256  # room for the preamble, which this tokenizer never saw whole
+    config = make_config(
+        model_dir, [{"path": write_rows(tmp_path / "a.jsonl", rows), "type": "alpaca"}], sequence_len=length
+    )
     data = prepare_data(config, tok)
     ids, labels, mask, positions = as_lists(data.train)
     for row, (ids_row, labels_row, mask_row, positions_row) in zip(
@@ -127,13 +156,14 @@ def test_alpaca_masks_prompt_and_padding(tmp_path: Path, model_dir: Path, tok: A
     ):
         prompt = [1] + enc(tok, format_alpaca_prompt(row["instruction"], row.get("input", "")))
         answer = enc(tok, row["output"]) + [2]
-        padding = 64 - len(prompt) - len(answer)
+        padding = length - len(prompt) - len(answer)
+        assert padding > 0
         assert ids_row == prompt + answer + [3] * padding
         assert labels_row == [M] * len(prompt) + answer + [M] * padding
         assert mask_row == [1] * (len(prompt) + len(answer)) + [0] * padding
-        assert positions_row == list(range(64))
+        assert positions_row == list(range(length))
         assert tok.decode(answer) == row["output"] + "</s>"
-    assert len(data.eval) == 0 and data.eval.sequence_len == 64 and not data.packed
+    assert len(data.eval) == 0 and data.eval.sequence_len == length and not data.packed
 
 
 def test_completion_default_and_named_field(tmp_path: Path, model_dir: Path, tok: Any) -> None:
@@ -191,9 +221,12 @@ def test_rows_without_trainable_token_are_dropped(tmp_path: Path, model_dir: Pat
 
 
 def test_alpaca_prompt_longer_than_sequence_len_is_dropped(tmp_path: Path, model_dir: Path, tok: Any) -> None:
-    rows = [{"instruction": "word " * 40, "output": "x"}, {"instruction": "Hi.", "output": "Hello."}]
+    short = {"instruction": "Hi.", "output": "Hello."}
+    # The short row fits with 4 tokens to spare; the long one's prompt alone is longer.
+    length = 1 + len(enc(tok, format_alpaca_prompt("Hi."))) + len(enc(tok, "Hello.")) + 1 + 4
+    rows = [{"instruction": "word " * length, "output": "x"}, short]
     path = write_rows(tmp_path / "a.jsonl", rows)
-    data = prepare_data(make_config(model_dir, [{"path": path, "type": "alpaca"}], sequence_len=24), tok)
+    data = prepare_data(make_config(model_dir, [{"path": path, "type": "alpaca"}], sequence_len=length), tok)
     assert len(data.train) == 1 and data.dropped_rows == 1
 
 
