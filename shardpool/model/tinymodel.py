@@ -192,7 +192,7 @@ QUICKSTART_ROWS = 480
 QUICKSTART_SEED = 0
 # A tiny Llama: ~0.9M parameters, about 3.6 MB of fp32 safetensors. The wider initialisation (0.1
 # instead of transformers' 0.02) gives the frozen lm_head rows enough norm for confident logits, so
-# LoRA alone can bring the loss down visibly (about 8.0 -> 3.7 in 150 steps on the quickstart data).
+# LoRA alone can bring the loss down visibly (eval loss about 7.9 -> 2.9 in 150 steps on the quickstart data).
 QUICKSTART_MODEL: dict[str, Any] = {
     "num_layers": 4,
     "hidden_size": 128,
