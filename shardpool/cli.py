@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from mesh.errors import MeshError
+from shardpool import __version__
 from shardpool.agent.accounts import DEFAULT_LAUNCH_GROUP, DEFAULT_RUN_AS
 from shardpool.errors import ShardpoolError
 
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="shardpool",
         description="QLoRA fine-tuning across mismatched devices over a WireGuard mesh.",
     )
+    parser.add_argument("--version", action="version", version=f"shardpool {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     finetune = commands.add_parser("finetune", help="train a LoRA adapter from an axolotl-style config")

@@ -1,13 +1,15 @@
-"""What ``shardpool finetune`` shows on the terminal: the placement, the progress bar, the result.
+"""What ``shardpool finetune`` shows: the placement, the training progress, the result.
 
-Display only: everything here reads plain values it is given and writes nothing but the console.
+Progress is a live bar on a terminal, and one plain log line per logged step where stdout is a
+file or a pipe (nohup, Slurm, CI), which cannot redraw a bar. Display only: everything here
+reads plain values it is given and writes nothing but the console.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -15,9 +17,18 @@ from rich.table import Table
 
 from shardpool.config import Config
 from shardpool.contract.job import StagePlacement
-from shardpool.launch.run import RunRecord
+from shardpool.launch.run import RunRecord, is_logged_step
 
-__all__ = ["TrainingProgress", "print_placement", "print_result"]
+__all__ = [
+    "RunProgress",
+    "StepLog",
+    "TrainingProgress",
+    "format_step_line",
+    "print_placement",
+    "print_result",
+    "training_progress",
+    "wants_progress_bar",
+]
 
 _LEFT_COLUMNS = {"stage", "device", "host", "layers"}
 
@@ -103,6 +114,94 @@ class TrainingProgress:
     def say(self, line: str) -> None:
         """Print a line above the bar."""
         self._progress.console.print(line)
+
+
+class StepLog:
+    """Training progress as plain lines, one per logged step, for output that is not a terminal."""
+
+    def __init__(self, console: Console, *, total_steps: int, logging_steps: int) -> None:
+        self._console = console
+        self._total_steps, self._logging_steps = total_steps, logging_steps
+        self._seconds, self._steps_timed = 0.0, 0
+
+    def __enter__(self) -> StepLog:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        return None
+
+    def step(self, event: dict[str, Any]) -> None:
+        """Time a ``step`` event, and print its line when it is a logged step (as in metrics.jsonl)."""
+        self._seconds += event["step_seconds"]
+        self._steps_timed += 1
+        step = event["step"]
+        if not is_logged_step(step, self._logging_steps, self._total_steps):
+            return
+        eta = (self._total_steps - step) * self._seconds / self._steps_timed
+        line = format_step_line(
+            step,
+            self._total_steps,
+            loss=event["loss"],
+            learning_rate=event["lr"],
+            tokens_per_s=event["tokens_per_s"],
+            eta_seconds=eta,
+        )
+        self.say(line)
+
+    def say(self, line: str) -> None:
+        """Print a line as it is (no markup, no wrapping)."""
+        self._console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def format_step_line(
+    step: int,
+    total_steps: int,
+    *,
+    loss: float,
+    learning_rate: float,
+    tokens_per_s: float,
+    eta_seconds: float,
+) -> str:
+    """One step's log line: ``step 2/3  loss 2.3457  lr 1.00e-02  512 tok/s  eta 0:00:04``."""
+    eta = int(round(max(eta_seconds, 0.0)))
+    hours, rest = divmod(eta, 3600)
+    return (
+        f"step {step}/{total_steps}  loss {loss:.4f}  lr {learning_rate:.2e}  "
+        f"{tokens_per_s:.0f} tok/s  eta {hours}:{rest // 60:02d}:{rest % 60:02d}"
+    )
+
+
+def wants_progress_bar(*, is_terminal: bool, is_dumb_terminal: bool) -> bool:
+    """Whether to show a live bar: only on a terminal that can redraw it (not a file, pipe or TERM=dumb)."""
+    return is_terminal and not is_dumb_terminal
+
+
+class RunProgress(Protocol):
+    """How a run's progress is shown, as a context: step events in, lines said above or between them."""
+
+    def __enter__(self) -> RunProgress: ...
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None: ...
+    def step(self, event: dict[str, Any]) -> None: ...
+    def say(self, line: str) -> None: ...
+
+
+def training_progress(
+    console: Console, *, total_steps: int, first_step: int, logging_steps: int
+) -> RunProgress:
+    """The progress bar on a terminal, else a plain line per logged step (see :func:`wants_progress_bar`)."""
+    if wants_progress_bar(is_terminal=console.is_terminal, is_dumb_terminal=console.is_dumb_terminal):
+        return TrainingProgress(console, total_steps=total_steps, first_step=first_step)
+    return StepLog(console, total_steps=total_steps, logging_steps=logging_steps)
 
 
 def print_result(console: Console, config: Config, record: RunRecord) -> None:

@@ -9,9 +9,9 @@ The story of a run, top to bottom:
   3. write what every stage reads (the tokenized data, ``plan.json``, ``.shardpool/job.json``),
      serve it to remote stages, and host the rendezvous store;
   4. start one process per stage and replica, ``python -m shardpool.train.worker job.json RANK``
-     (:mod:`shardpool.train.worker`), and relay their events: the progress bar and
-     ``metrics.jsonl`` per step, checkpoints finalized, and at the end the stages' LoRA tensors
-     merged into the adapter;
+     (:mod:`shardpool.train.worker`), and relay their events: the progress (a bar on a terminal,
+     else a log line per logged step) and ``metrics.jsonl`` per step, checkpoints finalized, and
+     at the end the stages' LoRA tensors merged into the adapter;
   5. report eval loss before and after, and how to load the adapter.
 """
 
@@ -27,7 +27,7 @@ from rich.console import Console
 
 from mesh.files import write_json
 from shardpool.config import Config, load_config
-from shardpool.console import TrainingProgress, print_placement, print_result
+from shardpool.console import print_placement, print_result, training_progress
 from shardpool.contract.events import StageEvent
 from shardpool.contract.job import Job, StagePlacement
 from shardpool.contract.names import resolve_inside
@@ -154,7 +154,12 @@ def _train(console: Console, run: PreparedRun, job: Job, *, start: Callable[[OnE
     record = RunRecord(
         output_dir, run.config.logging_steps, run.total_steps, run.first_step, eval_before=job.eval_before
     )
-    with TrainingProgress(console, total_steps=run.total_steps, first_step=run.first_step) as progress:
+    with training_progress(
+        console,
+        total_steps=run.total_steps,
+        first_step=run.first_step,
+        logging_steps=run.config.logging_steps,
+    ) as progress:
 
         def on_event(event: dict[str, Any]) -> None:
             record.record(event)

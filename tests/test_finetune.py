@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -151,6 +152,32 @@ def _worker_pids(job_file: Path) -> dict[int, int]:
         if b"shardpool.train.worker" in argv and str(job_file).encode() in argv:
             found[int(argv[argv.index(str(job_file).encode()) + 1])] = int(entry.name)
     return found
+
+
+@pytest.mark.slow
+def test_output_that_is_not_a_terminal_gets_a_log_line_per_logged_step(
+    tmp_path: Path, tiny_model: Path, completion_data: Path
+) -> None:
+    out = tmp_path / "out"
+    config = base_config(tiny_model, completion_data, out, max_steps=3, logging_steps=2)
+    result = run_cli("finetune", str(write_config(tmp_path / "c.yaml", config)), timeout=180)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    step_lines = [line for line in lines if line.startswith("step ")]
+    shape = r"step \d/3  loss \S+  lr \d\.\d\de[-+]\d\d  \d+ tok/s  eta \d+:\d\d:\d\d"
+    assert [re.fullmatch(shape, line) is not None for line in step_lines] == [True, True], result.stdout
+    metrics = read_metrics(out)
+    assert [record["step"] for record in metrics] == [2, 3]
+    for line, record in zip(step_lines, metrics, strict=True):
+        assert line.startswith(f"step {record['step']}/3  loss {record['loss']:.4f}  lr ")
+    assert step_lines[-1].endswith("eta 0:00:00")
+    assert not any(line.startswith("training") for line in lines), (
+        "no progress bar where stdout is not a terminal"
+    )
+    placement = next(index for index, line in enumerate(lines) if "placement of" in line)
+    result_line = next(index for index, line in enumerate(lines) if line.startswith("eval loss: "))
+    assert placement < lines.index(step_lines[0]) < lines.index(step_lines[-1]) < result_line
+    assert any(line.startswith("adapter written to ") for line in lines[result_line:])
 
 
 @pytest.mark.slow

@@ -19,13 +19,14 @@ from mesh.wireguard.choice import BACKENDS
 
 __all__ = ["DESCRIPTION", "add_mesh_commands", "build_parser", "main"]
 
-DESCRIPTION = """``shardpool mesh ...``: create, join, inspect and leave the WireGuard mesh.
+DESCRIPTION = """`shardpool mesh ...`: create, join, inspect and leave the WireGuard mesh.
 
-Every command takes ``--state-dir`` (default ``$SHARDPOOL_HOME``, then ``/var/lib/shardpool``
-for root or ``~/.local/share/shardpool``). Commands that print a join token print it alone on
-the last line of their output, so scripts can take it with ``tail -n 1``.
+Every command takes --state-dir (default $SHARDPOOL_HOME, then /var/lib/shardpool
+for root or ~/.local/share/shardpool). Commands that print a join token print it alone on
+the last line of their output, so scripts can take it with `tail -n 1`.
 """
-"""The description of ``shardpool mesh`` and ``python -m mesh`` in their help."""
+"""The description of ``shardpool mesh`` and ``python -m mesh`` in their help: plain text, as
+argparse prints it (commands in single backticks, like the other help texts)."""
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

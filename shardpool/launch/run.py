@@ -36,6 +36,7 @@ __all__ = [
     "PlannedRun",
     "RunRecord",
     "build_job",
+    "is_logged_step",
     "launcher_for",
     "trim_metrics",
     "write_job",
@@ -169,7 +170,7 @@ class RunRecord:
         if kind == StageEvent.STEP:
             self.last_loss = event["loss"]
             self.last_step = event["step"]
-            if event["step"] % self.logging_steps == 0 or event["step"] == self.total_steps:
+            if is_logged_step(event["step"], self.logging_steps, self.total_steps):
                 _append_metrics(self.output_dir / METRICS_FILE, event)
         elif kind == StageEvent.STAGE_DONE:
             self.ranks[int(event["rank"])] = {key: value for key, value in event.items() if key != "event"}
@@ -191,6 +192,11 @@ class RunRecord:
                 "ranks": [self.ranks[rank] for rank in sorted(self.ranks)],
             },
         )
+
+
+def is_logged_step(step: int, logging_steps: int, total_steps: int) -> bool:
+    """Whether ``step`` is logged (a metrics.jsonl line, a plain log line): every ``logging_steps``-th, and the last."""
+    return step % logging_steps == 0 or step == total_steps
 
 
 def _append_metrics(path: Path, event: dict[str, Any]) -> None:
