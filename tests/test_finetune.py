@@ -307,7 +307,7 @@ def test_resume_from_a_step_n_checkpoint_of_an_earlier_version(
         parse_config(base_config(tiny_model, completion_data, tmp_path / "first", **overrides)),
         console=Console(quiet=True),
     )
-    assert sorted(path.name for path in (first / "checkpoints").iterdir()) == ["checkpoint-1", "checkpoint-2"]
+    assert [path.name for path in (first / "checkpoints").iterdir()] == ["checkpoint-1"]
     old = tmp_path / "old"
     old.mkdir()
     shutil.copytree(first / "checkpoints" / "checkpoint-1", old / "checkpoints" / "step-1")
@@ -320,7 +320,6 @@ def test_resume_from_a_step_n_checkpoint_of_an_earlier_version(
     first_adapter = load_file(str(first / "adapter_model.safetensors"))
     assert resumed_adapter.keys() == first_adapter.keys()
     assert max(float((resumed_adapter[k] - first_adapter[k]).abs().max()) for k in first_adapter) < 1e-6
-    assert (old / "checkpoints" / "checkpoint-2" / "checkpoint.json").is_file()
 
 
 def test_rendezvous_store_serves_on_its_host_only(tmp_path: Path) -> None:
