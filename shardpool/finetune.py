@@ -11,8 +11,9 @@ The story of a run, top to bottom:
   4. start one process per stage and replica, ``python -m shardpool.train.worker job.json RANK``
      (:mod:`shardpool.train.worker`), and relay their events: the progress (a bar on a terminal,
      else a log line per logged step) and ``metrics.jsonl`` per step, checkpoints finalized, and
-     at the end the stages' LoRA tensors merged into the adapter;
-  5. report eval loss before and after, and how to load the adapter.
+     at the end the stages' LoRA tensors merged into the adapter, saved with the tokenizer;
+  5. write the model card (``README.md``), report eval loss before and after, and how to load
+     the adapter.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -35,7 +36,8 @@ from shardpool.data.prepare import prepare_data
 from shardpool.data.prepared_file import save_prepared
 from shardpool.data.rows import PreparedData
 from shardpool.data.steps import config_step_batches
-from shardpool.data.tokenizing import load_tokenizer
+from shardpool.data.tokenizing import load_tokenizer, save_tokenizer
+from shardpool.launch.model_card import render_model_card, write_model_card
 from shardpool.launch.run import (
     METRICS_FILE,
     RUN_DIR_NAME,
@@ -47,13 +49,16 @@ from shardpool.launch.run import (
     write_job,
 )
 from shardpool.model.footprint import stage_footprints
-from shardpool.model.lora import LoraSettings, lora_settings, write_adapter
+from shardpool.model.lora import LoraSettings, base_model_reference, lora_settings, write_adapter
 from shardpool.model.shape import ModelInfo, check_stage_count, read_model_info
 from shardpool.plan.profiler import TorchProbe
 from shardpool.plan.result import Plan
 from shardpool.train import checkpoint as ckpt
 from shardpool.train.rendezvous import rendezvous_store
 from shardpool.train.runfiles import DATA_INPUT, job_inputs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["PreparedRun", "finetune", "finetune_from_file", "prepare_run"]
 
@@ -72,6 +77,7 @@ class PreparedRun:
     plan: dict[str, Any]
     first_step: int = 0
     eval_before: float | None = None
+    tokenizer: PreTrainedTokenizerBase | None = None
 
 
 def finetune_from_file(
@@ -96,6 +102,14 @@ def finetune(config: Config, *, resume: bool = False, console: Console | None = 
         job_file = write_job(job, run_dir)
         record = _train(console, run, job, start=lambda on_event: launcher.start(job, job_file, on_event))
         del store
+    card = render_model_card(
+        config,
+        base_model=base_model_reference(config.base_model),
+        target_modules=run.lora.target_modules,
+        placements=run.placements,
+        outcome=record.outcome(run.total_steps),
+    )
+    write_model_card(config.output_dir, card)
     print_result(console, config, record)
     return Path(config.output_dir)
 
@@ -108,7 +122,8 @@ def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Pla
     model = read_model_info(config.base_model)
     lora = lora_settings(config)
     check_stage_count(config, model)
-    data = prepare_data(config, load_tokenizer(config.base_model))
+    tokenizer = load_tokenizer(config.base_model)
+    data = prepare_data(config, tokenizer)
     total_steps = len(config_step_batches(config, len(data.train), replicas=config.shardpool.replicas))
     resume_from = ckpt.resume_point(Path(config.output_dir), resume=resume)
     plan = planner(config)
@@ -121,7 +136,17 @@ def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Pla
     first_step = ckpt.checkpoint_step(resume_from) if resume_from else 0
     eval_before = ckpt.checkpoint_eval_before(resume_from) if resume_from else None
     return PreparedRun(
-        config, model, lora, placements, data, total_steps, resume_from, plan_json, first_step, eval_before
+        config,
+        model,
+        lora,
+        placements,
+        data,
+        total_steps,
+        resume_from,
+        plan_json,
+        first_step,
+        eval_before,
+        tokenizer,
     )
 
 
@@ -179,6 +204,8 @@ def _train(console: Console, run: PreparedRun, job: Job, *, start: Callable[[OnE
                 final_dir = resolve_inside(output_dir, event["directory"], "final adapter directory")
                 lora = ckpt.merge_stage_lora(final_dir)
                 write_adapter(output_dir, lora, run.lora, base_model=run.config.base_model)
+                if run.tokenizer is not None:
+                    save_tokenizer(run.tokenizer, output_dir, scratch_parent=output_dir / RUN_DIR_NAME)
                 shutil.rmtree(final_dir, ignore_errors=True)
 
         record.timed(start, on_event)

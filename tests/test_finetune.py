@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -233,7 +234,7 @@ def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while not (killed_out / "checkpoints" / "step-3").is_dir():
+        while not (killed_out / "checkpoints" / "checkpoint-3").is_dir():
             assert launcher.poll() is None, launcher.communicate()
             assert time.monotonic() < deadline, "no checkpoint appeared"
             time.sleep(0.02)
@@ -269,10 +270,83 @@ def test_resume_without_checkpoint_and_rerun_over_checkpoints_are_refused(
     config = write_config(tmp_path / "c.yaml", base_config(tiny_model, completion_data, out))
     assert main(["finetune", str(config), "--resume"]) == 2
     assert "no checkpoint" in capsys.readouterr().err
-    (out / "checkpoints" / "step-2").mkdir(parents=True)
-    (out / "checkpoints" / "step-2" / "checkpoint.json").write_text('{"step": 2}')
+    (out / "checkpoints" / "checkpoint-2").mkdir(parents=True)
+    (out / "checkpoints" / "checkpoint-2" / "checkpoint.json").write_text('{"step": 2}')
     assert main(["finetune", str(config)]) == 2
     assert "pass --resume" in capsys.readouterr().err
+
+
+_LOAD_OUTPUT_DIR = """
+import json, sys
+import torch
+from peft import AutoPeftModelForCausalLM
+from transformers import AutoTokenizer
+model = AutoPeftModelForCausalLM.from_pretrained(sys.argv[1])
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+ids = tokenizer("alpha beta gamma", return_tensors="pt").input_ids
+with torch.no_grad():
+    logits = model(ids).logits
+print(json.dumps({"base": model.peft_config["default"].base_model_name_or_path, "shape": list(logits.shape)}))
+"""
+
+
+@pytest.mark.slow
+def test_output_dir_loads_by_itself_from_any_directory(
+    tmp_path: Path, tiny_model: Path, completion_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workdir = tmp_path / "work"
+    (workdir / "models").mkdir(parents=True)
+    (workdir / "models" / "tiny").symlink_to(tiny_model)
+    monkeypatch.chdir(workdir)
+    config = base_config(Path("models/tiny"), completion_data, Path("out"), max_steps=1)
+    out = workdir / finetune(parse_config(config), console=Console(quiet=True))
+
+    adapter_config = json.loads((out / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(tiny_model.resolve())
+    assert (out / "tokenizer_config.json").is_file() and (out / "tokenizer.json").is_file()
+    assert not list((out / RUN_DIR_NAME).glob("tokenizer-*")), "the tokenizer's scratch directory is removed"
+    card = (out / "README.md").read_text()
+    assert card.startswith(f"---\nbase_model: {tiny_model.resolve()}\nlibrary_name: peft\n")
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert f"| final train loss | {summary['final_train_loss']:.4f} |" in card
+    assert f"| eval loss after training | {summary['eval_loss_after']:.4f} |" in card
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    loaded = subprocess.run(
+        [sys.executable, "-c", _LOAD_OUTPUT_DIR, str(out)],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert loaded.returncode == 0, loaded.stderr
+    result = json.loads(loaded.stdout.strip().splitlines()[-1])
+    assert result["base"] == str(tiny_model.resolve())
+    vocab_size = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    assert result["shape"][0] == 1 and result["shape"][2] == vocab_size
+
+
+@pytest.mark.slow
+def test_resume_from_a_step_n_checkpoint_of_an_earlier_version(
+    tmp_path: Path, tiny_model: Path, completion_data: Path
+) -> None:
+    overrides: dict[str, Any] = {"max_steps": 2, "save_steps": 1, "shardpool": {"stages": 2}}
+    first = finetune(
+        parse_config(base_config(tiny_model, completion_data, tmp_path / "first", **overrides)),
+        console=Console(quiet=True),
+    )
+    assert [path.name for path in (first / "checkpoints").iterdir()] == ["checkpoint-1"]
+    old = tmp_path / "old"
+    old.mkdir()
+    shutil.copytree(first / "checkpoints" / "checkpoint-1", old / "checkpoints" / "step-1")
+    shutil.copy(first / "metrics.jsonl", old / "metrics.jsonl")
+    config = write_config(tmp_path / "c.yaml", base_config(tiny_model, completion_data, old, **overrides))
+    resumed = run_cli("finetune", str(config), "--resume", timeout=180)
+    assert resumed.returncode == 0, resumed.stderr
+    assert [record["step"] for record in read_metrics(old)] == [1, 2]
+    resumed_adapter = load_file(str(old / "adapter_model.safetensors"))
+    first_adapter = load_file(str(first / "adapter_model.safetensors"))
+    assert resumed_adapter.keys() == first_adapter.keys()
+    assert max(float((resumed_adapter[k] - first_adapter[k]).abs().max()) for k in first_adapter) < 1e-6
 
 
 def test_rendezvous_store_serves_on_its_host_only(tmp_path: Path) -> None:

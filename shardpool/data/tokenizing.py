@@ -7,9 +7,11 @@ get label -100); a completion row trains every token; pre-tokenized rows keep th
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mesh.files import atomic_write
 from shardpool.config import DatasetSpec
 from shardpool.data.formats import alpaca_texts, completion_texts, pretokenized_samples
 from shardpool.data.reading import read_rows
@@ -105,3 +107,16 @@ def _completion_samples(rows: list[tuple[str, dict[str, Any]]], tokenizer: Any, 
         ids = head + text_ids + [eos]
         samples.append(Sample(ids, list(ids), [1] * len(ids), where))
     return samples
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, directory: Path, *, scratch_parent: Path) -> None:
+    """Save the tokenizer the data was tokenized with into ``directory``, each file atomically.
+
+    ``save_pretrained`` writes in place, so it writes into a scratch directory under
+    ``scratch_parent`` first, and each file is then published with one rename.
+    """
+    with tempfile.TemporaryDirectory(dir=scratch_parent, prefix="tokenizer-") as scratch:
+        tokenizer.save_pretrained(scratch)
+        for saved in sorted(Path(scratch).iterdir()):
+            if saved.is_file():
+                atomic_write(directory / saved.name, saved.read_bytes())

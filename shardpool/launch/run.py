@@ -25,6 +25,7 @@ from shardpool.contract.events import StageEvent
 from shardpool.contract.job import Job, StagePlacement
 from shardpool.launch.local_launcher import LocalLauncher
 from shardpool.launch.mesh_launcher import MeshLauncher
+from shardpool.launch.model_card import TrainingOutcome
 from shardpool.plan.local_fleet import DeviceProbe
 from shardpool.plan.result import Plan
 
@@ -163,6 +164,15 @@ class RunRecord:
         started = time.monotonic()
         start(on_event)
         self.seconds = time.monotonic() - started
+
+    def outcome(self, steps: int) -> TrainingOutcome:
+        """What the model card reports of this run: steps, the last train loss, eval loss before and after."""
+        return TrainingOutcome(
+            steps=steps,
+            final_train_loss=self.last_loss,
+            eval_loss_before=self.eval_before,
+            eval_loss_after=self.eval_after,
+        )
 
     def record(self, event: dict[str, Any]) -> None:
         """Note one event: a step's loss (and its metrics line when due), a rank's peaks, the eval losses."""

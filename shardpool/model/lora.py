@@ -30,6 +30,7 @@ __all__ = [
     "init_lora_weights",
     "write_adapter",
     "read_adapter_tensors",
+    "base_model_reference",
     "ADAPTER_WEIGHTS",
     "ADAPTER_CONFIG",
 ]
@@ -136,15 +137,28 @@ def init_lora_weights(named_lora_a: dict[str, torch.nn.Parameter], *, seed: int)
 def write_adapter(
     output_dir: str | Path, tensors: dict[str, torch.Tensor], settings: LoraSettings, *, base_model: str
 ) -> None:
-    """Write a PEFT adapter directory (config + safetensors), each file atomically."""
+    """Write a PEFT adapter directory (config + safetensors), each file atomically.
+
+    ``base_model_name_or_path`` is :func:`base_model_reference`, so the adapter loads by itself
+    (``AutoPeftModelForCausalLM``) from any directory.
+    """
     directory = Path(output_dir)
     directory.mkdir(parents=True, exist_ok=True)
     config = peft_config(settings)
-    config.base_model_name_or_path = str(base_model)
+    config.base_model_name_or_path = base_model_reference(base_model)
     config.inference_mode = True
     payload = json.dumps(config.to_dict(), indent=2, sort_keys=True, default=_json_default)
     atomic_write(directory / ADAPTER_CONFIG, payload.encode("utf-8"))
     save_tensors(directory / ADAPTER_WEIGHTS, dict(sorted(tensors.items())), metadata={"format": "pt"})
+
+
+def base_model_reference(base_model: str | Path) -> str:
+    """How an adapter names its base model: the absolute path of a local directory, else as given (a hub id).
+
+    A path relative to where training ran would not resolve from anywhere else.
+    """
+    path = Path(base_model).expanduser()
+    return str(path.resolve()) if path.is_dir() else str(base_model)
 
 
 def read_adapter_tensors(adapter_dir: str | Path) -> dict[str, torch.Tensor]:

@@ -1,10 +1,10 @@
 """Checkpoints: adapter, optimizer, scheduler position, RNG and data position, saved atomically.
 
-Each stage sends its part into ``checkpoints/step-N.partial`` on the launching machine; after a
-barrier, the launcher merges the adapter and renames the directory to ``checkpoints/step-N`` in
-one step. A crash while saving
-leaves a ``.partial`` directory that is ignored (and cleared by the next run), and the previous
-checkpoint untouched.
+Each stage sends its part into ``checkpoints/checkpoint-N.partial`` on the launching machine;
+after a barrier, the launcher merges the adapter and renames the directory to
+``checkpoints/checkpoint-N`` (Hugging Face's name) in one step. A crash while saving leaves a
+``.partial`` directory that is ignored (and cleared by the next run), and the previous checkpoint
+untouched. Checkpoints named ``step-N``, as shardpool named them before, are still resumed from.
 
 Every tensor is keyed by its global adapter key, so a checkpoint written by one split of the
 layers can be resumed by another.
@@ -43,7 +43,8 @@ __all__ = [
     "resume_point",
 ]
 
-_STEP_DIR = re.compile(r"step-([0-9]+)")
+CHECKPOINT_PREFIX = "checkpoint-"
+_CHECKPOINT_DIR = re.compile(r"(checkpoint|step)-([0-9]+)")  # step-N: by earlier versions
 _OPTIM_FIELDS = ("exp_avg", "exp_avg_sq", "step")
 
 
@@ -54,7 +55,7 @@ def checkpoints_root(output_dir: str | Path) -> Path:
 
 def partial_dir(output_dir: str | Path, step: int) -> Path:
     """The directory a checkpoint is assembled in before it is renamed into place."""
-    return checkpoints_root(output_dir) / f"step-{step}.partial"
+    return checkpoints_root(output_dir) / f"{CHECKPOINT_PREFIX}{step}.partial"
 
 
 def stage_state_tensors(
@@ -95,9 +96,9 @@ def finalize_checkpoint(
     """Merge the stages' LoRA tensors into an adapter, record the step, and rename into place."""
     write_adapter(directory, merge_stage_lora(directory), settings, base_model=base_model)
     write_json(directory / "checkpoint.json", {"step": step, **extra})
-    final = directory.parent / f"step-{step}"
+    final = directory.parent / f"{CHECKPOINT_PREFIX}{step}"
     if final.exists():
-        stale = directory.parent / f"step-{step}.stale"
+        stale = directory.parent / f"{CHECKPOINT_PREFIX}{step}.stale"
         shutil.rmtree(stale, ignore_errors=True)
         final.rename(stale)
         shutil.rmtree(stale, ignore_errors=True)
@@ -115,16 +116,19 @@ def read_stage_lora(path: Path) -> dict[str, torch.Tensor]:
 
 
 def newest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step, or None."""
+    """The complete checkpoint with the highest step, or None.
+
+    Both ``checkpoint-N`` and the older ``step-N`` count; at equal steps ``checkpoint-N`` wins.
+    """
     root = checkpoints_root(output_dir)
     if not root.is_dir():
         return None
     complete = []
     for child in root.iterdir():
-        match = _STEP_DIR.fullmatch(child.name)
+        match = _CHECKPOINT_DIR.fullmatch(child.name)
         if match and (child / "checkpoint.json").is_file():
-            complete.append((int(match.group(1)), child))
-    return max(complete)[1] if complete else None
+            complete.append((int(match.group(2)), match.group(1) == "checkpoint", child))
+    return max(complete)[2] if complete else None
 
 
 def checkpoint_step(directory: Path) -> int:

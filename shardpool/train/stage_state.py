@@ -1,7 +1,7 @@
 """A stage's training state, and its share of checkpoints and of the final adapter.
 
 At ``save_steps`` every stage of replica 0 sends its LoRA tensors and AdamW state, and every rank
-its RNG state, into ``checkpoints/step-N.partial`` on the launcher (see
+its RNG state, into ``checkpoints/checkpoint-N.partial`` on the launcher (see
 :mod:`shardpool.train.checkpoint` for the files and how the launcher finalizes them). At the end
 the same LoRA tensors go to ``checkpoints/final.partial``, which the launcher merges into the
 adapter. On ``--resume`` each stage restores the keys it owns from whichever stage file holds them.

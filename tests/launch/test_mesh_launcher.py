@@ -166,7 +166,9 @@ def test_losing_a_member_stops_the_run_and_resume_finishes_on_the_rest(
     config_path = write_config(tmp_path / "lossy.yaml", config)
     launcher = launch(lab, lab.hosts["a"], private, config_path, background=True)
     try:
-        wait_for(lambda: (out / "checkpoints" / "step-2").is_dir() or launcher.poll() is not None, 300, 0.2)
+        wait_for(
+            lambda: (out / "checkpoints" / "checkpoint-2").is_dir() or launcher.poll() is not None, 300, 0.2
+        )
         assert launcher.poll() is None, launcher.communicate()
         killed_at = time.monotonic()
         lab._kill_namespace_processes(lab.hosts["c"].netns)
@@ -179,7 +181,7 @@ def test_losing_a_member_stops_the_run_and_resume_finishes_on_the_rest(
     assert MEASURED["stopped_after_member_loss_s"] < 60
     error = stderr.strip().splitlines()[-1]
     assert "'c'" in error and "step" in error, error
-    assert (out / "checkpoints" / "step-2" / "adapter_model.safetensors").is_file()
+    assert (out / "checkpoints" / "checkpoint-2" / "adapter_model.safetensors").is_file()
 
     resumed = launch(lab, lab.hosts["a"], private, config_path, "--resume")
     ok(resumed)

@@ -13,6 +13,7 @@ from shardpool.config import parse_config
 from shardpool.errors import ShardpoolError
 from shardpool.model.lora import (
     LoraSettings,
+    base_model_reference,
     init_lora_weights,
     lora_settings,
     read_adapter_tensors,
@@ -30,15 +31,28 @@ def test_targets_resolve_in_layer_order() -> None:
         lora_settings(parse_config({**BASE, "lora_target_modules": ["lm_head"]}))
 
 
-def test_adapter_files_round_trip_and_peft_reads_the_config(tmp_path: Path) -> None:
+def test_adapter_files_round_trip_and_peft_reads_the_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     settings = LoraSettings(r=4, alpha=8.0, dropout=0.05, target_modules=("q_proj", "v_proj"), init_from=None)
     tensors = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 16)}
+    (tmp_path / "models" / "quickstart").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
     write_adapter(tmp_path, tensors, settings, base_model="models/quickstart")
     loaded = PeftConfig.from_pretrained(str(tmp_path))
     assert (loaded.r, loaded.lora_alpha, sorted(loaded.target_modules)) == (4, 8.0, ["q_proj", "v_proj"])
-    assert loaded.base_model_name_or_path == "models/quickstart"
+    assert loaded.base_model_name_or_path == str((tmp_path / "models/quickstart").resolve()), "absolute"
     assert torch.equal(read_adapter_tensors(tmp_path)[next(iter(tensors))], next(iter(tensors.values())))
     assert not list(tmp_path.glob("*.tmp")), "no temporary files are left behind"
+
+
+def test_a_base_model_that_is_no_local_directory_is_kept_as_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert base_model_reference("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+    (tmp_path / "Qwen" / "Qwen2.5-0.5B").mkdir(parents=True)
+    assert base_model_reference("Qwen/Qwen2.5-0.5B") == str((tmp_path / "Qwen/Qwen2.5-0.5B").resolve())
 
 
 def test_a_starting_adapter_with_other_hyperparameters_is_refused(tmp_path: Path) -> None:

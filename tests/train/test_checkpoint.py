@@ -38,7 +38,8 @@ def test_partial_checkpoints_are_invisible_until_finalized(tmp_path: Path) -> No
     final = ckpt.finalize_checkpoint(
         partial, step=4, settings=SETTINGS, base_model="m", extra={"eval_before": 1.5}
     )
-    assert final == tmp_path / "checkpoints" / "step-4" and not partial.exists()
+    assert partial.name == "checkpoint-4.partial"
+    assert final == tmp_path / "checkpoints" / "checkpoint-4" and not partial.exists()
     assert ckpt.newest_checkpoint(tmp_path) == final
     assert json.loads((final / "checkpoint.json").read_text()) == {"step": 4, "eval_before": 1.5}
     adapter = load_file(str(final / "adapter_model.safetensors"))
@@ -48,20 +49,32 @@ def test_partial_checkpoints_are_invisible_until_finalized(tmp_path: Path) -> No
 
 def test_newest_checkpoint_ignores_stale_and_partial_directories(tmp_path: Path) -> None:
     for name, complete in (
-        ("step-2", True),
-        ("step-10", True),
-        ("step-12.partial", True),
-        ("step-14", False),
-        ("step-30\n", True),  # not a checkpoint name: the whole name must match
+        ("checkpoint-2", True),
+        ("checkpoint-10", True),
+        ("checkpoint-12.partial", True),
+        ("checkpoint-14", False),
+        ("checkpoint-30\n", True),  # not a checkpoint name: the whole name must match
+        ("other-40", True),
     ):
         directory = tmp_path / "checkpoints" / name
         directory.mkdir(parents=True)
         if complete:
             (directory / "checkpoint.json").write_text("{}")
-    assert ckpt.newest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-10"
+    assert ckpt.newest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "checkpoint-10"
     ckpt.clear_partials(tmp_path)
-    assert not (tmp_path / "checkpoints" / "step-12.partial").exists()
-    assert (tmp_path / "checkpoints" / "step-10").exists()
+    assert not (tmp_path / "checkpoints" / "checkpoint-12.partial").exists()
+    assert (tmp_path / "checkpoints" / "checkpoint-10").exists()
+
+
+def test_checkpoints_named_step_n_by_earlier_versions_are_still_found(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    for name in ("step-3", "checkpoint-2"):
+        (root / name).mkdir(parents=True)
+        (root / name / "checkpoint.json").write_text("{}")
+    assert ckpt.newest_checkpoint(tmp_path) == root / "step-3"
+    (root / "checkpoint-3").mkdir()
+    (root / "checkpoint-3" / "checkpoint.json").write_text("{}")
+    assert ckpt.newest_checkpoint(tmp_path) == root / "checkpoint-3", "at equal steps the new name wins"
 
 
 def test_a_checkpoint_from_one_split_loads_into_another(tmp_path: Path) -> None:

@@ -1,0 +1,129 @@
+"""The model card ``README.md`` written beside the adapter: what was trained, how, where, and how well.
+
+It has the Hugging Face model card shape: YAML front matter (``base_model``, ``library_name:
+peft``, ``tags``) that the Hub and ``huggingface_hub.ModelCard`` read, then Markdown for people.
+Torch-free: it renders plain values the launcher already holds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from mesh.files import atomic_write
+from shardpool.config import Config
+from shardpool.contract.job import StagePlacement
+
+__all__ = ["MODEL_CARD_FILE", "TrainingOutcome", "render_model_card", "write_model_card"]
+
+MODEL_CARD_FILE = "README.md"
+
+
+@dataclass(frozen=True)
+class TrainingOutcome:
+    """What a finished run reports on its card: steps taken and losses (None where not measured)."""
+
+    steps: int
+    final_train_loss: float | None
+    eval_loss_before: float | None
+    eval_loss_after: float | None
+
+
+def render_model_card(
+    config: Config,
+    *,
+    base_model: str,
+    target_modules: Sequence[str],
+    placements: Sequence[StagePlacement],
+    outcome: TrainingOutcome,
+) -> str:
+    """The card's text. ``base_model`` is the reference the adapter stores (an absolute path or hub id)."""
+    tags = ["shardpool", "lora"] + (["qlora"] if config.adapter == "qlora" else [])
+    front_matter = yaml.safe_dump(
+        {"base_model": base_model, "library_name": "peft", "tags": tags},
+        sort_keys=False,
+        default_flow_style=None,
+    )
+    adapter_kind = "QLoRA (NF4 base)" if config.adapter == "qlora" else "LoRA"
+    adapter_dir = str(Path(config.output_dir).resolve())
+    sections = [
+        f"---\n{front_matter}---",
+        f"# {Path(config.output_dir).name}",
+        f"A {adapter_kind} adapter for `{base_model}`, trained with shardpool.",
+        "## Datasets\n\n" + "\n".join(_dataset_line(spec.path, spec.type) for spec in config.datasets),
+        "## Hyperparameters\n\n"
+        + _table(("hyperparameter", "value"), _hyperparameters(config, target_modules, outcome.steps)),
+        "## Results\n\n" + _table(("metric", "value"), _results(outcome)),
+        "## Plan\n\n" + _plan_summary(config, placements),
+        "## Usage\n\n```python\nfrom peft import AutoPeftModelForCausalLM\n"
+        "from transformers import AutoTokenizer\n\n"
+        f"model = AutoPeftModelForCausalLM.from_pretrained({json.dumps(adapter_dir)})\n"
+        f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(adapter_dir)})\n```",
+    ]
+    return "\n\n".join(sections) + "\n"
+
+
+def write_model_card(output_dir: str | Path, text: str) -> Path:
+    """Write the card into ``output_dir`` atomically; return its path."""
+    path = Path(output_dir) / MODEL_CARD_FILE
+    atomic_write(path, text.encode("utf-8"))
+    return path
+
+
+def _dataset_line(path: str, kind: str | None) -> str:
+    return f"- `{path}` ({kind or 'pre-tokenized'})"
+
+
+def _hyperparameters(config: Config, target_modules: Sequence[str], steps: int) -> list[tuple[str, str]]:
+    return [
+        ("adapter", config.adapter),
+        ("lora_r", str(config.lora_r)),
+        ("lora_alpha", f"{config.lora_alpha:g}"),
+        ("lora_dropout", f"{config.lora_dropout:g}"),
+        ("lora_target_modules", ", ".join(target_modules)),
+        ("learning_rate", f"{config.learning_rate:g}"),
+        ("lr_scheduler", config.lr_scheduler),
+        ("optimizer", config.optimizer),
+        ("steps", str(steps)),
+        ("micro_batch_size", str(config.micro_batch_size)),
+        ("gradient_accumulation_steps", str(config.gradient_accumulation_steps)),
+        ("replicas", str(config.shardpool.replicas)),
+        ("sequence_len", str(config.sequence_len)),
+        ("seed", str(config.seed)),
+    ]
+
+
+def _results(outcome: TrainingOutcome) -> list[tuple[str, str]]:
+    return [
+        ("final train loss", _loss(outcome.final_train_loss)),
+        ("eval loss before training", _loss(outcome.eval_loss_before)),
+        ("eval loss after training", _loss(outcome.eval_loss_after)),
+    ]
+
+
+def _loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _table(header: tuple[str, str], rows: list[tuple[str, str]]) -> str:
+    lines = [f"| {header[0]} | {header[1]} |", "|---|---|"]
+    return "\n".join(lines + [f"| {name} | {value} |" for name, value in rows])
+
+
+def _plan_summary(config: Config, placements: Sequence[StagePlacement]) -> str:
+    replicas = config.shardpool.replicas
+    header = (
+        f"{len(placements)} pipeline stage{'s' if len(placements) != 1 else ''}"
+        f" × {replicas} replica{'s' if replicas != 1 else ''}, schedule {config.shardpool.schedule}:"
+    )
+    rows = [
+        f"| {index} | {stage.device} | {stage.host} | [{stage.start}, {stage.stop}) | {stage.stop - stage.start} |"
+        for index, stage in enumerate(placements)
+    ]
+    return "\n".join(
+        [header, "", "| stage | device | host | layers | layer count |", "|---|---|---|---|---|", *rows]
+    )
