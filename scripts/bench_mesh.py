@@ -62,6 +62,7 @@ from scripts.bench_pipeline import (  # noqa: E402 - needs ROOT on sys.path
     ring_allreduce_bytes_per_worker,
     training_config,
 )
+from shardpool.plan.device_facts import cpu_model_name  # noqa: E402
 
 FP32_BYTES = 4
 MB = 1e6
@@ -551,14 +552,6 @@ def versions() -> dict[str, str]:
     }
 
 
-def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
 def stage_threads() -> int:
     """Torch threads per stage: this machine's CPUs shared by the three stages (at least 1 each)."""
     return max(1, len(os.sched_getaffinity(0)) // WORKERS)
@@ -786,7 +779,7 @@ def report(
             "tcp_repeats": size["tcp_repeats"],
         },
         "machine": {
-            "cpu": cpu_name(),
+            "cpu": cpu_model_name(),
             "logical_cpus": os.cpu_count(),
             "load": load,
             "idle_wait_s": idle_waits,

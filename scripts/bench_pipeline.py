@@ -45,6 +45,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from shardpool.plan.device_facts import cpu_model_name  # noqa: E402 - needs ROOT on sys.path
+
 FP32_BYTES = 4
 WARMUP_STEPS = 2
 
@@ -595,7 +597,7 @@ def benchmark(
             "quick": quick,
             "command": "python scripts/bench_pipeline.py" + (" --quick" if quick else ""),
             "machine": {
-                "cpu": _cpu_name(),
+                "cpu": cpu_model_name(),
                 "logical_cpus": os.cpu_count(),
                 "cores_pinned": cores,
                 "thread_budget": budget,
@@ -650,16 +652,6 @@ def benchmark(
             os.environ["SHARDPOOL_CACHE"] = saved_cache
         if keep is None:
             shutil.rmtree(work, ignore_errors=True)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,9 +7,12 @@ package reads them from here, so planning never imports torch.
 
 from __future__ import annotations
 
+import os
+import platform
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["DEVICE_KINDS", "DeviceInfo", "LayerProfile", "device_kind", "normalize_device"]
+__all__ = ["DEVICE_KINDS", "DeviceInfo", "LayerProfile", "cpu_model_name", "device_kind", "normalize_device"]
 
 #: Kinds of device a stage can run on; the kind sets a stage's framework memory reserve.
 DEVICE_KINDS: tuple[str, ...] = ("cuda", "rocm", "mps", "xpu", "cpu")
@@ -58,3 +61,14 @@ def normalize_device(name: str) -> str:
 def device_kind(name: str) -> str:
     """The torch backend of a device name (``cuda`` for ``cuda:1``), before ROCm is told apart."""
     return normalize_device(name).partition(":")[0]
+
+
+def cpu_model_name() -> str:
+    """This machine's CPU model, from /proc/cpuinfo where there is one, for device labels and benchmarks."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or f"cpu ({os.cpu_count()} cores)"

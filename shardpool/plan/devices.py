@@ -7,7 +7,6 @@ limit, when one is set, caps what ``/proc/meminfo`` reports). Device names and t
 
 from __future__ import annotations
 
-import os
 import platform
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import psutil
 import torch
 
 from shardpool.errors import ShardpoolError
-from shardpool.plan.device_facts import DeviceInfo, device_kind, normalize_device
+from shardpool.plan.device_facts import DeviceInfo, cpu_model_name, device_kind, normalize_device
 
 __all__ = ["device_info", "list_devices", "synchronize"]
 
@@ -88,7 +87,7 @@ def _cpu_info() -> DeviceInfo:
     if limit is not None and limit < total:
         used = _cgroup_usage() or 0
         total, free = limit, max(0, min(free, limit - used))
-    return DeviceInfo("cpu", "cpu", _cpu_label(), total, free, threads=torch.get_num_threads())
+    return DeviceInfo("cpu", "cpu", cpu_model_name(), total, free, threads=torch.get_num_threads())
 
 
 def _cgroup_limit() -> int | None:
@@ -113,13 +112,3 @@ def _read_int(path: Path) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
-
-
-def _cpu_label() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or f"cpu ({os.cpu_count()} cores)"
