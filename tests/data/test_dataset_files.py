@@ -10,9 +10,7 @@ import pytest
 
 from shardpool.config import Config, parse_config
 from shardpool.data.prepare import prepare_data
-from shardpool.data.tokenizing import load_tokenizer
 from shardpool.errors import ShardpoolError
-from shardpool.model.tinymodel import make_tiny_llama
 from tests.helpers.training import base_config, run_cli, write_config
 
 ROWS = [
@@ -20,16 +18,6 @@ ROWS = [
     {"instruction": "Say hello.", "output": "Hello!"},
     {"instruction": "Say goodbye.", "input": "", "output": "Goodbye."},
 ]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir: Path) -> Any:
-    return load_tokenizer(model_dir)
 
 
 def alpaca_config(model_dir: Path, path: Path) -> Config:

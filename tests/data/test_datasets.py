@@ -22,19 +22,9 @@ from shardpool.data.rows import IGNORE_INDEX, PreparedData, TokenRows
 from shardpool.data.steps import step_batches
 from shardpool.data.tokenizing import load_tokenizer
 from shardpool.errors import ShardpoolError
-from shardpool.model.tinymodel import make_tiny_llama, train_tokenizer
+from shardpool.model.tinymodel import train_tokenizer
 
 M = IGNORE_INDEX
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir: Path) -> Any:
-    return load_tokenizer(model_dir)
 
 
 def write_rows(path: Path, rows: list[Any]) -> str:

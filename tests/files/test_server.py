@@ -19,6 +19,7 @@ import pytest
 
 from shardpool.errors import ShardpoolError
 from shardpool.files.server import FileServer, parse_range
+from tests.helpers.http_client import read_hashed
 
 SECRET = secrets.token_hex(32)
 
@@ -268,16 +269,13 @@ def test_a_large_range_is_streamed_not_held_in_memory(tmp_path: Path) -> None:
             headers = {"Authorization": f"Bearer {SECRET}", "Range": f"bytes={start}-{stop - 1}"}
             connection.request("GET", "/v1/files/big", headers=headers)
             response = connection.getresponse()
-            digest, received = hashlib.sha256(), 0
-            while chunk := response.read(256 * 1024):
-                digest.update(chunk)
-                received += len(chunk)
+            sha256, received = read_hashed(response)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
             connection.close()
     assert response.status == 206 and received == stop - start
-    assert digest.hexdigest() == response.headers["X-Content-SHA256"]
+    assert sha256 == response.headers["X-Content-SHA256"]
     assert peak < 16 * 2**20, f"peak {peak / 2**20:.0f} MiB while serving a {received / 2**20:.0f} MiB range"
 
 

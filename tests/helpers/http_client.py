@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import select
@@ -104,3 +105,12 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
             raise ConnectionError("closed inside the response body")
         rest += chunk
     return int(lines[0].split()[1]), headers, rest[:length]
+
+
+def read_hashed(response: http.client.HTTPResponse, chunk_size: int = 256 * 1024) -> tuple[str, int]:
+    """Read a response body chunk by chunk, never whole: its SHA-256 hex digest and its length."""
+    digest, received = hashlib.sha256(), 0
+    while chunk := response.read(chunk_size):
+        digest.update(chunk)
+        received += len(chunk)
+    return digest.hexdigest(), received
