@@ -97,6 +97,7 @@ def test_workload_from_config() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_predictions_match_a_real_local_pipeline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan's per-stage compute time and peak memory are within 25% of a real CPU run."""
     monkeypatch.setenv("SHARDPOOL_CACHE", str(tmp_path / "cache"))  # profile now, under this run's load
