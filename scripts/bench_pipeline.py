@@ -390,6 +390,38 @@ def _vm_status(field: str) -> int:
     return 0
 
 
+def plain_steps(
+    model: Any, params: list[Any], optimizer: Any, scheduler: Any, data: Any, steps: Any, config: Any
+) -> tuple[list[float], list[float], list[float]]:
+    """The plain loop's optimizer steps; per step its seconds, tokens/s and loss."""
+    import torch
+
+    from shardpool.train.loss import label_tokens, token_loss_sum
+
+    step_seconds, tokens_per_s, losses = [], [], []
+    for step in steps:
+        begun = time.perf_counter()
+        microbatches = [data.train.select(rows) for rows in step]
+        step_tokens = sum(label_tokens(rows.labels) for rows in microbatches)
+        loss_total = 0.0
+        for rows in microbatches:
+            logits = model(
+                input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids
+            ).logits
+            loss = token_loss_sum(logits, rows.labels) / step_tokens
+            loss.backward()
+            loss_total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - begun
+        step_seconds.append(elapsed)
+        tokens_per_s.append(sum(int(rows.attention_mask.sum()) for rows in microbatches) / elapsed)
+        losses.append(loss_total)
+    return step_seconds, tokens_per_s, losses
+
+
 def plain_loop(spec_path: str) -> dict[str, Any]:
     """The reference: one process, transformers + bitsandbytes NF4 + peft LoRA, the same micro-batches.
 
@@ -409,7 +441,6 @@ def plain_loop(spec_path: str) -> dict[str, Any]:
     from shardpool.data.tokenizing import load_tokenizer
     from shardpool.model.lora import lora_settings
     from shardpool.model.nf4 import bnb_config, keep_exact_cpu_matmul
-    from shardpool.train.loss import label_tokens, token_loss_sum
     from shardpool.train.worker import scheduler_name
 
     runtime_rss = _vm_status("VmRSS")
@@ -447,27 +478,7 @@ def plain_loop(spec_path: str) -> dict[str, Any]:
     scheduler = get_scheduler(
         scheduler_name(config), optimizer, num_warmup_steps=0, num_training_steps=len(steps)
     )
-    step_seconds, tokens_per_s, losses = [], [], []
-    for step in steps:
-        begun = time.perf_counter()
-        microbatches = [data.train.select(rows) for rows in step]
-        step_tokens = sum(label_tokens(rows.labels) for rows in microbatches)
-        loss_total = 0.0
-        for rows in microbatches:
-            logits = model(
-                input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids
-            ).logits
-            loss = token_loss_sum(logits, rows.labels) / step_tokens
-            loss.backward()
-            loss_total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        elapsed = time.perf_counter() - begun
-        step_seconds.append(elapsed)
-        tokens_per_s.append(sum(int(rows.attention_mask.sum()) for rows in microbatches) / elapsed)
-        losses.append(loss_total)
+    step_seconds, tokens_per_s, losses = plain_steps(model, params, optimizer, scheduler, data, steps, config)
     return {
         "threads": int(spec["threads"]),
         "steps_measured": len(step_seconds[WARMUP_STEPS:] or step_seconds),

@@ -21,10 +21,22 @@ __all__ = ["StepTotals", "gather_timings", "label_tokens", "reduce_and_clip_grad
 
 @dataclass
 class StepTotals:
-    """What one rank adds up over the micro-batches of a step."""
+    """What one rank adds up over the micro-batches of a step.
 
-    loss: float = 0.0
+    The loss stays a tensor on the stage's device until the step ends: reading it per micro-batch
+    would wait for the device every time.
+    """
+
+    loss: torch.Tensor | float = 0.0
     compute_seconds: float = 0.0
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """Add one micro-batch's loss without waiting for the device."""
+        self.loss = self.loss + loss.detach()
+
+    def loss_value(self) -> float:
+        """The summed loss as a float (one wait for the device, at the end of the step)."""
+        return float(self.loss)
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -66,9 +78,10 @@ def reduce_and_clip_gradients(
         for grad in grads:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
-    norms = torch.stack([torch.linalg.vector_norm(grad, 2.0) for grad in grads]).to("cpu")
+    norms = torch.stack(torch._foreach_norm(grads, 2.0)).to("cpu")
     summary = torch.tensor([float((norms.double() ** 2).sum()), loss], dtype=torch.float64)
-    dist.all_reduce(summary)
+    if _others_in_world():
+        dist.all_reduce(summary)
     grad_norm = math.sqrt(float(summary[0]) / replicas)
     if max_grad_norm > 0:
         coefficient = min(1.0, max_grad_norm / (grad_norm + 1e-6))
@@ -76,11 +89,18 @@ def reduce_and_clip_gradients(
     return grad_norm, float(summary[1])
 
 
+def _others_in_world() -> bool:
+    """Whether a world collective has anyone to talk to (a lone stage skips the round trip)."""
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 def gather_timings(
     compute_seconds: float, wait_seconds: float, bytes_sent: int, world_size: int
 ) -> list[list[float]]:
     """Every rank's compute seconds, wait seconds and bytes sent this step, each as a list by rank."""
     mine = torch.tensor([compute_seconds, wait_seconds, float(bytes_sent)], dtype=torch.float64)
+    if world_size == 1:
+        return [[float(value)] for value in mine]
     gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(world_size)]
     dist.all_gather(gathered, mine)
     return [[float(row[column]) for row in gathered] for column in range(3)]

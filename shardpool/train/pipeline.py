@@ -67,7 +67,7 @@ class StagePipe:
         output = self.stage(inputs, **self.positions(rows))
         if self.spec.is_last:
             output = token_loss_sum(output, rows.labels) / step_label_tokens
-            totals.loss += float(output.detach())
+            totals.add_loss(output)
         totals.compute_seconds += time.perf_counter() - started
         if not self.spec.is_last:
             self.wire.send(output, self.wire.next, tag=FORWARD_TAG)

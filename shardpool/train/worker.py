@@ -292,7 +292,7 @@ class StageWorker:
         grad_norm, step_loss = reduce_and_clip_gradients(
             [param.grad for _, param in self.state.named_params],
             self.groups.replicas(self.spec.index),
-            loss=totals.loss,
+            loss=totals.loss_value(),
             replicas=self.job.replicas,
             max_grad_norm=self.config.max_grad_norm,
         )

@@ -1,0 +1,82 @@
+"""The pure helpers of scripts/bench_paired.py and scripts/profile_step.py (the runs are scripts, not tests)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+_SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+sys.path.insert(0, str(_SCRIPTS))
+paired = importlib.import_module("bench_paired")
+profile = importlib.import_module("profile_step")
+
+
+def test_runs_alternate_a_and_b_pair_by_pair() -> None:
+    assert paired.run_order(3) == [(0, "A"), (0, "B"), (1, "A"), (1, "B"), (2, "A"), (2, "B")]
+
+
+def test_pair_ratios_divide_each_a_by_its_own_b() -> None:
+    assert paired.pair_ratios([100.0, 90.0, 60.0], [100.0, 100.0, 50.0]) == [1.0, 0.9, 1.2]
+    with pytest.raises(ValueError):
+        paired.pair_ratios([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError):
+        paired.pair_ratios([], [])
+
+
+def test_ratio_summary_reports_median_and_spread() -> None:
+    summary = paired.ratio_summary([0.98, 1.02, 0.95, 1.01, 0.99])
+    assert summary["median"] == pytest.approx(0.99)
+    assert summary["min"] == pytest.approx(0.95)
+    assert summary["max"] == pytest.approx(1.02)
+    assert summary["spread"] == pytest.approx(0.07)
+
+
+ANCHOR = profile.STEP_ANCHORS["A"]
+STEP = f"{ANCHOR}:287)"
+
+
+def _stack(*frames: str) -> list[str]:
+    return ['process 1:"python"', "main (worker.py:60)", STEP, *frames]
+
+
+@pytest.mark.parametrize(
+    ("frames", "expected"),
+    [
+        (("StagePipe.run_schedule (shardpool/train/pipeline.py:56)", "StagePipe.forward (shardpool/train/pipeline.py:66)", "Module._call_impl (torch/nn/modules/module.py:1789)", "_gemm_4bit_default_impl (bitsandbytes/backends/default/ops.py:342)"), "forward"),
+        (("StagePipe.backward (shardpool/train/pipeline.py:83)", "Tensor.backward (torch/_tensor.py:630)", "_engine_run_backward (torch/autograd/graph.py:841)"), "backward"),
+        (("AdamW.step (torch/optim/adamw.py:220)", "_single_tensor_adamw (torch/optim/adamw.py:400)"), "optimizer"),
+        (("reduce_and_clip_gradients (shardpool/train/loss.py:80)",), "gradient clip"),
+        (("gather_timings (shardpool/train/loss.py:110)",), "collectives"),
+        (("emit (shardpool/train/worker.py:97)",), "logging"),
+        (("StagePipe.forward (shardpool/train/pipeline.py:70)",), "python overhead"),
+        (("StagePipe.forward (shardpool/train/pipeline.py:66)", "PipelineStage.forward (shardpool/model/stage.py:121)"), "python overhead"),
+        ((), "python overhead"),
+    ],
+)  # fmt: skip
+def test_samples_fall_in_the_category_of_their_stack(frames: tuple[str, ...], expected: str) -> None:
+    assert profile.categorize(_stack(*frames), ANCHOR) == expected
+
+
+def test_samples_outside_the_step_loop_are_left_out() -> None:
+    assert (
+        profile.categorize(
+            ['process 1:"python"', "StageWorker.setup (shardpool/train/worker.py:170)"], ANCHOR
+        )
+        is None
+    )
+
+
+def test_breakdown_counts_and_shares_from_raw_lines() -> None:
+    raw = [
+        f'process 1:"python";{STEP};StagePipe.forward (shardpool/train/pipeline.py:66);Module._call_impl (torch/nn/modules/module.py:1789) 6\n',
+        f'process 1:"python";{STEP};AdamW.step (torch/optim/adamw.py:220) 2\n',
+        'process 1:"python";_find_and_load (<frozen importlib._bootstrap>:1176) 9\n',
+        "\n",
+    ]
+    report = profile.breakdown(profile.parse_raw(raw), ANCHOR)
+    assert report["samples"] == 8
+    assert report["counts"] == {"forward": 6, "optimizer": 2}
+    assert report["share"] == {"forward": 0.75, "optimizer": 0.25}
