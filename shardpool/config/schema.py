@@ -27,8 +27,10 @@ __all__ = [
 #: Validation context under which the models record rule breaks instead of raising on the first.
 COLLECT_PROBLEMS = {"collect_problems": True}
 
-OptimizerName = Literal["adamw_torch"]
-SchedulerName = Literal["cosine", "linear", "constant"]
+OptimizerName = Literal[
+    "adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"
+]
+SchedulerName = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 OPTIMIZERS: tuple[str, ...] = OptimizerName.__args__
 LR_SCHEDULERS: tuple[str, ...] = SchedulerName.__args__
 
@@ -196,11 +198,16 @@ class Config(_Strict):
     lr_scheduler: SchedulerName = Field(
         default="cosine", description="decay after warm-up (constant: constant_with_warmup)"
     )
+    cosine_min_lr_ratio: float | None = Field(
+        default=None, ge=0.0, le=1.0, description="cosine decays to this fraction of the peak, not to 0"
+    )
     warmup_steps: int | None = Field(default=None, ge=0, description="linear warm-up steps")
     warmup_ratio: float | None = Field(
         default=None, ge=0.0, lt=1.0, description="warm-up as a fraction of steps"
     )
-    optimizer: OptimizerName = Field(default="adamw_torch", description="optimizer (AdamW)")
+    optimizer: OptimizerName = Field(
+        default="adamw_torch", description="AdamW: torch, torch fused, or bitsandbytes 8-bit / paged"
+    )
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW decoupled weight decay")
     adam_beta1: float = Field(default=0.9, gt=0.0, lt=1.0, description="AdamW beta1")
     adam_beta2: float = Field(default=0.999, gt=0.0, lt=1.0, description="AdamW beta2")
@@ -253,6 +260,12 @@ class Config(_Strict):
                 self.max_steps is None and not math.isfinite(self.num_epochs),
                 ("num_epochs", "max_steps"),
                 "`num_epochs` must be finite; set a number or `max_steps`",
+            ),
+            (
+                self.cosine_min_lr_ratio is not None and self.lr_scheduler != "cosine",
+                ("cosine_min_lr_ratio", "lr_scheduler"),
+                f"`cosine_min_lr_ratio` applies to `lr_scheduler: cosine`, not `{self.lr_scheduler}`; "
+                "remove it or use cosine",
             ),
         ]
         return [Check(keys, message) for broken, keys, message in rules if broken]

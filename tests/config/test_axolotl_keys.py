@@ -120,15 +120,12 @@ def test_the_tables_do_not_shadow_schema_keys() -> None:
 @pytest.mark.parametrize(
     ("fixture", "remaining"),
     [
-        (
-            "axolotl-llama-2-qlora.yml",
-            ["attn_implementation", "evals_per_epoch", "saves_per_epoch", "optimizer"],
-        ),
+        ("axolotl-llama-2-qlora.yml", ["attn_implementation", "evals_per_epoch", "saves_per_epoch"]),
         (
             "axolotl-llama-3-qlora-1b.yml",
-            ["attn_implementation", "evals_per_epoch", "saves_per_epoch", "special_tokens", "optimizer"],
+            ["attn_implementation", "evals_per_epoch", "saves_per_epoch", "special_tokens"],
         ),
-        ("axolotl-qwen-qlora.yml", ["trust_remote_code", "evals_per_epoch", "saves_per_epoch", "optimizer"]),
+        ("axolotl-qwen-qlora.yml", ["trust_remote_code", "evals_per_epoch", "saves_per_epoch"]),
     ],
 )
 def test_axolotl_examples_leave_only_what_is_not_built(fixture: str, remaining: list[str]) -> None:
