@@ -441,7 +441,7 @@ def plain_loop(spec_path: str) -> dict[str, Any]:
     from shardpool.data.tokenizing import load_tokenizer
     from shardpool.model.lora import lora_settings
     from shardpool.model.nf4 import bnb_config, keep_exact_cpu_matmul
-    from shardpool.train.worker import scheduler_name
+    from shardpool.train.optim import scheduler_name
 
     runtime_rss = _vm_status("VmRSS")
     config = parse_config(spec["config"])

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from shardpool.config import UNSUPPORTED_AXOLOTL_KEYS, Config, load_config
+from shardpool.config import AXOLOTL_KEYS, Config, load_config
+from shardpool.config.docs_table import TABLE_END, TABLE_START, axolotl_keys_table
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -74,7 +75,7 @@ def test_quickstart_data_fits_sequence_len(in_repo_root: Path) -> None:
 
 
 def test_docs_cover_every_key() -> None:
-    """docs/config.md names every schema key and every refused axolotl key."""
+    """docs/config.md names every schema key and every axolotl key."""
     text = (REPO / "docs" / "config.md").read_text(encoding="utf-8")
     sections = {"": Config, "shardpool.": Config.model_fields["shardpool"].annotation}
     keys = [prefix + name for prefix, model in sections.items() for name in model.model_fields]
@@ -84,8 +85,15 @@ def test_docs_cover_every_key() -> None:
         "datasets[].field",
         "bnb_config_kwargs.bnb_4bit_quant_type",
     ]
-    missing = [key for key in keys + list(UNSUPPORTED_AXOLOTL_KEYS) if f"`{key}`" not in text]
+    missing = [key for key in keys + list(AXOLOTL_KEYS) if f"`{key}`" not in text]
     assert not missing
+
+
+def test_docs_axolotl_table_is_the_generated_one() -> None:
+    """The axolotl key table in docs/config.md says exactly what the code does with each key."""
+    text = (REPO / "docs" / "config.md").read_text(encoding="utf-8")
+    start, end = text.index(TABLE_START), text.index(TABLE_END) + len(TABLE_END)
+    assert text[start:end] == axolotl_keys_table(), "regenerate: python -m shardpool.config.docs_table"
 
 
 def test_docs_examples_validate() -> None:

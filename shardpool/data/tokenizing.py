@@ -1,7 +1,8 @@
 """Tokenizing each dataset into samples, with the mask that decides which tokens are trained.
 
 An alpaca row trains only its response and eos (the prompt, and bos if the tokenizer adds one,
-get label -100); a completion row trains every token; pre-tokenized rows keep their own labels.
+get label -100), or every token with ``train_on_inputs: true``; a completion row trains every
+token; pre-tokenized rows keep their own labels.
 """
 
 from __future__ import annotations
@@ -53,11 +54,16 @@ def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase
     return tokenizer
 
 
-def dataset_samples(spec: DatasetSpec, index: int, tokenizer: Any) -> list[Sample]:
-    """Every row of the dataset ``datasets[index]``, read, checked and tokenized by its ``type``."""
+def dataset_samples(
+    spec: DatasetSpec, index: int, tokenizer: Any, *, train_on_inputs: bool = False
+) -> list[Sample]:
+    """Every row of the dataset ``datasets[index]``, read, checked and tokenized by its ``type``.
+
+    ``train_on_inputs`` (axolotl's key) trains alpaca rows on their prompt tokens too.
+    """
     rows = read_rows(spec, index)
     if spec.type == "alpaca":
-        return _alpaca_samples(rows, tokenizer)
+        return _alpaca_samples(rows, tokenizer, train_on_inputs=train_on_inputs)
     if spec.type == "completion":
         return _completion_samples(rows, tokenizer, spec.field or "text")
     return pretokenized_samples(rows, len(tokenizer))
@@ -79,8 +85,10 @@ def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
-def _alpaca_samples(rows: list[tuple[str, dict[str, Any]]], tokenizer: Any) -> list[Sample]:
-    """Prompt tokens (and bos) get label -100; the response and eos are trained."""
+def _alpaca_samples(
+    rows: list[tuple[str, dict[str, Any]]], tokenizer: Any, *, train_on_inputs: bool
+) -> list[Sample]:
+    """Prompt tokens (and bos) get label -100, unless ``train_on_inputs``; the response and eos are trained."""
     prompts, responses = alpaca_texts(rows)
     head = [tokenizer.bos_token_id] if _adds_bos(tokenizer) else []
     eos = tokenizer.eos_token_id
@@ -92,7 +100,7 @@ def _alpaca_samples(rows: list[tuple[str, dict[str, Any]]], tokenizer: Any) -> l
         prompt = head + prompt_ids
         answer = response_ids + [eos]
         ids = prompt + answer
-        labels = [IGNORE_INDEX] * len(prompt) + answer
+        labels = (list(prompt) if train_on_inputs else [IGNORE_INDEX] * len(prompt)) + answer
         samples.append(Sample(ids, labels, [1] * len(ids), where))
     return samples
 

@@ -45,7 +45,8 @@ __all__ = [
 
 CHECKPOINT_PREFIX = "checkpoint-"
 _CHECKPOINT_DIR = re.compile(r"(checkpoint|step)-([0-9]+)")  # step-N: by earlier versions
-_OPTIM_FIELDS = ("exp_avg", "exp_avg_sq", "step")
+# torch AdamW's state, then bitsandbytes' (8-bit: uint8 states with their quantization maps).
+_OPTIM_FIELDS = ("exp_avg", "exp_avg_sq", "step", "state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2")
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:
@@ -61,7 +62,7 @@ def partial_dir(output_dir: str | Path, step: int) -> Path:
 def stage_state_tensors(
     *, named_parameters: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer
 ) -> dict[str, torch.Tensor]:
-    """One stage's LoRA tensors and AdamW state, keyed by global adapter key."""
+    """One stage's LoRA tensors and optimizer state (torch or bitsandbytes AdamW), keyed by global adapter key."""
     tensors: dict[str, torch.Tensor] = {}
     for key, param in named_parameters:
         tensors[f"lora.{key}"] = param.detach()

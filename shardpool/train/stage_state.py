@@ -19,7 +19,14 @@ from shardpool.contract.job import RESUME_PREFIX, Job
 from shardpool.train import checkpoint as ckpt
 from shardpool.train.runfiles import RunFiles
 
-__all__ = ["FINAL_DIR", "StageState", "restore_stage_state", "send_checkpoint", "send_final_lora"]
+__all__ = [
+    "FINAL_DIR",
+    "StageState",
+    "load_optimizer_state",
+    "restore_stage_state",
+    "send_checkpoint",
+    "send_final_lora",
+]
 
 FINAL_DIR = "checkpoints/final.partial"
 
@@ -68,16 +75,32 @@ def restore_stage_state(files: RunFiles, job: Job, state: StageState, *, rank: i
     with torch.no_grad():
         for key, param in state.named_params:
             param.copy_(lora[key].to(device=param.device, dtype=param.dtype))
-    optimizer_state = state.optimizer.state_dict()
-    optimizer_state["state"] = {
-        index: {field: value.to(param.device) for field, value in optim_state[key].items()}
-        for index, (key, param) in enumerate(state.named_params)
-        if optim_state[key]
-    }
-    state.optimizer.load_state_dict(optimizer_state)
+    load_optimizer_state(state.optimizer, state.named_params, optim_state)
     for _ in range(step):
         state.scheduler.step()
     rng_input = RESUME_PREFIX + ckpt.rng_file(rank)
     if files.has(rng_input):
         torch.set_rng_state(ckpt.read_rng_state(files.path(rng_input)))
     return step
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    named_params: list[tuple[str, torch.nn.Parameter]],
+    optim_state: dict[str, dict[str, torch.Tensor]],
+) -> None:
+    """Put saved per-parameter state (by adapter key) into ``optimizer``, on each parameter's device.
+
+    torch keeps ``step`` as a tensor; bitsandbytes keeps it as an int and passes it to its kernels.
+    """
+    keeps_int_step = type(optimizer).__module__.startswith("bitsandbytes")
+    optimizer_state = optimizer.state_dict()
+    optimizer_state["state"] = {
+        index: {
+            field: int(value.item()) if field == "step" and keeps_int_step else value.to(param.device)
+            for field, value in optim_state[key].items()
+        }
+        for index, (key, param) in enumerate(named_params)
+        if optim_state[key]
+    }
+    optimizer.load_state_dict(optimizer_state)

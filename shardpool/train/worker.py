@@ -22,7 +22,6 @@ collective is left waiting on it.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -34,9 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import get_scheduler
 
-from shardpool.config import Config
 from shardpool.contract.events import EVENT_PREFIX, StageEvent
 from shardpool.contract.job import Job
 from shardpool.data.prepared_file import load_prepared
@@ -48,6 +45,7 @@ from shardpool.model.nf4 import DTYPES
 from shardpool.model.stage import BaseSettings, StageSpec, build_stage
 from shardpool.train.evaluate import evaluate
 from shardpool.train.loss import gather_timings, label_tokens, reduce_and_clip_gradients
+from shardpool.train.optim import build_optimizer, build_scheduler
 from shardpool.train.pipeline import StagePipe
 from shardpool.train.process_group import Groups, Wire, join_process_group
 from shardpool.train.runfiles import DATA_INPUT, INIT_ADAPTER_PREFIX, RunFiles
@@ -60,8 +58,6 @@ __all__ = [
     "main",
     "peak_rss_bytes",
     "run_stage_process",
-    "scheduler_name",
-    "warmup_steps",
 ]
 
 
@@ -129,18 +125,6 @@ def stage_spec(job: Job, rank: int) -> StageSpec:
     )
 
 
-def scheduler_name(config: Config) -> str:
-    """The transformers scheduler for an axolotl ``lr_scheduler`` value."""
-    return {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[config.lr_scheduler]
-
-
-def warmup_steps(config: Config, total_steps: int) -> int:
-    """Warm-up steps from ``warmup_steps`` or ``warmup_ratio`` (rounded up, as transformers does)."""
-    if config.warmup_steps is not None:
-        return config.warmup_steps
-    return math.ceil(total_steps * (config.warmup_ratio or 0.0))
-
-
 class StageWorker:
     """One stage process of one replica: builds its stage, then trains it step by step."""
 
@@ -206,19 +190,8 @@ class StageWorker:
         )
         self.steps = config_step_batches(self.config, len(self.data.train), replicas=self.job.replicas)
         named_params = stage.named_lora_parameters()
-        optimizer = torch.optim.AdamW(
-            [param for _, param in named_params],
-            lr=self.config.learning_rate,
-            betas=(self.config.adam_beta1, self.config.adam_beta2),
-            eps=self.config.adam_epsilon,
-            weight_decay=self.config.weight_decay,
-        )
-        scheduler = get_scheduler(
-            scheduler_name(self.config),
-            optimizer,
-            num_warmup_steps=warmup_steps(self.config, len(self.steps)),
-            num_training_steps=len(self.steps),
-        )
+        optimizer = build_optimizer(self.config, [param for _, param in named_params], self.device)
+        scheduler = build_scheduler(self.config, optimizer, len(self.steps))
         self.state = StageState(named_params, optimizer, scheduler)
 
     def _threads(self) -> int:

@@ -156,6 +156,29 @@ def test_alpaca_masks_prompt_and_padding(tmp_path: Path, model_dir: Path, tok: A
     assert len(data.eval) == 0 and data.eval.sequence_len == length and not data.packed
 
 
+def test_train_on_inputs_trains_the_prompt_too(tmp_path: Path, model_dir: Path, tok: Any) -> None:
+    """axolotl's ``train_on_inputs: true``: every alpaca token is a label; padding still is not."""
+    length = 256
+    path = write_rows(tmp_path / "a.jsonl", [ALPACA_WITH_INPUT])
+    masked, trained = (
+        prepare_data(
+            make_config(
+                model_dir, [{"path": path, "type": "alpaca"}], sequence_len=length, train_on_inputs=flag
+            ),
+            tok,
+        )
+        for flag in (False, True)
+    )
+    ids, labels, mask, _ = (row[0] for row in as_lists(trained.train))
+    assert ids == as_lists(masked.train)[0][0]
+    used = sum(mask)
+    assert labels == ids[:used] + [M] * (length - used)
+    prompt = 1 + len(
+        enc(tok, format_alpaca_prompt(ALPACA_WITH_INPUT["instruction"], ALPACA_WITH_INPUT["input"]))
+    )
+    assert as_lists(masked.train)[1][0][:used] == [M] * prompt + ids[prompt:used]
+
+
 def test_completion_default_and_named_field(tmp_path: Path, model_dir: Path, tok: Any) -> None:
     first = write_rows(tmp_path / "c1.jsonl", [{"text": "The quick brown fox."}])
     second = write_rows(tmp_path / "c2.jsonl", [{"body": "A small model."}])

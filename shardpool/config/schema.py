@@ -1,0 +1,301 @@
+"""The schema of a shardpool run: the keys shardpool implements, their types and the rules across them.
+
+Keys shared with axolotl mean what they mean in axolotl. Every model is strict (unknown keys and
+wrong types are errors). The rules across keys are :class:`Check` lists; :func:`parse_config`
+collects them with every other problem, and a model built directly raises on the first one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+
+from shardpool.config.problems import Check, Problem
+
+__all__ = [
+    "Config",
+    "DatasetSpec",
+    "BnbConfig",
+    "ShardpoolSection",
+    "COLLECT_PROBLEMS",
+    "OPTIMIZERS",
+    "LR_SCHEDULERS",
+]
+
+#: Validation context under which the models record rule breaks instead of raising on the first.
+COLLECT_PROBLEMS = {"collect_problems": True}
+
+OptimizerName = Literal[
+    "adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"
+]
+SchedulerName = Literal["cosine", "linear", "constant", "constant_with_warmup"]
+OPTIMIZERS: tuple[str, ...] = OptimizerName.__args__
+LR_SCHEDULERS: tuple[str, ...] = SchedulerName.__args__
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+def _raise_unless_collecting(checks: list[Check], info: ValidationInfo) -> None:
+    """Raise the first broken rule, unless :func:`parse_config` collects them (COLLECT_PROBLEMS)."""
+    if checks and not (info.context or {}).get("collect_problems"):
+        raise ValueError(checks[0].message)
+
+
+class DatasetSpec(_Strict):
+    """One JSONL (or JSON array) dataset. ``type`` absent means pre-tokenized rows with ``input_ids``."""
+
+    path: str = Field(description="a .jsonl file (one JSON object per line) or a .json array of objects")
+    type: Literal["alpaca", "completion"] | None = Field(
+        default=None,
+        description="alpaca: instruction/input/output; completion: one text field; absent: pre-tokenized",
+    )
+    field: str | None = Field(
+        default=None, description="the text field of a completion dataset (default: text)"
+    )
+
+    def checks(self) -> list[Check]:
+        """The rules across this dataset's keys that it breaks."""
+        if self.field is not None and self.type != "completion":
+            return [
+                Check(
+                    ("datasets",),
+                    "`field` only applies to `type: completion`; remove it or set `type: completion`",
+                )
+            ]
+        return []
+
+    @model_validator(mode="after")
+    def _consistent(self, info: ValidationInfo) -> DatasetSpec:
+        _raise_unless_collecting(self.checks(), info)
+        return self
+
+
+class BnbConfig(_Strict):
+    """bitsandbytes 4-bit settings, as axolotl's ``bnb_config_kwargs``."""
+
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field(default="nf4", description="4-bit data type")
+    bnb_4bit_use_double_quant: bool = Field(default=True, description="quantize the absmax statistics too")
+
+
+class ShardpoolSection(_Strict):
+    """shardpool's own keys: where the stages run and how they talk."""
+
+    placement: Literal["local", "mesh"] = Field(
+        default="local", description="local: stage processes on this machine; mesh: on mesh members"
+    )
+    stages: int | None = Field(
+        default=None, ge=1, description="number of pipeline stages (default: len(devices) or 2)"
+    )
+    replicas: int = Field(
+        default=1, ge=1, description="data-parallel pipelines; LoRA gradients are all-reduced"
+    )
+    schedule: Literal["1f1b", "gpipe"] = Field(default="1f1b", description="pipeline schedule")
+    wire_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        default="auto", description="dtype of activations between stages (auto: the compute dtype)"
+    )
+    devices: list[str] | None = Field(
+        default=None, description="one device per stage, e.g. [cpu, cuda:0, mps]"
+    )
+    layers: list[int] | None = Field(
+        default=None, description="manual split: decoder layers per stage, e.g. [1, 3, 2]"
+    )
+    threads_per_stage: int | None = Field(
+        default=None, ge=1, description="torch intra-op threads per CPU stage (default: cores / processes)"
+    )
+    master_port: int | None = Field(
+        default=None, ge=1, le=65535, description="rendezvous TCP port on loopback (default: a free one)"
+    )
+
+    def checks(self) -> list[Check]:
+        """The rules across this section's keys that it breaks."""
+        found: list[str] = []
+        counts = {
+            "shardpool.stages": self.stages,
+            "shardpool.devices": None if self.devices is None else len(self.devices),
+            "shardpool.layers": None if self.layers is None else len(self.layers),
+        }
+        given = {key: count for key, count in counts.items() if count is not None}
+        if len(set(given.values())) > 1:
+            described = ", ".join(f"{key} gives {count}" for key, count in given.items())
+            found.append(f"stage counts disagree ({described}); make them name the same number of stages")
+        if self.layers is not None and any(count < 1 for count in self.layers):
+            found.append("`shardpool.layers` needs at least 1 layer per stage; remove empty stages")
+        found += [problem for device in self.devices or () if (problem := _device_problem(device))]
+        if self.placement == "mesh" and self.devices is not None:
+            found.append(
+                "`shardpool.devices` is for `placement: local`; on the mesh the planner picks devices"
+            )
+        if self.placement == "mesh" and self.layers is not None:
+            found.append(
+                "`shardpool.layers` is for `placement: local`; on the mesh the planner splits the layers"
+            )
+        return [Check(("shardpool",), message) for message in found]
+
+    @model_validator(mode="after")
+    def _consistent(self, info: ValidationInfo) -> ShardpoolSection:
+        _raise_unless_collecting(self.checks(), info)
+        return self
+
+    @property
+    def num_stages(self) -> int:
+        """The number of pipeline stages this section asks for (2 when nothing says)."""
+        for count in (self.stages, self.devices and len(self.devices), self.layers and len(self.layers)):
+            if count:
+                return int(count)
+        return 2
+
+    def stage_devices(self) -> list[str]:
+        """The torch device of each stage (all ``cpu`` unless ``devices`` says otherwise)."""
+        return list(self.devices) if self.devices else ["cpu"] * self.num_stages
+
+
+def _device_problem(device: str) -> str | None:
+    kind, _, index = device.partition(":")
+    if kind not in {"cpu", "cuda", "mps", "xpu"} or (index and not index.isdigit()):
+        return f"unknown device `{device}` in shardpool.devices; use cpu, cuda:N, mps or xpu:N"
+    return None
+
+
+class Config(_Strict):
+    """A whole run. Field names and meanings follow axolotl where axolotl has them."""
+
+    base_model: str = Field(description="local Hugging Face model directory (config.json + safetensors)")
+    adapter: Literal["qlora", "lora"] = Field(
+        default="qlora", description="qlora: NF4 base; lora: full-precision base"
+    )
+    load_in_4bit: bool = Field(default=True, description="quantize the base to 4 bits (required by qlora)")
+    bnb_config_kwargs: BnbConfig = Field(default_factory=BnbConfig, description="bitsandbytes 4-bit settings")
+    lora_r: int = Field(default=8, ge=1, description="LoRA rank")
+    lora_alpha: float = Field(default=16, gt=0, description="LoRA scaling numerator (scale = alpha / r)")
+    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="dropout on the LoRA input")
+    lora_target_modules: list[str] | None = Field(
+        default=None, description="module names that get LoRA (`all-linear` means lora_target_linear)"
+    )
+    lora_target_linear: bool = Field(default=False, description="put LoRA on every Linear except lm_head")
+    lora_model_dir: str | None = Field(default=None, description="start from this existing PEFT adapter")
+    datasets: list[DatasetSpec] = Field(min_length=1, description="JSONL datasets, merged in order")
+    val_set_size: float = Field(default=0.0, ge=0.0, description="eval split: a fraction (<1) or a row count")
+    sequence_len: int = Field(
+        default=512, gt=0, description="rows are truncated or padded to this many tokens"
+    )
+    sample_packing: bool = Field(default=False, description="pack several short rows into one sequence")
+    train_on_inputs: bool = Field(
+        default=False, description="also train on the prompt tokens of alpaca rows (not only the response)"
+    )
+    shuffle_merged_datasets: bool = Field(default=True, description="shuffle rows (seeded) before batching")
+    curriculum_sampling: bool = Field(
+        default=False, description="consume rows in file order (needs no shuffle)"
+    )
+    micro_batch_size: int = Field(default=1, ge=1, description="rows per micro-batch")
+    gradient_accumulation_steps: int = Field(default=1, ge=1, description="micro-batches per optimizer step")
+    num_epochs: float = Field(default=1.0, gt=0, description="passes over the training rows")
+    max_steps: int | None = Field(default=None, ge=1, description="stop after this many optimizer steps")
+    learning_rate: float = Field(default=2e-4, gt=0, description="peak learning rate")
+    lr_scheduler: SchedulerName = Field(
+        default="cosine", description="decay after warm-up (constant: constant_with_warmup)"
+    )
+    cosine_min_lr_ratio: float | None = Field(
+        default=None, ge=0.0, le=1.0, description="cosine decays to this fraction of the peak, not to 0"
+    )
+    warmup_steps: int | None = Field(default=None, ge=0, description="linear warm-up steps")
+    warmup_ratio: float | None = Field(
+        default=None, ge=0.0, lt=1.0, description="warm-up as a fraction of steps"
+    )
+    optimizer: OptimizerName = Field(
+        default="adamw_torch", description="AdamW: torch, torch fused, or bitsandbytes 8-bit / paged"
+    )
+    weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW decoupled weight decay")
+    adam_beta1: float = Field(default=0.9, gt=0.0, lt=1.0, description="AdamW beta1")
+    adam_beta2: float = Field(default=0.999, gt=0.0, lt=1.0, description="AdamW beta2")
+    adam_epsilon: float = Field(default=1e-8, gt=0.0, description="AdamW epsilon")
+    max_grad_norm: float = Field(default=1.0, ge=0.0, description="clip the global grad norm (0 disables)")
+    seed: int = Field(default=42, description="seed for LoRA init, shuffling and dropout")
+    gradient_checkpointing: bool = Field(default=False, description="recompute layer activations in backward")
+    output_dir: str = Field(default="./outputs/shardpool", description="where the adapter and logs go")
+    save_steps: int | None = Field(default=None, ge=1, description="checkpoint every this many steps")
+    logging_steps: int = Field(default=1, ge=1, description="write metrics every this many steps")
+    bf16: bool | Literal["auto"] = Field(default=False, description="compute in bfloat16")
+    fp16: bool = Field(default=False, description="compute in float16")
+    shardpool: ShardpoolSection = Field(default_factory=ShardpoolSection, description="shardpool's own keys")
+
+    def checks(self) -> list[Check]:
+        """The rules across top-level keys that this config breaks (nested sections: :meth:`problems`)."""
+        rules: list[tuple[bool, tuple[str, ...], str]] = [
+            (
+                self.adapter == "qlora" and not self.load_in_4bit,
+                ("adapter", "load_in_4bit"),
+                "`adapter: qlora` needs `load_in_4bit: true`; set it, or use `adapter: lora`",
+            ),
+            (
+                self.adapter == "lora" and self.load_in_4bit,
+                ("adapter", "load_in_4bit"),
+                "`adapter: lora` trains on a full-precision base; set `load_in_4bit: false` or use qlora",
+            ),
+            (
+                not self.lora_target_linear and not self.lora_target_modules,
+                ("lora_target_linear", "lora_target_modules"),
+                "no LoRA targets: set `lora_target_modules` (e.g. [q_proj, v_proj]) or `lora_target_linear: true`",
+            ),
+            (
+                self.warmup_steps is not None and self.warmup_ratio is not None,
+                ("warmup_steps", "warmup_ratio"),
+                "`warmup_steps` and `warmup_ratio` both set; keep one",
+            ),
+            (self.bf16 is True and self.fp16, ("bf16", "fp16"), "`bf16` and `fp16` both set; keep one"),
+            (
+                self.curriculum_sampling and self.shuffle_merged_datasets,
+                ("curriculum_sampling", "shuffle_merged_datasets"),
+                "`curriculum_sampling: true` needs `shuffle_merged_datasets: false` to keep file order",
+            ),
+            (
+                self.val_set_size >= 1 and not float(self.val_set_size).is_integer(),
+                ("val_set_size",),
+                "`val_set_size` is a fraction below 1 or a whole row count; fix its value",
+            ),
+            (
+                self.max_steps is None and not math.isfinite(self.num_epochs),
+                ("num_epochs", "max_steps"),
+                "`num_epochs` must be finite; set a number or `max_steps`",
+            ),
+            (
+                self.cosine_min_lr_ratio is not None and self.lr_scheduler != "cosine",
+                ("cosine_min_lr_ratio", "lr_scheduler"),
+                f"`cosine_min_lr_ratio` applies to `lr_scheduler: cosine`, not `{self.lr_scheduler}`; "
+                "remove it or use cosine",
+            ),
+        ]
+        return [Check(keys, message) for broken, keys, message in rules if broken]
+
+    def problems(self, source: str) -> list[tuple[Check, Problem]]:
+        """Every rule this config breaks, nested sections included, each with its problem line."""
+        found = [(check, check.problem(source)) for check in self.checks()]
+        for index, dataset in enumerate(self.datasets):
+            found += [
+                (check, check.problem(source, prefix=f"datasets[{index}]")) for check in dataset.checks()
+            ]
+        found += [(check, check.problem(source, prefix="shardpool")) for check in self.shardpool.checks()]
+        return found
+
+    @model_validator(mode="after")
+    def _consistent(self, info: ValidationInfo) -> Config:
+        _raise_unless_collecting(self.checks(), info)
+        return self
+
+    @property
+    def compute_dtype_name(self) -> str:
+        """The dtype layers compute in: float32, bfloat16 or float16."""
+        if self.bf16 is True:
+            return "bfloat16"
+        if self.fp16:
+            return "float16"
+        return "float32"
+
+    @property
+    def wire_dtype_name(self) -> str:
+        """The dtype of activations and their gradients between stages."""
+        names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+        return names.get(self.shardpool.wire_dtype, self.compute_dtype_name)
