@@ -2,6 +2,7 @@
 
     python scripts/bench_paired.py                 # 7 pairs on the model of bench_pipeline.py
     python scripts/bench_paired.py --pairs 3 --quick
+    python scripts/bench_paired.py --device cuda --size gpu --with-s2   # one GPU, hidden 2048
 
 It prints one JSON object on stdout. Two implementations on a noisy machine are ranked by
 *pairs*: A (``shardpool.finetune.finetune`` with one stage) and B (the plain loop of
@@ -10,9 +11,17 @@ the same cores with the same thread count, on the same model, data and micro-bat
 minute on the machine then hits both members of a pair alike, and the per-pair ratio
 A ÷ B tokens/s cancels it; the report gives the median ratio over the pairs and its spread
 (max - min). An unrecorded warm-up pair comes first (it fills the profile cache and the page
-cache). For every run the report also gives the CPU time other processes used while it ran.
+cache). Before each pair it waits (up to ``--max-wait-idle`` seconds) for other processes to
+leave the CPUs, and for every run it reports the CPU time other processes used while it ran.
+A second figure, ``fastest_step_ratio_a_over_b``, compares each pair's fastest steps (B's fastest
+step time ÷ A's, so above 1 means A is faster, like the tokens/s ratio): other load can only make
+a step slower, so the fastest steps are the least disturbed view of both sides.
 
-Memory: the peak RSS (VmHWM) of the stage process next to that of the plain process.
+Memory: the peak RSS (VmHWM) of the stage process next to that of the plain process on CPU;
+``torch.cuda.max_memory_allocated`` of each on CUDA.
+
+``--with-s2`` adds side C to every pair: ``finetune`` with two stages on the same device (two
+processes; on CPU each gets half the threads), reported as C ÷ A, what splitting one device costs.
 """
 
 from __future__ import annotations
@@ -59,9 +68,15 @@ def ratio_summary(ratios: Sequence[float]) -> dict[str, float]:
     }
 
 
-def run_order(pairs: int) -> list[tuple[int, str]]:
-    """The interleaved order of the runs: (pair, "A") then (pair, "B") for every pair."""
-    return [(pair, side) for pair in range(pairs) for side in ("A", "B")]
+def run_order(pairs: int, sides: Sequence[str] = ("A", "B")) -> list[tuple[int, str]]:
+    """The interleaved order of the runs: every side of pair 0, then of pair 1, and so on."""
+    return [(pair, side) for pair in range(pairs) for side in sides]
+
+
+def peak_memory(run: dict[str, Any]) -> int:
+    """A run's peak memory: the device's peak allocation where there is one, else the peak RSS."""
+    device_bytes = run.get("peak_device_bytes")
+    return int(device_bytes) if device_bytes is not None else int(run["peak_rss_bytes"])
 
 
 # ---------------------------------------------------------------------------- one run, in its own process
@@ -85,18 +100,28 @@ def shardpool_worker(spec_path: str) -> dict[str, Any]:
     measured = bench.summarize_steps(records)
     return {
         "step_seconds": measured["step_seconds"],
+        "step_seconds_min": measured["step_seconds_min"],
         "tokens_per_s": measured["tokens_per_s"],
         "steps_measured": measured["steps_measured"],
         "final_loss": measured["final_loss"],
-        "peak_rss_bytes": int(summary["ranks"][0]["peak_rss_bytes"]),
+        "peak_rss_bytes": max(int(rank["peak_rss_bytes"]) for rank in summary["ranks"]),
+        "peak_device_bytes": _max_or_none(rank.get("peak_device_bytes") for rank in summary["ranks"]),
+        "stages": len(summary["ranks"]),
     }
 
 
-def run_side(side: str, config: dict[str, Any], *, threads: int, work: Path, label: str) -> dict[str, Any]:
-    """Run side A or B in a fresh process with ``threads`` torch threads; add the foreign CPU time."""
+def _max_or_none(values: Any) -> int | None:
+    present = [int(value) for value in values if value is not None]
+    return max(present) if present else None
+
+
+def run_side(
+    side: str, config: dict[str, Any], *, threads: int, device: str, work: Path, label: str
+) -> dict[str, Any]:
+    """Run one side in a fresh process with ``threads`` torch threads; add the foreign CPU time."""
     spec = work / f"{label}.json"
-    spec.write_text(json.dumps({"config": config, "threads": threads}))
-    flag = "--shardpool-worker" if side == "A" else "--plain-worker"
+    spec.write_text(json.dumps({"config": config, "threads": threads, "device": device}))
+    flag = "--plain-worker" if side == "B" else "--shardpool-worker"
     env = dict(
         os.environ,
         OMP_NUM_THREADS=str(threads),
@@ -124,8 +149,17 @@ def run_side(side: str, config: dict[str, Any], *, threads: int, work: Path, lab
 # ---------------------------------------------------------------------------- the benchmark
 
 
-def benchmark(*, quick: bool, pairs: int, cores: list[int], keep: Path | None) -> dict[str, Any]:
-    """Build the model and data once, run the warm-up pair and ``pairs`` A/B pairs, return the report."""
+def benchmark(
+    *,
+    size_name: str,
+    device: str,
+    with_s2: bool,
+    pairs: int,
+    cores: list[int],
+    keep: Path | None,
+    max_wait_idle_s: float,
+) -> dict[str, Any]:
+    """Build the model and data once, run the warm-up pair and ``pairs`` pairs, return the report."""
     import bitsandbytes
     import peft
     import torch
@@ -133,8 +167,10 @@ def benchmark(*, quick: bool, pairs: int, cores: list[int], keep: Path | None) -
 
     from shardpool.model.tinymodel import DEFAULT_CORPUS, make_tiny_llama, write_jsonl
 
-    size = bench.QUICK if quick else bench.FULL
+    size = SIZES[size_name]
     threads = len(cores)
+    sides = ("A", "B", "C") if with_s2 else ("A", "B")
+    bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported()
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="shardpool-paired-")) if keep is None else keep
     work.mkdir(parents=True, exist_ok=True)
@@ -152,33 +188,54 @@ def benchmark(*, quick: bool, pairs: int, cores: list[int], keep: Path | None) -
         )
         hf_config = json.loads((model_dir / "config.json").read_text())
 
-        def config_for(label: str) -> dict[str, Any]:
-            return bench.training_config(
-                model_dir, data, work / f"out-{label}", size, {"stages": 1, "threads_per_stage": threads}
-            )
+        def config_for(side: str, label: str) -> dict[str, Any]:
+            stages = 2 if side == "C" else 1
+            placement = {"stages": stages, "threads_per_stage": max(1, threads // stages)}
+            if device != "cpu":
+                placement = {"stages": stages, "devices": [device] * stages}
+            config = bench.training_config(model_dir, data, work / f"out-{label}", size, placement)
+            if bf16:
+                config["bf16"] = True
+            return config
 
-        runs: dict[str, list[dict[str, Any]]] = {"A": [], "B": []}
+        runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
         with bench.pinned(cores):
-            for side in ("A", "B"):
+            for side in sides:
                 print(f"bench: warm-up {side}", file=sys.stderr, flush=True)
+                label = f"warmup-{side}"
                 run_side(
-                    side, config_for(f"warmup-{side}"), threads=threads, work=work, label=f"warmup-{side}"
+                    side, config_for(side, label), threads=threads, device=device, work=work, label=label
                 )
-            for pair, side in run_order(pairs):
+            for pair, side in run_order(pairs, sides):
                 label = f"{side}{pair}"
+                waited = bench.wait_for_idle(max_wait_idle_s) if side == "A" else 0.0
                 print(f"bench: pair {pair + 1}/{pairs}, {side}", file=sys.stderr, flush=True)
-                runs[side].append(run_side(side, config_for(label), threads=threads, work=work, label=label))
-        tokens_ratio = pair_ratios(
-            [run["tokens_per_s"] for run in runs["A"]], [run["tokens_per_s"] for run in runs["B"]]
-        )
-        memory_ratio = pair_ratios(
-            [run["peak_rss_bytes"] for run in runs["A"]], [run["peak_rss_bytes"] for run in runs["B"]]
-        )
+                measured = run_side(
+                    side, config_for(side, label), threads=threads, device=device, work=work, label=label
+                )
+                measured["load"]["waited_for_idle_seconds"] = waited
+                runs[side].append(measured)
+
+        def ratios(top: str, bottom: str, read: Any) -> list[float]:
+            return pair_ratios([read(run) for run in runs[top]], [read(run) for run in runs[bottom]])
+
+        tokens_ratio = ratios("A", "B", lambda run: run["tokens_per_s"])
+        fastest_step_ratio = ratios("B", "A", lambda run: run["step_seconds_min"])
+        memory_ratio = ratios("A", "B", peak_memory)
+        s2 = {}
+        if with_s2:
+            s2_ratio = ratios("C", "A", lambda run: run["tokens_per_s"])
+            s2 = {
+                "C": "shardpool finetune, two stages (S = 2) as two processes on the same device",
+                "tokens_per_s_ratio_c_over_a": ratio_summary(s2_ratio),
+                "tokens_per_s_ratio_c_over_a_per_pair": [round(ratio, 4) for ratio in s2_ratio],
+            }
+        command = "python scripts/bench_paired.py" + (f" --size {size_name}" if size_name != "full" else "")
+        command += (f" --device {device}" if device != "cpu" else "") + (" --with-s2" if with_s2 else "")
+        command += f" --pairs {pairs}" if pairs != DEFAULT_PAIRS else ""
         return {
             "benchmark": "paired",
-            "command": "python scripts/bench_paired.py"
-            + (" --quick" if quick else "")
-            + (f" --pairs {pairs}" if pairs != DEFAULT_PAIRS else ""),
+            "command": command,
             "A": "shardpool finetune, one stage (S = 1)",
             "B": "plain transformers + bitsandbytes NF4 + peft loop, same micro-batches",
             "machine": {
@@ -191,6 +248,8 @@ def benchmark(*, quick: bool, pairs: int, cores: list[int], keep: Path | None) -
                 "transformers": transformers.__version__,
                 "peft": peft.__version__,
                 "bitsandbytes": bitsandbytes.__version__,
+                "device": device,
+                "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
             },
             "model": {
                 key: hf_config[name]
@@ -207,11 +266,17 @@ def benchmark(*, quick: bool, pairs: int, cores: list[int], keep: Path | None) -
                 "microbatches_per_step": size["gradient_accumulation_steps"],
                 "steps": size["max_steps"],
                 "warmup_steps_skipped": bench.WARMUP_STEPS,
+                "compute_dtype": "bfloat16" if bf16 else "float32",
             },
             "pairs": pairs,
             "tokens_per_s_ratio_a_over_b": ratio_summary(tokens_ratio),
             "tokens_per_s_ratio_per_pair": [round(ratio, 4) for ratio in tokens_ratio],
-            "peak_rss_ratio_a_over_b": ratio_summary(memory_ratio),
+            "fastest_step_ratio_a_over_b": ratio_summary(fastest_step_ratio),
+            "peak_memory_kind": "cuda max_memory_allocated"
+            if device.startswith("cuda")
+            else "peak RSS (VmHWM)",
+            "peak_memory_ratio_a_over_b": ratio_summary(memory_ratio),
+            **s2,
             "runs": runs,
             "other_cpu_seconds_total": round(
                 sum(run["load"]["other_cpu_seconds"] for side in runs.values() for run in side), 1
@@ -228,6 +293,7 @@ def benchmark(*, quick: bool, pairs: int, cores: list[int], keep: Path | None) -
 
 
 DEFAULT_PAIRS = 7
+SIZES = {"full": bench.FULL, "quick": bench.QUICK, "gpu": bench.GPU}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -236,11 +302,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--pairs", type=int, default=DEFAULT_PAIRS, help=f"A/B pairs (default {DEFAULT_PAIRS})"
     )
-    parser.add_argument("--quick", action="store_true", help="a smaller model and fewer steps")
+    parser.add_argument("--quick", action="store_true", help="the same as --size quick")
+    parser.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default="full",
+        help="full: bench_pipeline's model (default); quick: a small one; gpu: hidden 2048, for one GPU",
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="cpu (default) or a CUDA device such as cuda or cuda:0"
+    )
+    parser.add_argument("--with-s2", action="store_true", help="add side C: two stages on the same device")
     parser.add_argument(
         "--cores", help="comma-separated CPU ids to pin every run to (default: this process's affinity)"
     )
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it")
+    parser.add_argument(
+        "--max-wait-idle",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="before each pair, wait up to this long for other processes to leave the CPUs (default 60)",
+    )
     parser.add_argument("--shardpool-worker", help=argparse.SUPPRESS)
     parser.add_argument("--plain-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -254,9 +337,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        parser.error(f"--device {args.device}: use cpu or a CUDA device (cuda, cuda:N)")
     cores = [int(c) for c in args.cores.split(",")] if args.cores else sorted(os.sched_getaffinity(0))
     with contextlib.redirect_stdout(sys.stderr):
-        report = benchmark(quick=args.quick, pairs=args.pairs, cores=cores, keep=args.keep)
+        report = benchmark(
+            size_name="quick" if args.quick else args.size,
+            device=args.device,
+            with_s2=args.with_s2,
+            pairs=args.pairs,
+            cores=cores,
+            keep=args.keep,
+            max_wait_idle_s=args.max_wait_idle,
+        )
     print(json.dumps(report, indent=2))
     return 0
 

@@ -82,6 +82,23 @@ QUICK = {
     "max_steps": 4,
     "lora_r": 4,
 }
+# A model that keeps one GPU busy (issue 17's GPU row): hidden 2048, NF4, bf16 where supported.
+GPU = {
+    "model": {
+        "num_layers": 8,
+        "hidden_size": 2048,
+        "intermediate_size": 5504,
+        "num_heads": 16,
+        "num_kv_heads": 4,
+        "vocab_size": 4096,
+    },
+    "rows": 256,
+    "sequence_len": 512,
+    "micro_batch_size": 4,
+    "gradient_accumulation_steps": 8,
+    "max_steps": 12,
+    "lora_r": 16,
+}
 
 
 # ---------------------------------------------------------------------------- pure helpers
@@ -391,7 +408,15 @@ def _vm_status(field: str) -> int:
 
 
 def plain_steps(
-    model: Any, params: list[Any], optimizer: Any, scheduler: Any, data: Any, steps: Any, config: Any
+    model: Any,
+    params: list[Any],
+    optimizer: Any,
+    scheduler: Any,
+    data: Any,
+    steps: Any,
+    config: Any,
+    *,
+    device: Any,
 ) -> tuple[list[float], list[float], list[float]]:
     """The plain loop's optimizer steps; per step its seconds, tokens/s and loss."""
     import torch
@@ -406,19 +431,23 @@ def plain_steps(
         loss_total = 0.0
         for rows in microbatches:
             logits = model(
-                input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids
+                input_ids=rows.input_ids.to(device),
+                attention_mask=rows.attention_mask.to(device),
+                position_ids=rows.position_ids.to(device),
             ).logits
             loss = token_loss_sum(logits, rows.labels) / step_tokens
             loss.backward()
-            loss_total += float(loss.detach())
+            loss_total = loss_total + loss.detach()
         torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - begun
         step_seconds.append(elapsed)
         tokens_per_s.append(sum(int(rows.attention_mask.sum()) for rows in microbatches) / elapsed)
-        losses.append(loss_total)
+        losses.append(float(loss_total))
     return step_seconds, tokens_per_s, losses
 
 
@@ -456,8 +485,13 @@ def plain_loop(spec_path: str) -> dict[str, Any]:
         seed=config.seed,
     )
     started = time.perf_counter()
+    device = torch.device(spec.get("device", "cpu"))
+    compute_dtype = getattr(torch, config.compute_dtype_name)
     model = AutoModelForCausalLM.from_pretrained(
-        config.base_model, quantization_config=bnb_config(), dtype=torch.float32
+        config.base_model,
+        quantization_config=bnb_config(compute_dtype=config.compute_dtype_name),
+        dtype=compute_dtype,
+        device_map={"": str(device)},
     )
     keep_exact_cpu_matmul(model)
     lora = lora_settings(config)
@@ -478,15 +512,19 @@ def plain_loop(spec_path: str) -> dict[str, Any]:
     scheduler = get_scheduler(
         scheduler_name(config), optimizer, num_warmup_steps=0, num_training_steps=len(steps)
     )
-    step_seconds, tokens_per_s, losses = plain_steps(model, params, optimizer, scheduler, data, steps, config)
+    step_seconds, tokens_per_s, losses = plain_steps(
+        model, params, optimizer, scheduler, data, steps, config, device=device
+    )
     return {
         "threads": int(spec["threads"]),
         "steps_measured": len(step_seconds[WARMUP_STEPS:] or step_seconds),
         "step_seconds": median_after_warmup(step_seconds),
+        "step_seconds_min": min(step_seconds[WARMUP_STEPS:] or step_seconds),
         "tokens_per_s": median_after_warmup(tokens_per_s),
         "final_loss": losses[-1],
         "load_seconds": round(load_seconds, 2),
         "peak_rss_bytes": _vm_status("VmHWM"),
+        "peak_device_bytes": int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
         "runtime_only_rss_bytes": runtime_rss,
         "lora_parameters": sum(param.numel() for param in params),
     }

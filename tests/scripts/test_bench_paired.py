@@ -80,3 +80,20 @@ def test_breakdown_counts_and_shares_from_raw_lines() -> None:
     assert report["samples"] == 8
     assert report["counts"] == {"forward": 6, "optimizer": 2}
     assert report["share"] == {"forward": 0.75, "optimizer": 0.25}
+
+
+def test_a_third_side_runs_in_every_pair() -> None:
+    assert paired.run_order(2, ("A", "B", "C")) == [
+        (0, "A"),
+        (0, "B"),
+        (0, "C"),
+        (1, "A"),
+        (1, "B"),
+        (1, "C"),
+    ]
+
+
+def test_peak_memory_is_the_device_peak_where_there_is_one() -> None:
+    assert paired.peak_memory({"peak_rss_bytes": 700, "peak_device_bytes": None}) == 700
+    assert paired.peak_memory({"peak_rss_bytes": 700}) == 700
+    assert paired.peak_memory({"peak_rss_bytes": 700, "peak_device_bytes": 5000}) == 5000
