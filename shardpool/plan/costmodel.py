@@ -30,7 +30,8 @@ class Workload:
     """What is being trained, as far as cost goes.
 
     ``gradient_accumulation_steps`` is the number of micro-batches per optimizer step (the
-    pipeline's M). ``stages`` forces an exact stage count; ``max_stages`` caps it.
+    pipeline's M). ``stages`` forces an exact stage count; ``max_stages`` caps it. ``replicas``
+    data-parallel copies of the pipeline all-reduce their LoRA gradients every step.
     Byte sizes: ``compute_bytes`` for activations and unquantized weights (4 fp32, 2 bf16/fp16),
     ``wire_bytes`` for tensors sent between stages.
     """
@@ -46,6 +47,7 @@ class Workload:
     wire_bytes: int = 4
     max_stages: int | None = None
     stages: int | None = None
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -54,6 +56,7 @@ class Workload:
             "gradient_accumulation_steps",
             "compute_bytes",
             "wire_bytes",
+            "replicas",
         ):
             if getattr(self, name) <= 0:
                 raise ShardpoolError(f"{name} is {getattr(self, name)}; it must be positive")
@@ -107,4 +110,5 @@ class Workload:
             compute_bytes=_DTYPE_BYTES[config.compute_dtype_name],
             wire_bytes=_DTYPE_BYTES[config.wire_dtype_name],
             stages=config.shardpool.stages,
+            replicas=config.shardpool.replicas,
         )

@@ -35,7 +35,12 @@ class DeviceInfo:
 class LayerProfile:
     """A measured layer: median forward + backward seconds per micro-batch, bytes autograd saved
     for backward in one forward (no checkpointing), peak bytes the pass allocated on the device
-    (accelerators only), the device label and the thread count used (CPU)."""
+    (accelerators only), the device label and the thread count used (CPU).
+
+    Also, where measured (None in profiles from before they were): the median forward alone, the
+    embedding lookup, final norm + ``lm_head`` + loss forward and backward (scaled to the full
+    vocabulary), and one AdamW step with gradient clipping over the layer's LoRA parameters.
+    """
 
     seconds_per_layer: float
     activation_bytes: int
@@ -44,6 +49,11 @@ class LayerProfile:
     label: str
     threads: int | None
     runs: int
+    forward_seconds: float | None = None
+    embed_seconds: float | None = None
+    head_forward_seconds: float | None = None
+    head_backward_seconds: float | None = None
+    optimizer_seconds: float | None = None
 
 
 def normalize_device(name: str) -> str:

@@ -22,7 +22,7 @@ from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.device_facts import DEVICE_KINDS
-from shardpool.plan.time_model import DEFAULT_EFFICIENCY, layer_flops
+from shardpool.plan.time_model import DEFAULT_EFFICIENCY, DeviceTimes, layer_flops, modeled_times
 
 __all__ = [
     "DEFAULT_LINK",
@@ -64,7 +64,10 @@ class Device:
     ``torch_device`` is what to hand to torch (``cpu``, ``cuda:0``; empty for hypothetical
     devices). Speed is either measured (``seconds_per_layer``: forward + backward of one layer
     per micro-batch, already slowed down for sharing) or nominal (``tflops`` x ``efficiency``).
-    ``memory_bytes`` is what the plan may use on it.
+    ``memory_bytes`` is what the plan may use on it. A profiled device may also carry its
+    measured forward share of the layer, embedding, ``lm_head`` + loss and optimizer times
+    (seconds, slowed down like ``seconds_per_layer``); what is missing is modeled
+    (:func:`~shardpool.plan.time_model.modeled_times`).
     """
 
     name: str
@@ -77,6 +80,33 @@ class Device:
     torch_device: str = ""
     activation_bytes_per_layer: float | None = None
     shared_by: int = 1
+    forward_seconds_per_layer: float | None = None
+    embed_seconds: float | None = None
+    head_forward_seconds: float | None = None
+    head_backward_seconds: float | None = None
+    optimizer_seconds_per_layer: float | None = None
+
+    def times(self, shape: ModelShape, workload: Workload) -> DeviceTimes:
+        """This device's compute times: measured where the profile has them, else modeled."""
+        modeled = modeled_times(
+            shape,
+            workload,
+            layer_s=self.layer_seconds(shape, workload),
+            kind=self.kind,
+            forward_s=self.forward_seconds_per_layer,
+        )
+
+        def pick(measured: float | None, fallback: float) -> float:
+            return fallback if measured is None else measured
+
+        return DeviceTimes(
+            layer_forward_s=modeled.layer_forward_s,
+            layer_backward_s=modeled.layer_backward_s,
+            embed_s=pick(self.embed_seconds, modeled.embed_s),
+            head_forward_s=pick(self.head_forward_seconds, modeled.head_forward_s),
+            head_backward_s=pick(self.head_backward_seconds, modeled.head_backward_s),
+            optimizer_per_layer_s=pick(self.optimizer_seconds_per_layer, modeled.optimizer_per_layer_s),
+        )
 
     def layer_seconds(self, shape: ModelShape, workload: Workload) -> float:
         """Forward + backward seconds of one decoder layer per micro-batch on this device."""

@@ -2,19 +2,37 @@
 
 Seeds are the fastest and the roomiest ``k`` devices for every allowed ``k``, arranged so one
 host's devices sit together; each seed descends through swaps, replacements, removals and
-insertions, then random perturbations restart the descent until the time budget runs out.
+insertions, then seeded random perturbations restart the descent until the budget of sequence
+evaluations runs out. The budget counts evaluations, not seconds, so the same fleet gives the same
+plan on any machine. Sequences are split by ``plan.split_search.quick_split`` (the min-max compute
+split, simulated); the best one's split is then refined by single-layer moves.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-import time
 from collections.abc import Iterator, Sequence
 
-from shardpool.plan.search_context import Candidate, SearchContext, evaluate_sequence, is_better
+from shardpool.plan.search_context import Candidate, SearchContext, evaluate_sequence, is_better, scored
+from shardpool.plan.split_search import quick_split
 
 __all__ = ["arrange", "heuristic_search", "neighbours"]
+
+
+class _Budget:
+    """Counts sequence evaluations against a fixed allowance."""
+
+    def __init__(self, evaluations: int) -> None:
+        self.left = evaluations
+
+    @property
+    def spent(self) -> bool:
+        return self.left <= 0
+
+    def evaluate(self, ctx: SearchContext, seq: tuple[int, ...], limit: Candidate | None) -> Candidate | None:
+        self.left -= 1
+        return evaluate_sequence(ctx, seq, exact=False, limit=limit)
 
 
 def arrange(ctx: SearchContext, subset: Sequence[int]) -> tuple[int, ...]:
@@ -76,35 +94,41 @@ def neighbours(seq: tuple[int, ...], unused: Sequence[int], allowed: set[int]) -
                 yield seq[:i] + (u,) + seq[i:]
 
 
-def heuristic_search(ctx: SearchContext, allowed: Sequence[int], budget_s: float) -> Candidate | None:
+def heuristic_search(
+    ctx: SearchContext, allowed: Sequence[int], evaluations: int, *, start: Candidate | None = None
+) -> Candidate | None:
     """Seed with the fastest (and, separately, the roomiest) k devices for every k, descend from
-    the best seeds, then perturb and descend again (iterated local search) until ``budget_s``
-    runs out or many perturbations in a row bring nothing."""
-    deadline = time.perf_counter() + budget_s
+    the best seeds, then perturb and descend again (iterated local search) until ``evaluations``
+    sequence evaluations are spent or many perturbations in a row bring nothing; finally refine
+    the best sequence's split. ``start`` (an unfinished exact search's best) is one more seed.
+    Deterministic: no clock, and a fixed random seed."""
+    budget = _Budget(evaluations)
     n = len(ctx.devices)
     by_speed = sorted(range(n), key=lambda d: (ctx.seconds[d], -ctx.devices[d].memory_bytes, d))
     by_room = sorted(range(n), key=lambda d: (-ctx.devices[d].memory_bytes, ctx.seconds[d], d))
     seeds: list[Candidate] = []
     for k in allowed:
         for ranking in (by_speed, by_room):
-            candidate = evaluate_sequence(ctx, arrange(ctx, ranking[:k]))
+            candidate = budget.evaluate(ctx, arrange(ctx, ranking[:k]), None)
             if candidate is not None:
                 seeds.append(candidate)
+    if start is not None:
+        seeds.append(start)
     seeds.sort()
     allowed_set = set(allowed)
 
     def descend(current: Candidate) -> Candidate:
         improved = True
-        while improved and time.perf_counter() < deadline:
+        while improved and not budget.spent:
             improved = False
             used = set(current.seq)
             unused = [d for d in by_speed if d not in used][:16]
             for seq in neighbours(current.seq, unused, allowed_set):
-                candidate = evaluate_sequence(ctx, seq)
+                candidate = budget.evaluate(ctx, seq, current)
                 if is_better(candidate, current):
                     current, improved = candidate, True
                     break
-                if time.perf_counter() >= deadline:
+                if budget.spent:
                     break
         return current
 
@@ -117,7 +141,7 @@ def heuristic_search(ctx: SearchContext, allowed: Sequence[int], budget_s: float
         return None
     rng = random.Random(0)
     stale = 0
-    while stale < 40 and time.perf_counter() < deadline:
+    while stale < 40 and not budget.spent:
         seq = list(best.seq)
         for _ in range(2):
             used = set(seq)
@@ -128,7 +152,7 @@ def heuristic_search(ctx: SearchContext, allowed: Sequence[int], budget_s: float
             else:
                 j = rng.randrange(len(seq))
                 seq[i], seq[j] = seq[j], seq[i]
-        start = evaluate_sequence(ctx, tuple(seq))
+        start = budget.evaluate(ctx, tuple(seq), None)
         if start is None:
             stale += 1
             continue
@@ -137,4 +161,8 @@ def heuristic_search(ctx: SearchContext, allowed: Sequence[int], budget_s: float
             best, stale = current, 0
         else:
             stale += 1
+    problem = ctx.problem(best.seq)
+    refined = quick_split(problem, refine=True)
+    if refined is not None and refined[0] < best.objective:
+        best = scored(problem, best.seq, *refined)
     return best

@@ -83,6 +83,16 @@ def local_fleet(
                 torch_device=name,
                 activation_bytes_per_layer=profile.activation_bytes,
                 shared_by=share,
+                forward_seconds_per_layer=_slowed(profile.forward_seconds, slowdown),
+                embed_seconds=_slowed(profile.embed_seconds, slowdown),
+                head_forward_seconds=_slowed(profile.head_forward_seconds, slowdown),
+                head_backward_seconds=_slowed(profile.head_backward_seconds, slowdown),
+                optimizer_seconds_per_layer=_slowed(profile.optimizer_seconds, slowdown),
             )
         )
     return Fleet(devices=tuple(built), loopback=probe.loopback())
+
+
+def _slowed(seconds: float | None, slowdown: float) -> float | None:
+    """A measured time on a shared device (None stays unmeasured)."""
+    return None if seconds is None else seconds * slowdown

@@ -1,16 +1,16 @@
 """The capability-aware sharder: which devices, in which order, holding which layers.
 
-For a fixed sequence of devices every stage's time and memory are affine in its layer count
-(all decoder layers are identical), so the split that minimizes the slowest stage is exact
-and cheap: start every stage at one layer and hand out the remaining layers one at a time to
-the stage whose time after taking it is smallest (a min-heap), respecting each stage's memory
-cap. This is the dynamic program over layers collapsed by homogeneity; it returns the true
-optimum for that sequence. The sequence itself (which devices, in what order) is searched
-exhaustively for small fleets (identical devices are deduplicated) and by a seeded local
-search beyond. The objective is the predicted step time ``(M + S - 1) * t_max``, so a device
-that would slow the pipeline (a slow bottleneck, or a stage whose bubble costs more than its
-layers save) is left out. The split is ``plan.splits``, the two searches ``plan.exact_search``
-and ``plan.heuristic_search``; this module picks the search, builds the :class:`Plan` and
+The objective is the predicted step time: the schedule (1F1B or GPipe) simulated over the
+step's micro-batches with each stage's forward and backward compute and each link's transfers as
+separate resources that overlap, plus the replicas' gradient all-reduce and the optimizer step
+(``plan.pipeline_sim``). A device that would slow the pipeline (a slow bottleneck, or a stage
+whose fill and drain cost more than its layers save) is left out. For a fixed sequence of devices
+every stage's times and memory are affine in its layer count (all decoder layers are identical);
+``plan.split_search`` finds the best split exactly by a bounded depth-first search over the
+counts. The sequence itself (which devices, in what order) is searched exhaustively for small
+fleets (identical devices are deduplicated, sequences visited by a lower bound and cut off past
+the best step, ``plan.exact_search``) and by a seeded local search with a budget of evaluations
+beyond (``plan.heuristic_search``). This module picks the search, builds the :class:`Plan` and
 explains a model that fits nowhere.
 """
 
@@ -26,17 +26,26 @@ from shardpool.plan.costmodel import Workload
 from shardpool.plan.exact_search import distinct_sequences, exact_search
 from shardpool.plan.fleet import Fleet
 from shardpool.plan.heuristic_search import heuristic_search
+from shardpool.plan.pipeline_sim import simulate_step
 from shardpool.plan.result import Plan, PlannedStage
 from shardpool.plan.search_context import SearchContext, allowed_stage_counts
-from shardpool.plan.time_model import bubble_fraction, step_seconds
 
-__all__ = ["EXACT_SEQUENCE_LIMIT", "HEURISTIC_BUDGET_S", "evaluate_split", "plan_pipeline"]
+__all__ = [
+    "EXACT_SEQUENCE_LIMIT",
+    "EXACT_SIMULATION_LIMIT",
+    "HEURISTIC_EVALUATIONS",
+    "evaluate_split",
+    "plan_pipeline",
+]
 
 GIB = 2**30
 #: Sequences (ordered device subsets, identical devices merged) searched exhaustively.
 EXACT_SEQUENCE_LIMIT = 20000
-#: Wall-clock budget of the local search on large fleets.
-HEURISTIC_BUDGET_S = 1.0
+#: Simulated steps the exhaustive search may run before the local search takes over.
+EXACT_SIMULATION_LIMIT = 5000
+#: Sequence evaluations the local search on large fleets may spend (a count, not a time, so a
+#: fleet gets the same plan on any machine).
+HEURISTIC_EVALUATIONS = 3000
 
 
 def plan_pipeline(
@@ -45,22 +54,26 @@ def plan_pipeline(
     fleet: Fleet,
     *,
     exact_limit: int = EXACT_SEQUENCE_LIMIT,
-    budget_s: float = HEURISTIC_BUDGET_S,
+    exact_simulations: int = EXACT_SIMULATION_LIMIT,
+    evaluations: int = HEURISTIC_EVALUATIONS,
 ) -> Plan:
     """Choose devices, their order and a contiguous layer split minimizing the predicted step time.
 
     The split is exact for every device sequence considered; sequences are searched
-    exhaustively when there are at most ``exact_limit`` of them, else by local search within
-    ``budget_s``. Raises :class:`ShardpoolError` saying how many GiB are missing, and where
+    exhaustively when there are at most ``exact_limit`` of them and the search needs at most
+    ``exact_simulations`` simulated steps, else by local search spending at most ``evaluations``
+    sequence evaluations. Both limits are counts, so a fleet gets the same plan on any machine. Raises :class:`ShardpoolError` saying how many GiB are missing, and where
     they would help, when the model fits on no subset of the fleet.
     """
     ctx = SearchContext(shape, workload, fleet)
     allowed = allowed_stage_counts(ctx)
     sequences = distinct_sequences(ctx, allowed, exact_limit)
+    best, complete = None, False
     if sequences is not None:
-        best, search = exact_search(ctx, sequences), "exact"
-    else:
-        best, search = heuristic_search(ctx, allowed, budget_s), "heuristic"
+        best, complete = exact_search(ctx, sequences, simulations=exact_simulations)
+    search = "exact" if complete else "heuristic"
+    if not complete:
+        best = heuristic_search(ctx, allowed, evaluations, start=best)
     if best is None:
         raise ShardpoolError(_explain_no_fit(ctx))
     return _build_plan(ctx, best.seq, best.counts, search=search)
@@ -107,10 +120,15 @@ def _build_plan(ctx: SearchContext, seq: tuple[int, ...], counts: Sequence[int],
     stages: list[PlannedStage] = []
     start = 0
     fits = True
-    for i, (d, n) in enumerate(zip(seq, counts, strict=True)):
+    costs = [ctx.stage(seq, i) for i in range(len(seq))]
+    simulation = simulate_step(
+        [c.times(n) for (c, _), n in zip(costs, counts, strict=True)],
+        microbatches=w.gradient_accumulation_steps,
+        schedule=w.schedule,
+    )
+    for d, n, (stage_costs, cap) in zip(seq, counts, costs, strict=True):
         device = ctx.devices[d]
-        costs, cap = ctx.stage(seq, i)
-        memory = int(math.ceil(costs.memory(n)))
+        memory = int(math.ceil(stage_costs.memory(n)))
         fits = fits and n <= cap
         stages.append(
             PlannedStage(
@@ -118,25 +136,26 @@ def _build_plan(ctx: SearchContext, seq: tuple[int, ...], counts: Sequence[int],
                 host=device.host,
                 start=start,
                 stop=start + n,
-                predicted_ms_per_microbatch=costs.seconds(n) * 1e3,
+                predicted_ms_per_microbatch=stage_costs.seconds(n) * 1e3,
                 memory_bytes=memory,
                 free_bytes=device.memory_bytes - memory,
                 slot=device.name,
                 capacity_bytes=device.memory_bytes,
-                compute_ms=(costs.seconds(n) - costs.comm_s) * 1e3,
-                comm_ms=costs.comm_s * 1e3,
-                in_flight_microbatches=costs.in_flight,
-                memory_breakdown=costs.breakdown(n),
+                compute_ms=stage_costs.seconds(n) * 1e3,
+                comm_ms=stage_costs.comm_s * 1e3,
+                in_flight_microbatches=stage_costs.in_flight,
+                memory_breakdown=stage_costs.breakdown(n),
+                forward_ms=stage_costs.forward(n) * 1e3,
+                backward_ms=stage_costs.backward(n) * 1e3,
+                after_step_ms=stage_costs.after(n) * 1e3,
             )
         )
         start += n
-    bottleneck_s = max(stage.predicted_ms_per_microbatch for stage in stages) / 1e3
-    m, s = w.gradient_accumulation_steps, len(stages)
     plan = Plan(
         stages=stages,
-        predicted_step_s=step_seconds(bottleneck_s, microbatches=m, num_stages=s),
-        bubble_fraction=bubble_fraction(microbatches=m, num_stages=s),
-        microbatches=m,
+        predicted_step_s=simulation.step_s,
+        bubble_fraction=simulation.bubble_fraction,
+        microbatches=w.gradient_accumulation_steps,
         recommended_microbatches=_recommend_microbatches(ctx, seq, counts),
         schedule=w.schedule,
         num_layers=ctx.layers,

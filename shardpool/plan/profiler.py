@@ -1,10 +1,13 @@
-"""Measure one NF4 + LoRA decoder layer on a device: forward + backward time and activation bytes.
+"""Measure one NF4 + LoRA decoder layer on a device: forward and backward time and activation bytes.
 
 The layer is built from the model shape alone (random weights): its Linear modules are
 quantized to NF4 with bitsandbytes (blocksize 64, double quantization) and wrapped with
 LoRA by peft, exactly as a training stage holds them. After a warm-up, the median of a few
 timed forward + backward passes at the configured micro-batch and sequence length is the
-profile. Results are cached per device, model shape and workload in
+profile, with the forward timed on its own too. The ends of the model are timed the same way:
+the embedding lookup, and final norm + ``lm_head`` + the loss forward and backward on a slice
+of at most :data:`HEAD_VOCAB` vocabulary rows, scaled to the full vocabulary (both are linear
+in it); and one AdamW step with gradient clipping over the layer's LoRA parameters. Results are cached per device, model shape and workload in
 ``$SHARDPOOL_CACHE/profiles.json`` (default ``~/.cache/shardpool``), written atomically.
 :class:`TorchProbe` hands these measurements to ``plan.local_fleet``, and :func:`show_devices`
 prints them for ``shardpool devices``.
@@ -33,7 +36,12 @@ from shardpool.plan.devices import device_info, list_devices, synchronize
 from shardpool.plan.fleet import LinkSpec
 from shardpool.plan.links import measure_loopback
 
-__all__ = ["TorchProbe", "cache_path", "profile_key", "profile_layer", "show_devices"]
+__all__ = ["HEAD_VOCAB", "TorchProbe", "cache_path", "profile_key", "profile_layer", "show_devices"]
+
+#: Vocabulary rows of the ``lm_head`` slice the profiler times (then scales to the full vocabulary).
+HEAD_VOCAB = 8192
+#: Bumped when a profile gains measurements, so cached profiles without them are re-measured.
+_PROFILE_VERSION = 2
 
 _LAYER_CLASSES = {
     "llama": ("llama", "Llama"),
@@ -52,7 +60,10 @@ def profile_key(shape: ModelShape, workload: Workload, *, label: str, threads: i
     """Cache key: device label, thread count, model shape digest and the workload's layer settings."""
     import torch
 
-    return f"{label}|threads={threads}|{shape.key()}|{workload.profile_key()}|torch={torch.__version__}"
+    return (
+        f"{label}|threads={threads}|{shape.key()}|{workload.profile_key()}|torch={torch.__version__}"
+        f"|v{_PROFILE_VERSION}"
+    )
 
 
 def profile_layer(
@@ -213,13 +224,18 @@ def _measure(
         positions = torch.arange(workload.sequence_len, device=device).unsqueeze(0)
         position_embeddings = rotary(hidden, positions.expand(workload.micro_batch_size, -1))
 
-        def step() -> None:
+        def step() -> float:
+            """One forward + backward; returns the forward's seconds."""
             x = hidden.detach().requires_grad_(True)
+            start = time.perf_counter()
             if workload.gradient_checkpointing:
                 out = torch.utils.checkpoint.checkpoint(model, x, position_embeddings, use_reentrant=False)
             else:
                 out = model(x, position_embeddings)
+            synchronize(device)
+            forward = time.perf_counter() - start
             out.float().sum().backward()
+            return forward
 
         activation_bytes = _saved_bytes(
             lambda: model(hidden.detach().requires_grad_(True), position_embeddings)
@@ -235,13 +251,15 @@ def _measure(
             if attempt >= 1 and warmup > 0.5:
                 break
         runs = 1 if warmup > 5.0 else max(1, repeats)
-        times = []
+        times, forwards = [], []
         for _ in range(runs):
             start = time.perf_counter()
-            step()
+            forwards.append(step())
             synchronize(device)
             times.append(time.perf_counter() - start)
         peak = _peak(device)
+        optimizer_s = _time_optimizer(model, device, runs)
+        ends = _time_ends(shape, workload, hidden, dtype, device, runs)
     except torch.OutOfMemoryError:
         raise ShardpoolError(
             f"one decoder layer does not fit on {device} at micro_batch_size={workload.micro_batch_size}, "
@@ -255,6 +273,74 @@ def _measure(
         label=label,
         threads=threads,
         runs=len(times),
+        forward_seconds=statistics.median(forwards),
+        embed_seconds=ends[0],
+        head_forward_seconds=ends[1],
+        head_backward_seconds=ends[2],
+        optimizer_seconds=optimizer_s,
+    )
+
+
+def _time_optimizer(model: Any, device: str, runs: int) -> float:
+    """Median seconds of one AdamW step with gradient clipping over ``model``'s trainable parameters
+    (their gradients are left from the timed backward passes), as a stage runs it each step."""
+    import torch
+
+    params = [param for param in model.parameters() if param.requires_grad and param.grad is not None]
+    if not params:
+        return 0.0
+    optimizer = torch.optim.AdamW(params, lr=1e-6)
+    times = []
+    for _ in range(runs + 1):  # the first step allocates the AdamW state
+        synchronize(device)
+        start = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _time_ends(
+    shape: ModelShape, workload: Workload, hidden: Any, dtype: Any, device: str, runs: int
+) -> tuple[float, float, float]:
+    """Median seconds of the embedding lookup, and of final norm + ``lm_head`` + summed cross-entropy
+    forward and backward (input gradient only: both are frozen), scaled to the full vocabulary."""
+    import torch
+
+    vocab = min(shape.vocab_size, HEAD_VOCAB)
+    generator = torch.Generator().manual_seed(0)
+    embed = torch.nn.Embedding(vocab, shape.hidden_size, device=device, dtype=dtype).requires_grad_(False)
+    norm = torch.nn.RMSNorm(shape.hidden_size, device=device, dtype=dtype).requires_grad_(False)
+    head = torch.nn.Linear(shape.hidden_size, vocab, bias=False, device=device, dtype=dtype).requires_grad_(
+        False
+    )
+    size = (workload.micro_batch_size, workload.sequence_len)
+    ids = torch.randint(vocab, size, generator=generator).to(device)
+    embeds, forwards, backwards = [], [], []
+    for _ in range(runs + 1):  # the first pass warms up
+        synchronize(device)
+        start = time.perf_counter()
+        embed(ids)
+        synchronize(device)
+        middle = time.perf_counter()
+        x = hidden.detach().requires_grad_(True)
+        logits = head(norm(x))
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().view(-1, vocab), ids.view(-1), reduction="sum"
+        )
+        synchronize(device)
+        forward_end = time.perf_counter()
+        loss.backward()
+        synchronize(device)
+        embeds.append(middle - start)
+        forwards.append(forward_end - middle)
+        backwards.append(time.perf_counter() - forward_end)
+    scale = shape.vocab_size / vocab
+    return (
+        statistics.median(embeds[1:]),
+        statistics.median(forwards[1:]) * scale,
+        statistics.median(backwards[1:]) * scale,
     )
 
 

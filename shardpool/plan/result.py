@@ -20,7 +20,13 @@ GIB = 2**30
 
 @dataclass
 class PlannedStage:
-    """One pipeline stage: a device and its contiguous layers ``[start, stop)``, with predictions."""
+    """One pipeline stage: a device and its contiguous layers ``[start, stop)``, with predictions.
+
+    Per micro-batch: ``predicted_ms_per_microbatch`` and ``compute_ms`` are its forward + backward
+    compute (``forward_ms`` + ``backward_ms``), ``comm_ms`` its two sends on idle links, which
+    overlap compute in the simulated step. ``after_step_ms`` is once per step: the replicas'
+    gradient all-reduce and the optimizer step.
+    """
 
     device: str
     host: str
@@ -36,6 +42,9 @@ class PlannedStage:
     in_flight_microbatches: int = 1
     memory_breakdown: dict[str, int] = field(default_factory=dict)
     bottleneck: bool = False
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    after_step_ms: float = 0.0
 
     @property
     def num_layers(self) -> int:
@@ -58,6 +67,9 @@ class PlannedStage:
             "in_flight_microbatches": self.in_flight_microbatches,
             "memory_breakdown": dict(self.memory_breakdown),
             "bottleneck": self.bottleneck,
+            "forward_ms": round(self.forward_ms, 3),
+            "backward_ms": round(self.backward_ms, 3),
+            "after_step_ms": round(self.after_step_ms, 3),
         }
 
     @classmethod
@@ -85,6 +97,9 @@ class PlannedStage:
             in_flight_microbatches=int(data.get("in_flight_microbatches", 1)),
             memory_breakdown={str(k): int(v) for k, v in dict(data.get("memory_breakdown", {})).items()},
             bottleneck=bool(data.get("bottleneck", False)),
+            forward_ms=float(data.get("forward_ms", 0.0)),
+            backward_ms=float(data.get("backward_ms", 0.0)),
+            after_step_ms=float(data.get("after_step_ms", 0.0)),
         )
 
 
@@ -92,9 +107,10 @@ class PlannedStage:
 class Plan:
     """A pipeline plan: stages in pipeline order and the predicted step.
 
-    ``predicted_step_s`` uses ``microbatches`` (the configured gradient accumulation);
-    ``recommended_microbatches`` is the smallest M that keeps the bubble under about 20%
-    (``M >= 4 S``) while fitting in memory. ``fits`` is False only for plans built by
+    ``predicted_step_s`` is the simulated step (``plan.pipeline_sim``) over ``microbatches`` (the
+    configured gradient accumulation); ``bubble_fraction`` the share of it the busiest device
+    does not compute. ``recommended_microbatches`` is the smallest M that keeps the fill and
+    drain under about 20% (``M >= 4 S``) while fitting in memory. ``fits`` is False only for plans built by
     :func:`evaluate_split` from a split that overflows a device.
     """
 

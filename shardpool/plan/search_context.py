@@ -1,13 +1,15 @@
 """What every device-sequence search shares: per-device constants, memoized stage costs, and how
 one sequence is scored and compared.
 
-A candidate is an ordered subset of the fleet's devices with its exact layer split
-(:func:`~shardpool.plan.splits.min_max_split`); its objective is the predicted step time
-``(M + S - 1) * t_max``, ties broken by fewer stages, then a faster bottleneck.
+A candidate is an ordered subset of the fleet's devices with a layer split; its objective is the
+simulated step time (``plan.pipeline_sim``), ties broken by fewer stages, then a faster
+bottleneck. The exact search splits each sequence with ``plan.split_search.best_split``, the
+heuristic with ``quick_split``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -16,13 +18,13 @@ from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.fleet import Device, Fleet
 from shardpool.plan.memory_model import boundary_bytes
-from shardpool.plan.splits import min_max_split
+from shardpool.plan.pipeline_sim import Transfer
+from shardpool.plan.split_search import REL_TOL, SimulationBudget, SplitProblem, best_split, quick_split
 from shardpool.plan.stage_costs import StageCosts, stage_costs
-from shardpool.plan.time_model import step_seconds
 
-__all__ = ["Candidate", "SearchContext", "allowed_stage_counts", "evaluate_sequence", "is_better"]
+__all__ = ["Candidate", "SearchContext", "allowed_stage_counts", "evaluate_sequence", "is_better", "scored"]
 
-_REL_TOL = 1e-9
+_REL_TOL = REL_TOL
 
 
 class SearchContext:
@@ -32,11 +34,19 @@ class SearchContext:
         self.shape, self.workload, self.fleet = shape, workload, fleet
         self.devices: tuple[Device, ...] = fleet.devices
         self.layers = shape.num_layers
-        self.seconds = [device.layer_seconds(shape, workload) for device in self.devices]
+        self.times = [device.times(shape, workload) for device in self.devices]
+        self.seconds = [times.layer_s for times in self.times]
         nbytes = boundary_bytes(shape, workload)
         hosts = [device.host for device in self.devices]
-        self.send_s = [[fleet.link(a, b).seconds(nbytes) for b in hosts] for a in hosts]
+        links = [[fleet.link(a, b) for b in hosts] for a in hosts]
+        self.transfer = [[Transfer(nbytes / link.bandwidth, link.latency) for link in row] for row in links]
+        self.send_s = [[transfer.seconds for transfer in row] for row in self.transfer]
+        # Replicas of a stage run on its device (the job reuses the placements), so they all-reduce
+        # over that host's loopback.
+        self.replica_link = [(links[d][d].bandwidth, links[d][d].latency) for d in range(len(hosts))]
         self._memo: dict[tuple, tuple[StageCosts, int]] = {}
+        #: Simulations the current search may still run (the exact search sets a limit).
+        self.budget = SimulationBudget()
 
     def costs(self, seq: Sequence[int], index: int) -> StageCosts:
         """Costs of stage ``index`` of the device sequence ``seq``."""
@@ -46,23 +56,24 @@ class SearchContext:
         """Costs of stage ``index`` of ``seq`` and the most layers that fit there."""
         d = seq[index]
         s = len(seq)
-        fwd = self.send_s[d][seq[index + 1]] if index < s - 1 else 0.0
-        bwd = self.send_s[d][seq[index - 1]] if index > 0 else 0.0
+        to_next = self.transfer[d][seq[index + 1]] if index < s - 1 else Transfer()
+        to_previous = self.transfer[d][seq[index - 1]] if index > 0 else Transfer()
         # The in-flight count depends only on S - index (and M), so the key uses that.
-        key = (d, index == 0, index == s - 1, s - index, fwd, bwd)
+        key = (d, index == 0, index == s - 1, s - index, to_next, to_previous)
         found = self._memo.get(key)
         if found is None:
             device = self.devices[d]
             costs = stage_costs(
                 self.shape,
                 self.workload,
-                seconds_per_layer=self.seconds[d],
+                times=self.times[d],
                 capacity_bytes=device.memory_bytes,
                 kind=device.kind,
                 index=index,
                 num_stages=s,
-                send_forward_s=fwd,
-                send_backward_s=bwd,
+                to_next=to_next,
+                to_previous=to_previous,
+                replica_link=self.replica_link[d],
                 measured_activation_bytes=device.activation_bytes_per_layer,
             )
             found = (costs, costs.max_layers())
@@ -74,10 +85,22 @@ class SearchContext:
         device = self.devices[d]
         return (
             device.host,
-            self.seconds[d],
+            self.times[d],
             device.memory_bytes,
             device.kind,
             device.activation_bytes_per_layer,
+        )
+
+    def problem(self, seq: Sequence[int]) -> SplitProblem:
+        """Splitting the model's layers over the device sequence ``seq``."""
+        stages = [self.stage(seq, i) for i in range(len(seq))]
+        return SplitProblem(
+            costs=[c for c, _ in stages],
+            caps=[cap for _, cap in stages],
+            layers=self.layers,
+            microbatches=self.workload.gradient_accumulation_steps,
+            schedule=self.workload.schedule,
+            budget=self.budget,
         )
 
 
@@ -92,19 +115,34 @@ class Candidate:
     counts: list[int] = field(compare=False)
 
 
-def evaluate_sequence(ctx: SearchContext, seq: tuple[int, ...]) -> Candidate | None:
-    """Score the device sequence ``seq`` with its best split; None when the model does not fit on it."""
-    stages = [ctx.stage(seq, i) for i in range(len(seq))]
-    fixed = [c.fixed_s for c, _ in stages]
-    per = [c.per_layer_s for c, _ in stages]
-    counts = min_max_split(fixed, per, [cap for _, cap in stages], ctx.layers)
-    if counts is None:
+def evaluate_sequence(
+    ctx: SearchContext,
+    seq: tuple[int, ...],
+    *,
+    exact: bool = True,
+    limit: Candidate | None = None,
+) -> Candidate | None:
+    """Score the device sequence ``seq`` with its best split (``exact``) or the heuristic's split;
+    None when the model does not fit on it, or when it cannot beat ``limit``."""
+    problem = ctx.problem(seq)
+    bound = math.inf
+    allow_tie = False
+    if limit is not None:
+        bound = limit.objective
+        allow_tie = len(seq) < limit.num_stages
+    if exact:
+        found = best_split(problem, limit=bound, allow_tie=allow_tie)
+    else:
+        found = quick_split(problem, limit=bound * (1 + _REL_TOL) if allow_tie else bound)
+    if found is None:
         return None
-    bottleneck = max(f + n * p for f, n, p in zip(fixed, counts, per, strict=True))
-    objective = step_seconds(
-        bottleneck, microbatches=ctx.workload.gradient_accumulation_steps, num_stages=len(seq)
-    )
-    return Candidate(objective, len(seq), bottleneck, seq, counts)
+    return scored(problem, seq, *found)
+
+
+def scored(problem: SplitProblem, seq: tuple[int, ...], step: float, counts: list[int]) -> Candidate:
+    """The candidate of ``seq`` split into ``counts`` with simulated ``step``."""
+    bottleneck = max(c.seconds(n) for c, n in zip(problem.costs, counts, strict=True))
+    return Candidate(step, len(seq), bottleneck, seq, counts)
 
 
 def is_better(new: Candidate | None, best: Candidate | None) -> bool:

@@ -1,9 +1,10 @@
-"""One pipeline stage's costs: memory and time per micro-batch, affine in its layer count.
+"""One pipeline stage's costs: memory and times per micro-batch, affine in its layer count.
 
-Every decoder layer of a Llama-family model is identical, so a stage's memory and time are
-``fixed + n * per_layer`` for ``n`` layers. The planner exploits this; :func:`stage_costs` gives
-those coefficients, from the pieces in ``plan.memory_model`` and ``plan.time_model``, and the
-breakdowns shown to users.
+Every decoder layer of a Llama-family model is identical, so a stage's memory and each of its
+times (forward, backward, the after-step work) are ``fixed + n * per_layer`` for ``n`` layers.
+The planner exploits this; :func:`stage_costs` gives those coefficients, from the pieces in
+``plan.memory_model`` and ``plan.time_model``, the transfers to its neighbours, and the breakdowns
+shown to users. :meth:`StageCosts.times` hands them to the simulation (``plan.pipeline_sim``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from shardpool.plan.memory_model import (
     reserve_base_bytes,
     reserve_bytes,
 )
-from shardpool.plan.time_model import layer_flops, lm_head_flops
+from shardpool.plan.pipeline_sim import NO_TRANSFER, StageTimes, Transfer
+from shardpool.plan.time_model import GRADIENT_BYTES, DeviceTimes, ring_allreduce_seconds
 
 __all__ = ["StageCosts", "stage_costs"]
 
@@ -33,20 +35,69 @@ __all__ = ["StageCosts", "stage_costs"]
 class StageCosts:
     """Affine costs of one stage at a known position: ``fixed + n * per_layer`` for ``n`` layers.
 
-    ``*_breakdown`` dicts split the fixed and per-layer parts by cause (bytes or seconds), so
-    plans can show where memory goes.
+    Times per micro-batch: ``forward_*`` and ``backward_*`` (compute on the device); ``after_*`` is
+    once per step (all-reduce across replicas, optimizer). ``to_next``/``to_previous`` are the
+    transfers of its output activation and its input gradient (no transfer at the ends).
+    ``*_breakdown`` dicts split the fixed and per-layer bytes by cause, so plans can show where
+    memory goes.
     """
 
-    fixed_s: float
-    per_layer_s: float
+    forward_fixed_s: float
+    forward_per_layer_s: float
+    backward_fixed_s: float
+    backward_per_layer_s: float
     fixed_bytes: float
     per_layer_bytes: float
     capacity_bytes: float
     kind: str
     in_flight: int
-    comm_s: float
+    to_next: Transfer = NO_TRANSFER
+    to_previous: Transfer = NO_TRANSFER
+    after_fixed_s: float = 0.0
+    after_per_layer_s: float = 0.0
     fixed_breakdown: Mapping[str, float] = field(default_factory=dict)
     per_layer_breakdown: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def fixed_s(self) -> float:
+        """Compute seconds per micro-batch that do not depend on the layer count (embedding, lm_head)."""
+        return self.forward_fixed_s + self.backward_fixed_s
+
+    @property
+    def per_layer_s(self) -> float:
+        """Forward + backward seconds per micro-batch of one layer."""
+        return self.forward_per_layer_s + self.backward_per_layer_s
+
+    @property
+    def comm_s(self) -> float:
+        """Seconds per micro-batch of its two sends on idle links (they overlap compute)."""
+        return self.to_next.seconds + self.to_previous.seconds
+
+    def seconds(self, layers: int) -> float:
+        """Compute seconds per micro-batch (forward + backward) with ``layers`` layers."""
+        return self.fixed_s + layers * self.per_layer_s
+
+    def forward(self, layers: int) -> float:
+        """Forward seconds per micro-batch with ``layers`` layers."""
+        return self.forward_fixed_s + layers * self.forward_per_layer_s
+
+    def backward(self, layers: int) -> float:
+        """Backward seconds per micro-batch with ``layers`` layers."""
+        return self.backward_fixed_s + layers * self.backward_per_layer_s
+
+    def after(self, layers: int) -> float:
+        """Seconds once per step after the schedule: gradient all-reduce and optimizer."""
+        return self.after_fixed_s + layers * self.after_per_layer_s
+
+    def times(self, layers: int) -> StageTimes:
+        """This stage with ``layers`` layers, as the simulation takes it."""
+        return StageTimes(
+            forward_s=self.forward(layers),
+            backward_s=self.backward(layers),
+            to_next=self.to_next,
+            to_previous=self.to_previous,
+            after_s=self.after(layers),
+        )
 
     def max_layers(self) -> int:
         """Most layers that fit in memory at this position (negative when not even the fixed part fits)."""
@@ -58,10 +109,6 @@ class StageCosts:
         while layers >= 0 and self.memory(layers) > self.capacity_bytes:
             layers -= 1
         return layers
-
-    def seconds(self, layers: int) -> float:
-        """Predicted seconds per micro-batch (forward + backward) with ``layers`` layers."""
-        return self.fixed_s + layers * self.per_layer_s
 
     def memory(self, layers: int) -> float:
         """Predicted peak bytes with ``layers`` layers, framework reserve included."""
@@ -82,22 +129,23 @@ def stage_costs(
     shape: ModelShape,
     workload: Workload,
     *,
-    seconds_per_layer: float,
+    times: DeviceTimes,
     capacity_bytes: float,
     kind: str,
     index: int,
     num_stages: int,
-    send_forward_s: float = 0.0,
-    send_backward_s: float = 0.0,
+    to_next: Transfer = NO_TRANSFER,
+    to_previous: Transfer = NO_TRANSFER,
+    replica_link: tuple[float, float] | None = None,
     measured_activation_bytes: float | None = None,
 ) -> StageCosts:
     """Costs of a stage at pipeline position ``index`` of ``num_stages`` on one device.
 
-    ``seconds_per_layer`` is the device's forward + backward time of one layer per micro-batch
-    (measured or from TFLOPS). ``send_forward_s``/``send_backward_s`` are the times to send this
-    stage's output activation to the next stage and its input gradient to the previous one
-    (zero at the ends). ``measured_activation_bytes`` overrides the analytic per-layer
-    activation estimate when the profiler measured it.
+    ``times`` are the device's compute times (measured or modeled). ``to_next``/``to_previous``
+    are the sends of this stage's output activation and input gradient (ignored at the ends).
+    ``replica_link`` is ``(bandwidth, latency)`` between the replicas of this stage, for the ring
+    all-reduce of its LoRA gradients when ``workload.replicas > 1``. ``measured_activation_bytes``
+    overrides the analytic per-layer activation estimate when the profiler measured it.
     """
     first, last = index == 0, index == num_stages - 1
     cb = workload.compute_bytes
@@ -109,11 +157,12 @@ def stage_costs(
         else activation_bytes_per_layer(shape, workload)
     )
     kept_act = tokens * shape.hidden_size * cb if workload.gradient_checkpointing else full_act
+    lora_params = lora_params_per_layer(shape, workload)
 
     per_layer = {
         "weights_nf4": sum(nf4_bytes(p) for p in shape.linear_params().values())
         + shape.layer_dense_params() * cb,
-        "lora_and_optimizer": lora_params_per_layer(shape, workload) * LORA_BYTES_PER_PARAM,
+        "lora_and_optimizer": lora_params * LORA_BYTES_PER_PARAM,
         "activations": kept_act * in_flight,
     }
     largest_linear = max(shape.linear_params().values())
@@ -123,26 +172,40 @@ def stage_costs(
         "workspace": full_act + largest_linear * cb,
         "boundary_buffers": 2 * tokens * shape.hidden_size * max(cb, workload.wire_bytes),
     }
-    flops_rate = layer_flops(shape, workload) / seconds_per_layer
-    fixed_s = 0.0
+    forward_fixed = backward_fixed = 0.0
     if first:
         fixed["embeddings"] = shape.embedding_params() * cb
+        forward_fixed += times.embed_s
     if last:
         fixed["lm_head"] = (shape.lm_head_params() + shape.final_norm_params()) * cb
         vocab_elems = tokens * shape.vocab_size
         # fp32 log-softmax kept per micro-batch in flight; logits, fp32 copy and their grad transient.
         fixed["logits"] = vocab_elems * (4 * in_flight + cb + 8)
-        fixed_s += lm_head_flops(shape, workload) / flops_rate
-    comm_s = send_forward_s + send_backward_s
+        forward_fixed += times.head_forward_s
+        backward_fixed += times.head_backward_s
+    after_fixed, after_per_layer = 0.0, times.optimizer_per_layer_s
+    if replica_link is not None and workload.replicas > 1:
+        bandwidth, latency = replica_link
+        after_fixed = ring_allreduce_seconds(
+            0.0, replicas=workload.replicas, bandwidth=bandwidth, latency=latency
+        )
+        after_per_layer += ring_allreduce_seconds(
+            lora_params * GRADIENT_BYTES, replicas=workload.replicas, bandwidth=bandwidth, latency=0.0
+        )
     return StageCosts(
-        fixed_s=fixed_s + comm_s,
-        per_layer_s=seconds_per_layer,
+        forward_fixed_s=forward_fixed,
+        forward_per_layer_s=times.layer_forward_s,
+        backward_fixed_s=backward_fixed,
+        backward_per_layer_s=times.layer_backward_s,
         fixed_bytes=sum(fixed.values()),
         per_layer_bytes=sum(per_layer.values()),
         capacity_bytes=capacity_bytes,
         kind=kind,
         in_flight=in_flight,
-        comm_s=comm_s,
+        to_next=NO_TRANSFER if last else to_next,
+        to_previous=NO_TRANSFER if first else to_previous,
+        after_fixed_s=after_fixed,
+        after_per_layer_s=after_per_layer,
         fixed_breakdown=fixed,
         per_layer_breakdown=per_layer,
     )

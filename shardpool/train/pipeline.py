@@ -4,7 +4,7 @@ Per micro-batch a stage receives activations from the previous stage (stage 0 em
 runs its layers and sends the activations on; the last stage computes the loss instead. Backward
 runs the other way: the gradient of its output arrives from the next stage, backward runs, the
 gradient of its input goes back. The order of these actions is the schedule (1F1B or GPipe, see
-:mod:`shardpool.train.schedule`); backward passes run in micro-batch order on every stage, so
+:mod:`shardpool.contract.schedule`); backward passes run in micro-batch order on every stage, so
 gradients accumulate exactly as in a single-device loop.
 """
 
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from shardpool.contract.schedule import schedule_for
 from shardpool.data.rows import TokenRows
 from shardpool.model.stage import PipelineStage, StageSpec
 from shardpool.train.loss import StepTotals, token_loss_sum
 from shardpool.train.process_group import Wire
-from shardpool.train.schedule import schedule_for
 
 __all__ = ["BACKWARD_TAG", "FORWARD_TAG", "StagePipe"]
 

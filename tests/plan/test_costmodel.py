@@ -12,9 +12,22 @@ import yaml
 from shardpool.config import load_config, parse_config
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
-from shardpool.plan.memory_model import activation_bytes_per_layer, in_flight_microbatches, nf4_bytes
+from shardpool.plan.fleet import Device
+from shardpool.plan.memory_model import (
+    activation_bytes_per_layer,
+    in_flight_microbatches,
+    lora_params_per_layer,
+    nf4_bytes,
+)
 from shardpool.plan.stage_costs import stage_costs
-from shardpool.plan.time_model import bubble_fraction, layer_flops, step_seconds
+from shardpool.plan.time_model import (
+    OPTIMIZER_SECONDS_PER_PARAM,
+    bubble_fraction,
+    layer_flops,
+    layer_forward_flops,
+    modeled_times,
+    step_seconds,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ModelShape.from_config_dir(ROOT / "configs/models/tiny-llama.json")
@@ -57,7 +70,8 @@ def test_activation_estimate_close_to_measured(compute_bytes: int) -> None:
 
 def test_stage_memory_parts_and_checkpointing() -> None:
     w = Workload(micro_batch_size=1, sequence_len=128, gradient_accumulation_steps=4)
-    common = dict(seconds_per_layer=0.01, capacity_bytes=2**30, kind="cuda", num_stages=3)
+    times = modeled_times(TINY, w, layer_s=0.01, kind="cuda")
+    common = dict(times=times, capacity_bytes=2**30, kind="cuda", num_stages=3)
     first = stage_costs(TINY, w, index=0, **common)
     middle = stage_costs(TINY, w, index=1, **common)
     last = stage_costs(TINY, w, index=2, **common)
@@ -70,6 +84,39 @@ def test_stage_memory_parts_and_checkpointing() -> None:
     assert checkpointed.per_layer_breakdown["activations"] < act / 5
     assert sum(first.breakdown(3).values()) == pytest.approx(first.memory(3), abs=8)
     assert first.memory(first.max_layers()) <= 2**30 < first.memory(first.max_layers() + 1)
+
+
+def test_device_times_measured_or_modeled() -> None:
+    w = Workload(micro_batch_size=1, sequence_len=128, gradient_accumulation_steps=4, lora_r=8)
+    modeled = modeled_times(TINY, w, layer_s=0.3, kind="cpu")
+    assert modeled.layer_s == pytest.approx(0.3)
+    assert modeled.layer_forward_s == pytest.approx(0.3 * layer_forward_flops(TINY, w) / layer_flops(TINY, w))
+    # Frozen NF4 base: backward is about one forward of the Linear layers plus LoRA and attention.
+    assert 0.9 < modeled.layer_backward_s / modeled.layer_forward_s < 1.6
+    assert modeled.head_forward_s == modeled.head_backward_s > 0 and modeled.embed_s == 0.0
+    assert modeled.optimizer_per_layer_s == pytest.approx(
+        OPTIMIZER_SECONDS_PER_PARAM["cpu"] * lora_params_per_layer(TINY, w)
+    )
+    measured = Device(
+        name="cpu", memory_bytes=2**30, kind="cpu", seconds_per_layer=0.3, forward_seconds_per_layer=0.1,
+        embed_seconds=0.001, head_forward_seconds=0.02, head_backward_seconds=0.03,
+        optimizer_seconds_per_layer=0.004,
+    ).times(TINY, w)  # fmt: skip
+    assert (measured.layer_forward_s, measured.layer_backward_s) == pytest.approx((0.1, 0.2))
+    assert (measured.embed_s, measured.head_forward_s, measured.head_backward_s) == (0.001, 0.02, 0.03)
+    assert measured.optimizer_per_layer_s == 0.004
+    first = stage_costs(TINY, w, times=measured, capacity_bytes=2**30, kind="cpu", index=0, num_stages=2)
+    last = stage_costs(TINY, w, times=measured, capacity_bytes=2**30, kind="cpu", index=1, num_stages=2)
+    assert (first.forward(3), first.backward(3)) == pytest.approx((0.301, 0.6))
+    assert (last.forward(3), last.backward(3)) == pytest.approx((0.32, 0.63))
+    assert first.after(3) == pytest.approx(0.012)
+    # Replicas all-reduce each stage's LoRA gradients (fp32) in a ring over their link.
+    replicated = stage_costs(
+        TINY, replace(w, replicas=3), times=measured, capacity_bytes=2**30, kind="cpu", index=0,
+        num_stages=2, replica_link=(1e9, 1e-4),
+    )  # fmt: skip
+    ring = 2 * 2 / 3 * 3 * lora_params_per_layer(TINY, w) * 4 / 1e9 + 4 * 1e-4
+    assert replicated.after(3) == pytest.approx(0.012 + ring)
 
 
 def test_flops_grow_with_tokens_and_recompute() -> None:
@@ -87,6 +134,7 @@ def test_workload_from_config() -> None:
         config.gradient_accumulation_steps,
     )
     assert w.lora_r == config.lora_r and w.stages == config.shardpool.stages
+    assert w.replicas == config.shardpool.replicas
     assert w.compute_bytes == (4 if config.compute_dtype_name == "float32" else 2)
     assert w.schedule == config.shardpool.schedule
     raw = yaml.safe_load((ROOT / "configs/quickstart.yaml").read_text())

@@ -30,6 +30,10 @@ def test_profile_is_measured_then_cached(private_cache: Path) -> None:
     first = profile_layer(TINY, WORKLOAD, device="cpu")
     measured_s = time.perf_counter() - start
     assert first.seconds_per_layer > 0 and first.activation_bytes > 0 and first.runs >= 1
+    # Forward on its own, the ends of the model and the optimizer are measured too.
+    assert first.forward_seconds is not None and 0 < first.forward_seconds < first.seconds_per_layer
+    assert first.embed_seconds is not None and first.embed_seconds > 0
+    assert first.head_forward_seconds and first.head_backward_seconds and first.optimizer_seconds
     assert measured_s < 30
     stored = json.loads(cache_path().read_text())
     assert cache_path().parent == private_cache and len(stored) == 1

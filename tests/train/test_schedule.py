@@ -1,4 +1,4 @@
-"""shardpool.train.schedule: every action list runs to completion with blocking receives, backward passes
+"""shardpool.contract.schedule: every action list runs to completion with blocking receives, backward passes
 run in micro-batch order, and 1F1B bounds the activations a stage holds."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardpool.train.schedule import gpipe, one_f_one_b, peak_in_flight, schedule_for
+from shardpool.contract.schedule import gpipe, one_f_one_b, peak_in_flight, schedule_for
 
 
 def _simulate(schedules: list[list[tuple[str, int]]]) -> int:

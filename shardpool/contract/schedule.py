@@ -1,5 +1,8 @@
 """Pipeline schedules as plain lists of actions, one list per stage.
 
+The stages run these orders (``shardpool.train.pipeline``) and the planner simulates them
+(``shardpool.plan.pipeline_sim``), so both read them from here, torch-free.
+
 An action is ``("F", i)`` (forward micro-batch i) or ``("B", i)`` (backward micro-batch i). Sends
 never block in the runtime, so any order in which every stage meets its receives in the order
 its neighbour sends them is deadlock-free; both schedules here have that property. Backward

@@ -1,0 +1,184 @@
+"""The simulated pipeline step: hand-computed cases, closed forms proven equal, and its properties."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardpool.plan.pipeline_sim import NO_TRANSFER, StageTimes, Transfer, simulate_step
+from shardpool.plan.time_model import ring_allreduce_seconds, step_seconds
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def chain(times: list[tuple[float, float]], link: Transfer = NO_TRANSFER) -> list[StageTimes]:
+    """Stages with (forward, backward) times and the same transfer on every boundary."""
+    last = len(times) - 1
+    return [
+        StageTimes(
+            f, b, to_next=link if s < last else NO_TRANSFER, to_previous=link if s > 0 else NO_TRANSFER
+        )
+        for s, (f, b) in enumerate(times)
+    ]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_two_stages_two_microbatches_by_hand(schedule: str) -> None:
+    # No links: F0 [0,1] F1 [1,2] on stage 0; stage 1 F0 [1,2] B0 [2,4] F1 [4,5] B1 [5,7] (1F1B);
+    # stage 0 B0 [4,6] B1 [7,9]. GPipe: stage 1 F0 F1 B0 B1 ends at 7 too, stage 0 at 9.
+    stages = chain([(1.0, 2.0), (1.0, 2.0)])
+    result = simulate_step(stages, microbatches=2, schedule=schedule)
+    assert result.step_s == pytest.approx(9.0)
+    assert result.finish_s == pytest.approx((9.0, 7.0))
+    # Each transfer holds the link 0.5 s and arrives 0.25 s later (0.75 s in all). 1F1B:
+    # stage 0 F0 [0,1] -> arrives 1.75, F1 [1,2] -> link [2,2.5] arrives 2.75;
+    # stage 1 F0 [1.75,2.75] B0 [2.75,4.75] -> arrives 5.5, F1 [4.75,5.75] B1 [5.75,7.75] -> 8.5;
+    # stage 0 B0 [5.5,7.5] B1 [8.5,10.5]. Without overlap it would be 3 x (3 + 1.5) = 13.5.
+    linked = chain([(1.0, 2.0), (1.0, 2.0)], Transfer(busy_s=0.5, latency_s=0.25))
+    result = simulate_step(linked, microbatches=2, schedule=schedule)
+    assert result.step_s == pytest.approx(10.5)
+    assert result.finish_s == pytest.approx((10.5, 8.5))
+    # After-step work (all-reduce + optimizer) of the stage that finishes first can decide the step.
+    slow_optimizer = [linked[0], replace(linked[1], after_s=3.0)]
+    assert simulate_step(slow_optimizer, microbatches=2, schedule=schedule).step_s == pytest.approx(11.5)
+
+
+def test_worked_example_of_the_docs() -> None:
+    """docs/planner.md, "Worked example": the timeline there is this simulation."""
+    link = Transfer(busy_s=0.5, latency_s=0.5)
+    stages = [
+        StageTimes(2.0, 4.0, to_next=link, after_s=0.2),
+        StageTimes(3.0, 3.0, to_previous=link, after_s=0.3),
+    ]
+    result = simulate_step(stages, microbatches=4, schedule="1f1b")
+    assert result.finish_s == pytest.approx((34.0, 30.0))
+    assert result.step_s == pytest.approx(34.2)
+    assert result.bubble_fraction == pytest.approx(1 - 24 / 34.2)
+    assert step_seconds(7.0, microbatches=4, num_stages=2) == pytest.approx(35.0)  # the old additive model
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 6),
+    st.integers(1, 24),
+    st.floats(0.01, 5.0),
+    st.floats(0.01, 5.0),
+    st.sampled_from(SCHEDULES),
+)
+def test_identical_stages_without_links_match_the_closed_form(
+    num_stages: int, microbatches: int, forward: float, backward: float, schedule: str
+) -> None:
+    stages = chain([(forward, backward)] * num_stages)
+    result = simulate_step(stages, microbatches=microbatches, schedule=schedule)
+    expected = step_seconds(forward + backward, microbatches=microbatches, num_stages=num_stages)
+    assert result.step_s == pytest.approx(expected, rel=1e-12)
+    assert result.bubble_fraction == pytest.approx((num_stages - 1) / (microbatches + num_stages - 1))
+
+
+stage_lists = st.lists(
+    st.tuples(
+        st.floats(0.01, 3.0),
+        st.floats(0.01, 3.0),
+        st.floats(0.0, 2.0),
+        st.floats(0.0, 0.5),
+        st.floats(0.0, 2.0),
+        st.floats(0.0, 0.5),
+    ),
+    min_size=1,
+    max_size=5,
+)
+
+
+def build(raw: list[tuple[float, ...]]) -> list[StageTimes]:
+    last = len(raw) - 1
+    return [
+        StageTimes(
+            f,
+            b,
+            to_next=Transfer(nb, nl) if s < last else NO_TRANSFER,
+            to_previous=Transfer(pb, pl) if s > 0 else NO_TRANSFER,
+        )
+        for s, (f, b, nb, nl, pb, pl) in enumerate(raw)
+    ]
+
+
+@settings(max_examples=150, deadline=None)
+@given(stage_lists, st.integers(1, 16))
+def test_gpipe_equals_its_flow_shop_closed_form(raw: list[tuple[float, ...]], microbatches: int) -> None:
+    """GPipe is two flow shops of identical jobs (forwards down, backwards up), each link a machine of
+    its busy time and its latency a delay: ``Σ machines + Σ latencies + (M - 1)(max forward machine +
+    max backward machine)`` for stage 0, which finishes last."""
+    stages = build(raw)
+    forward_machines = [s.forward_s for s in stages] + [s.to_next.busy_s for s in stages[:-1]]
+    backward_machines = [s.backward_s for s in stages] + [s.to_previous.busy_s for s in stages[1:]]
+    latencies = sum(s.to_next.latency_s for s in stages[:-1]) + sum(
+        s.to_previous.latency_s for s in stages[1:]
+    )
+    closed = (
+        sum(forward_machines)
+        + sum(backward_machines)
+        + latencies
+        + (microbatches - 1) * (max(forward_machines) + max(backward_machines))
+    )
+    result = simulate_step(stages, microbatches=microbatches, schedule="gpipe")
+    assert result.step_s == pytest.approx(closed, rel=1e-9)
+
+
+@pytest.mark.parametrize("num_stages", [2, 3, 4])
+@pytest.mark.parametrize("link_s", [0.0, 0.1, 0.4])
+def test_one_f_one_b_steady_state_cycle(num_stages: int, link_s: float) -> None:
+    """1F1B's warm-up (S - 1 - s forwards) leaves no slack: in steady state the gradient of
+    micro-batch i must come back through the pipeline before stage 0 can send micro-batch i + S.
+    So every S micro-batches cost all S stages' compute plus every boundary's round trip,
+    ``S (f + b) + (S - 1)(x_f + x_b)``: 1F1B does not hide transfers, GPipe does (below)."""
+    stages = chain([(1.0, 2.0)] * num_stages, Transfer(busy_s=link_s / 2, latency_s=link_s / 2))
+    steps = [simulate_step(stages, microbatches=m, schedule="1f1b").step_s for m in (16, 16 + num_stages)]
+    assert steps[1] - steps[0] == pytest.approx(num_stages * 3.0 + (num_stages - 1) * 2 * link_s)
+
+
+@settings(max_examples=150, deadline=None)
+@given(stage_lists, st.integers(1, 12), st.sampled_from(SCHEDULES), st.floats(0.0, 1.0), st.integers(0, 4))
+def test_adding_time_never_makes_a_step_faster(
+    raw: list[tuple[float, ...]], microbatches: int, schedule: str, extra: float, which: int
+) -> None:
+    stages = build(raw)
+    base = simulate_step(stages, microbatches=microbatches, schedule=schedule).step_s
+    s = which % len(stages)
+    slower = list(stages)
+    slower[s] = replace(
+        stages[s],
+        to_next=Transfer(stages[s].to_next.busy_s + extra, stages[s].to_next.latency_s + extra)
+        if s < len(stages) - 1
+        else NO_TRANSFER,
+        to_previous=Transfer(stages[s].to_previous.busy_s, stages[s].to_previous.latency_s + extra)
+        if s > 0
+        else NO_TRANSFER,
+    )
+    assert simulate_step(slower, microbatches=microbatches, schedule=schedule).step_s >= base - 1e-9
+    slower[s] = replace(slower[s], forward_s=slower[s].forward_s + extra, after_s=extra)
+    assert simulate_step(slower, microbatches=microbatches, schedule=schedule).step_s >= base - 1e-9
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_fast_links_are_hidden_by_overlap(schedule: str) -> None:
+    """Under GPipe a transfer that is short next to the compute costs its time once per boundary
+    and direction (fill and drain), not once per micro-batch as when it was added to compute;
+    1F1B hides part of it (see the cycle above), and both beat the additive model."""
+    compute = chain([(1.0, 2.0)] * 4)
+    link = Transfer(busy_s=0.01, latency_s=0.0)
+    no_links = simulate_step(compute, microbatches=32, schedule=schedule).step_s
+    linked = simulate_step(chain([(1.0, 2.0)] * 4, link), microbatches=32, schedule=schedule).step_s
+    if schedule == "gpipe":
+        assert linked == pytest.approx(no_links + 2 * 3 * link.seconds)
+    assert linked - no_links < 0.8 * (32 + 3) * 2 * link.seconds  # the additive model's cost
+
+
+def test_ring_allreduce() -> None:
+    assert ring_allreduce_seconds(1e6, replicas=1, bandwidth=1e9, latency=1e-3) == 0.0
+    # 2 (N-1)/N x bytes / bandwidth + 2 (N-1) x latency
+    assert ring_allreduce_seconds(4e6, replicas=4, bandwidth=1e9, latency=1e-3) == pytest.approx(
+        1.5 * 4e-3 + 6e-3
+    )
