@@ -6,12 +6,12 @@
 
 It prints one JSON object on stdout. Two implementations on a noisy machine are ranked by
 *pairs*: A (``shardpool.finetune.finetune`` with one stage) and B (the plain loop of
-``scripts/bench_pipeline.py``) run alternately, A B A B ..., each in a fresh process pinned to
+``scripts/bench_pipeline.py``) run alternately, A B B A A B ..., each in a fresh process pinned to
 the same cores with the same thread count, on the same model, data and micro-batches. A slow
 minute on the machine then hits both members of a pair alike, and the per-pair ratio
 A ÷ B tokens/s cancels it; the report gives the median ratio over the pairs and its spread
 (max - min). An unrecorded warm-up pair comes first (it fills the profile cache and the page
-cache). Before each pair it waits (up to ``--max-wait-idle`` seconds) for other processes to
+cache). Before each run it waits (up to ``--max-wait-idle`` seconds) for other processes to
 leave the CPUs, and for every run it reports the CPU time other processes used while it ran.
 A second figure, ``fastest_step_ratio_a_over_b``, compares each pair's fastest steps (B's fastest
 step time ÷ A's, so above 1 means A is faster, like the tokens/s ratio): other load can only make
@@ -69,8 +69,14 @@ def ratio_summary(ratios: Sequence[float]) -> dict[str, float]:
 
 
 def run_order(pairs: int, sides: Sequence[str] = ("A", "B")) -> list[tuple[int, str]]:
-    """The interleaved order of the runs: every side of pair 0, then of pair 1, and so on."""
-    return [(pair, side) for pair in range(pairs) for side in sides]
+    """The interleaved order of the runs, pair by pair: A B, then B A, then A B, ...
+
+    Every other pair runs its sides in reverse, so whatever favours the first (or the second)
+    run of a pair favours each side equally often.
+    """
+    return [
+        (pair, side) for pair in range(pairs) for side in (sides if pair % 2 == 0 else tuple(reversed(sides)))
+    ]
 
 
 def peak_memory(run: dict[str, Any]) -> int:
@@ -208,7 +214,7 @@ def benchmark(
                 )
             for pair, side in run_order(pairs, sides):
                 label = f"{side}{pair}"
-                waited = bench.wait_for_idle(max_wait_idle_s) if side == "A" else 0.0
+                waited = bench.wait_for_idle(max_wait_idle_s)
                 print(f"bench: pair {pair + 1}/{pairs}, {side}", file=sys.stderr, flush=True)
                 measured = run_side(
                     side, config_for(side, label), threads=threads, device=device, work=work, label=label
@@ -322,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         default=60.0,
         metavar="SECONDS",
-        help="before each pair, wait up to this long for other processes to leave the CPUs (default 60)",
+        help="before each run, wait up to this long for other processes to leave the CPUs (default 60)",
     )
     parser.add_argument("--shardpool-worker", help=argparse.SUPPRESS)
     parser.add_argument("--plain-worker", help=argparse.SUPPRESS)

@@ -110,7 +110,8 @@ def profile_side(side: str, spec: Path, *, work: Path, rate: int) -> dict[str, A
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800, check=False)
     if result.returncode != 0 or not raw.exists():
         raise RuntimeError(f"py-spy run of side {side} failed:\n{result.stderr[-3000:]}")
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    reports = [line for line in result.stdout.splitlines() if line.startswith("{")]  # py-spy talks too
+    measured = json.loads(reports[-1])
     with raw.open() as lines:
         report = breakdown(parse_raw(lines), STEP_ANCHORS[side])
     report["step_seconds"] = measured["step_seconds"]

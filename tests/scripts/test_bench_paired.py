@@ -14,8 +14,8 @@ paired = importlib.import_module("bench_paired")
 profile = importlib.import_module("profile_step")
 
 
-def test_runs_alternate_a_and_b_pair_by_pair() -> None:
-    assert paired.run_order(3) == [(0, "A"), (0, "B"), (1, "A"), (1, "B"), (2, "A"), (2, "B")]
+def test_runs_alternate_a_and_b_and_every_other_pair_starts_with_b() -> None:
+    assert paired.run_order(3) == [(0, "A"), (0, "B"), (1, "B"), (1, "A"), (2, "A"), (2, "B")]
 
 
 def test_pair_ratios_divide_each_a_by_its_own_b() -> None:
@@ -87,9 +87,9 @@ def test_a_third_side_runs_in_every_pair() -> None:
         (0, "A"),
         (0, "B"),
         (0, "C"),
-        (1, "A"),
-        (1, "B"),
         (1, "C"),
+        (1, "B"),
+        (1, "A"),
     ]
 
 
