@@ -58,13 +58,16 @@ def cache_path() -> Path:
     return cache_root() / "profiles.json"
 
 
-def profile_key(shape: ModelShape, workload: Workload, *, label: str, threads: int | None) -> str:
-    """Cache key: device label, thread count, model shape digest and the workload's layer settings."""
+def profile_key(
+    shape: ModelShape, workload: Workload, *, label: str, threads: int | None, quota: float | None = None
+) -> str:
+    """Cache key: device label, thread count, the process's CPU quota (a re-throttled host measures
+    again), model shape digest and the workload's layer settings."""
     import torch
 
     return (
-        f"{label}|threads={threads}|{shape.key()}|{workload.profile_key()}|torch={torch.__version__}"
-        f"|v{_PROFILE_VERSION}"
+        f"{label}|threads={threads}|quota={quota}|{shape.key()}|{workload.profile_key()}"
+        f"|torch={torch.__version__}|v{_PROFILE_VERSION}"
     )
 
 
@@ -86,7 +89,10 @@ def profile_layer(
     device = normalize_device(device)
     info = device_info(device)
     label = f"{device} {info.label}"
-    key = profile_key(shape, workload, label=label, threads=threads if info.kind == "cpu" else None)
+    quota = cpu_quota()
+    key = profile_key(
+        shape, workload, label=label, threads=threads if info.kind == "cpu" else None, quota=quota
+    )
     if use_cache:
         cached = _read_cache().get(key)
         if cached is not None:
@@ -96,7 +102,7 @@ def profile_layer(
                 pass
     with _threads(threads if info.kind == "cpu" else None):
         profile = _measure(shape, workload, device=device, label=label, threads=threads, repeats=repeats)
-    profile = replace(profile, cpu_quota=cpu_quota())
+    profile = replace(profile, cpu_quota=quota)
     if use_cache:
         _write_cache(key, asdict(profile))
     return profile
