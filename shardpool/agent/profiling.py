@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import selectors
 import signal
@@ -36,7 +37,15 @@ from shardpool.agent.processes import Spawner, StageSettings, popen_as, signal_g
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
 
-__all__ = ["MAX_REPORT_BYTES", "PROFILE_TIMEOUT_S", "DeviceProfiler", "devices_request"]
+__all__ = [
+    "MAX_CPU_QUOTA",
+    "MAX_MEASURED_SECONDS",
+    "MAX_REPORT_BYTES",
+    "MAX_RUNS",
+    "PROFILE_TIMEOUT_S",
+    "DeviceProfiler",
+    "devices_request",
+]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +66,22 @@ _ROW_FIELDS = {
     "seconds_per_layer": (int, float),
     "activation_bytes": int,
 }
+#: Longest a measured time may be, in seconds (one layer, embedding, head or optimizer step).
+MAX_MEASURED_SECONDS = 3600.0
+#: Most timed passes a profile may claim, and the largest CPU quota (in CPUs) a row may state.
+MAX_RUNS = 100_000
+MAX_CPU_QUOTA = 4096.0
+#: Measured times a report adds to a row, each absent or None in an older member's report (the
+#: launcher's planner then models them): seconds, at least 0 and at most MAX_MEASURED_SECONDS.
+_MEASURED_SECONDS = (
+    "forward_seconds",
+    "embed_seconds",
+    "head_forward_seconds",
+    "head_backward_seconds",
+    "optimizer_seconds",
+    "seconds_min",
+    "seconds_max",
+)
 
 
 class ProfileFailed(Exception):
@@ -218,20 +243,58 @@ def _feed(stream: IO[bytes], pending: memoryview) -> memoryview:
 
 
 def _report_rows(out: bytes) -> list[dict[str, Any]]:
-    """The device rows of a report, each checked and cut down to the fields a planner reads."""
+    """The device rows of a report, each checked and cut down to the fields a planner reads.
+
+    The measured times, repetitions and CPU quota are optional (an older member's report lacks
+    them) but bounded where given; a missing or None one is left out of the row.
+    """
     try:
         rows = json.loads(out)["devices"]
     except (ValueError, TypeError, KeyError):
         raise ProfileFailed("the report is not a JSON object with a devices list") from None
     if not isinstance(rows, list) or not rows:
         raise ProfileFailed("the report lists no devices")
-    for row in rows:
-        if not isinstance(row, dict) or not set(_ROW_FIELDS) <= set(row):
-            raise ProfileFailed(f"a device row must have the fields {sorted(_ROW_FIELDS)}")
-        for name, kind in _ROW_FIELDS.items():
-            if not isinstance(row[name], kind) or isinstance(row[name], bool):
-                raise ProfileFailed(f"a device row's {name} is {str(row[name])[:40]!r}")
-    return [{name: row[name] for name in _ROW_FIELDS} for row in rows]
+    return [_checked_row(row) for row in rows]
+
+
+def _checked_row(row: Any) -> dict[str, Any]:
+    """One report row with its required fields typed and every number in bounds."""
+    if not isinstance(row, dict) or not set(_ROW_FIELDS) <= set(row):
+        raise ProfileFailed(f"a device row must have the fields {sorted(_ROW_FIELDS)}")
+    for name, kind in _ROW_FIELDS.items():
+        if not isinstance(row[name], kind) or isinstance(row[name], bool):
+            raise ProfileFailed(f"a device row's {name} is {str(row[name])[:40]!r}")
+    _bound(row, "seconds_per_layer", low=0.0, high=MAX_MEASURED_SECONDS, open_low=True)
+    checked = {name: row[name] for name in _ROW_FIELDS}
+    for name in _MEASURED_SECONDS:
+        if row.get(name) is not None:
+            checked[name] = _bound(row, name, low=0.0, high=MAX_MEASURED_SECONDS)
+    if row.get("runs") is not None:
+        if (
+            not isinstance(row["runs"], int)
+            or isinstance(row["runs"], bool)
+            or not 1 <= row["runs"] <= MAX_RUNS
+        ):
+            raise ProfileFailed(
+                f"a device row's runs is {str(row['runs'])[:40]!r}; it must be 1 to {MAX_RUNS}"
+            )
+        checked["runs"] = row["runs"]
+    if row.get("cpu_quota") is not None:
+        checked["cpu_quota"] = _bound(row, "cpu_quota", low=0.0, high=MAX_CPU_QUOTA, open_low=True)
+    return checked
+
+
+def _bound(row: dict[str, Any], name: str, *, low: float, high: float, open_low: bool = False) -> float:
+    """``row[name]`` as a float when it is a finite number in ``[low, high]`` (``(low, high]``)."""
+    value = row[name]
+    number = value if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+    below = number <= low if open_low else number < low
+    if not math.isfinite(number) or below or number > high:
+        interval = f"{'(' if open_low else '['}{low:g}, {high:g}]"
+        raise ProfileFailed(
+            f"a device row's {name} is {str(value)[:40]!r}; it must be a number in {interval}"
+        )
+    return float(number)
 
 
 def _exit_reason(code: int) -> str:

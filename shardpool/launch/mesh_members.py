@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,6 +20,7 @@ from shardpool.config import Config
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
+from shardpool.plan.device_facts import Measurement
 from shardpool.plan.fleet import Device, Fleet, LinkSpec
 from shardpool.plan.planner import plan_pipeline
 from shardpool.plan.result import Plan
@@ -29,6 +30,7 @@ __all__ = [
     "MeshMember",
     "launcher_member",
     "measure_links",
+    "member_device",
     "mesh_fleet",
     "mesh_planner",
     "online_members",
@@ -109,28 +111,56 @@ def mesh_fleet(
     answering: list[MeshMember] = []
     for member in members:
         try:
-            reported = member.agent.devices(model_config, asdict(workload))
+            reported = member.agent.devices(model_config, workload.profile_request())
         except (AgentUnreachable, AgentRefused) as error:
             say(f"skipping member {member.name!r}: {error}")
             continue
         answering.append(member)
-        for info in reported:
-            devices.append(
-                Device(
-                    name=f"{member.name}/{info['name']}",
-                    memory_bytes=int(info["free_bytes"]),
-                    host=member.name,
-                    seconds_per_layer=float(info["seconds_per_layer"]),
-                    kind=str(info["kind"]),
-                    torch_device=str(info["name"]),
-                    activation_bytes_per_layer=info.get("activation_bytes"),
-                )
-            )
+        devices.extend(member_device(member.name, info) for info in reported)
     if not devices:
         raise ShardpoolError(
             "no mesh member's agent answered; start `shardpool agent` on the members (see docs/agent.md)"
         )
     return Fleet(devices=tuple(devices), links=measure_links(answering, say=say))
+
+
+def member_device(member: str, info: dict[str, Any]) -> Device:
+    """A planner device from one row of a member's ``/v1/devices`` (checked by its agent).
+
+    The measured forward, embedding, ``lm_head`` + loss and optimizer times are used where the row
+    has them; a row from an older agent lacks them, and the planner models them instead.
+    """
+    kind = str(info["kind"])
+    seconds_per_layer = float(info["seconds_per_layer"])
+    return Device(
+        name=f"{member}/{info['name']}",
+        memory_bytes=int(info["free_bytes"]),
+        host=member,
+        seconds_per_layer=seconds_per_layer,
+        kind=kind,
+        torch_device=str(info["name"]),
+        activation_bytes_per_layer=info.get("activation_bytes"),
+        forward_seconds_per_layer=_number(info, "forward_seconds"),
+        embed_seconds=_number(info, "embed_seconds"),
+        head_forward_seconds=_number(info, "head_forward_seconds"),
+        head_backward_seconds=_number(info, "head_backward_seconds"),
+        optimizer_seconds_per_layer=_number(info, "optimizer_seconds"),
+        measurement=Measurement(
+            label=str(info["label"]),
+            threads=int(info["threads"]) if kind == "cpu" else None,
+            cpu_quota=_number(info, "cpu_quota"),
+            runs=None if info.get("runs") is None else int(info["runs"]),
+            seconds_min=_number(info, "seconds_min"),
+            seconds_median=seconds_per_layer,
+            seconds_max=_number(info, "seconds_max"),
+        ),
+    )
+
+
+def _number(info: dict[str, Any], name: str) -> float | None:
+    """An optional number of a device row (None where the member's agent did not report it)."""
+    value = info.get(name)
+    return None if value is None else float(value)
 
 
 def measure_links(members: list[MeshMember], *, say: Callable[[str], None]) -> dict[frozenset[str], LinkSpec]:

@@ -10,7 +10,7 @@ Numbers and assumptions are described in ``docs/planner.md``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from shardpool.config import Config
 from shardpool.errors import ShardpoolError
@@ -87,6 +87,23 @@ class Workload:
             f"mb{self.micro_batch_size}-seq{self.sequence_len}-r{self.lora_r}-[{targets}]"
             f"-gc{int(self.gradient_checkpointing)}-dt{self.compute_bytes}"
         )
+
+    def profile_request(self) -> dict[str, Any]:
+        """The fields a layer profile depends on (those of :meth:`profile_key`), as JSON for a member's
+        ``POST /v1/devices``.
+
+        Planner-only fields (``stages``, ``replicas``, ...) stay with the launcher: an agent rejects
+        workload fields it does not know, so a member whose agent predates a planner field still
+        answers, and the profile does not depend on them anyway.
+        """
+        return {
+            "micro_batch_size": self.micro_batch_size,
+            "sequence_len": self.sequence_len,
+            "lora_r": self.lora_r,
+            "lora_targets": list(self.lora_targets),
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "compute_bytes": self.compute_bytes,
+        }
 
     @classmethod
     def from_config(cls, config: Config) -> Workload:

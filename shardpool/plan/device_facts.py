@@ -11,8 +11,17 @@ import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["DEVICE_KINDS", "DeviceInfo", "LayerProfile", "cpu_model_name", "device_kind", "normalize_device"]
+__all__ = [
+    "DEVICE_KINDS",
+    "DeviceInfo",
+    "LayerProfile",
+    "Measurement",
+    "cpu_model_name",
+    "device_kind",
+    "normalize_device",
+]
 
 #: Kinds of device a stage can run on; the kind sets a stage's framework memory reserve.
 DEVICE_KINDS: tuple[str, ...] = ("cuda", "rocm", "mps", "xpu", "cpu")
@@ -39,7 +48,10 @@ class LayerProfile:
 
     Also, where measured (None in profiles from before they were): the median forward alone, the
     embedding lookup, final norm + ``lm_head`` + loss forward and backward (scaled to the full
-    vocabulary), and one AdamW step with gradient clipping over the layer's LoRA parameters.
+    vocabulary), and one AdamW step with gradient clipping over the layer's LoRA parameters; how
+    it was measured: the fastest and slowest of the ``runs`` timed forward + backward passes
+    (``seconds_per_layer`` is their median) and the process's cgroup CPU quota in CPUs (None when
+    unlimited).
     """
 
     seconds_per_layer: float
@@ -54,6 +66,51 @@ class LayerProfile:
     head_forward_seconds: float | None = None
     head_backward_seconds: float | None = None
     optimizer_seconds: float | None = None
+    seconds_min: float | None = None
+    seconds_max: float | None = None
+    cpu_quota: float | None = None
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """How a device's speed was measured, as ``plan.json`` records it per stage: the device's label,
+    the threads the profile ran with (CPU), the CPU quota of the profiling process's cgroup (CPUs,
+    None when unlimited), how many timed forward + backward passes and their fastest, median and
+    slowest seconds (one layer, one micro-batch, before any slowdown for sharing the device). None
+    where the profile did not say (a member whose agent predates these fields)."""
+
+    label: str
+    threads: int | None
+    cpu_quota: float | None
+    runs: int | None
+    seconds_min: float | None
+    seconds_median: float
+    seconds_max: float | None
+
+    @classmethod
+    def of(cls, profile: LayerProfile) -> Measurement:
+        """The measurement record of a layer profile."""
+        return cls(
+            label=profile.label,
+            threads=profile.threads,
+            cpu_quota=profile.cpu_quota,
+            runs=profile.runs,
+            seconds_min=profile.seconds_min,
+            seconds_median=profile.seconds_per_layer,
+            seconds_max=profile.seconds_max,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """This record as a ``plan.json`` stage's ``measured`` object."""
+        return {
+            "label": self.label,
+            "threads": self.threads,
+            "cpu_quota": self.cpu_quota,
+            "runs": self.runs,
+            "seconds_min": self.seconds_min,
+            "seconds_median": self.seconds_median,
+            "seconds_max": self.seconds_max,
+        }
 
 
 def normalize_device(name: str) -> str:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
-from shardpool.plan.device_facts import DEVICE_KINDS
+from shardpool.plan.device_facts import DEVICE_KINDS, Measurement
 from shardpool.plan.time_model import DEFAULT_EFFICIENCY, DeviceTimes, layer_flops, modeled_times
 
 __all__ = [
@@ -67,7 +67,8 @@ class Device:
     ``memory_bytes`` is what the plan may use on it. A profiled device may also carry its
     measured forward share of the layer, embedding, ``lm_head`` + loss and optimizer times
     (seconds, slowed down like ``seconds_per_layer``); what is missing is modeled
-    (:func:`~shardpool.plan.time_model.modeled_times`).
+    (:func:`~shardpool.plan.time_model.modeled_times`). ``measurement`` says how the profile was
+    taken (``plan.json`` records it per stage).
     """
 
     name: str
@@ -85,6 +86,7 @@ class Device:
     head_forward_seconds: float | None = None
     head_backward_seconds: float | None = None
     optimizer_seconds_per_layer: float | None = None
+    measurement: Measurement | None = None
 
     def times(self, shape: ModelShape, workload: Workload) -> DeviceTimes:
         """This device's compute times: measured where the profile has them, else modeled."""

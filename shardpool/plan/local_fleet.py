@@ -16,7 +16,7 @@ from typing import Protocol
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
-from shardpool.plan.device_facts import DeviceInfo, LayerProfile, normalize_device
+from shardpool.plan.device_facts import DeviceInfo, LayerProfile, Measurement, normalize_device
 from shardpool.plan.fleet import Device, Fleet, LinkSpec
 
 __all__ = ["DeviceProbe", "local_fleet"]
@@ -88,6 +88,7 @@ def local_fleet(
                 head_forward_seconds=_slowed(profile.head_forward_seconds, slowdown),
                 head_backward_seconds=_slowed(profile.head_backward_seconds, slowdown),
                 optimizer_seconds_per_layer=_slowed(profile.optimizer_seconds, slowdown),
+                measurement=Measurement.of(profile),
             )
         )
     return Fleet(devices=tuple(built), loopback=probe.loopback())

@@ -148,6 +148,7 @@ def _build_plan(ctx: SearchContext, seq: tuple[int, ...], counts: Sequence[int],
                 forward_ms=stage_costs.forward(n) * 1e3,
                 backward_ms=stage_costs.backward(n) * 1e3,
                 after_step_ms=stage_costs.after(n) * 1e3,
+                measured=device.measurement.to_json() if device.measurement else {},
             )
         )
         start += n

@@ -4,7 +4,8 @@ The layer is built from the model shape alone (random weights): its Linear modul
 quantized to NF4 with bitsandbytes (blocksize 64, double quantization) and wrapped with
 LoRA by peft, exactly as a training stage holds them. After a warm-up, the median of a few
 timed forward + backward passes at the configured micro-batch and sequence length is the
-profile, with the forward timed on its own too. The ends of the model are timed the same way:
+profile (its fastest and slowest run and the process's cgroup CPU quota are kept with it), with the
+forward timed on its own too. The ends of the model are timed the same way:
 the embedding lookup, and final norm + ``lm_head`` + the loss forward and backward on a slice
 of at most :data:`HEAD_VOCAB` vocabulary rows, scaled to the full vocabulary (both are linear
 in it); and one AdamW step with gradient clipping over the layer's LoRA parameters. Results are cached per device, model shape and workload in
@@ -21,7 +22,7 @@ import json
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from shardpool.config import load_config
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
+from shardpool.plan.cpu_quota import cpu_quota
 from shardpool.plan.device_facts import DeviceInfo, LayerProfile, normalize_device
 from shardpool.plan.devices import device_info, list_devices, synchronize
 from shardpool.plan.fleet import LinkSpec
@@ -41,7 +43,7 @@ __all__ = ["HEAD_VOCAB", "TorchProbe", "cache_path", "profile_key", "profile_lay
 #: Vocabulary rows of the ``lm_head`` slice the profiler times (then scales to the full vocabulary).
 HEAD_VOCAB = 8192
 #: Bumped when a profile gains measurements, so cached profiles without them are re-measured.
-_PROFILE_VERSION = 2
+_PROFILE_VERSION = 3
 
 _LAYER_CLASSES = {
     "llama": ("llama", "Llama"),
@@ -56,13 +58,16 @@ def cache_path() -> Path:
     return cache_root() / "profiles.json"
 
 
-def profile_key(shape: ModelShape, workload: Workload, *, label: str, threads: int | None) -> str:
-    """Cache key: device label, thread count, model shape digest and the workload's layer settings."""
+def profile_key(
+    shape: ModelShape, workload: Workload, *, label: str, threads: int | None, quota: float | None = None
+) -> str:
+    """Cache key: device label, thread count, the process's CPU quota (a re-throttled host measures
+    again), model shape digest and the workload's layer settings."""
     import torch
 
     return (
-        f"{label}|threads={threads}|{shape.key()}|{workload.profile_key()}|torch={torch.__version__}"
-        f"|v{_PROFILE_VERSION}"
+        f"{label}|threads={threads}|quota={quota}|{shape.key()}|{workload.profile_key()}"
+        f"|torch={torch.__version__}|v{_PROFILE_VERSION}"
     )
 
 
@@ -84,7 +89,10 @@ def profile_layer(
     device = normalize_device(device)
     info = device_info(device)
     label = f"{device} {info.label}"
-    key = profile_key(shape, workload, label=label, threads=threads if info.kind == "cpu" else None)
+    quota = cpu_quota()
+    key = profile_key(
+        shape, workload, label=label, threads=threads if info.kind == "cpu" else None, quota=quota
+    )
     if use_cache:
         cached = _read_cache().get(key)
         if cached is not None:
@@ -94,6 +102,7 @@ def profile_layer(
                 pass
     with _threads(threads if info.kind == "cpu" else None):
         profile = _measure(shape, workload, device=device, label=label, threads=threads, repeats=repeats)
+    profile = replace(profile, cpu_quota=quota)
     if use_cache:
         _write_cache(key, asdict(profile))
     return profile
@@ -278,6 +287,8 @@ def _measure(
         head_forward_seconds=ends[1],
         head_backward_seconds=ends[2],
         optimizer_seconds=optimizer_s,
+        seconds_min=min(times),
+        seconds_max=max(times),
     )
 
 

@@ -3,7 +3,8 @@
 Reads one JSON object on stdin, ``{"shape": {fields of ModelShape}, "workload": {fields of
 Workload}}``, and prints one JSON document on stdout, ``{"devices": [row, ...]}``, a row per
 device (accelerators first, the CPU last) with its memory and the measured time and activation
-bytes of one NF4 + LoRA decoder layer (:func:`shardpool.plan.profiler.profile_layer`).
+bytes of one NF4 + LoRA decoder layer (:func:`shardpool.plan.profiler.profile_layer`), and the
+profile's further measurements and how it was taken (:data:`MEASURED_FIELDS`).
 
 The agent answers ``POST /v1/devices`` by running this module as a child process, as its
 unprivileged run-as account, instead of importing torch itself: a driver or kernel that crashes,
@@ -25,7 +26,22 @@ from shardpool.plan.costmodel import Workload
 from shardpool.plan.devices import list_devices
 from shardpool.plan.profiler import profile_layer
 
-__all__ = ["device_rows", "main", "read_request"]
+__all__ = ["MEASURED_FIELDS", "device_rows", "main", "read_request"]
+
+#: The profile's further measurements and how it was taken, each in a row under its
+#: :class:`~shardpool.plan.device_facts.LayerProfile` name (None where not measured). A member's
+#: agent passes them on (``shardpool.agent.profiling``) and the launcher's planner uses them.
+MEASURED_FIELDS = (
+    "forward_seconds",
+    "embed_seconds",
+    "head_forward_seconds",
+    "head_backward_seconds",
+    "optimizer_seconds",
+    "runs",
+    "seconds_min",
+    "seconds_max",
+    "cpu_quota",
+)
 
 _MAX_REQUEST_BYTES = 8 * 2**20
 
@@ -57,6 +73,7 @@ def device_rows(shape: ModelShape, workload: Workload) -> list[dict[str, Any]]:
                 "threads": info.threads,
                 "seconds_per_layer": profile.seconds_per_layer,
                 "activation_bytes": profile.activation_bytes,
+                **{name: getattr(profile, name) for name in MEASURED_FIELDS},
             }
         )
     return rows

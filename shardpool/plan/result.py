@@ -25,7 +25,9 @@ class PlannedStage:
     Per micro-batch: ``predicted_ms_per_microbatch`` and ``compute_ms`` are its forward + backward
     compute (``forward_ms`` + ``backward_ms``), ``comm_ms`` its two sends on idle links, which
     overlap compute in the simulated step. ``after_step_ms`` is once per step: the replicas'
-    gradient all-reduce and the optimizer step.
+    gradient all-reduce and the optimizer step. ``measured`` says how the device's profile was
+    taken (:meth:`shardpool.plan.device_facts.Measurement.to_json`); empty for a device whose speed
+    was given rather than measured.
     """
 
     device: str
@@ -45,6 +47,7 @@ class PlannedStage:
     forward_ms: float = 0.0
     backward_ms: float = 0.0
     after_step_ms: float = 0.0
+    measured: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:
@@ -52,8 +55,8 @@ class PlannedStage:
         return self.stop - self.start
 
     def to_json(self) -> dict[str, Any]:
-        """This stage as a ``plan.json`` entry."""
-        return {
+        """This stage as a ``plan.json`` entry (``measured`` only where the device was profiled)."""
+        entry: dict[str, Any] = {
             "device": self.device,
             "host": self.host,
             "layers": [self.start, self.stop],
@@ -71,6 +74,9 @@ class PlannedStage:
             "backward_ms": round(self.backward_ms, 3),
             "after_step_ms": round(self.after_step_ms, 3),
         }
+        if self.measured:
+            entry["measured"] = dict(self.measured)
+        return entry
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PlannedStage:
@@ -100,6 +106,7 @@ class PlannedStage:
             forward_ms=float(data.get("forward_ms", 0.0)),
             backward_ms=float(data.get("backward_ms", 0.0)),
             after_step_ms=float(data.get("after_step_ms", 0.0)),
+            measured=dict(measured) if isinstance(measured := data.get("measured"), Mapping) else {},
         )
 
 

@@ -13,13 +13,16 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from shardpool.agent.confine import landlock_abi
+from shardpool.agent.profiling import ProfileFailed, _report_rows, devices_request
 from shardpool.agent.service import Agent
+from shardpool.plan.costmodel import Workload
 from tests.agent.test_service import _alive
 from tests.helpers.agents import RUN_AS, make_agent, shared_dir, signed
 
@@ -154,3 +157,48 @@ def test_a_malformed_request_starts_no_child(shared: Path) -> None:
         status, reply = _devices(agent, {"lora_targets": "q_proj"})
         assert status == 400 and "lora_targets" in reply["error"]
         assert not (agent.work_dir / "profile" / "seen.json").exists()
+
+
+# ---------------------------------------------------------------------------- the report's rows
+
+OLD_ROW = {"name": "cpu", "kind": "cpu", "label": "test cpu", "total_bytes": 8, "free_bytes": 4,
+           "threads": 2, "seconds_per_layer": 0.5, "activation_bytes": 1024}  # fmt: skip
+MEASURED = {"forward_seconds": 0.2, "embed_seconds": 0.0, "head_forward_seconds": 0.1,
+            "head_backward_seconds": 0.12, "optimizer_seconds": 0.001, "runs": 5,
+            "seconds_min": 0.45, "seconds_max": 0.6, "cpu_quota": 0.6}  # fmt: skip
+
+
+def _rows(*rows: dict[str, Any]) -> list[dict[str, Any]]:
+    return _report_rows(json.dumps({"devices": list(rows)}).encode())
+
+
+def test_a_row_keeps_the_measured_fields() -> None:
+    assert _rows({**OLD_ROW, **MEASURED, "extra": "dropped"}) == [{**OLD_ROW, **MEASURED}]
+
+
+def test_an_older_members_row_without_the_measured_fields_is_accepted() -> None:
+    assert _rows(OLD_ROW) == [OLD_ROW]
+    assert _rows({**OLD_ROW, "forward_seconds": None, "cpu_quota": None}) == [OLD_ROW]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("forward_seconds", -0.1), ("embed_seconds", "fast"), ("optimizer_seconds", 1e9),
+     ("head_forward_seconds", True), ("seconds_max", float("nan")), ("seconds_min", float("inf")),
+     ("runs", 0), ("runs", 2.5), ("runs", 10**9), ("cpu_quota", 0), ("cpu_quota", -1.0),
+     ("cpu_quota", 1e6), ("seconds_per_layer", 0.0), ("seconds_per_layer", float("nan"))],
+)  # fmt: skip
+def test_a_measured_field_out_of_bounds_fails_the_report(field: str, value: Any) -> None:
+    with pytest.raises(ProfileFailed, match=f"row's {field} is"):
+        _rows({**OLD_ROW, **MEASURED, field: value})
+
+
+def test_the_launchers_profile_request_validates_here_and_on_an_agent_from_before_replicas() -> None:
+    workload = Workload(sequence_len=16, lora_r=4, replicas=2, stages=2)
+    request = workload.profile_request()
+    _, parsed = devices_request({"model_config": CONFIG, "workload": request})
+    assert parsed.profile_key() == workload.profile_key()
+    _, full = devices_request({"model_config": CONFIG, "workload": json.loads(json.dumps(asdict(workload)))})
+    assert full.replicas == 2, "this version still takes every Workload field"
+    known_before_replicas = {field.name for field in fields(Workload)} - {"replicas"}
+    assert set(request) <= known_before_replicas, "an older agent rejects unknown workload fields"

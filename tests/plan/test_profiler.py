@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from shardpool.model.shape import ModelShape
+from shardpool.plan import profiler
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.profiler import cache_path, profile_layer
 
@@ -30,6 +31,8 @@ def test_profile_is_measured_then_cached(private_cache: Path) -> None:
     first = profile_layer(TINY, WORKLOAD, device="cpu")
     measured_s = time.perf_counter() - start
     assert first.seconds_per_layer > 0 and first.activation_bytes > 0 and first.runs >= 1
+    assert first.seconds_min is not None and first.seconds_max is not None
+    assert first.seconds_min <= first.seconds_per_layer <= first.seconds_max, "the spread of the runs"
     # Forward on its own, the ends of the model and the optimizer are measured too.
     assert first.forward_seconds is not None and 0 < first.forward_seconds < first.seconds_per_layer
     assert first.embed_seconds is not None and first.embed_seconds > 0
@@ -57,6 +60,15 @@ def test_checkpointing_and_threads_are_part_of_the_key() -> None:
     checkpointed = profile_layer(TINY, replace(WORKLOAD, gradient_checkpointing=True), threads=1)
     assert plain.threads == 1 and checkpointed.threads == 1
     assert len(json.loads(cache_path().read_text())) == 2
+
+
+def test_the_cpu_quota_is_recorded_and_part_of_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(profiler, "cpu_quota", lambda: 0.5)
+    throttled = profile_layer(TINY, WORKLOAD, threads=1, repeats=1)
+    monkeypatch.setattr(profiler, "cpu_quota", lambda: None)
+    free = profile_layer(TINY, WORKLOAD, threads=1, repeats=1)
+    assert (throttled.cpu_quota, free.cpu_quota) == (0.5, None)
+    assert len(json.loads(cache_path().read_text())) == 2, "a re-throttled host measures again"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device")

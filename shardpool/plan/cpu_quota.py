@@ -1,0 +1,110 @@
+"""The CPU quota of this process's cgroup, in CPUs (``0.5`` for half a core), or None when unlimited.
+
+A host throttled by a cgroup CPU quota shows every core in ``os.sched_getaffinity`` yet runs a
+fraction of them, so a profile records the quota it was measured under. The process's own cgroup
+comes from ``/proc/self/cgroup``; its quota is cgroup v2's ``cpu.max`` (``"50000 100000"`` or
+``"max 100000"``) or cgroup v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (``-1`` unlimited).
+A parent cgroup's quota caps its children, so the tightest quota from the cgroup up to the root
+counts. The parsers are pure functions of the files' text; :func:`cpu_quota` reads the files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+from typing import NamedTuple
+
+__all__ = ["CgroupPaths", "cgroup_paths", "cpu_quota", "parse_cfs_quota", "parse_cpu_max"]
+
+_PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+class CgroupPaths(NamedTuple):
+    """This process's path in the cgroup v1 hierarchy holding the ``cpu`` controller and in the
+    unified (v2) hierarchy (None where absent)."""
+
+    v1_cpu: str | None
+    v2: str | None
+
+
+def cgroup_paths(proc_self_cgroup: str) -> CgroupPaths:
+    """The v1 ``cpu`` and the v2 cgroup paths named in the text of ``/proc/self/cgroup``.
+
+    Each line is ``hierarchy-id:controllers:path``; v2's line has id 0 and no controllers.
+    """
+    v1_cpu: str | None = None
+    v2: str | None = None
+    for line in proc_self_cgroup.splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3 or not parts[2].startswith("/"):
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            v2 = path
+        elif "cpu" in controllers.split(","):
+            v1_cpu = path
+    return CgroupPaths(v1_cpu, v2)
+
+
+def parse_cpu_max(text: str) -> float | None:
+    """CPUs allowed by a cgroup v2 ``cpu.max`` (``"quota period"``); None for ``max`` or bad text."""
+    fields = text.split()
+    if len(fields) not in (1, 2) or fields[0] == "max":
+        return None
+    period = fields[1] if len(fields) == 2 else "100000"
+    return _ratio(fields[0], period)
+
+
+def parse_cfs_quota(quota_text: str, period_text: str) -> float | None:
+    """CPUs allowed by cgroup v1 ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``; None for ``-1``."""
+    return _ratio(quota_text.strip(), period_text.strip())
+
+
+def _ratio(quota: str, period: str) -> float | None:
+    try:
+        quota_us, period_us = int(quota), int(period)
+    except ValueError:
+        return None
+    if quota_us <= 0 or period_us <= 0:
+        return None
+    return quota_us / period_us
+
+
+def cpu_quota(*, proc_self_cgroup: Path = _PROC_SELF_CGROUP, root: Path = _CGROUP_ROOT) -> float | None:
+    """The tightest CPU quota on this process's cgroup and its ancestors, in CPUs; None if unlimited
+    or unreadable (no cgroup filesystem, another OS)."""
+    try:
+        paths = cgroup_paths(proc_self_cgroup.read_text())
+    except OSError:
+        return None
+    quotas: list[float] = []
+    if paths.v2 is not None:
+        for directory in _ancestors(root, paths.v2):
+            quota = parse_cpu_max(_read(directory / "cpu.max") or "max")
+            if quota is not None:
+                quotas.append(quota)
+    if paths.v1_cpu is not None:
+        for mount in (root / "cpu", root / "cpu,cpuacct"):
+            for directory in _ancestors(mount, paths.v1_cpu):
+                quota_text, period_text = (
+                    _read(directory / "cpu.cfs_quota_us"),
+                    _read(directory / "cpu.cfs_period_us"),
+                )
+                if quota_text is not None and period_text is not None:
+                    quota = parse_cfs_quota(quota_text, period_text)
+                    if quota is not None:
+                        quotas.append(quota)
+    return min(quotas) if quotas else None
+
+
+def _ancestors(mount: Path, path: str) -> list[Path]:
+    """``mount/path`` and each parent up to ``mount`` (a container sees its own cgroup as the root)."""
+    relative = PurePosixPath(path).relative_to("/")
+    return [mount / part for part in (relative, *relative.parents)]
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None

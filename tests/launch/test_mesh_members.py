@@ -1,0 +1,81 @@
+"""The launcher's view of the mesh (shardpool/launch/mesh_members.py): each member's device rows
+become planner devices with their measured times and how they were measured; a row from an older
+member's agent, without them, still plans with modeled times; the profile request carries only the
+fields a profile depends on, so an agent from before a planner field was added still accepts it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from shardpool.launch.mesh_members import MeshMember, mesh_fleet
+from shardpool.model.shape import ModelShape
+from shardpool.plan.costmodel import Workload
+from shardpool.plan.planner import plan_pipeline
+from shardpool.plan.time_model import modeled_times
+
+SHAPE = ModelShape.from_config_json(
+    {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100},
+    name="tiny",
+)  # fmt: skip
+WORKLOAD = Workload(sequence_len=16, lora_r=4, replicas=1, stages=2)
+OLD_ROW = {"name": "cpu", "kind": "cpu", "label": "old cpu", "total_bytes": 8 << 30,
+           "free_bytes": 4 << 30, "threads": 2, "seconds_per_layer": 0.5, "activation_bytes": 1024}  # fmt: skip
+MEASURED = {"forward_seconds": 0.2, "embed_seconds": 0.01, "head_forward_seconds": 0.1,
+            "head_backward_seconds": 0.12, "optimizer_seconds": 0.001, "runs": 5,
+            "seconds_min": 0.45, "seconds_max": 0.6, "cpu_quota": 0.6}  # fmt: skip
+
+
+class FakeAgent:
+    """A member's agent that answers /v1/devices with fixed rows and records the workload asked."""
+
+    def __init__(self, name: str, rows: list[dict[str, Any]]) -> None:
+        self.url = f"http://{name}:41000"
+        self.rows = rows
+        self.asked: list[dict[str, Any]] = []
+
+    def devices(
+        self, model_config: dict[str, Any], workload: dict[str, Any], *, timeout: float = 0
+    ) -> list[dict[str, Any]]:
+        self.asked.append(workload)
+        return self.rows
+
+    def probe(self, targets: dict[str, str], *, nbytes: int = 0) -> dict[str, dict[str, Any]]:
+        return {name: {"bandwidth": 1e8, "latency": 1e-3} for name in targets}
+
+
+def _fleet(new: FakeAgent, old: FakeAgent) -> Any:
+    members = [MeshMember("new", "10.0.0.1", True, new), MeshMember("old", "10.0.0.2", False, old)]  # type: ignore[arg-type]
+    return mesh_fleet(members, model_config={}, workload=WORKLOAD, say=lambda line: None)
+
+
+def test_measured_fields_reach_the_planner_and_an_old_row_falls_back_to_modeled() -> None:
+    new, old = FakeAgent("new", [{**OLD_ROW, **MEASURED, "label": "new cpu"}]), FakeAgent("old", [OLD_ROW])
+    fleet = _fleet(new, old)
+    measured, legacy = fleet.devices
+    times = measured.times(SHAPE, WORKLOAD)
+    assert (times.layer_forward_s, times.layer_backward_s) == pytest.approx((0.2, 0.3))
+    assert (times.embed_s, times.head_forward_s, times.head_backward_s) == pytest.approx((0.01, 0.1, 0.12))
+    assert times.optimizer_per_layer_s == pytest.approx(0.001)
+    assert legacy.forward_seconds_per_layer is None and legacy.embed_seconds is None
+    assert legacy.times(SHAPE, WORKLOAD) == modeled_times(SHAPE, WORKLOAD, layer_s=0.5, kind="cpu")
+
+    plan = plan_pipeline(SHAPE, WORKLOAD, fleet)
+    by_host = {stage["host"]: stage["measured"] for stage in plan.to_json()["stages"]}
+    assert by_host["new"] == {
+        "label": "new cpu", "threads": 2, "cpu_quota": 0.6, "runs": 5,
+        "seconds_min": 0.45, "seconds_median": 0.5, "seconds_max": 0.6,
+    }  # fmt: skip
+    assert by_host["old"] == {
+        "label": "old cpu", "threads": 2, "cpu_quota": None, "runs": None,
+        "seconds_min": None, "seconds_median": 0.5, "seconds_max": None,
+    }  # fmt: skip
+
+
+def test_the_profile_request_leaves_planner_only_fields_at_home() -> None:
+    new, old = FakeAgent("new", [OLD_ROW]), FakeAgent("old", [OLD_ROW])
+    _fleet(new, old)
+    assert new.asked == old.asked == [WORKLOAD.profile_request()]
+    assert not {"replicas", "stages", "max_stages", "gradient_accumulation_steps"} & set(new.asked[0])
