@@ -66,4 +66,5 @@ def test_two_thousand_slowloris_connections_do_not_starve_an_honest_client() -> 
             assert server.open_connections == 0
     finally:
         server.stop()
-    assert set(threading.enumerate()) == threads_before
+    left_running = set(threading.enumerate()) - threads_before  # earlier tests' threads may end meanwhile
+    assert not left_running, f"the server left threads running: {left_running}"
