@@ -147,7 +147,7 @@ class StepLog:
             step,
             self._total_steps,
             loss=event["loss"],
-            learning_rate=event["lr"],
+            learning_rate=event["learning_rate"],
             tokens_per_s=event["tokens_per_s"],
             eta_seconds=eta,
         )

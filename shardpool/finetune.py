@@ -10,7 +10,8 @@ The story of a run, top to bottom:
      serve it to remote stages, and host the rendezvous store;
   4. start one process per stage and replica, ``python -m shardpool.train.worker job.json RANK``
      (:mod:`shardpool.train.worker`), and relay their events: the progress (a bar on a terminal,
-     else a log line per logged step) and ``metrics.jsonl`` per step, checkpoints finalized, and
+     else a log line per logged step) and ``metrics.jsonl`` per step and periodic eval, checkpoints
+     finalized (the oldest deleted past ``save_total_limit``), and
      at the end the stages' LoRA tensors merged into the adapter, saved with the tokenizer;
   5. write the model card (``README.md``), report eval loss before and after, and how to load
      the adapter.
@@ -200,6 +201,8 @@ def _train(console: Console, run: PreparedRun, job: Job, *, start: Callable[[OnE
                     extra={"eval_before": event.get("eval_before"), "total_steps": run.total_steps},
                 )
                 progress.say(f"checkpoint saved: {final}")
+                for old in ckpt.prune_checkpoints(output_dir, keep=run.config.save_total_limit):
+                    progress.say(f"checkpoint deleted (save_total_limit): {old}")
             elif kind == StageEvent.FINAL_WRITTEN:
                 final_dir = resolve_inside(output_dir, event["directory"], "final adapter directory")
                 lora = ckpt.merge_stage_lora(final_dir)

@@ -60,10 +60,21 @@ def test_numbers_written_the_axolotl_way_are_accepted() -> None:
         ({"shardpool": {"placement": "mesh", "layers": [2, 2]}}, "for `placement: local`"),
         ({"deepspeed": "z3.json"}, "`deepspeed` is not supported"),
         ({"lora_target_linear": False}, "no LoRA targets"),
+        ({"save_steps": 2, "saves_per_epoch": 2}, "`save_steps` and `saves_per_epoch` both set"),
+        ({"eval_steps": 2, "evals_per_epoch": 2}, "`eval_steps` and `evals_per_epoch` both set"),
+        ({"eval_steps": 2.5}, "a whole step count or a fraction below 1"),
+        ({"eval_steps": 0}, "`eval_steps`"),
+        ({"save_total_limit": 0}, "`save_total_limit`"),
     ],
 )
 def test_bad_configs_name_the_key_and_the_fix(changes: dict[str, Any], expected: str) -> None:
     assert expected in _error(**changes)
+
+
+def test_cadence_keys_take_axolotl_values() -> None:
+    config = parse_config({**BASE, "eval_steps": 0.25, "saves_per_epoch": 2, "save_total_limit": 3})
+    assert (config.eval_steps, config.saves_per_epoch, config.save_total_limit) == (0.25, 2, 3)
+    assert parse_config({**BASE, "eval_steps": 5, "evals_per_epoch": None}).eval_steps == 5
 
 
 def test_every_field_is_documented() -> None:

@@ -50,7 +50,7 @@ def _step(step: int, *, seconds: float = 1.0) -> dict[str, Any]:
         "event": "step",
         "step": step,
         "loss": 2.0 / step,
-        "lr": 1e-3,
+        "learning_rate": 1e-3,
         "tokens_per_s": 100.0,
         "step_seconds": seconds,
     }

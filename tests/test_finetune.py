@@ -379,3 +379,34 @@ def test_rendezvous_store_serves_on_its_host_only(tmp_path: Path) -> None:
         time.sleep(0.1)
     else:
         pytest.fail(f"port {port} still accepts connections after the store was freed")
+
+
+@pytest.mark.slow
+def test_periodic_eval_and_save_total_limit(tmp_path: Path, tiny_model: Path, completion_data: Path) -> None:
+    """eval_steps writes HF's eval_loss lines at its steps; save_total_limit keeps the newest checkpoints.
+
+    56 training rows at 6 a step make 9.33 steps an epoch: saves_per_epoch 5 saves every 2 steps
+    (2 and 4; the last step writes the adapter), eval_steps 0.5 of 6 steps evaluates at 3 and 6.
+    """
+    out = tmp_path / "out"
+    overrides: dict[str, Any] = {
+        "max_steps": 6,
+        "eval_steps": 0.5,
+        "saves_per_epoch": 5,
+        "save_total_limit": 1,
+        "shardpool": {"stages": 2},
+    }
+    finetune(
+        parse_config(base_config(tiny_model, completion_data, out, **overrides)), console=Console(quiet=True)
+    )
+    metrics = read_metrics(out)
+    steps = [record for record in metrics if "loss" in record]
+    evals = [record for record in metrics if "eval_loss" in record]
+    assert [record["step"] for record in steps] == [1, 2, 3, 4, 5, 6]
+    assert all("learning_rate" in record and "lr" not in record for record in steps)
+    assert [record["epoch"] for record in steps] == [round(step * 6 / 56, 4) for step in range(1, 7)]
+    assert [(record["step"], record["epoch"]) for record in evals] == [(3, 0.3214), (6, 0.6429)]
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert evals[-1]["eval_loss"] == summary["eval_loss_after"]
+    assert evals[0]["eval_loss"] != summary["eval_loss_before"]
+    assert [path.name for path in (out / "checkpoints").iterdir()] == ["checkpoint-4"]

@@ -238,16 +238,9 @@ _GROUPS: list[list[AxolotlKey]] = [
     _keys(
         "eval_strategy evaluation_strategy save_strategy",
         "when_off",
-        "use `save_steps`; eval runs before and after training",
+        "use `save_steps` or `saves_per_epoch`, and `eval_steps` or `evals_per_epoch`",
         accepted=("no",),
     ),
-    _keys(
-        "eval_steps evals_per_epoch",
-        "when_off",
-        "periodic eval is not built yet; eval runs before and after training; remove it",
-    ),
-    _keys("saves_per_epoch", "when_off", "use `save_steps` instead"),
-    _keys("save_total_limit", "when_off", "every checkpoint is kept; remove it and delete old ones by hand"),
     _keys(
         "resume_from_checkpoint auto_resume_from_checkpoints",
         "when_off",
@@ -299,7 +292,11 @@ _GROUPS: list[list[AxolotlKey]] = [
         "when_off",
         "training always runs to max_steps or num_epochs; remove it",
     ),
-    _keys("save_only_model save_first_step", "when_off", "checkpoints follow `save_steps`; remove it"),
+    _keys(
+        "save_only_model save_first_step",
+        "when_off",
+        "checkpoints follow `save_steps` or `saves_per_epoch`; remove it",
+    ),
     _keys("neftune_noise_alpha noisy_embedding_alpha", "when_off", "embedding noise is not built; remove it"),
     _keys("batch_size", "when_off", "set `micro_batch_size` and `gradient_accumulation_steps` instead"),
 ]

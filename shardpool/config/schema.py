@@ -217,6 +217,18 @@ class Config(_Strict):
     gradient_checkpointing: bool = Field(default=False, description="recompute layer activations in backward")
     output_dir: str = Field(default="./outputs/shardpool", description="where the adapter and logs go")
     save_steps: int | None = Field(default=None, ge=1, description="checkpoint every this many steps")
+    saves_per_epoch: int | None = Field(
+        default=None, ge=1, description="checkpoint this many times per epoch (instead of save_steps)"
+    )
+    save_total_limit: int | None = Field(
+        default=None, ge=1, description="keep only the newest this many checkpoints (default: all)"
+    )
+    eval_steps: int | float | None = Field(
+        default=None, gt=0, description="eval loss every this many steps (below 1: a fraction of all steps)"
+    )
+    evals_per_epoch: int | None = Field(
+        default=None, ge=1, description="eval loss this many times per epoch (instead of eval_steps)"
+    )
     logging_steps: int = Field(default=1, ge=1, description="write metrics every this many steps")
     bf16: bool | Literal["auto"] = Field(default=False, description="compute in bfloat16")
     fp16: bool = Field(default=False, description="compute in float16")
@@ -260,6 +272,23 @@ class Config(_Strict):
                 self.max_steps is None and not math.isfinite(self.num_epochs),
                 ("num_epochs", "max_steps"),
                 "`num_epochs` must be finite; set a number or `max_steps`",
+            ),
+            (
+                self.save_steps is not None and self.saves_per_epoch is not None,
+                ("save_steps", "saves_per_epoch"),
+                "`save_steps` and `saves_per_epoch` both set; keep one",
+            ),
+            (
+                self.eval_steps is not None and self.evals_per_epoch is not None,
+                ("eval_steps", "evals_per_epoch"),
+                "`eval_steps` and `evals_per_epoch` both set; keep one",
+            ),
+            (
+                self.eval_steps is not None
+                and self.eval_steps >= 1
+                and not float(self.eval_steps).is_integer(),
+                ("eval_steps",),
+                "`eval_steps` is a whole step count or a fraction below 1 of all steps; fix its value",
             ),
             (
                 self.cosine_min_lr_ratio is not None and self.lr_scheduler != "cosine",

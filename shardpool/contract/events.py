@@ -29,6 +29,7 @@ __all__ = [
     "StageEvent",
     "ReadyEvent",
     "StepEvent",
+    "EvalEvent",
     "CheckpointWrittenEvent",
     "FinalWrittenEvent",
     "StageDoneEvent",
@@ -48,6 +49,7 @@ class StageEvent(str, enum.Enum):
 
     READY = "ready"
     STEP = "step"
+    EVAL = "eval"
     CHECKPOINT_WRITTEN = "checkpoint_written"
     FINAL_WRITTEN = "final_written"
     STAGE_DONE = "stage_done"
@@ -87,14 +89,24 @@ class StepEvent(_Event):
 
     event: Literal[StageEvent.STEP]
     step: int = Field(ge=1, le=MAX_STEPS)
+    epoch: float = Field(ge=0)
     loss: float
-    lr: float
+    learning_rate: float
     grad_norm: float
     tokens_per_s: float
     step_seconds: float
     stage_compute_s: Timings
     stage_wait_s: Timings
     bytes_sent: Timings
+
+
+class EvalEvent(_Event):
+    """The eval loss after ``step`` (rank 0), at the cadence of ``eval_steps`` / ``evals_per_epoch``."""
+
+    event: Literal[StageEvent.EVAL]
+    step: int = Field(ge=1, le=MAX_STEPS)
+    epoch: float = Field(ge=0)
+    eval_loss: float
 
 
 class CheckpointWrittenEvent(_Event):
@@ -143,6 +155,7 @@ StageEventModel = Annotated[
     Union[  # noqa: UP007 - a discriminated union needs the Union spelling for older pydantic
         ReadyEvent,
         StepEvent,
+        EvalEvent,
         CheckpointWrittenEvent,
         FinalWrittenEvent,
         StageDoneEvent,

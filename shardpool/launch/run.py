@@ -4,7 +4,8 @@ A :class:`Launcher` starts a run's stages: :class:`~shardpool.launch.local_launc
 on this machine, :class:`~shardpool.launch.mesh_launcher.MeshLauncher` on mesh members.
 :func:`build_job` turns a planned run into the :class:`~shardpool.contract.job.Job` every stage
 process reads from ``output_dir/.shardpool/job.json``. :class:`RunRecord` follows the stages'
-events and keeps ``metrics.jsonl`` (one line per logged step) and ``run_summary.json`` (how the
+events and keeps ``metrics.jsonl`` (one line per logged step and one per periodic eval, with
+Hugging Face's names: ``loss``, ``learning_rate``, ``epoch``, ``eval_loss``) and ``run_summary.json`` (how the
 run ended). Torch-free: nothing here touches a tensor.
 """
 
@@ -175,13 +176,15 @@ class RunRecord:
         )
 
     def record(self, event: dict[str, Any]) -> None:
-        """Note one event: a step's loss (and its metrics line when due), a rank's peaks, the eval losses."""
+        """Note one event: a step's loss (and its metrics line when due), a periodic eval's line, a rank's peaks, the eval losses."""
         kind = event.get("event")
         if kind == StageEvent.STEP:
             self.last_loss = event["loss"]
             self.last_step = event["step"]
             if is_logged_step(event["step"], self.logging_steps, self.total_steps):
-                _append_metrics(self.output_dir / METRICS_FILE, event)
+                _append_metrics(self.output_dir / METRICS_FILE, _step_metrics(event))
+        elif kind == StageEvent.EVAL:
+            _append_metrics(self.output_dir / METRICS_FILE, _eval_metrics(event))
         elif kind == StageEvent.STAGE_DONE:
             self.ranks[int(event["rank"])] = {key: value for key, value in event.items() if key != "event"}
         elif kind == StageEvent.DONE:
@@ -209,8 +212,11 @@ def is_logged_step(step: int, logging_steps: int, total_steps: int) -> bool:
     return step % logging_steps == 0 or step == total_steps
 
 
-def _append_metrics(path: Path, event: dict[str, Any]) -> None:
-    record = {key: event[key] for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s")}
+def _step_metrics(event: dict[str, Any]) -> dict[str, Any]:
+    """The metrics.jsonl line of a ``step`` event."""
+    record = {
+        key: event[key] for key in ("step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_s")
+    }
     record.update(
         {
             "step_seconds": event["step_seconds"],
@@ -219,6 +225,15 @@ def _append_metrics(path: Path, event: dict[str, Any]) -> None:
             "bytes_sent": sum(event["bytes_sent"]),
         }
     )
+    return record
+
+
+def _eval_metrics(event: dict[str, Any]) -> dict[str, Any]:
+    """The metrics.jsonl line of an ``eval`` event, as Hugging Face logs one: step, epoch, eval_loss."""
+    return {key: event[key] for key in ("step", "epoch", "eval_loss")}
+
+
+def _append_metrics(path: Path, record: dict[str, Any]) -> None:
     with open(path, "a", encoding="utf-8") as file:
         file.write(json.dumps(record) + "\n")
 

@@ -41,6 +41,8 @@ __all__ = [
     "checkpoint_eval_before",
     "clear_partials",
     "resume_point",
+    "checkpoints_to_delete",
+    "prune_checkpoints",
 ]
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -107,6 +109,49 @@ def finalize_checkpoint(
     return final
 
 
+def checkpoints_to_delete(steps: list[int], *, keep: int | None) -> list[int]:
+    """Of the complete checkpoints at ``steps``, those ``save_total_limit: keep`` deletes: all but the newest ``keep``.
+
+    The newest is always kept (``keep`` is at least 1): it is the one ``--resume`` starts from.
+    """
+    if keep is None:
+        return []
+    newest_first = sorted(set(steps), reverse=True)
+    return sorted(newest_first[max(1, keep) :])
+
+
+def prune_checkpoints(output_dir: str | Path, *, keep: int | None) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints; return those deleted.
+
+    Each is first renamed to ``.stale`` (one atomic step, after which it is no checkpoint; a crash
+    leaves the ``.stale`` directory for :func:`clear_partials`), then removed.
+    """
+    complete = _complete_checkpoints(output_dir)
+    doomed = set(checkpoints_to_delete([step for step, _, _ in complete], keep=keep))
+    deleted = []
+    for step, _, directory in complete:
+        if step in doomed:
+            stale = directory.with_name(directory.name + ".stale")
+            shutil.rmtree(stale, ignore_errors=True)
+            directory.rename(stale)
+            shutil.rmtree(stale, ignore_errors=True)
+            deleted.append(directory)
+    return deleted
+
+
+def _complete_checkpoints(output_dir: str | Path) -> list[tuple[int, bool, Path]]:
+    """(step, named checkpoint-N, directory) of every complete checkpoint (``checkpoint.json`` written)."""
+    root = checkpoints_root(output_dir)
+    if not root.is_dir():
+        return []
+    complete = []
+    for child in root.iterdir():
+        match = _CHECKPOINT_DIR.fullmatch(child.name)
+        if match and (child / "checkpoint.json").is_file():
+            complete.append((int(match.group(2)), match.group(1) == "checkpoint", child))
+    return complete
+
+
 def read_stage_lora(path: Path) -> dict[str, torch.Tensor]:
     """The LoRA tensors (global adapter keys) in one stage's state file."""
     return {
@@ -121,14 +166,7 @@ def newest_checkpoint(output_dir: str | Path) -> Path | None:
 
     Both ``checkpoint-N`` and the older ``step-N`` count; at equal steps ``checkpoint-N`` wins.
     """
-    root = checkpoints_root(output_dir)
-    if not root.is_dir():
-        return None
-    complete = []
-    for child in root.iterdir():
-        match = _CHECKPOINT_DIR.fullmatch(child.name)
-        if match and (child / "checkpoint.json").is_file():
-            complete.append((int(match.group(2)), match.group(1) == "checkpoint", child))
+    complete = _complete_checkpoints(output_dir)
     return max(complete)[2] if complete else None
 
 

@@ -8,7 +8,8 @@ Then, per optimizer step:
      the last stage's loss is divided by the label tokens of the *whole* step;
   2. replicas sum their LoRA gradients; the gradients are clipped on the global norm over all
      stages (:mod:`shardpool.train.loss`); AdamW and the LR schedule step.
-It evaluates before and after (:mod:`shardpool.train.evaluate`), sends checkpoints and the final
+It evaluates before, after, and every ``eval_steps`` (:mod:`shardpool.train.evaluate`; the cadence
+is :mod:`shardpool.data.cadence`), sends checkpoints and the final
 LoRA tensors to the launcher (:mod:`shardpool.train.stage_state`), and reports to it by JSON
 events on stdout. Because each stage runs exactly the layers of the single-device model on
 exactly the same inputs, and gradients accumulate in micro-batch order, the result is the
@@ -36,6 +37,7 @@ import torch.distributed as dist
 
 from shardpool.contract.events import EVENT_PREFIX, StageEvent
 from shardpool.contract.job import Job
+from shardpool.data.cadence import config_steps_per_epoch, epoch_at, eval_step_set, save_step_set
 from shardpool.data.prepared_file import load_prepared
 from shardpool.data.rows import PreparedData
 from shardpool.data.steps import config_step_batches
@@ -139,6 +141,9 @@ class StageWorker:
         self.compute_dtype = DTYPES[self.config.compute_dtype_name]
         self.data: PreparedData
         self.steps: list[list[list[int]]] = []
+        self.epoch_steps = 1.0
+        self.eval_at: frozenset[int] = frozenset()
+        self.save_at: frozenset[int] = frozenset()
         self.groups: Groups
         self.pipe: StagePipe
         self.state: StageState
@@ -189,10 +194,22 @@ class StageWorker:
             stage, self.spec, wire, self.device, int(stage.hf_config.hidden_size), packed=self.data.packed
         )
         self.steps = config_step_batches(self.config, len(self.data.train), replicas=self.job.replicas)
+        self._set_cadence()
         named_params = stage.named_lora_parameters()
         optimizer = build_optimizer(self.config, [param for _, param in named_params], self.device)
         scheduler = build_scheduler(self.config, optimizer, len(self.steps))
         self.state = StageState(named_params, optimizer, scheduler)
+
+    def _set_cadence(self) -> None:
+        """Which steps evaluate and save, and how many steps an epoch takes (for ``epoch``)."""
+        total = len(self.steps)
+        self.epoch_steps = config_steps_per_epoch(
+            self.config, len(self.data.train), replicas=self.job.replicas
+        )
+        self.eval_at = eval_step_set(
+            self.config, total_steps=total, epoch_steps=self.epoch_steps, num_eval_rows=len(self.data.eval)
+        )
+        self.save_at = save_step_set(self.config, total_steps=total, epoch_steps=self.epoch_steps)
 
     def _threads(self) -> int:
         """Intra-op threads: the configured count, else this machine's cores over its stage processes."""
@@ -222,15 +239,17 @@ class StageWorker:
         eval_before = self.job.eval_before
         if first_step == 0:
             eval_before = self.evaluate()
-        for step in range(first_step, len(self.steps)):
+        total_steps = len(self.steps)
+        for step in range(first_step, total_steps):
             self.train_step(step)
-            if (
-                self.config.save_steps
-                and (step + 1) % self.config.save_steps == 0
-                and step + 1 < len(self.steps)
-            ):
-                self.save_checkpoint(step + 1, eval_before=eval_before)
+            done = step + 1
+            if done in self.eval_at and done < total_steps:
+                self.report_eval(done, self.evaluate())
+            if done in self.save_at:
+                self.save_checkpoint(done, eval_before=eval_before)
         eval_after = self.evaluate(save_logits=True)
+        if total_steps in self.eval_at:
+            self.report_eval(total_steps, eval_after)  # the final eval is the last step's
         self.write_final_adapter()
         emit(
             {
@@ -283,8 +302,9 @@ class StageWorker:
                 {
                     "event": StageEvent.STEP,
                     "step": step + 1,
+                    "epoch": epoch_at(step + 1, self.epoch_steps),
                     "loss": step_loss,
-                    "lr": self.state.scheduler.get_last_lr()[0],
+                    "learning_rate": self.state.scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm,
                     "tokens_per_s": tokens / step_seconds,
                     "step_seconds": step_seconds,
@@ -303,6 +323,18 @@ class StageWorker:
             replica=self.replica,
             logits_to=self.files if save_logits else None,
         )
+
+    def report_eval(self, step: int, eval_loss: float | None) -> None:
+        """Send the eval loss after ``step`` to the launcher (rank 0), which writes its metrics line."""
+        if self.rank == 0 and eval_loss is not None:
+            emit(
+                {
+                    "event": StageEvent.EVAL,
+                    "step": step,
+                    "epoch": epoch_at(step, self.epoch_steps),
+                    "eval_loss": eval_loss,
+                }
+            )
 
     # ----- saving -----------------------------------------------------------------------------
     def save_checkpoint(self, step: int, *, eval_before: float | None) -> None:

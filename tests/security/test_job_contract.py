@@ -113,6 +113,21 @@ def test_stage_events_are_closed_and_their_directories_relative() -> None:
     assert json.dumps({"event": StageEvent.FINAL_WRITTEN}) == '{"event": "final_written"}'
 
 
+def test_eval_events_carry_hf_names_and_step_events_no_lr() -> None:
+    evaluated = parse_stage_event({"event": "eval", "step": 4, "epoch": 0.5, "eval_loss": 2.5})
+    assert evaluated.event is StageEvent.EVAL and (evaluated.step, evaluated.eval_loss) == (4, 2.5)
+    with pytest.raises(ContractError, match="epoch"):
+        parse_stage_event({"event": "eval", "step": 4, "epoch": -1.0, "eval_loss": 2.5})
+    step = {
+        "event": "step", "step": 1, "epoch": 0.1, "loss": 2.0, "learning_rate": 1e-3, "grad_norm": 1.0,
+        "tokens_per_s": 10.0, "step_seconds": 1.0, "stage_compute_s": [1.0], "stage_wait_s": [0.0],
+        "bytes_sent": [0.0],
+    }  # fmt: skip
+    assert parse_stage_event(step).learning_rate == 1e-3
+    with pytest.raises(ContractError, match="unknown field"):
+        parse_stage_event({**step, "lr": 1e-3})
+
+
 def test_job_files_round_trip_and_oversize_files_are_refused(tmp_path: Path) -> None:
     job = Job.model_validate(job_dict(launcher="10.77.0.1"))
     job.write(tmp_path / "job.json")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -95,3 +96,37 @@ def test_a_checkpoint_from_one_split_loads_into_another(tmp_path: Path) -> None:
     assert torch.equal(lora[KEYS[4]], second[2][1].detach())
     assert torch.equal(optim[KEYS[4]]["exp_avg"], optimizer_second.state[second[2][1]]["exp_avg"])
     assert float(optim[KEYS[1]]["step"]) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("steps", "keep", "deleted"),
+    [
+        ([2, 4, 6], None, []),  # no limit: keep all
+        ([2, 4, 6], 2, [2]),
+        ([2, 4, 6], 1, [2, 4]),
+        ([6, 2, 4], 5, []),  # order of discovery does not matter
+        ([4, 2, 6, 8], 2, [2, 4]),
+        ([], 2, []),
+        ([3], 1, []),  # the newest, which a resume needs, always stays
+    ],
+)
+def test_save_total_limit_deletes_all_but_the_newest(
+    steps: list[int], keep: int | None, deleted: list[int]
+) -> None:
+    assert ckpt.checkpoints_to_delete(steps, keep=keep) == deleted
+
+
+def test_prune_renames_then_removes_and_leaves_partials_alone(tmp_path: Path) -> None:
+    root = ckpt.checkpoints_root(tmp_path)
+    for name in ("checkpoint-2", "step-1", "checkpoint-4", "checkpoint-6"):
+        (root / name).mkdir(parents=True)
+        (root / name / "checkpoint.json").write_text("{}")
+    (root / "checkpoint-8.partial").mkdir()
+    deleted = ckpt.prune_checkpoints(tmp_path, keep=2)
+    assert sorted(path.name for path in deleted) == ["checkpoint-2", "step-1"]
+    assert sorted(path.name for path in root.iterdir()) == [
+        "checkpoint-4",
+        "checkpoint-6",
+        "checkpoint-8.partial",
+    ]
+    assert ckpt.newest_checkpoint(tmp_path) == root / "checkpoint-6"
