@@ -148,8 +148,10 @@ def boundary_bytes_per_step(
 
 
 def summarize_steps(records: Sequence[dict[str, Any]], warmup: int = WARMUP_STEPS) -> dict[str, Any]:
-    """Medians over the steps after ``warmup`` of one run's ``metrics.jsonl`` records."""
-    records = sorted(records, key=lambda record: record["step"])
+    """Medians over the steps after ``warmup`` of one run's ``metrics.jsonl`` records (eval lines are skipped)."""
+    records = sorted(
+        (record for record in records if "step_seconds" in record), key=lambda record: record["step"]
+    )
     kept = records[warmup:] or records
     stages = len(kept[0]["stage_compute_s"])
     step_s = [float(r["step_seconds"]) for r in kept]

@@ -50,7 +50,7 @@ def test_efficiency_and_medians() -> None:
     assert bench.median_after_warmup([4.0]) == 4.0
 
 
-def test_summarize_steps_skips_warmup() -> None:
+def test_summarize_steps_skips_warmup_and_eval_lines() -> None:
     records = [
         {
             "step": step,
@@ -62,7 +62,7 @@ def test_summarize_steps_skips_warmup() -> None:
             "bytes_sent": 64,
         }
         for step in (4, 1, 3, 2)
-    ]
+    ] + [{"step": 2, "epoch": 0.5, "eval_loss": 3.0}]
     summary = bench.summarize_steps(records)
     assert summary["steps_measured"] == 2
     assert summary["step_seconds"] == 1.0
