@@ -42,6 +42,7 @@ class MemberAgent(Protocol):
 
     @property
     def url(self) -> str: ...
+    def health(self) -> dict[str, Any]: ...
     def devices(
         self, model_config: dict[str, Any], workload: dict[str, Any], *, timeout: float = ...
     ) -> list[dict[str, Any]]: ...
@@ -111,6 +112,10 @@ def mesh_fleet(
     answering: list[MeshMember] = []
     for member in members:
         try:
+            # A member that went away in the last minutes still counts as online (its last WireGuard
+            # handshake is recent); a quick health call finds it in seconds, where the profile
+            # request would wait for TCP to give up on it (about two minutes).
+            member.agent.health()
             reported = member.agent.devices(model_config, workload.profile_request())
         except (AgentUnreachable, AgentRefused) as error:
             say(f"skipping member {member.name!r}: {error}")

@@ -162,7 +162,7 @@ def test_losing_a_member_stops_the_run_and_resume_finishes_on_the_rest(
     private = tmp_path / "private"
     private.mkdir()
     out = tmp_path / "lossy-out"
-    config = training_config(out, private, num_epochs=20, max_steps=60, save_steps=2, val_set_size=0)
+    config = training_config(out, private, num_epochs=20, max_steps=24, save_steps=2, val_set_size=0)
     config_path = write_config(tmp_path / "lossy.yaml", config)
     launcher = launch(lab, lab.hosts["a"], private, config_path, background=True)
     try:

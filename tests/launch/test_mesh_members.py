@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from shardpool.agent.client import AgentUnreachable
 from shardpool.launch.mesh_members import MeshMember, mesh_fleet
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
@@ -35,10 +36,18 @@ class FakeAgent:
         self.url = f"http://{name}:41000"
         self.rows = rows
         self.asked: list[dict[str, Any]] = []
+        self.gone = False
+
+    def health(self) -> dict[str, Any]:
+        if self.gone:
+            raise AgentUnreachable(f"agent at {self.url} did not answer GET /v1/health")
+        return {"name": self.url}
 
     def devices(
         self, model_config: dict[str, Any], workload: dict[str, Any], *, timeout: float = 0
     ) -> list[dict[str, Any]]:
+        if self.gone:
+            pytest.fail("a member that failed its health check was asked to profile")
         self.asked.append(workload)
         return self.rows
 
@@ -79,3 +88,13 @@ def test_the_profile_request_leaves_planner_only_fields_at_home() -> None:
     _fleet(new, old)
     assert new.asked == old.asked == [WORKLOAD.profile_request()]
     assert not {"replicas", "stages", "max_stages", "gradient_accumulation_steps"} & set(new.asked[0])
+
+
+def test_a_member_that_fails_its_health_check_is_skipped_before_any_profile_request() -> None:
+    here, gone = FakeAgent("here", [OLD_ROW]), FakeAgent("gone", [OLD_ROW])
+    gone.gone = True
+    said: list[str] = []
+    members = [MeshMember("here", "10.0.0.1", True, here), MeshMember("gone", "10.0.0.3", False, gone)]  # type: ignore[arg-type]
+    fleet = mesh_fleet(members, model_config={}, workload=WORKLOAD, say=said.append)
+    assert [device.host for device in fleet.devices] == ["here"]
+    assert any("skipping member 'gone'" in line for line in said), said
