@@ -117,9 +117,12 @@ def _run_agent(args: argparse.Namespace) -> int:
 
 
 def _run_finetune(args: argparse.Namespace) -> int:
-    from shardpool.finetune import finetune_from_file
+    from shardpool.config import load_config
 
-    finetune_from_file(args.config, resume=args.resume)
+    config = load_config(args.config)  # every config problem at once, before torch is imported
+    from shardpool.finetune import finetune
+
+    finetune(config, resume=args.resume)
     return 0
 
 

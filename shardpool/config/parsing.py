@@ -10,6 +10,7 @@ here imports torch: a config is validated in well under a second.
 from __future__ import annotations
 
 import difflib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ AXOLOTL_DATASET_KEYS["ds_type"] = "the format is read from the file name; use `d
 
 # Placeholders for required keys whose value is broken, so the rest of the config is still checked.
 _PLACEHOLDERS: dict[str, Any] = {"base_model": "-", "datasets": [{"path": "-"}]}
+_DEFAULT_SEQUENCE_LEN: int = Config.model_fields["sequence_len"].default
 
 
 def load_config(path: str | Path) -> Config:
@@ -66,9 +68,42 @@ def parse_config(raw: Any, *, source: str = "config") -> Config:
     data = _without_axolotl_noops(raw, problems)
     data = _normalized(data, problems)
     config = _validated(data, source, problems)
+    problems += _sequence_len_problems(data, source)
     if problems or config is None:
         raise problems_error(problems, source)
     return config
+
+
+def _sequence_len_problems(data: dict[str, Any], source: str) -> list[Problem]:
+    """``sequence_len`` above the base model's ``max_position_embeddings``, which training cannot use.
+
+    Reads only ``base_model/config.json`` (no torch). A model directory that is missing or broken
+    is reported later, when the model is read; here it only means there is nothing to compare.
+    """
+    base_model, sequence_len = data.get("base_model"), data.get("sequence_len", _DEFAULT_SEQUENCE_LEN)
+    if not isinstance(base_model, str) or not isinstance(sequence_len, int) or isinstance(sequence_len, bool):
+        return []
+    limit = _max_position_embeddings(Path(base_model) / "config.json")
+    if limit is None or sequence_len <= limit:
+        return []
+    shown = f"`sequence_len` {sequence_len}" + ("" if "sequence_len" in data else " (the default)")
+    message = (
+        f"{shown} is above the model's max_position_embeddings {limit} ({base_model}/config.json); "
+        f"lower `sequence_len` to {limit} or less"
+    )
+    return [Problem("sequence_len", f"{source}: {message}", message)]
+
+
+def _max_position_embeddings(config_json: Path) -> int | None:
+    """The model's ``max_position_embeddings``, or None where the file or the key is absent or broken."""
+    try:
+        model_config = json.loads(config_json.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    limit = model_config.get("max_position_embeddings") if isinstance(model_config, dict) else None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+        return None
+    return limit
 
 
 def _refused(key: str, why: str) -> Problem:

@@ -1,0 +1,85 @@
+"""`sequence_len` above the model's `max_position_embeddings` is refused while the config is read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardpool.config import parse_config
+from shardpool.errors import ShardpoolError
+from tests.helpers.training import run_cli, write_config
+
+
+def _model_dir(tmp_path: Path, **model_config: Any) -> Path:
+    """A directory with only a config.json: all the check reads."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", **model_config}))
+    return model
+
+
+def _raw(model: Path, **changes: Any) -> dict[str, Any]:
+    return {
+        "base_model": str(model),
+        "datasets": [{"path": "data.jsonl", "type": "alpaca"}],
+        "lora_target_linear": True,
+        **changes,
+    }
+
+
+def test_sequence_len_above_max_position_embeddings_is_one_line_naming_both(tmp_path: Path) -> None:
+    model = _model_dir(tmp_path, max_position_embeddings=1024)
+    with pytest.raises(ShardpoolError) as caught:
+        parse_config(_raw(model, sequence_len=4096), source="run.yaml")
+    assert str(caught.value) == (
+        f"run.yaml: `sequence_len` 4096 is above the model's max_position_embeddings 1024 "
+        f"({model}/config.json); lower `sequence_len` to 1024 or less"
+    )
+
+
+def test_the_default_sequence_len_is_checked_too(tmp_path: Path) -> None:
+    model = _model_dir(tmp_path, max_position_embeddings=256)
+    with pytest.raises(ShardpoolError, match=r"`sequence_len` 512 \(the default\) is above .* 256"):
+        parse_config(_raw(model), source="run.yaml")
+
+
+def test_it_is_listed_with_every_other_problem(tmp_path: Path) -> None:
+    model = _model_dir(tmp_path, max_position_embeddings=1024)
+    with pytest.raises(ShardpoolError) as caught:
+        parse_config(_raw(model, sequence_len=2048, micro_batch_size="eight"), source="run.yaml")
+    lines = str(caught.value).splitlines()
+    assert lines[0] == "run.yaml has 2 problems; fix them all, then run again:"
+    assert any("max_position_embeddings 1024" in line for line in lines[1:])
+    assert any("`micro_batch_size`" in line for line in lines[1:])
+
+
+@pytest.mark.parametrize(
+    "model_config",
+    [{"max_position_embeddings": 1024}, {}, {"max_position_embeddings": "many"}],
+)
+def test_a_sequence_len_within_the_limit_or_without_one_passes(
+    tmp_path: Path, model_config: dict[str, Any]
+) -> None:
+    model = _model_dir(tmp_path, **model_config)
+    assert parse_config(_raw(model, sequence_len=1024)).sequence_len == 1024
+
+
+def test_a_missing_model_directory_is_left_to_the_model_check(tmp_path: Path) -> None:
+    assert parse_config(_raw(tmp_path / "absent", sequence_len=999999)).sequence_len == 999999
+
+
+def test_finetune_refuses_it_at_once_and_writes_nothing(tmp_path: Path) -> None:
+    model = _model_dir(tmp_path, max_position_embeddings=128)
+    config = write_config(
+        tmp_path / "run.yaml", _raw(model, sequence_len=129, output_dir=str(tmp_path / "out"))
+    )
+    result = run_cli("finetune", str(config), timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"shardpool: error: {config}: `sequence_len` 129 is above the model's max_position_embeddings "
+        f"128 ({model}/config.json); lower `sequence_len` to 128 or less"
+    ]
+    assert not (tmp_path / "out").exists()
