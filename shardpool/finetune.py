@@ -20,7 +20,8 @@ The story of a run, top to bottom:
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,9 +40,11 @@ from shardpool.data.rows import PreparedData
 from shardpool.data.steps import config_step_batches
 from shardpool.data.tokenizing import load_tokenizer, save_tokenizer
 from shardpool.launch.model_card import render_model_card, write_model_card
+from shardpool.launch.output_lock import locked_output_dir
 from shardpool.launch.run import (
     METRICS_FILE,
     RUN_DIR_NAME,
+    Launcher,
     OnEvent,
     RunRecord,
     build_job,
@@ -92,6 +95,29 @@ def finetune(config: Config, *, resume: bool = False, console: Console | None = 
     """Train ``config`` on its stages (local processes, or mesh members) and return the adapter directory."""
     console = console or Console()
     launcher = launcher_for(config, say=console.print, probe=TorchProbe())
+    with _output_dir_held(config.output_dir):
+        return _finetune_holding_output_dir(config, launcher, resume=resume, console=console)
+
+
+@contextmanager
+def _output_dir_held(output_dir: str) -> Iterator[None]:
+    """Hold ``output_dir`` for this run (a second run into it is refused); a run that fails before
+    it writes anything leaves no directory it created behind."""
+    created = not Path(output_dir).exists()
+    with locked_output_dir(output_dir) as lock_file:
+        try:
+            yield
+        except BaseException:
+            if created and not (lock_file.parent / RUN_DIR_NAME).exists():
+                lock_file.unlink(missing_ok=True)
+                with suppress(OSError):
+                    lock_file.parent.rmdir()
+            raise
+
+
+def _finetune_holding_output_dir(
+    config: Config, launcher: Launcher, *, resume: bool, console: Console
+) -> Path:
     run = prepare_run(config, resume=resume, planner=launcher.plan)
     run_dir = _write_run_inputs(run, console)
     inputs = job_inputs(config, run_dir, run.resume_from)
