@@ -34,6 +34,19 @@ def build_parser() -> argparse.ArgumentParser:
     finetune.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     finetune.set_defaults(handler=_run_finetune)
 
+    validate = commands.add_parser(
+        "validate",
+        help="check a config, its model and its data as finetune would, without loading torch",
+        description=(
+            "Check the config, the base model's config.json and tokenizer, and every dataset row, "
+            "as `shardpool finetune` does before it starts, without loading torch or the weights. "
+            "Prints the rows, tokens per row and how many rows sequence_len truncates; exits 0 "
+            "when the run would start, 2 with the problems otherwise."
+        ),
+    )
+    validate.add_argument("config", help="path to the YAML config")
+    validate.set_defaults(handler=_run_validate)
+
     jobs = commands.add_parser(
         "jobs", help="list, show or stop jobs started through this machine's agent (yours; root: all)"
     )
@@ -123,6 +136,13 @@ def _run_finetune(args: argparse.Namespace) -> int:
     from shardpool.finetune import finetune
 
     finetune(config, resume=args.resume)
+    return 0
+
+
+def _run_validate(args: argparse.Namespace) -> int:
+    from shardpool.validate import validate_config, validation_lines
+
+    print("\n".join(validation_lines(validate_config(args.config))))
     return 0
 
 

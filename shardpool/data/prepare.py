@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import math
 import random
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from shardpool.config import Config
-from shardpool.data.packing import to_rows
 from shardpool.data.rows import IGNORE_INDEX, PreparedData, Sample
 from shardpool.data.tokenizing import dataset_samples
 from shardpool.errors import ShardpoolError
@@ -22,7 +22,7 @@ from shardpool.errors import ShardpoolError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["prepare_data"]
+__all__ = ["SplitSamples", "prepare_data", "samples_per_dataset", "split_samples"]
 
 log = logging.getLogger(__name__)
 
@@ -35,22 +35,52 @@ def prepare_data(config: Config, tokenizer: PreTrainedTokenizerBase) -> Prepared
     the training rows with ``seed`` (unless ``shuffle_merged_datasets: false``), then pack (if
     ``sample_packing``) and pad.
     """
-    samples: list[Sample] = []
-    for index, spec in enumerate(config.datasets):
-        samples += dataset_samples(spec, index, tokenizer, train_on_inputs=config.train_on_inputs)
+    from shardpool.data.packing import to_rows  # torch: only here, so samples are made without it
+
+    merged = [sample for samples in samples_per_dataset(config, tokenizer) for sample in samples]
+    split = split_samples(config, merged)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    packed = config.sample_packing
+    return PreparedData(
+        train=to_rows(split.train, config.sequence_len, pad_id, packed=packed),
+        eval=to_rows(split.eval, config.sequence_len, pad_id, packed=packed),
+        packed=packed,
+        dropped_rows=split.dropped_rows,
+        truncated_rows=split.truncated_rows,
+    )
+
+
+def samples_per_dataset(config: Config, tokenizer: Any) -> list[list[Sample]]:
+    """The rows of each dataset of ``config``, in config order, tokenized and masked (not truncated)."""
+    return [
+        dataset_samples(spec, index, tokenizer, train_on_inputs=config.train_on_inputs)
+        for index, spec in enumerate(config.datasets)
+    ]
+
+
+@dataclass(frozen=True)
+class SplitSamples:
+    """Samples truncated to ``sequence_len`` and split: ``train`` in consumption order, ``eval``.
+
+    ``dropped_rows`` had no trainable token left; ``truncated_rows`` were cut to ``sequence_len``.
+    """
+
+    train: list[Sample]
+    eval: list[Sample]
+    dropped_rows: int
+    truncated_rows: int
+
+
+def split_samples(config: Config, samples: list[Sample]) -> SplitSamples:
+    """Truncate ``samples``, drop those with nothing to train, hold out the eval split, shuffle the rest.
+
+    Raises one line when no row is left to train on.
+    """
     samples, dropped, truncated = _truncate(samples, config.sequence_len)
     train, evals = _split(samples, config.val_set_size, config.seed)
     if config.shuffle_merged_datasets:
         random.Random(config.seed).shuffle(train)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    packed = config.sample_packing
-    return PreparedData(
-        train=to_rows(train, config.sequence_len, pad_id, packed=packed),
-        eval=to_rows(evals, config.sequence_len, pad_id, packed=packed),
-        packed=packed,
-        dropped_rows=dropped,
-        truncated_rows=truncated,
-    )
+    return SplitSamples(train, evals, dropped, truncated)
 
 
 def _has_target(labels: list[int]) -> bool:

@@ -3,14 +3,19 @@
 A :class:`Sample` is one tokenized row before padding. :class:`TokenRows` are rows cut and padded
 to ``sequence_len``, as stages consume them. :class:`PreparedData` holds a run's train and eval
 rows. ``labels`` is ``IGNORE_INDEX`` (-100) wherever no loss is taken.
+
+torch is imported only where tensors are made, so reading and tokenizing a dataset into samples
+(``shardpool validate``) never loads it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["IGNORE_INDEX", "ROW_FIELDS", "PreparedData", "Sample", "TokenRows"]
 
@@ -42,6 +47,8 @@ class TokenRows:
     position_ids: torch.Tensor
 
     def __post_init__(self) -> None:
+        import torch
+
         shape = self.input_ids.shape
         for name in ROW_FIELDS:
             tensor = getattr(self, name)
@@ -60,12 +67,16 @@ class TokenRows:
 
     def select(self, indices: Sequence[int]) -> TokenRows:
         """The rows at ``indices``, in that order (a micro-batch, or a split)."""
+        import torch
+
         index = torch.as_tensor(list(indices), dtype=torch.int64)
         return TokenRows(*(getattr(self, name).index_select(0, index) for name in ROW_FIELDS))
 
     @classmethod
     def empty(cls, sequence_len: int) -> TokenRows:
         """Zero rows of ``sequence_len`` tokens (the eval split when ``val_set_size`` is 0)."""
+        import torch
+
         return cls(*(torch.zeros((0, sequence_len), dtype=torch.int64) for _ in ROW_FIELDS))
 
 
