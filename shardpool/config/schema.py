@@ -12,12 +12,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
+from shardpool.config.attention import AttentionName
 from shardpool.config.problems import Check, Problem
 
 __all__ = [
     "Config",
     "DatasetSpec",
     "BnbConfig",
+    "SpecialTokens",
     "ShardpoolSection",
     "COLLECT_PROBLEMS",
     "OPTIMIZERS",
@@ -79,6 +81,24 @@ class BnbConfig(_Strict):
 
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field(default="nf4", description="4-bit data type")
     bnb_4bit_use_double_quant: bool = Field(default=True, description="quantize the absmax statistics too")
+
+
+class SpecialTokens(_Strict):
+    """axolotl's ``special_tokens``: which existing tokens serve as bos, eos, pad and unk."""
+
+    bos_token: str | None = Field(default=None, description="beginning-of-sequence token")
+    eos_token: str | None = Field(
+        default=None, description="end-of-sequence token (appended to trained rows)"
+    )
+    pad_token: str | None = Field(default=None, description="padding token (masked out of the loss)")
+    unk_token: str | None = Field(default=None, description="unknown-token token")
+    additional_special_tokens: list[str] | None = Field(
+        default=None, description="further tokens of the vocabulary to treat as special"
+    )
+
+    def as_settings(self) -> dict[str, str | list[str]]:
+        """The tokens that are set, as ``tokenizer.add_special_tokens`` takes them."""
+        return {key: value for key, value in self.model_dump().items() if value}
 
 
 class ShardpoolSection(_Strict):
@@ -215,6 +235,23 @@ class Config(_Strict):
     max_grad_norm: float = Field(default=1.0, ge=0.0, description="clip the global grad norm (0 disables)")
     seed: int = Field(default=42, description="seed for LoRA init, shuffling and dropout")
     gradient_checkpointing: bool = Field(default=False, description="recompute layer activations in backward")
+    attn_implementation: AttentionName = Field(
+        default="sdpa",
+        description="attention kernel (`flash_attention: true` asks for flash_attention_2); sdpa where a device cannot",
+    )
+    special_tokens: SpecialTokens | None = Field(
+        default=None, description="re-point bos/eos/pad/unk at tokens the tokenizer already has"
+    )
+    tf32: bool = Field(
+        default=False,
+        description="let fp32 matmuls use TF32 on NVIDIA Ampere or newer (faster, ~1e-3 relative error)",
+    )
+    resume_from_checkpoint: str | None = Field(
+        default=None, description="continue from this checkpoint directory (`--resume` takes the newest)"
+    )
+    auto_resume_from_checkpoints: bool = Field(
+        default=False, description="continue from the newest checkpoint in output_dir when there is one"
+    )
     output_dir: str = Field(default="./outputs/shardpool", description="where the adapter and logs go")
     save_steps: int | None = Field(default=None, ge=1, description="checkpoint every this many steps")
     saves_per_epoch: int | None = Field(
