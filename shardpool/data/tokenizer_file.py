@@ -3,7 +3,7 @@
 ``shardpool validate`` tokenizes a run's datasets to count tokens without loading torch, and
 ``transformers.AutoTokenizer`` imports torch. :class:`TokenizerFile` is the small part of a
 fast Hugging Face tokenizer that :mod:`shardpool.data.tokenizing` uses (calling it on texts, the
-special token ids, ``len``, ``apply_chat_template``), built from the same files: the ids are the
+special token ids, ``len``, ``apply_chat_template``, ``add_special_tokens``), built from the same files: the ids are the
 ones training uses, which a test holds to ``AutoTokenizer``'s. Training itself keeps loading
 ``AutoTokenizer`` (:func:`shardpool.data.tokenizing.load_tokenizer`).
 """
@@ -51,6 +51,24 @@ class TokenizerFile:
     def pad_token_id(self) -> int | None:
         """Id of the padding token, or None."""
         return self._id(self.pad_token)
+
+    def get_vocab(self) -> dict[str, int]:
+        """Every token (added ones included) and its id."""
+        return dict(self._backend.get_vocab(with_added_tokens=True))
+
+    def add_special_tokens(self, settings: dict[str, Any]) -> int:
+        """Make the named tokens special (``bos_token``, ..., ``additional_special_tokens``), as HF does.
+
+        Returns how many tokens were new to the vocabulary.
+        """
+        size = len(self)
+        for name, value in settings.items():
+            tokens = value if isinstance(value, list) else [value]
+            self._backend.add_special_tokens(tokens)
+            if name in _SPECIAL_TOKENS:
+                setattr(self, name, value)
+                self.special_tokens_map[name] = value
+        return len(self) - size
 
     def __len__(self) -> int:
         return int(self._backend.get_vocab_size(with_added_tokens=True))

@@ -173,3 +173,32 @@ def test_chat_templates_render_as_transformers_renders_them() -> None:
         for key, value in full([text], add_special_tokens=False, return_offsets_mapping=True).items()
         if key in ("input_ids", "offset_mapping")
     }
+
+
+def test_special_tokens_are_applied_as_training_applies_them(tmp_path: Path, tiny_model: Path) -> None:
+    from shardpool.data.special_tokens import apply_special_tokens
+    from shardpool.model.tinymodel import PAD, UNK
+
+    data = write_jsonl(tmp_path / "data.jsonl", ALPACA_ROWS)
+    config = parse_config(
+        base_config(tiny_model, data, tmp_path / "out", datasets=[{"path": str(data), "type": "alpaca"}])
+    )
+    light, full = load_tokenizer_file(tiny_model), load_tokenizer(tiny_model)
+    for tokenizer in (light, full):
+        apply_special_tokens(tokenizer, {"eos_token": PAD, "pad_token": UNK}, source="tiny")
+    assert (light.eos_token_id, light.pad_token_id, len(light)) == (
+        full.eos_token_id,
+        full.pad_token_id,
+        len(full),
+    )
+    assert samples_per_dataset(config, light) == samples_per_dataset(config, full)
+
+
+def test_special_tokens_that_would_grow_the_vocabulary_are_refused(tmp_path: Path) -> None:
+    config = _quickstart_with(tmp_path, special_tokens={"pad_token": "<|new_pad|>"})
+    result = run_cli("validate", str(config), timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "shardpool: error: special_tokens ['<|new_pad|>'] are not in the tokenizer of models/quickstart: "
+        "adding tokens would grow the vocabulary, which shardpool does not train; use tokens it has, or remove them"
+    ]
