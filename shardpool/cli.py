@@ -47,6 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("config", help="path to the YAML config")
     validate.set_defaults(handler=_run_validate)
 
+    schema = commands.add_parser(
+        "schema",
+        help="print the config's JSON Schema (draft 2020-12) for editors",
+        description=(
+            "Print the JSON Schema of a config file: every shardpool key and every axolotl key "
+            "shardpool accepts, with types and descriptions. Point an editor's YAML support at it, "
+            "e.g. `shardpool schema > shardpool.schema.json`."
+        ),
+    )
+    schema.set_defaults(handler=_run_schema)
+
     jobs = commands.add_parser(
         "jobs", help="list, show or stop jobs started through this machine's agent (yours; root: all)"
     )
@@ -143,6 +154,15 @@ def _run_validate(args: argparse.Namespace) -> int:
     from shardpool.validate import validate_config, validation_lines
 
     print("\n".join(validation_lines(validate_config(args.config))))
+    return 0
+
+
+def _run_schema(args: argparse.Namespace) -> int:
+    import json
+
+    from shardpool.config.json_schema import config_json_schema
+
+    print(json.dumps(config_json_schema(), indent=2))
     return 0
 
 

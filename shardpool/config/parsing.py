@@ -23,7 +23,7 @@ from shardpool.config.problems import Problem, problems_error
 from shardpool.config.schema import COLLECT_PROBLEMS, Config, DatasetSpec
 from shardpool.errors import ShardpoolError
 
-__all__ = ["load_config", "parse_config", "AXOLOTL_DATASET_KEYS"]
+__all__ = ["load_config", "parse_config", "AXOLOTL_DATASET_KEYS", "FLOAT_KEYS"]
 
 #: Keys of an axolotl dataset entry that DatasetSpec lacks: accepted when null or empty, else refused.
 AXOLOTL_DATASET_KEYS: dict[str, str] = dict.fromkeys(
@@ -39,6 +39,14 @@ AXOLOTL_DATASET_KEYS: dict[str, str] = dict.fromkeys(
     "pre-tokenized rows (docs/data.md)",
 )
 AXOLOTL_DATASET_KEYS["ds_type"] = "the format is read from the file name; use `ds_type: json` or remove it"
+
+#: Float keys that also take a YAML int or a number written as a string (``2e-4``).
+FLOAT_KEYS = frozenset(
+    {
+        "lora_alpha", "lora_dropout", "val_set_size", "num_epochs", "learning_rate", "warmup_ratio",
+        "weight_decay", "max_grad_norm", "adam_beta1", "adam_beta2", "adam_epsilon", "cosine_min_lr_ratio",
+    }
+)  # fmt: skip
 
 # Placeholders for required keys whose value is broken, so the rest of the config is still checked.
 _PLACEHOLDERS: dict[str, Any] = {"base_model": "-", "datasets": [{"path": "-"}]}
@@ -188,12 +196,8 @@ def _coerce_numbers(raw: dict[str, Any]) -> dict[str, Any]:
 
     PyYAML reads ``2e-4`` (no dot) as a string; axolotl users write it that way all the time.
     """
-    float_keys = {
-        "lora_alpha", "lora_dropout", "val_set_size", "num_epochs", "learning_rate", "warmup_ratio",
-        "weight_decay", "max_grad_norm", "adam_beta1", "adam_beta2", "adam_epsilon", "cosine_min_lr_ratio",
-    }  # fmt: skip
     coerced = dict(raw)
-    for key in float_keys & coerced.keys():
+    for key in FLOAT_KEYS & coerced.keys():
         value = coerced[key]
         if isinstance(value, bool):
             continue
