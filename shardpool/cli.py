@@ -9,11 +9,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from mesh.errors import MeshError
 from shardpool import __version__
 from shardpool.agent.accounts import DEFAULT_LAUNCH_GROUP, DEFAULT_RUN_AS
 from shardpool.errors import ShardpoolError
+
+if TYPE_CHECKING:
+    from shardpool.console import RunEvents
 
 __all__ = ["main", "build_parser"]
 
@@ -32,6 +36,18 @@ def build_parser() -> argparse.ArgumentParser:
     finetune = commands.add_parser("finetune", help="train a LoRA adapter from an axolotl-style config")
     finetune.add_argument("config", help="path to the YAML config")
     finetune.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    finetune.add_argument(
+        "--json",
+        action="store_true",
+        help="print the run's events (plan, step, eval, checkpoint, done, error) as JSON lines on "
+        "stdout; everything else goes to stderr",
+    )
+    finetune.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="with `placement: mesh`: the mesh state directory given to `mesh init/join` "
+        "(launch through the agent of that mesh; default: $SHARDPOOL_AGENT_SOCKET or the system agent)",
+    )
     finetune.set_defaults(handler=_run_finetune)
 
     validate = commands.add_parser(
@@ -141,12 +157,39 @@ def _run_agent(args: argparse.Namespace) -> int:
 
 
 def _run_finetune(args: argparse.Namespace) -> int:
+    from shardpool.console import RunEvents
+
+    events = RunEvents(sys.stdout if args.json else None)
+    try:
+        return _finetune_command(args, events)
+    except (ShardpoolError, MeshError) as error:
+        events.emit("error", message=str(error))
+        raise
+    except KeyboardInterrupt:
+        events.emit("error", message="interrupted")
+        raise
+
+
+def _finetune_command(args: argparse.Namespace, events: RunEvents) -> int:
     from shardpool.config import load_config
 
     config = load_config(args.config)  # every config problem at once, before torch is imported
+    agent_socket = None
+    if args.state_dir is not None:
+        if config.shardpool.placement != "mesh":
+            raise ShardpoolError(
+                f"--state-dir names a mesh, but {args.config} places its stages on this machine; "
+                "set `shardpool: {placement: mesh}` or leave out --state-dir"
+            )
+        from shardpool.agent.local_client import agent_socket_of_state_dir
+
+        agent_socket = agent_socket_of_state_dir(args.state_dir)
+    from rich.console import Console
+
     from shardpool.finetune import finetune
 
-    finetune(config, resume=args.resume)
+    console = Console(stderr=True) if args.json else None
+    finetune(config, resume=args.resume, console=console, events=events, agent_socket=agent_socket)
     return 0
 
 

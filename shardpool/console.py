@@ -3,13 +3,18 @@
 Progress is a live bar on a terminal, and one plain log line per logged step where stdout is a
 file or a pipe (nohup, Slurm, CI), which cannot redraw a bar. Display only: everything here
 reads plain values it is given and writes nothing but the console.
+
+With ``finetune --json``, :class:`RunEvents` writes the run's events as JSON lines on stdout (plan,
+step, eval, checkpoint, done, error) and everything meant for people goes to stderr.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -20,6 +25,7 @@ from shardpool.contract.job import StagePlacement
 from shardpool.launch.run import RunRecord, is_logged_step
 
 __all__ = [
+    "RunEvents",
     "RunProgress",
     "StepLog",
     "TrainingProgress",
@@ -238,3 +244,39 @@ def _loading_snippet(config: Config) -> list[str]:
     snippet.append(f"base = AutoModelForCausalLM.from_pretrained({load_args})")
     snippet.append(f'model = PeftModel.from_pretrained(base, "{Path(config.output_dir)}")')
     return snippet
+
+
+class RunEvents:
+    """A run's events as JSON lines on ``stream``: one object a line, flushed at once; None writes nothing.
+
+    Every object has ``event`` (``plan``, ``step``, ``eval``, ``checkpoint``, ``done`` or ``error``)
+    and plain JSON values: a loss that is NaN or infinite (a diverging run) is written as null.
+    """
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self._stream = stream
+
+    @property
+    def enabled(self) -> bool:
+        """Whether events are written anywhere."""
+        return self._stream is not None
+
+    def emit(self, event: str, **fields: Any) -> None:
+        """Write one event with ``fields``."""
+        if self._stream is None:
+            return
+        self._stream.write(json.dumps({"event": event, **_plain(fields)}, allow_nan=False) + "\n")
+        self._stream.flush()
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every non-finite float as None, so any JSON reader accepts it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value

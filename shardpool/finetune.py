@@ -30,7 +30,7 @@ from rich.console import Console
 
 from mesh.files import write_json
 from shardpool.config import Config, load_config
-from shardpool.console import print_placement, print_result, training_progress
+from shardpool.console import RunEvents, print_placement, print_result, training_progress
 from shardpool.contract.events import StageEvent
 from shardpool.contract.job import Job, StagePlacement
 from shardpool.contract.names import resolve_inside
@@ -92,12 +92,24 @@ def finetune_from_file(
     return finetune(load_config(config_path), resume=resume, console=console)
 
 
-def finetune(config: Config, *, resume: bool = False, console: Console | None = None) -> Path:
-    """Train ``config`` on its stages (local processes, or mesh members) and return the adapter directory."""
+def finetune(
+    config: Config,
+    *,
+    resume: bool = False,
+    console: Console | None = None,
+    events: RunEvents | None = None,
+    agent_socket: str | None = None,
+) -> Path:
+    """Train ``config`` on its stages (local processes, or mesh members) and return the adapter directory.
+
+    ``events`` receives the run's events (``finetune --json``); ``agent_socket`` is the local
+    agent's socket for ``placement: mesh`` (default: :func:`~shardpool.agent.local_client.agent_socket_path`).
+    """
     console = console or Console()
-    launcher = launcher_for(config, say=console.print, probe=TorchProbe())
+    events = events or RunEvents()
+    launcher = launcher_for(config, say=console.print, probe=TorchProbe(), agent_socket=agent_socket)
     with _output_dir_held(config.output_dir):
-        return _finetune_holding_output_dir(config, launcher, resume=resume, console=console)
+        return _finetune_holding_output_dir(config, launcher, resume=resume, console=console, events=events)
 
 
 @contextmanager
@@ -117,10 +129,21 @@ def _output_dir_held(output_dir: str) -> Iterator[None]:
 
 
 def _finetune_holding_output_dir(
-    config: Config, launcher: Launcher, *, resume: bool, console: Console
+    config: Config, launcher: Launcher, *, resume: bool, console: Console, events: RunEvents
 ) -> Path:
     run = prepare_run(config, resume=resume, planner=launcher.plan)
     run_dir = _write_run_inputs(run, console)
+    events.emit(
+        "plan",
+        output_dir=config.output_dir,
+        model=run.model.base_name,
+        num_layers=run.model.num_layers,
+        total_steps=run.total_steps,
+        first_step=run.first_step,
+        train_rows=len(run.data.train),
+        eval_rows=len(run.data.eval),
+        plan=run.plan,
+    )
     inputs = job_inputs(config, run_dir, run.resume_from)
     with launcher.serving(inputs, Path(config.output_dir)) as files_url:
         store = rendezvous_store(launcher.address, port=launcher.port)
@@ -128,7 +151,9 @@ def _finetune_holding_output_dir(
             run, inputs=inputs, master_addr=launcher.address, master_port=store.port, files_url=files_url
         )
         job_file = write_job(job, run_dir)
-        record = _train(console, run, job, start=lambda on_event: launcher.start(job, job_file, on_event))
+        record = _train(
+            console, events, run, job, start=lambda on_event: launcher.start(job, job_file, on_event)
+        )
         del store
     card = render_model_card(
         config,
@@ -139,6 +164,15 @@ def _finetune_holding_output_dir(
     )
     write_model_card(config.output_dir, card)
     print_result(console, config, record)
+    events.emit(
+        "done",
+        output_dir=config.output_dir,
+        steps=run.total_steps,
+        final_train_loss=record.last_loss,
+        eval_loss_before=record.eval_before,
+        eval_loss_after=record.eval_after,
+        seconds=round(record.seconds, 3),
+    )
     return Path(config.output_dir)
 
 
@@ -208,7 +242,9 @@ def _write_run_inputs(run: PreparedRun, console: Console) -> Path:
     return run_dir
 
 
-def _train(console: Console, run: PreparedRun, job: Job, *, start: Callable[[OnEvent], None]) -> RunRecord:
+def _train(
+    console: Console, events: RunEvents, run: PreparedRun, job: Job, *, start: Callable[[OnEvent], None]
+) -> RunRecord:
     """Start the stages with ``start`` and relay their events until all finish; return what was recorded."""
     output_dir = Path(job.output_dir)
     record = RunRecord(
@@ -226,6 +262,9 @@ def _train(console: Console, run: PreparedRun, job: Job, *, start: Callable[[OnE
             kind = event.get("event")
             if kind == StageEvent.STEP:
                 progress.step(event)
+                events.emit("step", total_steps=run.total_steps, **_fields(event))
+            elif kind == StageEvent.EVAL:
+                events.emit("eval", **_fields(event))
             elif kind == StageEvent.CHECKPOINT_WRITTEN:
                 final = ckpt.finalize_checkpoint(
                     resolve_inside(output_dir, event["partial"], "checkpoint directory"),
@@ -235,8 +274,12 @@ def _train(console: Console, run: PreparedRun, job: Job, *, start: Callable[[OnE
                     extra={"eval_before": event.get("eval_before"), "total_steps": run.total_steps},
                 )
                 progress.say(f"checkpoint saved: {final}")
-                for old in ckpt.prune_checkpoints(output_dir, keep=run.config.save_total_limit):
+                deleted = ckpt.prune_checkpoints(output_dir, keep=run.config.save_total_limit)
+                for old in deleted:
                     progress.say(f"checkpoint deleted (save_total_limit): {old}")
+                events.emit(
+                    "checkpoint", step=event["step"], path=str(final), deleted=[str(old) for old in deleted]
+                )
             elif kind == StageEvent.FINAL_WRITTEN:
                 final_dir = resolve_inside(output_dir, event["directory"], "final adapter directory")
                 lora = ckpt.merge_stage_lora(final_dir)
@@ -248,3 +291,8 @@ def _train(console: Console, run: PreparedRun, job: Job, *, start: Callable[[OnE
         record.timed(start, on_event)
     record.write_summary()
     return record
+
+
+def _fields(event: dict[str, Any]) -> dict[str, Any]:
+    """A stage event's fields without its ``event`` name."""
+    return {key: value for key, value in event.items() if key != "event"}

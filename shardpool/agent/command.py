@@ -49,7 +49,7 @@ def run_agent(
     Refuses to start (one-line error) when the run-as account does not exist, is root, or cannot
     run this Python; when the launch group does not exist; or when the work directory is out of
     the run-as account's reach. ``ready_file`` (used by ``mesh init/join/up``) is written with the
-    pid and URL once listening.
+    pid, URL and local socket once listening (``finetune --state-dir`` finds the socket there).
     """
     from mesh.control.directory import CachedRosterDirectory
     from mesh.control.verifier import RequestVerifier
@@ -95,7 +95,8 @@ def run_agent(
         __version__, config.name, agent.url, socket, account.user,
     )  # fmt: skip
     if ready_file:
-        atomic_write(Path(ready_file), json.dumps({"pid": os.getpid(), "url": agent.url}).encode("utf-8"))
+        ready = {"pid": os.getpid(), "url": agent.url, "socket": str(socket)}
+        atomic_write(Path(ready_file), json.dumps(ready).encode("utf-8"))
     try:
         while not stop.wait(1.0):
             pass

@@ -15,6 +15,7 @@ import os
 import pwd
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -28,6 +29,7 @@ __all__ = [
     "LocalAgentClient",
     "LocalMember",
     "NoLocalAgent",
+    "agent_socket_of_state_dir",
     "agent_socket_path",
 ]
 
@@ -41,6 +43,46 @@ def agent_socket_path(explicit: str | None = None) -> str:
     One rule for both ends, so a launcher finds the socket its agent listens on.
     """
     return explicit or os.environ.get(AGENT_SOCKET_ENV) or DEFAULT_AGENT_SOCKET
+
+
+def agent_socket_of_state_dir(state_dir: str | os.PathLike[str]) -> str:
+    """The socket of the agent serving the mesh whose state is in ``state_dir`` (``finetune --state-dir``).
+
+    ``mesh init/join/up --state-dir DIR`` start that agent, which writes its socket into its ready
+    file under DIR while it runs; refused in one line when no agent runs there or DIR is unreadable.
+    """
+    from mesh.cli.agent_process import shardpool_agent_files
+    from mesh.state import StatePaths
+
+    paths = StatePaths(Path(state_dir))
+    ready_file = shardpool_agent_files(paths)[2]
+    if not paths.config.exists() and os.access(paths.root, os.R_OK | os.X_OK):
+        raise NoLocalAgent(
+            f"{paths.root} holds no mesh; pass the --state-dir given to `shardpool mesh init` or `join`"
+        )
+    try:
+        ready = json.loads(ready_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise NoLocalAgent(
+            f"no shardpool agent runs for the mesh in {paths.root}; start it with "
+            f"`shardpool mesh up --state-dir {paths.root}`"
+        ) from None
+    except PermissionError:
+        raise NoLocalAgent(
+            f"cannot read {ready_file} (the mesh state is root's); run as root, or leave out "
+            f"--state-dir and set {AGENT_SOCKET_ENV} to the agent's socket"
+        ) from None
+    except (OSError, ValueError) as error:
+        raise NoLocalAgent(
+            f"cannot read {ready_file} ({error}); restart the agent with `shardpool mesh up`"
+        ) from None
+    socket_path = ready.get("socket") if isinstance(ready, dict) else None
+    if not isinstance(socket_path, str) or not socket_path:
+        raise NoLocalAgent(
+            f"the agent for {paths.root} does not say where its socket is (started by an older shardpool); "
+            f"restart it with `shardpool mesh down --state-dir {paths.root}` and `mesh up`"
+        )
+    return socket_path
 
 
 class NoLocalAgent(AgentUnreachable):

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from shardpool.agent.client import AgentRefused, AgentUnreachable
-from shardpool.agent.local_client import LocalAgentClient
+from shardpool.agent.local_client import LocalAgentClient, agent_socket_path
 from shardpool.config import Config
 from shardpool.contract.events import StageEvent, parse_stage_event
 from shardpool.contract.job import Job
@@ -55,9 +55,12 @@ class MeshLauncher:
         self._files_secret = secrets.token_hex(32)
 
     @classmethod
-    def connect(cls, *, say: Callable[[str], None]) -> MeshLauncher:
-        """Ask this machine's agent for the members online (a user it refuses stops here, with the fix)."""
-        members = online_members(LocalAgentClient())
+    def connect(cls, *, say: Callable[[str], None], agent_socket: str | None = None) -> MeshLauncher:
+        """Ask this machine's agent for the members online (a user it refuses stops here, with the fix).
+
+        ``agent_socket`` is the agent's socket (default: :func:`agent_socket_path`).
+        """
+        members = online_members(LocalAgentClient(agent_socket_path(agent_socket)))
         launcher = cls(members, say=say)
         say(f"mesh members online: {', '.join(member.name for member in members)}")
         return launcher

@@ -93,13 +93,17 @@ class PlannedRun(Protocol):
     def eval_before(self) -> float | None: ...
 
 
-def launcher_for(config: Config, *, say: Callable[[str], None], probe: DeviceProbe) -> Launcher:
+def launcher_for(
+    config: Config, *, say: Callable[[str], None], probe: DeviceProbe, agent_socket: str | None = None
+) -> Launcher:
     """This machine's launcher, or with ``placement: mesh`` the members' (their agents are asked first of all).
 
-    ``probe`` measures this machine's devices for a local plan (mesh members profile their own).
+    ``probe`` measures this machine's devices for a local plan (mesh members profile their own);
+    ``agent_socket`` is where this machine's agent listens (default: the environment, else
+    :data:`mesh.constants.DEFAULT_AGENT_SOCKET`).
     """
     if config.shardpool.placement == "mesh":
-        return MeshLauncher.connect(say=say)
+        return MeshLauncher.connect(say=say, agent_socket=agent_socket)
     return LocalLauncher(probe=probe, port=config.shardpool.master_port or 0)
 
 
