@@ -8,7 +8,7 @@ collects them with every other problem, and a model built directly raises on the
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
@@ -30,7 +30,12 @@ __all__ = [
 COLLECT_PROBLEMS = {"collect_problems": True}
 
 OptimizerName = Literal[
-    "adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"
+    "adamw_torch",
+    "adamw_torch_fused",
+    "adamw_bnb_8bit",
+    "adamw_8bit",
+    "paged_adamw_8bit",
+    "paged_adamw_32bit",
 ]
 SchedulerName = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 OPTIMIZERS: tuple[str, ...] = OptimizerName.__args__
@@ -187,7 +192,9 @@ class Config(_Strict):
     adapter: Literal["qlora", "lora"] = Field(
         default="qlora", description="qlora: NF4 base; lora: full-precision base"
     )
-    load_in_4bit: bool = Field(default=True, description="quantize the base to 4 bits (required by qlora)")
+    load_in_4bit: bool = Field(
+        default=True, description="quantize the base to 4 bits (unset: true for qlora, false for lora)"
+    )
     bnb_config_kwargs: BnbConfig = Field(default_factory=BnbConfig, description="bitsandbytes 4-bit settings")
     lora_r: int = Field(default=8, ge=1, description="LoRA rank")
     lora_alpha: float = Field(default=16, gt=0, description="LoRA scaling numerator (scale = alpha / r)")
@@ -345,6 +352,14 @@ class Config(_Strict):
             ]
         found += [(check, check.problem(source, prefix="shardpool")) for check in self.shardpool.checks()]
         return found
+
+    @model_validator(mode="before")
+    @classmethod
+    def _quantize_by_adapter(cls, data: Any) -> Any:
+        """An unset ``load_in_4bit`` follows the adapter, as in axolotl: qlora quantizes, lora does not."""
+        if isinstance(data, dict) and data.get("load_in_4bit") is None:
+            return {**data, "load_in_4bit": data.get("adapter", "qlora") != "lora"}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> Config:
