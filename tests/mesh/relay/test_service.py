@@ -111,6 +111,7 @@ def _learn_both(relay: RelayService, a: socket.socket, b: socket.socket, port_a:
         (b"", False),
         (b"\x04\0\0\0" + bytes(65532), False),
     ],
+    ids=lambda value: f"{value[0]}-{len(value)}" if isinstance(value, bytes) and value else str(value),
 )
 def test_wireguard_message_check(datagram: bytes, ok: bool) -> None:
     assert is_wireguard_message(datagram) is ok
