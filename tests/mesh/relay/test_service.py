@@ -283,3 +283,21 @@ def test_stop_leaves_no_thread_and_no_socket(members) -> None:
     assert "A|B" in service.apply([REQUEST])
     service.stop()
     assert set(threading.enumerate()) == threads and _fds() == fds
+
+
+def test_removing_one_member_closes_only_its_pairs(relay: RelayService, members) -> None:
+    a, b = members
+    with_c = AllocationRequest("A|C", "A", IP_A, "C", "127.0.0.5")
+    live = relay.apply([REQUEST, with_c])
+    kept = relay.apply([REQUEST])  # C was removed from the roster
+    assert kept == {"A|B": live["A|B"]}
+    c = _udp("127.0.0.5")
+    try:
+        c.sendto(_data(), (RELAY, live["A|C"].port_b))
+        a.sendto(_data(), (RELAY, live["A|C"].port_a))
+        assert _nothing_arrives(a) and _nothing_arrives(c)
+    finally:
+        c.close()
+    _learn_both(relay, a, b, live["A|B"].port_a, live["A|B"].port_b)
+    a.sendto(sent := _data(), (RELAY, live["A|B"].port_a))
+    assert b.recvfrom(70000)[0] == sent
