@@ -80,6 +80,11 @@ class NewAllocationRate:
         self._times.append(now)
         return True
 
+    def refund(self) -> None:
+        """Give back the latest allocation's place: it could not be opened after all."""
+        if self._times:
+            self._times.pop()
+
 
 @dataclass(frozen=True)
 class AllocationPlan:

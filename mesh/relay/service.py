@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import logging
 import threading
 import time
@@ -48,6 +49,9 @@ the sender's IP is not the port's member, because it is not a WireGuard message,
 member has not sent yet (no address to forward to), or because its send queue is full; failed
 sends; live allocations; requests the last :meth:`~RelayService.apply` left out."""
 
+_PORT_TAKEN = (errno.EADDRINUSE, errno.EACCES)
+"""Bind errors that concern one port (try the next); any other (no such address) ends the search."""
+
 CALL_TIMEOUT = 10.0
 """Seconds a call from another thread waits for the relay's loop."""
 
@@ -61,6 +65,9 @@ class _Live:
 
 class RelayService:
     """A TURN-like relay for WireGuard between member pairs, on ``host`` and ports from ``ports``.
+
+    ``host`` is the local address the ports bind: the relay's endpoint host when that is an
+    address of this machine, else ``"0.0.0.0"`` (an endpoint behind a port forward, or a name).
 
     Runs an asyncio loop in its own thread between :meth:`start` and :meth:`stop`. Bounds: at most
     ``max_allocations`` pairs, ``max_per_member`` pairs per member key, ``max_new_per_minute`` new
@@ -162,8 +169,9 @@ class RelayService:
         refused = dict(plan.refused)
         for request in plan.open:
             opened = await self._open(request)
-            if opened is None:
-                refused[request.pair] = f"no two free ports in {self.ports.start}-{self.ports.stop - 1}"
+            if isinstance(opened, str):
+                self._rate.refund()  # a request that cannot be opened must not starve the others
+                refused[request.pair] = opened
             else:
                 self._live[request.pair] = opened
         self._note_refused(refused)
@@ -178,12 +186,14 @@ class RelayService:
         self._refused = refused
         self._counters["refused"] = len(refused)
 
-    async def _open(self, request: AllocationRequest) -> _Live | None:
+    async def _open(self, request: AllocationRequest) -> _Live | str:
+        """Bind two free ports for ``request``, or say in one line why not."""
         leg_a = Leg(0, request.ip_a, self._counters)
         leg_b = Leg(0, request.ip_b, self._counters)
         leg_a.other, leg_b.other = leg_b, leg_a
         in_use = {leg.port for live in self._live.values() for leg in live.legs}
         opened: list[Leg] = []
+        problem = f"no two free ports in {self.ports.start}-{self.ports.stop - 1}"
         for port in self.ports:
             if len(opened) == 2:
                 break
@@ -191,22 +201,27 @@ class RelayService:
                 continue
             leg = (leg_a, leg_b)[len(opened)]
             leg.port = port
-            if await self._bind(leg):
+            error = await self._bind(leg)
+            if error is None:
                 opened.append(leg)
+            elif error.errno not in _PORT_TAKEN:
+                problem = f"cannot bind UDP {self.host}:{port}: {error.strerror or error}"
+                break
         if len(opened) < 2:
             await _close_legs(opened)
-            return None
+            return problem
         log.info("relay: %s on ports %d and %d", request.pair, leg_a.port, leg_b.port)
         return _Live(request, Allocation(request.pair, leg_a.port, leg_b.port), (leg_a, leg_b))
 
-    async def _bind(self, leg: Leg) -> bool:
+    async def _bind(self, leg: Leg) -> OSError | None:
+        """Open ``leg``'s port; the error when that fails (a port another program holds, a bad host)."""
         loop = asyncio.get_running_loop()
         try:
             await loop.create_datagram_endpoint(lambda: LegProtocol(leg), local_addr=(self.host, leg.port))
         except OSError as error:
             log.debug("relay: cannot bind %s:%d: %s", self.host, leg.port, error)
-            return False
-        return True
+            return error
+        return None
 
     async def _close_pairs(self, pairs: Iterable[str]) -> None:
         legs: list[Leg] = []

@@ -100,3 +100,10 @@ def test_malformed_and_duplicate_requests_are_left_out() -> None:
 
 def test_request_problem_accepts_ipv6() -> None:
     assert request_problem(_request("A", "B", ip_a="2001:db8::1")) is None
+
+
+def test_a_refund_gives_the_place_back() -> None:
+    rate = NewAllocationRate(1)
+    assert rate.allows_one() and not rate.allows_one()
+    rate.refund()
+    assert rate.allows_one()

@@ -247,11 +247,15 @@ def test_bounds_leave_the_excess_out_without_raising(members) -> None:
 
 def test_no_free_ports_leaves_the_pair_out() -> None:
     start = random.randrange(40000, 60000)
-    service = RelayService(RELAY, range(start, start + 3))
+    service = RelayService(RELAY, range(start, start + 3), max_new_per_minute=2)
     service.start()
     try:
-        live = service.apply([REQUEST, AllocationRequest("A|C", "A", IP_A, "C", IP_B)])
-        assert list(live) == ["A|B"] and service.counters()["refused"] == 1
+        wanted = [REQUEST, AllocationRequest("A|C", "A", IP_A, "C", IP_B)]
+        for _ in range(3):
+            live = service.apply(wanted)
+            assert list(live) == ["A|B"] and service.counters()["refused"] == 1
+        # The failed opens used none of the minute's budget: with a port free, A|C opens at once.
+        assert sorted(service.apply(wanted[1:])) == ["A|C"]
     finally:
         service.stop()
 
@@ -301,3 +305,19 @@ def test_removing_one_member_closes_only_its_pairs(relay: RelayService, members)
     _learn_both(relay, a, b, live["A|B"].port_a, live["A|B"].port_b)
     a.sendto(sent := _data(), (RELAY, live["A|B"].port_a))
     assert b.recvfrom(70000)[0] == sent
+
+
+def test_a_host_that_is_not_ours_is_refused_in_one_line(caplog) -> None:
+    service = RelayService("192.0.2.77", _ports())  # TEST-NET-1: no interface of this machine has it
+    service.start()
+    try:
+        with caplog.at_level("WARNING", logger="shardpool.mesh.relay"):
+            assert service.apply([REQUEST]) == {}
+            assert service.apply([REQUEST]) == {}
+        assert service.counters()["refused"] == 1
+        warnings = [r.getMessage() for r in caplog.records if r.name == "shardpool.mesh.relay"]
+        assert (
+            len(warnings) == 1 and "cannot bind UDP 192.0.2.77" in warnings[0]
+        )  # logged once, not every step
+    finally:
+        service.stop()
