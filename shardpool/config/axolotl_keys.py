@@ -181,18 +181,17 @@ _GROUPS: list[list[AxolotlKey]] = [
         accepted=("truncate",),
     ),
     _keys(
-        "sage_attention s2_attention "
-        "flash_attn_cross_entropy flash_attn_rms_norm flash_attn_fuse_mlp flash_optimum "
-        "gemma4_hybrid_attn_impl large_head_attention flash_attn_d512 sdpa_varlen fused_attn_kernel "
-        "scaling_softmax",
+        "sage_attention s2_attention flash_optimum "
+        "gemma4_hybrid_attn_impl large_head_attention flash_attn_d512 sdpa_varlen scaling_softmax",
         "when_off",
         "attention uses transformers' sdpa, not this kernel; set it to false or remove it",
     ),
     _keys(
         "lora_mlp_kernel lora_qkv_kernel lora_o_kernel lora_embedding_kernel chunked_cross_entropy "
-        "tiled_mlp use_kernels torch_compile",
-        "when_off",
-        "fused or compiled kernels are not used; set it to false or remove it",
+        "tiled_mlp use_kernels torch_compile fused_attn_kernel flash_attn_cross_entropy flash_attn_rms_norm "
+        "flash_attn_fuse_mlp",
+        "ignored",
+        "a fused or compiled kernel for the same math; shardpool runs the plain layers (same result, its own speed)",
     ),
     _keys(
         "tokenizer_use_fast",
