@@ -66,7 +66,6 @@ def _keys(
 _NOT_BUILT = "not built in shardpool; remove it (or set it to null)"
 _SHARDS_ITSELF = "shardpool splits the model into pipeline stages itself; remove it"
 _LOGGING = "only output_dir/metrics.jsonl is written; remove it (or leave it empty)"
-_CHAT = "chat data is not supported yet; use `type: alpaca` or `type: completion` datasets"
 _TOKENS = "adding or changing tokens is not supported yet; the base model's tokenizer is used as it is"
 
 _GROUPS: list[list[AxolotlKey]] = [
@@ -259,9 +258,19 @@ _GROUPS: list[list[AxolotlKey]] = [
         "hub_model_id hub_strategy hub_revision", "when_off", "pushing to a hub is not supported; remove it"
     ),
     _keys(
-        "chat_template chat_template_jinja chat_template_kwargs eot_tokens default_system_message",
+        "chat_template_kwargs",
         "when_off",
-        _CHAT,
+        "no extra variables are passed to the chat template; remove it",
+    ),
+    _keys(
+        "eot_tokens",
+        "when_off",
+        "turn ends are trained through the tokenizer's eos token only (`train_on_eos`); remove it",
+    ),
+    _keys(
+        "default_system_message",
+        "when_off",
+        "no system message is added to conversations; put it in the data",
     ),
     _keys(
         "special_tokens tokens added_tokens_overrides fix_untrained_tokens resize_token_embeddings_to_32x "
