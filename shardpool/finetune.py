@@ -33,6 +33,7 @@ from shardpool.console import print_placement, print_result, training_progress
 from shardpool.contract.events import StageEvent
 from shardpool.contract.job import Job, StagePlacement
 from shardpool.contract.names import resolve_inside
+from shardpool.data.chat import use_config_chat_template
 from shardpool.data.prepare import prepare_data
 from shardpool.data.prepared_file import save_prepared
 from shardpool.data.rows import PreparedData
@@ -124,6 +125,7 @@ def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Pla
     lora = lora_settings(config)
     check_stage_count(config, model)
     tokenizer = load_tokenizer(config.base_model)
+    use_config_chat_template(config, tokenizer)
     data = prepare_data(config, tokenizer)
     total_steps = len(config_step_batches(config, len(data.train), replicas=config.shardpool.replicas))
     resume_from = ckpt.resume_point(Path(config.output_dir), resume=resume)
