@@ -122,9 +122,7 @@ class DatasetSpec(_Strict):
         description="which eos tokens are trained: after each trained turn (turn, default), after "
         "every turn (all), after the last trained turn (last), none",
     )
-    drop_system_message: bool | None = Field(
-        default=None, description="leave out a leading system message"
-    )
+    drop_system_message: bool | None = Field(default=None, description="leave out a leading system message")
     chat_template: str | None = Field(
         default=None, description="this dataset's chat template (default: the top-level one)"
     )

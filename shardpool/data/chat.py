@@ -145,10 +145,10 @@ def chat_samples(
     for (where, messages), text, ids, offsets in zip(
         conversations, texts, encoded["input_ids"], encoded["offset_mapping"], strict=True
     ):
-        labels = _labels(messages, text, list(ids), offsets, settings, train_on_inputs, template, tokenizer, where)
-        eos_trained |= any(
-            label == tokenizer.eos_token_id for label in labels if label != IGNORE_INDEX
+        labels = _labels(
+            messages, text, list(ids), offsets, settings, train_on_inputs, template, tokenizer, where
         )
+        eos_trained |= any(label == tokenizer.eos_token_id for label in labels if label != IGNORE_INDEX)
         samples.append(Sample(list(ids), labels, [1] * len(ids), where))
     if settings.train_on_eos != "none" and not eos_trained:
         log.warning(
@@ -167,7 +167,9 @@ def _render(messages: list[Message], template: str, tokenizer: Any, where: str) 
         return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
     except Exception as error:  # jinja raises many types (TemplateError, TypeError, ...) from templates
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ShardpoolError(f"{where}: the chat template failed on this row ({reason[:200]}); fix the row or the template") from None
+        raise ShardpoolError(
+            f"{where}: the chat template failed on this row ({reason[:200]}); fix the row or the template"
+        ) from None
 
 
 def _labels(
@@ -224,9 +226,7 @@ def _content_span(
     return start, len(text) - tail
 
 
-def _turn_tokens(
-    span: tuple[int, int], ids: list[int], offsets: list[tuple[int, int]], eos_id: int
-) -> _Turn:
+def _turn_tokens(span: tuple[int, int], ids: list[int], offsets: list[tuple[int, int]], eos_id: int) -> _Turn:
     """The tokens that overlap ``span`` and the eos that follows them within a few tokens."""
     begin, finish = span
     overlapping = [
