@@ -380,3 +380,20 @@ def test_a_template_that_fails_on_a_row_is_one_line(tmp_path: Path, chatml_tok: 
         ShardpoolError, match=r"chat\.jsonl:1: the chat template failed on this row \(no user\)"
     ):
         chat_rows(tmp_path, chatml_tok, [{"messages": OPENAI[1:]}], chat_template=failing)
+
+
+def test_the_docs_chat_example_prepares_from_the_repository_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+
+    import yaml
+
+    from shardpool.data.tokenizing import load_tokenizer
+
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(repo)
+    text = (repo / "docs" / "data.md").read_text(encoding="utf-8")
+    section = text[text.index("## Chat data") :]
+    block = re.findall(r"```yaml\n(.*?)```", section, flags=re.DOTALL)[0]
+    config = parse_config(yaml.safe_load(block), source="docs/data.md chat example")
+    data = prepare_data(config, load_tokenizer(config.base_model))
+    assert len(data.train) == 48 and (data.dropped_rows, data.truncated_rows) == (0, 0)
