@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardpool.config import parse_config
 from shardpool.data.chat import CHATML_TEMPLATE, resolve_chat_template, use_config_chat_template
@@ -397,3 +399,35 @@ def test_the_docs_chat_example_prepares_from_the_repository_root(monkeypatch: py
     config = parse_config(yaml.safe_load(block), source="docs/data.md chat example")
     data = prepare_data(config, load_tokenizer(config.base_model))
     assert len(data.train) == 48 and (data.dropped_rows, data.truncated_rows) == (0, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["system", "user", "assistant"]),
+            st.text(alphabet="abcdefgh ijk.,:?!é\n0123456789", max_size=20),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_trained_tokens_are_exactly_the_assistant_contents_and_their_eos(
+    chatml_tok: Any, turns: list[tuple[str, str]]
+) -> None:
+    """For any conversation, chatml's trained tokens decode to each assistant content plus <|im_end|>."""
+    from shardpool.config import DatasetSpec
+    from shardpool.data.chat import chat_samples
+
+    messages = [{"role": role, "content": content} for role, content in turns]
+    spec = DatasetSpec(path="-", type="chat_template")
+    [sample] = chat_samples(
+        [("row", {"messages": messages})], chatml_tok, spec, CHATML_TEMPLATE, train_on_inputs=False, label="d"
+    )
+    assert sample.input_ids == list(
+        chatml_tok.apply_chat_template(
+            messages, chat_template=CHATML_TEMPLATE, tokenize=True, return_dict=False
+        )
+    )
+    decoded = chatml_tok.decode([token for token in sample.labels if token != M])
+    assert decoded == "".join(content + "<|im_end|>" for role, content in turns if role == "assistant")
