@@ -271,7 +271,8 @@ class Config(_Strict):
     )
     sample_packing: bool = Field(default=False, description="pack several short rows into one sequence")
     train_on_inputs: bool = Field(
-        default=False, description="also train on the prompt tokens of alpaca rows (not only the response)"
+        default=False,
+        description="also train on the prompt tokens of alpaca rows, and on every turn of a conversation",
     )
     shuffle_merged_datasets: bool = Field(default=True, description="shuffle rows (seeded) before batching")
     curriculum_sampling: bool = Field(
