@@ -33,6 +33,7 @@ from shardpool.console import print_placement, print_result, training_progress
 from shardpool.contract.events import StageEvent
 from shardpool.contract.job import Job, StagePlacement
 from shardpool.contract.names import resolve_inside
+from shardpool.data.chat import use_config_chat_template
 from shardpool.data.prepare import prepare_data
 from shardpool.data.prepared_file import save_prepared
 from shardpool.data.rows import PreparedData
@@ -127,6 +128,7 @@ def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Pla
     tokenizer = load_tokenizer(config.base_model)
     if config.special_tokens is not None:
         apply_special_tokens(tokenizer, config.special_tokens.as_settings(), source=config.base_model)
+    use_config_chat_template(config, tokenizer)
     data = prepare_data(config, tokenizer)
     total_steps = len(config_step_batches(config, len(data.train), replicas=config.shardpool.replicas))
     resume_from = ckpt.resume_point(
