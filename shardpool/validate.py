@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardpool.config import Config, load_config
-from shardpool.data.prepare import samples_per_dataset, split_samples
-from shardpool.data.special_tokens import apply_special_tokens
+from shardpool.data.prepare import configure_tokenizer, samples_per_dataset, split_samples
 from shardpool.data.tokenizer_file import load_tokenizer_file
 from shardpool.model.shape import check_stage_count, read_model_info
 
@@ -46,8 +45,7 @@ def validate_config(config_path: str | Path) -> Validation:
     model = read_model_info(config.base_model)
     check_stage_count(config, model)
     tokenizer = load_tokenizer_file(config.base_model)
-    if config.special_tokens is not None:
-        apply_special_tokens(tokenizer, config.special_tokens.as_settings(), source=config.base_model)
+    configure_tokenizer(config, tokenizer)
     per_dataset = samples_per_dataset(config, tokenizer)
     samples = [sample for dataset in per_dataset for sample in dataset]
     split = split_samples(config, samples)

@@ -28,15 +28,23 @@ __all__ = ["load_config", "parse_config", "AXOLOTL_DATASET_KEYS", "FLOAT_KEYS"]
 #: Keys of an axolotl dataset entry that DatasetSpec lacks: accepted when null or empty, else refused.
 AXOLOTL_DATASET_KEYS: dict[str, str] = dict.fromkeys(
     (
-        "split input_transform shards shards_idx preprocess_shards conversation chat_template "
-        "chat_template_jinja data_files input_format name field_human field_model field_messages "
-        "field_tools field_thinking template_thinking_key message_field_role message_field_content "
-        "message_property_mappings message_field_training message_field_training_detail split_thinking "
-        "logprobs_field temperature roles_to_train train_on_eos train_on_eot roles drop_system_message "
-        "trust_remote_code revision"
+        "split input_transform shards shards_idx preprocess_shards data_files input_format name "
+        "trust_remote_code revision logprobs_field temperature"
     ).split(),
-    "not built in shardpool yet; datasets are local .jsonl/.json files of alpaca, completion or "
-    "pre-tokenized rows (docs/data.md)",
+    "not built in shardpool yet; datasets are local .jsonl/.json files (docs/data.md)",
+)
+AXOLOTL_DATASET_KEYS.update(
+    dict.fromkeys(
+        (
+            "field_human field_model field_tools field_thinking template_thinking_key "
+            "message_field_training message_field_training_detail split_thinking train_on_eot"
+        ).split(),
+        "not built for chat datasets yet; turns are trained by `roles_to_train` and `train_on_eos` "
+        "(docs/data.md)",
+    )
+)
+AXOLOTL_DATASET_KEYS["conversation"] = (
+    "fastchat conversation templates are not built; set `chat_template: chatml` (or another template) instead"
 )
 AXOLOTL_DATASET_KEYS["ds_type"] = "the format is read from the file name; use `ds_type: json` or remove it"
 

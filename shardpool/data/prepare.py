@@ -15,16 +15,29 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shardpool.config import Config
+from shardpool.data.chat import use_config_chat_template
 from shardpool.data.rows import IGNORE_INDEX, PreparedData, Sample
+from shardpool.data.special_tokens import apply_special_tokens
 from shardpool.data.tokenizing import dataset_samples
 from shardpool.errors import ShardpoolError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["SplitSamples", "prepare_data", "samples_per_dataset", "split_samples"]
+__all__ = ["SplitSamples", "configure_tokenizer", "prepare_data", "samples_per_dataset", "split_samples"]
 
 log = logging.getLogger(__name__)
+
+
+def configure_tokenizer(config: Config, tokenizer: Any) -> None:
+    """Apply the config's ``special_tokens`` and top-level chat template to the base model's tokenizer.
+
+    Training and ``shardpool validate`` both call it, so they tokenize alike; the tokenizer saved
+    beside the adapter carries the settings.
+    """
+    if config.special_tokens is not None:
+        apply_special_tokens(tokenizer, config.special_tokens.as_settings(), source=config.base_model)
+    use_config_chat_template(config, tokenizer)
 
 
 def prepare_data(config: Config, tokenizer: PreTrainedTokenizerBase) -> PreparedData:
@@ -53,7 +66,14 @@ def prepare_data(config: Config, tokenizer: PreTrainedTokenizerBase) -> Prepared
 def samples_per_dataset(config: Config, tokenizer: Any) -> list[list[Sample]]:
     """The rows of each dataset of ``config``, in config order, tokenized and masked (not truncated)."""
     return [
-        dataset_samples(spec, index, tokenizer, train_on_inputs=config.train_on_inputs)
+        dataset_samples(
+            spec,
+            index,
+            tokenizer,
+            train_on_inputs=config.train_on_inputs,
+            chat_template=config.chat_template,
+            chat_template_jinja=config.chat_template_jinja,
+        )
         for index, spec in enumerate(config.datasets)
     ]
 

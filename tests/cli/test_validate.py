@@ -202,3 +202,18 @@ def test_special_tokens_that_would_grow_the_vocabulary_are_refused(tmp_path: Pat
         "shardpool: error: special_tokens ['<|new_pad|>'] are not in the tokenizer of models/quickstart: "
         "adding tokens would grow the vocabulary, which shardpool does not train; use tokens it has, or remove them"
     ]
+
+
+def test_chat_data_is_rendered_and_masked_as_training_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO_ROOT)
+    from shardpool.config import load_config
+    from shardpool.data.prepare import configure_tokenizer
+
+    config = load_config("configs/chat.yaml")
+    light, full = load_tokenizer_file(config.base_model), load_tokenizer(config.base_model)
+    for tokenizer in (light, full):
+        configure_tokenizer(config, tokenizer)
+    assert light.chat_template == full.chat_template
+    chat = samples_per_dataset(config, light)
+    assert chat == samples_per_dataset(config, full)
+    assert any(label != -100 for label in chat[0][0].labels)
