@@ -229,7 +229,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from shardpool.plan.fleet import load_fleet
     from shardpool.plan.result import plan_table
 
-    config = load_config_with_overrides(args.config, args.set)
+    config = load_config_with_overrides(args.config, args.set, model_path=args.model)
     if args.fleet:
         plan = plan_for_config(config, fleet=load_fleet(args.fleet), model_path=args.model)
     else:

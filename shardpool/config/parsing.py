@@ -61,8 +61,12 @@ _PLACEHOLDERS: dict[str, Any] = {"base_model": "-", "datasets": [{"path": "-"}]}
 _DEFAULT_SEQUENCE_LEN: int = Config.model_fields["sequence_len"].default
 
 
-def load_config(path: str | Path) -> Config:
-    """Read and validate a YAML config file, raising ShardpoolError that lists every problem."""
+def load_config(path: str | Path, *, model_config: str | Path | None = None) -> Config:
+    """Read and validate a YAML config file, raising ShardpoolError that lists every problem.
+
+    ``model_config`` is the model's ``config.json`` (or its directory) when it is not base_model's
+    (``shardpool plan --model``); ``sequence_len`` is checked against it.
+    """
     config_path = Path(path)
     if not config_path.is_file():
         raise ShardpoolError(f"config file {str(config_path)!r} does not exist; check the path")
@@ -74,38 +78,51 @@ def load_config(path: str | Path) -> Config:
         raise ShardpoolError(f"{config_path} is not valid YAML{where}; fix the syntax") from None
     except UnicodeDecodeError as error:
         raise ShardpoolError(f"{config_path} is not UTF-8 (byte {error.start}); save it as UTF-8") from None
-    return parse_config(raw, source=str(config_path))
+    return parse_config(raw, source=str(config_path), model_config=model_config)
 
 
-def parse_config(raw: Any, *, source: str = "config") -> Config:
-    """Validate an already-parsed config mapping (the YAML's top level), reporting every problem."""
+def parse_config(raw: Any, *, source: str = "config", model_config: str | Path | None = None) -> Config:
+    """Validate an already-parsed config mapping (the YAML's top level), reporting every problem.
+
+    ``model_config``: as for :func:`load_config`.
+    """
     if not isinstance(raw, dict):
         raise ShardpoolError(f"{source} must be a mapping of keys to values at the top level")
     problems: list[Problem] = []
     data = _without_axolotl_noops(raw, problems)
     data = _normalized(data, problems)
     config = _validated(data, source, problems)
-    problems += _sequence_len_problems(data, source)
+    problems += _sequence_len_problems(data, source, model_config)
     if problems or config is None:
         raise problems_error(problems, source)
     return config
 
 
-def _sequence_len_problems(data: dict[str, Any], source: str) -> list[Problem]:
-    """``sequence_len`` above the base model's ``max_position_embeddings``, which training cannot use.
+def _sequence_len_problems(
+    data: dict[str, Any], source: str, model_config: str | Path | None
+) -> list[Problem]:
+    """``sequence_len`` above the model's ``max_position_embeddings``, which training cannot use.
 
-    Reads only ``base_model/config.json`` (no torch). A model directory that is missing or broken
-    is reported later, when the model is read; here it only means there is nothing to compare.
+    Reads only the model's ``config.json`` (base_model's unless ``model_config`` names another;
+    no torch). A model that is missing or broken is reported later, when the model is read; here
+    it only means there is nothing to compare.
     """
     base_model, sequence_len = data.get("base_model"), data.get("sequence_len", _DEFAULT_SEQUENCE_LEN)
-    if not isinstance(base_model, str) or not isinstance(sequence_len, int) or isinstance(sequence_len, bool):
+    if not isinstance(sequence_len, int) or isinstance(sequence_len, bool):
         return []
-    limit = _max_position_embeddings(Path(base_model) / "config.json")
+    if model_config is not None:
+        config_json = Path(model_config)
+        config_json = config_json / "config.json" if config_json.is_dir() else config_json
+    elif isinstance(base_model, str):
+        config_json = Path(base_model) / "config.json"
+    else:
+        return []
+    limit = _max_position_embeddings(config_json)
     if limit is None or sequence_len <= limit:
         return []
     shown = f"`sequence_len` {sequence_len}" + ("" if "sequence_len" in data else " (the default)")
     message = (
-        f"{shown} is above the model's max_position_embeddings {limit} ({base_model}/config.json); "
+        f"{shown} is above the model's max_position_embeddings {limit} ({config_json}); "
         f"lower `sequence_len` to {limit} or less"
     )
     return [Problem("sequence_len", f"{source}: {message}", message)]

@@ -56,17 +56,22 @@ def plan_for_config(
     return plan_pipeline(shape, workload, local)
 
 
-def load_config_with_overrides(path: str, overrides: Sequence[str] = ()) -> Config:
+def load_config_with_overrides(
+    path: str, overrides: Sequence[str] = (), *, model_path: str | None = None
+) -> Config:
     """Load and validate a config after applying ``KEY=VALUE`` overrides (values parsed as YAML).
 
     Dotted keys reach into sections (``shardpool.schedule=gpipe``). Lets ``shardpool plan``
-    try other batch shapes without editing the file.
+    try other batch shapes without editing the file. ``model_path`` is the model planned instead
+    of base_model (``--model``), which ``sequence_len`` is checked against.
     """
     import yaml
 
     if not overrides:
-        return load_config(path)
-    load_config(path)  # same errors as without overrides for a missing or broken file
+        return load_config(path, model_config=model_path)
+    load_config(
+        path, model_config=model_path
+    )  # same errors as without overrides for a missing or broken file
     with open(path, encoding="utf-8") as handle:
         raw = yaml.safe_load(handle)
     for item in overrides:
@@ -80,4 +85,4 @@ def load_config_with_overrides(path: str, overrides: Sequence[str] = ()) -> Conf
             if not isinstance(target, dict):
                 raise ShardpoolError(f"--set {item!r}: {part} is not a section; set a key inside a section")
         target[leaf] = yaml.safe_load(value)
-    return parse_config(raw, source=f"{path} with --set")
+    return parse_config(raw, source=f"{path} with --set", model_config=model_path)

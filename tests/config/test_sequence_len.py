@@ -83,3 +83,19 @@ def test_finetune_refuses_it_at_once_and_writes_nothing(tmp_path: Path) -> None:
         f"128 ({model}/config.json); lower `sequence_len` to 128 or less"
     ]
     assert not (tmp_path / "out").exists()
+
+
+def test_plan_with_another_model_checks_that_model(tmp_path: Path) -> None:
+    """`shardpool plan CONFIG --model X --set sequence_len=N` plans X, so N is held to X's limit."""
+    from shardpool.plan.config_plan import load_config_with_overrides
+
+    small = _model_dir(tmp_path, max_position_embeddings=1024)
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 8192}))
+    config = write_config(tmp_path / "run.yaml", _raw(small, sequence_len=512))
+    planned = load_config_with_overrides(str(config), ["sequence_len=4096"], model_path=str(big))
+    assert planned.sequence_len == 4096
+    with pytest.raises(ShardpoolError, match=rf"`sequence_len` 9000 is above .* 8192 \({big}\)"):
+        load_config_with_overrides(str(config), ["sequence_len=9000"], model_path=str(big))
+    with pytest.raises(ShardpoolError, match=r"`sequence_len` 4096 is above .* 1024"):
+        load_config_with_overrides(str(config), ["sequence_len=4096"])
