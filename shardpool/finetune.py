@@ -22,7 +22,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,7 @@ from shardpool.console import RunEvents, print_placement, print_result, training
 from shardpool.contract.events import StageEvent
 from shardpool.contract.job import Job, StagePlacement
 from shardpool.contract.names import resolve_inside
+from shardpool.data.hub import with_local_sources
 from shardpool.data.prepare import configure_tokenizer, prepare_data
 from shardpool.data.prepared_file import save_prepared
 from shardpool.data.rows import PreparedData
@@ -54,7 +55,7 @@ from shardpool.launch.run import (
 )
 from shardpool.model.footprint import stage_footprints
 from shardpool.model.lora import LoraSettings, base_model_reference, lora_settings, write_adapter
-from shardpool.model.shape import ModelInfo, check_stage_count, read_model_info
+from shardpool.model.shape import ModelInfo, check_sequence_len, check_stage_count, read_model_info
 from shardpool.plan.profiler import TorchProbe
 from shardpool.plan.result import Plan
 from shardpool.train import checkpoint as ckpt
@@ -82,6 +83,9 @@ class PreparedRun:
     first_step: int = 0
     eval_before: float | None = None
     tokenizer: PreTrainedTokenizerBase | None = None
+    base_model_reference: str | None = (
+        None  # what the adapter names as its base: a hub id or an absolute path
+    )
 
 
 def finetune_from_file(
@@ -106,9 +110,13 @@ def finetune(
     """
     console = console or Console()
     events = events or RunEvents()
+    as_written, config = config, with_local_sources(config)
+    reference = base_model_reference(as_written.base_model)
     launcher = launcher_for(config, say=console.print, probe=TorchProbe(), agent_socket=agent_socket)
     with _output_dir_held(config.output_dir):
-        return _finetune_holding_output_dir(config, launcher, resume=resume, console=console, events=events)
+        return _finetune_holding_output_dir(
+            as_written, config, reference, launcher, resume=resume, console=console, events=events
+        )
 
 
 @contextmanager
@@ -128,9 +136,17 @@ def _output_dir_held(output_dir: str) -> Iterator[None]:
 
 
 def _finetune_holding_output_dir(
-    config: Config, launcher: Launcher, *, resume: bool, console: Console, events: RunEvents
+    as_written: Config,
+    config: Config,
+    reference: str,
+    launcher: Launcher,
+    *,
+    resume: bool,
+    console: Console,
+    events: RunEvents,
 ) -> Path:
-    run = prepare_run(config, resume=resume, planner=launcher.plan)
+    """Train ``config`` (hub ids resolved to local paths; ``as_written`` is the user's) in the held output_dir."""
+    run = replace(prepare_run(config, resume=resume, planner=launcher.plan), base_model_reference=reference)
     run_dir = _write_run_inputs(run, console)
     events.emit(
         "plan",
@@ -155,8 +171,8 @@ def _finetune_holding_output_dir(
         )
         del store
     card = render_model_card(
-        config,
-        base_model=base_model_reference(config.base_model),
+        as_written,
+        base_model=reference,
         target_modules=run.lora.target_modules,
         placements=run.placements,
         outcome=record.outcome(run.total_steps),
@@ -183,6 +199,7 @@ def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Pla
     model = read_model_info(config.base_model)
     lora = lora_settings(config)
     check_stage_count(config, model)
+    check_sequence_len(config, model)
     tokenizer = load_tokenizer(config.base_model)
     configure_tokenizer(config, tokenizer)
     data = prepare_data(config, tokenizer)
@@ -268,7 +285,7 @@ def _train(
                     resolve_inside(output_dir, event["partial"], "checkpoint directory"),
                     step=event["step"],
                     settings=run.lora,
-                    base_model=run.config.base_model,
+                    base_model=run.base_model_reference or run.config.base_model,
                     extra={"eval_before": event.get("eval_before"), "total_steps": run.total_steps},
                 )
                 progress.say(f"checkpoint saved: {final}")
@@ -281,7 +298,9 @@ def _train(
             elif kind == StageEvent.FINAL_WRITTEN:
                 final_dir = resolve_inside(output_dir, event["directory"], "final adapter directory")
                 lora = ckpt.merge_stage_lora(final_dir)
-                write_adapter(output_dir, lora, run.lora, base_model=run.config.base_model)
+                write_adapter(
+                    output_dir, lora, run.lora, base_model=run.base_model_reference or run.config.base_model
+                )
                 if run.tokenizer is not None:
                     save_tokenizer(run.tokenizer, output_dir, scratch_parent=output_dir / RUN_DIR_NAME)
                 shutil.rmtree(final_dir, ignore_errors=True)

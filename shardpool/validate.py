@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardpool.config import Config, load_config
+from shardpool.data.hub import with_local_sources
 from shardpool.data.prepare import configure_tokenizer, samples_per_dataset, split_samples
 from shardpool.data.tokenizer_file import load_tokenizer_file
-from shardpool.model.shape import check_stage_count, read_model_info
+from shardpool.model.shape import check_sequence_len, check_stage_count, read_model_info
 
 __all__ = ["Validation", "validate_config", "validation_lines"]
 
@@ -41,9 +42,11 @@ class Validation:
 
 def validate_config(config_path: str | Path) -> Validation:
     """Check the config, its model directory and its datasets as ``finetune`` would; raise ShardpoolError else."""
-    config = load_config(config_path)
+    as_written = load_config(config_path)
+    config = with_local_sources(as_written)  # hub ids: from the Hugging Face cache (or the hub)
     model = read_model_info(config.base_model)
     check_stage_count(config, model)
+    check_sequence_len(config, model)
     tokenizer = load_tokenizer_file(config.base_model)
     configure_tokenizer(config, tokenizer)
     per_dataset = samples_per_dataset(config, tokenizer)
@@ -51,7 +54,7 @@ def validate_config(config_path: str | Path) -> Validation:
     split = split_samples(config, samples)
     return Validation(
         config_path=Path(config_path),
-        config=config,
+        config=as_written,
         model_type=model.shape.model_type,
         num_layers=model.num_layers,
         max_position_embeddings=model.shape.max_position_embeddings,

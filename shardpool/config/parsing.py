@@ -23,15 +23,15 @@ from shardpool.config.problems import Problem, problems_error
 from shardpool.config.schema import COLLECT_PROBLEMS, Config, DatasetSpec
 from shardpool.errors import ShardpoolError
 
-__all__ = ["load_config", "parse_config", "AXOLOTL_DATASET_KEYS", "FLOAT_KEYS"]
+__all__ = ["load_config", "parse_config", "sequence_len_refusal", "AXOLOTL_DATASET_KEYS", "FLOAT_KEYS"]
 
 #: Keys of an axolotl dataset entry that DatasetSpec lacks: accepted when null or empty, else refused.
 AXOLOTL_DATASET_KEYS: dict[str, str] = dict.fromkeys(
     (
-        "split input_transform shards shards_idx preprocess_shards data_files input_format name "
+        "input_transform shards shards_idx preprocess_shards input_format "
         "trust_remote_code revision logprobs_field temperature"
     ).split(),
-    "not built in shardpool yet; datasets are local .jsonl/.json files (docs/data.md)",
+    "not built in shardpool yet; datasets are files, directories or hub datasets read whole (docs/data.md)",
 )
 AXOLOTL_DATASET_KEYS.update(
     dict.fromkeys(
@@ -46,7 +46,6 @@ AXOLOTL_DATASET_KEYS.update(
 AXOLOTL_DATASET_KEYS["conversation"] = (
     "fastchat conversation templates are not built; set `chat_template: chatml` (or another template) instead"
 )
-AXOLOTL_DATASET_KEYS["ds_type"] = "the format is read from the file name; use `ds_type: json` or remove it"
 
 #: Float keys that also take a YAML int or a number written as a string (``2e-4``).
 FLOAT_KEYS = frozenset(
@@ -104,8 +103,8 @@ def _sequence_len_problems(
     """``sequence_len`` above the model's ``max_position_embeddings``, which training cannot use.
 
     Reads only the model's ``config.json`` (base_model's unless ``model_config`` names another;
-    no torch). A model that is missing or broken is reported later, when the model is read; here
-    it only means there is nothing to compare.
+    no torch). A model that is missing, broken or a hub id is checked later, when the model is
+    read (:func:`shardpool.model.shape.check_sequence_len`).
     """
     base_model, sequence_len = data.get("base_model"), data.get("sequence_len", _DEFAULT_SEQUENCE_LEN)
     if not isinstance(sequence_len, int) or isinstance(sequence_len, bool):
@@ -117,15 +116,24 @@ def _sequence_len_problems(
         config_json = Path(base_model) / "config.json"
     else:
         return []
+    message = sequence_len_refusal(sequence_len, config_json, defaulted="sequence_len" not in data)
+    return [] if message is None else [Problem("sequence_len", f"{source}: {message}", message)]
+
+
+def sequence_len_refusal(sequence_len: int, config_json: Path, *, defaulted: bool = False) -> str | None:
+    """The line refusing ``sequence_len`` above the ``max_position_embeddings`` of ``config_json``.
+
+    None when it fits, or when the file or the key is absent or broken (nothing to compare).
+    ``defaulted`` says the config left ``sequence_len`` at its default.
+    """
     limit = _max_position_embeddings(config_json)
     if limit is None or sequence_len <= limit:
-        return []
-    shown = f"`sequence_len` {sequence_len}" + ("" if "sequence_len" in data else " (the default)")
-    message = (
+        return None
+    shown = f"`sequence_len` {sequence_len}" + (" (the default)" if defaulted else "")
+    return (
         f"{shown} is above the model's max_position_embeddings {limit} ({config_json}); "
         f"lower `sequence_len` to {limit} or less"
     )
-    return [Problem("sequence_len", f"{source}: {message}", message)]
 
 
 def _max_position_embeddings(config_json: Path) -> int | None:
@@ -170,7 +178,7 @@ def _dataset_without_noops(entry: Any, index: int, problems: list[Problem]) -> A
         name = str(key)
         if name in DatasetSpec.model_fields or name not in AXOLOTL_DATASET_KEYS:
             kept[name] = value
-        elif not (is_off(value) or (name == "ds_type" and value == "json")):
+        elif not (is_off(value)):
             problems.append(_refused(f"datasets[{index}].{name}", AXOLOTL_DATASET_KEYS[name]))
     return kept
 

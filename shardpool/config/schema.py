@@ -92,7 +92,19 @@ def looks_like_jinja(text: str) -> bool:
 class DatasetSpec(_Strict):
     """One JSONL (or JSON array) dataset. ``type`` absent means pre-tokenized rows with ``input_ids``."""
 
-    path: str = Field(description="a .jsonl file (one JSON object per line) or a .json array of objects")
+    path: str = Field(
+        description="a .jsonl/.json/.parquet/.csv file, a directory of them, or a Hugging Face dataset id"
+    )
+    ds_type: Literal["json", "parquet", "csv", "arrow"] | None = Field(
+        default=None, description="the file format when the suffix does not say it"
+    )
+    data_files: str | list[str] | None = Field(
+        default=None, description="which files of a directory or hub dataset to read (glob patterns)"
+    )
+    split: str | None = Field(
+        default=None, description="which split of a directory or hub dataset (default: train)"
+    )
+    name: str | None = Field(default=None, description="the configuration (subset) of a hub dataset")
     type: Literal["alpaca", "completion", "chat_template", "sharegpt"] | None = Field(
         default=None,
         description="alpaca: instruction/input/output; completion: one text field; chat_template / "

@@ -227,6 +227,7 @@ def _step_metrics(event: dict[str, Any]) -> dict[str, Any]:
             "stage_compute_s": event["stage_compute_s"],
             "stage_wait_s": event["stage_wait_s"],
             "bytes_sent": sum(event["bytes_sent"]),
+            "stage_bytes_sent": event["bytes_sent"],
         }
     )
     return record

@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from shardpool.config import Config
+from shardpool.config.parsing import sequence_len_refusal
 from shardpool.errors import ShardpoolError
 
 __all__ = [
+    "check_sequence_len",
     "check_stage_count",
     "DECODER_LINEAR_NAMES",
     "EMBED_NAME",
@@ -340,3 +342,14 @@ def check_stage_count(config: Config, model: ModelInfo) -> None:
             f"shardpool.layers {layers} sums to {sum(layers)} but the model has {model.num_layers} layers; "
             f"make the counts add up to {model.num_layers}"
         )
+
+
+def check_sequence_len(config: Config, model: ModelInfo) -> None:
+    """Refuse a ``sequence_len`` above the model's ``max_position_embeddings`` (from its config.json).
+
+    A local base_model was checked already when the config was read; this covers a hub id,
+    whose config.json is only at hand once it is resolved to the local cache.
+    """
+    message = sequence_len_refusal(config.sequence_len, model.path / "config.json")
+    if message is not None:
+        raise ShardpoolError(message)

@@ -99,3 +99,31 @@ def test_plan_with_another_model_checks_that_model(tmp_path: Path) -> None:
         load_config_with_overrides(str(config), ["sequence_len=9000"], model_path=str(big))
     with pytest.raises(ShardpoolError, match=r"`sequence_len` 4096 is above .* 1024"):
         load_config_with_overrides(str(config), ["sequence_len=4096"])
+
+
+def test_a_model_resolved_later_is_checked_when_it_is_read(tmp_path: Path) -> None:
+    """A hub id has no config.json at parse time; check_sequence_len refuses once it is local."""
+    from shardpool.model.shape import ModelInfo, ModelShape, check_sequence_len
+
+    model = _model_dir(tmp_path, max_position_embeddings=64)
+    config = parse_config(_raw(tmp_path / "elsewhere", sequence_len=128))
+    info = ModelInfo(path=model, shape=ModelShape.from_config_json(_tiny_shape(64)))
+    with pytest.raises(ShardpoolError) as caught:
+        check_sequence_len(config, info)
+    assert str(caught.value) == (
+        f"`sequence_len` 128 is above the model's max_position_embeddings 64 ({model}/config.json); "
+        "lower `sequence_len` to 64 or less"
+    )
+    check_sequence_len(parse_config(_raw(tmp_path / "elsewhere", sequence_len=64)), info)
+
+
+def _tiny_shape(positions: int) -> dict[str, Any]:
+    return {
+        "model_type": "llama",
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "vocab_size": 32,
+        "max_position_embeddings": positions,
+    }
