@@ -1,0 +1,65 @@
+"""The coordinator's path planning step: observed endpoints and reports in, relay and instructions out.
+
+Each sync step the coordinator reads its own WireGuard device (the endpoint it shows for a
+member is that member's observed endpoint, the NAT mapping of its WireGuard socket), runs
+:class:`mesh.control.paths.PathPlanner`, asks the relay (when one serves) for the allocations
+the relayed pairs need, and publishes every member's instructions on the
+:class:`mesh.control.board.PathBoard` that the roster service answers from.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from mesh.control.board import PathBoard
+from mesh.control.model import Roster
+from mesh.control.paths import AllocationWant, PathPlanner
+from mesh.wireguard.backend import DeviceStatus
+
+__all__ = ["CoordinatorPaths", "RelayPorts"]
+
+log = logging.getLogger("shardpool.mesh.pathing")
+
+
+class RelayPorts(Protocol):
+    """What path planning needs from a relay: its host, and ports for the wanted allocations."""
+
+    host: str
+
+    def grant(self, wanted: list[AllocationWant]) -> dict[str, tuple[int, int]]:
+        """Make the live allocations equal ``wanted``; return pair -> (port_a, port_b) of those granted."""
+
+
+class CoordinatorPaths:
+    """Runs the planner once per coordinator sync step and publishes the result."""
+
+    def __init__(
+        self,
+        board: PathBoard,
+        sync_interval: float,
+        relay: RelayPorts | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.board = board
+        self.relay = relay
+        self.clock = clock
+        self.planner = PathPlanner(sync_interval=sync_interval)
+
+    def step(self, roster: Roster, device: DeviceStatus) -> None:
+        """Plan every member pair from ``device``'s observed endpoints and the members' reports."""
+        observed = {peer.public_key: peer.endpoint for peer in device.peers}
+        reports = self.board.reports(member.public_key for member in roster.members)
+        wanted = self.planner.step(self.clock(), roster.members, observed, reports, self.relay is not None)
+        granted: dict[str, tuple[int, int]] = {}
+        if self.relay is not None:
+            granted = self.relay.grant(wanted)
+            if len(granted) < len(wanted):
+                log.warning("the relay granted %d of %d wanted allocations", len(granted), len(wanted))
+        self.board.publish(self.planner.instructions(granted, self.relay.host if self.relay else None))
+
+    def modes(self) -> dict[str, str]:
+        """Pair id -> mode, for the daemon's status file."""
+        return {pair: state.mode for pair, state in self.planner.pairs.items()}
