@@ -52,7 +52,13 @@ class CoordinatorPaths:
         """Plan every member pair from ``device``'s observed endpoints and the members' reports."""
         observed = {peer.public_key: peer.endpoint for peer in device.peers}
         reports = self.board.reports(member.public_key for member in roster.members)
+        before = self.modes()
         wanted = self.planner.step(self.clock(), roster.members, observed, reports, self.relay is not None)
+        names = {member.public_key: member.name for member in roster.members}
+        for pair, mode in self.modes().items():
+            if before.get(pair) != mode:
+                key_a, key_b = pair.split("|")
+                log.info("path %s <-> %s: %s", names.get(key_a), names.get(key_b), mode)
         granted: dict[str, tuple[int, int]] = {}
         if self.relay is not None:
             granted = self.relay.grant(wanted)

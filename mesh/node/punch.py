@@ -21,17 +21,22 @@ The outcome is reported to the coordinator in the next ``/v1/report``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mesh.control.model import PathInstruction, PunchTry
 from mesh.control.report import MemberReport, PeerReport
 from mesh.wireguard.backend import DeviceStatus, PeerConfig, PeerStatus
 
-__all__ = ["PUNCH_KEEPALIVE", "PathFollower", "TryRun", "judge_try", "start_config"]
+__all__ = ["PUNCH_KEEPALIVE", "SESSION_S", "PathFollower", "TryRun", "judge_try", "start_changes"]
+
+log = logging.getLogger("shardpool.mesh.punch")
 
 PUNCH_KEEPALIVE = 1
 """Persistent keepalive (seconds) during a try: every keepalive is a punch."""
+SESSION_S = 180.0
+"""WireGuard drops a session's keys this long after its handshake."""
 
 
 @dataclass
@@ -48,9 +53,23 @@ class TryRun:
         return self.at_start is not None
 
 
-def start_config(punch: PunchTry, peer: PeerStatus) -> PeerConfig:
-    """The change that starts ``punch``: the try endpoint with the punching keepalive."""
-    return PeerConfig(peer.public_key, peer.allowed_ips, punch.endpoint, PUNCH_KEEPALIVE)
+def start_changes(punch: PunchTry, peer: PeerStatus) -> tuple[list[PeerConfig], PeerStatus]:
+    """The changes that start ``punch`` on ``peer``, and the status to judge the try against.
+
+    WireGuard sends a keepalive at once only when the persistent keepalive goes from 0 to
+    non-zero, so it is set to 0 and then to :data:`PUNCH_KEEPALIVE` with the try endpoint: the
+    first punch leaves at ``at``, not at the next 25 s tick. Without a live session (no handshake
+    for :data:`SESSION_S`) that keepalive is a handshake initiation, which WireGuard sends at most
+    every 5 s per peer, and failed attempts without an endpoint count too; so such a peer is
+    removed and added again, which resets that clock (there is no session to lose).
+    """
+    punching = PeerConfig(peer.public_key, peer.allowed_ips, punch.endpoint, PUNCH_KEEPALIVE)
+    live = peer.last_handshake is not None and punch.at - peer.last_handshake <= SESSION_S
+    if live:
+        quiet = PeerConfig(peer.public_key, peer.allowed_ips, punch.endpoint, 0)
+        return [quiet, punching], peer
+    fresh = replace(peer, endpoint=None, last_handshake=None, rx_bytes=0, tx_bytes=0)
+    return [PeerConfig(peer.public_key, remove=True), punching], fresh
 
 
 def judge_try(
@@ -116,8 +135,8 @@ class PathFollower:
                 if now > end or status is None:  # pulled too late, or the peer is not on the device
                     self._finish(run, False)
                     continue
-                run.at_start = status
-                changes.append(start_config(run.punch, status))
+                started, run.at_start = start_changes(run.punch, status)
+                changes.extend(started)
             elif now >= end:
                 assert run.at_start is not None
                 ok, change = judge_try(run.punch, self._fallback(run), run.at_start, status, self.keepalive)
@@ -130,6 +149,9 @@ class PathFollower:
         return instruction.endpoint if instruction is not None and instruction.path == "relay" else None
 
     def _finish(self, run: TryRun, ok: bool) -> None:
+        log.info(
+            "%s try %d to %s: %s", run.punch.path, run.punch.id, run.punch.endpoint, "ok" if ok else "failed"
+        )
         self.results[run.peer] = (run.punch.id, ok)
         del self.runs[run.peer]
         if not run.started:

@@ -118,7 +118,7 @@ class SyncDaemon:
         except Revoked:
             raise
         except (MeshError, OSError) as error:
-            log.debug("path report not taken: %s", error)
+            log.warning("path report not taken: %s", error)
 
     def _write_status(self) -> None:
         self.status["pid"] = os.getpid()

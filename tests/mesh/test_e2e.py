@@ -199,3 +199,36 @@ def test_export_config_and_leave(lab: Lab, tmp_path: Path) -> None:
     )
     refused = lab.mesh(a, "leave")
     assert refused.returncode == 2 and "--force" in refused.stderr
+
+
+def test_two_members_without_endpoints_punch_a_direct_path_within_10s(lab: Lab) -> None:
+    """A second mesh on the same bridge: coordinator p, members q and r joined WITHOUT ``--endpoint``.
+
+    Before path planning they reached the coordinator but never each other; now the coordinator
+    tells both to punch at the same moment, and they must ping each other within 10 s of the
+    second join, over a path that ``mesh status`` calls ``direct``.
+    """
+    p, q, r = (lab.add_host(label, octet) for label, octet in (("p", 16), ("q", 17), ("r", 18)))
+    init = ["init", "--endpoint", p.endpoint, "--name", "p", "--interface", p.interface, "--uses", "2"]
+    token = _ok(lab.mesh(p, *init)).strip().splitlines()[-1]
+    for host in (q, r):
+        _ok(
+            lab.mesh(
+                host, "join", "-", "--name", host.label, "--interface", host.interface, stdin=token + "\n"
+            )
+        )
+    joined = time.monotonic()
+    address_r = _address(lab, r)
+    MEASURED["punched_direct_ping_s"] = _wait_for(lambda: lab.ping(q, address_r, timeout=1, count=2), 10, 0.2)
+    assert lab.ping(r, _address(lab, q))
+    learned = _wg_dump(lab, q)[_public_key(r)][2]
+    assert learned == f"{r.underlay}:51820", "q punched to r's observed endpoint"
+
+    def path_shown() -> str | None:
+        members = json.loads(_ok(lab.mesh(q, "status", "--json")))["members"]
+        return next(m for m in members if m["name"] == "r")["path"]
+
+    _wait_for(lambda: path_shown() == "direct", 10, 0.5)
+    row = next(m for m in json.loads(_ok(lab.mesh(q, "status", "--json")))["members"] if m["name"] == "r")
+    assert row["endpoint"] == f"{r.underlay}:51820" and row["rtt_ms"] is not None
+    MEASURED["punched_direct_status_s"] = time.monotonic() - joined

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mesh.control.model import PathInstruction, PunchTry
-from mesh.node.punch import PUNCH_KEEPALIVE, PathFollower, judge_try, start_config
+from mesh.node.punch import PUNCH_KEEPALIVE, PathFollower, judge_try, start_changes
 from mesh.wireguard.backend import DeviceStatus, PeerConfig, PeerStatus
 from mesh.wireguard.keys import generate_private_key, public_key
 
@@ -57,8 +57,22 @@ def test_a_vanished_peer_is_a_failure() -> None:
     assert not ok
 
 
-def test_start_config_sets_the_try_endpoint_and_the_punch_keepalive() -> None:
-    assert start_config(PUNCH, BEFORE) == PeerConfig(PEER, ALLOWED, DIRECT, PUNCH_KEEPALIVE)
+def test_with_a_live_session_the_keepalive_goes_0_then_1_so_the_first_punch_leaves_at_once() -> None:
+    changes, baseline = start_changes(PUNCH, BEFORE)
+    assert changes == [
+        PeerConfig(PEER, ALLOWED, DIRECT, 0),
+        PeerConfig(PEER, ALLOWED, DIRECT, PUNCH_KEEPALIVE),
+    ]
+    assert baseline == BEFORE
+
+
+def test_without_a_session_the_peer_is_made_anew_so_its_handshake_is_not_rate_limited() -> None:
+    for handshake in (None, AT - 181):
+        changes, baseline = start_changes(PUNCH, _status(None, rx=500, handshake=handshake))
+        assert changes == [PeerConfig(PEER, remove=True), PeerConfig(PEER, ALLOWED, DIRECT, PUNCH_KEEPALIVE)]
+        assert baseline.rx_bytes == 0 and baseline.last_handshake is None
+        ok, _ = judge_try(PUNCH, None, baseline, _status(DIRECT, rx=92, handshake=AT + 0.01), 25)
+        assert ok
 
 
 def _follower(instruction: PathInstruction) -> PathFollower:
@@ -72,7 +86,7 @@ def test_a_try_starts_at_its_time_is_judged_after_its_window_and_is_reported() -
     device = DeviceStatus(None, 51820, (BEFORE,))
     assert follower.next_event() == AT
     assert follower.due(AT - 0.1, device) == []
-    assert follower.due(AT, device) == [PeerConfig(PEER, ALLOWED, DIRECT, PUNCH_KEEPALIVE)]
+    assert follower.due(AT, device)[-1] == PeerConfig(PEER, ALLOWED, DIRECT, PUNCH_KEEPALIVE)
     assert follower.busy() == {PEER} and follower.next_event() == AT + 3.0
     assert follower.due(AT + 1, device) == []
     after = DeviceStatus(None, 51820, (_status(ROAMED, rx=400),))
