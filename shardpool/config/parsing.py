@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from shardpool.config.attention import ATTENTION_FLAGS
 from shardpool.config.axolotl_keys import AXOLOTL_KEYS, is_off
 from shardpool.config.problems import Problem, problems_error
 from shardpool.config.schema import COLLECT_PROBLEMS, Config, DatasetSpec
@@ -108,7 +109,7 @@ def _dataset_without_noops(entry: Any, index: int, problems: list[Problem]) -> A
 
 def _normalized(data: dict[str, Any], problems: list[Problem]) -> dict[str, Any]:
     """axolotl spellings in shardpool's form: numbers written as strings, ``all-linear``."""
-    normalized = _coerce_numbers(data)
+    normalized = _attention_flags_folded(_coerce_numbers(data), problems)
     targets = normalized.get("lora_target_modules")
     if targets == "all-linear" or targets == ["all-linear"]:
         if normalized.get("lora_target_linear") is False:
@@ -124,6 +125,27 @@ def _normalized(data: dict[str, Any], problems: list[Problem]) -> dict[str, Any]
         problems.append(Problem("lora_target_modules", message, message))
         del normalized["lora_target_modules"]
     return normalized
+
+
+def _attention_flags_folded(data: dict[str, Any], problems: list[Problem]) -> dict[str, Any]:
+    """axolotl's boolean attention keys (``flash_attention: true``) as one ``attn_implementation``."""
+    folded = {key: value for key, value in data.items() if key not in ATTENTION_FLAGS}
+    asked = {flag: data[flag] for flag in ATTENTION_FLAGS if flag in data and not is_off(data[flag])}
+    for flag, value in asked.items():
+        if value is not True and value is not False:
+            message = f"`{flag}` is true or false, got {value!r}; fix its value"
+            problems.append(Problem(flag, message, message))
+    wanted = {ATTENTION_FLAGS[flag] for flag, value in asked.items() if value is True}
+    if "attn_implementation" in data and not is_off(data["attn_implementation"]):
+        wanted.add(data["attn_implementation"])
+    if len(wanted) > 1:
+        keys = [flag for flag, value in asked.items() if value is True]
+        keys += ["attn_implementation"] if "attn_implementation" in data else []
+        message = f"{', '.join(f'`{key}`' for key in keys)} ask for different attention kernels; keep one"
+        problems.append(Problem(keys[0], message, message))
+    elif wanted:
+        folded["attn_implementation"] = wanted.pop()
+    return folded
 
 
 def _coerce_numbers(raw: dict[str, Any]) -> dict[str, Any]:

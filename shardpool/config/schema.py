@@ -8,16 +8,18 @@ collects them with every other problem, and a model built directly raises on the
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
+from shardpool.config.attention import AttentionName
 from shardpool.config.problems import Check, Problem
 
 __all__ = [
     "Config",
     "DatasetSpec",
     "BnbConfig",
+    "SpecialTokens",
     "ShardpoolSection",
     "COLLECT_PROBLEMS",
     "OPTIMIZERS",
@@ -28,7 +30,12 @@ __all__ = [
 COLLECT_PROBLEMS = {"collect_problems": True}
 
 OptimizerName = Literal[
-    "adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"
+    "adamw_torch",
+    "adamw_torch_fused",
+    "adamw_bnb_8bit",
+    "adamw_8bit",
+    "paged_adamw_8bit",
+    "paged_adamw_32bit",
 ]
 SchedulerName = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 OPTIMIZERS: tuple[str, ...] = OptimizerName.__args__
@@ -79,6 +86,24 @@ class BnbConfig(_Strict):
 
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field(default="nf4", description="4-bit data type")
     bnb_4bit_use_double_quant: bool = Field(default=True, description="quantize the absmax statistics too")
+
+
+class SpecialTokens(_Strict):
+    """axolotl's ``special_tokens``: which existing tokens serve as bos, eos, pad and unk."""
+
+    bos_token: str | None = Field(default=None, description="beginning-of-sequence token")
+    eos_token: str | None = Field(
+        default=None, description="end-of-sequence token (appended to trained rows)"
+    )
+    pad_token: str | None = Field(default=None, description="padding token (masked out of the loss)")
+    unk_token: str | None = Field(default=None, description="unknown-token token")
+    additional_special_tokens: list[str] | None = Field(
+        default=None, description="further tokens of the vocabulary to treat as special"
+    )
+
+    def as_settings(self) -> dict[str, str | list[str]]:
+        """The tokens that are set, as ``tokenizer.add_special_tokens`` takes them."""
+        return {key: value for key, value in self.model_dump().items() if value}
 
 
 class ShardpoolSection(_Strict):
@@ -167,7 +192,9 @@ class Config(_Strict):
     adapter: Literal["qlora", "lora"] = Field(
         default="qlora", description="qlora: NF4 base; lora: full-precision base"
     )
-    load_in_4bit: bool = Field(default=True, description="quantize the base to 4 bits (required by qlora)")
+    load_in_4bit: bool = Field(
+        default=True, description="quantize the base to 4 bits (unset: true for qlora, false for lora)"
+    )
     bnb_config_kwargs: BnbConfig = Field(default_factory=BnbConfig, description="bitsandbytes 4-bit settings")
     lora_r: int = Field(default=8, ge=1, description="LoRA rank")
     lora_alpha: float = Field(default=16, gt=0, description="LoRA scaling numerator (scale = alpha / r)")
@@ -215,6 +242,23 @@ class Config(_Strict):
     max_grad_norm: float = Field(default=1.0, ge=0.0, description="clip the global grad norm (0 disables)")
     seed: int = Field(default=42, description="seed for LoRA init, shuffling and dropout")
     gradient_checkpointing: bool = Field(default=False, description="recompute layer activations in backward")
+    attn_implementation: AttentionName = Field(
+        default="sdpa",
+        description="attention kernel (`flash_attention: true` asks for flash_attention_2); sdpa where a device cannot",
+    )
+    special_tokens: SpecialTokens | None = Field(
+        default=None, description="re-point bos/eos/pad/unk at tokens the tokenizer already has"
+    )
+    tf32: bool = Field(
+        default=False,
+        description="let fp32 matmuls use TF32 on NVIDIA Ampere or newer (faster, ~1e-3 relative error)",
+    )
+    resume_from_checkpoint: str | None = Field(
+        default=None, description="continue from this checkpoint directory (`--resume` takes the newest)"
+    )
+    auto_resume_from_checkpoints: bool = Field(
+        default=False, description="continue from the newest checkpoint in output_dir when there is one"
+    )
     output_dir: str = Field(default="./outputs/shardpool", description="where the adapter and logs go")
     save_steps: int | None = Field(default=None, ge=1, description="checkpoint every this many steps")
     saves_per_epoch: int | None = Field(
@@ -308,6 +352,14 @@ class Config(_Strict):
             ]
         found += [(check, check.problem(source, prefix="shardpool")) for check in self.shardpool.checks()]
         return found
+
+    @model_validator(mode="before")
+    @classmethod
+    def _quantize_by_adapter(cls, data: Any) -> Any:
+        """An unset ``load_in_4bit`` follows the adapter, as in axolotl: qlora quantizes, lora does not."""
+        if isinstance(data, dict) and data.get("load_in_4bit") is None:
+            return {**data, "load_in_4bit": data.get("adapter", "qlora") != "lora"}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> Config:
