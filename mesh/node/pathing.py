@@ -10,16 +10,21 @@ the relayed pairs need, and publishes every member's instructions on the
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Protocol
 
 from mesh.control.board import PathBoard
 from mesh.control.model import Roster
 from mesh.control.paths import AllocationWant, PathPlanner
+from mesh.errors import MeshError
+from mesh.relay.allocations import AllocationRequest
+from mesh.relay.service import RelayService
 from mesh.wireguard.backend import DeviceStatus
 
-__all__ = ["CoordinatorPaths", "RelayPorts"]
+__all__ = ["CoordinatorPaths", "RelayPorts", "ServiceRelay", "bind_host"]
 
 log = logging.getLogger("shardpool.mesh.pathing")
 
@@ -31,6 +36,33 @@ class RelayPorts(Protocol):
 
     def grant(self, wanted: list[AllocationWant]) -> dict[str, tuple[int, int]]:
         """Make the live allocations equal ``wanted``; return pair -> (port_a, port_b) of those granted."""
+
+
+def bind_host(host: str) -> str:
+    """``host`` when it is an address of this machine, else the wildcard (a port forward, or NAT in front)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.bind((host, 0))
+    except OSError:
+        return "0.0.0.0"
+    return host
+
+
+class ServiceRelay:
+    """:class:`RelayPorts` over a started :class:`mesh.relay.service.RelayService`; ``host`` is the IP members send to."""
+
+    def __init__(self, service: RelayService, host: str) -> None:
+        self.service = service
+        self.host = host
+
+    def grant(self, wanted: list[AllocationWant]) -> dict[str, tuple[int, int]]:
+        """Apply ``wanted`` to the relay; a relay that fails to answer grants nothing (logged)."""
+        try:
+            granted = self.service.apply([AllocationRequest(**asdict(want)) for want in wanted])
+        except MeshError as error:
+            log.error("relay: %s", error)
+            return {}
+        return {pair: (allocation.port_a, allocation.port_b) for pair, allocation in granted.items()}
 
 
 class CoordinatorPaths:

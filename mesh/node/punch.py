@@ -115,8 +115,19 @@ class PathFollower:
                 self.runs[peer] = TryRun(peer, punch)
 
     def busy(self) -> frozenset[str]:
-        """Peers with a try on the device right now: the roster reconcile must leave them alone."""
-        return frozenset(peer for peer, run in self.runs.items() if run.started)
+        """Peers the roster reconcile must leave alone: a try is on the device, or judged here but open at the coordinator.
+
+        The second matters: between this side's verdict and the coordinator's, the instruction
+        still names the relay, and pushing it would undo the punched (maybe roamed) endpoint.
+        """
+        running = {peer for peer, run in self.runs.items() if run.started}
+        waiting = {
+            peer
+            for peer, instruction in self.instructions.items()
+            if instruction.punch is not None
+            and self.results.get(peer, (None, False))[0] == instruction.punch.id
+        }
+        return frozenset(running | waiting)
 
     def next_event(self) -> float | None:
         """The unix time of the next try start or judgement, if any, so the sync loop wakes for it."""

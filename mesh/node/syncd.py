@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from mesh.addresses import parse_endpoint
+from mesh.addresses import parse_endpoint, resolve_endpoint
 from mesh.control.client import Revoked, SyncReply, check_membership, send_report, sync_roster
 from mesh.control.coordinator import CoordinatorService, start_join_server, start_roster_server
 from mesh.control.model import Roster
@@ -34,8 +34,9 @@ from mesh.http.server import HTTPServer
 from mesh.node.candidates import local_candidates
 from mesh.node.config import MeshConfig, load_config
 from mesh.node.member import apply_roster, backend_for, load_cached_roster, run_tries, save_cached_roster
-from mesh.node.pathing import CoordinatorPaths
+from mesh.node.pathing import CoordinatorPaths, ServiceRelay, bind_host
 from mesh.node.punch import PathFollower
+from mesh.relay.service import RelayService
 from mesh.state import StatePaths
 from mesh.wireguard.backend import WireGuardBackend
 from mesh.wireguard.keys import read_private_key
@@ -59,6 +60,7 @@ class SyncDaemon:
         self.applied: Roster | None = None
         self.follower = PathFollower(self.config.keepalive)
         self.planning: CoordinatorPaths | None = None
+        self.relay_service: RelayService | None = None
         self._last_membership_check = -1e9
         self.status: dict[str, object] = {
             "pid": 0,
@@ -87,9 +89,25 @@ class SyncDaemon:
             self.config.api_port,
         )
 
-    def _relay(self) -> None:
-        """The relay this coordinator serves pairs through (none until mesh.relay is wired)."""
-        return None
+    def _relay(self) -> ServiceRelay | None:
+        """Start the relay this coordinator serves member pairs through (unless ``--no-relay``).
+
+        It binds the endpoint host when that is an address of this machine (else every address),
+        and members send to the endpoint's IP.
+        """
+        if not self.config.relay:
+            return None
+        try:
+            announced, _ = parse_endpoint(resolve_endpoint(self.config.coordinator_endpoint))
+        except MeshError as error:
+            log.error("not relaying: %s", error)
+            return None
+        service = RelayService(bind_host(announced), self.config.relay_port_range)
+        service.start()
+        self.relay_service = service
+        first, last = self.config.relay_ports
+        log.info("relaying member pairs on %s, UDP ports %d-%d", announced, first, last)
+        return ServiceRelay(service, announced)
 
     def _fetch(self) -> SyncReply:
         if self.config.is_coordinator:
@@ -241,6 +259,8 @@ class SyncDaemon:
             next_sync = time.monotonic() + self.config.sync_interval
         for server in self.servers:
             server.stop()
+        if self.relay_service is not None:
+            self.relay_service.stop()
         return 0
 
 

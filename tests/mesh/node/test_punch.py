@@ -92,11 +92,14 @@ def test_a_try_starts_at_its_time_is_judged_after_its_window_and_is_reported() -
     after = DeviceStatus(None, 51820, (_status(ROAMED, rx=400),))
     assert follower.due(AT + 3.0, after) == [PeerConfig(PEER, ALLOWED, None, 25)]
     assert follower.results == {PEER: (5, True)} and follower.pushed[PEER] == DIRECT
-    assert follower.busy() == frozenset() and follower.next_event() is None
+    assert follower.busy() == {PEER}, (
+        "judged here, still open at the coordinator: the relay is not pushed back"
+    )
+    assert follower.next_event() is None
     report = follower.report(after, ("192.168.1.4:51820",), False)
     assert report.tries == {PEER: (5, True)} and report.peers[PEER].endpoint == ROAMED
     follower.follow({PEER: PathInstruction("direct", DIRECT, None)}, [PEER])
-    assert follower.runs == {}
+    assert follower.runs == {} and follower.busy() == frozenset()
 
 
 def test_the_same_try_is_not_run_twice_and_a_running_try_is_not_replaced() -> None:
