@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import http.client
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mesh.addresses import format_endpoint, parse_endpoint
 from mesh.control.auth import NONCE_HEADER, ROSTER_PURPOSE, AuthError, pair_key, sign_request, verify_reply
-from mesh.control.model import PathInstruction, Roster, RosterEntry, parse_paths
+from mesh.control.model import PathInstruction, Roster, RosterEntry, parse_paths, parse_relay_allocations
 from mesh.control.protocol import ProtocolError, open_join_response, seal_join_request
 from mesh.control.report import MemberReport
 from mesh.control.token import JoinToken
 from mesh.errors import MeshError
+from mesh.relay.allocations import AllocationRequest
 from mesh.wireguard.keys import public_key as public_key_of
 
 __all__ = [
@@ -39,10 +40,14 @@ class Revoked(MeshError):
 
 @dataclass(frozen=True)
 class SyncReply:
-    """A roster reply: the roster, and this member's path instructions per peer (empty from old coordinators)."""
+    """A roster reply: the roster, this member's path instructions per peer, the pairs it should relay.
+
+    Coordinators from before path planning send neither instructions nor allocations.
+    """
 
     roster: Roster
     paths: dict[str, PathInstruction]
+    relay_allocations: list[AllocationRequest] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -250,7 +255,9 @@ def sync_roster(
     roster = Roster.from_json(payload.get("roster"))
     if roster.mesh_id != mesh_id:
         raise ProtocolError("roster is for another mesh")
-    return SyncReply(roster, parse_paths(payload.get("paths")))
+    return SyncReply(
+        roster, parse_paths(payload.get("paths")), parse_relay_allocations(payload.get("relay_allocations"))
+    )
 
 
 def send_report(

@@ -262,6 +262,9 @@ class CoordinatorService:
         paths = self.board.paths_json(member.public_key)
         if paths:
             payload["paths"] = paths
+        relaying = self.board.relay_json(member.public_key)
+        if relaying:
+            payload["relay_allocations"] = relaying
         return json_reply(payload)
 
     def report(self, request: Request) -> Reply:

@@ -14,9 +14,19 @@ from typing import Any
 
 from mesh.addresses import parse_endpoint
 from mesh.errors import MeshError
+from mesh.relay.allocations import AllocationRequest, request_problem
 from mesh.wireguard.keys import decode_key
 
-__all__ = ["PATHS", "PathInstruction", "PunchTry", "Roster", "RosterEntry", "check_name", "parse_paths"]
+__all__ = [
+    "PATHS",
+    "PathInstruction",
+    "PunchTry",
+    "Roster",
+    "RosterEntry",
+    "check_name",
+    "parse_paths",
+    "parse_relay_allocations",
+]
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 
@@ -217,3 +227,37 @@ def parse_paths(data: Any) -> dict[str, PathInstruction]:
         decode_key(str(key), "path peer key")
         parsed[key] = _instruction(value)
     return parsed
+
+
+_MAX_RELAY_ALLOCATIONS = 256
+_ALLOCATION_KEYS = frozenset({"pair", "key_a", "ip_a", "key_b", "ip_b"})
+
+
+def _allocation(value: Any) -> AllocationRequest:
+    if not isinstance(value, dict) or set(value) != _ALLOCATION_KEYS:
+        raise MeshError(f"a relay allocation must be an object with {sorted(_ALLOCATION_KEYS)}")
+    if not all(isinstance(value[key], str) for key in _ALLOCATION_KEYS):
+        raise MeshError("a relay allocation has a field that is not text")
+    request = AllocationRequest(**value)
+    problem = request_problem(request)
+    if problem is not None:
+        raise MeshError(f"relay allocation refused: {problem}")
+    for key in (request.key_a, request.key_b):
+        decode_key(key, "relay allocation key")
+    for ip in (request.ip_a, request.ip_b):
+        ipaddress.IPv4Address(ip)
+    if request.pair != f"{request.key_a}|{request.key_b}" or request.key_a > request.key_b:
+        raise MeshError("a relay allocation's pair must be its keys, sorted, joined by '|'")
+    return request
+
+
+def parse_relay_allocations(data: Any) -> list[AllocationRequest]:
+    """Parse the optional ``relay_allocations`` of a roster reply (for a member started with ``--relay``)."""
+    if data is None:
+        return []
+    if not isinstance(data, list) or len(data) > _MAX_RELAY_ALLOCATIONS:
+        raise MeshError(f"relay_allocations is not a list of at most {_MAX_RELAY_ALLOCATIONS}")
+    try:
+        return [_allocation(item) for item in data]
+    except ValueError as error:  # an IP that is not IPv4
+        raise MeshError(f"relay allocation refused: {error}") from None

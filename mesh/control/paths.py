@@ -27,6 +27,7 @@ NAT mapping of its WireGuard socket) and each member's latest :class:`MemberRepo
 from __future__ import annotations
 
 import ipaddress
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -42,6 +43,7 @@ __all__ = [
     "PairState",
     "PathPlanner",
     "pair_id",
+    "place_on_members",
 ]
 
 RETRY_S = 20.0
@@ -226,25 +228,23 @@ class PathPlanner:
         state.punch, state.results = None, {}
 
     def instructions(
-        self, allocations: Mapping[str, tuple[int, int]], relay_host: str | None
+        self, relays: Mapping[str, tuple[str, int, int]]
     ) -> dict[str, dict[str, PathInstruction]]:
         """Per member, per peer: the path, the endpoint to use, and the running try for that side.
 
-        ``allocations`` maps a pair id to the relay ports ``(port_a, port_b)`` the relay granted
-        (``port_a`` is where the pair's first key sends); a relayed pair without one is ``pending``.
+        ``relays`` maps a pair id to the relay that carries it: ``(host, port_a, port_b)``, where
+        ``port_a`` is where the pair's first key sends; a relayed pair without one is ``pending``.
         """
         plan: dict[str, dict[str, PathInstruction]] = {}
         for state in self.pairs.values():
-            ports = allocations.get(state.pair) if relay_host else None
+            relay = relays.get(state.pair)
             sides = ((state.key_a, state.key_b, 0), (state.key_b, state.key_a, 1))
             for own, other, side in sides:
-                plan.setdefault(own, {})[other] = self._instruction(state, side, ports, relay_host)
+                plan.setdefault(own, {})[other] = self._instruction(state, side, relay)
         return plan
 
     @staticmethod
-    def _instruction(
-        state: PairState, side: int, ports: tuple[int, int] | None, relay_host: str | None
-    ) -> PathInstruction:
+    def _instruction(state: PairState, side: int, relay: tuple[str, int, int] | None) -> PathInstruction:
         punch = None
         if state.punch is not None:
             punch = PunchTry(
@@ -252,6 +252,25 @@ class PathPlanner:
             )
         if state.mode in _CONNECTED:
             return PathInstruction(state.mode, state.connected_with[side], punch)
-        if ports is None:
+        if relay is None:
             return PathInstruction("pending", None, punch)
-        return PathInstruction("relay", f"{relay_host}:{ports[side]}", punch)
+        host, port_a, port_b = relay
+        return PathInstruction("relay", f"{host}:{port_b if side else port_a}", punch)
+
+
+def place_on_members(
+    wanted: Iterable[AllocationWant], relays: Iterable[str]
+) -> dict[str, list[AllocationWant]]:
+    """Spread allocations over the members that relay (``--relay``), never onto one of the pair.
+
+    The choice is a hash of the pair id, so a pair stays on the same relay from step to step
+    while the set of relays stays the same.
+    """
+    hosts = sorted(relays)
+    placed: dict[str, list[AllocationWant]] = {}
+    for want in wanted:
+        choices = [key for key in hosts if key not in (want.key_a, want.key_b)]
+        if choices:
+            chosen = choices[zlib.crc32(want.pair.encode()) % len(choices)]
+            placed.setdefault(chosen, []).append(want)
+    return placed

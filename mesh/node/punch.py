@@ -180,7 +180,13 @@ class PathFollower:
             ):
                 self.pushed[change.public_key] = change.endpoint
 
-    def report(self, device: DeviceStatus, lan: tuple[str, ...], relay: bool) -> MemberReport:
+    def report(
+        self,
+        device: DeviceStatus,
+        lan: tuple[str, ...],
+        relay: bool,
+        relay_ports: Mapping[str, tuple[int, int]] | None = None,
+    ) -> MemberReport:
         """This member's ``/v1/report``: LAN candidates, the device's view of each peer, try outcomes.
 
         Only peers the coordinator gives instructions for are listed: it plans no others, and the
@@ -191,7 +197,9 @@ class PathFollower:
             for peer in device.peers
             if peer.public_key in self.instructions
         }
-        return MemberReport(lan=lan, relay=relay, peers=peers, tries=dict(self.results))
+        return MemberReport(
+            lan=lan, relay=relay, peers=peers, tries=dict(self.results), relay_ports=dict(relay_ports or {})
+        )
 
     def path_of(self, peer: str) -> str | None:
         """The path the coordinator gave for ``peer``, or ``None`` when it gave none."""

@@ -34,7 +34,7 @@ from mesh.http.server import HTTPServer
 from mesh.node.candidates import local_candidates
 from mesh.node.config import MeshConfig, load_config
 from mesh.node.member import apply_roster, backend_for, load_cached_roster, run_tries, save_cached_roster
-from mesh.node.pathing import CoordinatorPaths, ServiceRelay, bind_host
+from mesh.node.pathing import CoordinatorPaths, MemberRelay, ServiceRelay, bind_host
 from mesh.node.punch import PathFollower
 from mesh.relay.service import RelayService
 from mesh.state import StatePaths
@@ -61,6 +61,9 @@ class SyncDaemon:
         self.follower = PathFollower(self.config.keepalive)
         self.planning: CoordinatorPaths | None = None
         self.relay_service: RelayService | None = None
+        self.member_relay: MemberRelay | None = None
+        if self.config.relay and not self.config.is_coordinator and self.config.endpoint:
+            self.member_relay = MemberRelay(self.config.endpoint, self.config.relay_port_range)
         self._last_membership_check = -1e9
         self.status: dict[str, object] = {
             "pid": 0,
@@ -127,7 +130,9 @@ class SyncDaemon:
         try:
             device = self.backend.show(self.config.interface)
             lan = local_candidates(self.config.interface, self.config.cidr, self.config.listen_port)
-            report = self.follower.report(device, lan, bool(getattr(self.config, "relay", False)))
+            relaying = self.member_relay is not None
+            opened = self.member_relay.opened if self.member_relay is not None else {}
+            report = self.follower.report(device, lan, relaying, opened)
             send_report(
                 self.config.coordinator_address, self.config.api_port, self.private_key,
                 self.config.coordinator_key, self.config.mesh_id, report,
@@ -165,6 +170,8 @@ class SyncDaemon:
         else:
             roster = reply.roster
             self.follower.follow(reply.paths, (m.public_key for m in roster.members))
+            if self.member_relay is not None:
+                self.member_relay.serve(reply.relay_allocations)
             self.status.update(last_sync=time.time(), last_error=None)
             if self.applied is None or roster != self.applied:
                 save_cached_roster(self.paths, roster)
@@ -261,6 +268,8 @@ class SyncDaemon:
             server.stop()
         if self.relay_service is not None:
             self.relay_service.stop()
+        if self.member_relay is not None:
+            self.member_relay.stop()
         return 0
 
 

@@ -32,7 +32,7 @@ def _step(planner: PathPlanner, now: float, reports=None, observed=None, members
 
 
 def _plan(planner: PathPlanner, relay: bool = True) -> dict[str, dict[str, PathInstruction]]:
-    return planner.instructions(PORTS if relay else {}, "203.0.113.1" if relay else None)
+    return planner.instructions({PAIR: ("203.0.113.1", *PORTS[PAIR])} if relay else {})
 
 
 def _ok(try_id: int, a: bool = True, b: bool = True) -> dict[str, MemberReport]:
@@ -137,7 +137,7 @@ def test_without_a_relay_the_pair_is_pending_until_the_try_works() -> None:
 def test_a_relayed_pair_without_granted_ports_is_pending() -> None:
     planner = PathPlanner()
     _step(planner, T0)
-    assert planner.instructions({}, "203.0.113.1")[A][B].path == "pending"
+    assert planner.instructions({})[A][B].path == "pending"
 
 
 def test_an_observed_endpoint_change_sends_a_direct_pair_back_to_the_relay_and_repunches() -> None:
@@ -176,7 +176,7 @@ def test_a_removed_member_drops_its_pairs_and_allocations_at_once() -> None:
     wants = _step(planner, T0 + 1, members=MEMBERS)
     assert [w.pair for w in wants] == [PAIR]
     assert set(planner.pairs) == {PAIR}
-    assert C not in planner.instructions({}, "203.0.113.1")
+    assert C not in planner.instructions({})
 
 
 def test_a_member_not_yet_observed_gets_no_pair_state() -> None:
@@ -231,3 +231,13 @@ def test_lan_candidate_picks_the_longest_shared_prefix_or_the_first() -> None:
 
 def test_pair_ids_are_symmetric() -> None:
     assert pair_id(A, B) == pair_id(B, A)
+
+
+def test_member_relays_never_carry_their_own_pair_and_keep_a_pair_in_place() -> None:
+    from mesh.control.paths import place_on_members
+
+    wants = [AllocationWant(pair_id(A, B), *sorted((A, B))[:1], "1.1.1.1", sorted((A, B))[1], "2.2.2.2")]
+    assert place_on_members(wants, [A, B]) == {}
+    placed = place_on_members(wants, [A, C])
+    assert placed == {C: wants}
+    assert place_on_members(wants, [C, A]) == placed

@@ -17,6 +17,7 @@ from mesh.control.client import authenticated_request, request_join, send_report
 from mesh.control.model import PathInstruction, PunchTry
 from mesh.control.report import MAX_LAN, REPORT_MAX_BODY, MemberReport, PeerReport, ReportError, parse_report
 from mesh.errors import MeshError
+from mesh.relay.allocations import AllocationRequest
 from mesh.wireguard.keys import generate_private_key, public_key
 from tests.helpers.mesh_hosts import InProcessCoordinator
 
@@ -175,11 +176,16 @@ def test_roster_replies_carry_only_the_callers_paths(coordinator) -> None:
     b, c = _member(coordinator, "b"), _member(coordinator, "c")
     punch = PunchTry(3, "203.0.113.9:4000", "direct", 1e9, 3.0)
     instruction = PathInstruction("relay", "203.0.113.1:51821", punch)
-    coordinator.service.board.publish({public_key(b): {public_key(c): instruction}})
+    first, second = sorted((public_key(b), public_key(c)))
+    request = AllocationRequest(f"{first}|{second}", first, "198.51.100.2", second, "198.51.100.3")
+    coordinator.service.board.publish(
+        {public_key(b): {public_key(c): instruction}}, {public_key(c): [request]}
+    )
     mine = sync_roster("127.0.0.1", coordinator.port, b, coordinator.public_key, "testmesh")
     theirs = sync_roster("127.0.0.1", coordinator.port, c, coordinator.public_key, "testmesh")
-    assert mine.paths == {public_key(c): instruction}
+    assert mine.paths == {public_key(c): instruction} and mine.relay_allocations == []
     assert theirs.paths == {} and theirs.roster == mine.roster
+    assert theirs.relay_allocations == [request]
 
 
 def test_report_error_is_a_mesh_error() -> None:

@@ -6,6 +6,7 @@ path is covered by tests/mesh/test_e2e.py.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 
@@ -168,3 +169,50 @@ def test_the_coordinator_relays_on_its_endpoint_host_unless_told_not_to(
         daemon.relay_service.stop()
     daemon.config = daemon.config.with_changes(relay=False)
     assert daemon._relay() is None
+
+
+def test_pairs_go_to_a_relaying_member_when_the_coordinator_does_not_relay() -> None:
+    from mesh.control.board import PathBoard
+    from mesh.control.model import Roster, RosterEntry
+    from mesh.control.report import MemberReport
+    from mesh.node.pathing import MemberRelay
+    from mesh.wireguard.keys import generate_private_key, public_key
+
+    coord, a, b, relay = (public_key(generate_private_key()) for _ in range(4))
+    roster = Roster(
+        "m",
+        "10.77.0.0/24",
+        1,
+        (
+            RosterEntry("coord", "10.77.0.1", coord, "127.0.0.1:51820", True),
+            RosterEntry("a", "10.77.0.2", a),
+            RosterEntry("b", "10.77.0.3", b),
+            RosterEntry("relay", "10.77.0.4", relay, "127.0.0.1:51820"),
+        ),
+    )
+    board = PathBoard()
+    board.record(relay, MemberReport(relay=True))
+    planning = CoordinatorPaths(board, 2.0, None)
+    device = DeviceStatus(
+        None, 51820, tuple(PeerStatus(k, "127.0.0.1:40000", (), None, 0, 0, 25) for k in (a, b, relay))
+    )
+    planning.step(roster, device)
+    assert json.loads(json.dumps(board.paths_json(a)))[b]["path"] == "pending"
+    requests = board.relay_json(relay)
+    assert [r["pair"] for r in requests] == [pair_id(a, b)] and board.relay_json(a) == []
+
+    served = MemberRelay("127.0.0.1:51820", range(42201, 42211))
+    try:
+        from mesh.control.model import parse_relay_allocations
+
+        served.serve(parse_relay_allocations(requests))
+        ports = served.opened[pair_id(a, b)]
+        board.record(relay, MemberReport(relay=True, relay_ports=served.opened))
+        planning.step(roster, device)
+        side_a = 0 if pair_id(a, b).startswith(a) else 1
+        assert board.paths_json(a)[b]["endpoint"] == f"127.0.0.1:{ports[side_a]}"
+        assert board.paths_json(b)[a]["endpoint"] == f"127.0.0.1:{ports[1 - side_a]}"
+        served.serve([])
+        assert served.opened == {}
+    finally:
+        served.stop()
