@@ -65,6 +65,7 @@ class SyncDaemon:
         if self.config.relay and not self.config.is_coordinator and self.config.endpoint:
             self.member_relay = MemberRelay(self.config.endpoint, self.config.relay_port_range)
         self._last_membership_check = -1e9
+        self._report_error = ""
         self.status: dict[str, object] = {
             "pid": 0,
             "ready": False,
@@ -115,7 +116,6 @@ class SyncDaemon:
     def _fetch(self) -> SyncReply:
         if self.config.is_coordinator:
             return SyncReply(RosterStore(self.paths.database).roster(), {})
-        self._report()
         return sync_roster(
             self.config.coordinator_address,
             self.config.api_port,
@@ -126,7 +126,7 @@ class SyncDaemon:
         )
 
     def _report(self) -> None:
-        """Send this member's path report; a coordinator without path planning (404) is fine."""
+        """Send this member's path report after a good sync; a coordinator without path planning (404) is fine."""
         try:
             device = self.backend.show(self.config.interface)
             lan = local_candidates(self.config.interface, self.config.cidr, self.config.listen_port)
@@ -138,10 +138,12 @@ class SyncDaemon:
                 self.config.coordinator_key, self.config.mesh_id, report,
                 timeout=max(2.0, self.config.sync_interval * 2),
             )  # fmt: skip
-        except Revoked:
-            raise
-        except (MeshError, OSError) as error:
-            log.warning("path report not taken: %s", error)
+        except (MeshError, OSError) as error:  # a removal shows in the next roster pull
+            if str(error) != self._report_error:
+                log.warning("path report not taken (paths stay as they are): %s", error)
+            self._report_error = str(error)
+        else:
+            self._report_error = ""
 
     def _write_status(self) -> None:
         self.status["pid"] = os.getpid()
@@ -184,6 +186,8 @@ class SyncDaemon:
             return True
         if changes:
             log.info("applied roster revision %d (%d peer changes)", roster.revision, changes)
+        if self.status["last_error"] is None and not self.config.is_coordinator:
+            self._report()
         self.applied = roster
         self.status["revision"] = roster.revision
         return True
