@@ -266,3 +266,40 @@ def test_a_pair_that_cannot_punch_goes_through_the_relay_within_30s(lab: Lab) ->
     assert _wg_dump(lab, q)[_public_key(s)][2].startswith(f"{p.underlay}:"), "q sends to s through p's relay"
     _wait_for(lambda: path_shown(r, "s") == "direct", 30, 0.5)
     assert lab.ping(q, address_s) and lab.ping(s, _address(lab, q))
+
+
+def test_a_member_started_with_relay_carries_a_pair_when_the_coordinator_does_not(lab: Lab) -> None:
+    """A third mesh: coordinator w with ``--no-relay``, member x with ``--endpoint --relay``, and y, z
+    without endpoints and with UDP blocked between them: y and z meet through x's relay."""
+    if shutil.which("iptables") is None:
+        pytest.skip("needs iptables (apt-get install iptables) to block UDP between two hosts")
+    w, x, y, z = (lab.add_host(label, octet) for label, octet in (("w", 20), ("x", 21), ("y", 22), ("z", 23)))
+    for chain, flag in (("OUTPUT", "-d"), ("INPUT", "-s")):
+        _ok(lab.run(z, "iptables", "-A", chain, "-p", "udp", flag, y.underlay, "-j", "DROP"))
+    init = [
+        "init",
+        "--endpoint",
+        w.endpoint,
+        "--name",
+        "w",
+        "--interface",
+        w.interface,
+        "--uses",
+        "3",
+        "--no-relay",
+    ]
+    token = _ok(lab.mesh(w, *init)).strip().splitlines()[-1]
+    relay = ["--endpoint", x.endpoint, "--relay"]
+    for host, extra in ((x, relay), (y, []), (z, [])):
+        join = ["join", "-", "--name", host.label, "--interface", host.interface, *extra]
+        _ok(lab.mesh(host, *join, stdin=token + "\n"))
+    address_z = json.loads((z.home / "mesh.json").read_text())["address"]
+    key_z = _public_key(z)
+
+    def relayed_by_x() -> bool:
+        via_x = _wg_dump(lab, y)[key_z][2].startswith(f"{x.underlay}:")
+        return via_x and lab.ping(y, address_z, timeout=1, count=2)
+
+    MEASURED["member_relayed_ping_s"] = _wait_for(relayed_by_x, 30, 0.5)
+    members = json.loads(_ok(lab.mesh(y, "status", "--json")))["members"]
+    assert next(m for m in members if m["name"] == "z")["path"] == "relay"
