@@ -105,7 +105,7 @@ class InProcessCoordinator:
             headers[MAC_HEADER] = request_mac(
                 key, method, path, b"", time_text, headers[NONCE_HEADER], sender, self.public_key
             )
-        port = self.roster_port if path.startswith(("/v1/roster", "/v1/leave")) else self.port
+        port = self.roster_port if path.startswith(("/v1/roster", "/v1/report", "/v1/leave")) else self.port
         return http_request("127.0.0.1", port, method, path, b"", headers)
 
     def close(self) -> None:
