@@ -106,13 +106,15 @@ class PathFollower:
         for table in (self.runs, self.results, self.pushed):
             for gone in set(table) - current:
                 del table[gone]
+        for peer, run in list(self.runs.items()):
+            instruction = self.instructions.get(peer)
+            if not run.started and (instruction is None or instruction.punch != run.punch):
+                del self.runs[peer]  # the coordinator dropped or replaced this try before it began
         for peer, instruction in self.instructions.items():
             punch = instruction.punch
-            if punch is None or self.results.get(peer, (None, False))[0] == punch.id:
+            if punch is None or peer in self.runs or self.results.get(peer, (None, False))[0] == punch.id:
                 continue
-            run = self.runs.get(peer)
-            if run is None or (not run.started and run.punch.id != punch.id):
-                self.runs[peer] = TryRun(peer, punch)
+            self.runs[peer] = TryRun(peer, punch)
 
     def busy(self) -> frozenset[str]:
         """Peers the roster reconcile must leave alone: a try is on the device, or judged here but open at the coordinator.
@@ -200,8 +202,3 @@ class PathFollower:
         return MemberReport(
             lan=lan, relay=relay, peers=peers, tries=dict(self.results), relay_ports=dict(relay_ports or {})
         )
-
-    def path_of(self, peer: str) -> str | None:
-        """The path the coordinator gave for ``peer``, or ``None`` when it gave none."""
-        instruction = self.instructions.get(peer)
-        return instruction.path if instruction is not None else None

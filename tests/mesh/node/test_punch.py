@@ -137,3 +137,12 @@ def test_reports_list_only_instructed_peers() -> None:
     other = replace(BEFORE, public_key=OTHER)
     report = follower.report(DeviceStatus(None, 51820, (BEFORE, other)), (), True)
     assert set(report.peers) == {PEER} and report.relay is True
+
+
+def test_a_try_the_coordinator_dropped_before_it_began_is_not_run() -> None:
+    follower = _follower(PathInstruction("relay", RELAY, PUNCH))
+    follower.follow({PEER: PathInstruction("relay", RELAY, None)}, [PEER])
+    assert follower.runs == {} and follower.due(AT, DeviceStatus(None, 51820, (BEFORE,))) == []
+    newer = replace(PUNCH, id=9, at=AT + 20)
+    follower.follow({PEER: PathInstruction("relay", RELAY, newer)}, [PEER])
+    assert follower.runs[PEER].punch == newer
