@@ -139,16 +139,19 @@ def _run_jobs(args: argparse.Namespace) -> int:
 def _run_plan(args: argparse.Namespace) -> int:
     import json
 
+    from shardpool.data.hub import local_model_dir, with_local_sources
     from shardpool.plan.config_plan import load_config_with_overrides, plan_for_config
     from shardpool.plan.fleet import load_fleet
     from shardpool.plan.result import plan_table
 
     config = load_config_with_overrides(args.config, args.set)
     if args.fleet:
-        plan = plan_for_config(config, fleet=load_fleet(args.fleet), model_path=args.model)
+        model_path = args.model or str(local_model_dir(config.base_model, config_only=True))
+        plan = plan_for_config(config, fleet=load_fleet(args.fleet), model_path=model_path)
     else:
         from shardpool.plan.profiler import TorchProbe
 
+        config = with_local_sources(config)  # the local devices are profiled with the real layer
         plan = plan_for_config(config, probe=TorchProbe(), model_path=args.model)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))

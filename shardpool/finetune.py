@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,8 @@ from shardpool.console import print_placement, print_result, training_progress
 from shardpool.contract.events import StageEvent
 from shardpool.contract.job import Job, StagePlacement
 from shardpool.contract.names import resolve_inside
+from shardpool.data.chat import use_config_chat_template
+from shardpool.data.hub import with_local_sources
 from shardpool.data.prepare import prepare_data
 from shardpool.data.prepared_file import save_prepared
 from shardpool.data.rows import PreparedData
@@ -80,6 +82,9 @@ class PreparedRun:
     first_step: int = 0
     eval_before: float | None = None
     tokenizer: PreTrainedTokenizerBase | None = None
+    base_model_reference: str | None = (
+        None  # what the adapter names as its base: a hub id or an absolute path
+    )
 
 
 def finetune_from_file(
@@ -92,8 +97,10 @@ def finetune_from_file(
 def finetune(config: Config, *, resume: bool = False, console: Console | None = None) -> Path:
     """Train ``config`` on its stages (local processes, or mesh members) and return the adapter directory."""
     console = console or Console()
+    as_written, config = config, with_local_sources(config)
+    reference = base_model_reference(as_written.base_model)
     launcher = launcher_for(config, say=console.print, probe=TorchProbe())
-    run = prepare_run(config, resume=resume, planner=launcher.plan)
+    run = replace(prepare_run(config, resume=resume, planner=launcher.plan), base_model_reference=reference)
     run_dir = _write_run_inputs(run, console)
     inputs = job_inputs(config, run_dir, run.resume_from)
     with launcher.serving(inputs, Path(config.output_dir)) as files_url:
@@ -105,8 +112,8 @@ def finetune(config: Config, *, resume: bool = False, console: Console | None = 
         record = _train(console, run, job, start=lambda on_event: launcher.start(job, job_file, on_event))
         del store
     card = render_model_card(
-        config,
-        base_model=base_model_reference(config.base_model),
+        as_written,
+        base_model=reference,
         target_modules=run.lora.target_modules,
         placements=run.placements,
         outcome=record.outcome(run.total_steps),
@@ -127,6 +134,7 @@ def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Pla
     tokenizer = load_tokenizer(config.base_model)
     if config.special_tokens is not None:
         apply_special_tokens(tokenizer, config.special_tokens.as_settings(), source=config.base_model)
+    use_config_chat_template(config, tokenizer)
     data = prepare_data(config, tokenizer)
     total_steps = len(config_step_batches(config, len(data.train), replicas=config.shardpool.replicas))
     resume_from = ckpt.resume_point(
@@ -205,7 +213,7 @@ def _train(console: Console, run: PreparedRun, job: Job, *, start: Callable[[OnE
                     resolve_inside(output_dir, event["partial"], "checkpoint directory"),
                     step=event["step"],
                     settings=run.lora,
-                    base_model=run.config.base_model,
+                    base_model=run.base_model_reference or run.config.base_model,
                     extra={"eval_before": event.get("eval_before"), "total_steps": run.total_steps},
                 )
                 progress.say(f"checkpoint saved: {final}")
@@ -214,7 +222,9 @@ def _train(console: Console, run: PreparedRun, job: Job, *, start: Callable[[OnE
             elif kind == StageEvent.FINAL_WRITTEN:
                 final_dir = resolve_inside(output_dir, event["directory"], "final adapter directory")
                 lora = ckpt.merge_stage_lora(final_dir)
-                write_adapter(output_dir, lora, run.lora, base_model=run.config.base_model)
+                write_adapter(
+                    output_dir, lora, run.lora, base_model=run.base_model_reference or run.config.base_model
+                )
                 if run.tokenizer is not None:
                     save_tokenizer(run.tokenizer, output_dir, scratch_parent=output_dir / RUN_DIR_NAME)
                 shutil.rmtree(final_dir, ignore_errors=True)

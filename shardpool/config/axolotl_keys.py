@@ -66,7 +66,6 @@ def _keys(
 _NOT_BUILT = "not built in shardpool; remove it (or set it to null)"
 _SHARDS_ITSELF = "shardpool splits the model into pipeline stages itself; remove it"
 _LOGGING = "only output_dir/metrics.jsonl is written; remove it (or leave it empty)"
-_CHAT = "chat data is not supported yet; use `type: alpaca` or `type: completion` datasets"
 _TOKENS = (
     "adding tokens to the vocabulary is not supported (a frozen NF4 base cannot train new embeddings); "
     "`special_tokens` may name tokens the tokenizer already has"
@@ -181,18 +180,17 @@ _GROUPS: list[list[AxolotlKey]] = [
         accepted=("truncate",),
     ),
     _keys(
-        "sage_attention s2_attention "
-        "flash_attn_cross_entropy flash_attn_rms_norm flash_attn_fuse_mlp flash_optimum "
-        "gemma4_hybrid_attn_impl large_head_attention flash_attn_d512 sdpa_varlen fused_attn_kernel "
-        "scaling_softmax",
+        "sage_attention s2_attention flash_optimum "
+        "gemma4_hybrid_attn_impl large_head_attention flash_attn_d512 sdpa_varlen scaling_softmax",
         "when_off",
         "attention uses transformers' sdpa, not this kernel; set it to false or remove it",
     ),
     _keys(
         "lora_mlp_kernel lora_qkv_kernel lora_o_kernel lora_embedding_kernel chunked_cross_entropy "
-        "tiled_mlp use_kernels torch_compile",
-        "when_off",
-        "fused or compiled kernels are not used; set it to false or remove it",
+        "tiled_mlp use_kernels torch_compile fused_attn_kernel flash_attn_cross_entropy flash_attn_rms_norm "
+        "flash_attn_fuse_mlp",
+        "ignored",
+        "a fused or compiled kernel for the same math; shardpool runs the plain layers (same result, its own speed)",
     ),
     _keys(
         "tokenizer_use_fast",
@@ -249,9 +247,19 @@ _GROUPS: list[list[AxolotlKey]] = [
         "hub_model_id hub_strategy hub_revision", "when_off", "pushing to a hub is not supported; remove it"
     ),
     _keys(
-        "chat_template chat_template_jinja chat_template_kwargs eot_tokens default_system_message",
+        "chat_template_kwargs",
         "when_off",
-        _CHAT,
+        "no extra variables are passed to the chat template; remove it",
+    ),
+    _keys(
+        "eot_tokens",
+        "when_off",
+        "turn ends are trained through the tokenizer's eos token only (`train_on_eos`); remove it",
+    ),
+    _keys(
+        "default_system_message",
+        "when_off",
+        "no system message is added to conversations; put it in the data",
     ),
     _keys(
         "tokens added_tokens_overrides fix_untrained_tokens resize_token_embeddings_to_32x shrink_embeddings",

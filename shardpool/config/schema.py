@@ -18,6 +18,8 @@ from shardpool.config.problems import Check, Problem
 __all__ = [
     "Config",
     "DatasetSpec",
+    "CHAT_TYPES",
+    "CHAT_TEMPLATE_NAMES",
     "BnbConfig",
     "SpecialTokens",
     "ShardpoolSection",
@@ -52,28 +54,125 @@ def _raise_unless_collecting(checks: list[Check], info: ValidationInfo) -> None:
         raise ValueError(checks[0].message)
 
 
+#: Dataset types whose rows are conversations, rendered through a chat template.
+CHAT_TYPES = ("chat_template", "sharegpt")
+#: ``chat_template`` names shardpool resolves itself; any other value must be jinja text.
+CHAT_TEMPLATE_NAMES = ("chatml", "tokenizer_default", "tokenizer_default_fallback_chatml", "jinja")
+#: The dataset keys that only apply to chat datasets.
+CHAT_DATASET_KEYS = (
+    "field_messages", "message_property_mappings", "message_field_role", "message_field_content",
+    "roles", "roles_to_train", "train_on_eos", "drop_system_message", "chat_template",
+    "chat_template_jinja",
+)  # fmt: skip
+
+
+def chat_template_problems(choice: str | None, jinja: str | None) -> list[str]:
+    """What is wrong with a ``chat_template`` / ``chat_template_jinja`` pair (top level or dataset)."""
+    found: list[str] = []
+    if choice == "jinja" and not jinja:
+        found.append("`chat_template: jinja` needs the template in `chat_template_jinja`")
+    if jinja and choice not in (None, "jinja"):
+        found.append(
+            f"`chat_template_jinja` is used only with `chat_template: jinja` (or no `chat_template`), "
+            f"not `{choice if len(choice or '') < 40 else 'a jinja string'}`; remove one of them"
+        )
+    if choice and choice not in CHAT_TEMPLATE_NAMES and not looks_like_jinja(choice):
+        found.append(
+            f"chat_template `{choice}` is not built into shardpool; use `tokenizer_default` (the base "
+            "model's own template), `chatml`, or the template's jinja text in `chat_template_jinja`"
+        )
+    return found
+
+
+def looks_like_jinja(text: str) -> bool:
+    """True for a ``chat_template`` value that is a template itself rather than a name."""
+    return "{{" in text or "{%" in text
+
+
 class DatasetSpec(_Strict):
     """One JSONL (or JSON array) dataset. ``type`` absent means pre-tokenized rows with ``input_ids``."""
 
-    path: str = Field(description="a .jsonl file (one JSON object per line) or a .json array of objects")
-    type: Literal["alpaca", "completion"] | None = Field(
+    path: str = Field(
+        description="a .jsonl/.json/.parquet/.csv file, a directory of them, or a Hugging Face dataset id"
+    )
+    ds_type: Literal["json", "parquet", "csv", "arrow"] | None = Field(
+        default=None, description="the file format when the suffix does not say it"
+    )
+    data_files: str | list[str] | None = Field(
+        default=None, description="which files of a directory or hub dataset to read (glob patterns)"
+    )
+    split: str | None = Field(
+        default=None, description="which split of a directory or hub dataset (default: train)"
+    )
+    name: str | None = Field(default=None, description="the configuration (subset) of a hub dataset")
+    type: Literal["alpaca", "completion", "chat_template", "sharegpt"] | None = Field(
         default=None,
-        description="alpaca: instruction/input/output; completion: one text field; absent: pre-tokenized",
+        description="alpaca: instruction/input/output; completion: one text field; chat_template / "
+        "sharegpt: conversations; absent: pre-tokenized",
     )
     field: str | None = Field(
         default=None, description="the text field of a completion dataset (default: text)"
     )
+    field_messages: str | None = Field(
+        default=None,
+        description="the row field holding the messages (default: messages; sharegpt: conversations)",
+    )
+    message_property_mappings: dict[str, str] | None = Field(
+        default=None,
+        description="message property -> field of the row's messages (default: role: role, content: "
+        "content; sharegpt: role: from, content: value)",
+    )
+    message_field_role: str | None = Field(
+        default=None, description="older spelling of message_property_mappings.role"
+    )
+    message_field_content: str | None = Field(
+        default=None, description="older spelling of message_property_mappings.content"
+    )
+    roles: dict[str, list[str]] | None = Field(
+        default=None,
+        description="role -> the source values that mean it (default: user: [human, user], "
+        "assistant: [gpt, assistant], system: [system], tool: [tool])",
+    )
+    roles_to_train: list[str] | None = Field(
+        default=None, description="roles whose turns are trained (default: [assistant])"
+    )
+    train_on_eos: Literal["turn", "all", "last", "none"] | None = Field(
+        default=None,
+        description="which eos tokens are trained: after each trained turn (turn, default), after "
+        "every turn (all), after the last trained turn (last), none",
+    )
+    drop_system_message: bool | None = Field(default=None, description="leave out a leading system message")
+    chat_template: str | None = Field(
+        default=None, description="this dataset's chat template (default: the top-level one)"
+    )
+    chat_template_jinja: str | None = Field(
+        default=None, description="this dataset's jinja template text (or a path to a .jinja file)"
+    )
+
+    @property
+    def is_chat(self) -> bool:
+        """Whether the rows are conversations rendered through a chat template."""
+        return self.type in CHAT_TYPES
 
     def checks(self) -> list[Check]:
         """The rules across this dataset's keys that it breaks."""
+        found: list[str] = []
         if self.field is not None and self.type != "completion":
-            return [
-                Check(
-                    ("datasets",),
-                    "`field` only applies to `type: completion`; remove it or set `type: completion`",
+            found.append("`field` only applies to `type: completion`; remove it or set `type: completion`")
+        given = [key for key in CHAT_DATASET_KEYS if getattr(self, key) is not None]
+        if given and not self.is_chat:
+            found.append(
+                f"`{given[0]}` only applies to `type: chat_template` or `type: sharegpt`; remove it or set the type"
+            )
+        mappings = self.message_property_mappings or {}
+        for name, legacy in (("role", self.message_field_role), ("content", self.message_field_content)):
+            if legacy is not None and mappings.get(name, legacy) != legacy:
+                found.append(
+                    f"`message_field_{name}: {legacy}` and `message_property_mappings.{name}: "
+                    f"{mappings[name]}` disagree; keep one"
                 )
-            ]
-        return []
+        found += chat_template_problems(self.chat_template, self.chat_template_jinja)
+        return [Check(("datasets",), message) for message in found]
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> DatasetSpec:
@@ -211,7 +310,8 @@ class Config(_Strict):
     )
     sample_packing: bool = Field(default=False, description="pack several short rows into one sequence")
     train_on_inputs: bool = Field(
-        default=False, description="also train on the prompt tokens of alpaca rows (not only the response)"
+        default=False,
+        description="also train on the prompt tokens of alpaca rows, and on every turn of a conversation",
     )
     shuffle_merged_datasets: bool = Field(default=True, description="shuffle rows (seeded) before batching")
     curriculum_sampling: bool = Field(
@@ -276,6 +376,14 @@ class Config(_Strict):
     logging_steps: int = Field(default=1, ge=1, description="write metrics every this many steps")
     bf16: bool | Literal["auto"] = Field(default=False, description="compute in bfloat16")
     fp16: bool = Field(default=False, description="compute in float16")
+    chat_template: str | None = Field(
+        default=None,
+        description="chat template of chat datasets: chatml, tokenizer_default (the default), "
+        "tokenizer_default_fallback_chatml, jinja, or jinja text",
+    )
+    chat_template_jinja: str | None = Field(
+        default=None, description="jinja template text (or a path to a .jinja file) for chat datasets"
+    )
     shardpool: ShardpoolSection = Field(default_factory=ShardpoolSection, description="shardpool's own keys")
 
     def checks(self) -> list[Check]:
@@ -341,7 +449,12 @@ class Config(_Strict):
                 "remove it or use cosine",
             ),
         ]
-        return [Check(keys, message) for broken, keys, message in rules if broken]
+        found = [Check(keys, message) for broken, keys, message in rules if broken]
+        found += [
+            Check(("chat_template", "chat_template_jinja"), message)
+            for message in chat_template_problems(self.chat_template, self.chat_template_jinja)
+        ]
+        return found
 
     def problems(self, source: str) -> list[tuple[Check, Problem]]:
         """Every rule this config breaks, nested sections included, each with its problem line."""
