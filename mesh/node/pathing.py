@@ -26,7 +26,15 @@ from mesh.relay.allocations import AllocationRequest
 from mesh.relay.service import RelayService
 from mesh.wireguard.backend import DeviceStatus
 
-__all__ = ["CoordinatorPaths", "MemberRelay", "RelayPorts", "ServiceRelay", "bind_host", "member_relays"]
+__all__ = [
+    "CoordinatorPaths",
+    "MemberRelay",
+    "RelayPorts",
+    "ServiceRelay",
+    "bind_host",
+    "member_relays",
+    "start_relay",
+]
 
 log = logging.getLogger("shardpool.mesh.pathing")
 
@@ -82,6 +90,23 @@ def member_relays(roster: Roster, reports: Mapping[str, MemberReport]) -> dict[s
         except MeshError as error:
             log.warning("relay member %s: %s", member.name, error)
     return found
+
+
+def start_relay(endpoint: str, ports: range) -> ServiceRelay | None:
+    """Start a relay for the machine whose endpoint is ``endpoint``; ``None`` (logged) when it cannot resolve.
+
+    It binds the endpoint host when that is an address of this machine (else every address),
+    and members send to the endpoint's IP.
+    """
+    try:
+        announced = parse_endpoint(resolve_endpoint(endpoint))[0]
+    except MeshError as error:
+        log.error("not relaying: %s", error)
+        return None
+    service = RelayService(bind_host(announced), ports)
+    service.start()
+    log.info("relaying member pairs on %s, UDP ports %d-%d", announced, ports[0], ports[-1])
+    return ServiceRelay(service, announced)
 
 
 class CoordinatorPaths:
@@ -159,12 +184,10 @@ class MemberRelay:
         """Make the live allocations equal ``requests``; a failing relay serves nothing (logged)."""
         try:
             if self.service is None:
-                if not requests:
+                relay = start_relay(self.endpoint, self.ports) if requests else None
+                if relay is None:
                     return
-                host = parse_endpoint(resolve_endpoint(self.endpoint))[0]
-                self.service = RelayService(bind_host(host), self.ports)
-                self.service.start()
-                log.info("relaying member pairs on %s, UDP ports %d-%d", host, self.ports[0], self.ports[-1])
+                self.service = relay.service
             granted = self.service.apply(requests)
         except MeshError as error:
             log.error("relay: %s", error)

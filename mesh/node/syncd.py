@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from mesh.addresses import parse_endpoint, resolve_endpoint
+from mesh.addresses import parse_endpoint
 from mesh.control.client import Revoked, SyncReply, check_membership, send_report, sync_roster
 from mesh.control.coordinator import CoordinatorService, start_join_server, start_roster_server
 from mesh.control.model import Roster
@@ -34,7 +34,7 @@ from mesh.http.server import HTTPServer
 from mesh.node.candidates import local_candidates
 from mesh.node.config import MeshConfig, load_config
 from mesh.node.member import apply_roster, backend_for, load_cached_roster, run_tries, save_cached_roster
-from mesh.node.pathing import CoordinatorPaths, MemberRelay, ServiceRelay, bind_host
+from mesh.node.pathing import CoordinatorPaths, MemberRelay, ServiceRelay, start_relay
 from mesh.node.punch import PathFollower
 from mesh.relay.service import RelayService
 from mesh.state import StatePaths
@@ -94,24 +94,12 @@ class SyncDaemon:
         )
 
     def _relay(self) -> ServiceRelay | None:
-        """Start the relay this coordinator serves member pairs through (unless ``--no-relay``).
-
-        It binds the endpoint host when that is an address of this machine (else every address),
-        and members send to the endpoint's IP.
-        """
+        """Start the relay this coordinator serves member pairs through (unless ``--no-relay``)."""
         if not self.config.relay:
             return None
-        try:
-            announced, _ = parse_endpoint(resolve_endpoint(self.config.coordinator_endpoint))
-        except MeshError as error:
-            log.error("not relaying: %s", error)
-            return None
-        service = RelayService(bind_host(announced), self.config.relay_port_range)
-        service.start()
-        self.relay_service = service
-        first, last = self.config.relay_ports
-        log.info("relaying member pairs on %s, UDP ports %d-%d", announced, first, last)
-        return ServiceRelay(service, announced)
+        relay = start_relay(self.config.coordinator_endpoint, self.config.relay_port_range)
+        self.relay_service = relay.service if relay is not None else None
+        return relay
 
     def _fetch(self) -> SyncReply:
         if self.config.is_coordinator:
