@@ -13,7 +13,8 @@ NAT mapping of its WireGuard socket) and each member's latest :class:`MemberRepo
   observed endpoints. Starting relayed and upgrading is what Tailscale does with DERP.
 * Both sides report ok for the try: the pair takes the tried path and its relay is freed.
   Either reports not ok, or no answer by ``at + window + 3 * sync_interval``: the pair stays
-  relayed and tries again :data:`RETRY_S` later, forever.
+  relayed and tries again :data:`RETRY_S` later, forever, or at once when an observed
+  endpoint changes (a router rebooted or changed its kind of NAT).
 * A direct or LAN pair whose observed endpoint changes (a laptop moved, a router rebooted) or
   whose sides both report no handshake for :data:`STALE_HANDSHAKE_S` goes back to the relay and
   punches again at once.
@@ -177,8 +178,10 @@ class PathPlanner:
             if seen == state.observed and not self._stale(state, now, reports):
                 return
             state.mode, state.next_try_at = fallback, now
-        elif state.mode != fallback:
-            state.mode = fallback  # the relay was switched on or off
+        else:
+            state.mode = fallback  # the same, unless the relay was switched on or off
+            if seen != state.observed:
+                state.next_try_at = now  # a NAT changed (rebooted, or a new kind): try again at once
         state.observed = seen
         if now >= state.next_try_at:
             self._start_try(state, now, reports)

@@ -241,3 +241,16 @@ def test_member_relays_never_carry_their_own_pair_and_keep_a_pair_in_place() -> 
     placed = place_on_members(wants, [A, C])
     assert placed == {C: wants}
     assert place_on_members(wants, [C, A]) == placed
+
+
+def test_a_relayed_pair_whose_observed_endpoint_changes_tries_again_at_once() -> None:
+    planner = PathPlanner()
+    _step(planner, T0)
+    try_id = _plan(planner)[A][B].punch.id
+    _step(planner, T0 + 8, _ok(try_id, a=False))
+    _step(planner, T0 + 10)
+    assert _plan(planner)[A][B].punch is None
+    moved = {**OBSERVED, B: "203.0.113.20:51820"}
+    _step(planner, T0 + 12, observed=moved)
+    retry = _plan(planner)[A][B].punch
+    assert retry is not None and retry.endpoint == "203.0.113.20:51820"
