@@ -58,6 +58,7 @@ from shardpool.model.lora import LoraSettings, base_model_reference, lora_settin
 from shardpool.model.shape import ModelInfo, check_sequence_len, check_stage_count, read_model_info
 from shardpool.plan.profiler import TorchProbe
 from shardpool.plan.result import Plan
+from shardpool.trackers import Trackers, check_trackers, open_trackers
 from shardpool.train import checkpoint as ckpt
 from shardpool.train.rendezvous import rendezvous_store
 from shardpool.train.runfiles import DATA_INPUT, job_inputs
@@ -110,6 +111,7 @@ def finetune(
     """
     console = console or Console()
     events = events or RunEvents()
+    check_trackers(config)
     as_written, config = config, with_local_sources(config)
     reference = base_model_reference(as_written.base_model)
     launcher = launcher_for(config, say=console.print, probe=TorchProbe(), agent_socket=agent_socket)
@@ -166,9 +168,18 @@ def _finetune_holding_output_dir(
             run, inputs=inputs, master_addr=launcher.address, master_port=store.port, files_url=files_url
         )
         job_file = write_job(job, run_dir)
-        record = _train(
-            console, events, run, job, start=lambda on_event: launcher.start(job, job_file, on_event)
-        )
+        trackers = open_trackers(as_written, Path(config.output_dir))
+        try:
+            record = _train(
+                console,
+                events,
+                run,
+                job,
+                start=lambda on_event: launcher.start(job, job_file, on_event),
+                trackers=trackers,
+            )
+        finally:
+            trackers.close()
         del store
     card = render_model_card(
         as_written,
@@ -258,13 +269,20 @@ def _write_run_inputs(run: PreparedRun, console: Console) -> Path:
 
 
 def _train(
-    console: Console, events: RunEvents, run: PreparedRun, job: Job, *, start: Callable[[OnEvent], None]
+    console: Console,
+    events: RunEvents,
+    run: PreparedRun,
+    job: Job,
+    *,
+    start: Callable[[OnEvent], None],
+    trackers: Trackers | None = None,
 ) -> RunRecord:
     """Start the stages with ``start`` and relay their events until all finish; return what was recorded."""
     output_dir = Path(job.output_dir)
     record = RunRecord(
-        output_dir, run.config.logging_steps, run.total_steps, run.first_step, eval_before=job.eval_before
-    )
+        output_dir, run.config.logging_steps, run.total_steps, run.first_step, eval_before=job.eval_before,
+        on_metrics=trackers.log if trackers is not None else None,
+    )  # fmt: skip
     with training_progress(
         console,
         total_steps=run.total_steps,

@@ -373,6 +373,22 @@ class Config(_Strict):
     evals_per_epoch: int | None = Field(
         default=None, ge=1, description="eval loss this many times per epoch (instead of eval_steps)"
     )
+    use_tensorboard: bool = Field(
+        default=False,
+        description="also write metrics as TensorBoard events to output_dir/runs (extra: tensorboard)",
+    )
+    use_wandb: bool | None = Field(
+        default=None, description="log to W&B (default: when wandb_project is set)"
+    )
+    wandb_project: str | None = Field(
+        default=None, description="W&B project to log metrics to (extra: wandb)"
+    )
+    wandb_entity: str | None = Field(default=None, description="W&B team or user")
+    wandb_name: str | None = Field(default=None, description="W&B run name")
+    wandb_run_id: str | None = Field(default=None, description="W&B run id (to continue a run)")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        default=None, description="W&B mode (default: WANDB_MODE, else online)"
+    )
     logging_steps: int = Field(default=1, ge=1, description="write metrics every this many steps")
     bf16: bool | Literal["auto"] = Field(default=False, description="compute in bfloat16")
     fp16: bool = Field(default=False, description="compute in float16")
