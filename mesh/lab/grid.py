@@ -9,12 +9,13 @@ what their routers do; the pure helpers at the end read pings.
 
 from __future__ import annotations
 
+import json
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from mesh.lab.base import Lab
+from mesh.lab.base import Host, Lab
 
 __all__ = [
     "STANDARD_GRID",
@@ -24,6 +25,7 @@ __all__ = [
     "expected_path",
     "form_grid_mesh",
     "longest_loss_s",
+    "mesh_identity",
     "pairs",
     "received_sequences",
 ]
@@ -101,22 +103,39 @@ def build_grid(
 
 
 def form_grid_mesh(
-    lab: Lab, sites: Iterable[Site] = STANDARD_GRID, *, agent: bool = False
+    lab: Lab,
+    sites: Iterable[Site] = STANDARD_GRID,
+    *,
+    agent: bool = False,
+    on_joined: Callable[[str, float], None] | None = None,
 ) -> dict[str, float]:
     """``mesh init`` on the coordinator, then ``mesh join`` on every other site (none with ``--endpoint``).
 
-    Returns, per label, the ``time.monotonic()`` at which its init or join command returned.
+    Returns, per label, the ``time.monotonic()`` at which its init or join command returned;
+    ``on_joined(label, that_time)`` is called as each one does (a benchmark starts its clocks there).
     """
     listed = list(sites)
     coordinator = next(site for site in listed if site.coordinator)
     joined: dict[str, float] = {}
+
+    def done(label: str) -> None:
+        joined[label] = time.monotonic()
+        if on_joined is not None:
+            on_joined(label, joined[label])
+
     token = lab.init_mesh(lab.hosts[coordinator.label], uses=len(listed) - 1, agent=agent)
-    joined[coordinator.label] = time.monotonic()
+    done(coordinator.label)
     for site in listed:
         if not site.coordinator:
             lab.join_mesh(lab.hosts[site.label], token, endpoint=False, agent=agent)
-            joined[site.label] = time.monotonic()
+            done(site.label)
     return joined
+
+
+def mesh_identity(host: Host) -> tuple[str, str]:
+    """(mesh address, public key) of a host that has joined, from its saved state (no subprocess)."""
+    state = json.loads((host.home / "mesh.json").read_text())
+    return state["address"], state["public_key"]
 
 
 _SEQUENCE = re.compile(r"icmp_seq=(\d+)")

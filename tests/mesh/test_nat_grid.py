@@ -34,6 +34,7 @@ from mesh.lab.grid import (
     expected_path,
     form_grid_mesh,
     longest_loss_s,
+    mesh_identity,
     pairs,
     received_sequences,
 )
@@ -108,11 +109,9 @@ def grid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Grid]:
     with Lab(tmp_path_factory.mktemp("nat-grid")) as lab:
         build_grid(lab)
         joined = form_grid_mesh(lab)
-        addresses = {label: _status(lab, label)["address"] for label in SITES}
-        keys = {
-            label: json.loads((lab.hosts[label].home / "mesh.json").read_text())["public_key"]
-            for label in SITES
-        }
+        identities = {label: mesh_identity(lab.hosts[label]) for label in SITES}
+        addresses = {label: address for label, (address, _) in identities.items()}
+        keys = {label: key for label, (_, key) in identities.items()}
         nat = {label: kind for label, (kind, _) in STANDARD_ROUTERS.items()}
         yield Grid(lab, addresses, keys, max(joined.values()), nat)
 
