@@ -33,9 +33,11 @@ from shardpool.console import print_placement, print_result, training_progress
 from shardpool.contract.events import StageEvent
 from shardpool.contract.job import Job, StagePlacement
 from shardpool.contract.names import resolve_inside
+from shardpool.data.chat import use_config_chat_template
 from shardpool.data.prepare import prepare_data
 from shardpool.data.prepared_file import save_prepared
 from shardpool.data.rows import PreparedData
+from shardpool.data.special_tokens import apply_special_tokens
 from shardpool.data.steps import config_step_batches
 from shardpool.data.tokenizing import load_tokenizer, save_tokenizer
 from shardpool.launch.model_card import render_model_card, write_model_card
@@ -124,9 +126,17 @@ def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Pla
     lora = lora_settings(config)
     check_stage_count(config, model)
     tokenizer = load_tokenizer(config.base_model)
+    if config.special_tokens is not None:
+        apply_special_tokens(tokenizer, config.special_tokens.as_settings(), source=config.base_model)
+    use_config_chat_template(config, tokenizer)
     data = prepare_data(config, tokenizer)
     total_steps = len(config_step_batches(config, len(data.train), replicas=config.shardpool.replicas))
-    resume_from = ckpt.resume_point(Path(config.output_dir), resume=resume)
+    resume_from = ckpt.resume_point(
+        Path(config.output_dir),
+        resume=resume,
+        explicit=config.resume_from_checkpoint,
+        auto=config.auto_resume_from_checkpoints,
+    )
     plan = planner(config)
     placements = [
         StagePlacement(start=stage.start, stop=stage.stop, device=stage.device, host=stage.host)

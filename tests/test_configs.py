@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shardpool.config import AXOLOTL_KEYS, Config, load_config
+from shardpool.config import AXOLOTL_KEYS, Config, DatasetSpec, load_config
 from shardpool.config.docs_table import TABLE_END, TABLE_START, axolotl_keys_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,12 +79,8 @@ def test_docs_cover_every_key() -> None:
     text = (REPO / "docs" / "config.md").read_text(encoding="utf-8")
     sections = {"": Config, "shardpool.": Config.model_fields["shardpool"].annotation}
     keys = [prefix + name for prefix, model in sections.items() for name in model.model_fields]
-    keys += [
-        "datasets[].path",
-        "datasets[].type",
-        "datasets[].field",
-        "bnb_config_kwargs.bnb_4bit_quant_type",
-    ]
+    keys += [f"datasets[].{name}" for name in DatasetSpec.model_fields]
+    keys += ["bnb_config_kwargs.bnb_4bit_quant_type"]
     missing = [key for key in keys + list(AXOLOTL_KEYS) if f"`{key}`" not in text]
     assert not missing
 

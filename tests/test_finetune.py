@@ -326,7 +326,7 @@ def test_output_dir_loads_by_itself_from_any_directory(
 
 
 @pytest.mark.slow
-def test_resume_from_a_step_n_checkpoint_of_an_earlier_version(
+def test_resume_from_a_step_n_checkpoint_of_an_earlier_version_or_a_named_one(
     tmp_path: Path, tiny_model: Path, completion_data: Path
 ) -> None:
     overrides: dict[str, Any] = {"max_steps": 2, "save_steps": 1, "shardpool": {"stages": 2}}
@@ -347,6 +347,19 @@ def test_resume_from_a_step_n_checkpoint_of_an_earlier_version(
     first_adapter = load_file(str(first / "adapter_model.safetensors"))
     assert resumed_adapter.keys() == first_adapter.keys()
     assert max(float((resumed_adapter[k] - first_adapter[k]).abs().max()) for k in first_adapter) < 1e-6
+    # axolotl's `resume_from_checkpoint:` continues from a named checkpoint, into a new output_dir too.
+    named = finetune(
+        parse_config(
+            base_config(
+                tiny_model, completion_data, tmp_path / "named", **overrides,
+                resume_from_checkpoint=str(first / "checkpoints" / "checkpoint-1"),
+            )
+        ),
+        console=Console(quiet=True),
+    )  # fmt: skip
+    assert [record["step"] for record in read_metrics(named)] == [2]
+    named_adapter = load_file(str(named / "adapter_model.safetensors"))
+    assert max(float((named_adapter[k] - first_adapter[k]).abs().max()) for k in first_adapter) < 1e-6
 
 
 def test_rendezvous_store_serves_on_its_host_only(tmp_path: Path) -> None:

@@ -25,7 +25,15 @@ from mesh.control.client import request_join, send_leave
 from mesh.control.model import RosterEntry, check_name
 from mesh.control.roster import RosterStore
 from mesh.errors import MeshError
-from mesh.node.config import DEFAULT_KEEPALIVE, DEFAULT_MTU, MeshConfig, load_config, save_config
+from mesh.node.config import (
+    DEFAULT_KEEPALIVE,
+    DEFAULT_MTU,
+    MeshConfig,
+    default_relay_ports,
+    load_config,
+    parse_relay_ports,
+    save_config,
+)
 from mesh.node.member import bring_down, bring_up, save_cached_roster, start_syncd
 from mesh.state import StatePaths
 from mesh.units import parse_duration
@@ -45,12 +53,14 @@ def cmd_init(args: argparse.Namespace) -> int:
     name = check_name(args.name or default_name())
     mtu = checked_mtu(args.mtu) or DEFAULT_MTU
     parse_duration(args.ttl)
+    listen_port = args.listen_port or endpoint_port
+    relay = not getattr(args, "no_relay", False)
+    relay_ports = _relay_ports(args, relay, listen_port, "--no-relay")
     require_root("init")
     backend = choose_backend(args.backend)
     paths.ensure()
     private_key = generate_private_key()
     own_key = public_key(private_key)
-    listen_port = args.listen_port or endpoint_port
     address = first_address(network)
     config = MeshConfig(
         role="coordinator",
@@ -69,6 +79,8 @@ def cmd_init(args: argparse.Namespace) -> int:
         coordinator_endpoint=args.endpoint,
         coordinator_address=address,
         api_port=listen_port,
+        relay=relay,
+        relay_ports=relay_ports,
     )
     try:
         write_private_key(paths.private_key, private_key)
@@ -93,18 +105,24 @@ def cmd_init(args: argparse.Namespace) -> int:
     print(f"Created mesh {config.mesh_id} ({config.cidr}) with {backend} WireGuard on {interface}.")
     print(f"This machine is {name!r} at {address}; the coordinator listens on {args.endpoint} (UDP and TCP).")
     print(agent_line)
+    print(_relay_line(config))
     print_token(token, args.ttl, args.uses)
     return 0
 
 
 def cmd_join(args: argparse.Namespace) -> int:
     """Join a mesh with a token: local keys, authenticated exchange, interface, background sync."""
+    relay = bool(getattr(args, "relay", False))
+    if relay and not args.endpoint:
+        raise MeshError("--relay needs --endpoint: members can only use a relay they can reach")
+    endpoint_port = parse_endpoint(args.endpoint)[1] if args.endpoint else None
+    listen_port = args.listen_port or endpoint_port or WIREGUARD_PORT
+    relay_ports = _relay_ports(args, relay, listen_port, "no --relay")
     token = read_join_token(args.token, args.token_file)
     token.check_not_expired()
     paths = state_paths(args)
     require_no_mesh(paths)
     interface = parse_interface_name(args.interface)
-    endpoint_port = parse_endpoint(args.endpoint)[1] if args.endpoint else None
     name = check_name(args.name or default_name())
     mtu = checked_mtu(args.mtu)
     require_root("join")
@@ -128,13 +146,15 @@ def cmd_join(args: argparse.Namespace) -> int:
         address=result.member.address,
         public_key=own_key,
         endpoint=args.endpoint,
-        listen_port=args.listen_port or endpoint_port or WIREGUARD_PORT,
+        listen_port=listen_port,
         mtu=mtu or result.mtu,
         keepalive=result.keepalive,
         coordinator_key=token.coordinator_key,
         coordinator_endpoint=token.endpoint,
         coordinator_address=result.coordinator_address,
         api_port=result.api_port,
+        relay=relay,
+        relay_ports=relay_ports,
     )
     save_config(paths, config)
     save_cached_roster(paths, result.roster)
@@ -152,7 +172,27 @@ def cmd_join(args: argparse.Namespace) -> int:
     )
     print(f"{peers} peer{'s' if peers != 1 else ''} configured; the roster stays in sync in the background.")
     print(agent_choice(paths, args.no_agent))
+    if config.relay:
+        print(_relay_line(config))
     return 0
+
+
+def _relay_ports(args: argparse.Namespace, relay: bool, listen_port: int, off: str) -> tuple[int, int]:
+    """The relay's port range from ``--relay-ports``, else the default; refused when no relay runs."""
+    text = getattr(args, "relay_ports", None)
+    if text is None:
+        return default_relay_ports(listen_port)
+    if not relay:
+        raise MeshError(f"--relay-ports has no effect with {off}: drop one of them")
+    return parse_relay_ports(text, listen_port)
+
+
+def _relay_line(config: MeshConfig) -> str:
+    """One line saying whether this machine relays, and which UDP ports to open for it."""
+    if not config.relay:
+        return "No relay here (--no-relay): pairs that cannot connect directly need a `mesh join --relay` member."
+    first, last = config.relay_ports
+    return f"This machine relays for members that cannot connect directly: open UDP ports {first}-{last}."
 
 
 def _delete_state(paths: StatePaths) -> None:

@@ -69,6 +69,16 @@ def _add_subcommands(mesh: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not start the shardpool agent (no remote training stages here)",
     )
+    init.add_argument(
+        "--no-relay",
+        action="store_true",
+        help="do not relay WireGuard traffic for members that cannot reach each other directly",
+    )
+    init.add_argument(
+        "--relay-ports",
+        metavar="FIRST-LAST",
+        help="UDP ports the relay may open, two per relayed pair (default: the 256 ports above --listen-port)",
+    )
     init.set_defaults(handler=cmd_init)
 
     invite = sub.add_parser(
@@ -133,6 +143,17 @@ def _add_subcommands(mesh: argparse.ArgumentParser) -> None:
         "--no-agent",
         action="store_true",
         help="do not start the shardpool agent (no remote training stages here)",
+    )
+    join.add_argument(
+        "--relay",
+        action="store_true",
+        help="also relay WireGuard traffic for members that cannot reach each other directly "
+        "(needs --endpoint: the relay must be reachable)",
+    )
+    join.add_argument(
+        "--relay-ports",
+        metavar="FIRST-LAST",
+        help="with --relay: UDP ports the relay may open (default: the 256 ports above --listen-port)",
     )
     join.set_defaults(handler=cmd_join)
 

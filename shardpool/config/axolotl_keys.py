@@ -7,7 +7,7 @@ with one of two treatments:
   path, a setting of a feature that is off); any value is accepted and dropped.
 * ``when_off``: the key changes the run when it is on. Its "off" values are accepted and dropped:
   null, an empty string, list or mapping, ``false`` (where false means off) and the values listed
-  in ``accepted`` (what shardpool already does, e.g. ``attn_implementation: sdpa``). Any other
+  in ``accepted`` (what shardpool already does, e.g. ``pad_to_sequence_len: true``). Any other
   value is refused in one line that says why and what to do.
 
 docs/config.md has the same table for people; a test keeps the two equal.
@@ -66,8 +66,10 @@ def _keys(
 _NOT_BUILT = "not built in shardpool; remove it (or set it to null)"
 _SHARDS_ITSELF = "shardpool splits the model into pipeline stages itself; remove it"
 _LOGGING = "only output_dir/metrics.jsonl is written; remove it (or leave it empty)"
-_CHAT = "chat data is not supported yet; use `type: alpaca` or `type: completion` datasets"
-_TOKENS = "adding or changing tokens is not supported yet; the base model's tokenizer is used as it is"
+_TOKENS = (
+    "adding tokens to the vocabulary is not supported (a frozen NF4 base cannot train new embeddings); "
+    "`special_tokens` may name tokens the tokenizer already has"
+)
 
 _GROUPS: list[list[AxolotlKey]] = [
     # ----- hints: they never change what is computed ---------------------------------------------
@@ -177,28 +179,19 @@ _GROUPS: list[list[AxolotlKey]] = [
         "rows longer than sequence_len are truncated; set `excess_length_strategy: truncate`",
         accepted=("truncate",),
     ),
-    _keys("sdp_attention", "when_off", "attention uses transformers' sdpa already", accepted=(True,)),
     _keys(
-        "attn_implementation",
-        "when_off",
-        "attention uses transformers' sdpa; set `attn_implementation: sdpa` or remove it",
-        accepted=("sdpa",),
-    ),
-    _keys(
-        "flash_attention xformers_attention flex_attention sage_attention eager_attention s2_attention "
-        "flash_attn_cross_entropy flash_attn_rms_norm flash_attn_fuse_mlp flash_optimum "
-        "gemma4_hybrid_attn_impl large_head_attention flash_attn_d512 sdpa_varlen fused_attn_kernel "
-        "scaling_softmax",
+        "sage_attention s2_attention flash_optimum "
+        "gemma4_hybrid_attn_impl large_head_attention flash_attn_d512 sdpa_varlen scaling_softmax",
         "when_off",
         "attention uses transformers' sdpa, not this kernel; set it to false or remove it",
     ),
     _keys(
         "lora_mlp_kernel lora_qkv_kernel lora_o_kernel lora_embedding_kernel chunked_cross_entropy "
-        "tiled_mlp use_kernels torch_compile",
-        "when_off",
-        "fused or compiled kernels are not used; set it to false or remove it",
+        "tiled_mlp use_kernels torch_compile fused_attn_kernel flash_attn_cross_entropy flash_attn_rms_norm "
+        "flash_attn_fuse_mlp",
+        "ignored",
+        "a fused or compiled kernel for the same math; shardpool runs the plain layers (same result, its own speed)",
     ),
-    _keys("tf32", "when_off", "fp32 matmuls stay full fp32 (TF32 off); set `tf32: false`"),
     _keys(
         "tokenizer_use_fast",
         "when_off",
@@ -242,11 +235,6 @@ _GROUPS: list[list[AxolotlKey]] = [
         accepted=("no",),
     ),
     _keys(
-        "resume_from_checkpoint auto_resume_from_checkpoints",
-        "when_off",
-        "use `shardpool finetune CONFIG --resume` instead",
-    ),
-    _keys(
         "wandb_project wandb_entity wandb_name wandb_run_id wandb_mode wandb_watch wandb_log_model "
         "use_wandb use_mlflow mlflow_tracking_uri mlflow_experiment_name mlflow_run_name "
         "hf_mlflow_log_artifacts use_comet comet_api_key comet_workspace comet_project_name "
@@ -259,13 +247,22 @@ _GROUPS: list[list[AxolotlKey]] = [
         "hub_model_id hub_strategy hub_revision", "when_off", "pushing to a hub is not supported; remove it"
     ),
     _keys(
-        "chat_template chat_template_jinja chat_template_kwargs eot_tokens default_system_message",
+        "chat_template_kwargs",
         "when_off",
-        _CHAT,
+        "no extra variables are passed to the chat template; remove it",
     ),
     _keys(
-        "special_tokens tokens added_tokens_overrides fix_untrained_tokens resize_token_embeddings_to_32x "
-        "shrink_embeddings",
+        "eot_tokens",
+        "when_off",
+        "turn ends are trained through the tokenizer's eos token only (`train_on_eos`); remove it",
+    ),
+    _keys(
+        "default_system_message",
+        "when_off",
+        "no system message is added to conversations; put it in the data",
+    ),
+    _keys(
+        "tokens added_tokens_overrides fix_untrained_tokens resize_token_embeddings_to_32x shrink_embeddings",
         "when_off",
         _TOKENS,
     ),

@@ -6,6 +6,7 @@ holds exactly this text.
 
 from __future__ import annotations
 
+from shardpool.config.attention import ATTENTION_FLAGS
 from shardpool.config.axolotl_keys import AXOLOTL_KEYS
 from shardpool.config.schema import Config
 
@@ -21,6 +22,10 @@ def axolotl_keys_table() -> str:
         f"| `{name}` | supported | a shardpool key (see the tables above) |"
         for name in sorted(Config.model_fields)
         if name != "shardpool"
+    ]
+    rows += [
+        f"| `{flag}` | supported | `true` asks for `attn_implementation: {name}` (a device that cannot run it uses sdpa) |"
+        for flag, name in sorted(ATTENTION_FLAGS.items())
     ]
     for rule in sorted(AXOLOTL_KEYS.values(), key=lambda rule: (rule.treatment, rule.name)):
         if rule.treatment == "ignored":

@@ -24,6 +24,7 @@ BITSANDBYTES_DEVICES = frozenset({"cuda"})
 
 _BITSANDBYTES: dict[str, Builder] = {
     "adamw_bnb_8bit": "bnb_adamw_8bit",
+    "adamw_8bit": "bnb_adamw_8bit",  # axolotl's other name for it
     "paged_adamw_8bit": "bnb_paged_adamw_8bit",
     "paged_adamw_32bit": "bnb_paged_adamw_32bit",
 }

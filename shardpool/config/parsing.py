@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from shardpool.config.attention import ATTENTION_FLAGS
 from shardpool.config.axolotl_keys import AXOLOTL_KEYS, is_off
 from shardpool.config.problems import Problem, problems_error
 from shardpool.config.schema import COLLECT_PROBLEMS, Config, DatasetSpec
@@ -26,15 +27,23 @@ __all__ = ["load_config", "parse_config", "AXOLOTL_DATASET_KEYS"]
 #: Keys of an axolotl dataset entry that DatasetSpec lacks: accepted when null or empty, else refused.
 AXOLOTL_DATASET_KEYS: dict[str, str] = dict.fromkeys(
     (
-        "split input_transform shards shards_idx preprocess_shards conversation chat_template "
-        "chat_template_jinja data_files input_format name field_human field_model field_messages "
-        "field_tools field_thinking template_thinking_key message_field_role message_field_content "
-        "message_property_mappings message_field_training message_field_training_detail split_thinking "
-        "logprobs_field temperature roles_to_train train_on_eos train_on_eot roles drop_system_message "
-        "trust_remote_code revision"
+        "split input_transform shards shards_idx preprocess_shards data_files input_format name "
+        "trust_remote_code revision logprobs_field temperature"
     ).split(),
-    "not built in shardpool yet; datasets are local .jsonl/.json files of alpaca, completion or "
-    "pre-tokenized rows (docs/data.md)",
+    "not built in shardpool yet; datasets are local .jsonl/.json files (docs/data.md)",
+)
+AXOLOTL_DATASET_KEYS.update(
+    dict.fromkeys(
+        (
+            "field_human field_model field_tools field_thinking template_thinking_key "
+            "message_field_training message_field_training_detail split_thinking train_on_eot"
+        ).split(),
+        "not built for chat datasets yet; turns are trained by `roles_to_train` and `train_on_eos` "
+        "(docs/data.md)",
+    )
+)
+AXOLOTL_DATASET_KEYS["conversation"] = (
+    "fastchat conversation templates are not built; set `chat_template: chatml` (or another template) instead"
 )
 AXOLOTL_DATASET_KEYS["ds_type"] = "the format is read from the file name; use `ds_type: json` or remove it"
 
@@ -108,7 +117,7 @@ def _dataset_without_noops(entry: Any, index: int, problems: list[Problem]) -> A
 
 def _normalized(data: dict[str, Any], problems: list[Problem]) -> dict[str, Any]:
     """axolotl spellings in shardpool's form: numbers written as strings, ``all-linear``."""
-    normalized = _coerce_numbers(data)
+    normalized = _attention_flags_folded(_coerce_numbers(data), problems)
     targets = normalized.get("lora_target_modules")
     if targets == "all-linear" or targets == ["all-linear"]:
         if normalized.get("lora_target_linear") is False:
@@ -124,6 +133,27 @@ def _normalized(data: dict[str, Any], problems: list[Problem]) -> dict[str, Any]
         problems.append(Problem("lora_target_modules", message, message))
         del normalized["lora_target_modules"]
     return normalized
+
+
+def _attention_flags_folded(data: dict[str, Any], problems: list[Problem]) -> dict[str, Any]:
+    """axolotl's boolean attention keys (``flash_attention: true``) as one ``attn_implementation``."""
+    folded = {key: value for key, value in data.items() if key not in ATTENTION_FLAGS}
+    asked = {flag: data[flag] for flag in ATTENTION_FLAGS if flag in data and not is_off(data[flag])}
+    for flag, value in asked.items():
+        if value is not True and value is not False:
+            message = f"`{flag}` is true or false, got {value!r}; fix its value"
+            problems.append(Problem(flag, message, message))
+    wanted = {ATTENTION_FLAGS[flag] for flag, value in asked.items() if value is True}
+    if "attn_implementation" in data and not is_off(data["attn_implementation"]):
+        wanted.add(data["attn_implementation"])
+    if len(wanted) > 1:
+        keys = [flag for flag, value in asked.items() if value is True]
+        keys += ["attn_implementation"] if "attn_implementation" in data else []
+        message = f"{', '.join(f'`{key}`' for key in keys)} ask for different attention kernels; keep one"
+        problems.append(Problem(keys[0], message, message))
+    elif wanted:
+        folded["attn_implementation"] = wanted.pop()
+    return folded
 
 
 def _coerce_numbers(raw: dict[str, Any]) -> dict[str, Any]:

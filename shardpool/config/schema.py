@@ -8,16 +8,20 @@ collects them with every other problem, and a model built directly raises on the
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
+from shardpool.config.attention import AttentionName
 from shardpool.config.problems import Check, Problem
 
 __all__ = [
     "Config",
     "DatasetSpec",
+    "CHAT_TYPES",
+    "CHAT_TEMPLATE_NAMES",
     "BnbConfig",
+    "SpecialTokens",
     "ShardpoolSection",
     "COLLECT_PROBLEMS",
     "OPTIMIZERS",
@@ -28,7 +32,12 @@ __all__ = [
 COLLECT_PROBLEMS = {"collect_problems": True}
 
 OptimizerName = Literal[
-    "adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"
+    "adamw_torch",
+    "adamw_torch_fused",
+    "adamw_bnb_8bit",
+    "adamw_8bit",
+    "paged_adamw_8bit",
+    "paged_adamw_32bit",
 ]
 SchedulerName = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 OPTIMIZERS: tuple[str, ...] = OptimizerName.__args__
@@ -45,28 +54,113 @@ def _raise_unless_collecting(checks: list[Check], info: ValidationInfo) -> None:
         raise ValueError(checks[0].message)
 
 
+#: Dataset types whose rows are conversations, rendered through a chat template.
+CHAT_TYPES = ("chat_template", "sharegpt")
+#: ``chat_template`` names shardpool resolves itself; any other value must be jinja text.
+CHAT_TEMPLATE_NAMES = ("chatml", "tokenizer_default", "tokenizer_default_fallback_chatml", "jinja")
+#: The dataset keys that only apply to chat datasets.
+CHAT_DATASET_KEYS = (
+    "field_messages", "message_property_mappings", "message_field_role", "message_field_content",
+    "roles", "roles_to_train", "train_on_eos", "drop_system_message", "chat_template",
+    "chat_template_jinja",
+)  # fmt: skip
+
+
+def chat_template_problems(choice: str | None, jinja: str | None) -> list[str]:
+    """What is wrong with a ``chat_template`` / ``chat_template_jinja`` pair (top level or dataset)."""
+    found: list[str] = []
+    if choice == "jinja" and not jinja:
+        found.append("`chat_template: jinja` needs the template in `chat_template_jinja`")
+    if jinja and choice not in (None, "jinja"):
+        found.append(
+            f"`chat_template_jinja` is used only with `chat_template: jinja` (or no `chat_template`), "
+            f"not `{choice if len(choice or '') < 40 else 'a jinja string'}`; remove one of them"
+        )
+    if choice and choice not in CHAT_TEMPLATE_NAMES and not looks_like_jinja(choice):
+        found.append(
+            f"chat_template `{choice}` is not built into shardpool; use `tokenizer_default` (the base "
+            "model's own template), `chatml`, or the template's jinja text in `chat_template_jinja`"
+        )
+    return found
+
+
+def looks_like_jinja(text: str) -> bool:
+    """True for a ``chat_template`` value that is a template itself rather than a name."""
+    return "{{" in text or "{%" in text
+
+
 class DatasetSpec(_Strict):
     """One JSONL (or JSON array) dataset. ``type`` absent means pre-tokenized rows with ``input_ids``."""
 
     path: str = Field(description="a .jsonl file (one JSON object per line) or a .json array of objects")
-    type: Literal["alpaca", "completion"] | None = Field(
+    type: Literal["alpaca", "completion", "chat_template", "sharegpt"] | None = Field(
         default=None,
-        description="alpaca: instruction/input/output; completion: one text field; absent: pre-tokenized",
+        description="alpaca: instruction/input/output; completion: one text field; chat_template / "
+        "sharegpt: conversations; absent: pre-tokenized",
     )
     field: str | None = Field(
         default=None, description="the text field of a completion dataset (default: text)"
     )
+    field_messages: str | None = Field(
+        default=None,
+        description="the row field holding the messages (default: messages; sharegpt: conversations)",
+    )
+    message_property_mappings: dict[str, str] | None = Field(
+        default=None,
+        description="message property -> field of the row's messages (default: role: role, content: "
+        "content; sharegpt: role: from, content: value)",
+    )
+    message_field_role: str | None = Field(
+        default=None, description="older spelling of message_property_mappings.role"
+    )
+    message_field_content: str | None = Field(
+        default=None, description="older spelling of message_property_mappings.content"
+    )
+    roles: dict[str, list[str]] | None = Field(
+        default=None,
+        description="role -> the source values that mean it (default: user: [human, user], "
+        "assistant: [gpt, assistant], system: [system], tool: [tool])",
+    )
+    roles_to_train: list[str] | None = Field(
+        default=None, description="roles whose turns are trained (default: [assistant])"
+    )
+    train_on_eos: Literal["turn", "all", "last", "none"] | None = Field(
+        default=None,
+        description="which eos tokens are trained: after each trained turn (turn, default), after "
+        "every turn (all), after the last trained turn (last), none",
+    )
+    drop_system_message: bool | None = Field(default=None, description="leave out a leading system message")
+    chat_template: str | None = Field(
+        default=None, description="this dataset's chat template (default: the top-level one)"
+    )
+    chat_template_jinja: str | None = Field(
+        default=None, description="this dataset's jinja template text (or a path to a .jinja file)"
+    )
+
+    @property
+    def is_chat(self) -> bool:
+        """Whether the rows are conversations rendered through a chat template."""
+        return self.type in CHAT_TYPES
 
     def checks(self) -> list[Check]:
         """The rules across this dataset's keys that it breaks."""
+        found: list[str] = []
         if self.field is not None and self.type != "completion":
-            return [
-                Check(
-                    ("datasets",),
-                    "`field` only applies to `type: completion`; remove it or set `type: completion`",
+            found.append("`field` only applies to `type: completion`; remove it or set `type: completion`")
+        given = [key for key in CHAT_DATASET_KEYS if getattr(self, key) is not None]
+        if given and not self.is_chat:
+            found.append(
+                f"`{given[0]}` only applies to `type: chat_template` or `type: sharegpt`; remove it or set the type"
+            )
+        mappings = self.message_property_mappings or {}
+        for name, legacy in (("role", self.message_field_role), ("content", self.message_field_content)):
+            if legacy is not None and mappings.get(name, legacy) != legacy:
+                found.append(
+                    f"`message_field_{name}: {legacy}` and `message_property_mappings.{name}: "
+                    f"{mappings[name]}` disagree; keep one"
                 )
-            ]
-        return []
+        found += chat_template_problems(self.chat_template, self.chat_template_jinja)
+        return [Check(("datasets",), message) for message in found]
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> DatasetSpec:
@@ -79,6 +173,24 @@ class BnbConfig(_Strict):
 
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field(default="nf4", description="4-bit data type")
     bnb_4bit_use_double_quant: bool = Field(default=True, description="quantize the absmax statistics too")
+
+
+class SpecialTokens(_Strict):
+    """axolotl's ``special_tokens``: which existing tokens serve as bos, eos, pad and unk."""
+
+    bos_token: str | None = Field(default=None, description="beginning-of-sequence token")
+    eos_token: str | None = Field(
+        default=None, description="end-of-sequence token (appended to trained rows)"
+    )
+    pad_token: str | None = Field(default=None, description="padding token (masked out of the loss)")
+    unk_token: str | None = Field(default=None, description="unknown-token token")
+    additional_special_tokens: list[str] | None = Field(
+        default=None, description="further tokens of the vocabulary to treat as special"
+    )
+
+    def as_settings(self) -> dict[str, str | list[str]]:
+        """The tokens that are set, as ``tokenizer.add_special_tokens`` takes them."""
+        return {key: value for key, value in self.model_dump().items() if value}
 
 
 class ShardpoolSection(_Strict):
@@ -167,7 +279,9 @@ class Config(_Strict):
     adapter: Literal["qlora", "lora"] = Field(
         default="qlora", description="qlora: NF4 base; lora: full-precision base"
     )
-    load_in_4bit: bool = Field(default=True, description="quantize the base to 4 bits (required by qlora)")
+    load_in_4bit: bool = Field(
+        default=True, description="quantize the base to 4 bits (unset: true for qlora, false for lora)"
+    )
     bnb_config_kwargs: BnbConfig = Field(default_factory=BnbConfig, description="bitsandbytes 4-bit settings")
     lora_r: int = Field(default=8, ge=1, description="LoRA rank")
     lora_alpha: float = Field(default=16, gt=0, description="LoRA scaling numerator (scale = alpha / r)")
@@ -184,7 +298,8 @@ class Config(_Strict):
     )
     sample_packing: bool = Field(default=False, description="pack several short rows into one sequence")
     train_on_inputs: bool = Field(
-        default=False, description="also train on the prompt tokens of alpaca rows (not only the response)"
+        default=False,
+        description="also train on the prompt tokens of alpaca rows, and on every turn of a conversation",
     )
     shuffle_merged_datasets: bool = Field(default=True, description="shuffle rows (seeded) before batching")
     curriculum_sampling: bool = Field(
@@ -215,6 +330,23 @@ class Config(_Strict):
     max_grad_norm: float = Field(default=1.0, ge=0.0, description="clip the global grad norm (0 disables)")
     seed: int = Field(default=42, description="seed for LoRA init, shuffling and dropout")
     gradient_checkpointing: bool = Field(default=False, description="recompute layer activations in backward")
+    attn_implementation: AttentionName = Field(
+        default="sdpa",
+        description="attention kernel (`flash_attention: true` asks for flash_attention_2); sdpa where a device cannot",
+    )
+    special_tokens: SpecialTokens | None = Field(
+        default=None, description="re-point bos/eos/pad/unk at tokens the tokenizer already has"
+    )
+    tf32: bool = Field(
+        default=False,
+        description="let fp32 matmuls use TF32 on NVIDIA Ampere or newer (faster, ~1e-3 relative error)",
+    )
+    resume_from_checkpoint: str | None = Field(
+        default=None, description="continue from this checkpoint directory (`--resume` takes the newest)"
+    )
+    auto_resume_from_checkpoints: bool = Field(
+        default=False, description="continue from the newest checkpoint in output_dir when there is one"
+    )
     output_dir: str = Field(default="./outputs/shardpool", description="where the adapter and logs go")
     save_steps: int | None = Field(default=None, ge=1, description="checkpoint every this many steps")
     saves_per_epoch: int | None = Field(
@@ -232,6 +364,14 @@ class Config(_Strict):
     logging_steps: int = Field(default=1, ge=1, description="write metrics every this many steps")
     bf16: bool | Literal["auto"] = Field(default=False, description="compute in bfloat16")
     fp16: bool = Field(default=False, description="compute in float16")
+    chat_template: str | None = Field(
+        default=None,
+        description="chat template of chat datasets: chatml, tokenizer_default (the default), "
+        "tokenizer_default_fallback_chatml, jinja, or jinja text",
+    )
+    chat_template_jinja: str | None = Field(
+        default=None, description="jinja template text (or a path to a .jinja file) for chat datasets"
+    )
     shardpool: ShardpoolSection = Field(default_factory=ShardpoolSection, description="shardpool's own keys")
 
     def checks(self) -> list[Check]:
@@ -297,7 +437,12 @@ class Config(_Strict):
                 "remove it or use cosine",
             ),
         ]
-        return [Check(keys, message) for broken, keys, message in rules if broken]
+        found = [Check(keys, message) for broken, keys, message in rules if broken]
+        found += [
+            Check(("chat_template", "chat_template_jinja"), message)
+            for message in chat_template_problems(self.chat_template, self.chat_template_jinja)
+        ]
+        return found
 
     def problems(self, source: str) -> list[tuple[Check, Problem]]:
         """Every rule this config breaks, nested sections included, each with its problem line."""
@@ -308,6 +453,14 @@ class Config(_Strict):
             ]
         found += [(check, check.problem(source, prefix="shardpool")) for check in self.shardpool.checks()]
         return found
+
+    @model_validator(mode="before")
+    @classmethod
+    def _quantize_by_adapter(cls, data: Any) -> Any:
+        """An unset ``load_in_4bit`` follows the adapter, as in axolotl: qlora quantizes, lora does not."""
+        if isinstance(data, dict) and data.get("load_in_4bit") is None:
+            return {**data, "load_in_4bit": data.get("adapter", "qlora") != "lora"}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> Config:

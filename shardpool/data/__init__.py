@@ -1,7 +1,8 @@
 """shardpool.data: a run's datasets, from JSON(L) files to the rows every stage trains on.
 
-It owns reading dataset files (:mod:`.reading`), checking the row formats (:mod:`.formats`),
-tokenizing and masking (:mod:`.tokenizing`), padding and packing (:mod:`.packing`), cutting the
+It owns reading dataset files (:mod:`.reading`), checking the row formats (:mod:`.formats`;
+conversations: :mod:`.conversations`), tokenizing and masking (:mod:`.tokenizing`; conversations
+through their chat template: :mod:`.chat`), padding and packing (:mod:`.packing`), cutting the
 train and eval splits (:mod:`.prepare`), the prepared-data file stages load
 (:mod:`.prepared_file`), and the step plan of row indices (:mod:`.steps`); :mod:`.rows` holds the
 shapes they pass along.

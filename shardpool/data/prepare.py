@@ -37,7 +37,14 @@ def prepare_data(config: Config, tokenizer: PreTrainedTokenizerBase) -> Prepared
     """
     samples: list[Sample] = []
     for index, spec in enumerate(config.datasets):
-        samples += dataset_samples(spec, index, tokenizer, train_on_inputs=config.train_on_inputs)
+        samples += dataset_samples(
+            spec,
+            index,
+            tokenizer,
+            train_on_inputs=config.train_on_inputs,
+            chat_template=config.chat_template,
+            chat_template_jinja=config.chat_template_jinja,
+        )
     samples, dropped, truncated = _truncate(samples, config.sequence_len)
     train, evals = _split(samples, config.val_set_size, config.seed)
     if config.shuffle_merged_datasets:

@@ -2,7 +2,8 @@
 
 An alpaca row trains only its response and eos (the prompt, and bos if the tokenizer adds one,
 get label -100), or every token with ``train_on_inputs: true``; a completion row trains every
-token; pre-tokenized rows keep their own labels.
+token; a conversation (``chat_template``, ``sharegpt``) trains the turns :mod:`shardpool.data.chat`
+picks; pre-tokenized rows keep their own labels.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from mesh.files import atomic_write
 from shardpool.config import DatasetSpec
+from shardpool.data.chat import chat_samples, resolve_chat_template
 from shardpool.data.formats import alpaca_texts, completion_texts, pretokenized_samples
 from shardpool.data.reading import read_rows
 from shardpool.data.rows import IGNORE_INDEX, Sample
@@ -55,13 +57,28 @@ def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase
 
 
 def dataset_samples(
-    spec: DatasetSpec, index: int, tokenizer: Any, *, train_on_inputs: bool = False
+    spec: DatasetSpec,
+    index: int,
+    tokenizer: Any,
+    *,
+    train_on_inputs: bool = False,
+    chat_template: str | None = None,
+    chat_template_jinja: str | None = None,
 ) -> list[Sample]:
     """Every row of the dataset ``datasets[index]``, read, checked and tokenized by its ``type``.
 
-    ``train_on_inputs`` (axolotl's key) trains alpaca rows on their prompt tokens too.
+    ``train_on_inputs`` (axolotl's key) trains alpaca rows on their prompt tokens too, and every
+    turn of a conversation. ``chat_template`` / ``chat_template_jinja`` are the config's top-level
+    template for chat datasets; a dataset's own ``chat_template`` (or ``chat_template_jinja``) wins.
     """
     rows = read_rows(spec, index)
+    if spec.is_chat:
+        if spec.chat_template or spec.chat_template_jinja:
+            chat_template, chat_template_jinja = spec.chat_template, spec.chat_template_jinja
+        template = resolve_chat_template(chat_template, chat_template_jinja, tokenizer)
+        return chat_samples(
+            rows, tokenizer, spec, template, train_on_inputs=train_on_inputs, label=f"datasets[{index}]"
+        )
     if spec.type == "alpaca":
         return _alpaca_samples(rows, tokenizer, train_on_inputs=train_on_inputs)
     if spec.type == "completion":

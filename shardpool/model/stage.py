@@ -70,6 +70,7 @@ class BaseSettings:
     double_quant: bool = True
     compute_dtype: str = "float32"
     gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
 
 
 def owned_tensor_names(spec: StageSpec, available: list[str], *, tie_word_embeddings: bool) -> list[str]:
@@ -199,6 +200,7 @@ def build_stage(
     owns_reader = reader is None
     reader = reader or WeightReader(model_dir)
     try:
+        hf_config._attn_implementation = base.attn_implementation
         model = _pruned_skeleton(hf_config, spec)
         _materialize(
             model,

@@ -60,13 +60,18 @@ DEFAULT_CORPUS: tuple[str, ...] = (
 
 
 def train_tokenizer(
-    corpus: Iterable[str], *, vocab_size: int | None = None, model_max_length: int = MAX_POSITIONS
+    corpus: Iterable[str],
+    *,
+    vocab_size: int | None = None,
+    model_max_length: int = MAX_POSITIONS,
+    extra_special_tokens: Sequence[str] = (),
 ):
     """Train a byte-level BPE tokenizer on ``corpus`` and wrap it for transformers.
 
     Byte-level BPE encodes any text losslessly, so decoding round-trips. The result adds ``<s>``
     in front of every encoded text (as Llama tokenizers do), ends nothing with ``</s>`` by itself,
-    and pads with a dedicated ``<pad>`` token distinct from eos.
+    and pads with a dedicated ``<pad>`` token distinct from eos. ``extra_special_tokens`` (e.g.
+    Llama 3's ``<|end_of_text|>``) are added to the vocabulary as whole tokens.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -79,7 +84,7 @@ def train_tokenizer(
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size or DEFAULT_VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *extra_special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -121,6 +126,8 @@ def make_tiny_llama(
     model_type: str = "llama",
     corpus: Sequence[str] | None = None,
     initializer_range: float = 0.02,
+    max_positions: int = MAX_POSITIONS,
+    extra_special_tokens: Sequence[str] = (),
 ) -> Path:
     """Write a tiny random causal LM plus its trained tokenizer to ``out_dir`` and return the path.
 
@@ -135,7 +142,12 @@ def make_tiny_llama(
 
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
-    tokenizer = train_tokenizer(DEFAULT_CORPUS if corpus is None else corpus, vocab_size=vocab_size)
+    tokenizer = train_tokenizer(
+        DEFAULT_CORPUS if corpus is None else corpus,
+        vocab_size=vocab_size,
+        model_max_length=max_positions,
+        extra_special_tokens=extra_special_tokens,
+    )
     config = _model_config(
         model_type,
         vocab_size=len(tokenizer),
@@ -145,7 +157,7 @@ def make_tiny_llama(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=hidden_size // num_heads,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         initializer_range=initializer_range,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,

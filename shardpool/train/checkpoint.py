@@ -184,14 +184,21 @@ def _record(directory: Path) -> dict[str, Any]:
     return json.loads((directory / "checkpoint.json").read_text(encoding="utf-8"))
 
 
-def resume_point(output_dir: str | Path, *, resume: bool) -> Path | None:
-    """The checkpoint a run starts from: the newest one with ``--resume``, else None.
+def resume_point(
+    output_dir: str | Path, *, resume: bool, explicit: str | Path | None = None, auto: bool = False
+) -> Path | None:
+    """The checkpoint a run starts from, or None for a fresh run.
 
-    ``--resume`` without a checkpoint is refused, and so is a fresh run into an ``output_dir``
-    that already holds checkpoints (it would mix two runs).
+    ``explicit`` (axolotl's ``resume_from_checkpoint``) names one; ``resume`` (``--resume``) takes
+    the newest in ``output_dir``, and ``auto`` (``auto_resume_from_checkpoints``) does the same
+    when there is one. ``--resume`` without a checkpoint is refused, and so is a fresh run into an
+    ``output_dir`` that already holds checkpoints (it would mix two runs), or an explicit
+    checkpoint older than the newest there (the newer ones would be overwritten out of order).
     """
     newest = newest_checkpoint(output_dir)
-    if resume:
+    if explicit is not None:
+        return _explicit_checkpoint(Path(explicit), newest)
+    if resume or (auto and newest is not None):
         if newest is None:
             raise ShardpoolError(
                 f"--resume: no checkpoint in {checkpoints_root(output_dir)}; run without --resume"
@@ -202,6 +209,24 @@ def resume_point(output_dir: str | Path, *, resume: bool) -> Path | None:
             f"{output_dir} already holds checkpoints; pass --resume to continue, or choose a new output_dir"
         )
     return None
+
+
+def _explicit_checkpoint(path: Path, newest: Path | None) -> Path:
+    if not (path / "checkpoint.json").is_file():
+        raise ShardpoolError(
+            f"resume_from_checkpoint {str(path)!r} is not a complete shardpool checkpoint (no checkpoint.json); "
+            "point it at OUTPUT_DIR/checkpoints/checkpoint-N"
+        )
+    if (
+        newest is not None
+        and newest.resolve() != path.resolve()
+        and checkpoint_step(newest) > checkpoint_step(path)
+    ):
+        raise ShardpoolError(
+            f"resume_from_checkpoint {path} (step {checkpoint_step(path)}) is older than {newest} in output_dir; "
+            "resume from the newest (--resume) or use a new output_dir"
+        )
+    return path
 
 
 def read_lora_and_optimizer(

@@ -46,6 +46,7 @@ from shardpool.model.lora import lora_settings
 from shardpool.model.nf4 import DTYPES
 from shardpool.model.stage import BaseSettings, StageSpec, build_stage
 from shardpool.train.evaluate import evaluate
+from shardpool.train.kernels import apply_tf32, stage_attention
 from shardpool.train.loss import gather_timings, label_tokens, reduce_and_clip_gradients
 from shardpool.train.optim import build_optimizer, build_scheduler
 from shardpool.train.pipeline import StagePipe
@@ -182,7 +183,9 @@ class StageWorker:
             double_quant=self.config.bnb_config_kwargs.bnb_4bit_use_double_quant,
             compute_dtype=self.config.compute_dtype_name,
             gradient_checkpointing=self.config.gradient_checkpointing,
+            attn_implementation=stage_attention(self.config, self.device),
         )
+        apply_tf32(self.config, self.device)
         if lora.init_from:
             lora = replace(lora, init_from=str(self.files.adapter_dir(INIT_ADAPTER_PREFIX)))
         with self.files.weight_reader() as reader:

@@ -306,3 +306,19 @@ def test_packed_samples_do_not_attend_across_their_boundary(tiny_model: Path) ->
         packed_logits = _pipeline_logits(stages, packed)
         alone_logits = _pipeline_logits(stages, alone)
     assert float((packed_logits[:, 5:] - alone_logits).abs().max()) < 1e-5
+
+
+def test_eager_attention_is_built_and_equals_sdpa(tiny_model: Path) -> None:
+    """`attn_implementation: eager` (axolotl's `eager_attention: true`) reaches the layers and changes no result."""
+    inputs = _inputs(vocab=int(json.loads((tiny_model / "config.json").read_text())["vocab_size"]))
+    logits = {}
+    for kernel in ("sdpa", "eager"):
+        stage = build_stage(
+            tiny_model, StageSpec(0, 1, 0, 6, "cpu"), BaseSettings(attn_implementation=kernel), LORA, seed=5
+        )
+        assert stage.hf_config._attn_implementation == kernel
+        _randomize_lora_b([stage])
+        logits[kernel] = stage(
+            inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"]
+        ).detach()
+    assert float((logits["sdpa"] - logits["eager"]).abs().max()) < 1e-4

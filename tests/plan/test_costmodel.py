@@ -144,11 +144,8 @@ def test_workload_from_config() -> None:
     assert (other.compute_bytes, other.wire_bytes, other.lora_targets) == (2, 4, ("q_proj",))
 
 
-@pytest.mark.slow
-@pytest.mark.timing
-def test_predictions_match_a_real_local_pipeline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The plan's per-stage compute time and peak memory are within 25% of a real CPU run."""
-    monkeypatch.setenv("SHARDPOOL_CACHE", str(tmp_path / "cache"))  # profile now, under this run's load
+def _profile_and_run(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, float]]:
+    """Profile afresh, train 12 steps on two 1-thread CPU stages, and pair each stage's plan with the run."""
     import statistics
 
     from rich.console import Console
@@ -158,27 +155,53 @@ def test_predictions_match_a_real_local_pipeline_run(tmp_path: Path, monkeypatch
     from shardpool.model.tinymodel import make_tiny_llama
     from tests.helpers.training import base_config, completion_rows, read_metrics, write_jsonl
 
+    monkeypatch.setenv("SHARDPOOL_CACHE", str(workdir / "cache"))  # profile now, under this run's load
     model = make_tiny_llama(
-        tmp_path / "model", num_layers=6, hidden_size=256, intermediate_size=768, num_heads=4, seed=4
+        workdir / "model", num_layers=6, hidden_size=256, intermediate_size=768, num_heads=4, seed=4
     )
-    data = write_jsonl(tmp_path / "data.jsonl", completion_rows(96))
+    data = write_jsonl(workdir / "data.jsonl", completion_rows(96))
     config = base_config(
-        model, data, tmp_path / "out", max_steps=12, val_set_size=0, sequence_len=64, micro_batch_size=4,
+        model, data, workdir / "out", max_steps=12, val_set_size=0, sequence_len=64, micro_batch_size=4,
         gradient_accumulation_steps=4, shardpool={"stages": 2, "devices": ["cpu", "cpu"], "threads_per_stage": 1},
     )  # fmt: skip
     output = finetune(parse_config(config), console=Console(quiet=True))
     plan = json.loads((output / "plan.json").read_text())
     summary = json.loads((output / "run_summary.json").read_text())
     metrics = read_metrics(output)[2:]  # the first steps warm up allocators and caches
-    for index, stage in enumerate(plan["stages"]):
-        measured_ms = statistics.median(record["stage_compute_s"][index] / 4 * 1000 for record in metrics)
-        predicted_ms = stage["compute_ms"]
-        measured_bytes = summary["ranks"][index]["peak_rss_bytes"]
-        print(json.dumps({"stage": index, "measured_ms": measured_ms, "predicted_ms": predicted_ms,
-                          "measured_peak_bytes": measured_bytes, "predicted_bytes": stage["memory_bytes"]}))  # fmt: skip
-        assert abs(measured_ms - predicted_ms) <= 0.25 * measured_ms, (index, measured_ms, predicted_ms)
-        assert abs(measured_bytes - stage["memory_bytes"]) <= 0.25 * measured_bytes, (
-            index,
-            measured_bytes,
-            stage,
-        )
+    return [
+        {
+            "stage": index,
+            "measured_ms": statistics.median(
+                record["stage_compute_s"][index] / 4 * 1000 for record in metrics
+            ),
+            "predicted_ms": stage["compute_ms"],
+            "measured_peak_bytes": summary["ranks"][index]["peak_rss_bytes"],
+            "predicted_bytes": stage["memory_bytes"],
+        }
+        for index, stage in enumerate(plan["stages"])
+    ]
+
+
+def _within(measured: float, predicted: float, tolerance: float = 0.25) -> bool:
+    return abs(measured - predicted) <= tolerance * measured
+
+
+@pytest.mark.slow
+@pytest.mark.timing
+def test_predictions_match_a_real_local_pipeline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan's per-stage compute time and peak memory are within 25% of a real CPU run.
+
+    Timing takes one fresh re-measurement (profile and run again) when the first is off: this
+    shared 2-core host drifts by up to a third from one minute to the next (a plain matmul loop
+    swings 52-85 it/s), which moved the run away from a profile taken a minute earlier in about one
+    CI run in three (77 ms measured against 56 ms predicted). A model that is really off fails both.
+    """
+    attempts = [_profile_and_run(tmp_path / "first", monkeypatch)]
+    if not all(_within(row["measured_ms"], row["predicted_ms"]) for row in attempts[0]):
+        attempts.append(_profile_and_run(tmp_path / "again", monkeypatch))
+    for attempt, rows in enumerate(attempts):
+        for row in rows:
+            print(json.dumps({"attempt": attempt, **row}))
+            assert _within(row["measured_peak_bytes"], row["predicted_bytes"]), row
+    for row in attempts[-1]:
+        assert _within(row["measured_ms"], row["predicted_ms"]), (len(attempts), row)

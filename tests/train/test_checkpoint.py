@@ -130,3 +130,32 @@ def test_prune_renames_then_removes_and_leaves_partials_alone(tmp_path: Path) ->
         "checkpoint-8.partial",
     ]
     assert ckpt.newest_checkpoint(tmp_path) == root / "checkpoint-6"
+
+
+def _fake_checkpoint(output_dir: Path, step: int) -> Path:
+    directory = output_dir / "checkpoints" / f"checkpoint-{step}"
+    directory.mkdir(parents=True)
+    (directory / "checkpoint.json").write_text(json.dumps({"step": step}))
+    return directory
+
+
+def test_resume_point_follows_resume_auto_and_an_explicit_checkpoint(tmp_path: Path) -> None:
+    empty, full, elsewhere = tmp_path / "empty", tmp_path / "full", tmp_path / "elsewhere"
+    older, newest = _fake_checkpoint(full, 2), _fake_checkpoint(full, 4)
+    given = _fake_checkpoint(elsewhere, 3)
+    assert ckpt.resume_point(empty, resume=False) is None
+    assert ckpt.resume_point(empty, resume=False, auto=True) is None, (
+        "auto-resume starts fresh when there is none"
+    )
+    assert ckpt.resume_point(full, resume=True) == newest
+    assert ckpt.resume_point(full, resume=False, auto=True) == newest
+    assert ckpt.resume_point(empty, resume=False, explicit=given) == given
+    assert ckpt.resume_point(full, resume=False, explicit=newest) == newest
+    with pytest.raises(ckpt.ShardpoolError, match="run without --resume"):
+        ckpt.resume_point(empty, resume=True)
+    with pytest.raises(ckpt.ShardpoolError, match="already holds checkpoints; pass --resume"):
+        ckpt.resume_point(full, resume=False)
+    with pytest.raises(ckpt.ShardpoolError, match=r"\(step 2\) is older than .*checkpoint-4"):
+        ckpt.resume_point(full, resume=False, explicit=older)
+    with pytest.raises(ckpt.ShardpoolError, match="not a complete shardpool checkpoint"):
+        ckpt.resume_point(empty, resume=False, explicit=tmp_path / "nowhere")

@@ -37,6 +37,8 @@ BASE: dict[str, Any] = {
         ("adamw_torch_fused", "cpu", True, "torch_adamw_fused", False),
         ("adamw_torch_fused", "hpu", True, "torch_adamw", True),
         ("adamw_bnb_8bit", "cuda", True, "bnb_adamw_8bit", False),
+        ("adamw_8bit", "cuda", True, "bnb_adamw_8bit", False),
+        ("adamw_8bit", "cpu", True, "torch_adamw", True),
         ("paged_adamw_8bit", "cuda", True, "bnb_paged_adamw_8bit", False),
         ("paged_adamw_32bit", "cuda", True, "bnb_paged_adamw_32bit", False),
         ("adamw_bnb_8bit", "cpu", True, "torch_adamw", True),
