@@ -6,7 +6,8 @@ and ublk on the internet, which sends UDP only to the relay. Every member joins 
 --endpoint, through the real CLI, without agents. The tests run top to bottom on that one grid:
 
 1. every pair pings over its mesh addresses within 30 s of the last join;
-2. ``mesh status --json`` on each member shows, for each peer, the path the grid implies
+2. within 45 s of the last join (room for one retry), ``mesh status --json`` on each member
+   shows, for each peer, the path the grid implies
    (lan / direct / relay; m3 <-> m4, both symmetric, is relayed);
 3. r3 turns cone: m3 <-> m4 goes direct within 60 s, and a ping every 0.2 s from m3 to m4
    never loses more than 5 s in a row meanwhile.
@@ -50,10 +51,13 @@ if SKIP:
     pytest.skip(SKIP, allow_module_level=True)
 
 CONNECT_S = 30.0
+PATHS_S = 45.0
+"""Room for one failed first try and its retry (the planner retries 20 s later)."""
 UPGRADE_S = 60.0
 PING_INTERVAL_S = 0.2
 MAX_LOSS_S = 5.0
 SITES = {site.label: site for site in STANDARD_GRID}
+MEASURED: dict[str, float] = {}
 
 
 @dataclass
@@ -83,9 +87,11 @@ def _paths_seen(grid: Grid, label: str) -> dict[str, str | None]:
 
 def _path_mismatches(grid: Grid, only: set[str] | None = None) -> list[str]:
     """'a -> b: status says X, the grid implies Y' for every ordered pair that differs."""
+    labels = sorted(only or SITES)
+    with ThreadPoolExecutor(max_workers=len(labels)) as pool:
+        views = dict(zip(labels, pool.map(lambda label: _paths_seen(grid, label), labels), strict=True))
     wrong = []
-    for label in only or SITES:
-        seen = _paths_seen(grid, label)
+    for label, seen in views.items():
         for other, site in SITES.items():
             if other != label and (only is None or other in only):
                 wanted = expected_path(SITES[label], site, grid.nat)
@@ -114,6 +120,7 @@ def grid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Grid]:
         keys = {label: key for label, (_, key) in identities.items()}
         nat = {label: kind for label, (kind, _) in STANDARD_ROUTERS.items()}
         yield Grid(lab, addresses, keys, max(joined.values()), nat)
+    print("\nmeasured:", json.dumps(MEASURED, indent=1))
 
 
 def test_every_pair_reaches_each_other_within_30s_of_the_last_join(grid: Grid) -> None:
@@ -130,6 +137,7 @@ def test_every_pair_reaches_each_other_within_30s_of_the_last_join(grid: Grid) -
 
     with ThreadPoolExecutor(max_workers=7) as pool:
         failed = [message for message in pool.map(connect, pairs(STANDARD_GRID)) if message]
+    MEASURED["all_pairs_ping_after_last_join_s"] = round(time.monotonic() - grid.last_join, 1)
     assert not failed, "\n".join(failed)
 
 
@@ -140,7 +148,8 @@ def test_status_shows_the_path_the_grid_implies_for_every_pair(grid: Grid) -> No
         mismatches[:] = _path_mismatches(grid)
         return not mismatches
 
-    assert _wait(settled, grid.last_join + CONNECT_S + 15, 1.0), "\n".join(mismatches)
+    assert _wait(settled, grid.last_join + PATHS_S, 1.0), "\n".join(mismatches)
+    MEASURED["all_paths_as_implied_after_last_join_s"] = round(time.monotonic() - grid.last_join, 1)
     assert expected_path(SITES["m3"], SITES["m4"], grid.nat) == "relay"
     rows = {row["public_key"]: row for row in _status(grid.lab, "m3")["members"]}
     m4 = rows[grid.keys["m4"]]
@@ -163,6 +172,7 @@ def test_a_symmetric_router_turned_cone_lets_the_pair_go_direct_without_a_long_g
         switched = time.monotonic()
         direct = _wait(lambda: not _path_mismatches(grid, {"m3", "m4"}), switched + UPGRADE_S, 1.0)
         upgrade_s = time.monotonic() - switched
+        MEASURED["upgrade_after_set_nat_s"] = round(upgrade_s, 1)
         time.sleep(3)
     finally:
         pinger.send_signal(signal.SIGINT)
@@ -171,4 +181,5 @@ def test_a_symmetric_router_turned_cone_lets_the_pair_go_direct_without_a_long_g
     answered, transmitted = received_sequences(output)
     assert transmitted, output[-500:]
     gap = longest_loss_s(answered, transmitted, PING_INTERVAL_S)
+    MEASURED["longest_ping_loss_s"] = round(gap, 1)
     assert gap <= MAX_LOSS_S, f"lost {gap:.1f} s of pings in a row (upgrade took {upgrade_s:.1f} s)"
