@@ -57,7 +57,7 @@ UPGRADE_S = 60.0
 PING_INTERVAL_S = 0.2
 MAX_LOSS_S = 5.0
 SITES = {site.label: site for site in STANDARD_GRID}
-MEASURED: dict[str, float] = {}
+MEASURED: dict[str, object] = {}
 
 
 @dataclass
@@ -143,13 +143,19 @@ def test_every_pair_reaches_each_other_within_30s_of_the_last_join(grid: Grid) -
 
 def test_status_shows_the_path_the_grid_implies_for_every_pair(grid: Grid) -> None:
     mismatches: list[str] = []
+    late: dict[str, float] = {}
 
     def settled() -> bool:
         mismatches[:] = _path_mismatches(grid)
+        for mismatch in mismatches:
+            late[mismatch.split(":")[0]] = round(time.monotonic() - grid.last_join, 1)
         return not mismatches
 
-    assert _wait(settled, grid.last_join + PATHS_S, 1.0), "\n".join(mismatches)
+    # Each round runs `mesh status` on all seven members: leave the CPU to the daemons in between.
+    settled_in_time = _wait(settled, grid.last_join + PATHS_S, 3.0)
     MEASURED["all_paths_as_implied_after_last_join_s"] = round(time.monotonic() - grid.last_join, 1)
+    MEASURED["last_seen_off_path_s"] = late
+    assert settled_in_time, "\n".join(mismatches)
     assert expected_path(SITES["m3"], SITES["m4"], grid.nat) == "relay"
     rows = {row["public_key"]: row for row in _status(grid.lab, "m3")["members"]}
     m4 = rows[grid.keys["m4"]]
