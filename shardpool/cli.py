@@ -34,6 +34,19 @@ def build_parser() -> argparse.ArgumentParser:
     finetune.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     finetune.set_defaults(handler=_run_finetune)
 
+    merge = commands.add_parser(
+        "merge", help="fold a trained adapter into its base model and save a plain Hugging Face model"
+    )
+    merge.add_argument("output_dir", help="a finetune output_dir (the adapter and its tokenizer)")
+    merge.add_argument("--out", required=True, help="a new directory for the merged model")
+    merge.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        default="bf16",
+        help="dtype of the merged weights (default bf16)",
+    )
+    merge.set_defaults(handler=_run_merge)
+
     jobs = commands.add_parser(
         "jobs", help="list, show or stop jobs started through this machine's agent (yours; root: all)"
     )
@@ -139,16 +152,19 @@ def _run_jobs(args: argparse.Namespace) -> int:
 def _run_plan(args: argparse.Namespace) -> int:
     import json
 
+    from shardpool.data.hub import local_model_dir, with_local_sources
     from shardpool.plan.config_plan import load_config_with_overrides, plan_for_config
     from shardpool.plan.fleet import load_fleet
     from shardpool.plan.result import plan_table
 
     config = load_config_with_overrides(args.config, args.set)
     if args.fleet:
-        plan = plan_for_config(config, fleet=load_fleet(args.fleet), model_path=args.model)
+        model_path = args.model or str(local_model_dir(config.base_model, config_only=True))
+        plan = plan_for_config(config, fleet=load_fleet(args.fleet), model_path=model_path)
     else:
         from shardpool.plan.profiler import TorchProbe
 
+        config = with_local_sources(config)  # the local devices are profiled with the real layer
         plan = plan_for_config(config, probe=TorchProbe(), model_path=args.model)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
@@ -156,6 +172,16 @@ def _run_plan(args: argparse.Namespace) -> int:
         from rich.console import Console
 
         Console().print(plan_table(plan))
+    return 0
+
+
+def _run_merge(args: argparse.Namespace) -> int:
+    from shardpool.model.merge import merge_adapter
+
+    out = merge_adapter(args.output_dir, args.out, dtype=args.dtype)
+    print(
+        f"merged {args.output_dir} into its base ({args.dtype}): {out}; load it with AutoModelForCausalLM.from_pretrained"
+    )
     return 0
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,7 @@ from shardpool.contract.events import StageEvent
 from shardpool.contract.job import Job, StagePlacement
 from shardpool.contract.names import resolve_inside
 from shardpool.data.chat import use_config_chat_template
+from shardpool.data.hub import with_local_sources
 from shardpool.data.prepare import prepare_data
 from shardpool.data.prepared_file import save_prepared
 from shardpool.data.rows import PreparedData
@@ -56,6 +57,7 @@ from shardpool.model.lora import LoraSettings, base_model_reference, lora_settin
 from shardpool.model.shape import ModelInfo, check_stage_count, read_model_info
 from shardpool.plan.profiler import TorchProbe
 from shardpool.plan.result import Plan
+from shardpool.trackers import Trackers, check_trackers, open_trackers
 from shardpool.train import checkpoint as ckpt
 from shardpool.train.rendezvous import rendezvous_store
 from shardpool.train.runfiles import DATA_INPUT, job_inputs
@@ -81,6 +83,9 @@ class PreparedRun:
     first_step: int = 0
     eval_before: float | None = None
     tokenizer: PreTrainedTokenizerBase | None = None
+    base_model_reference: str | None = (
+        None  # what the adapter names as its base: a hub id or an absolute path
+    )
 
 
 def finetune_from_file(
@@ -93,8 +98,11 @@ def finetune_from_file(
 def finetune(config: Config, *, resume: bool = False, console: Console | None = None) -> Path:
     """Train ``config`` on its stages (local processes, or mesh members) and return the adapter directory."""
     console = console or Console()
+    check_trackers(config)
+    as_written, config = config, with_local_sources(config)
+    reference = base_model_reference(as_written.base_model)
     launcher = launcher_for(config, say=console.print, probe=TorchProbe())
-    run = prepare_run(config, resume=resume, planner=launcher.plan)
+    run = replace(prepare_run(config, resume=resume, planner=launcher.plan), base_model_reference=reference)
     run_dir = _write_run_inputs(run, console)
     inputs = job_inputs(config, run_dir, run.resume_from)
     with launcher.serving(inputs, Path(config.output_dir)) as files_url:
@@ -103,11 +111,21 @@ def finetune(config: Config, *, resume: bool = False, console: Console | None = 
             run, inputs=inputs, master_addr=launcher.address, master_port=store.port, files_url=files_url
         )
         job_file = write_job(job, run_dir)
-        record = _train(console, run, job, start=lambda on_event: launcher.start(job, job_file, on_event))
+        trackers = open_trackers(as_written, Path(config.output_dir))
+        try:
+            record = _train(
+                console,
+                run,
+                job,
+                start=lambda on_event: launcher.start(job, job_file, on_event),
+                trackers=trackers,
+            )
+        finally:
+            trackers.close()
         del store
     card = render_model_card(
-        config,
-        base_model=base_model_reference(config.base_model),
+        as_written,
+        base_model=reference,
         target_modules=run.lora.target_modules,
         placements=run.placements,
         outcome=record.outcome(run.total_steps),
@@ -184,12 +202,20 @@ def _write_run_inputs(run: PreparedRun, console: Console) -> Path:
     return run_dir
 
 
-def _train(console: Console, run: PreparedRun, job: Job, *, start: Callable[[OnEvent], None]) -> RunRecord:
+def _train(
+    console: Console,
+    run: PreparedRun,
+    job: Job,
+    *,
+    start: Callable[[OnEvent], None],
+    trackers: Trackers | None = None,
+) -> RunRecord:
     """Start the stages with ``start`` and relay their events until all finish; return what was recorded."""
     output_dir = Path(job.output_dir)
     record = RunRecord(
-        output_dir, run.config.logging_steps, run.total_steps, run.first_step, eval_before=job.eval_before
-    )
+        output_dir, run.config.logging_steps, run.total_steps, run.first_step, eval_before=job.eval_before,
+        on_metrics=trackers.log if trackers is not None else None,
+    )  # fmt: skip
     with training_progress(
         console,
         total_steps=run.total_steps,
@@ -207,7 +233,7 @@ def _train(console: Console, run: PreparedRun, job: Job, *, start: Callable[[OnE
                     resolve_inside(output_dir, event["partial"], "checkpoint directory"),
                     step=event["step"],
                     settings=run.lora,
-                    base_model=run.config.base_model,
+                    base_model=run.base_model_reference or run.config.base_model,
                     extra={"eval_before": event.get("eval_before"), "total_steps": run.total_steps},
                 )
                 progress.say(f"checkpoint saved: {final}")
@@ -216,7 +242,9 @@ def _train(console: Console, run: PreparedRun, job: Job, *, start: Callable[[OnE
             elif kind == StageEvent.FINAL_WRITTEN:
                 final_dir = resolve_inside(output_dir, event["directory"], "final adapter directory")
                 lora = ckpt.merge_stage_lora(final_dir)
-                write_adapter(output_dir, lora, run.lora, base_model=run.config.base_model)
+                write_adapter(
+                    output_dir, lora, run.lora, base_model=run.base_model_reference or run.config.base_model
+                )
                 if run.tokenizer is not None:
                     save_tokenizer(run.tokenizer, output_dir, scratch_parent=output_dir / RUN_DIR_NAME)
                 shutil.rmtree(final_dir, ignore_errors=True)

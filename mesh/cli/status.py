@@ -1,5 +1,10 @@
-"""``mesh status`` (every member's address, handshake, traffic and reachability) and
-``mesh export-config`` (this machine's wg-quick file, for hand-managed machines).
+"""``mesh status`` (every member's address, path, endpoint, round trip, handshake, traffic and
+reachability) and ``mesh export-config`` (this machine's wg-quick file, for hand-managed machines).
+
+PATH is ``lan``, ``direct`` or ``relay`` as the coordinator's path planning last told this
+machine (``-`` while a pair has no path yet); peers it gives no instruction for (the coordinator,
+members with an ``--endpoint``) count as ``direct`` while their handshake is fresh. ENDPOINT is
+what the device uses now; RTT is one echo over the mesh address, so it measures that path.
 """
 
 from __future__ import annotations
@@ -15,26 +20,41 @@ from mesh.cli.common import print_table, state_paths
 from mesh.node.api import current_roster, device_status
 from mesh.node.config import MeshConfig, load_config
 from mesh.node.member import syncd_running
-from mesh.node.probe import probe_all
+from mesh.node.probe import probe_rtts
 from mesh.state import StatePaths, read_json
 from mesh.units import format_age, format_bytes
 from mesh.wireguard.keys import read_private_key
 from mesh.wireguard.wgquick import WgQuickConfig, WgQuickPeer, render_wgquick, write_wgquick
 
-__all__ = ["cmd_export_config", "cmd_status", "export_config"]
+__all__ = ["cmd_export_config", "cmd_status", "export_config", "path_of"]
+
+FRESH_HANDSHAKE_S = 180.0
+"""A peer without a path instruction counts as ``direct`` while its last handshake is this recent."""
+
+
+def path_of(instructed: str | None, handshake_age: float | None) -> str | None:
+    """The path to show for a peer: the coordinator's word, else ``direct`` on a fresh handshake."""
+    if instructed is not None:
+        return instructed if instructed in ("lan", "direct", "relay") else None
+    if handshake_age is not None and handshake_age <= FRESH_HANDSHAKE_S:
+        return "direct"
+    return None
 
 
 def _status_report(paths: StatePaths, config: MeshConfig) -> dict[str, Any]:
     roster = current_roster(paths, config)
     device = device_status(paths, config)
     others = [m.address for m in roster.members if m.public_key != config.public_key]
-    reachable = probe_all(others, timeout=1.0) if device is not None else {}
+    rtts = probe_rtts(others, timeout=1.0) if device is not None else {}
     sync = read_json(paths.syncd_status) if paths.syncd_status.exists() else {}
+    instructed = sync.get("paths") if isinstance(sync.get("paths"), dict) else {}
     now = time.time()
     rows = []
     for entry in roster.members:
         own = entry.public_key == config.public_key
         peer = device.peer(entry.public_key) if device is not None else None
+        age = (now - peer.last_handshake) if peer and peer.last_handshake else None
+        rtt = rtts.get(entry.address)
         rows.append(
             {
                 "name": entry.name,
@@ -44,10 +64,12 @@ def _status_report(paths: StatePaths, config: MeshConfig) -> dict[str, Any]:
                 "coordinator": entry.coordinator,
                 "self": own,
                 "last_handshake": peer.last_handshake if peer else None,
-                "handshake_age": (now - peer.last_handshake) if peer and peer.last_handshake else None,
+                "handshake_age": age,
+                "path": None if own else path_of(instructed.get(entry.public_key), age),
+                "rtt_ms": None if own or rtt is None else round(rtt * 1000, 2),
                 "rx_bytes": peer.rx_bytes if peer else 0,
                 "tx_bytes": peer.tx_bytes if peer else 0,
-                "reachable": (device is not None) if own else reachable.get(entry.address, False),
+                "reachable": (device is not None) if own else rtt is not None,
             }
         )
     return {
@@ -81,14 +103,16 @@ def _print_status(report: dict[str, Any]) -> None:
         )
     elif report["sync_error"]:
         print(f"sync: {report['sync_error']}")
-    table = [("NAME", "ADDRESS", "ENDPOINT", "HANDSHAKE", "RX", "TX", "REACHABLE")]
+    table = [("NAME", "ADDRESS", "PATH", "ENDPOINT", "RTT", "HANDSHAKE", "RX", "TX", "REACHABLE")]
     for row in report["members"]:
         name = row["name"] + (" (self)" if row["self"] else "") + (" *" if row["coordinator"] else "")
         table.append(
             (
                 name,
                 row["address"],
+                row["path"] or "-",
                 row["endpoint"] or "-",
+                "-" if row["rtt_ms"] is None else f"{row['rtt_ms']:.1f} ms",
                 "-" if row["self"] else format_age(row["handshake_age"]),
                 "-" if row["self"] else format_bytes(row["rx_bytes"]),
                 "-" if row["self"] else format_bytes(row["tx_bytes"]),

@@ -4,26 +4,31 @@ from __future__ import annotations
 
 import http.client
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mesh.addresses import format_endpoint, parse_endpoint
 from mesh.control.auth import NONCE_HEADER, ROSTER_PURPOSE, AuthError, pair_key, sign_request, verify_reply
-from mesh.control.model import Roster, RosterEntry
+from mesh.control.model import PathInstruction, Roster, RosterEntry, parse_paths, parse_relay_allocations
 from mesh.control.protocol import ProtocolError, open_join_response, seal_join_request
+from mesh.control.report import MemberReport
 from mesh.control.token import JoinToken
 from mesh.errors import MeshError
+from mesh.relay.allocations import AllocationRequest
 from mesh.wireguard.keys import public_key as public_key_of
 
 __all__ = [
     "JoinResult",
     "Revoked",
+    "SyncReply",
     "authenticated_request",
     "check_membership",
     "fetch_roster",
     "http_request",
     "request_join",
     "send_leave",
+    "send_report",
+    "sync_roster",
 ]
 
 _MAX_REPLY = 8 * 1024 * 1024
@@ -31,6 +36,18 @@ _MAX_REPLY = 8 * 1024 * 1024
 
 class Revoked(MeshError):
     """The coordinator says this machine was removed from the mesh."""
+
+
+@dataclass(frozen=True)
+class SyncReply:
+    """A roster reply: the roster, this member's path instructions per peer, the pairs it should relay.
+
+    Coordinators from before path planning send neither instructions nor allocations.
+    """
+
+    roster: Roster
+    paths: dict[str, PathInstruction]
+    relay_allocations: list[AllocationRequest] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -176,6 +193,7 @@ def _coordinator_call(
     coordinator_key: str,
     mesh_id: str,
     timeout: float,
+    body: bytes = b"",
 ) -> dict[str, Any]:
     """Call the coordinator's roster service; raise :class:`Revoked` only on a signed "removed" reply."""
     try:
@@ -184,6 +202,7 @@ def _coordinator_call(
             port,
             method,
             path,
+            body,
             private_key=private_key,
             peer_public_key=coordinator_key,
             mesh_id=mesh_id,
@@ -218,13 +237,43 @@ def fetch_roster(
     timeout: float = 5.0,
 ) -> Roster:
     """Fetch the authenticated roster over the mesh; raise :class:`Revoked` if we were removed."""
+    return sync_roster(address, port, private_key, coordinator_key, mesh_id, timeout).roster
+
+
+def sync_roster(
+    address: str,
+    port: int,
+    private_key: str,
+    coordinator_key: str,
+    mesh_id: str,
+    timeout: float = 5.0,
+) -> SyncReply:
+    """Fetch the authenticated roster and this member's path instructions; raise :class:`Revoked` if removed."""
     payload = _coordinator_call(
         address, port, "GET", "/v1/roster", private_key, coordinator_key, mesh_id, timeout
     )
     roster = Roster.from_json(payload.get("roster"))
     if roster.mesh_id != mesh_id:
         raise ProtocolError("roster is for another mesh")
-    return roster
+    return SyncReply(
+        roster, parse_paths(payload.get("paths")), parse_relay_allocations(payload.get("relay_allocations"))
+    )
+
+
+def send_report(
+    address: str,
+    port: int,
+    private_key: str,
+    coordinator_key: str,
+    mesh_id: str,
+    report: MemberReport,
+    timeout: float = 5.0,
+) -> None:
+    """Send this member's path report (candidates, peer view, try outcomes) to the coordinator."""
+    body = json.dumps(report.to_json(), separators=(",", ":")).encode("utf-8")
+    _coordinator_call(
+        address, port, "POST", "/v1/report", private_key, coordinator_key, mesh_id, timeout, body
+    )
 
 
 def check_membership(

@@ -12,11 +12,14 @@ Both services run on :class:`mesh.http.server.HTTPServer` (aiohttp) and speak JS
   address (a lab behind one NAT still fits, a single host cannot hold the service) and 4,096 in
   all, so 2,000 idle or trickling connections leave room for honest joiners; 4 handler threads,
   because a join is a short burst of X25519 and one SQLite transaction.
-* The **roster service** (``GET /v1/roster``, ``POST /v1/leave``) listens on the coordinator's
+* The **roster service** (``GET /v1/roster``, ``POST /v1/report``, ``POST /v1/leave``) listens on the coordinator's
   mesh address only (never a wildcard), so only WireGuard peers reach it. Its requests carry no
   body, capped at :data:`ROSTER_MAX_BODY` (4 KiB); :data:`ROSTER_LIMITS` allows 32 connections per
   member (one sync loop plus a few CLI calls) and 8 handler threads; its replies (the roster) may
-  be large, and the reply allowance grows with their length at 256 KiB/s.
+  be large, and the reply allowance grows with their length at 256 KiB/s. A report (a member's
+  path candidates and try outcomes, :mod:`mesh.control.report`) may be up to 16 KiB; its strictly
+  checked content goes to :attr:`CoordinatorService.board`, and each roster reply carries the
+  caller's own ``paths`` instructions from there.
 
 Membership, roster and leave requests are authenticated by the server's ``authenticate`` hook
 with :class:`mesh.control.verifier.RequestVerifier` (purpose :data:`mesh.control.auth.ROSTER_PURPOSE`) before their
@@ -38,8 +41,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from mesh.control.auth import ROSTER_PURPOSE, AuthError
+from mesh.control.board import PathBoard
 from mesh.control.directory import Member, RosterStoreDirectory
 from mesh.control.protocol import MAX_CLOCK_SKEW, ProtocolError, open_join_request, seal_join_response
+from mesh.control.report import REPORT_MAX_BODY, parse_report
 from mesh.control.roster import AdmitRequest, JoinRefused, RosterStore
 from mesh.control.verifier import NONCE_CAP, RequestVerifier
 from mesh.errors import MeshError
@@ -83,7 +88,7 @@ ROSTER_LIMITS = replace(
 )
 """Bounds of the roster service on the mesh address (see the module docstring for why)."""
 
-SIGNED_PATHS = frozenset({"/v1/membership", "/v1/roster", "/v1/leave"})
+SIGNED_PATHS = frozenset({"/v1/membership", "/v1/roster", "/v1/report", "/v1/leave"})
 """Paths whose every request must carry a member's proof (any method), checked before the body is read."""
 
 _WILDCARD_V4 = "0.0.0.0"
@@ -120,6 +125,7 @@ class CoordinatorService:
         self.private_key = private_key
         self.settings = settings
         self.clock = clock
+        self.board = PathBoard()
         self.verifier = RequestVerifier(
             private_key,
             store.roster().mesh_id,
@@ -139,9 +145,10 @@ class CoordinatorService:
         ]
 
     def roster_routes(self) -> list[Route]:
-        """The routes of the roster service on the mesh address: roster sync and leave."""
+        """The routes of the roster service on the mesh address: roster sync, reports and leave."""
         return [
             Route("GET", "/v1/roster", self.roster, max_body=ROSTER_MAX_BODY),
+            Route("POST", "/v1/report", self.report, max_body=REPORT_MAX_BODY),
             Route("POST", "/v1/leave", self.leave, max_body=ROSTER_MAX_BODY),
         ]
 
@@ -243,8 +250,37 @@ class CoordinatorService:
         return self._for_member(request, lambda member: json_reply({"member": True}))
 
     def roster(self, request: Request) -> Reply:
-        """Send the current roster to an authenticated member (or tell a removed one it was removed)."""
-        return self._for_member(request, lambda member: json_reply({"roster": self.store.roster().to_json()}))
+        """Send the current roster, and the caller's path instructions, to an authenticated member.
+
+        A removed member is told that it was removed. ``paths`` is left out when there are none,
+        so the reply is byte-for-byte what members before path planning got.
+        """
+        return self._for_member(request, self._roster_reply)
+
+    def _roster_reply(self, member: Member) -> Reply:
+        payload: dict[str, Any] = {"roster": self.store.roster().to_json()}
+        paths = self.board.paths_json(member.public_key)
+        if paths:
+            payload["paths"] = paths
+        relaying = self.board.relay_json(member.public_key)
+        if relaying:
+            payload["relay_allocations"] = relaying
+        return json_reply(payload)
+
+    def report(self, request: Request) -> Reply:
+        """Take an authenticated member's report (candidates, peer view, try outcomes) for the path planner."""
+        _require_length(request)
+        return self._for_member(request, functools.partial(self._record_report, request))
+
+    def _record_report(self, request: Request, member: Member) -> Reply:
+        try:
+            report = parse_report(json.loads(request.body or b""))
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return error_reply(400, "report is not JSON")
+        except MeshError as error:
+            return error_reply(400, f"report refused: {error}")
+        self.board.record(member.public_key, report)
+        return json_reply({"recorded": True})
 
     def leave(self, request: Request) -> Reply:
         """Revoke the authenticated member that asks to leave."""

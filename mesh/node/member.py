@@ -17,6 +17,7 @@ from mesh.daemon import log_tail, read_pid, spawn_detached, stop_process
 from mesh.errors import MeshError
 from mesh.files import write_json
 from mesh.node.config import MeshConfig
+from mesh.node.punch import PathFollower
 from mesh.node.reconcile import plan_peer_changes
 from mesh.state import StatePaths, read_json
 from mesh.wireguard.backend import WireGuardBackend
@@ -26,6 +27,7 @@ from mesh.wireguard.links import set_address, set_link_up
 __all__ = [
     "syncd_running",
     "apply_roster",
+    "run_tries",
     "backend_for",
     "bring_down",
     "bring_up",
@@ -54,13 +56,38 @@ def save_cached_roster(paths: StatePaths, roster: Roster) -> None:
 
 
 def apply_roster(
-    backend: WireGuardBackend, config: MeshConfig, roster: Roster, applied: Roster | None
+    backend: WireGuardBackend,
+    config: MeshConfig,
+    roster: Roster,
+    applied: Roster | None,
+    follower: PathFollower | None = None,
 ) -> int:
-    """Make the interface's peers match ``roster``; return how many peer changes were made."""
+    """Make the interface's peers match ``roster`` (and ``follower``'s path instructions); return the change count."""
     device = backend.show(config.interface)
+    if follower is None:
+        follower = PathFollower(config.keepalive)
     changes = plan_peer_changes(
-        device, roster, config.public_key, config.keepalive, applied, resolve_endpoint
+        device,
+        roster,
+        config.public_key,
+        config.keepalive,
+        applied,
+        resolve_endpoint,
+        follower.instructions,
+        follower.pushed,
+        follower.busy(),
     )
+    if changes:
+        backend.update_peers(config.interface, changes)
+    follower.remember(changes)
+    return len(changes)
+
+
+def run_tries(backend: WireGuardBackend, config: MeshConfig, follower: PathFollower, now: float) -> int:
+    """Start and judge the hole-punch tries that are due at ``now``; return the change count."""
+    if not follower.runs:
+        return 0
+    changes = follower.due(now, backend.show(config.interface))
     if changes:
         backend.update_peers(config.interface, changes)
     return len(changes)

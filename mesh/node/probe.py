@@ -16,7 +16,7 @@ import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["icmp_checksum", "ping", "probe_all"]
+__all__ = ["icmp_checksum", "ping", "probe_all", "probe_rtts", "round_trip"]
 
 
 def icmp_checksum(data: bytes) -> int:
@@ -58,35 +58,37 @@ def _wait_reply(
             return True
 
 
-def _icmp(address: str, timeout: float, kind: int) -> bool:
+def _icmp(address: str, timeout: float, kind: int) -> float | None:
     raw = kind == socket.SOCK_RAW
     identifier = (os.getpid() ^ int.from_bytes(os.urandom(2), "big")) & 0xFFFF
     sequence = int.from_bytes(os.urandom(2), "big")
     with socket.socket(socket.AF_INET, kind, socket.IPPROTO_ICMP) as sock:
         sock.setblocking(False)
+        sent = time.monotonic()
         try:
             sock.sendto(_echo(identifier, sequence), (address, 0))
         except OSError as error:
             if error.errno in (errno.EPERM, errno.EACCES):
                 raise
-            return False
-        return _wait_reply(
-            sock, address, sequence, identifier if raw else None, raw, time.monotonic() + timeout
-        )
+            return None
+        answered = _wait_reply(sock, address, sequence, identifier if raw else None, raw, sent + timeout)
+        return time.monotonic() - sent if answered else None
 
 
-def _tcp(address: str, timeout: float) -> bool:
+def _tcp(address: str, timeout: float) -> float | None:
+    started = time.monotonic()
     try:
         with socket.create_connection((address, 9), timeout=timeout):
-            return True
+            pass
     except ConnectionRefusedError:
-        return True
+        pass
     except OSError:
-        return False
+        return None
+    return time.monotonic() - started
 
 
-def ping(address: str, timeout: float = 1.0) -> bool:
-    """Tell whether ``address`` answers within ``timeout`` seconds."""
+def round_trip(address: str, timeout: float = 1.0) -> float | None:
+    """Seconds ``address`` took to answer one echo (or TCP attempt), or ``None`` without an answer in ``timeout``."""
     for kind in (socket.SOCK_RAW, socket.SOCK_DGRAM):
         try:
             return _icmp(address, timeout, kind)
@@ -94,18 +96,35 @@ def ping(address: str, timeout: float = 1.0) -> bool:
             continue
         except OSError as error:
             if error.errno not in (errno.EPERM, errno.EACCES, errno.EPROTONOSUPPORT):
-                return False
+                return None
     return _tcp(address, timeout)
 
 
-def probe_all(addresses: list[str], timeout: float = 1.0, attempts: int = 2) -> dict[str, bool]:
-    """Ping every address in parallel, retrying a silent one; return address -> reachable."""
+def ping(address: str, timeout: float = 1.0) -> bool:
+    """Tell whether ``address`` answers within ``timeout`` seconds."""
+    return round_trip(address, timeout) is not None
+
+
+def probe_rtts(addresses: list[str], timeout: float = 1.0, attempts: int = 2) -> dict[str, float | None]:
+    """Ping every address in parallel, retrying a silent one; return address -> round trip (s) or ``None``.
+
+    The echo goes over the mesh address, so it measures whichever path (LAN, direct, relay) is in use.
+    """
     if not addresses:
         return {}
     per_try = timeout / attempts
 
-    def one(address: str) -> bool:
-        return any(ping(address, per_try) for _ in range(attempts))
+    def one(address: str) -> float | None:
+        for _ in range(attempts):
+            seconds = round_trip(address, per_try)
+            if seconds is not None:
+                return seconds
+        return None
 
     with ThreadPoolExecutor(max_workers=min(32, len(addresses))) as pool:
         return dict(zip(addresses, pool.map(one, addresses), strict=True))
+
+
+def probe_all(addresses: list[str], timeout: float = 1.0, attempts: int = 2) -> dict[str, bool]:
+    """Ping every address in parallel, retrying a silent one; return address -> reachable."""
+    return {address: rtt is not None for address, rtt in probe_rtts(addresses, timeout, attempts).items()}

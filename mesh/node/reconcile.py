@@ -4,13 +4,18 @@ The plan is a pure function of the device's current peers, the wanted roster and
 applied last time, so it is unit-tested without any interface. An endpoint is only pushed when
 a peer is new or its roster endpoint changed, so WireGuard's roaming (a peer behind NAT seen at
 a new address) is not undone on every sync.
+
+With path instructions from the coordinator (:mod:`mesh.control.paths`), a peer's instruction
+endpoint (its relay, or its direct/LAN endpoint) is pushed when it differs from the one pushed
+last (``pushed``, which also holds a punched endpoint that WireGuard may since have roamed from),
+and peers with a hole-punch try on the device (``busy``) are left alone until it is judged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from mesh.control.model import Roster, RosterEntry
+from mesh.control.model import PathInstruction, Roster, RosterEntry
 from mesh.errors import MeshError
 from mesh.wireguard.backend import DeviceStatus, PeerConfig
 
@@ -40,8 +45,16 @@ def plan_peer_changes(
     keepalive: int,
     applied: Roster | None,
     resolve: Resolver,
+    paths: Mapping[str, PathInstruction] | None = None,
+    pushed: Mapping[str, str | None] | None = None,
+    busy: frozenset[str] = frozenset(),
 ) -> list[PeerConfig]:
-    """List the peer changes that make ``device`` match ``roster`` (removals first)."""
+    """List the peer changes that make ``device`` match ``roster`` (removals first).
+
+    ``paths`` are the coordinator's instructions per peer, ``pushed`` the instruction endpoints
+    already on the device, ``busy`` the peers in a hole-punch try (only removed, never changed).
+    """
+    paths, pushed = paths or {}, pushed or {}
     wanted = wanted_peers(roster, own_key)
     changes = [
         PeerConfig(public_key=peer.public_key, remove=True)
@@ -53,8 +66,14 @@ def plan_peer_changes(
         allowed = (f"{member.address}/32",)
         before = applied.by_key(key) if applied is not None else None
         endpoint_changed = before is None or before.endpoint != member.endpoint
+        instructed = paths[key].endpoint if key in paths else None
         if current is None:
-            changes.append(PeerConfig(key, allowed, _resolved(member, resolve), keepalive))
+            endpoint = instructed or _resolved(member, resolve)
+            changes.append(PeerConfig(key, allowed, endpoint, keepalive))
+        elif key in busy:
+            continue
+        elif instructed is not None and instructed != pushed.get(key):
+            changes.append(PeerConfig(key, allowed, instructed, keepalive))
         elif endpoint_changed and member.endpoint is not None:
             changes.append(PeerConfig(key, allowed, _resolved(member, resolve), keepalive))
         elif current.allowed_ips != allowed or current.persistent_keepalive != keepalive:

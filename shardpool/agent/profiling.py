@@ -71,6 +71,8 @@ MAX_MEASURED_SECONDS = 3600.0
 #: Most timed passes a profile may claim, and the largest CPU quota (in CPUs) a row may state.
 MAX_RUNS = 100_000
 MAX_CPU_QUOTA = 4096.0
+#: Widest confidence interval (relative to the median) a row may state.
+MAX_CI95_REL = 100.0
 #: Measured times a report adds to a row, each absent or None in an older member's report (the
 #: launcher's planner then models them): seconds, at least 0 and at most MAX_MEASURED_SECONDS.
 _MEASURED_SECONDS = (
@@ -281,6 +283,8 @@ def _checked_row(row: Any) -> dict[str, Any]:
         checked["runs"] = row["runs"]
     if row.get("cpu_quota") is not None:
         checked["cpu_quota"] = _bound(row, "cpu_quota", low=0.0, high=MAX_CPU_QUOTA, open_low=True)
+    if row.get("ci95_rel") is not None:
+        checked["ci95_rel"] = _bound(row, "ci95_rel", low=0.0, high=MAX_CI95_REL)
     return checked
 
 

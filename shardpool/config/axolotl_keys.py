@@ -65,7 +65,10 @@ def _keys(
 
 _NOT_BUILT = "not built in shardpool; remove it (or set it to null)"
 _SHARDS_ITSELF = "shardpool splits the model into pipeline stages itself; remove it"
-_LOGGING = "only output_dir/metrics.jsonl is written; remove it (or leave it empty)"
+_LOGGING = (
+    "only metrics.jsonl, TensorBoard (`use_tensorboard`) and W&B (`wandb_project`) are written; "
+    "remove it (or leave it empty)"
+)
 _TOKENS = (
     "adding tokens to the vocabulary is not supported (a frozen NF4 base cannot train new embeddings); "
     "`special_tokens` may name tokens the tokenizer already has"
@@ -235,11 +238,11 @@ _GROUPS: list[list[AxolotlKey]] = [
         accepted=("no",),
     ),
     _keys(
-        "wandb_project wandb_entity wandb_name wandb_run_id wandb_mode wandb_watch wandb_log_model "
-        "use_wandb use_mlflow mlflow_tracking_uri mlflow_experiment_name mlflow_run_name "
+        "wandb_watch wandb_log_model "
+        "use_mlflow mlflow_tracking_uri mlflow_experiment_name mlflow_run_name "
         "hf_mlflow_log_artifacts use_comet comet_api_key comet_workspace comet_project_name "
         "comet_experiment_key comet_mode comet_online comet_experiment_config use_trackio "
-        "trackio_project_name trackio_run_name trackio_space_id use_otel_metrics use_tensorboard",
+        "trackio_project_name trackio_run_name trackio_space_id use_otel_metrics",
         "when_off",
         _LOGGING,
     ),

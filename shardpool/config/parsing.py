@@ -27,10 +27,10 @@ __all__ = ["load_config", "parse_config", "AXOLOTL_DATASET_KEYS"]
 #: Keys of an axolotl dataset entry that DatasetSpec lacks: accepted when null or empty, else refused.
 AXOLOTL_DATASET_KEYS: dict[str, str] = dict.fromkeys(
     (
-        "split input_transform shards shards_idx preprocess_shards data_files input_format name "
+        "input_transform shards shards_idx preprocess_shards input_format "
         "trust_remote_code revision logprobs_field temperature"
     ).split(),
-    "not built in shardpool yet; datasets are local .jsonl/.json files (docs/data.md)",
+    "not built in shardpool yet; datasets are files, directories or hub datasets read whole (docs/data.md)",
 )
 AXOLOTL_DATASET_KEYS.update(
     dict.fromkeys(
@@ -45,7 +45,6 @@ AXOLOTL_DATASET_KEYS.update(
 AXOLOTL_DATASET_KEYS["conversation"] = (
     "fastchat conversation templates are not built; set `chat_template: chatml` (or another template) instead"
 )
-AXOLOTL_DATASET_KEYS["ds_type"] = "the format is read from the file name; use `ds_type: json` or remove it"
 
 # Placeholders for required keys whose value is broken, so the rest of the config is still checked.
 _PLACEHOLDERS: dict[str, Any] = {"base_model": "-", "datasets": [{"path": "-"}]}
@@ -110,7 +109,7 @@ def _dataset_without_noops(entry: Any, index: int, problems: list[Problem]) -> A
         name = str(key)
         if name in DatasetSpec.model_fields or name not in AXOLOTL_DATASET_KEYS:
             kept[name] = value
-        elif not (is_off(value) or (name == "ds_type" and value == "json")):
+        elif not (is_off(value)):
             problems.append(_refused(f"datasets[{index}].{name}", AXOLOTL_DATASET_KEYS[name]))
     return kept
 

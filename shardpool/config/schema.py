@@ -92,7 +92,19 @@ def looks_like_jinja(text: str) -> bool:
 class DatasetSpec(_Strict):
     """One JSONL (or JSON array) dataset. ``type`` absent means pre-tokenized rows with ``input_ids``."""
 
-    path: str = Field(description="a .jsonl file (one JSON object per line) or a .json array of objects")
+    path: str = Field(
+        description="a .jsonl/.json/.parquet/.csv file, a directory of them, or a Hugging Face dataset id"
+    )
+    ds_type: Literal["json", "parquet", "csv", "arrow"] | None = Field(
+        default=None, description="the file format when the suffix does not say it"
+    )
+    data_files: str | list[str] | None = Field(
+        default=None, description="which files of a directory or hub dataset to read (glob patterns)"
+    )
+    split: str | None = Field(
+        default=None, description="which split of a directory or hub dataset (default: train)"
+    )
+    name: str | None = Field(default=None, description="the configuration (subset) of a hub dataset")
     type: Literal["alpaca", "completion", "chat_template", "sharegpt"] | None = Field(
         default=None,
         description="alpaca: instruction/input/output; completion: one text field; chat_template / "
@@ -360,6 +372,22 @@ class Config(_Strict):
     )
     evals_per_epoch: int | None = Field(
         default=None, ge=1, description="eval loss this many times per epoch (instead of eval_steps)"
+    )
+    use_tensorboard: bool = Field(
+        default=False,
+        description="also write metrics as TensorBoard events to output_dir/runs (extra: tensorboard)",
+    )
+    use_wandb: bool | None = Field(
+        default=None, description="log to W&B (default: when wandb_project is set)"
+    )
+    wandb_project: str | None = Field(
+        default=None, description="W&B project to log metrics to (extra: wandb)"
+    )
+    wandb_entity: str | None = Field(default=None, description="W&B team or user")
+    wandb_name: str | None = Field(default=None, description="W&B run name")
+    wandb_run_id: str | None = Field(default=None, description="W&B run id (to continue a run)")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        default=None, description="W&B mode (default: WANDB_MODE, else online)"
     )
     logging_steps: int = Field(default=1, ge=1, description="write metrics every this many steps")
     bf16: bool | Literal["auto"] = Field(default=False, description="compute in bfloat16")

@@ -1,4 +1,9 @@
-"""Reading a dataset file into row objects: JSON lines, or a JSON array of objects.
+"""Reading a dataset into row objects: JSON lines, a JSON array, or anything Hugging Face ``datasets`` reads.
+
+A single ``.jsonl``/``.json`` file is read here, line by line, so every error names its line.
+Parquet, CSV and Arrow files, directories (a dataset repository's layout, with ``data_files``,
+``split`` and ``name``) and Hugging Face dataset snapshots are read with ``datasets.load_dataset``,
+the library that defines those layouts; rows are then named ``file:row N``.
 
 A ``.json`` file whose text starts with ``[`` is one JSON array of row objects (as ``json.dump``
 writes a list, and as Hugging Face ``datasets`` reads it); any other file is JSON lines, one
@@ -25,6 +30,8 @@ Rows = list[tuple[str, dict[str, Any]]]
 def read_rows(spec: DatasetSpec, index: int) -> Rows:
     """The rows of dataset ``datasets[index]`` as ``(where, object)``, ``where`` naming file and line or row."""
     path = Path(spec.path)
+    if _needs_datasets(spec, path):
+        return _rows_from_datasets(spec, index, path)
     if not path.is_file():
         raise ShardpoolError(
             f"dataset file {spec.path!r} (datasets[{index}].path) does not exist; check the path (relative to the current directory)"
@@ -41,6 +48,47 @@ def read_rows(spec: DatasetSpec, index: int) -> Rows:
         raise ShardpoolError(
             f"dataset file {spec.path!r} has no rows; add JSON lines or remove it from `datasets`"
         )
+    return rows
+
+
+_FORMATS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow", ".json": "json", ".jsonl": "json"}
+
+
+def _needs_datasets(spec: DatasetSpec, path: Path) -> bool:
+    """Whether ``datasets`` reads this one: a directory, a non-JSON format, or a split or file selection."""
+    if path.is_dir() or spec.data_files is not None or spec.split is not None or spec.name is not None:
+        return True
+    return (spec.ds_type or _FORMATS.get(path.suffix.lower(), "json")) != "json"
+
+
+def _rows_from_datasets(spec: DatasetSpec, index: int, path: Path) -> Rows:
+    """Rows through ``datasets.load_dataset``, each named ``path:row N``; any failure is one line."""
+    import datasets
+    from datasets.utils.logging import disable_progress_bar
+
+    disable_progress_bar()
+    split = spec.split or "train"
+    try:
+        if path.is_dir():
+            loaded = datasets.load_dataset(str(path), name=spec.name, data_files=spec.data_files, split=split)
+        elif path.is_file():
+            builder = spec.ds_type or _FORMATS.get(path.suffix.lower(), "json")
+            loaded = datasets.load_dataset(builder, data_files=spec.data_files or str(path), split=split)
+        else:
+            raise ShardpoolError(
+                f"dataset {spec.path!r} (datasets[{index}].path) does not exist; check the path"
+            )
+    except ShardpoolError:
+        raise
+    except Exception as error:  # datasets raises many types (ValueError for a split, FileNotFoundError, ...)
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise ShardpoolError(
+            f"cannot read dataset {spec.path!r} (datasets[{index}]) with split {split!r}: {reason}; "
+            "check path, data_files, split and name"
+        ) from None
+    rows = [(f"{spec.path}:row {number}", dict(row)) for number, row in enumerate(loaded, start=1)]
+    if not rows:
+        raise ShardpoolError(f"dataset {spec.path!r} (datasets[{index}]) split {split!r} has no rows")
     return rows
 
 

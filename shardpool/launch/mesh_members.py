@@ -158,6 +158,7 @@ def member_device(member: str, info: dict[str, Any]) -> Device:
             seconds_min=_number(info, "seconds_min"),
             seconds_median=seconds_per_layer,
             seconds_max=_number(info, "seconds_max"),
+            ci95_rel=_number(info, "ci95_rel"),
         ),
     )
 

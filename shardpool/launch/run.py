@@ -159,6 +159,7 @@ class RunRecord:
     last_step: int = 0
     ranks: dict[int, dict[str, Any]] = field(default_factory=dict)
     seconds: float = 0.0
+    on_metrics: Callable[[dict[str, Any]], None] | None = None  # each metrics.jsonl line, also to trackers
 
     def timed(self, start: Callable[[OnEvent], None], on_event: OnEvent) -> None:
         """Run ``start(on_event)`` (the stages, until all finish) and record how long it took."""
@@ -175,6 +176,11 @@ class RunRecord:
             eval_loss_after=self.eval_after,
         )
 
+    def _metrics_line(self, line: dict[str, Any]) -> None:
+        _append_metrics(self.output_dir / METRICS_FILE, line)
+        if self.on_metrics is not None:
+            self.on_metrics(line)
+
     def record(self, event: dict[str, Any]) -> None:
         """Note one event: a step's loss (and its metrics line when due), a periodic eval's line, a rank's peaks, the eval losses."""
         kind = event.get("event")
@@ -182,9 +188,9 @@ class RunRecord:
             self.last_loss = event["loss"]
             self.last_step = event["step"]
             if is_logged_step(event["step"], self.logging_steps, self.total_steps):
-                _append_metrics(self.output_dir / METRICS_FILE, _step_metrics(event))
+                self._metrics_line(_step_metrics(event))
         elif kind == StageEvent.EVAL:
-            _append_metrics(self.output_dir / METRICS_FILE, _eval_metrics(event))
+            self._metrics_line(_eval_metrics(event))
         elif kind == StageEvent.STAGE_DONE:
             self.ranks[int(event["rank"])] = {key: value for key, value in event.items() if key != "event"}
         elif kind == StageEvent.DONE:
@@ -223,6 +229,7 @@ def _step_metrics(event: dict[str, Any]) -> dict[str, Any]:
             "stage_compute_s": event["stage_compute_s"],
             "stage_wait_s": event["stage_wait_s"],
             "bytes_sent": sum(event["bytes_sent"]),
+            "stage_bytes_sent": event["bytes_sent"],
         }
     )
     return record

@@ -69,6 +69,7 @@ class LayerProfile:
     seconds_min: float | None = None
     seconds_max: float | None = None
     cpu_quota: float | None = None
+    ci95_rel: float | None = None
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ class Measurement:
     """How a device's speed was measured, as ``plan.json`` records it per stage: the device's label,
     the threads the profile ran with (CPU), the CPU quota of the profiling process's cgroup (CPUs,
     None when unlimited), how many timed forward + backward passes and their fastest, median and
-    slowest seconds (one layer, one micro-batch, before any slowdown for sharing the device). None
+    slowest seconds (one layer, one micro-batch, before any slowdown for sharing the device), and
+    the half-width of the 95% confidence interval over the median (:mod:`shardpool.plan.confidence`). None
     where the profile did not say (a member whose agent predates these fields)."""
 
     label: str
@@ -86,6 +88,7 @@ class Measurement:
     seconds_min: float | None
     seconds_median: float
     seconds_max: float | None
+    ci95_rel: float | None = None
 
     @classmethod
     def of(cls, profile: LayerProfile) -> Measurement:
@@ -98,6 +101,7 @@ class Measurement:
             seconds_min=profile.seconds_min,
             seconds_median=profile.seconds_per_layer,
             seconds_max=profile.seconds_max,
+            ci95_rel=profile.ci95_rel,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -110,6 +114,7 @@ class Measurement:
             "seconds_min": self.seconds_min,
             "seconds_median": self.seconds_median,
             "seconds_max": self.seconds_max,
+            "ci95_rel": self.ci95_rel,
         }
 
 

@@ -17,6 +17,7 @@ prints them for ``shardpool devices``.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib
 import json
 import statistics
@@ -31,6 +32,7 @@ from mesh.files import atomic_write
 from shardpool.config import load_config
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
+from shardpool.plan.confidence import ci95_relative, measured_enough
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.cpu_quota import cpu_quota
 from shardpool.plan.device_facts import DeviceInfo, LayerProfile, normalize_device
@@ -259,13 +261,18 @@ def _measure(
             warmup = time.perf_counter() - start
             if attempt >= 1 and warmup > 0.5:
                 break
-        runs = 1 if warmup > 5.0 else max(1, repeats)
         times, forwards = [], []
-        for _ in range(runs):
+        began = time.perf_counter()
+        while True:  # at least `repeats` passes, then until the confidence target (shardpool.plan.confidence)
             start = time.perf_counter()
             forwards.append(step())
             synchronize(device)
             times.append(time.perf_counter() - start)
+            if warmup > 5.0 or (
+                len(times) >= repeats and measured_enough(times, spent_seconds=time.perf_counter() - began)
+            ):
+                break
+        runs = len(times)
         peak = _peak(device)
         optimizer_s = _time_optimizer(model, device, runs)
         ends = _time_ends(shape, workload, hidden, dtype, device, runs)
@@ -289,6 +296,7 @@ def _measure(
         optimizer_seconds=optimizer_s,
         seconds_min=min(times),
         seconds_max=max(times),
+        ci95_rel=ci95_relative(times),
     )
 
 
@@ -419,12 +427,21 @@ def _read_cache() -> dict[str, Any]:
 
 
 def _write_cache(key: str, value: dict[str, Any]) -> None:
+    """Add one profile to the cache: read, update and replace it under an exclusive lock.
+
+    Profiles of several devices (or several members on one host) may finish at once; without the
+    lock two writers would each read the old file and the second rename would drop the first's
+    entry. The lock is ``flock`` on ``profiles.json.lock`` beside it (the file itself is replaced
+    atomically, so it cannot carry the lock).
+    """
     path = cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = _read_cache()
-        data[key] = value
-        atomic_write(path, json.dumps(data, indent=1, sort_keys=True).encode("utf-8"))
+        with open(path.with_name(path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = _read_cache()
+            data[key] = value
+            atomic_write(path, json.dumps(data, indent=1, sort_keys=True).encode("utf-8"))
     except OSError:
         pass  # a cache that cannot be written only costs a re-measurement
 

@@ -41,6 +41,7 @@ MEASURED_FIELDS = (
     "seconds_min",
     "seconds_max",
     "cpu_quota",
+    "ci95_rel",
 )
 
 _MAX_REQUEST_BYTES = 8 * 2**20

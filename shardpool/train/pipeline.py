@@ -6,12 +6,18 @@ runs the other way: the gradient of its output arrives from the next stage, back
 gradient of its input goes back. The order of these actions is the schedule (1F1B or GPipe, see
 :mod:`shardpool.contract.schedule`); backward passes run in micro-batch order on every stage, so
 gradients accumulate exactly as in a single-device loop.
+
+Receives are posted one ahead (:class:`Inbox`): as soon as a stage has the tensor it waits for,
+it posts the receive for its next one in the same direction, then computes. The neighbour's send
+can then land while this stage computes instead of while it waits. Sends never wait (they are
+flushed at the step's end).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,11 +25,37 @@ from shardpool.contract.schedule import schedule_for
 from shardpool.data.rows import TokenRows
 from shardpool.model.stage import PipelineStage, StageSpec
 from shardpool.train.loss import StepTotals, token_loss_sum
-from shardpool.train.process_group import Wire
+from shardpool.train.process_group import Link, PostedRecv, Wire
 
-__all__ = ["BACKWARD_TAG", "FORWARD_TAG", "StagePipe"]
+__all__ = ["BACKWARD_TAG", "FORWARD_TAG", "Inbox", "StagePipe"]
 
 FORWARD_TAG, BACKWARD_TAG = 1, 2
+
+
+@dataclass
+class Inbox:
+    """The receives one direction of a schedule needs, in order, with the next one always posted ahead."""
+
+    wire: Wire
+    link: Link
+    tag: int
+    shapes: deque[tuple[int, tuple[int, ...]]]  # (micro-batch, shape) still to receive, in schedule order
+    posted: tuple[int, PostedRecv] | None = field(default=None)
+
+    def take(self, index: int) -> torch.Tensor:
+        """Micro-batch ``index``'s tensor (the next one due), then post the receive after it."""
+        if self.posted is None:
+            self._post_next()
+        assert self.posted is not None and self.posted[0] == index, (self.posted, index)
+        tensor = self.posted[1].wait()
+        self.posted = None
+        self._post_next()
+        return tensor
+
+    def _post_next(self) -> None:
+        if self.shapes:
+            index, shape = self.shapes.popleft()
+            self.posted = (index, self.wire.post_recv(shape, self.link, tag=self.tag))
 
 
 @dataclass
@@ -49,18 +81,48 @@ class StagePipe:
             num_stages=self.spec.num_stages,
             num_microbatches=len(microbatches),
         )
+        activations = self._inbox(actions, microbatches, "F", self.wire.previous, FORWARD_TAG)
+        gradients = self._inbox(actions, microbatches, "B", self.wire.next, BACKWARD_TAG)
         for kind, index in actions:
             if kind == "F":
-                saved[index] = self.forward(microbatches[index], step_label_tokens, totals)
+                received = activations.take(index) if activations else None
+                saved[index] = self.forward(microbatches[index], step_label_tokens, totals, received=received)
             else:
-                self.backward(*saved.pop(index), totals)
+                gradient = gradients.take(index) if gradients else None
+                self.backward(*saved.pop(index), totals, gradient=gradient)
         return totals
 
+    def _inbox(
+        self,
+        actions: list[tuple[str, int]],
+        microbatches: list[TokenRows],
+        kind: str,
+        link: Link | None,
+        tag: int,
+    ) -> Inbox | None:
+        """The receives of ``kind`` actions (activations for F, gradients for B) over ``link``, or None without one."""
+        if link is None:
+            return None
+        shapes = deque(
+            (index, (*microbatches[index].input_ids.shape, self.hidden_size))
+            for action, index in actions
+            if action == kind
+        )
+        return Inbox(self.wire, link, tag, shapes)
+
     def forward(
-        self, rows: TokenRows, step_label_tokens: int, totals: StepTotals
+        self,
+        rows: TokenRows,
+        step_label_tokens: int,
+        totals: StepTotals,
+        *,
+        received: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward one micro-batch; return (inputs, output), the output being the loss on the last stage."""
-        inputs = self.inputs(rows, tag=FORWARD_TAG)
+        """Forward one micro-batch; return (inputs, output), the output being the loss on the last stage.
+
+        ``received`` is the previous stage's activation when it was already taken from an :class:`Inbox`.
+        """
+        inputs = received if received is not None else self.inputs(rows, tag=FORWARD_TAG)
         if not self.spec.is_first:
             inputs.requires_grad_(True)
         started = time.perf_counter()
@@ -73,10 +135,19 @@ class StagePipe:
             self.wire.send(output, self.wire.next, tag=FORWARD_TAG)
         return inputs, output
 
-    def backward(self, inputs: torch.Tensor, output: torch.Tensor, totals: StepTotals) -> None:
-        """Backward one micro-batch from its output's gradient (or its loss); send its input's gradient back."""
-        gradient = None
-        if not self.spec.is_last:
+    def backward(
+        self,
+        inputs: torch.Tensor,
+        output: torch.Tensor,
+        totals: StepTotals,
+        *,
+        gradient: torch.Tensor | None = None,
+    ) -> None:
+        """Backward one micro-batch from its output's gradient (or its loss); send its input's gradient back.
+
+        ``gradient`` is the next stage's gradient when it was already taken from an :class:`Inbox`.
+        """
+        if gradient is None and not self.spec.is_last:
             gradient = self.wire.recv(tuple(output.shape), self.wire.next, tag=BACKWARD_TAG)
         started = time.perf_counter()
         output.backward(gradient)

@@ -114,6 +114,21 @@ class Link:
 
 
 @dataclass
+class PostedRecv:
+    """A receive from one neighbour, posted and not yet waited for."""
+
+    wire: Wire
+    link: Link
+    tag: int
+    buffer: torch.Tensor
+    work: Any
+
+    def wait(self) -> torch.Tensor:
+        """The tensor, once it has arrived, on the stage's device and compute dtype (waiting counts as wait time)."""
+        return self.wire._arrived(self)
+
+
+@dataclass
 class Wire:
     """Point-to-point transfers of activations and their gradients between neighbouring stages.
 
@@ -171,14 +186,31 @@ class Wire:
 
     def recv(self, shape: tuple[int, ...], link: Link, *, tag: int) -> torch.Tensor:
         """Block until the neighbour's tensor arrives; return it on this stage's device and dtype."""
+        return self.post_recv(shape, link, tag=tag).wait()
+
+    def post_recv(self, shape: tuple[int, ...], link: Link, *, tag: int) -> PostedRecv:
+        """Post a receive now, to be waited for later, so the transfer can land while this stage computes.
+
+        On a native (NCCL-style) link the receive is made blocking at :meth:`PostedRecv.wait`
+        instead: point-to-point operations between two ranks run in one stream there, in the order
+        both ranks issue them, so a receive posted ahead of a send to the same neighbour could wait
+        forever for data that the send it blocks would have caused.
+        """
         on_host = link.staged
         buffer = torch.empty(
             shape, dtype=self.wire_dtype, device="cpu" if on_host else self.device, pin_memory=link.pinned
         )
+        work = dist.irecv(buffer, src=link.peer, group=link.group, tag=tag) if on_host else None
+        return PostedRecv(self, link, tag, buffer, work)
+
+    def _arrived(self, posted: PostedRecv) -> torch.Tensor:
         started = time.perf_counter()
-        dist.recv(buffer, src=link.peer, group=link.group, tag=tag)
+        if posted.work is None:
+            dist.recv(posted.buffer, src=posted.link.peer, group=posted.link.group, tag=posted.tag)
+        else:
+            posted.work.wait()
         self.wait_seconds += time.perf_counter() - started
-        return buffer.to(device=self.device, dtype=self.compute_dtype, non_blocking=link.pinned)
+        return posted.buffer.to(device=self.device, dtype=self.compute_dtype, non_blocking=posted.link.pinned)
 
     def flush(self) -> None:
         """Wait for every send started since the last flush."""

@@ -165,7 +165,7 @@ OLD_ROW = {"name": "cpu", "kind": "cpu", "label": "test cpu", "total_bytes": 8, 
            "threads": 2, "seconds_per_layer": 0.5, "activation_bytes": 1024}  # fmt: skip
 MEASURED = {"forward_seconds": 0.2, "embed_seconds": 0.0, "head_forward_seconds": 0.1,
             "head_backward_seconds": 0.12, "optimizer_seconds": 0.001, "runs": 5,
-            "seconds_min": 0.45, "seconds_max": 0.6, "cpu_quota": 0.6}  # fmt: skip
+            "seconds_min": 0.45, "seconds_max": 0.6, "cpu_quota": 0.6, "ci95_rel": 0.02}  # fmt: skip
 
 
 def _rows(*rows: dict[str, Any]) -> list[dict[str, Any]]:
@@ -186,7 +186,7 @@ def test_an_older_members_row_without_the_measured_fields_is_accepted() -> None:
     [("forward_seconds", -0.1), ("embed_seconds", "fast"), ("optimizer_seconds", 1e9),
      ("head_forward_seconds", True), ("seconds_max", float("nan")), ("seconds_min", float("inf")),
      ("runs", 0), ("runs", 2.5), ("runs", 10**9), ("cpu_quota", 0), ("cpu_quota", -1.0),
-     ("cpu_quota", 1e6), ("seconds_per_layer", 0.0), ("seconds_per_layer", float("nan"))],
+     ("cpu_quota", 1e6), ("ci95_rel", -0.1), ("ci95_rel", 1e9), ("seconds_per_layer", 0.0), ("seconds_per_layer", float("nan"))],
 )  # fmt: skip
 def test_a_measured_field_out_of_bounds_fails_the_report(field: str, value: Any) -> None:
     with pytest.raises(ProfileFailed, match=f"row's {field} is"):

@@ -31,7 +31,7 @@ def _error(**changes: Any) -> str:
         {"load_in_8bit": False},
         {"strict": False},
         {"strict": True},
-        {"wandb_project": None, "wandb_entity": "", "wandb_watch": None, "wandb_log_model": None},
+        {"wandb_project": None, "wandb_watch": None, "wandb_log_model": None, "use_mlflow": False},
         {"deepspeed": None},
         {"fsdp": [], "fsdp_config": {}},
         {"special_tokens": None},
@@ -48,7 +48,7 @@ def _error(**changes: Any) -> str:
         {"resume_from_checkpoint": None, "hub_model_id": None, "lora_modules_to_save": []},
         {"tensor_parallel_size": 1, "save_safetensors": True, "tokenizer_use_fast": True},
         {"loss_watchdog_threshold": 5.0, "loss_watchdog_patience": 3},
-        {"datasets": [{"path": "d.jsonl", "type": "alpaca", "split": None, "ds_type": "json"}]},
+        {"datasets": [{"path": "d.jsonl", "type": "alpaca", "shards": None, "input_transform": None}]},
     ],
 )
 def test_keys_that_change_nothing_are_accepted_and_dropped(changes: dict[str, Any]) -> None:
@@ -65,12 +65,12 @@ def test_keys_that_change_nothing_are_accepted_and_dropped(changes: dict[str, An
         ({"save_safetensors": False}, "always written as safetensors"),
         ({"trust_remote_code": True}, "no code from the model directory is run"),
         ({"tensor_parallel_size": 2}, "`tensor_parallel_size` is not supported"),
-        ({"wandb_project": "mine"}, "only output_dir/metrics.jsonl is written"),
+        ({"use_mlflow": True}, "only metrics.jsonl, TensorBoard (`use_tensorboard`) and W&B"),
         ({"tokens": ["<|new|>"]}, "`tokens` is not supported by shardpool: adding tokens to the vocabulary"),
         ({"excess_length_strategy": "drop"}, "set `excess_length_strategy: truncate`"),
         ({"pad_to_sequence_len": "yes"}, "`pad_to_sequence_len` is not supported"),
-        ({"datasets": [{"path": "d", "type": "alpaca", "split": "train"}]}, "`datasets[0].split` is not"),
-        ({"datasets": [{"path": "d", "ds_type": "parquet"}]}, "use `ds_type: json`"),
+        ({"datasets": [{"path": "d", "type": "alpaca", "shards": 4}]}, "`datasets[0].shards` is not"),
+        ({"datasets": [{"path": "d", "ds_type": "xml"}]}, "`datasets[0].ds_type`"),
         ({"relora": True}, "`relora` is not supported by shardpool: not built in shardpool"),
     ],
 )

@@ -38,7 +38,7 @@ def test_every_problem_is_reported_in_one_error() -> None:
             "warmup_steps": 2,
             "warmup_ratio": 0.1,
             "shardpool": {"stages": 3, "layers": [1, 2]},
-            "datasets": [{"path": "x", "typ": "alpaca"}, {"path": "y", "split": "train"}],
+            "datasets": [{"path": "x", "typ": "alpaca"}, {"path": "y", "shards": 4}],
         }
     )
     assert lines[0] == "my.yaml has 7 problems; fix them all, then run again:"
@@ -50,7 +50,7 @@ def test_every_problem_is_reported_in_one_error() -> None:
         "`warmup_steps` and `warmup_ratio` both set; keep one",
         "`shardpool`: stage counts disagree",
         "unknown key `datasets[0].typ`; did you mean `type`?",
-        "`datasets[1].split` is not supported by shardpool",
+        "`datasets[1].shards` is not supported by shardpool",
     ):
         assert expected in body
     assert all(line.startswith("  - ") for line in lines[1:]) and len(lines) == 8

@@ -105,7 +105,7 @@ class InProcessCoordinator:
             headers[MAC_HEADER] = request_mac(
                 key, method, path, b"", time_text, headers[NONCE_HEADER], sender, self.public_key
             )
-        port = self.roster_port if path.startswith(("/v1/roster", "/v1/leave")) else self.port
+        port = self.roster_port if path.startswith(("/v1/roster", "/v1/report", "/v1/leave")) else self.port
         return http_request("127.0.0.1", port, method, path, b"", headers)
 
     def close(self) -> None:
@@ -150,8 +150,10 @@ def member_daemon(
     monkeypatch,  # noqa: ANN001 - pytest's MonkeyPatch
     api_port: int | None = None,
     coordinator_endpoint: str | None = None,
+    name: str = "b",
+    device: FakeDevice | None = None,
 ):  # noqa: ANN201 - returns (mesh.node.syncd.SyncDaemon, FakeDevice)
-    """Join ``coordinator`` as member "b" and return its sync daemon, driving a :class:`FakeDevice`.
+    """Join ``coordinator`` as member ``name`` and return its sync daemon, driving ``device`` (a :class:`FakeDevice`).
 
     ``api_port`` is where it syncs over the "mesh" (127.0.0.1 here) and ``coordinator_endpoint``
     where it asks whether it is still a member; both default to the coordinator itself.
@@ -164,14 +166,14 @@ def member_daemon(
     from mesh.wireguard.keys import generate_private_key, public_key, write_private_key
 
     private = generate_private_key()
-    result = request_join(coordinator.invite(), "b", public_key(private), None)
+    result = request_join(coordinator.invite(), name, public_key(private), None)
     paths = StatePaths(state_dir)
     paths.ensure()
     write_private_key(paths.private_key, private)
     save_config(
         paths,
         MeshConfig(
-            role="member", mesh_id="testmesh", name="b", interface="fake0", backend="userspace", cidr=result.roster.cidr,
+            role="member", mesh_id="testmesh", name=name, interface="fake0", backend="userspace", cidr=result.roster.cidr,
             address=result.member.address, public_key=public_key(private), endpoint=None, listen_port=51820, mtu=1420,
             keepalive=25, coordinator_key=coordinator.public_key,
             coordinator_endpoint=coordinator_endpoint or coordinator.endpoint,
@@ -179,7 +181,7 @@ def member_daemon(
         ),
     )  # fmt: skip
     save_cached_roster(paths, result.roster)
-    device = FakeDevice()
+    device = device or FakeDevice()
     monkeypatch.setattr(syncd_module, "backend_for", lambda paths, config: device)
     return syncd_module.SyncDaemon(paths), device
 

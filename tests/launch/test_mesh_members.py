@@ -26,7 +26,7 @@ OLD_ROW = {"name": "cpu", "kind": "cpu", "label": "old cpu", "total_bytes": 8 <<
            "free_bytes": 4 << 30, "threads": 2, "seconds_per_layer": 0.5, "activation_bytes": 1024}  # fmt: skip
 MEASURED = {"forward_seconds": 0.2, "embed_seconds": 0.01, "head_forward_seconds": 0.1,
             "head_backward_seconds": 0.12, "optimizer_seconds": 0.001, "runs": 5,
-            "seconds_min": 0.45, "seconds_max": 0.6, "cpu_quota": 0.6}  # fmt: skip
+            "seconds_min": 0.45, "seconds_max": 0.6, "cpu_quota": 0.6, "ci95_rel": 0.03}  # fmt: skip
 
 
 class FakeAgent:
@@ -75,11 +75,11 @@ def test_measured_fields_reach_the_planner_and_an_old_row_falls_back_to_modeled(
     by_host = {stage["host"]: stage["measured"] for stage in plan.to_json()["stages"]}
     assert by_host["new"] == {
         "label": "new cpu", "threads": 2, "cpu_quota": 0.6, "runs": 5,
-        "seconds_min": 0.45, "seconds_median": 0.5, "seconds_max": 0.6,
+        "seconds_min": 0.45, "seconds_median": 0.5, "seconds_max": 0.6, "ci95_rel": 0.03,
     }  # fmt: skip
     assert by_host["old"] == {
         "label": "old cpu", "threads": 2, "cpu_quota": None, "runs": None,
-        "seconds_min": None, "seconds_median": 0.5, "seconds_max": None,
+        "seconds_min": None, "seconds_median": 0.5, "seconds_max": None, "ci95_rel": None,
     }  # fmt: skip
 
 

@@ -382,3 +382,13 @@ def test_invite_list_and_revoke_on_a_member_point_at_the_coordinator(capsys, coo
         code, _, err = _run(capsys, *argv, "--state-dir", state)
         assert code == 2
         _one_line_error(err, "not the coordinator", coordinator.endpoint)
+
+
+def test_status_path_is_the_coordinators_word_or_direct_on_a_fresh_handshake() -> None:
+    from mesh.cli.status import path_of
+
+    assert path_of("relay", None) == "relay"
+    assert path_of("lan", 500.0) == "lan"
+    assert path_of("pending", 1.0) is None
+    assert path_of(None, 10.0) == "direct"
+    assert path_of(None, 400.0) is None and path_of(None, None) is None

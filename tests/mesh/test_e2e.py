@@ -14,6 +14,7 @@ Scenario, in order (the tests share one lab and run top to bottom):
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -199,3 +200,106 @@ def test_export_config_and_leave(lab: Lab, tmp_path: Path) -> None:
     )
     refused = lab.mesh(a, "leave")
     assert refused.returncode == 2 and "--force" in refused.stderr
+
+
+def test_two_members_without_endpoints_punch_a_direct_path_within_10s(lab: Lab) -> None:
+    """A second mesh on the same bridge: coordinator p, members q and r joined WITHOUT ``--endpoint``.
+
+    Before path planning they reached the coordinator but never each other; now the coordinator
+    tells both to punch at the same moment, and they must ping each other within 10 s of the
+    second join, over a path that ``mesh status`` calls ``direct``.
+    """
+    p, q, r = (lab.add_host(label, octet) for label, octet in (("p", 16), ("q", 17), ("r", 18)))
+    init = ["init", "--endpoint", p.endpoint, "--name", "p", "--interface", p.interface, "--uses", "2"]
+    token = _ok(lab.mesh(p, *init)).strip().splitlines()[-1]
+    for host in (q, r):
+        _ok(
+            lab.mesh(
+                host, "join", "-", "--name", host.label, "--interface", host.interface, stdin=token + "\n"
+            )
+        )
+    joined = time.monotonic()
+    address_r = json.loads((r.home / "mesh.json").read_text())["address"]
+    key_r = _public_key(r)
+
+    def punched() -> bool:
+        direct = _wg_dump(lab, q)[key_r][2] == f"{r.underlay}:51820"
+        return direct and lab.ping(q, address_r, timeout=1, count=2)
+
+    _wait_for(punched, 10, 0.2)
+    MEASURED["punched_direct_ping_s"] = time.monotonic() - joined
+    assert MEASURED["punched_direct_ping_s"] < 10
+    assert lab.ping(r, _address(lab, q))
+
+    def path_shown() -> str | None:
+        members = json.loads(_ok(lab.mesh(q, "status", "--json")))["members"]
+        return next(m for m in members if m["name"] == "r")["path"]
+
+    _wait_for(lambda: path_shown() == "direct", 10, 0.5)
+    row = next(m for m in json.loads(_ok(lab.mesh(q, "status", "--json")))["members"] if m["name"] == "r")
+    assert row["endpoint"] == f"{r.underlay}:51820" and row["rtt_ms"] is not None
+    MEASURED["punched_direct_status_s"] = time.monotonic() - joined
+
+
+def test_a_pair_that_cannot_punch_goes_through_the_relay_within_30s(lab: Lab) -> None:
+    """Host s joins p's mesh with UDP to and from q's underlay blocked: q and s must meet through the relay.
+
+    The hole-punch try of (q, s) fails, so the pair stays on p's relay (which sees only WireGuard
+    ciphertext); (r, s) goes direct as before.
+    """
+    if shutil.which("iptables") is None:
+        pytest.skip("needs iptables (apt-get install iptables) to block UDP between two hosts")
+    p, q, r = (lab.hosts[label] for label in "pqr")
+    s = lab.add_host("s", 19)
+    for chain, flag in (("OUTPUT", "-d"), ("INPUT", "-s")):
+        _ok(lab.run(s, "iptables", "-A", chain, "-p", "udp", flag, q.underlay, "-j", "DROP"))
+    token = _ok(lab.mesh(p, "invite", "--ttl", "10m")).strip().splitlines()[-1]
+    _ok(lab.mesh(s, "join", "-", "--name", "s", "--interface", s.interface, stdin=token + "\n"))
+    address_s = _address(lab, s)
+    MEASURED["relayed_ping_s"] = _wait_for(lambda: lab.ping(q, address_s, timeout=1, count=2), 30, 0.2)
+
+    def path_shown(source: Host, name: str) -> str | None:
+        members = json.loads(_ok(lab.mesh(source, "status", "--json")))["members"]
+        return next(m for m in members if m["name"] == name)["path"]
+
+    _wait_for(lambda: path_shown(q, "s") == "relay", 30, 0.5)
+    assert _wg_dump(lab, q)[_public_key(s)][2].startswith(f"{p.underlay}:"), "q sends to s through p's relay"
+    _wait_for(lambda: path_shown(r, "s") == "direct", 30, 0.5)
+    assert lab.ping(q, address_s) and lab.ping(s, _address(lab, q))
+
+
+def test_a_member_started_with_relay_carries_a_pair_when_the_coordinator_does_not(lab: Lab) -> None:
+    """A third mesh: coordinator w with ``--no-relay``, member x with ``--endpoint --relay``, and y, z
+    without endpoints and with UDP blocked between them: y and z meet through x's relay."""
+    if shutil.which("iptables") is None:
+        pytest.skip("needs iptables (apt-get install iptables) to block UDP between two hosts")
+    w, x, y, z = (lab.add_host(label, octet) for label, octet in (("w", 20), ("x", 21), ("y", 22), ("z", 23)))
+    for chain, flag in (("OUTPUT", "-d"), ("INPUT", "-s")):
+        _ok(lab.run(z, "iptables", "-A", chain, "-p", "udp", flag, y.underlay, "-j", "DROP"))
+    init = [
+        "init",
+        "--endpoint",
+        w.endpoint,
+        "--name",
+        "w",
+        "--interface",
+        w.interface,
+        "--uses",
+        "3",
+        "--no-relay",
+    ]
+    token = _ok(lab.mesh(w, *init)).strip().splitlines()[-1]
+    relay = ["--endpoint", x.endpoint, "--relay"]
+    for host, extra in ((x, relay), (y, []), (z, [])):
+        join = ["join", "-", "--name", host.label, "--interface", host.interface, *extra]
+        _ok(lab.mesh(host, *join, stdin=token + "\n"))
+    address_z = json.loads((z.home / "mesh.json").read_text())["address"]
+    key_z = _public_key(z)
+
+    def relayed_by_x() -> bool:
+        via_x = _wg_dump(lab, y)[key_z][2].startswith(f"{x.underlay}:")
+        return via_x and lab.ping(y, address_z, timeout=1, count=2)
+
+    MEASURED["member_relayed_ping_s"] = _wait_for(relayed_by_x, 30, 0.5)
+    members = json.loads(_ok(lab.mesh(y, "status", "--json")))["members"]
+    assert next(m for m in members if m["name"] == "z")["path"] == "relay"

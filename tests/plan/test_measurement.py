@@ -28,7 +28,7 @@ V2_CGROUP = "0::/system.slice/member.service\n"
 PROFILE = LayerProfile(
     0.01, 1000, None, "cpu", "cpu test", 2, 5, forward_seconds=0.004, embed_seconds=0.001,
     head_forward_seconds=0.002, head_backward_seconds=0.003, optimizer_seconds=0.0005,
-    seconds_min=0.009, seconds_max=0.013, cpu_quota=0.6,
+    seconds_min=0.009, seconds_max=0.013, cpu_quota=0.6, ci95_rel=0.04,
 )  # fmt: skip
 
 
@@ -92,7 +92,7 @@ def test_the_report_row_carries_the_measured_fields(monkeypatch: pytest.MonkeyPa
     assert {name: row[name] for name in report.MEASURED_FIELDS} == {
         "forward_seconds": 0.004, "embed_seconds": 0.001, "head_forward_seconds": 0.002,
         "head_backward_seconds": 0.003, "optimizer_seconds": 0.0005, "runs": 5,
-        "seconds_min": 0.009, "seconds_max": 0.013, "cpu_quota": 0.6,
+        "seconds_min": 0.009, "seconds_max": 0.013, "cpu_quota": 0.6, "ci95_rel": 0.04,
     }  # fmt: skip
 
 
@@ -106,7 +106,7 @@ def test_plan_json_records_how_each_stage_device_was_measured() -> None:
     plan = plan_pipeline(EIGHT_B, workload, fleet)
     expected = {
         "label": "cpu test", "threads": 2, "cpu_quota": 0.6, "runs": 5,
-        "seconds_min": 0.009, "seconds_median": 0.01, "seconds_max": 0.013,
+        "seconds_min": 0.009, "seconds_median": 0.01, "seconds_max": 0.013, "ci95_rel": 0.04,
     }  # fmt: skip
     data = plan.to_json()
     assert data["stages"] and all(stage["measured"] == expected for stage in data["stages"])

@@ -36,6 +36,7 @@ from mesh.control.auth import (
 from mesh.control.client import check_membership, fetch_roster, request_join
 from mesh.control.coordinator import JOIN_LIMITS, JOIN_MAX_BODY, ROSTER_LIMITS, ROSTER_MAX_BODY
 from mesh.control.protocol import seal_join_request
+from mesh.control.report import REPORT_MAX_BODY
 from mesh.control.token import JoinToken
 from mesh.wireguard.keys import generate_private_key, public_key
 from tests.helpers.mesh_hosts import InProcessCoordinator
@@ -44,7 +45,7 @@ from tests.helpers.raw_http import exchange
 EXAMPLES = 1200
 MESH_ID = "testmesh"
 JOIN_PATHS = ["/v1/join", "/v1/membership"]
-ROSTER_PATHS = ["/v1/roster", "/v1/leave"]
+ROSTER_PATHS = ["/v1/roster", "/v1/report", "/v1/leave"]
 ODD_PATHS = [
     "/",
     "*",
@@ -149,10 +150,11 @@ class Target:
         )
         return Recorded(port, "POST", "/v1/leave", headers, b"", time.monotonic())
 
-    def state(self) -> tuple[Any, dict[str, int]]:
-        """The roster (members and revision) and the member and token counts."""
+    def state(self) -> tuple[Any, dict[str, int], dict[str, Any]]:
+        """The roster (members and revision), the member and token counts, and the path reports taken."""
         store = self.coordinator.store
-        return store.roster(), store.counts()
+        reports = self.coordinator.service.board.reports(m.public_key for m in store.roster().members)
+        return store.roster(), store.counts(), reports
 
 
 def build(method: str, target: str, headers: Any, body: bytes, length: int | None = None) -> bytes:
@@ -256,7 +258,7 @@ def garbage_join(draw: st.DrawFn) -> Case:
 def oversized(draw: st.DrawFn) -> Case:
     """A request head declaring a body over the route's cap (the body is never sent)."""
     path = draw(st.sampled_from(JOIN_PATHS + ROSTER_PATHS))
-    cap = JOIN_MAX_BODY if path == "/v1/join" else ROSTER_MAX_BODY
+    cap = {"/v1/join": JOIN_MAX_BODY, "/v1/report": REPORT_MAX_BODY}.get(path, ROSTER_MAX_BODY)
     length = draw(st.one_of(st.integers(cap + 1, 2 * cap), st.integers(cap + 1, 10**18)))
     method = "GET" if path in ("/v1/membership", "/v1/roster") else "POST"
     return Case("oversized", path, (method, path, length), frozenset({413}))
@@ -278,8 +280,8 @@ FORGERIES = [
 @st.composite
 def forged(draw: st.DrawFn) -> Case:
     """A signed-path request whose proof is forged, stale, garbled or for something else."""
-    path = draw(st.sampled_from(["/v1/roster", "/v1/leave", "/v1/membership"]))
-    method = "POST" if path == "/v1/leave" else "GET"
+    path = draw(st.sampled_from(["/v1/roster", "/v1/leave", "/v1/membership", "/v1/report"]))
+    method = "POST" if path in ("/v1/leave", "/v1/report") else "GET"
     forgery = draw(st.sampled_from(FORGERIES))
     params = {
         "forgery": forgery,

@@ -67,3 +67,32 @@ def test_bad_headers_are_refused(data) -> None:
 def test_bad_names(name) -> None:
     with pytest.raises(MeshError, match="member name"):
         check_name(name)
+
+
+def test_relay_allocations_parse_strictly() -> None:
+    import pytest
+
+    from mesh.control.model import parse_relay_allocations
+    from mesh.errors import MeshError
+    from mesh.relay.allocations import AllocationRequest
+    from mesh.wireguard.keys import generate_private_key, public_key
+
+    a, b = sorted(public_key(generate_private_key()) for _ in range(2))
+    good = {"pair": f"{a}|{b}", "key_a": a, "ip_a": "198.51.100.2", "key_b": b, "ip_b": "198.51.100.3"}
+    assert parse_relay_allocations(None) == []
+    assert parse_relay_allocations([good]) == [AllocationRequest(**good)]
+    bad = [
+        "x",
+        [good] * 300,
+        [{**good, "extra": 1}],
+        [{**good, "ip_a": "2001:db8::1"}],
+        [{**good, "ip_a": "host"}],
+        [{**good, "pair": f"{b}|{a}"}],
+        [{**good, "key_a": b, "key_b": a, "pair": f"{b}|{a}"}],
+        [{**good, "key_b": a, "pair": f"{a}|{a}"}],
+        [{**good, "ip_b": 5}],
+        [{**good, "key_a": "short", "pair": f"short|{b}"}],
+    ]
+    for data in bad:
+        with pytest.raises(MeshError):
+            parse_relay_allocations(data)

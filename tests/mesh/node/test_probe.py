@@ -19,3 +19,12 @@ def test_loopback_answers() -> None:
     assert ping("127.0.0.1", timeout=1.0) is True
     assert probe_all(["127.0.0.1", "127.0.0.2"], timeout=1.0) == {"127.0.0.1": True, "127.0.0.2": True}
     assert probe_all([]) == {}
+
+
+def test_round_trips_are_measured_in_seconds() -> None:
+    from mesh.node.probe import probe_rtts, round_trip
+
+    seconds = round_trip("127.0.0.1", timeout=1.0)
+    assert seconds is not None and 0 <= seconds < 1.0
+    rtts = probe_rtts(["127.0.0.1"], timeout=1.0)
+    assert rtts["127.0.0.1"] is not None and rtts["127.0.0.1"] < 1.0

@@ -64,3 +64,48 @@ def test_unresolvable_endpoint_is_skipped_not_fatal() -> None:
     roster = _roster(RosterEntry("a", "10.77.0.2", A, "nowhere.invalid:51820"))
     changes = plan_peer_changes(DeviceStatus(SELF, 51820), roster, SELF, 25, None, fail)
     assert changes == [PeerConfig(A, ("10.77.0.2/32",), None, 25)]
+
+
+# ------------------------------------------------------------- path instructions from the coordinator
+
+
+def _instructed(endpoint: str | None, path: str = "relay"):  # noqa: ANN202
+    from mesh.control.model import PathInstruction
+
+    return PathInstruction(path, endpoint, None)
+
+
+def test_a_new_peer_starts_at_its_instruction_endpoint() -> None:
+    roster = _roster(RosterEntry("a", "10.77.0.2", A))
+    changes = plan_peer_changes(
+        DeviceStatus(SELF, 51820), roster, SELF, 25, None, lambda e: e, {A: _instructed("203.0.113.1:51821")}
+    )
+    assert changes == [PeerConfig(A, ("10.77.0.2/32",), "203.0.113.1:51821", 25)]
+
+
+def test_an_instruction_endpoint_is_pushed_once_and_a_roamed_one_is_then_left_alone() -> None:
+    roster = _roster(RosterEntry("a", "10.77.0.2", A))
+    device = DeviceStatus(SELF, 51820, (_peer(A, "10.77.0.2", "198.51.100.7:40000"),))
+    paths = {A: _instructed("203.0.113.1:51821")}
+    changes = plan_peer_changes(device, roster, SELF, 25, roster, lambda e: e, paths, {})
+    assert changes == [PeerConfig(A, ("10.77.0.2/32",), "203.0.113.1:51821", 25)]
+    pushed = {A: "203.0.113.1:51821"}
+    assert plan_peer_changes(device, roster, SELF, 25, roster, lambda e: e, paths, pushed) == []
+
+
+def test_a_punched_endpoint_is_not_pushed_over_the_roam() -> None:
+    roster = _roster(RosterEntry("a", "10.77.0.2", A))
+    device = DeviceStatus(SELF, 51820, (_peer(A, "10.77.0.2", "203.0.113.20:55555"),))
+    paths = {A: _instructed("203.0.113.20:40002", "direct")}
+    pushed = {A: "203.0.113.20:40002"}
+    assert plan_peer_changes(device, roster, SELF, 25, roster, lambda e: e, paths, pushed) == []
+
+
+def test_a_peer_in_a_try_is_left_alone_but_still_removed_when_gone() -> None:
+    roster = _roster(RosterEntry("a", "10.77.0.2", A))
+    device = DeviceStatus(SELF, 51820, (_peer(A, "10.77.0.2", "203.0.113.20:40002", keepalive=1),))
+    paths = {A: _instructed("203.0.113.1:51821")}
+    assert plan_peer_changes(device, roster, SELF, 25, roster, lambda e: e, paths, {}, frozenset({A})) == []
+    assert plan_peer_changes(device, _roster(), SELF, 25, roster, lambda e: e, {}, {}, frozenset({A})) == [
+        PeerConfig(A, remove=True)
+    ]

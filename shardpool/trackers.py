@@ -1,0 +1,109 @@
+"""Metrics to TensorBoard and Weights & Biases, as axolotl's ``use_tensorboard`` and ``wandb_*`` keys ask.
+
+metrics.jsonl is always written; these are extra sinks for the same lines, under Hugging Face
+Trainer's names (``train/loss``, ``train/learning_rate``, ``eval/loss``, ...), so dashboards built
+for axolotl runs read them. Both libraries are optional extras (``pip install
+'shardpool[tensorboard]'`` / ``'shardpool[wandb]'``): a config that asks for one that is not
+installed is refused in one line before anything runs. W&B honours ``WANDB_MODE`` (``offline``
+writes the run under ``output_dir/wandb`` to sync later), as wandb itself does.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from shardpool.config import Config
+from shardpool.errors import ShardpoolError
+
+__all__ = ["Trackers", "check_trackers", "hf_scalars", "open_trackers"]
+
+_STEP_FIELDS = ("loss", "learning_rate", "grad_norm", "tokens_per_s", "epoch")
+
+
+def hf_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """One metrics.jsonl line as Hugging Face Trainer's scalar names (``train/loss``, ``eval/loss``)."""
+    if "eval_loss" in record:
+        return {"eval/loss": float(record["eval_loss"])}
+    return {f"train/{name}": float(record[name]) for name in _STEP_FIELDS if record.get(name) is not None}
+
+
+def _wants_wandb(config: Config) -> bool:
+    return bool(config.use_wandb) if config.use_wandb is not None else bool(config.wandb_project)
+
+
+def check_trackers(config: Config) -> None:
+    """Refuse, in one line, a tracker the config asks for whose library is not installed."""
+    for wanted, module, extra, key in (
+        (config.use_tensorboard, "tensorboard", "tensorboard", "use_tensorboard"),
+        (_wants_wandb(config), "wandb", "wandb", "wandb_project"),
+    ):
+        if wanted and importlib.util.find_spec(module) is None:
+            raise ShardpoolError(
+                f"`{key}` needs the {module} package: pip install 'shardpool[{extra}]', or remove `{key}`"
+            )
+
+
+class Trackers:
+    """The open sinks of one run; :meth:`log` takes each metrics.jsonl line, :meth:`close` ends them."""
+
+    def __init__(self) -> None:
+        self.sinks: list[Callable[[int, dict[str, float]], None]] = []
+        self.closers: list[Callable[[], None]] = []
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Send one metrics line (a step or a periodic eval) to every sink."""
+        scalars = hf_scalars(record)
+        for sink in self.sinks:
+            sink(int(record["step"]), scalars)
+
+    def close(self) -> None:
+        """Flush and close every sink (W&B marks the run finished)."""
+        for close in self.closers:
+            close()
+        self.sinks.clear()
+        self.closers.clear()
+
+
+def _tensorboard(trackers: Trackers, output_dir: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(output_dir / "runs"))
+
+    def log(step: int, scalars: dict[str, float]) -> None:
+        for name, value in scalars.items():
+            writer.add_scalar(name, value, global_step=step)
+
+    trackers.sinks.append(log)
+    trackers.closers.append(writer.close)
+
+
+def _wandb(trackers: Trackers, config: Config, output_dir: Path) -> None:
+    import wandb
+
+    run = wandb.init(
+        project=config.wandb_project,
+        entity=config.wandb_entity,
+        name=config.wandb_name,
+        id=config.wandb_run_id,
+        resume="allow" if config.wandb_run_id else None,
+        mode=config.wandb_mode,
+        dir=str(output_dir),
+        config=config.model_dump(mode="json"),
+    )
+    trackers.sinks.append(lambda step, scalars: run.log(scalars, step=step))
+    trackers.closers.append(run.finish)
+
+
+def open_trackers(config: Config, output_dir: Path) -> Trackers:
+    """The sinks ``config`` asks for, opened; an empty :class:`Trackers` when it asks for none."""
+    check_trackers(config)
+    trackers = Trackers()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if config.use_tensorboard:
+        _tensorboard(trackers, output_dir)
+    if _wants_wandb(config):
+        _wandb(trackers, config, output_dir)
+    return trackers

@@ -1,0 +1,89 @@
+"""TensorBoard and W&B sinks: the metrics lines reach both, under Hugging Face Trainer's names."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from shardpool import trackers
+from shardpool.config import parse_config
+from shardpool.errors import ShardpoolError
+from shardpool.finetune import finetune
+from tests.helpers.training import base_config, completion_rows, write_jsonl
+
+BASE: dict[str, Any] = {"base_model": "m", "datasets": [{"path": "d.jsonl"}], "lora_target_linear": True}
+LINES = [
+    {"step": 1, "epoch": 0.5, "loss": 3.0, "learning_rate": 1e-4, "grad_norm": 0.5, "tokens_per_s": 100.0},
+    {"step": 2, "epoch": 1.0, "loss": 2.5, "learning_rate": 2e-4, "grad_norm": 0.4, "tokens_per_s": 110.0},
+    {"step": 2, "epoch": 1.0, "eval_loss": 2.75},
+]
+
+
+def _tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_lines_take_hugging_face_names() -> None:
+    assert trackers.hf_scalars(LINES[0]) == {
+        "train/loss": 3.0, "train/learning_rate": 1e-4, "train/grad_norm": 0.5,
+        "train/tokens_per_s": 100.0, "train/epoch": 0.5,
+    }  # fmt: skip
+    assert trackers.hf_scalars(LINES[2]) == {"eval/loss": 2.75}
+
+
+def test_tensorboard_gets_every_line(tmp_path: Path) -> None:
+    sinks = trackers.open_trackers(parse_config({**BASE, "use_tensorboard": True}), tmp_path)
+    for line in LINES:
+        sinks.log(line)
+    sinks.close()
+    scalars = _tensorboard_scalars(tmp_path / "runs")
+    assert scalars["train/loss"] == [(1, 3.0), (2, 2.5)]
+    assert scalars["eval/loss"] == [(2, 2.75)]
+    assert [step for step, _ in scalars["train/learning_rate"]] == [1, 2]
+
+
+def test_wandb_offline_run_records_the_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An offline run (WANDB_MODE=offline, synced later) holds the project and every scalar.
+
+    wandb writes it as its binary record log (``run-*.wandb``) and ships no reader for it any more,
+    so the test looks for the keys and values in its bytes.
+    """
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sinks = trackers.open_trackers(parse_config({**BASE, "wandb_project": "shardpool-test"}), tmp_path)
+    for line in LINES:
+        sinks.log(line)
+    sinks.close()
+    (record_log,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    data = record_log.read_bytes()
+    for expected in (b"shardpool-test", b"train/loss", b"train/learning_rate", b"eval/loss", b"2.75"):
+        assert expected in data, expected
+
+
+def test_a_tracker_that_is_not_installed_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
+    with pytest.raises(
+        ShardpoolError, match=r"`wandb_project` needs the wandb package: pip install 'shardpool\[wandb\]'"
+    ):
+        trackers.check_trackers(parse_config({**BASE, "wandb_project": "p"}))
+    trackers.check_trackers(parse_config({**BASE, "wandb_project": "p", "use_wandb": False}))
+
+
+@pytest.mark.slow
+def test_a_finetune_with_use_tensorboard_logs_each_step(tiny_model: Path, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", completion_rows(40))
+    config = base_config(tiny_model, data, tmp_path / "out", max_steps=3, use_tensorboard=True)
+    output = finetune(parse_config(config), console=Console(quiet=True))
+    scalars = _tensorboard_scalars(output / "runs")
+    assert [step for step, _ in scalars["train/loss"]] == [1, 2, 3]
