@@ -43,7 +43,6 @@ from mesh.lab.grid import (
 pytestmark = [
     pytest.mark.netns,
     pytest.mark.slow,
-    pytest.mark.xfail(reason="waits for the paths branch", strict=False),
 ]
 
 SKIP = nat_skip_reason()
