@@ -44,3 +44,18 @@ def test_shares_and_throughput_ratio_round_and_survive_zero() -> None:
     assert bench.share(0, 0) is None
     assert bench.throughput_ratio(90.0, 100.0) == 0.9
     assert bench.throughput_ratio(90.0, 0.0) is None
+
+
+def test_the_pair_clock_counts_a_pair_once_both_sides_show_its_path_from_the_later_join() -> None:
+    clock = bench.PairClock(None, STANDARD_GRID, NAT)  # the lab is only used to run commands
+    clock.keys = {"m2": "K2", "m3": "K3", "m4": "K4"}
+    clock.joined = {"m2": 0.0, "m3": -100.0, "m4": -100.0}
+    now = bench.time.monotonic()
+    clock.joined["m2"] = now - 7.0
+    clock._record_paths("m2", [{"public_key": "K3", "path": "direct"}, {"public_key": "K4", "path": "relay"}])
+    clock._record_paths("m3", [{"public_key": "K2", "path": "direct"}, {"public_key": "K4", "path": "relay"}])
+    found = clock.to_path()
+    assert 7.0 <= found["m2<->m3"] < 8.0, "from m2's join, the later one"
+    assert found["m2<->m4"] is None, "m2 sees m4 relayed, but the grid implies direct; m4 not heard from"
+    assert found["m3<->m4"] is None, "only one side has shown it so far"
+    assert clock.paths_seen[("m2", "m4")] == "relay"
