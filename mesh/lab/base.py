@@ -4,8 +4,12 @@ Each host is a network namespace ``sp<pid>-<label>`` with ``eth0`` on a shared b
 a namespace of its own), an address in TEST-NET-1 (192.0.2.0/24), its own ``SHARDPOOL_HOME``, its
 own agent socket (``SHARDPOOL_AGENT_SOCKET``) and its own WireGuard interface name. Nothing
 touches the machine's own namespace, and :meth:`Lab.close` stops every process the lab started,
-by pid, and deletes every namespace and the lab's directory under /tmp. :class:`WireGuardGoInNetns`
-is one wireguard-go interface in a namespace of its own, for tests of the UAPI.
+by pid, and deletes every namespace and the lab's directory under /tmp.
+
+The lab can instead be a *NAT grid* (:meth:`Lab.add_internet`, :meth:`Lab.add_router`): a public
+segment 203.0.113.0/24 and routers that masquerade LANs behind it, full cone or symmetric
+(:mod:`mesh.lab.nat` has the addressing and the rules). That needs ``iptables`` too
+(:func:`nat_skip_reason`), and ``conntrack`` for :meth:`Lab.set_nat` to forget old mappings.
 
 The hosts' homes live in a 0755 directory under /tmp rather than a private temporary tree: an
 agent's stages run as the unprivileged run-as account, which must reach the agent's work
@@ -24,14 +28,24 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from mesh.constants import AGENT_PORT
+from mesh.constants import AGENT_PORT, WIREGUARD_PORT
+from mesh.lab.nat import INTERNET, lan_address, lan_gateway, lan_subnet, router_nat_rules, udp_block_rules
 
-__all__ = ["SOURCE_ROOT", "UNDERLAY", "Host", "Lab", "LabError", "WireGuardGoInNetns", "netns_skip_reason"]
+__all__ = [
+    "SOURCE_ROOT",
+    "UNDERLAY",
+    "Host",
+    "Lab",
+    "LabError",
+    "Router",
+    "nat_skip_reason",
+    "netns_skip_reason",
+]
 
-SOURCE_ROOT = Path(__file__).resolve().parents[1]
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
 """The directory holding the ``mesh`` package (and ``shardpool`` beside it in a checkout)."""
 UNDERLAY = "192.0.2"
 """The first three octets of every host's underlay address (TEST-NET-1)."""
@@ -56,12 +70,52 @@ def netns_skip_reason() -> str | None:
     return None
 
 
+def nat_skip_reason() -> str | None:
+    """Why the NAT grid cannot run here (what :func:`netns_skip_reason` says, or no working iptables NAT)."""
+    reason = netns_skip_reason()
+    if reason is not None:
+        return reason
+    if shutil.which("iptables") is None:
+        return "needs iptables for the NAT grid (apt-get install iptables conntrack)"
+    probe = f"sp{os.getpid()}-natprobe"
+    subprocess.run(["ip", "netns", "add", probe], capture_output=True)
+    try:
+        rule = [
+            "iptables",
+            "-t",
+            "nat",
+            "-A",
+            "POSTROUTING",
+            "-o",
+            "wan",
+            "-j",
+            "MASQUERADE",
+            "--random-fully",
+        ]
+        made = subprocess.run(["ip", "netns", "exec", probe, *rule], capture_output=True, text=True)
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    if made.returncode != 0:
+        return f"iptables cannot masquerade in a namespace here: {made.stderr.strip()}"
+    return None
+
+
 class LabError(RuntimeError):
     """A lab command failed; the message has its exit code and output."""
 
 
 def _ip(*argv: str) -> None:
-    subprocess.run(["ip", *argv], check=True, capture_output=True, text=True, timeout=30)
+    _checked_run(["ip", *argv])
+
+
+def _checked_run(argv: list[str]) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise LabError(f"{' '.join(argv)}: exit {done.returncode}: {done.stderr.strip()}")
+
+
+def _in_netns(netns: str, *argv: str) -> None:
+    _checked_run(["ip", "netns", "exec", netns, *argv])
 
 
 @dataclass
@@ -74,15 +128,37 @@ class Host:
     home: Path
     interface: str
     agent_socket: Path
+    listen_port: int = WIREGUARD_PORT
+    router: str | None = None
+    """The label of the router this host sits behind, or ``None`` on the flat lab or the internet."""
 
     @property
     def endpoint(self) -> str:
-        """This host's WireGuard endpoint on the underlay."""
-        return f"{self.underlay}:51820"
+        """This host's WireGuard endpoint on its own segment (reachable from outside only without a router)."""
+        return f"{self.underlay}:{self.listen_port}"
+
+
+@dataclass
+class Router:
+    """A NAT router of the grid: ``wan`` on the internet, ``lan`` on a bridge of its own."""
+
+    label: str
+    netns: str
+    index: int
+    wan: str
+    kind: str
+    bridge: str
+    forwards: list[tuple[str, int]] = field(default_factory=list)
+    """(LAN address, UDP listen port) of each host behind it, which a cone router forwards."""
+
+    @property
+    def gateway(self) -> str:
+        """The router's LAN address, its hosts' default route."""
+        return lan_gateway(self.index)
 
 
 class Lab:
-    """Namespaced hosts on one bridge; use as a context manager so cleanup always runs."""
+    """Namespaced hosts on one bridge, or a NAT grid; use as a context manager so cleanup always runs."""
 
     def __init__(self, workdir: Path) -> None:
         self.tag = f"sp{os.getpid()}"
@@ -91,6 +167,8 @@ class Lab:
         os.chmod(self.shared, 0o755)
         self.switch = f"{self.tag}-sw"
         self.hosts: dict[str, Host] = {}
+        self.routers: dict[str, Router] = {}
+        self.internet = False
         self._namespaces: list[str] = []
         self.last_ping = ""
 
@@ -108,21 +186,105 @@ class Lab:
         self._namespaces.append(name)
         _ip("-n", name, "link", "set", "lo", "up")
 
-    def add_host(self, label: str, octet: int) -> Host:
-        """Create host ``label`` with underlay address 192.0.2.``octet``."""
+    def add_internet(self) -> None:
+        """Make this lab a NAT grid: hosts added without a router go on the public 203.0.113.0/24 bridge."""
+        if not self.internet:
+            self._bridge("inet")
+            self.internet = True
+
+    def add_router(self, label: str, kind: str, wan_octet: int) -> Router:
+        """Add NAT router ``label`` of ``kind`` (see :mod:`mesh.lab.nat`) at 203.0.113.``wan_octet``.
+
+        Its LAN is the next free 198.51.100.(16k)/28; hosts join it with ``add_host(..., behind=label)``.
+        """
+        if not self.internet:
+            raise LabError("add_internet() first: a router's wan side sits on the internet")
+        router_rules = router_nat_rules(kind, [])  # rejects an unknown kind before anything is made
+        index = len(self.routers) + 1
+        router = Router(label, f"{self.tag}-{label}", index, f"{INTERNET}.{wan_octet}", kind, f"lan{index}")
+        self._add_netns(router.netns)
+        self._bridge(router.bridge)
+        self._plug(router.netns, "wan", "inet", f"w{label}", f"{router.wan}/24")
+        self._plug(router.netns, "lan", router.bridge, f"l{label}", f"{router.gateway}/28")
+        _in_netns(router.netns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        for rule in router_rules:
+            _in_netns(router.netns, "iptables", *rule)
+        self.routers[label] = router
+        return router
+
+    def add_host(
+        self, label: str, octet: int, *, behind: str | Router | None = None, listen_port: int | None = None
+    ) -> Host:
+        """Create host ``label``: 192.0.2.``octet`` on the flat lab, 203.0.113.``octet`` on the internet
+        once :meth:`add_internet` ran, or 198.51.100.(16k+``octet``) behind router ``behind`` (number k).
+
+        ``listen_port`` is its WireGuard port; behind a router it defaults to the next port from
+        51820 that no other host there uses (a cone router forwards each port to one host).
+        """
+        router = self.routers[behind if isinstance(behind, str) else behind.label] if behind else None
         netns = f"{self.tag}-{label}"
+        if router is None:
+            bridge, prefix = ("inet", INTERNET) if self.internet else ("br0", UNDERLAY)
+            address, port = f"{prefix}.{octet}", listen_port or WIREGUARD_PORT
+        else:
+            bridge, address = router.bridge, lan_address(router.index, octet)
+            used = {used_port for _, used_port in router.forwards}
+            port = listen_port or next(
+                p for p in range(WIREGUARD_PORT, WIREGUARD_PORT + 100) if p not in used
+            )
+            if port in used:
+                raise LabError(f"listen port {port} is taken behind router {router.label}")
         self._add_netns(netns)
-        port = f"v{label}"
-        _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", netns)
-        _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
-        _ip("-n", netns, "addr", "add", f"{UNDERLAY}.{octet}/24", "dev", "eth0")
-        _ip("-n", netns, "link", "set", "eth0", "up")
+        self._plug(netns, "eth0", bridge, f"v{label}", f"{address}/{28 if router else 24}")
         socket_path = self.shared / f"{label}-run" / "agent.sock"
-        host = Host(
-            label, netns, f"{UNDERLAY}.{octet}", self.shared / label, f"{self.tag}{label}", socket_path
-        )
+        host = Host(label, netns, address, self.shared / label, f"{self.tag}{label}", socket_path, port)
+        if router is not None:
+            _ip("-n", netns, "route", "add", "default", "via", router.gateway)
+            host.router = router.label
+            router.forwards.append((address, port))
+            self._apply_nat(router)
         self.hosts[label] = host
         return host
+
+    def set_nat(self, router: str | Router, kind: str) -> None:
+        """Switch a router to ``kind`` now: replace its NAT rules and forget its old mappings.
+
+        Old mappings live on in the router's connection tracking; ``conntrack -F`` drops them when
+        the tool is installed (without it, flows that already exist keep their old mapping).
+        """
+        found = self.routers[router if isinstance(router, str) else router.label]
+        router_nat_rules(kind, found.forwards)
+        found.kind = kind
+        self._apply_nat(found)
+        if shutil.which("conntrack") is not None:
+            subprocess.run(
+                ["ip", "netns", "exec", found.netns, "conntrack", "-F"], capture_output=True, timeout=30
+            )
+
+    def block_udp_except(self, host: Host, ip: str) -> None:
+        """Drop every UDP datagram ``host`` sends except to ``ip`` (the relay), loopback and its WireGuard interface."""
+        for rule in udp_block_rules(ip, host.interface):
+            _in_netns(host.netns, "iptables", *rule)
+
+    def _apply_nat(self, router: Router) -> None:
+        _in_netns(router.netns, "iptables", "-t", "nat", "-F")
+        for rule in router_nat_rules(router.kind, router.forwards):
+            _in_netns(router.netns, "iptables", *rule)
+
+    def _bridge(self, name: str) -> None:
+        _ip("-n", self.switch, "link", "add", name, "type", "bridge")
+        _ip("-n", self.switch, "link", "set", name, "up")
+
+    def _plug(self, netns: str, inside: str, bridge: str, port: str, address: str) -> None:
+        """A veth from ``bridge`` (switch side ``port``) into ``netns`` as ``inside`` with ``address``."""
+        _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", inside, "netns", netns)
+        _ip("-n", self.switch, "link", "set", port, "master", bridge, "up")
+        _ip("-n", netns, "addr", "add", address, "dev", inside)
+        _ip("-n", netns, "link", "set", inside, "up")
+
+    def lan_subnet(self, router: str) -> str:
+        """The CIDR of ``router``'s LAN."""
+        return lan_subnet(self.routers[router].index)
 
     def run(
         self,
@@ -210,24 +372,43 @@ class Lab:
         Returns the join token. Hosts are named by their labels; waiting for handshakes and
         agents is left to the caller, which knows what it wants to measure.
         """
-        first = self.hosts[coordinator]
-        init = ["init", "--endpoint", first.endpoint, "--name", first.label, "--interface", first.interface]
-        out = self._checked(self.mesh(first, *init, "--uses", str(uses)), f"mesh init on {coordinator}")
-        token = out.strip().splitlines()[-1]
+        token = self.init_mesh(self.hosts[coordinator], uses=uses)
         for label in members:
-            host = self.hosts[label]
-            join = [
-                "join",
-                token,
-                "--endpoint",
-                host.endpoint,
-                "--name",
-                label,
-                "--interface",
-                host.interface,
-            ]
-            self._checked(self.mesh(host, *join), f"mesh join on {label}")
+            self.join_mesh(self.hosts[label], token)
         return token
+
+    def init_mesh(self, host: Host, *, uses: int, agent: bool = True, extra: tuple[str, ...] = ()) -> str:
+        """``mesh init`` on ``host`` with its endpoint (and ``extra`` options); returns the join token."""
+        init = ["init", "--endpoint", host.endpoint, "--name", host.label, "--interface", host.interface]
+        init += [*self._port_option(host), "--uses", str(uses), *([] if agent else ["--no-agent"]), *extra]
+        out = self._checked(self.mesh(host, *init), f"mesh init on {host.label}")
+        return out.strip().splitlines()[-1]
+
+    def join_mesh(
+        self,
+        host: Host,
+        token: str,
+        *,
+        endpoint: bool | None = None,
+        agent: bool = True,
+        extra: tuple[str, ...] = (),
+    ) -> None:
+        """``mesh join`` on ``host`` (token on standard input, ``extra`` options appended).
+
+        ``endpoint`` says whether to pass ``--endpoint``; by default only hosts not behind a
+        router do, as people behind NAT without a port forward would.
+        """
+        with_endpoint = host.router is None if endpoint is None else endpoint
+        join = ["join", "-", "--name", host.label, "--interface", host.interface, *self._port_option(host)]
+        join += [
+            *(["--endpoint", host.endpoint] if with_endpoint else []),
+            *([] if agent else ["--no-agent"]),
+        ]
+        self._checked(self.mesh(host, *join, *extra, stdin=token + "\n"), f"mesh join on {host.label}")
+
+    @staticmethod
+    def _port_option(host: Host) -> list[str]:
+        return [] if host.listen_port == WIREGUARD_PORT else ["--listen-port", str(host.listen_port)]
 
     def agent_healthy(self, source: Host, address: str, port: int = AGENT_PORT) -> bool:
         """Whether the shardpool agent at ``address`` answers ``/v1/health`` from ``source``.
@@ -293,50 +474,3 @@ class Lab:
                 pids = self._namespace_pids(name)
             if not pids:
                 return
-
-
-class WireGuardGoInNetns:
-    """A wireguard-go interface inside a private namespace, for UAPI tests; stops by pid."""
-
-    def __init__(self, label: str) -> None:
-        self.netns = f"sp{os.getpid()}-{label}"
-        self.interface = f"sp{os.getpid()}{label}"[:15]
-        self.socket = Path(f"/var/run/wireguard/{self.interface}.sock")
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> WireGuardGoInNetns:
-        _ip("netns", "add", self.netns)
-        try:
-            env = dict(os.environ, WG_PROCESS_FOREGROUND="1", LOG_LEVEL="error")
-            self.process = subprocess.Popen(
-                ["ip", "netns", "exec", self.netns, "wireguard-go", self.interface],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-            )
-            deadline = time.monotonic() + 10
-            while not self.socket.exists():
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"wireguard-go did not start: {self.process.stderr.read() if self.process.stderr else ''}"
-                    )
-                time.sleep(0.05)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        subprocess.run(["ip", "netns", "del", self.netns], capture_output=True)
-        self.socket.unlink(missing_ok=True)
-
-    def wg(self, *argv: str) -> str:
-        """Run ``wg`` (which talks to the same UAPI socket) and return its output."""
-        return subprocess.run(["wg", *argv], capture_output=True, text=True, check=True, timeout=10).stdout
