@@ -139,6 +139,7 @@ class PunchTry:
     path: str
     at: float
     window: float
+    fresh: bool | None = None  # both sides start a new session (None: each side judges its own, as before)
 
     def to_json(self) -> dict[str, Any]:
         """The try as JSON."""
@@ -199,7 +200,14 @@ def _punch(value: Any) -> PunchTry | None:
         path=path,
         at=_number(value.get("at"), "try time", 0.0, 1e11),
         window=_number(value.get("window"), "try window", 0.1, 60.0),
+        fresh=_fresh(value.get("fresh")),
     )
+
+
+def _fresh(value: Any) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise MeshError("a path try's fresh flag is not true or false")
+    return value
 
 
 def _instruction(value: Any) -> PathInstruction:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import ipaddress
 import zlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mesh.addresses import parse_endpoint
 from mesh.control.model import PathInstruction, PunchTry, RosterEntry
@@ -38,6 +38,7 @@ from mesh.control.report import MemberReport
 
 __all__ = [
     "RETRY_S",
+    "SESSION_S",
     "STALE_HANDSHAKE_S",
     "TRY_WINDOW_S",
     "AllocationWant",
@@ -53,6 +54,8 @@ STALE_HANDSHAKE_S = 180.0
 """A direct pair whose both sides saw no handshake for this long is punched again."""
 TRY_WINDOW_S = 3.0
 """Seconds a try sends keepalives before its sides judge it."""
+SESSION_S = 180.0
+"""A handshake at most this old means a live WireGuard session (keys are renewed every 120 s)."""
 _CONNECTED = ("lan", "direct")
 
 
@@ -87,11 +90,28 @@ class PairState:
     punch_for: tuple[str, str] = ("", "")
     results: dict[str, bool] = field(default_factory=dict)
     connected_with: tuple[str, str] = ("", "")
+    last_tried: str = ""
 
     @property
     def pair(self) -> str:
         """This pair's id."""
         return pair_id(self.key_a, self.key_b)
+
+
+def _live_both(state: PairState, now: float, reports: Mapping[str, MemberReport]) -> bool:
+    """Whether both sides report a handshake with each other within :data:`SESSION_S`.
+
+    A try then keeps the session (a relayed pair upgrades without dropping its tunnel); otherwise
+    both sides start afresh together. One side alone starting afresh would leave the other
+    sending under keys nobody holds any more, until WireGuard's 15 s silence timer re-handshakes:
+    past the try's window (a cone-to-symmetric first try failed that way about once in three).
+    """
+    for own, other in ((state.key_a, state.key_b), (state.key_b, state.key_a)):
+        report = reports.get(own)
+        peer = report.peers.get(other) if report is not None else None
+        if peer is None or peer.last_handshake is None or now - peer.last_handshake > SESSION_S:
+            return False
+    return True
 
 
 def _ip(endpoint: str) -> str:
@@ -198,18 +218,29 @@ class PathPlanner:
         return True
 
     def _start_try(self, state: PairState, now: float, reports: Mapping[str, MemberReport]) -> None:
+        """Schedule the next try: lan and direct in turn for two members behind one public IP, else direct.
+
+        Behind one public IP the first try waits until both members have reported their LAN
+        addresses, so it is not spent on a direct try (which needs hairpinning) while a report is
+        still on its way.
+        """
         empty = MemberReport()
         lan_a, lan_b = (reports.get(key, empty).lan for key in (state.key_a, state.key_b))
         same_ip = _ip(state.observed[0]) == _ip(state.observed[1])
-        if same_ip and lan_a and lan_b and state.tries % 2 == 0:
+        if same_ip and state.tries == 0 and not (state.key_a in reports and state.key_b in reports):
+            return
+        if same_ip and lan_a and lan_b and state.last_tried != "lan":
             path, for_a, for_b = "lan", lan_candidate(lan_b, lan_a), lan_candidate(lan_a, lan_b)
         else:
             path, for_a, for_b = "direct", state.observed[1], state.observed[0]
         at = now + 2 * self.sync_interval + 0.5
-        state.punch = PunchTry(self._next_id, "", path, at, self.window)
+        state.punch = PunchTry(
+            self._next_id, "", path, at, self.window, fresh=not _live_both(state, now, reports)
+        )
         state.punch_for = (for_a, for_b)
         state.results = {}
         state.tries += 1
+        state.last_tried = path
         self._next_id += 1
 
     def _judge(
@@ -250,9 +281,7 @@ class PathPlanner:
     def _instruction(state: PairState, side: int, relay: tuple[str, int, int] | None) -> PathInstruction:
         punch = None
         if state.punch is not None:
-            punch = PunchTry(
-                state.punch.id, state.punch_for[side], state.punch.path, state.punch.at, state.punch.window
-            )
+            punch = replace(state.punch, endpoint=state.punch_for[side])
         if state.mode in _CONNECTED:
             return PathInstruction(state.mode, state.connected_with[side], punch)
         if relay is None:

@@ -26,17 +26,26 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from mesh.control.model import PathInstruction, PunchTry
+from mesh.control.paths import SESSION_S
 from mesh.control.report import MemberReport, PeerReport
 from mesh.wireguard.backend import DeviceStatus, PeerConfig, PeerStatus
 
-__all__ = ["PUNCH_KEEPALIVE", "SESSION_S", "PathFollower", "TryRun", "judge_try", "start_changes"]
+__all__ = [
+    "PREPARE_S",
+    "PUNCH_KEEPALIVE",
+    "SESSION_S",
+    "PathFollower",
+    "TryRun",
+    "judge_try",
+    "needs_fresh",
+    "prepare_changes",
+    "start_changes",
+]
 
 log = logging.getLogger("shardpool.mesh.punch")
 
 PUNCH_KEEPALIVE = 1
 """Persistent keepalive (seconds) during a try: every keepalive is a punch."""
-SESSION_S = 180.0
-"""WireGuard drops a session's keys this long after its handshake."""
 
 
 @dataclass
@@ -46,6 +55,7 @@ class TryRun:
     peer: str
     punch: PunchTry
     at_start: PeerStatus | None = None
+    prepared: bool = False
 
     @property
     def started(self) -> bool:
@@ -53,23 +63,49 @@ class TryRun:
         return self.at_start is not None
 
 
-def start_changes(punch: PunchTry, peer: PeerStatus) -> tuple[list[PeerConfig], PeerStatus]:
-    """The changes that start ``punch`` on ``peer``, and the status to judge the try against.
+PREPARE_S = 1.0
+"""Seconds before a fresh try's time that its peer is made anew (see :func:`prepare_changes`)."""
+
+
+def needs_fresh(punch: PunchTry, peer: PeerStatus) -> bool:
+    """Whether the try starts a new session: the coordinator's call for both sides (``punch.fresh``),
+    or, from a coordinator that predates it, whether this side has no live session."""
+    if punch.fresh is not None:
+        return punch.fresh
+    return peer.last_handshake is None or punch.at - peer.last_handshake > SESSION_S
+
+
+def prepare_changes(punch: PunchTry, peer: PeerStatus) -> list[PeerConfig]:
+    """Make the peer anew :data:`PREPARE_S` before a fresh try: removed, and added back with the try
+    endpoint and no keepalive, so nothing is sent yet.
+
+    Removing resets WireGuard's one-initiation-per-5-s clock (there is no session to lose).
+    Doing it ahead of ``at`` on both sides matters: a side that removed its peer *after* the
+    other side's initiation arrived would throw away the session just made, and the other
+    side, believing it live, would not initiate again for 15 s.
+    """
+    return [
+        PeerConfig(peer.public_key, remove=True),
+        PeerConfig(peer.public_key, peer.allowed_ips, punch.endpoint, 0),
+    ]
+
+
+def start_changes(
+    punch: PunchTry, peer: PeerStatus, *, prepared: bool = False
+) -> tuple[list[PeerConfig], PeerStatus]:
+    """The changes that start ``punch`` on ``peer`` at ``at``, and the status to judge the try against.
 
     WireGuard sends a keepalive at once only when the persistent keepalive goes from 0 to
-    non-zero, so it is set to 0 and then to :data:`PUNCH_KEEPALIVE` with the try endpoint: the
-    first punch leaves at ``at``, not at the next 25 s tick. Without a live session (no handshake
-    for :data:`SESSION_S`) that keepalive is a handshake initiation, which WireGuard sends at most
-    every 5 s per peer, and failed attempts without an endpoint count too; so such a peer is
-    removed and added again, which resets that clock (there is no session to lose).
+    non-zero, so it goes from 0 to :data:`PUNCH_KEEPALIVE` with the try endpoint: the first punch
+    leaves at ``at``, not at the next 25 s tick. A fresh try whose peer was not ``prepared``
+    (pulled late) is made anew here, at once.
     """
     punching = PeerConfig(peer.public_key, peer.allowed_ips, punch.endpoint, PUNCH_KEEPALIVE)
-    live = peer.last_handshake is not None and punch.at - peer.last_handshake <= SESSION_S
-    if live:
+    if not needs_fresh(punch, peer):
         quiet = PeerConfig(peer.public_key, peer.allowed_ips, punch.endpoint, 0)
         return [quiet, punching], peer
     fresh = replace(peer, endpoint=None, last_handshake=None, rx_bytes=0, tx_bytes=0)
-    return [PeerConfig(peer.public_key, remove=True), punching], fresh
+    return ([] if prepared else prepare_changes(punch, peer)) + [punching], fresh
 
 
 def judge_try(
@@ -110,6 +146,8 @@ class PathFollower:
             instruction = self.instructions.get(peer)
             if not run.started and (instruction is None or instruction.punch != run.punch):
                 del self.runs[peer]  # the coordinator dropped or replaced this try before it began
+                if run.prepared:
+                    self.pushed.pop(peer, None)  # made anew for it: let the reconcile push the path again
         for peer, instruction in self.instructions.items():
             punch = instruction.punch
             if punch is None or peer in self.runs or self.results.get(peer, (None, False))[0] == punch.id:
@@ -122,7 +160,7 @@ class PathFollower:
         The second matters: between this side's verdict and the coordinator's, the instruction
         still names the relay, and pushing it would undo the punched (maybe roamed) endpoint.
         """
-        running = {peer for peer, run in self.runs.items() if run.started}
+        running = {peer for peer, run in self.runs.items() if run.started or run.prepared}
         waiting = {
             peer
             for peer, instruction in self.instructions.items()
@@ -133,8 +171,15 @@ class PathFollower:
 
     def next_event(self) -> float | None:
         """The unix time of the next try start or judgement, if any, so the sync loop wakes for it."""
-        times = [run.punch.at + (run.punch.window if run.started else 0.0) for run in self.runs.values()]
-        return min(times, default=None)
+        return min((self._next_time(run) for run in self.runs.values()), default=None)
+
+    @staticmethod
+    def _next_time(run: TryRun) -> float:
+        if run.started:
+            return run.punch.at + run.punch.window
+        if run.prepared or run.punch.fresh is False:
+            return run.punch.at
+        return run.punch.at - PREPARE_S
 
     def due(self, now: float, device: DeviceStatus) -> list[PeerConfig]:
         """Start the tries whose time came and judge those whose window ended; return the changes."""
@@ -143,12 +188,16 @@ class PathFollower:
             status = device.peer(peer)
             end = run.punch.at + run.punch.window
             if not run.started:
+                if status is not None and not run.prepared and now >= run.punch.at - PREPARE_S:
+                    if now < run.punch.at and needs_fresh(run.punch, status):
+                        changes.extend(prepare_changes(run.punch, status))
+                        run.prepared = True
                 if now < run.punch.at:
                     continue
                 if now > end or status is None:  # pulled too late, or the peer is not on the device
                     self._finish(run, False)
                     continue
-                started, run.at_start = start_changes(run.punch, status)
+                started, run.at_start = start_changes(run.punch, status, prepared=run.prepared)
                 changes.extend(started)
             elif now >= end:
                 assert run.at_start is not None

@@ -220,8 +220,26 @@ def test_lan_success_makes_the_pair_lan_with_the_lan_endpoints() -> None:
 def test_one_side_without_lan_candidates_tries_direct() -> None:
     planner = PathPlanner()
     observed = {A: "203.0.113.10:40001", B: "203.0.113.10:40002"}
-    _step(planner, T0, {A: MemberReport(lan=("198.51.100.17:51820",))}, observed)
+    _step(planner, T0, {A: MemberReport(lan=("198.51.100.17:51820",)), B: MemberReport()}, observed)
     assert _plan(planner)[A][B].punch.path == "direct"
+
+
+def test_behind_one_ip_the_first_try_waits_for_both_lan_reports_then_alternates() -> None:
+    """A report still on its way must not spend the first try (and 20 s) on direct."""
+    planner = PathPlanner()
+    observed = {A: "203.0.113.10:40001", B: "203.0.113.10:40002"}
+    only_a = {A: MemberReport(lan=("198.51.100.17:51820",))}
+    _step(planner, T0, only_a, observed)
+    assert _plan(planner)[A][B].punch is None, "no try before B's LAN addresses are known"
+    both = {**only_a, B: MemberReport(lan=("198.51.100.18:51821",))}
+    _step(planner, T0 + 2, both, observed)
+    first = _plan(planner)[A][B].punch
+    assert first is not None and first.path == "lan"
+    failed = {A: MemberReport(lan=only_a[A].lan, tries={B: (first.id, False)}), B: both[B]}
+    _step(planner, T0 + 20, failed, observed)
+    _step(planner, T0 + 60, both, observed)
+    second = _plan(planner)[A][B].punch
+    assert second is not None and second.path == "direct" and second.id != first.id
 
 
 def test_lan_candidate_picks_the_longest_shared_prefix_or_the_first() -> None:
@@ -254,3 +272,22 @@ def test_a_relayed_pair_whose_observed_endpoint_changes_tries_again_at_once() ->
     _step(planner, T0 + 12, observed=moved)
     retry = _plan(planner)[A][B].punch
     assert retry is not None and retry.endpoint == "203.0.113.20:51820"
+
+
+def test_a_try_starts_afresh_unless_both_sides_report_a_live_session() -> None:
+    planner = PathPlanner()
+    observed = {A: "203.0.113.10:40001", B: "198.51.100.20:40002"}
+    _step(planner, T0, {A: MemberReport(), B: MemberReport()}, observed)
+    assert _plan(planner)[A][B].punch.fresh is True, "no session reported: both sides start anew"
+    planner = PathPlanner()
+    live = {
+        A: MemberReport(peers={B: PeerReport(endpoint=None, last_handshake=T0 - 30, rx_bytes=1, tx_bytes=1)}),
+        B: MemberReport(peers={A: PeerReport(endpoint=None, last_handshake=T0 - 31, rx_bytes=1, tx_bytes=1)}),
+    }
+    _step(planner, T0, live, observed)
+    instructions = _plan(planner)
+    assert instructions[A][B].punch.fresh is False and instructions[B][A].punch.fresh is False
+    one_sided = {**live, B: MemberReport()}
+    planner = PathPlanner()
+    _step(planner, T0, one_sided, observed)
+    assert _plan(planner)[A][B].punch.fresh is True, "a handshake only one side saw is no session"

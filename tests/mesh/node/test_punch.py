@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mesh.control.model import PathInstruction, PunchTry
-from mesh.node.punch import PUNCH_KEEPALIVE, PathFollower, judge_try, start_changes
+from mesh.node.punch import PREPARE_S, PUNCH_KEEPALIVE, PathFollower, judge_try, start_changes
 from mesh.wireguard.backend import DeviceStatus, PeerConfig, PeerStatus
 from mesh.wireguard.keys import generate_private_key, public_key
 
@@ -69,10 +69,47 @@ def test_with_a_live_session_the_keepalive_goes_0_then_1_so_the_first_punch_leav
 def test_without_a_session_the_peer_is_made_anew_so_its_handshake_is_not_rate_limited() -> None:
     for handshake in (None, AT - 181):
         changes, baseline = start_changes(PUNCH, _status(None, rx=500, handshake=handshake))
-        assert changes == [PeerConfig(PEER, remove=True), PeerConfig(PEER, ALLOWED, DIRECT, PUNCH_KEEPALIVE)]
+        assert changes == [
+            PeerConfig(PEER, remove=True),
+            PeerConfig(PEER, ALLOWED, DIRECT, 0),
+            PeerConfig(PEER, ALLOWED, DIRECT, PUNCH_KEEPALIVE),
+        ]
         assert baseline.rx_bytes == 0 and baseline.last_handshake is None
         ok, _ = judge_try(PUNCH, None, baseline, _status(DIRECT, rx=92, handshake=AT + 0.01), 25)
         assert ok
+
+
+def test_the_coordinators_fresh_flag_decides_for_both_sides_alike() -> None:
+    """One side alone starting afresh would strand the other on keys nobody holds any more."""
+    live_here = _status(RELAY, handshake=AT - 10)
+    changes, _ = start_changes(replace(PUNCH, fresh=True), live_here)
+    assert changes[0] == PeerConfig(PEER, remove=True), "fresh: anew even though this side looks live"
+    stale_here = _status(RELAY, handshake=None)
+    changes, baseline = start_changes(replace(PUNCH, fresh=False), stale_here)
+    assert changes == [
+        PeerConfig(PEER, ALLOWED, DIRECT, 0),
+        PeerConfig(PEER, ALLOWED, DIRECT, PUNCH_KEEPALIVE),
+    ]
+    assert baseline == stale_here
+
+
+def test_a_fresh_try_makes_the_peer_anew_a_second_early_then_punches_at_its_time() -> None:
+    """Both sides reset before either sends, so no side throws away a session the other just made."""
+    fresh = replace(PUNCH, fresh=True)
+    follower = _follower(PathInstruction("relay", RELAY, fresh))
+    device = DeviceStatus(None, 51820, (BEFORE,))
+    assert follower.next_event() == AT - PREPARE_S
+    assert follower.due(AT - 1.5, device) == []
+    assert follower.due(AT - PREPARE_S, device) == [
+        PeerConfig(PEER, remove=True),
+        PeerConfig(PEER, ALLOWED, DIRECT, 0),
+    ]
+    assert follower.busy() == {PEER} and follower.next_event() == AT
+    made_anew = DeviceStatus(None, 51820, (_status(DIRECT, rx=0, handshake=None),))
+    assert follower.due(AT, made_anew) == [PeerConfig(PEER, ALLOWED, DIRECT, PUNCH_KEEPALIVE)]
+    after = DeviceStatus(None, 51820, (_status(ROAMED, rx=92, handshake=AT + 0.05),))
+    assert follower.due(AT + 3.0, after) == [PeerConfig(PEER, ALLOWED, None, 25)]
+    assert follower.results == {PEER: (5, True)}
 
 
 def _follower(instruction: PathInstruction) -> PathFollower:
@@ -84,8 +121,8 @@ def _follower(instruction: PathInstruction) -> PathFollower:
 def test_a_try_starts_at_its_time_is_judged_after_its_window_and_is_reported() -> None:
     follower = _follower(PathInstruction("relay", RELAY, PUNCH))
     device = DeviceStatus(None, 51820, (BEFORE,))
-    assert follower.next_event() == AT
-    assert follower.due(AT - 0.1, device) == []
+    assert follower.next_event() == AT - PREPARE_S, "woken early in case the try needs a fresh peer"
+    assert follower.due(AT - 0.1, device) == [], "a live session is kept: nothing before `at`"
     assert follower.due(AT, device)[-1] == PeerConfig(PEER, ALLOWED, DIRECT, PUNCH_KEEPALIVE)
     assert follower.busy() == {PEER} and follower.next_event() == AT + 3.0
     assert follower.due(AT + 1, device) == []
