@@ -130,6 +130,14 @@ def _run_agent(args: argparse.Namespace) -> int:
 
 
 def _run_finetune(args: argparse.Namespace) -> int:
+    import os
+
+    from shardpool.torchrun import finetune_under_torchrun, torchrun_world
+
+    world = torchrun_world(os.environ)
+    if world is not None:
+        finetune_under_torchrun(args.config, world, resume=args.resume)
+        return 0
     from shardpool.finetune import finetune_from_file
 
     finetune_from_file(args.config, resume=args.resume)
