@@ -14,8 +14,9 @@ contract). Each process joins torchrun's store (``env://``, as ``init_process_gr
   3. rank 0 relays the events as the local launcher does (progress, ``metrics.jsonl``,
      checkpoints, the merged adapter) and writes the model card.
 
-A config that fails its checks is reported by rank 0 alone, in one line; rank 0 publishes the
-failure, and the other ranks exit with status 1 without a word. A failure while training is
+A config that fails its checks is reported by rank 0 alone, in one line (status 2); rank 0
+publishes the failure, and the other ranks exit without a word (status 0: they did nothing), so
+torchrun's summary names rank 0 as the failure and torchrun exits non-zero. A failure while training is
 one line from the rank that failed, which exits at once (torchrun then stops the others).
 """
 
@@ -199,7 +200,9 @@ def _lead(
         run = replace(prepared, base_model_reference=reference)
         run_dir = _write_run_inputs(run, console)
         inputs = job_inputs(config, run_dir, run.resume_from)
-        job = build_job(run, inputs=inputs, master_addr=_ip_address(world.master_addr), master_port=world.master_port)
+        job = build_job(
+            run, inputs=inputs, master_addr=_ip_address(world.master_addr), master_port=world.master_port
+        )
         job_file = write_job(job, run_dir)
     except BaseException as error:
         store.set(
@@ -237,11 +240,15 @@ def _ip_address(host: str) -> str:
 
 
 def _wait_for_job(store: Any) -> Path:
-    """The job file rank 0 published; exit quietly (status 1) when rank 0 published its failure."""
+    """The job file rank 0 published; exit quietly when rank 0 published its failure.
+
+    Status 0, since this rank did nothing: torchrun then reports rank 0 alone as the failure (status
+    2, with its one line), rather than a rank that exited first for no reason of its own.
+    """
     store.wait([JOB_KEY], _PREPARE_TIMEOUT)
     published = json.loads(store.get(JOB_KEY))
     if "error" in published:
-        sys.exit(1)  # rank 0 printed the one line
+        sys.exit(0)
     return Path(published["job_file"])
 
 
