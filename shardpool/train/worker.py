@@ -274,6 +274,7 @@ class StageWorker:
                 "stage": self.spec.index,
                 "peak_rss_bytes": peak_rss_bytes(),
                 "peak_device_bytes": self._peak_device_bytes(),
+                "peak_device_reserved_bytes": self._peak_device_reserved_bytes(),
             }
         )
         if self.rank == 0:
@@ -284,6 +285,12 @@ class StageWorker:
     def _peak_device_bytes(self) -> int | None:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
+        return None
+
+    def _peak_device_reserved_bytes(self) -> int | None:
+        """What the CUDA caching allocator held at most (allocated plus its cache), for gpu_check's ratios."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_reserved(self.device))
         return None
 
     def train_step(self, step: int) -> None:
