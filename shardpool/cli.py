@@ -170,7 +170,15 @@ def _run_agent(args: argparse.Namespace) -> int:
 
 
 def _run_finetune(args: argparse.Namespace) -> int:
+    import os
+
     from shardpool.console import RunEvents
+    from shardpool.torchrun import finetune_under_torchrun, torchrun_world
+
+    world = torchrun_world(os.environ)
+    if world is not None:
+        finetune_under_torchrun(args.config, world, resume=args.resume)
+        return 0
 
     events = RunEvents(sys.stdout if args.json else None)
     try:

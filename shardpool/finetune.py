@@ -66,7 +66,7 @@ from shardpool.train.runfiles import DATA_INPUT, job_inputs
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["PreparedRun", "finetune", "finetune_from_file", "prepare_run"]
+__all__ = ["PreparedRun", "finetune", "finetune_from_file", "finish_run", "prepare_run"]
 
 
 @dataclass(frozen=True)
@@ -181,16 +181,29 @@ def _finetune_holding_output_dir(
         finally:
             trackers.close()
         del store
+    finish_run(as_written, config, run, record, console, events)
+    return Path(config.output_dir)
+
+
+def finish_run(
+    as_written: Config,
+    config: Config,
+    run: PreparedRun,
+    record: RunRecord,
+    console: Console,
+    events: RunEvents | None = None,
+) -> None:
+    """After the stages finished: write the model card (of the config as written) and report the result."""
     card = render_model_card(
         as_written,
-        base_model=reference,
+        base_model=run.base_model_reference or base_model_reference(as_written.base_model),
         target_modules=run.lora.target_modules,
         placements=run.placements,
         outcome=record.outcome(run.total_steps),
     )
     write_model_card(config.output_dir, card)
     print_result(console, config, record)
-    events.emit(
+    (events or RunEvents()).emit(
         "done",
         output_dir=config.output_dir,
         steps=run.total_steps,
@@ -199,7 +212,6 @@ def _finetune_holding_output_dir(
         eval_loss_after=record.eval_after,
         seconds=round(record.seconds, 3),
     )
-    return Path(config.output_dir)
 
 
 def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Plan]) -> PreparedRun:

@@ -38,8 +38,10 @@ from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
 
 __all__ = [
+    "MAX_CAPABILITY_CHARS",
     "MAX_CPU_QUOTA",
     "MAX_MEASURED_SECONDS",
+    "MAX_NF4_ERROR_CHARS",
     "MAX_REPORT_BYTES",
     "MAX_RUNS",
     "PROFILE_TIMEOUT_S",
@@ -66,6 +68,11 @@ _ROW_FIELDS = {
     "seconds_per_layer": (int, float),
     "activation_bytes": int,
 }
+#: The fields a row of a device that cannot run NF4 (``nf4_error``) lacks: it was not profiled.
+_PROFILE_FIELDS = ("seconds_per_layer", "activation_bytes")
+#: Longest compute capability (``8.6``, ``gfx90a``) and NF4 refusal reason a row may state.
+MAX_CAPABILITY_CHARS = 40
+MAX_NF4_ERROR_CHARS = 300
 #: Longest a measured time may be, in seconds (one layer, embedding, head or optimizer step).
 MAX_MEASURED_SECONDS = 3600.0
 #: Most timed passes a profile may claim, and the largest CPU quota (in CPUs) a row may state.
@@ -260,14 +267,22 @@ def _report_rows(out: bytes) -> list[dict[str, Any]]:
 
 
 def _checked_row(row: Any) -> dict[str, Any]:
-    """One report row with its required fields typed and every number in bounds."""
-    if not isinstance(row, dict) or not set(_ROW_FIELDS) <= set(row):
-        raise ProfileFailed(f"a device row must have the fields {sorted(_ROW_FIELDS)}")
-    for name, kind in _ROW_FIELDS.items():
+    """One report row with its required fields typed and every number in bounds.
+
+    A row with ``nf4_error`` (a device bitsandbytes' 4-bit kernels cannot run on) has no profile:
+    it keeps its facts and the error, and the launcher gives that device no layers.
+    """
+    refused = isinstance(row, dict) and row.get("nf4_error") is not None
+    required = {name: kind for name, kind in _ROW_FIELDS.items() if not (refused and name in _PROFILE_FIELDS)}
+    if not isinstance(row, dict) or not set(required) <= set(row):
+        raise ProfileFailed(f"a device row must have the fields {sorted(required)}")
+    for name, kind in required.items():
         if not isinstance(row[name], kind) or isinstance(row[name], bool):
             raise ProfileFailed(f"a device row's {name} is {str(row[name])[:40]!r}")
+    checked = {name: row[name] for name in required} | _device_facts(row)
+    if refused:
+        return checked
     _bound(row, "seconds_per_layer", low=0.0, high=MAX_MEASURED_SECONDS, open_low=True)
-    checked = {name: row[name] for name in _ROW_FIELDS}
     for name in _MEASURED_SECONDS:
         if row.get(name) is not None:
             checked[name] = _bound(row, name, low=0.0, high=MAX_MEASURED_SECONDS)
@@ -286,6 +301,26 @@ def _checked_row(row: Any) -> dict[str, Any]:
     if row.get("ci95_rel") is not None:
         checked["ci95_rel"] = _bound(row, "ci95_rel", low=0.0, high=MAX_CI95_REL)
     return checked
+
+
+def _device_facts(row: dict[str, Any]) -> dict[str, Any]:
+    """The row's compute capability, bf16 support and NF4 refusal, each checked where given (an older
+    member's report lacks them)."""
+    facts: dict[str, Any] = {}
+    for name, longest in (("compute_capability", MAX_CAPABILITY_CHARS), ("nf4_error", MAX_NF4_ERROR_CHARS)):
+        value = row.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value.strip() or len(value) > longest or not value.isprintable():
+            raise ProfileFailed(
+                f"a device row's {name} is {str(value)[:40]!r}; it must be printable text of 1 to {longest} characters"
+            )
+        facts[name] = value
+    if row.get("bf16") is not None:
+        if not isinstance(row["bf16"], bool):
+            raise ProfileFailed(f"a device row's bf16 is {str(row['bf16'])[:40]!r}; it must be true or false")
+        facts["bf16"] = row["bf16"]
+    return facts
 
 
 def _bound(row: dict[str, Any], name: str, *, low: float, high: float, open_low: bool = False) -> float:

@@ -133,6 +133,7 @@ class StageDoneEvent(_Event):
     stage: int = Field(ge=0, lt=MAX_STAGES)
     peak_rss_bytes: int = Field(ge=0)
     peak_device_bytes: int | None = Field(default=None, ge=0)
+    peak_device_reserved_bytes: int | None = Field(default=None, ge=0)
 
 
 class DoneEvent(_Event):

@@ -20,7 +20,7 @@ from shardpool.config import Config
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
-from shardpool.plan.device_facts import Measurement
+from shardpool.plan.device_facts import Measurement, nf4_refusal
 from shardpool.plan.fleet import Device, Fleet, LinkSpec
 from shardpool.plan.planner import plan_pipeline
 from shardpool.plan.result import Plan
@@ -121,7 +121,18 @@ def mesh_fleet(
             say(f"skipping member {member.name!r}: {error}")
             continue
         answering.append(member)
-        devices.extend(member_device(member.name, info) for info in reported)
+        for info in reported:
+            if info.get("nf4_error") is not None:
+                say(
+                    nf4_refusal(
+                        f"{member.name}/{info['name']}",
+                        info["label"],
+                        info.get("compute_capability"),
+                        info["nf4_error"],
+                    )
+                )
+            else:
+                devices.append(member_device(member.name, info))
     if not devices:
         raise ShardpoolError(
             "no mesh member's agent answered; start `shardpool agent` on the members (see docs/agent.md)"

@@ -20,7 +20,11 @@ __all__ = [
     "Measurement",
     "cpu_model_name",
     "device_kind",
+    "format_compute_capability",
+    "layer_devices",
+    "nf4_refusal",
     "normalize_device",
+    "rocm_architecture",
 ]
 
 #: Kinds of device a stage can run on; the kind sets a stage's framework memory reserve.
@@ -30,7 +34,13 @@ DEVICE_KINDS: tuple[str, ...] = ("cuda", "rocm", "mps", "xpu", "cpu")
 @dataclass(frozen=True)
 class DeviceInfo:
     """One local device: torch name (``cuda:0``), kind (cuda, rocm, mps, xpu, cpu), product label,
-    total and free memory in bytes, and (CPU only) the threads torch uses."""
+    total and free memory in bytes, and (CPU only) the threads torch uses.
+
+    Also what the precision and quantization choices need: the compute capability (``"8.6"`` on
+    CUDA, the gfx architecture on ROCm, None on MPS, XPU and the CPU), whether torch computes in
+    bf16 on it (None: not known), and why bitsandbytes' 4-bit kernels cannot run on it (None: they
+    ran, or were not probed).
+    """
 
     name: str
     kind: str
@@ -38,6 +48,9 @@ class DeviceInfo:
     total_bytes: int
     free_bytes: int
     threads: int = 0
+    compute_capability: str | None = None
+    bf16: bool | None = None
+    nf4_error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -144,3 +157,37 @@ def cpu_model_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or f"cpu ({os.cpu_count()} cores)"
+
+
+def format_compute_capability(major: int, minor: int) -> str:
+    """A CUDA compute capability as NVIDIA writes it: ``(8, 6)`` is ``"8.6"``."""
+    return f"{int(major)}.{int(minor)}"
+
+
+def rocm_architecture(gcn_arch_name: str) -> str:
+    """The gfx name of a ROCm device from torch's ``gcnArchName`` (``gfx90a:sramecc+:xnack-`` is ``gfx90a``)."""
+    return gcn_arch_name.split(":", 1)[0].strip()
+
+
+def nf4_refusal(name: str, label: str, compute_capability: str | None, reason: str) -> str:
+    """The one line that says a device cannot run bitsandbytes' 4-bit kernels and gets no layers."""
+    detail = f"{label}, {compute_capability}" if compute_capability else label
+    first = reason.strip().splitlines()[0] if reason.strip() else "the 4-bit probe failed"
+    return f"{name} ({detail}) cannot run bitsandbytes 4-bit: {first[:200]}; it gets no layers"
+
+
+def layer_devices(devices: list[DeviceInfo], *, needs_nf4: bool) -> tuple[list[DeviceInfo], list[str]]:
+    """The devices that may be given layers, and one line for each that may not.
+
+    With an NF4 base (``adapter: qlora``) a device whose 4-bit probe failed is left out, never
+    silently given layers it cannot run; with an unquantized base every device may take layers.
+    """
+    if not needs_nf4:
+        return list(devices), []
+    kept = [info for info in devices if info.nf4_error is None]
+    refused = [
+        nf4_refusal(info.name, info.label, info.compute_capability, info.nf4_error)
+        for info in devices
+        if info.nf4_error is not None
+    ]
+    return kept, refused

@@ -7,34 +7,70 @@ limit, when one is set, caps what ``/proc/meminfo`` reports). Device names and t
 
 from __future__ import annotations
 
+import functools
 import platform
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
 import torch
 
 from shardpool.errors import ShardpoolError
-from shardpool.plan.device_facts import DeviceInfo, cpu_model_name, device_kind, normalize_device
+from shardpool.plan.device_facts import (
+    DeviceInfo,
+    cpu_model_name,
+    device_kind,
+    format_compute_capability,
+    normalize_device,
+    rocm_architecture,
+)
 
-__all__ = ["device_info", "list_devices", "synchronize"]
+__all__ = ["device_info", "list_devices", "probe_nf4", "synchronize"]
 
 
-def list_devices() -> list[DeviceInfo]:
-    """Every device torch sees here, accelerators first and the CPU last."""
-    found: list[DeviceInfo] = []
+def list_devices(*, nf4: bool = True) -> list[DeviceInfo]:
+    """Every device torch sees here, accelerators first and the CPU last (each probed for NF4 unless ``nf4`` is False)."""
+    names: list[str] = []
     if torch.cuda.is_available():
-        found += [device_info(f"cuda:{i}") for i in range(torch.cuda.device_count())]
+        names += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     if hasattr(torch, "xpu") and torch.xpu.is_available():
-        found += [device_info(f"xpu:{i}") for i in range(torch.xpu.device_count())]
+        names += [f"xpu:{i}" for i in range(torch.xpu.device_count())]
     if torch.backends.mps.is_available():
-        found.append(device_info("mps"))
-    found.append(device_info("cpu"))
-    return found
+        names.append("mps")
+    names.append("cpu")
+    return [device_info(name, nf4=nf4) for name in names]
 
 
-def device_info(name: str) -> DeviceInfo:
-    """Name, kind, label and memory of one local device; a clear error when it isn't available."""
-    name = normalize_device(name)
+def device_info(name: str, *, nf4: bool = True) -> DeviceInfo:
+    """Name, kind, label, memory, compute capability and bf16 support of one local device, and (unless
+    ``nf4`` is False) whether bitsandbytes' 4-bit kernels run on it; a clear error when it isn't available."""
+    info = _device_info(normalize_device(name))
+    return replace(info, nf4_error=probe_nf4(info.name)) if nf4 else info
+
+
+@functools.cache
+def probe_nf4(name: str) -> str | None:
+    """Why a tiny bitsandbytes ``Linear4bit`` (NF4) cannot run a forward pass on ``name``; None when it can.
+
+    A device bitsandbytes has no 4-bit kernels for (an old compute capability, a backend it was
+    not built for) fails here, once per process, rather than halfway into a stage's first step.
+    """
+    try:
+        import bitsandbytes as bnb
+
+        layer = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+        layer = layer.to(torch.device(name))
+        with torch.no_grad():
+            out = layer(torch.ones(2, 64, device=torch.device(name)))
+        if not bool(torch.isfinite(out).all()):
+            return "its 4-bit forward pass gave non-finite values"
+    except Exception as error:  # noqa: BLE001 - any failure means no NF4 here; the line says which
+        text = str(error).strip().splitlines()
+        return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+    return None
+
+
+def _device_info(name: str) -> DeviceInfo:
     kind, _, index_text = name.partition(":")
     index = int(index_text) if index_text.isdigit() else 0
     if kind == "cpu":
@@ -46,7 +82,18 @@ def device_info(name: str) -> DeviceInfo:
             )
         free, total = torch.cuda.mem_get_info(index)
         flavour = "rocm" if getattr(torch.version, "hip", None) else "cuda"
-        return DeviceInfo(name, flavour, torch.cuda.get_device_name(index), int(total), int(free))
+        if flavour == "rocm":
+            capability = rocm_architecture(
+                str(getattr(torch.cuda.get_device_properties(index), "gcnArchName", ""))
+            )
+        else:
+            capability = format_compute_capability(*torch.cuda.get_device_capability(index))
+        with torch.cuda.device(index):
+            bf16 = bool(torch.cuda.is_bf16_supported(including_emulation=False))
+        return DeviceInfo(
+            name, flavour, torch.cuda.get_device_name(index), int(total), int(free),
+            compute_capability=capability or None, bf16=bf16,
+        )  # fmt: skip
     if kind == "xpu":
         if not (hasattr(torch, "xpu") and torch.xpu.is_available()) or index >= torch.xpu.device_count():
             raise ShardpoolError(
@@ -58,14 +105,17 @@ def device_info(name: str) -> DeviceInfo:
             free = int(torch.xpu.mem_get_info(index)[0])
         except (AttributeError, RuntimeError):
             free = total - int(torch.xpu.memory_reserved(index))
-        return DeviceInfo(name, "xpu", str(props.name), total, free)
+        bf16_check = getattr(torch.xpu, "is_bf16_supported", None)
+        return DeviceInfo(
+            name, "xpu", str(props.name), total, free, bf16=bool(bf16_check()) if bf16_check else None
+        )
     if kind == "mps":
         if not torch.backends.mps.is_available():
             raise ShardpoolError("device mps is not available here; run `shardpool devices` to list devices")
         # Unified memory: Metal's recommended working set is the usable share of RAM.
         total = int(torch.mps.recommended_max_memory())
         free = max(0, total - int(torch.mps.driver_allocated_memory()))
-        return DeviceInfo("mps", "mps", f"Apple {platform.machine()} GPU", total, free)
+        return DeviceInfo("mps", "mps", f"Apple {platform.machine()} GPU", total, free, bf16=_mps_bf16())
     raise ShardpoolError(f"device {name!r} is unknown; use cpu, cuda[:N], mps or xpu[:N]")
 
 
@@ -87,7 +137,15 @@ def _cpu_info() -> DeviceInfo:
     if limit is not None and limit < total:
         used = _cgroup_usage() or 0
         total, free = limit, max(0, min(free, limit - used))
-    return DeviceInfo("cpu", "cpu", cpu_model_name(), total, free, threads=torch.get_num_threads())
+    return DeviceInfo("cpu", "cpu", cpu_model_name(), total, free, threads=torch.get_num_threads(), bf16=True)
+
+
+def _mps_bf16() -> bool:
+    """Whether this Mac's torch computes in bf16 on MPS (macOS 14 and later); torch says by refusing."""
+    try:
+        return bool((torch.ones(2, dtype=torch.bfloat16, device="mps") * 2).sum().item() == 4)
+    except (RuntimeError, TypeError):
+        return False
 
 
 def _cgroup_limit() -> int | None:

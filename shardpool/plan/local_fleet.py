@@ -16,7 +16,7 @@ from typing import Protocol
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
-from shardpool.plan.device_facts import DeviceInfo, LayerProfile, Measurement, normalize_device
+from shardpool.plan.device_facts import DeviceInfo, LayerProfile, Measurement, nf4_refusal, normalize_device
 from shardpool.plan.fleet import Device, Fleet, LinkSpec
 
 __all__ = ["DeviceProbe", "local_fleet"]
@@ -65,6 +65,11 @@ def local_fleet(
     for name in names:
         share = counts[name]
         info = probe.device_info(name)
+        if info.nf4_error is not None:  # a device named in the config: say why it cannot take layers
+            raise ShardpoolError(
+                nf4_refusal(name, info.label, info.compute_capability, info.nf4_error)
+                + "; remove it from shardpool.devices"
+            )
         threads = None
         slowdown = float(share)
         if info.kind == "cpu":

@@ -467,11 +467,16 @@ def show_devices(config_path: str | None, *, profile: bool = True, as_json: bool
             "label": info.label,
             "total_gib": round(info.total_bytes / 2**30, 2),
             "free_gib": round(info.free_bytes / 2**30, 2),
+            "compute_capability": info.compute_capability,
+            "bf16": info.bf16,
+            "nf4": "yes" if info.nf4_error is None else f"no: {info.nf4_error}",
         }
-        if shape is not None and workload is not None:
+        if shape is not None and workload is not None and info.nf4_error is None:
             measured = profile_layer(shape, workload, device=info.name)
             row["ms_per_layer"] = round(measured.seconds_per_layer * 1e3, 3)
             row["activation_mib_per_layer"] = round(measured.activation_bytes / 2**20, 2)
+        elif shape is not None:  # no 4-bit kernels: no profile, and no layers in a plan
+            row |= {"ms_per_layer": None, "activation_mib_per_layer": None}
         rows.append(row)
     if as_json:
         print(json.dumps(rows, indent=2))
@@ -483,8 +488,11 @@ def show_devices(config_path: str | None, *, profile: bool = True, as_json: bool
     caption = None if shape is not None else "pass a config to profile one layer of its model on each device"
     table = Table(title=title, caption=caption)
     for column in rows[0]:
-        table.add_column(column, justify="right" if column not in ("device", "kind", "label") else "left")
+        header = "capability" if column == "compute_capability" else column
+        table.add_column(
+            header, justify="right" if column not in ("device", "kind", "label", "nf4") else "left"
+        )
     for row in rows:
-        table.add_row(*(str(value) for value in row.values()))
+        table.add_row(*("-" if value is None else str(value) for value in row.values()))
     Console().print(table)
     return rows

@@ -2,7 +2,8 @@
 
 Reads one JSON object on stdin, ``{"shape": {fields of ModelShape}, "workload": {fields of
 Workload}}``, and prints one JSON document on stdout, ``{"devices": [row, ...]}``, a row per
-device (accelerators first, the CPU last) with its memory and the measured time and activation
+device (accelerators first, the CPU last) with its memory, compute capability, bf16 support and
+NF4 probe (:data:`DEVICE_FACT_FIELDS`), and the measured time and activation
 bytes of one NF4 + LoRA decoder layer (:func:`shardpool.plan.profiler.profile_layer`), and the
 profile's further measurements and how it was taken (:data:`MEASURED_FIELDS`).
 
@@ -26,7 +27,7 @@ from shardpool.plan.costmodel import Workload
 from shardpool.plan.devices import list_devices
 from shardpool.plan.profiler import profile_layer
 
-__all__ = ["MEASURED_FIELDS", "device_rows", "main", "read_request"]
+__all__ = ["DEVICE_FACT_FIELDS", "MEASURED_FIELDS", "device_rows", "main", "read_request"]
 
 #: The profile's further measurements and how it was taken, each in a row under its
 #: :class:`~shardpool.plan.device_facts.LayerProfile` name (None where not measured). A member's
@@ -43,6 +44,12 @@ MEASURED_FIELDS = (
     "cpu_quota",
     "ci95_rel",
 )
+
+#: What discovery says of each device beyond its memory, each in a row under its
+#: :class:`~shardpool.plan.device_facts.DeviceInfo` name: the compute capability (or gfx name),
+#: bf16 support, and, for a device bitsandbytes' 4-bit kernels cannot run on, why (that row has no
+#: profile, and the launcher gives the device no layers).
+DEVICE_FACT_FIELDS = ("compute_capability", "bf16", "nf4_error")
 
 _MAX_REQUEST_BYTES = 8 * 2**20
 
@@ -62,21 +69,24 @@ def device_rows(shape: ModelShape, workload: Workload) -> list[dict[str, Any]]:
     """Every local device with its memory and one profiled layer of ``shape`` under ``workload``."""
     rows = []
     for info in list_devices():
-        threads = info.threads if info.kind == "cpu" else None
-        profile = profile_layer(shape, workload, device=info.name, threads=threads)
-        rows.append(
-            {
-                "name": info.name,
-                "kind": info.kind,
-                "label": info.label,
-                "total_bytes": info.total_bytes,
-                "free_bytes": info.free_bytes,
-                "threads": info.threads,
+        row: dict[str, Any] = {
+            "name": info.name,
+            "kind": info.kind,
+            "label": info.label,
+            "total_bytes": info.total_bytes,
+            "free_bytes": info.free_bytes,
+            "threads": info.threads,
+            **{name: getattr(info, name) for name in DEVICE_FACT_FIELDS},
+        }
+        if info.nf4_error is None:  # a device without 4-bit kernels is not profiled: it gets no layers
+            threads = info.threads if info.kind == "cpu" else None
+            profile = profile_layer(shape, workload, device=info.name, threads=threads)
+            row |= {
                 "seconds_per_layer": profile.seconds_per_layer,
                 "activation_bytes": profile.activation_bytes,
                 **{name: getattr(profile, name) for name in MEASURED_FIELDS},
             }
-        )
+        rows.append(row)
     return rows
 
 

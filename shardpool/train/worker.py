@@ -27,6 +27,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -131,10 +132,20 @@ def stage_spec(job: Job, rank: int) -> StageSpec:
 class StageWorker:
     """One stage process of one replica: builds its stage, then trains it step by step."""
 
-    def __init__(self, job: Job, rank: int, *, job_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        job: Job,
+        rank: int,
+        *,
+        job_dir: Path | None = None,
+        store: Any | None = None,
+        events: Callable[[dict[str, Any]], None] = emit,
+    ) -> None:
         self.job = job
         self.rank = rank
         self.job_dir = job_dir
+        self.store = store  # a rendezvous store already joined (torchrun's), else the job's is joined
+        self.emit = events  # where this rank's events go: stdout lines for a launcher, or a callback
         self.config = job.parsed_config()
         self.spec = stage_spec(job, rank)
         self.replica = job.replica_index(rank)
@@ -155,7 +166,9 @@ class StageWorker:
         torch.set_num_threads(self._threads())
         torch.manual_seed(self.config.seed + self.rank)
         timeout = timedelta(seconds=self.job.timeout_s)
-        store = dist.TCPStore(self.job.master_addr, self.job.master_port, is_master=False, timeout=timeout)
+        store = self.store or dist.TCPStore(
+            self.job.master_addr, self.job.master_port, is_master=False, timeout=timeout
+        )
         self.groups = join_process_group(
             store=store,
             rank=self.rank,
@@ -238,7 +251,7 @@ class StageWorker:
             else 0
         )
         if self.rank == 0:
-            emit({"event": StageEvent.READY, "total_steps": len(self.steps), "first_step": first_step})
+            self.emit({"event": StageEvent.READY, "total_steps": len(self.steps), "first_step": first_step})
         eval_before = self.job.eval_before
         if first_step == 0:
             eval_before = self.evaluate()
@@ -254,23 +267,30 @@ class StageWorker:
         if total_steps in self.eval_at:
             self.report_eval(total_steps, eval_after)  # the final eval is the last step's
         self.write_final_adapter()
-        emit(
+        self.emit(
             {
                 "event": StageEvent.STAGE_DONE,
                 "rank": self.rank,
                 "stage": self.spec.index,
                 "peak_rss_bytes": peak_rss_bytes(),
                 "peak_device_bytes": self._peak_device_bytes(),
+                "peak_device_reserved_bytes": self._peak_device_reserved_bytes(),
             }
         )
         if self.rank == 0:
-            emit({"event": StageEvent.DONE, "eval_before": eval_before, "eval_after": eval_after})
+            self.emit({"event": StageEvent.DONE, "eval_before": eval_before, "eval_after": eval_after})
         dist.barrier()
         dist.destroy_process_group()
 
     def _peak_device_bytes(self) -> int | None:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
+        return None
+
+    def _peak_device_reserved_bytes(self) -> int | None:
+        """What the CUDA caching allocator held at most (allocated plus its cache), for gpu_check's ratios."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_reserved(self.device))
         return None
 
     def train_step(self, step: int) -> None:
@@ -301,7 +321,7 @@ class StageWorker:
         if self.rank == 0:
             step_seconds = time.perf_counter() - started
             tokens = sum(int(batch.attention_mask.sum()) for batch in all_microbatches)
-            emit(
+            self.emit(
                 {
                     "event": StageEvent.STEP,
                     "step": step + 1,
@@ -330,7 +350,7 @@ class StageWorker:
     def report_eval(self, step: int, eval_loss: float | None) -> None:
         """Send the eval loss after ``step`` to the launcher (rank 0), which writes its metrics line."""
         if self.rank == 0 and eval_loss is not None:
-            emit(
+            self.emit(
                 {
                     "event": StageEvent.EVAL,
                     "step": step,
@@ -346,7 +366,7 @@ class StageWorker:
             self.files, self.state, step, rank=self.rank, stage=self.spec.index, replica=self.replica
         )
         if self.rank == 0:
-            emit(
+            self.emit(
                 {
                     "event": StageEvent.CHECKPOINT_WRITTEN,
                     "step": step,
@@ -359,7 +379,7 @@ class StageWorker:
         """Send every stage's LoRA tensors to the launcher, which merges them into one PEFT adapter."""
         directory = send_final_lora(self.files, self.state, stage=self.spec.index, replica=self.replica)
         if self.rank == 0:
-            emit({"event": StageEvent.FINAL_WRITTEN, "directory": directory})
+            self.emit({"event": StageEvent.FINAL_WRITTEN, "directory": directory})
 
 
 if __name__ == "__main__":

@@ -202,3 +202,27 @@ def test_the_launchers_profile_request_validates_here_and_on_an_agent_from_befor
     assert full.replicas == 2, "this version still takes every Workload field"
     known_before_replicas = {field.name for field in fields(Workload)} - {"replicas"}
     assert set(request) <= known_before_replicas, "an older agent rejects unknown workload fields"
+
+
+FACTS = {"compute_capability": "8.6", "bf16": True}
+
+
+def test_a_row_keeps_the_device_facts_and_a_refused_device_needs_no_profile() -> None:
+    assert _rows({**OLD_ROW, **FACTS}) == [{**OLD_ROW, **FACTS}]
+    unprofiled = {
+        key: value for key, value in OLD_ROW.items() if key not in ("seconds_per_layer", "activation_bytes")
+    }
+    refused = {**unprofiled, "compute_capability": "5.2", "bf16": False, "nf4_error": "no kernel image"}
+    assert _rows(refused) == [refused]
+    with pytest.raises(ProfileFailed, match="must have the fields"):
+        _rows(unprofiled)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("compute_capability", 8.6), ("compute_capability", "x" * 41), ("compute_capability", "8.6\n"),
+     ("bf16", "yes"), ("bf16", 1), ("nf4_error", ""), ("nf4_error", "e" * 301)],
+)  # fmt: skip
+def test_a_device_fact_out_of_bounds_fails_the_report(field: str, value: Any) -> None:
+    with pytest.raises(ProfileFailed, match=f"row's {field} is"):
+        _rows({**OLD_ROW, field: value})

@@ -98,3 +98,18 @@ def test_a_member_that_fails_its_health_check_is_skipped_before_any_profile_requ
     fleet = mesh_fleet(members, model_config={}, workload=WORKLOAD, say=said.append)
     assert [device.host for device in fleet.devices] == ["here"]
     assert any("skipping member 'gone'" in line for line in said), said
+
+
+def test_a_members_device_that_cannot_run_nf4_is_left_out_with_one_line() -> None:
+    refused = {"name": "cuda:1", "kind": "cuda", "label": "Tesla M40", "total_bytes": 24 << 30,
+               "free_bytes": 23 << 30, "threads": 0, "compute_capability": "5.2", "bf16": False,
+               "nf4_error": "Error named symbol not found"}  # fmt: skip
+    lab = FakeAgent("lab", [refused, OLD_ROW])
+    said: list[str] = []
+    fleet = mesh_fleet(
+        [MeshMember("lab", "10.0.0.1", True, lab)], model_config={}, workload=WORKLOAD, say=said.append
+    )  # type: ignore[arg-type]
+    assert [device.torch_device for device in fleet.devices] == ["cpu"]
+    assert said == [
+        "lab/cuda:1 (Tesla M40, 5.2) cannot run bitsandbytes 4-bit: Error named symbol not found; it gets no layers"
+    ]

@@ -1,0 +1,291 @@
+"""``torchrun --nproc-per-node N -m shardpool finetune config.yaml``: one machine, N stage processes.
+
+torchrun starts the N processes itself and sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` in each (torch.distributed's own
+contract). Each process joins torchrun's store (``env://``, as ``init_process_group`` would). Then:
+
+  1. rank 0 does what ``shardpool finetune`` does before any stage starts: checks the config,
+     tokenizes, and plans N stages on this machine (``cuda:0`` .. ``cuda:N-1`` where CUDA is
+     present, else N CPU stages); it writes the job file into ``output_dir/.shardpool`` and
+     publishes its path in the store under ``shardpool/job``;
+  2. every rank reads the job and runs its stage in its own process
+     (:class:`shardpool.train.worker.StageWorker`), joined on torchrun's store instead of a
+     rendezvous store of shardpool's;
+  3. rank 0 relays the events as the local launcher does (progress, ``metrics.jsonl``,
+     checkpoints, the merged adapter) and writes the model card.
+
+A config that fails its checks is reported by rank 0 alone, in one line (status 2); rank 0
+publishes the failure, and the other ranks exit without a word (status 0: they did nothing), so
+torchrun's summary names rank 0 as the failure and torchrun exits non-zero. A failure while training is
+one line from the rank that failed, which exits at once (torchrun then stops the others).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import socket
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from shardpool.config import Config, load_config
+from shardpool.contract.events import StageEvent, parse_stage_event
+from shardpool.contract.job import Job
+from shardpool.errors import ShardpoolError
+
+__all__ = [
+    "JOB_KEY",
+    "TorchrunWorld",
+    "finetune_under_torchrun",
+    "torchrun_config",
+    "torchrun_devices",
+    "torchrun_world",
+]
+
+#: The store key rank 0 publishes the job under: ``{"job_file": PATH}`` or ``{"error": LINE}``.
+JOB_KEY = "shardpool/job"
+_STAGE_DONE_KEY = "shardpool/stage_done/{rank}"
+_STORE_PREFIX = "shardpool/run/"
+#: How long ranks other than 0 wait for rank 0 to tokenize, profile and plan.
+_PREPARE_TIMEOUT = timedelta(minutes=30)
+_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class TorchrunWorld:
+    """Where this process stands in a torchrun launch, from the variables torchrun sets."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+
+def torchrun_world(environ: Mapping[str, str]) -> TorchrunWorld | None:
+    """This process's torchrun world, or None when torchrun did not start it (no ``RANK``/``WORLD_SIZE``).
+
+    A partial or malformed set of torchrun's variables is refused in one line rather than guessed.
+    """
+    present = [name for name in _TORCHRUN_VARIABLES if environ.get(name)]
+    if not {"RANK", "WORLD_SIZE"} & set(present):
+        return None
+    missing = [name for name in _TORCHRUN_VARIABLES if name not in present]
+    if missing:
+        raise ShardpoolError(
+            f"RANK and WORLD_SIZE are set but {', '.join(missing)} are not; start with "
+            "`torchrun --nproc-per-node N -m shardpool finetune CONFIG`, or unset RANK and WORLD_SIZE"
+        )
+    numbers: dict[str, int] = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        text = environ.get(name, environ["WORLD_SIZE"] if name == "LOCAL_WORLD_SIZE" else "")
+        if not text.isdigit():
+            raise ShardpoolError(f"torchrun's {name} is {text[:40]!r}; it must be a whole number")
+        numbers[name] = int(text)
+    world = TorchrunWorld(
+        rank=numbers["RANK"],
+        world_size=numbers["WORLD_SIZE"],
+        local_rank=numbers["LOCAL_RANK"],
+        local_world_size=numbers["LOCAL_WORLD_SIZE"],
+        master_addr=environ["MASTER_ADDR"],
+        master_port=numbers["MASTER_PORT"],
+    )
+    if not 0 <= world.rank < world.world_size:
+        raise ShardpoolError(f"torchrun's RANK {world.rank} is outside WORLD_SIZE {world.world_size}")
+    return world
+
+
+def torchrun_devices(world_size: int, cuda_devices: int) -> list[str]:
+    """The device of each of ``world_size`` stages: ``cuda:RANK`` where CUDA is present, else the CPU.
+
+    Fewer GPUs than processes is refused: two stages of one launch sharing a GPU is a choice a
+    config states (``shardpool.devices``), not one torchrun makes.
+    """
+    if cuda_devices == 0:
+        return ["cpu"] * world_size
+    if cuda_devices < world_size:
+        raise ShardpoolError(
+            f"torchrun started {world_size} processes but this machine has {cuda_devices} CUDA "
+            f"device(s); use --nproc-per-node {cuda_devices}"
+        )
+    return [f"cuda:{rank}" for rank in range(world_size)]
+
+
+def torchrun_config(config: Config, world: TorchrunWorld, devices: list[str]) -> Config:
+    """``config`` as one torchrun launch runs it: one stage per process, on ``devices``, one replica.
+
+    Whatever the config says that torchrun cannot honour is refused in one line: the mesh,
+    several machines, replicas, and a stage count or device list other than torchrun's.
+    """
+    section = config.shardpool
+    if world.world_size != world.local_world_size:
+        raise ShardpoolError(
+            f"torchrun spans {world.world_size // max(1, world.local_world_size)} machines; shardpool "
+            "runs torchrun on one machine only; use `placement: mesh` to pool several machines"
+        )
+    if section.placement == "mesh":
+        raise ShardpoolError(
+            "torchrun runs every stage on this machine; remove `placement: mesh` or start without torchrun"
+        )
+    if section.replicas != 1:
+        raise ShardpoolError(
+            f"under torchrun each process is one stage of one pipeline; set shardpool.replicas: 1 "
+            f"(it is {section.replicas}) or start without torchrun"
+        )
+    asked = {"shardpool.stages": section.stages, "shardpool.layers": section.layers and len(section.layers)}
+    for key, count in asked.items():
+        if count is not None and count != world.world_size:
+            raise ShardpoolError(
+                f"torchrun started {world.world_size} processes but {key} gives {count} stages; "
+                f"use --nproc-per-node {count} or remove {key}"
+            )
+    if section.devices is not None and list(section.devices) != devices:
+        raise ShardpoolError(
+            f"under torchrun the stages run on {devices}; remove shardpool.devices "
+            f"({section.devices}) or start without torchrun"
+        )
+    updated = section.model_copy(update={"stages": world.world_size, "devices": devices})
+    return config.model_copy(update={"shardpool": updated})
+
+
+def finetune_under_torchrun(
+    config_path: str | Path, world: TorchrunWorld, *, resume: bool = False, console: Console | None = None
+) -> Path | None:
+    """Run this process's part of a torchrun launch; rank 0 returns the output directory, others None."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    store, _, _ = next(dist.rendezvous("env://", timeout=_PREPARE_TIMEOUT))
+    if world.rank == 0:
+        return _lead(config_path, world, store, resume=resume, console=console or Console())
+    job_file = _wait_for_job(store)
+    _run_rank(job_file, world.rank, store, events=_publish_stage_done(store, world.rank))
+    return None
+
+
+def _lead(
+    config_path: str | Path, world: TorchrunWorld, store: Any, *, resume: bool, console: Console
+) -> Path:
+    """Rank 0: prepare and publish the job, run stage 0 here while relaying the run's events, finish."""
+    import torch
+
+    from shardpool.console import RunEvents
+    from shardpool.data.hub import with_local_sources
+    from shardpool.finetune import _train, _write_run_inputs, finish_run, prepare_run
+    from shardpool.launch.run import build_job, write_job
+    from shardpool.model.lora import base_model_reference
+    from shardpool.plan.config_plan import plan_for_config
+    from shardpool.plan.profiler import TorchProbe
+    from shardpool.trackers import check_trackers, open_trackers
+    from shardpool.train.runfiles import job_inputs
+
+    try:
+        as_written = load_config(config_path)
+        check_trackers(as_written)
+        devices = torchrun_devices(
+            world.world_size, torch.cuda.device_count() if torch.cuda.is_available() else 0
+        )
+        as_written = torchrun_config(as_written, world, devices)
+        config = with_local_sources(as_written)
+        reference = base_model_reference(as_written.base_model)
+        probe = TorchProbe()
+        prepared = prepare_run(config, resume=resume, planner=lambda c: plan_for_config(c, probe=probe))
+        run = replace(prepared, base_model_reference=reference)
+        run_dir = _write_run_inputs(run, console)
+        inputs = job_inputs(config, run_dir, run.resume_from)
+        job = build_job(
+            run, inputs=inputs, master_addr=_ip_address(world.master_addr), master_port=world.master_port
+        )
+        job_file = write_job(job, run_dir)
+    except BaseException as error:
+        store.set(
+            JOB_KEY, json.dumps({"error": str(error).splitlines()[0] if str(error) else type(error).__name__})
+        )
+        raise
+    store.set(JOB_KEY, json.dumps({"job_file": str(job_file)}))
+
+    def start(on_event: Callable[[dict[str, Any]], None]) -> None:
+        def relay(event: dict[str, Any]) -> None:
+            on_event(parse_stage_event(event).model_dump(mode="json"))
+
+        _run_rank(job_file, 0, store, events=relay)
+        for rank in range(1, job.world_size):
+            on_event(json.loads(store.get(_STAGE_DONE_KEY.format(rank=rank))))
+
+    trackers = open_trackers(as_written, Path(config.output_dir))
+    try:
+        record = _train(console, RunEvents(), run, job, start=start, trackers=trackers)
+    finally:
+        trackers.close()
+    finish_run(as_written, config, run, record, console)
+    return Path(config.output_dir)
+
+
+def _ip_address(host: str) -> str:
+    """``MASTER_ADDR`` as an IP address (torchrun's standalone mode says ``localhost``), for the job."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        try:
+            return socket.gethostbyname(host)
+        except OSError as error:
+            raise ShardpoolError(f"torchrun's MASTER_ADDR {host!r} does not resolve: {error}") from None
+
+
+def _wait_for_job(store: Any) -> Path:
+    """The job file rank 0 published; exit quietly when rank 0 published its failure.
+
+    Status 0, since this rank did nothing: torchrun then reports rank 0 alone as the failure (status
+    2, with its one line), rather than a rank that exited first for no reason of its own.
+    """
+    store.wait([JOB_KEY], _PREPARE_TIMEOUT)
+    published = json.loads(store.get(JOB_KEY))
+    if "error" in published:
+        sys.exit(0)
+    return Path(published["job_file"])
+
+
+def _publish_stage_done(store: Any, rank: int) -> Callable[[dict[str, Any]], None]:
+    """Events of a rank other than 0: its ``stage_done`` (peak memory) goes to rank 0 through the store."""
+
+    def events(event: dict[str, Any]) -> None:
+        if event.get("event") == StageEvent.STAGE_DONE:
+            store.set(
+                _STAGE_DONE_KEY.format(rank=rank),
+                json.dumps(parse_stage_event(event).model_dump(mode="json")),
+            )
+
+    return events
+
+
+def _run_rank(job_file: Path, rank: int, store: Any, *, events: Callable[[dict[str, Any]], None]) -> None:
+    """Train ``rank``'s stage in this process; on any failure print one line and exit at once (status 1),
+    so that no collective waits on this rank (torchrun then stops the others)."""
+    import torch.distributed as dist
+
+    from shardpool.train.worker import StageWorker
+
+    job = Job.read(job_file)
+    try:
+        worker = StageWorker(
+            job, rank, job_dir=job_file.parent, store=dist.PrefixStore(_STORE_PREFIX, store), events=events
+        )
+        try:
+            worker.run()
+        finally:
+            if hasattr(worker, "files"):
+                worker.files.close()
+    except BaseException as error:  # noqa: BLE001 - one line, then out before a collective hangs
+        message = str(error) if isinstance(error, ShardpoolError) else f"{type(error).__name__}: {error}"
+        stage = job.stage_index(rank)
+        print(f"shardpool: error: stage {stage} (rank {rank}) failed: {message.splitlines()[0] if message else ''}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        os._exit(1)
