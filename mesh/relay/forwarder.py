@@ -40,7 +40,8 @@ _HANDSHAKE_SIZES = {1: 148, 2: 92, 3: 64}
 """WireGuard message type -> exact size: initiation, response, cookie reply."""
 _TRANSPORT_TYPE = 4
 _TRANSPORT_MIN = 32
-"""A transport data message: 16-byte header, payload padded to 16 bytes, 16-byte tag (keepalive: 32)."""
+"""A transport data message: 16-byte header, payload, 16-byte tag (keepalive: 32). The payload is padded
+to a multiple of 16 only up to the interface MTU, so a full-MTU packet (1420 bytes in 1452) is not one."""
 
 
 def is_wireguard_message(data: bytes) -> bool:
@@ -53,7 +54,7 @@ def is_wireguard_message(data: bytes) -> bool:
         return False
     kind = data[0]
     if kind == _TRANSPORT_TYPE:
-        return size >= _TRANSPORT_MIN and size % 16 == 0
+        return size >= _TRANSPORT_MIN
     return _HANDSHAKE_SIZES.get(kind) == size
 
 

