@@ -16,6 +16,7 @@ from typing import Protocol
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
+from shardpool.plan.precision import parse_capability
 from shardpool.plan.device_facts import DeviceInfo, LayerProfile, Measurement, normalize_device
 from shardpool.plan.fleet import Device, Fleet, LinkSpec
 
@@ -89,6 +90,9 @@ def local_fleet(
                 head_backward_seconds=_slowed(profile.head_backward_seconds, slowdown),
                 optimizer_seconds_per_layer=_slowed(profile.optimizer_seconds, slowdown),
                 measurement=Measurement.of(profile),
+                # Discovery reports these where it knows them (older DeviceInfo records lack them).
+                compute_capability=parse_capability(getattr(info, "compute_capability", None)),
+                bf16=getattr(info, "bf16", None),
             )
         )
     return Fleet(devices=tuple(built), loopback=probe.loopback())
