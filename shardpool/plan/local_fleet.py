@@ -16,9 +16,9 @@ from typing import Protocol
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
-from shardpool.plan.precision import parse_capability
 from shardpool.plan.device_facts import DeviceInfo, LayerProfile, Measurement, normalize_device
 from shardpool.plan.fleet import Device, Fleet, LinkSpec
+from shardpool.plan.precision import parse_capability
 
 __all__ = ["DeviceProbe", "local_fleet"]
 

@@ -96,7 +96,7 @@ def parse_capability(text: Any) -> tuple[int, int] | None:
         return int(text[0]), int(text[1])
     major, sep, minor = str(text).strip().partition(".")
     if not (major.isdigit() and (not sep or minor.isdigit())):
-        raise ShardpoolError(f"compute capability {text!r} is not MAJOR.MINOR; write it like \"8.6\"")
+        raise ShardpoolError(f'compute capability {text!r} is not MAJOR.MINOR; write it like "8.6"')
     return int(major), int(minor or 0)
 
 
