@@ -393,9 +393,7 @@ class Config(_Strict):
     bf16: bool | Literal["auto"] = Field(
         default=False, description="at most bfloat16: each stage's dtype follows its device (docs/gpu.md)"
     )
-    fp16: bool = Field(
-        default=False, description="at most float16, with dynamic loss scaling (docs/gpu.md)"
-    )
+    fp16: bool = Field(default=False, description="at most float16, with dynamic loss scaling (docs/gpu.md)")
     chat_template: str | None = Field(
         default=None,
         description="chat template of chat datasets: chatml, tokenizer_default (the default), "

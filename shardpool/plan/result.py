@@ -230,7 +230,7 @@ def plan_table(plan: Plan) -> Any:
     for reason in plan.refused.values():
         caption += f"; refused: {reason}"
     title = f"plan for {plan.model or 'the model'} ({plan.num_layers} layers, {plan.search} search)"
-    table = Table(title=title, caption=caption)
+    table = Table(title=title, caption=caption, show_edge=False)
     for column in ("#", "host", "device", "layers", "dtype", "used GiB", "free GiB", "ms/mb", ""):
         table.add_column(
             column, justify="right" if "GiB" in column or "ms" in column else "left", no_wrap=True

@@ -14,6 +14,7 @@ from shardpool.plan.fleet import fleet_from_dict, load_fleet
 from shardpool.plan.planner import evaluate_split, plan_pipeline
 from shardpool.plan.precision import DeviceFacts, choose_dtype, config_cap, nf4_refusal, parse_capability
 from shardpool.plan.result import Plan
+from tests.helpers.training import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -149,3 +150,32 @@ def test_fleet_file_rejects_a_bad_capability() -> None:
         fleet_from_dict(
             {"devices": [{"name": "g", "memory_gib": 8, "tflops": 10, "compute_capability": "x"}]}
         )
+
+
+def test_cli_plan_of_the_seed_fleet_shows_dtypes_and_refuses_the_m40() -> None:
+    result = run_cli(
+        "plan",
+        "configs/quickstart.yaml",
+        "--fleet",
+        "configs/fleet-seed.yaml",
+        "--model",
+        "configs/models/llama-3-8b.json",
+        "--set",
+        "bf16=true",
+        "--set",
+        "sequence_len=2048",
+        "--set",
+        "micro_batch_size=1",
+        "--set",
+        "gradient_accumulation_steps=16",
+        "--json",
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert {stage["slot"]: stage["dtype"] for stage in plan["stages"]} == {
+        "rtx3090": "bfloat16",
+        "rtx4090": "bfloat16",
+        "v100": "float16",
+    }
+    assert list(plan["refused"]) == ["m40"]

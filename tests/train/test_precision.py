@@ -32,8 +32,8 @@ LORA = LoraSettings(r=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_pr
 
 #: Largest relative gap allowed between a step loss of the fp16/bf16 pipeline and the fp32 run's.
 #: bf16 keeps 8 bits of mantissa (relative rounding 2**-9 per op); over a tiny model's few
-#: layers the measured gap is well under 1%, so 3% is a tolerance with room, not a fit.
-MIXED_LOSS_REL_TOL = 0.03
+#: layers the measured gap is 0.02% (6.2398 vs 6.2389), so 1% is a tolerance with room, not a fit.
+MIXED_LOSS_REL_TOL = 0.01
 
 
 def test_loss_scale_halves_on_overflow_and_doubles_on_schedule() -> None:
