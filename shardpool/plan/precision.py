@@ -1,27 +1,30 @@
 """Each stage's compute dtype, chosen from its device's capability under the config's cap.
 
 The config's ``bf16``/``fp16`` keys say how low a precision the user accepts ("at most this
-precision"); each device then computes in the best dtype it supports within that cap:
+precision"), precision ordered by mantissa bits: fp32 (23) > fp16 (10) > bf16 (7). Each device then
+computes in the fastest dtype it supports well within that cap, so ``bf16: true`` allows bf16,
+fp16 and fp32, and ``fp16: true`` allows fp16 and fp32 but never bf16:
 
-============================  ===========  ===========  ===========
-device                        fp32 config  ``bf16: true``  ``fp16: true``
-============================  ===========  ===========  ===========
-CUDA >= 8.0 (3090, 4090)      fp32         bf16         fp16
-CUDA 7.x (V100, T4)           fp32         fp16         fp16
-CUDA < 7.0 (P40, M40)         fp32         fp32         fp32
-ROCm / MPS / XPU with bf16    fp32         bf16         fp16
-ROCm / MPS / XPU without      fp32         fp16         fp16
-CPU                           fp32         bf16         bf16
-unknown capability            fp32         as the config  as the config
-============================  ===========  ===========  ===========
+==========================  ====  ==============  ===============  ==============
+device                      fp32  ``bf16: true``  ``bf16: auto``   ``fp16: true``
+==========================  ====  ==============  ===============  ==============
+CUDA >= 8.0 (3090, 4090)    fp32  bf16            bf16             fp16
+CUDA 7.x (V100, T4)         fp32  fp16            fp32             fp16
+CUDA < 7.0 (P40, M40)       fp32  fp32            fp32             fp32
+ROCm / MPS / XPU with bf16  fp32  bf16            bf16             fp16
+ROCm / MPS / XPU without    fp32  fp16            fp32             fp16
+CPU                         fp32  bf16            bf16             fp16
+capability unknown          fp32  bf16            bf16             fp16
+==========================  ====  ==============  ===============  ==============
 
 ``bf16: auto`` is ``bf16: true`` without the fp16 fallback: bf16 where supported, else fp32.
 A 7.x card under ``bf16: true`` computes in fp16 because it has fp16 tensor cores and no bf16;
 the run then uses dynamic loss scaling. Cards below 7.0 have no tensor cores, and their half
-precision is either slow (P40) or no faster than fp32 (M40), so they stay in fp32. CPUs compute
-bf16 natively (AVX512-BF16, AMX) where fp16 is mostly emulated, so a CPU stage of an fp16 run
-computes in bf16. A device whose capability nobody reported (a fleet file without
-``compute_capability``, a member whose agent predates it) follows the config unchanged.
+precision is either slow (P40) or no faster than fp32 (M40), so they stay in fp32. A CPU stage
+of an fp16 run computes in fp16 as asked (torch computes it on any x86 or ARM CPU; it is native
+only with AVX512-FP16 or ARM FP16, else slower than bf16, which is why ``bf16`` suits CPUs).
+A device whose capability nobody reported (a fleet file without ``compute_capability``, a
+member whose agent predates it) follows the config unchanged.
 
 :func:`nf4_refusal` says in one line why a device cannot hold NF4 layers (bitsandbytes needs
 CUDA compute capability 6.0; see its comment for the source).
@@ -125,9 +128,7 @@ def choose_dtype(facts: DeviceFacts, cap: Cap) -> PrecisionChoice:
     if cap == "fp16":
         if has_fp16:
             return PrecisionChoice("float16", f"{facts.name}: fp16 as configured ({why})")
-        if has_bf16:
-            return PrecisionChoice("bfloat16", f"{facts.name}: bf16, its native half type ({why})")
-        return PrecisionChoice("float32", f"{facts.name}: fp32, no fast half precision ({why})")
+        return PrecisionChoice("float32", f"{facts.name}: fp32, no fast fp16 ({why})")
     if has_bf16:
         return PrecisionChoice("bfloat16", f"{facts.name}: bf16 ({why})")
     if cap == "bf16" and has_fp16:
@@ -136,9 +137,13 @@ def choose_dtype(facts: DeviceFacts, cap: Cap) -> PrecisionChoice:
 
 
 def _half_support(facts: DeviceFacts) -> tuple[bool, bool, str] | None:
-    """(computes bf16 well, computes fp16 well, why) for a device; None when nothing is known."""
+    """(computes bf16 well, computes fp16 well, why) for a device; None when nothing is known.
+
+    "Well" is what the cap may choose: a CPU does both (fp16 slowly without AVX512-FP16, but a
+    config that asks for fp16 gets it there).
+    """
     if facts.kind == "cpu":
-        return True, False, "CPUs compute bf16 natively"
+        return True, True, "a CPU"
     if facts.kind == "cuda":
         cc = facts.capability
         if cc is None:

@@ -38,7 +38,7 @@ TABLE = [
     (M40, "float32", "float32", "float32", "float32"),
     (MPS, "float32", "bfloat16", "bfloat16", "float16"),
     (OLD_MPS, "float32", "float16", "float32", "float16"),
-    (CPU, "float32", "bfloat16", "bfloat16", "bfloat16"),
+    (CPU, "float32", "bfloat16", "bfloat16", "float16"),
     (MI250, "float32", "bfloat16", "bfloat16", "float16"),
     (UNKNOWN, "float32", "bfloat16", "bfloat16", "float16"),
 ]
