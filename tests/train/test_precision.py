@@ -196,13 +196,29 @@ def test_an_injected_overflow_skips_the_step_everywhere_and_halves_the_scale(
     _mixed_planner(monkeypatch, ["float16", "bfloat16"])
     two = _run(tiny_model, completion_data, tmp_path / "two", bf16=True, max_steps=2)
     monkeypatch.setenv(INJECT_INF_ENV, "3")
-    three = _run(tiny_model, completion_data, tmp_path / "three", bf16=True, max_steps=3)
-    steps = _steps(three)
-    assert [line["skipped_step"] for line in steps] == [False, False, True]
-    assert [line["loss_scale"] for line in steps] == [2.0**16, 2.0**16, 2.0**15]
+    four = _run(tiny_model, completion_data, tmp_path / "four", bf16=True, max_steps=4, save_steps=3)
+    steps = _steps(four)
+    assert [line["skipped_step"] for line in steps] == [False, False, True, False]
+    assert [line["loss_scale"] for line in steps] == [2.0**16, 2.0**16, 2.0**15, 2.0**15]
+    three = four / "checkpoints" / "checkpoint-3"
+    # The checkpoint carries the halved scale (and the count of finite steps since) for every rank.
+    for rank in range(2):
+        saved = load_file(str(three / f"rng-rank-{rank}.safetensors"))
+        assert saved["loss_scale"].tolist() == [2.0**15, 0.0]
     # Every stage skipped step 3 (stage 1's gradients were finite; the flag is global), so the
-    # adapter is the 2-step run's, bit for bit.
+    # adapter after it (checkpoint-3) is the 2-step run's, bit for bit.
     want, got = _adapter(two), _adapter(three)
     assert want.keys() == got.keys()
     for key in want:
         assert torch.equal(want[key], got[key]), key
+    # A run resumed from checkpoint-3 goes on with the saved scale, not the initial one.
+    monkeypatch.delenv(INJECT_INF_ENV)
+    resumed = _run(
+        tiny_model,
+        completion_data,
+        tmp_path / "resumed",
+        bf16=True,
+        max_steps=4,
+        resume_from_checkpoint=str(three),
+    )
+    assert [(line["step"], line["loss_scale"]) for line in _steps(resumed)] == [(4, 2.0**15)]
