@@ -65,14 +65,15 @@ def reduce_and_clip_gradients(
     loss_scale: float | None = None,
 ) -> tuple[float, float, bool]:
     """Sum gradients over replicas, unscale, clip on the global norm; return (norm before clipping,
-    step loss, whether every rank's gradients were finite).
+    step loss, whether to take the optimizer step).
 
     ``replica_group`` is this stage's replica group and whether it is native, or None without
     replicas. The replica all-reduce runs on the device when the group is native, else on the host
     over gloo; the norm and loss sums and the non-finite flag always run on the host over the gloo
     world, in one all-reduce. With ``loss_scale`` (fp16 runs, :mod:`shardpool.train.loss_scale`)
-    the gradients are divided by it first; when any rank's are not finite nothing is clipped and
-    the caller skips the step (without it, as before: the non-finite norm reaches the clip).
+    the gradients are divided by it first, and when any rank's are not finite nothing is clipped
+    and the third value is False: every rank skips the step. Without a loss scale it is always
+    True, as before (a diverged fp32 run's non-finite norm reaches the clip).
     """
     if replica_group is not None:
         group, native = replica_group
