@@ -235,7 +235,13 @@ def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Pla
     )
     plan = planner(config)
     placements = [
-        StagePlacement(start=stage.start, stop=stage.stop, device=stage.device, host=stage.host)
+        StagePlacement(
+            start=stage.start,
+            stop=stage.stop,
+            device=stage.device,
+            host=stage.host,
+            dtype=stage.dtype or None,
+        )
         for stage in plan.stages
     ]
     source = "manual" if config.shardpool.layers else "planner"

@@ -390,8 +390,10 @@ class Config(_Strict):
         default=None, description="W&B mode (default: WANDB_MODE, else online)"
     )
     logging_steps: int = Field(default=1, ge=1, description="write metrics every this many steps")
-    bf16: bool | Literal["auto"] = Field(default=False, description="compute in bfloat16")
-    fp16: bool = Field(default=False, description="compute in float16")
+    bf16: bool | Literal["auto"] = Field(
+        default=False, description="at most bfloat16: each stage's dtype follows its device (docs/gpu.md)"
+    )
+    fp16: bool = Field(default=False, description="at most float16, with dynamic loss scaling (docs/gpu.md)")
     chat_template: str | None = Field(
         default=None,
         description="chat template of chat datasets: chatml, tokenizer_default (the default), "
@@ -497,7 +499,11 @@ class Config(_Strict):
 
     @property
     def compute_dtype_name(self) -> str:
-        """The dtype layers compute in: float32, bfloat16 or float16."""
+        """The dtype layers compute in where no plan chose a stage's own: float32, bfloat16 or float16.
+
+        The planner chooses each stage's dtype from its device under this cap
+        (:mod:`shardpool.plan.precision`); this is the dtype of a stage it did not choose one for.
+        """
         if self.bf16 is True:
             return "bfloat16"
         if self.fp16:

@@ -98,6 +98,8 @@ class StepEvent(_Event):
     stage_compute_s: Timings
     stage_wait_s: Timings
     bytes_sent: Timings
+    loss_scale: float | None = None
+    skipped_step: bool = False
 
 
 class EvalEvent(_Event):

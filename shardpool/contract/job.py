@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -45,12 +45,14 @@ MAX_JOB_JSON_BYTES = 16 * 2**20
 
 
 class StagePlacement(Closed):
-    """Where one stage runs and which layers ``[start, stop)`` it owns."""
+    """Where one stage runs, which layers ``[start, stop)`` it owns, and the dtype it computes in
+    (``dtype``, chosen per device by the planner; None: the config's ``bf16``/``fp16``)."""
 
     start: int = Field(ge=0, le=1_000_000)
     stop: int = Field(ge=1, le=1_000_000)
     device: DeviceName
     host: HostName = "localhost"
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
 
     @model_validator(mode="after")
     def _layers_in_order(self) -> StagePlacement:
@@ -130,6 +132,15 @@ class Job(Closed):
     def replica_index(self, rank: int) -> int:
         """The replica (pipeline copy) a global rank belongs to."""
         return rank // self.num_stages
+
+    def stage_dtype(self, index: int) -> str:
+        """The dtype stage ``index`` computes in: its placement's, else the config's."""
+        return self.stages[index].dtype or self.parsed_config().compute_dtype_name
+
+    @property
+    def scales_loss(self) -> bool:
+        """Whether any stage computes in fp16, so every rank shares a dynamic loss scale."""
+        return any(self.stage_dtype(index) == "float16" for index in range(self.num_stages))
 
     def rank_of(self, *, replica: int, stage: int) -> int:
         """The global rank of a stage in a replica."""

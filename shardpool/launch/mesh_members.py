@@ -23,6 +23,7 @@ from shardpool.plan.costmodel import Workload
 from shardpool.plan.device_facts import Measurement, nf4_refusal
 from shardpool.plan.fleet import Device, Fleet, LinkSpec
 from shardpool.plan.planner import plan_pipeline
+from shardpool.plan.precision import parse_capability
 from shardpool.plan.result import Plan
 
 __all__ = [
@@ -161,6 +162,8 @@ def member_device(member: str, info: dict[str, Any]) -> Device:
         head_forward_seconds=_number(info, "head_forward_seconds"),
         head_backward_seconds=_number(info, "head_backward_seconds"),
         optimizer_seconds_per_layer=_number(info, "optimizer_seconds"),
+        compute_capability=_capability(info),
+        bf16=info["bf16"] if isinstance(info.get("bf16"), bool) else None,
         measurement=Measurement(
             label=str(info["label"]),
             threads=int(info["threads"]) if kind == "cpu" else None,
@@ -207,3 +210,11 @@ def measure_links(members: list[MeshMember], *, say: Callable[[str], None]) -> d
             f"link {' - '.join(sorted(pair))}: {link.bandwidth * 8 / 1e9:.2f} Gbit/s, {link.latency * 1e3:.2f} ms"
         )
     return links
+
+
+def _capability(info: dict[str, Any]) -> tuple[int, int] | None:
+    """A row's compute capability (agents from before it was reported send none)."""
+    try:
+        return parse_capability(info.get("compute_capability"))
+    except ShardpoolError:
+        return None

@@ -236,6 +236,10 @@ def _step_metrics(event: dict[str, Any]) -> dict[str, Any]:
             "stage_bytes_sent": event["bytes_sent"],
         }
     )
+    if event.get("loss_scale") is not None:
+        # fp16 runs: the scale after this step, and whether an overflow skipped it.
+        record["loss_scale"] = event["loss_scale"]
+        record["skipped_step"] = bool(event.get("skipped_step", False))
     return record
 
 

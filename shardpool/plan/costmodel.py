@@ -15,6 +15,7 @@ from typing import Any, Literal
 from shardpool.config import Config
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import DECODER_LINEAR_NAMES
+from shardpool.plan.precision import Cap, config_cap
 
 __all__ = ["Schedule", "Workload"]
 
@@ -33,7 +34,10 @@ class Workload:
     pipeline's M). ``stages`` forces an exact stage count; ``max_stages`` caps it. ``replicas``
     data-parallel copies of the pipeline all-reduce their LoRA gradients every step.
     Byte sizes: ``compute_bytes`` for activations and unquantized weights (4 fp32, 2 bf16/fp16),
-    ``wire_bytes`` for tensors sent between stages.
+    ``wire_bytes`` for tensors sent between stages. ``precision`` is the config's cap
+    (:mod:`shardpool.plan.precision`): when set, each stage's dtype, and so its ``compute_bytes``,
+    is chosen from its device; None keeps ``compute_bytes`` for every stage. ``quantize`` says
+    the base is NF4 (qlora), so devices bitsandbytes cannot run NF4 on get no layers.
     """
 
     micro_batch_size: int = 1
@@ -48,6 +52,8 @@ class Workload:
     max_stages: int | None = None
     stages: int | None = None
     replicas: int = 1
+    precision: Cap | None = None
+    quantize: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -128,4 +134,6 @@ class Workload:
             wire_bytes=_DTYPE_BYTES[config.wire_dtype_name],
             stages=config.shardpool.stages,
             replicas=config.shardpool.replicas,
+            precision=config_cap(config.bf16, config.fp16),
+            quantize=config.adapter == "qlora",
         )

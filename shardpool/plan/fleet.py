@@ -22,6 +22,7 @@ from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.device_facts import DEVICE_KINDS, Measurement
+from shardpool.plan.precision import DeviceFacts, parse_capability
 from shardpool.plan.time_model import DEFAULT_EFFICIENCY, DeviceTimes, layer_flops, modeled_times
 
 __all__ = [
@@ -68,7 +69,8 @@ class Device:
     measured forward share of the layer, embedding, ``lm_head`` + loss and optimizer times
     (seconds, slowed down like ``seconds_per_layer``); what is missing is modeled
     (:func:`~shardpool.plan.time_model.modeled_times`). ``measurement`` says how the profile was
-    taken (``plan.json`` records it per stage).
+    taken (``plan.json`` records it per stage). ``compute_capability`` (CUDA, ``(7, 0)``) and
+    ``bf16`` (whether it computes bf16) choose its stage's dtype (``plan.precision``); None when unknown.
     """
 
     name: str
@@ -87,6 +89,12 @@ class Device:
     head_backward_seconds: float | None = None
     optimizer_seconds_per_layer: float | None = None
     measurement: Measurement | None = None
+    compute_capability: tuple[int, int] | None = None
+    bf16: bool | None = None
+
+    def facts(self) -> DeviceFacts:
+        """What the precision chooser and the NF4 check know about this device."""
+        return DeviceFacts(kind=self.kind, name=self.name, capability=self.compute_capability, bf16=self.bf16)
 
     def times(self, shape: ModelShape, workload: Workload) -> DeviceTimes:
         """This device's compute times: measured where the profile has them, else modeled."""
@@ -184,6 +192,8 @@ class _DeviceEntry(BaseModel):
     efficiency: float = Field(default=DEFAULT_EFFICIENCY, gt=0, le=1)
     host: str | None = None
     kind: str = "cuda"
+    compute_capability: str | float | None = Field(default=None, description='CUDA compute capability, "8.6"')
+    bf16: bool | None = None
 
     @model_validator(mode="after")
     def _speed_given(self) -> _DeviceEntry:
@@ -191,6 +201,10 @@ class _DeviceEntry(BaseModel):
             raise ValueError("give tflops (datasheet or measured) or seconds_per_layer")
         if self.kind not in DEVICE_KINDS:
             raise ValueError(f"kind {self.kind!r} is unknown; use {', '.join(DEVICE_KINDS)}")
+        try:
+            parse_capability(self.compute_capability)
+        except ShardpoolError:
+            raise ValueError('compute_capability is MAJOR.MINOR in quotes, e.g. "8.6"') from None
         return self
 
 
@@ -252,6 +266,8 @@ def fleet_from_dict(data: Any, *, source: str = "fleet") -> Fleet:
                 tflops=entry.tflops,
                 efficiency=entry.efficiency,
                 kind=entry.kind,
+                compute_capability=parse_capability(entry.compute_capability),
+                bf16=entry.bf16,
             )
         )
     hosts = {device.host for device in devices}

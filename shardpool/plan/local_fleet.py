@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Protocol
 
 from shardpool.errors import ShardpoolError
@@ -18,6 +19,7 @@ from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.device_facts import DeviceInfo, LayerProfile, Measurement, nf4_refusal, normalize_device
 from shardpool.plan.fleet import Device, Fleet, LinkSpec
+from shardpool.plan.precision import DTYPE_BYTES, DeviceFacts, choose_dtype, parse_capability
 
 __all__ = ["DeviceProbe", "local_fleet"]
 
@@ -75,7 +77,16 @@ def local_fleet(
         if info.kind == "cpu":
             threads = threads_per_stage or max(1, info.threads // share)
             slowdown = max(1.0, share * threads / info.threads)
-        profile = probe.profile_layer(shape, workload, device=name, threads=threads)
+        # Profile in the dtype the stage will compute in (its device's choice under the config's cap).
+        capability = parse_capability(getattr(info, "compute_capability", None))
+        bf16 = getattr(info, "bf16", None)
+        facts = DeviceFacts(kind=info.kind, name=name, capability=capability, bf16=bf16)
+        profiled = workload
+        if workload.precision is not None:
+            profiled = replace(
+                workload, compute_bytes=DTYPE_BYTES[choose_dtype(facts, workload.precision).dtype]
+            )
+        profile = probe.profile_layer(shape, profiled, device=name, threads=threads)
         slot = name if share == 1 else f"{name}#{seen[name]}"
         seen[name] += 1
         built.append(
@@ -94,6 +105,9 @@ def local_fleet(
                 head_backward_seconds=_slowed(profile.head_backward_seconds, slowdown),
                 optimizer_seconds_per_layer=_slowed(profile.optimizer_seconds, slowdown),
                 measurement=Measurement.of(profile),
+                # Discovery reports these where it knows them (older DeviceInfo records lack them).
+                compute_capability=capability,
+                bf16=bf16,
             )
         )
     return Fleet(devices=tuple(built), loopback=probe.loopback())

@@ -28,7 +28,7 @@ from shardpool.plan.fleet import Fleet
 from shardpool.plan.heuristic_search import heuristic_search
 from shardpool.plan.pipeline_sim import simulate_step
 from shardpool.plan.result import Plan, PlannedStage
-from shardpool.plan.search_context import SearchContext, allowed_stage_counts
+from shardpool.plan.search_context import SearchContext, allowed_stage_counts, refusals
 
 __all__ = [
     "EXACT_SEQUENCE_LIMIT",
@@ -63,8 +63,16 @@ def plan_pipeline(
     exhaustively when there are at most ``exact_limit`` of them and the search needs at most
     ``exact_simulations`` simulated steps, else by local search spending at most ``evaluations``
     sequence evaluations. Both limits are counts, so a fleet gets the same plan on any machine. Raises :class:`ShardpoolError` saying how many GiB are missing, and where
-    they would help, when the model fits on no subset of the fleet.
+    they would help, when the model fits on no subset of the fleet. Devices that cannot run the
+    workload (NF4 on a card bitsandbytes does not support) get no layers; the plan's ``refused``
+    says why.
     """
+    refused = refusals(fleet, workload)
+    if refused:
+        usable = tuple(device for device in fleet.devices if device.name not in refused)
+        if not usable:
+            raise ShardpoolError(next(iter(refused.values())))
+        fleet = replace(fleet, devices=usable)
     ctx = SearchContext(shape, workload, fleet)
     allowed = allowed_stage_counts(ctx)
     sequences = distinct_sequences(ctx, allowed, exact_limit)
@@ -76,7 +84,7 @@ def plan_pipeline(
         best = heuristic_search(ctx, allowed, evaluations, start=best)
     if best is None:
         raise ShardpoolError(_explain_no_fit(ctx))
-    return _build_plan(ctx, best.seq, best.counts, search=search)
+    return _build_plan(ctx, best.seq, best.counts, search=search, refused=refused)
 
 
 def evaluate_split(
@@ -102,6 +110,10 @@ def evaluate_split(
             f"the layer ranges cover {sum(counts)} layers with counts {counts}; "
             f"cover all {shape.num_layers} layers with at least one per stage"
         )
+    refused = refusals(fleet, workload)
+    for name in devices:
+        if name in refused:
+            raise ShardpoolError(refused[name])
     ctx = SearchContext(shape, workload, fleet)
     index = {device.name: i for i, device in enumerate(fleet.devices)}
     missing = [name for name in devices if name not in index]
@@ -115,7 +127,14 @@ def evaluate_split(
     return _build_plan(ctx, seq, counts, search="given")
 
 
-def _build_plan(ctx: SearchContext, seq: tuple[int, ...], counts: Sequence[int], *, search: str) -> Plan:
+def _build_plan(
+    ctx: SearchContext,
+    seq: tuple[int, ...],
+    counts: Sequence[int],
+    *,
+    search: str,
+    refused: dict[str, str] | None = None,
+) -> Plan:
     w = ctx.workload
     stages: list[PlannedStage] = []
     start = 0
@@ -149,6 +168,8 @@ def _build_plan(ctx: SearchContext, seq: tuple[int, ...], counts: Sequence[int],
                 backward_ms=stage_costs.backward(n) * 1e3,
                 after_step_ms=stage_costs.after(n) * 1e3,
                 measured=device.measurement.to_json() if device.measurement else {},
+                dtype=choice.dtype if (choice := ctx.precision[d]) else "",
+                dtype_reason=choice.reason if choice else "",
             )
         )
         start += n
@@ -164,6 +185,7 @@ def _build_plan(ctx: SearchContext, seq: tuple[int, ...], counts: Sequence[int],
         left_out=[device.name for i, device in enumerate(ctx.devices) if i not in seq],
         search=search,
         fits=fits,
+        refused=dict(refused or {}),
     )
     plan.stages[plan.bottleneck_index].bottleneck = True
     return plan

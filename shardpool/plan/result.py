@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardpool.errors import ShardpoolError
+from shardpool.plan.precision import DTYPE_BYTES, DTYPE_SHORT
 from shardpool.plan.time_model import bubble_fraction
 
 __all__ = ["Plan", "PlannedStage", "plan_table"]
@@ -27,7 +28,9 @@ class PlannedStage:
     overlap compute in the simulated step. ``after_step_ms`` is once per step: the replicas'
     gradient all-reduce and the optimizer step. ``measured`` says how the device's profile was
     taken (:meth:`shardpool.plan.device_facts.Measurement.to_json`); empty for a device whose speed
-    was given rather than measured.
+    was given rather than measured. ``dtype`` is the stage's compute dtype (``float32``,
+    ``bfloat16``, ``float16``; :mod:`shardpool.plan.precision`) and ``dtype_reason`` why; empty
+    where the plan did not choose one (the config's dtype then applies).
     """
 
     device: str
@@ -48,6 +51,8 @@ class PlannedStage:
     backward_ms: float = 0.0
     after_step_ms: float = 0.0
     measured: dict[str, Any] = field(default_factory=dict)
+    dtype: str = ""
+    dtype_reason: str = ""
 
     @property
     def num_layers(self) -> int:
@@ -76,6 +81,9 @@ class PlannedStage:
         }
         if self.measured:
             entry["measured"] = dict(self.measured)
+        if self.dtype:
+            entry["dtype"] = self.dtype
+            entry["dtype_reason"] = self.dtype_reason
         return entry
 
     @classmethod
@@ -107,6 +115,8 @@ class PlannedStage:
             backward_ms=float(data.get("backward_ms", 0.0)),
             after_step_ms=float(data.get("after_step_ms", 0.0)),
             measured=dict(measured) if isinstance(measured := data.get("measured"), Mapping) else {},
+            dtype=_dtype_of(data.get("dtype", "")),
+            dtype_reason=str(data.get("dtype_reason", "")),
         )
 
 
@@ -118,7 +128,8 @@ class Plan:
     configured gradient accumulation); ``bubble_fraction`` the share of it the busiest device
     does not compute. ``recommended_microbatches`` is the smallest M that keeps the fill and
     drain under about 20% (``M >= 4 S``) while fitting in memory. ``fits`` is False only for plans built by
-    :func:`evaluate_split` from a split that overflows a device.
+    :func:`evaluate_split` from a split that overflows a device. ``refused`` maps each device that may
+    hold no layers of this run to the one-line reason (a card bitsandbytes cannot run NF4 on).
     """
 
     stages: list[PlannedStage]
@@ -132,6 +143,7 @@ class Plan:
     left_out: list[str] = field(default_factory=list)
     search: str = "exact"
     fits: bool = True
+    refused: dict[str, str] = field(default_factory=dict)
 
     @property
     def bottleneck_ms(self) -> float:
@@ -164,6 +176,7 @@ class Plan:
             "left_out": list(self.left_out),
             "search": self.search,
             "fits": self.fits,
+            "refused": dict(self.refused),
         }
 
     @classmethod
@@ -197,6 +210,7 @@ class Plan:
             left_out=[str(x) for x in data.get("left_out", [])],
             search=str(data.get("search", "given")),
             fits=bool(data.get("fits", True)),
+            refused={str(k): str(v) for k, v in dict(data.get("refused", {})).items()},
         )
 
 
@@ -213,9 +227,11 @@ def plan_table(plan: Plan) -> Any:
         caption += f"; left out: {', '.join(plan.left_out)}"
     if not plan.fits:
         caption += "; DOES NOT FIT in memory"
+    for reason in plan.refused.values():
+        caption += f"; refused: {reason}"
     title = f"plan for {plan.model or 'the model'} ({plan.num_layers} layers, {plan.search} search)"
-    table = Table(title=title, caption=caption)
-    for column in ("#", "host", "device", "layers", "used GiB", "free GiB", "ms/mb", ""):
+    table = Table(title=title, caption=caption, show_edge=False)
+    for column in ("#", "host", "device", "layers", "dtype", "used GiB", "free GiB", "ms/mb", ""):
         table.add_column(
             column, justify="right" if "GiB" in column or "ms" in column else "left", no_wrap=True
         )
@@ -225,9 +241,18 @@ def plan_table(plan: Plan) -> Any:
             stage.host,
             stage.slot or stage.device,
             f"[{stage.start}, {stage.stop})",
+            DTYPE_SHORT.get(stage.dtype, "config"),
             f"{stage.memory_bytes / GIB:.2f}",
             f"{stage.free_bytes / GIB:.2f}",
             f"{stage.predicted_ms_per_microbatch:.1f}",
             "bottleneck" if stage.bottleneck else "",
         )
     return table
+
+
+def _dtype_of(value: Any) -> str:
+    """A plan stage's ``dtype``: empty, or one of the compute dtype names; a clear error otherwise."""
+    text = str(value or "")
+    if text and text not in DTYPE_BYTES:
+        raise ShardpoolError(f"plan stage dtype {text!r} is unknown; use one of {', '.join(DTYPE_BYTES)}")
+    return text

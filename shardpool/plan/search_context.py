@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
@@ -19,10 +19,20 @@ from shardpool.plan.costmodel import Workload
 from shardpool.plan.fleet import Device, Fleet
 from shardpool.plan.memory_model import boundary_bytes
 from shardpool.plan.pipeline_sim import Transfer
+from shardpool.plan.precision import DTYPE_BYTES, PrecisionChoice, choose_dtype, nf4_refusal
 from shardpool.plan.split_search import REL_TOL, SimulationBudget, SplitProblem, best_split, quick_split
 from shardpool.plan.stage_costs import StageCosts, stage_costs
 
-__all__ = ["Candidate", "SearchContext", "allowed_stage_counts", "evaluate_sequence", "is_better", "scored"]
+__all__ = [
+    "Candidate",
+    "SearchContext",
+    "allowed_stage_counts",
+    "device_precision",
+    "evaluate_sequence",
+    "is_better",
+    "refusals",
+    "scored",
+]
 
 _REL_TOL = REL_TOL
 
@@ -34,7 +44,14 @@ class SearchContext:
         self.shape, self.workload, self.fleet = shape, workload, fleet
         self.devices: tuple[Device, ...] = fleet.devices
         self.layers = shape.num_layers
-        self.times = [device.times(shape, workload) for device in self.devices]
+        #: Each device's compute dtype (None: the workload's ``compute_bytes`` as given) and the
+        #: workload as priced on it.
+        self.precision = [device_precision(device, workload) for device in self.devices]
+        self.workloads = [
+            workload if choice is None else replace(workload, compute_bytes=DTYPE_BYTES[choice.dtype])
+            for choice in self.precision
+        ]
+        self.times = [device.times(shape, w) for device, w in zip(self.devices, self.workloads, strict=True)]
         self.seconds = [times.layer_s for times in self.times]
         nbytes = boundary_bytes(shape, workload)
         hosts = [device.host for device in self.devices]
@@ -65,7 +82,7 @@ class SearchContext:
             device = self.devices[d]
             costs = stage_costs(
                 self.shape,
-                self.workload,
+                self.workloads[d],
                 times=self.times[d],
                 capacity_bytes=device.memory_bytes,
                 kind=device.kind,
@@ -89,6 +106,7 @@ class SearchContext:
             device.memory_bytes,
             device.kind,
             device.activation_bytes_per_layer,
+            self.precision[d] and self.precision[d].dtype,
         )
 
     def problem(self, seq: Sequence[int]) -> SplitProblem:
@@ -102,6 +120,21 @@ class SearchContext:
             schedule=self.workload.schedule,
             budget=self.budget,
         )
+
+
+def device_precision(device: Device, workload: Workload) -> PrecisionChoice | None:
+    """The dtype a stage on ``device`` computes in under the workload's cap (None: no cap given)."""
+    if workload.precision is None:
+        return None
+    return choose_dtype(device.facts(), workload.precision)
+
+
+def refusals(fleet: Fleet, workload: Workload) -> dict[str, str]:
+    """Devices that may hold no layers of this workload, each with its one-line reason (NF4 support)."""
+    if not workload.quantize:
+        return {}
+    found = {device.name: nf4_refusal(device.facts()) for device in fleet.devices}
+    return {name: reason for name, reason in found.items() if reason}
 
 
 @dataclass(order=True)

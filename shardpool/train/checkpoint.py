@@ -78,6 +78,10 @@ def stage_state_tensors(
     return tensors
 
 
+#: Key of the loss scale (and its finite-step count) in a rank's RNG file, in runs that scale the loss.
+LOSS_SCALE_KEY = "loss_scale"
+
+
 def rng_state_tensors() -> dict[str, torch.Tensor]:
     """The torch RNG state of this process (dropout draws depend on it)."""
     return {"cpu": torch.get_rng_state()}
@@ -251,6 +255,11 @@ def read_lora_and_optimizer(
 def read_rng_state(path: Path) -> torch.Tensor:
     """A saved RNG state."""
     return load_file(str(path))["cpu"]
+
+
+def read_loss_scale(path: Path) -> torch.Tensor | None:
+    """The loss scale saved beside a rank's RNG state (fp16 runs), or None."""
+    return load_file(str(path)).get(LOSS_SCALE_KEY)
 
 
 def merge_stage_lora(directory: Path) -> dict[str, torch.Tensor]:

@@ -18,13 +18,16 @@ from shardpool.config.attention import choose_attention
 __all__ = ["stage_attention", "apply_tf32"]
 
 
-def stage_attention(config: Config, device: torch.device) -> str:
-    """The attention implementation this stage builds its layers with (the config's, or sdpa)."""
+def stage_attention(config: Config, device: torch.device, compute_dtype: str | None = None) -> str:
+    """The attention implementation this stage builds its layers with (the config's, or sdpa).
+
+    ``compute_dtype`` is the stage's own dtype when the planner chose one (else the config's).
+    """
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     choice = choose_attention(
         config.attn_implementation,
         device_type=device.type,
-        compute_dtype=config.compute_dtype_name,
+        compute_dtype=compute_dtype or config.compute_dtype_name,
         flash_attn_installed=importlib.util.find_spec("flash_attn") is not None,
         cuda_capability=capability,
     )

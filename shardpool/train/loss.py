@@ -62,12 +62,18 @@ def reduce_and_clip_gradients(
     loss: float,
     replicas: int,
     max_grad_norm: float,
-) -> tuple[float, float]:
-    """Sum gradients over replicas, clip on the global norm; return (norm before clipping, step loss).
+    loss_scale: float | None = None,
+) -> tuple[float, float, bool]:
+    """Sum gradients over replicas, unscale, clip on the global norm; return (norm before clipping,
+    step loss, whether to take the optimizer step).
 
     ``replica_group`` is this stage's replica group and whether it is native, or None without
     replicas. The replica all-reduce runs on the device when the group is native, else on the host
-    over gloo; the norm and loss sums always run on the host over the gloo world.
+    over gloo; the norm and loss sums and the non-finite flag always run on the host over the gloo
+    world, in one all-reduce. With ``loss_scale`` (fp16 runs, :mod:`shardpool.train.loss_scale`)
+    the gradients are divided by it first, and when any rank's are not finite nothing is clipped
+    and the third value is False: every rank skips the step. Without a loss scale it is always
+    True, as before (a diverged fp32 run's non-finite norm reaches the clip).
     """
     if replica_group is not None:
         group, native = replica_group
@@ -78,15 +84,23 @@ def reduce_and_clip_gradients(
         for grad in grads:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
+    if loss_scale is not None:
+        # A power of two, so dividing fp32 gradients by it is exact.
+        torch._foreach_mul_(grads, 1.0 / loss_scale)
     norms = torch.stack(torch._foreach_norm(grads, 2.0)).to("cpu")
-    summary = torch.tensor([float((norms.double() ** 2).sum()), loss], dtype=torch.float64)
+    squares = float((norms.double() ** 2).sum())
+    not_finite = 0.0 if math.isfinite(squares) else 1.0
+    summary = torch.tensor([squares, loss, not_finite], dtype=torch.float64)
     if _others_in_world():
         dist.all_reduce(summary)
+    finite = float(summary[2]) == 0.0
+    if not finite and loss_scale is not None:
+        return math.inf, float(summary[1]), False
     grad_norm = math.sqrt(float(summary[0]) / replicas)
     if max_grad_norm > 0:
         coefficient = min(1.0, max_grad_norm / (grad_norm + 1e-6))
         torch._foreach_mul_(grads, torch.tensor(coefficient, dtype=grads[0].dtype, device=grads[0].device))
-    return grad_norm, float(summary[1])
+    return grad_norm, float(summary[1]), True
 
 
 def _others_in_world() -> bool:

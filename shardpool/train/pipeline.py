@@ -68,6 +68,8 @@ class StagePipe:
     device: torch.device
     hidden_size: int
     packed: bool
+    #: The last stage multiplies each loss by this before backward (fp16 runs); None: no scaling.
+    loss_scale: float | None = None
 
     def run_schedule(
         self, schedule: str, microbatches: list[TokenRows], step_label_tokens: int
@@ -150,6 +152,8 @@ class StagePipe:
         if gradient is None and not self.spec.is_last:
             gradient = self.wire.recv(tuple(output.shape), self.wire.next, tag=BACKWARD_TAG)
         started = time.perf_counter()
+        if self.spec.is_last and self.loss_scale is not None:
+            output = output * self.loss_scale
         output.backward(gradient)
         totals.compute_seconds += time.perf_counter() - started
         if not self.spec.is_first:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from shardpool.contract.job import RESUME_PREFIX, Job
 from shardpool.train import checkpoint as ckpt
+from shardpool.train.loss_scale import LossScale
 from shardpool.train.runfiles import RunFiles
 
 __all__ = [
@@ -38,6 +39,7 @@ class StageState:
     named_params: list[tuple[str, torch.nn.Parameter]]
     optimizer: torch.optim.Optimizer
     scheduler: Any
+    loss_scale: LossScale | None = None
 
 
 def send_checkpoint(
@@ -46,7 +48,10 @@ def send_checkpoint(
     """Send this rank's part of the checkpoint after ``step``, wait for every rank; return its directory."""
     partial = f"checkpoints/{ckpt.partial_dir('', step).name}"
     _send_lora_and_optimizer(files, state, partial, stage=stage, replica=replica)
-    files.save_tensors(f"{partial}/{ckpt.rng_file(rank)}", ckpt.rng_state_tensors())
+    rank_tensors = ckpt.rng_state_tensors()
+    if state.loss_scale is not None:
+        rank_tensors[ckpt.LOSS_SCALE_KEY] = state.loss_scale.state_tensor()
+    files.save_tensors(f"{partial}/{ckpt.rng_file(rank)}", rank_tensors)
     dist.barrier()
     return partial
 
@@ -81,6 +86,9 @@ def restore_stage_state(files: RunFiles, job: Job, state: StageState, *, rank: i
     rng_input = RESUME_PREFIX + ckpt.rng_file(rank)
     if files.has(rng_input):
         torch.set_rng_state(ckpt.read_rng_state(files.path(rng_input)))
+        saved_scale = ckpt.read_loss_scale(files.path(rng_input))
+        if state.loss_scale is not None and saved_scale is not None:
+            state.loss_scale.load_state_tensor(saved_scale)
     return step
 
 

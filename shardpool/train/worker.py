@@ -49,6 +49,7 @@ from shardpool.model.stage import BaseSettings, StageSpec, build_stage
 from shardpool.train.evaluate import evaluate
 from shardpool.train.kernels import apply_tf32, stage_attention
 from shardpool.train.loss import gather_timings, label_tokens, reduce_and_clip_gradients
+from shardpool.train.loss_scale import LossScale, inject_inf_at
 from shardpool.train.optim import build_optimizer, build_scheduler
 from shardpool.train.pipeline import StagePipe
 from shardpool.train.process_group import Groups, Wire, join_process_group
@@ -150,7 +151,9 @@ class StageWorker:
         self.spec = stage_spec(job, rank)
         self.replica = job.replica_index(rank)
         self.device = torch.device(self.spec.device)
-        self.compute_dtype = DTYPES[self.config.compute_dtype_name]
+        # This stage's dtype: the planner's choice for its device, else the config's.
+        self.compute_dtype_name = job.stage_dtype(self.spec.index)
+        self.compute_dtype = DTYPES[self.compute_dtype_name]
         self.data: PreparedData
         self.steps: list[list[list[int]]] = []
         self.epoch_steps = 1.0
@@ -194,9 +197,9 @@ class StageWorker:
             quantize=self.config.adapter == "qlora",
             quant_type=self.config.bnb_config_kwargs.bnb_4bit_quant_type,
             double_quant=self.config.bnb_config_kwargs.bnb_4bit_use_double_quant,
-            compute_dtype=self.config.compute_dtype_name,
+            compute_dtype=self.compute_dtype_name,
             gradient_checkpointing=self.config.gradient_checkpointing,
-            attn_implementation=stage_attention(self.config, self.device),
+            attn_implementation=stage_attention(self.config, self.device, self.compute_dtype_name),
         )
         apply_tf32(self.config, self.device)
         if lora.init_from:
@@ -214,7 +217,9 @@ class StageWorker:
         named_params = stage.named_lora_parameters()
         optimizer = build_optimizer(self.config, [param for _, param in named_params], self.device)
         scheduler = build_scheduler(self.config, optimizer, len(self.steps))
-        self.state = StageState(named_params, optimizer, scheduler)
+        self.state = StageState(
+            named_params, optimizer, scheduler, loss_scale=LossScale() if self.job.scales_loss else None
+        )
 
     def _set_cadence(self) -> None:
         """Which steps evaluate and save, and how many steps an epoch takes (for ``epoch``)."""
@@ -302,18 +307,27 @@ class StageWorker:
         step_label_tokens = sum(label_tokens(batch.labels) for batch in all_microbatches)
         per_replica = self.config.gradient_accumulation_steps
         mine = all_microbatches[self.replica * per_replica : (self.replica + 1) * per_replica]
+        scale = self.state.loss_scale
+        self.pipe.loss_scale = scale.scale if scale else None
         totals = self.pipe.run_schedule(self.config.shardpool.schedule, mine, step_label_tokens)
         wire.flush()
-        grad_norm, step_loss = reduce_and_clip_gradients(
-            [param.grad for _, param in self.state.named_params],
+        grads = [param.grad for _, param in self.state.named_params]
+        if scale and self.spec.index == 0 and inject_inf_at() == step + 1:
+            grads[0].fill_(float("inf"))  # the test hook: an overflow on one stage only
+        grad_norm, step_loss, finite = reduce_and_clip_gradients(
+            grads,
             self.groups.replicas(self.spec.index),
             loss=totals.loss_value(),
             replicas=self.job.replicas,
             max_grad_norm=self.config.max_grad_norm,
+            loss_scale=scale.scale if scale else None,
         )
-        self.state.optimizer.step()
-        self.state.scheduler.step()
+        if finite:
+            self.state.optimizer.step()
+            self.state.scheduler.step()
         self.state.optimizer.zero_grad(set_to_none=True)
+        if scale:
+            scale.update(finite=finite)
         timings = gather_timings(
             totals.compute_seconds, wire.wait_seconds, wire.bytes_sent, self.job.world_size
         )
@@ -335,6 +349,7 @@ class StageWorker:
                     "stage_wait_s": timings[1],
                     "bytes_sent": timings[2],
                 }
+                | ({"loss_scale": scale.scale, "skipped_step": not finite} if scale else {})
             )
 
     def evaluate(self, *, save_logits: bool = False) -> float | None:

@@ -1,0 +1,171 @@
+"""Each stage's compute dtype, chosen from its device's capability under the config's cap.
+
+The config's ``bf16``/``fp16`` keys say how low a precision the user accepts ("at most this
+precision"), precision ordered by mantissa bits: fp32 (23) > fp16 (10) > bf16 (7). Each device then
+computes in the fastest dtype it supports well within that cap, so ``bf16: true`` allows bf16,
+fp16 and fp32, and ``fp16: true`` allows fp16 and fp32 but never bf16:
+
+==========================  ====  ==============  ===============  ==============
+device                      fp32  ``bf16: true``  ``bf16: auto``   ``fp16: true``
+==========================  ====  ==============  ===============  ==============
+CUDA >= 8.0 (3090, 4090)    fp32  bf16            bf16             fp16
+CUDA 7.x (V100, T4)         fp32  fp16            fp32             fp16
+CUDA < 7.0 (P40, M40)       fp32  fp32            fp32             fp32
+ROCm / MPS / XPU with bf16  fp32  bf16            bf16             fp16
+ROCm / MPS / XPU without    fp32  fp16            fp32             fp16
+CPU                         fp32  bf16            bf16             fp16
+capability unknown          fp32  bf16            bf16             fp16
+==========================  ====  ==============  ===============  ==============
+
+``bf16: auto`` is ``bf16: true`` without the fp16 fallback: bf16 where supported, else fp32.
+A 7.x card under ``bf16: true`` computes in fp16 because it has fp16 tensor cores and no bf16;
+the run then uses dynamic loss scaling. Cards below 7.0 have no tensor cores, and their half
+precision is either slow (P40) or no faster than fp32 (M40), so they stay in fp32. A CPU stage
+of an fp16 run computes in fp16 as asked (torch computes it on any x86 or ARM CPU; it is native
+only with AVX512-FP16 or ARM FP16, else slower than bf16, which is why ``bf16`` suits CPUs).
+A device whose capability nobody reported (a fleet file without ``compute_capability``, a
+member whose agent predates it) follows the config unchanged.
+
+:func:`nf4_refusal` says in one line why a device cannot hold NF4 layers (bitsandbytes needs
+CUDA compute capability 6.0; see its comment for the source).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from shardpool.errors import ShardpoolError
+
+__all__ = [
+    "DTYPE_BYTES",
+    "DTYPE_SHORT",
+    "NF4_MIN_CAPABILITY",
+    "Cap",
+    "DeviceFacts",
+    "PrecisionChoice",
+    "choose_dtype",
+    "config_cap",
+    "nf4_refusal",
+    "parse_capability",
+]
+
+#: The config's cap: what ``bf16``/``fp16`` allow (``bf16-auto`` is ``bf16: auto``).
+Cap = Literal["fp32", "bf16", "bf16-auto", "fp16"]
+
+#: Bytes per element of each compute dtype name.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: Short names for tables and messages.
+DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_CAP_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "bf16-auto": "bfloat16", "fp16": "float16"}
+
+#: bitsandbytes' NF4/FP4 kernels need CUDA compute capability 6.0 (Pascal) or newer: its
+#: installation guide (huggingface.co/docs/bitsandbytes/v0.48.1/installation, "NF4/FP4
+#: quantization 6.0+"); Maxwell (5.x: M40, GTX 900) builds left the PyPI wheels in 0.48.0
+#: (bitsandbytes-foundation/bitsandbytes#1755) and Maxwell code paths were removed in #1806.
+NF4_MIN_CAPABILITY = (6, 0)
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the chooser needs to know about one device: its kind (cpu, cuda, rocm, mps, xpu),
+    CUDA compute capability (``(8, 6)``; None when unknown or not CUDA), whether it computes
+    bf16 (None when unknown) and a name for messages."""
+
+    kind: str
+    name: str
+    capability: tuple[int, int] | None = None
+    bf16: bool | None = None
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """A stage's compute dtype (``float32``, ``bfloat16``, ``float16``) and why, in one line."""
+
+    dtype: str
+    reason: str
+
+    @property
+    def short(self) -> str:
+        """fp32, bf16 or fp16."""
+        return DTYPE_SHORT[self.dtype]
+
+
+def parse_capability(text: Any) -> tuple[int, int] | None:
+    """``"8.6"`` (or ``8.6``, ``(8, 6)``) as ``(8, 6)``; None for None; a clear error otherwise."""
+    if text is None:
+        return None
+    if isinstance(text, tuple | list) and len(text) == 2:
+        return int(text[0]), int(text[1])
+    major, sep, minor = str(text).strip().partition(".")
+    if not (major.isdigit() and (not sep or minor.isdigit())):
+        raise ShardpoolError(f'compute capability {text!r} is not MAJOR.MINOR; write it like "8.6"')
+    return int(major), int(minor or 0)
+
+
+def config_cap(bf16: bool | str, fp16: bool) -> Cap:
+    """The cap of a config's ``bf16`` (True, False or ``"auto"``) and ``fp16`` keys."""
+    if bf16 is True:
+        return "bf16"
+    if bf16 == "auto":
+        return "bf16-auto"
+    if fp16:
+        return "fp16"
+    return "fp32"
+
+
+def choose_dtype(facts: DeviceFacts, cap: Cap) -> PrecisionChoice:
+    """The dtype a stage on ``facts``'s device computes in under ``cap``, with a one-line reason.
+
+    See the module docstring for the table; it never goes below the cap (fp32 stays fp32).
+    """
+    if cap == "fp32":
+        return PrecisionChoice("float32", "the config asks for fp32 (neither bf16 nor fp16 set)")
+    half = _half_support(facts)
+    if half is None:
+        return PrecisionChoice(_CAP_DTYPE[cap], f"{facts.name}: capability unknown; following the config")
+    has_bf16, has_fp16, why = half
+    if cap == "fp16":
+        if has_fp16:
+            return PrecisionChoice("float16", f"{facts.name}: fp16 as configured ({why})")
+        return PrecisionChoice("float32", f"{facts.name}: fp32, no fast fp16 ({why})")
+    if has_bf16:
+        return PrecisionChoice("bfloat16", f"{facts.name}: bf16 ({why})")
+    if cap == "bf16" and has_fp16:
+        return PrecisionChoice("float16", f"{facts.name}: fp16 with loss scaling, no bf16 ({why})")
+    return PrecisionChoice("float32", f"{facts.name}: fp32, no bf16 ({why})")
+
+
+def _half_support(facts: DeviceFacts) -> tuple[bool, bool, str] | None:
+    """(computes bf16 well, computes fp16 well, why) for a device; None when nothing is known.
+
+    "Well" is what the cap may choose: a CPU does both (fp16 slowly without AVX512-FP16, but a
+    config that asks for fp16 gets it there).
+    """
+    if facts.kind == "cpu":
+        return True, True, "a CPU"
+    if facts.kind == "cuda":
+        cc = facts.capability
+        if cc is None:
+            return None if facts.bf16 is None else (facts.bf16, True, "bf16 support reported")
+        text = f"compute capability {cc[0]}.{cc[1]}"
+        if cc >= (8, 0):
+            return True, True, text
+        if cc >= (7, 0):
+            return False, True, text
+        return False, False, f"{text}, no tensor cores"
+    if facts.bf16 is None:
+        return None
+    return facts.bf16, True, f"{facts.kind} {'with' if facts.bf16 else 'without'} bf16"
+
+
+def nf4_refusal(facts: DeviceFacts) -> str | None:
+    """Why ``facts``'s device cannot run bitsandbytes NF4 layers, in one line; None when it can (or nobody knows)."""
+    cc = facts.capability
+    if facts.kind == "cuda" and cc is not None and cc < NF4_MIN_CAPABILITY:
+        return (
+            f"{facts.name} (compute capability {cc[0]}.{cc[1]}) cannot run bitsandbytes NF4, which needs "
+            f"6.0+ (Maxwell left bitsandbytes in 0.48); it gets no layers of a qlora run "
+            f"(use it with `adapter: lora`, or leave it out)"
+        )
+    return None

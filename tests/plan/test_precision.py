@@ -1,0 +1,181 @@
+"""The per-stage dtype chooser, the NF4 refusal, and how plans carry both (issue 11)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardpool.errors import ShardpoolError
+from shardpool.model.shape import ModelShape
+from shardpool.plan.costmodel import Workload
+from shardpool.plan.fleet import fleet_from_dict, load_fleet
+from shardpool.plan.planner import evaluate_split, plan_pipeline
+from shardpool.plan.precision import DeviceFacts, choose_dtype, config_cap, nf4_refusal, parse_capability
+from shardpool.plan.result import Plan
+from tests.helpers.training import run_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+V100 = DeviceFacts("cuda", "v100", (7, 0), False)
+T4 = DeviceFacts("cuda", "t4", (7, 5), False)
+RTX3090 = DeviceFacts("cuda", "rtx3090", (8, 6), True)
+RTX4090 = DeviceFacts("cuda", "rtx4090", (8, 9), True)
+M40 = DeviceFacts("cuda", "m40", (5, 2), False)
+MPS = DeviceFacts("mps", "mps", None, True)
+OLD_MPS = DeviceFacts("mps", "mps", None, False)
+CPU = DeviceFacts("cpu", "cpu")
+MI250 = DeviceFacts("rocm", "mi250", (9, 0), True)
+UNKNOWN = DeviceFacts("cuda", "gpu")
+
+# device, then the dtype under: fp32 config, bf16: true, bf16: auto, fp16: true
+TABLE = [
+    (V100, "float32", "float16", "float32", "float16"),
+    (T4, "float32", "float16", "float32", "float16"),
+    (RTX3090, "float32", "bfloat16", "bfloat16", "float16"),
+    (RTX4090, "float32", "bfloat16", "bfloat16", "float16"),
+    (M40, "float32", "float32", "float32", "float32"),
+    (MPS, "float32", "bfloat16", "bfloat16", "float16"),
+    (OLD_MPS, "float32", "float16", "float32", "float16"),
+    (CPU, "float32", "bfloat16", "bfloat16", "float16"),
+    (MI250, "float32", "bfloat16", "bfloat16", "float16"),
+    (UNKNOWN, "float32", "bfloat16", "bfloat16", "float16"),
+]
+
+
+@pytest.mark.parametrize(("facts", "fp32", "bf16", "auto", "fp16"), TABLE, ids=[row[0].name for row in TABLE])
+def test_dtype_chooser_table(facts: DeviceFacts, fp32: str, bf16: str, auto: str, fp16: str) -> None:
+    got = [choose_dtype(facts, cap).dtype for cap in ("fp32", "bf16", "bf16-auto", "fp16")]
+    assert got == [fp32, bf16, auto, fp16]
+    for cap in ("fp32", "bf16", "bf16-auto", "fp16"):
+        reason = choose_dtype(facts, cap).reason
+        assert reason and "\n" not in reason
+
+
+def test_config_cap_and_capability_parsing() -> None:
+    assert [
+        config_cap(False, False),
+        config_cap(True, False),
+        config_cap("auto", False),
+        config_cap(False, True),
+    ] == [
+        "fp32",
+        "bf16",
+        "bf16-auto",
+        "fp16",
+    ]
+    assert parse_capability("8.6") == (8, 6)
+    assert parse_capability(7.0) == (7, 0)
+    assert parse_capability(None) is None
+    with pytest.raises(ShardpoolError, match="MAJOR.MINOR"):
+        parse_capability("ampere")
+
+
+def test_nf4_refused_below_pascal_only() -> None:
+    assert nf4_refusal(M40) is not None and "6.0" in nf4_refusal(M40)
+    for facts in (V100, RTX3090, MPS, CPU, MI250, UNKNOWN, DeviceFacts("cuda", "p100", (6, 0), False)):
+        assert nf4_refusal(facts) is None
+
+
+def _seed_plan(**workload: object) -> Plan:
+    shape = ModelShape.from_config_dir(str(ROOT / "configs/models/llama-3-8b.json"))
+    fleet = load_fleet(ROOT / "configs/fleet-seed.yaml")
+    base = Workload(sequence_len=2048, micro_batch_size=1, gradient_accumulation_steps=16, compute_bytes=2)
+    from dataclasses import replace
+
+    return plan_pipeline(shape, replace(base, **workload), fleet)
+
+
+def test_seed_fleet_plan_shows_each_stage_dtype_and_refuses_the_m40() -> None:
+    plan = _seed_plan(precision="bf16")
+    dtypes = {stage.slot: stage.dtype for stage in plan.stages}
+    assert dtypes == {"rtx3090": "bfloat16", "rtx4090": "bfloat16", "v100": "float16"}
+    assert set(plan.refused) == {"m40"} and "NF4" in plan.refused["m40"]
+    data = json.loads(json.dumps(plan.to_json()))
+    assert [stage["dtype"] for stage in data["stages"]] == [stage.dtype for stage in plan.stages]
+    again = Plan.from_json(data)
+    assert [s.dtype for s in again.stages] == [s.dtype for s in plan.stages] and again.refused == plan.refused
+
+
+def test_lora_run_may_use_the_m40_in_fp32() -> None:
+    plan = _seed_plan(precision="bf16", quantize=False, stages=4)
+    assert not plan.refused
+    assert {stage.slot: stage.dtype for stage in plan.stages}["m40"] == "float32"
+
+
+def test_fp32_config_keeps_every_stage_fp32() -> None:
+    plan = _seed_plan(precision="fp32", compute_bytes=4)
+    assert {stage.dtype for stage in plan.stages} == {"float32"}
+
+
+def test_stage_dtype_sets_its_compute_bytes_in_the_cost_model() -> None:
+    """A V100 stage in fp16 and a 3090 stage in bf16 price like 2-byte stages; the M40 in fp32 like 4."""
+    shape = ModelShape.from_config_dir(str(ROOT / "configs/models/tiny-llama.json"))
+    devices = [
+        {"name": name, "memory_gib": 24, "tflops": 30, "compute_capability": cc}
+        for name, cc in (("a", "8.6"), ("m", "5.2"))
+    ]
+    fleet = fleet_from_dict({"devices": devices})
+    mixed = Workload(precision="bf16", quantize=False, compute_bytes=2)
+    plan = evaluate_split(shape, mixed, fleet, devices=["a", "m"], layers=[1, shape.num_layers - 1])
+    all2 = evaluate_split(
+        shape,
+        Workload(compute_bytes=2, quantize=False),
+        fleet,
+        devices=["a", "m"],
+        layers=[1, shape.num_layers - 1],
+    )
+    all4 = evaluate_split(
+        shape,
+        Workload(compute_bytes=4, quantize=False),
+        fleet,
+        devices=["a", "m"],
+        layers=[1, shape.num_layers - 1],
+    )
+    assert [s.dtype for s in plan.stages] == ["bfloat16", "float32"]
+    assert plan.stages[0].memory_breakdown == all2.stages[0].memory_breakdown
+    assert plan.stages[1].memory_breakdown == all4.stages[1].memory_breakdown
+
+
+def test_a_manual_split_on_a_refused_device_is_refused_in_one_line() -> None:
+    shape = ModelShape.from_config_dir(str(ROOT / "configs/models/tiny-llama.json"))
+    fleet = load_fleet(ROOT / "configs/fleet-seed.yaml")
+    with pytest.raises(ShardpoolError, match="m40 .*NF4"):
+        evaluate_split(shape, Workload(precision="bf16"), fleet, devices=["m40"], layers=[shape.num_layers])
+
+
+def test_fleet_file_rejects_a_bad_capability() -> None:
+    with pytest.raises(ShardpoolError, match="compute_capability"):
+        fleet_from_dict(
+            {"devices": [{"name": "g", "memory_gib": 8, "tflops": 10, "compute_capability": "x"}]}
+        )
+
+
+def test_cli_plan_of_the_seed_fleet_shows_dtypes_and_refuses_the_m40() -> None:
+    result = run_cli(
+        "plan",
+        "configs/quickstart.yaml",
+        "--fleet",
+        "configs/fleet-seed.yaml",
+        "--model",
+        "configs/models/llama-3-8b.json",
+        "--set",
+        "bf16=true",
+        "--set",
+        "sequence_len=2048",
+        "--set",
+        "micro_batch_size=1",
+        "--set",
+        "gradient_accumulation_steps=16",
+        "--json",
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert {stage["slot"]: stage["dtype"] for stage in plan["stages"]} == {
+        "rtx3090": "bfloat16",
+        "rtx4090": "bfloat16",
+        "v100": "float16",
+    }
+    assert list(plan["refused"]) == ["m40"]
