@@ -20,7 +20,7 @@ from shardpool.config import Config
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
-from shardpool.plan.device_facts import Measurement, nf4_refusal
+from shardpool.plan.device_facts import Measurement, nf4_probe_refusal
 from shardpool.plan.fleet import Device, Fleet, LinkSpec
 from shardpool.plan.planner import plan_pipeline
 from shardpool.plan.precision import parse_capability
@@ -125,7 +125,7 @@ def mesh_fleet(
         for info in reported:
             if info.get("nf4_error") is not None:
                 say(
-                    nf4_refusal(
+                    nf4_probe_refusal(
                         f"{member.name}/{info['name']}",
                         info["label"],
                         info.get("compute_capability"),

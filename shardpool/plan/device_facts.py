@@ -22,7 +22,7 @@ __all__ = [
     "device_kind",
     "format_compute_capability",
     "layer_devices",
-    "nf4_refusal",
+    "nf4_probe_refusal",
     "normalize_device",
     "rocm_architecture",
 ]
@@ -169,7 +169,7 @@ def rocm_architecture(gcn_arch_name: str) -> str:
     return gcn_arch_name.split(":", 1)[0].strip()
 
 
-def nf4_refusal(name: str, label: str, compute_capability: str | None, reason: str) -> str:
+def nf4_probe_refusal(name: str, label: str, compute_capability: str | None, reason: str) -> str:
     """The one line that says a device cannot run bitsandbytes' 4-bit kernels and gets no layers."""
     detail = f"{label}, {compute_capability}" if compute_capability else label
     first = reason.strip().splitlines()[0] if reason.strip() else "the 4-bit probe failed"
@@ -186,7 +186,7 @@ def layer_devices(devices: list[DeviceInfo], *, needs_nf4: bool) -> tuple[list[D
         return list(devices), []
     kept = [info for info in devices if info.nf4_error is None]
     refused = [
-        nf4_refusal(info.name, info.label, info.compute_capability, info.nf4_error)
+        nf4_probe_refusal(info.name, info.label, info.compute_capability, info.nf4_error)
         for info in devices
         if info.nf4_error is not None
     ]

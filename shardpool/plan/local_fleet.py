@@ -17,7 +17,13 @@ from typing import Protocol
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
-from shardpool.plan.device_facts import DeviceInfo, LayerProfile, Measurement, nf4_refusal, normalize_device
+from shardpool.plan.device_facts import (
+    DeviceInfo,
+    LayerProfile,
+    Measurement,
+    nf4_probe_refusal,
+    normalize_device,
+)
 from shardpool.plan.fleet import Device, Fleet, LinkSpec
 from shardpool.plan.precision import DTYPE_BYTES, DeviceFacts, choose_dtype, parse_capability
 
@@ -69,7 +75,7 @@ def local_fleet(
         info = probe.device_info(name)
         if info.nf4_error is not None:  # a device named in the config: say why it cannot take layers
             raise ShardpoolError(
-                nf4_refusal(name, info.label, info.compute_capability, info.nf4_error)
+                nf4_probe_refusal(name, info.label, info.compute_capability, info.nf4_error)
                 + "; remove it from shardpool.devices"
             )
         threads = None

@@ -17,7 +17,7 @@ from shardpool.plan.device_facts import (
     DeviceInfo,
     format_compute_capability,
     layer_devices,
-    nf4_refusal,
+    nf4_probe_refusal,
     normalize_device,
     rocm_architecture,
 )
@@ -122,9 +122,9 @@ def test_a_device_that_cannot_run_nf4_gets_no_layers_and_one_line() -> None:
         "it gets no layers"
     ]
     assert layer_devices([RTX_3090, M40], needs_nf4=False) == ([RTX_3090, M40], [])
-    assert nf4_refusal("mps", "Apple arm64 GPU", None, "NotImplementedError: no 4-bit\nmore").startswith(
-        "mps (Apple arm64 GPU) cannot run bitsandbytes 4-bit: NotImplementedError: no 4-bit; "
-    )
+    assert nf4_probe_refusal(
+        "mps", "Apple arm64 GPU", None, "NotImplementedError: no 4-bit\nmore"
+    ).startswith("mps (Apple arm64 GPU) cannot run bitsandbytes 4-bit: NotImplementedError: no 4-bit; ")
 
 
 def test_a_refused_device_named_in_the_config_is_refused_in_one_line() -> None:
