@@ -28,6 +28,8 @@ __all__ = [
     "launch",
     "local_twin",
     "mesh_of_three",
+    "nat_mesh_of_three",
+    "nat_training_lab",
     "ok",
     "training_config",
     "training_lab",
@@ -71,6 +73,39 @@ def training_lab(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterato
         for index, label in enumerate("abcx", start=1):
             built.add_host(label, index)
         yield built
+
+
+def nat_training_lab(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Lab]:
+    """Host a (the coordinator) and x (an outsider) on the emulated internet; b and c each behind a
+    symmetric NAT router, so a-b and a-c are direct and b-c can only go through a's relay."""
+    with Lab(tmp_path_factory.mktemp(name)) as built:
+        built.add_internet()
+        built.add_host("a", 1)
+        built.add_host("x", 4)
+        for index, label in enumerate("bc", start=1):
+            built.add_router(f"r{label}", "symmetric", 10 + index)
+            built.add_host(label, 2, behind=f"r{label}")
+        yield built
+
+
+def nat_mesh_of_three(lab: Lab) -> dict[str, str]:
+    """Form the mesh a (coordinator), b, c on a :func:`nat_training_lab`, b and c without --endpoint."""
+    token = lab.init_mesh(lab.hosts["a"], uses=2)
+    for label in "bc":
+        lab.join_mesh(lab.hosts[label], token)
+    return _reachable(lab)
+
+
+def _reachable(lab: Lab) -> dict[str, str]:
+    """Wait until every member pings every other and every agent answers a; the mesh addresses."""
+    a = lab.hosts["a"]
+    for source in (lab.hosts[name] for name in "abc"):
+        for target, address in ADDRESSES.items():
+            if target != source.label:
+                wait_for(lambda source=source, address=address: lab.ping(source, address, timeout=1), 30)
+    for address in ADDRESSES.values():
+        wait_for(lambda address=address: lab.agent_healthy(a, address, AGENT_PORT), 30)
+    return dict(ADDRESSES)
 
 
 def mesh_of_three(lab: Lab) -> dict[str, str]:

@@ -1,7 +1,9 @@
 """End to end: ``shardpool finetune`` on host a trains with stages on three mesh hosts.
 
 The hosts are network namespaces joined by the real CLI over real wireguard-go (as in
-test_mesh_e2e). The model and data exist only inside the launcher's private mount namespace on
+test_mesh_e2e). Host a (the coordinator) sits on the emulated internet; b and c each sit behind a
+symmetric NAT router and joined without --endpoint, so a-b and a-c are direct and the b-c link
+goes through a's relay (issue 15): the pipeline's activations and gradients cross it. The model and data exist only inside the launcher's private mount namespace on
 host a (a tmpfs no other process can see), so every stage, a's own included, must fetch its
 tensors from the launcher over the mesh. Scenario, in order:
 1. a user in the launch group (made for the test) launches; the stages on every member run as
@@ -35,10 +37,10 @@ from tests.helpers.mesh_training import (
     AGENT_PORT,
     launch,
     local_twin,
-    mesh_of_three,
+    nat_mesh_of_three,
+    nat_training_lab,
     ok,
     training_config,
-    training_lab,
     wait_for,
 )
 from tests.helpers.training import write_config
@@ -56,13 +58,13 @@ LAUNCH_GROUP = "shardpool"
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    yield from training_lab(tmp_path_factory, "mesh-train")
+    yield from nat_training_lab(tmp_path_factory, "mesh-train")
     print("\nmeasured:", json.dumps(MEASURED, indent=1))
 
 
 @pytest.fixture(scope="module")
 def mesh3(lab: Lab) -> dict[str, str]:
-    return mesh_of_three(lab)
+    return nat_mesh_of_three(lab)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +87,9 @@ def test_mesh_run_equals_local_run_and_loads_with_peft(
 ) -> None:
     # Launched by a user in the launch group, not root: the stages on every member must run as the
     # unprivileged run-as account, and the outputs belong to the user.
+    status = json.loads(ok(lab.mesh(lab.hosts["b"], "status", "--json")))
+    paths = {row["name"]: row.get("path") for row in status["members"]}
+    assert paths["c"] == "relay" and paths["a"] == "direct", paths
     workspace = lab.user_home(student)
     private = workspace / "private"
     private.mkdir()
