@@ -223,7 +223,9 @@ def test_two_members_without_endpoints_punch_a_direct_path_within_10s(lab: Lab) 
     key_r = _public_key(r)
 
     def punched() -> bool:
-        direct = _wg_dump(lab, q)[key_r][2] == f"{r.underlay}:51820"
+        # A fresh try makes the peer anew (removed, added back) a second before it punches.
+        peer = _wg_dump(lab, q).get(key_r)
+        direct = peer is not None and peer[2] == f"{r.underlay}:51820"
         return direct and lab.ping(q, address_r, timeout=1, count=2)
 
     _wait_for(punched, 10, 0.2)
@@ -270,7 +272,8 @@ def test_a_member_started_with_relay_carries_a_pair_when_the_coordinator_does_no
     key_z = _public_key(z)
 
     def relayed_by_x() -> bool:
-        via_x = _wg_dump(lab, y)[key_z][2].startswith(f"{x.underlay}:")
+        peer = _wg_dump(lab, y).get(key_z)  # absent for a moment while a fresh try makes it anew
+        via_x = peer is not None and peer[2].startswith(f"{x.underlay}:")
         return via_x and lab.ping(y, address_z, timeout=1, count=2)
 
     MEASURED["member_relayed_ping_s"] = _wait_for(relayed_by_x, 30, 0.5)
