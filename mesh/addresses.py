@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from mesh.errors import MeshError
 
 __all__ = [
+    "literal_endpoint",
     "DEFAULT_CIDR",
     "allocate_address",
     "first_address",
@@ -88,6 +89,21 @@ def parse_endpoint(text: str, what: str = "--endpoint") -> tuple[str, int]:
     if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
         raise MeshError(f"{what} {text!r} needs a port between 1 and 65535")
     return host, int(port_text)
+
+
+def literal_endpoint(value: object, what: str, *, error: type[MeshError] = MeshError) -> str:
+    """Check untrusted ``value`` is literal ``IPv4:PORT`` text (no name to resolve); return it.
+
+    Raises ``error`` (a :class:`MeshError`), so a caller can pick the kind its server maps to a status.
+    """
+    if not isinstance(value, str) or len(value) > 64:
+        raise error(f"{what} is not IP:PORT text")
+    host, _ = parse_endpoint(value, what)
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        raise error(f"{what} {value!r} is not a literal IPv4 endpoint") from None
+    return value
 
 
 def format_endpoint(host: str, port: int) -> str:

@@ -12,7 +12,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mesh.addresses import parse_endpoint
+from mesh.addresses import literal_endpoint, parse_endpoint
 from mesh.errors import MeshError
 from mesh.relay.allocations import AllocationRequest, request_problem
 from mesh.wireguard.keys import decode_key
@@ -163,17 +163,6 @@ class PathInstruction:
         }
 
 
-def _literal_endpoint(value: Any, what: str) -> str:
-    if not isinstance(value, str) or len(value) > 64:
-        raise MeshError(f"{what} is not IP:PORT text")
-    host, _ = parse_endpoint(value, what)
-    try:
-        ipaddress.IPv4Address(host)
-    except ValueError:
-        raise MeshError(f"{what} {value!r} is not a literal IPv4 endpoint") from None
-    return value
-
-
 def _number(value: Any, what: str, low: float, high: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise MeshError(f"{what} is not a number")
@@ -196,7 +185,7 @@ def _punch(value: Any) -> PunchTry | None:
         raise MeshError(f"a path try has an unknown path {str(path)[:20]!r}")
     return PunchTry(
         id=ident,
-        endpoint=_literal_endpoint(value.get("endpoint"), "try endpoint"),
+        endpoint=literal_endpoint(value.get("endpoint"), "try endpoint"),
         path=path,
         at=_number(value.get("at"), "try time", 0.0, 1e11),
         window=_number(value.get("window"), "try window", 0.1, 60.0),
@@ -219,7 +208,7 @@ def _instruction(value: Any) -> PathInstruction:
     endpoint = value.get("endpoint")
     return PathInstruction(
         path=path,
-        endpoint=None if endpoint is None else _literal_endpoint(endpoint, "path endpoint"),
+        endpoint=None if endpoint is None else literal_endpoint(endpoint, "path endpoint"),
         punch=_punch(value.get("try")),
     )
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from mesh.addresses import parse_endpoint
 from mesh.control.model import PathInstruction, PunchTry, RosterEntry
-from mesh.control.report import MemberReport
+from mesh.control.report import MemberReport, PeerReport
 
 __all__ = [
     "RETRY_S",
@@ -106,12 +106,19 @@ def _live_both(state: PairState, now: float, reports: Mapping[str, MemberReport]
     sending under keys nobody holds any more, until WireGuard's 15 s silence timer re-handshakes:
     past the try's window (a cone-to-symmetric first try failed that way about once in three).
     """
+    return all(
+        view is not None and view.last_handshake is not None and now - view.last_handshake <= SESSION_S
+        for view in _views(state, reports)
+    )
+
+
+def _views(state: PairState, reports: Mapping[str, MemberReport]) -> list[PeerReport | None]:
+    """What each side of the pair last reported about the other (None: no report, or no such peer)."""
+    views: list[PeerReport | None] = []
     for own, other in ((state.key_a, state.key_b), (state.key_b, state.key_a)):
         report = reports.get(own)
-        peer = report.peers.get(other) if report is not None else None
-        if peer is None or peer.last_handshake is None or now - peer.last_handshake > SESSION_S:
-            return False
-    return True
+        views.append(report.peers.get(other) if report is not None else None)
+    return views
 
 
 def _ip(endpoint: str) -> str:
@@ -208,14 +215,10 @@ class PathPlanner:
 
     def _stale(self, state: PairState, now: float, reports: Mapping[str, MemberReport]) -> bool:
         """Whether both sides report no handshake with each other for :attr:`stale_s`."""
-        for own, other in ((state.key_a, state.key_b), (state.key_b, state.key_a)):
-            report = reports.get(own)
-            peer = report.peers.get(other) if report is not None else None
-            if peer is None:
-                return False
-            if peer.last_handshake is not None and now - peer.last_handshake <= self.stale_s:
-                return False
-        return True
+        return all(
+            view is not None and (view.last_handshake is None or now - view.last_handshake > self.stale_s)
+            for view in _views(state, reports)
+        )
 
     def _start_try(self, state: PairState, now: float, reports: Mapping[str, MemberReport]) -> None:
         """Schedule the next try: lan and direct in turn for two members behind one public IP, else direct.

@@ -9,13 +9,12 @@ a buggy or compromised member cannot feed the path planner odd values.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mesh.addresses import parse_endpoint
+from mesh.addresses import literal_endpoint
 from mesh.errors import MeshError
 from mesh.wireguard.keys import decode_key
 
@@ -75,17 +74,6 @@ class MemberReport:
         }
 
 
-def _endpoint(value: Any, what: str) -> str:
-    if not isinstance(value, str) or len(value) > 64:
-        raise ReportError(f"{what} must be IP:PORT text")
-    host, _ = parse_endpoint(value, what)
-    try:
-        ipaddress.IPv4Address(host)
-    except ValueError:
-        raise ReportError(f"{what} must be a literal IPv4 address with a port") from None
-    return value
-
-
 def _integer(value: Any, what: str, low: int, high: int) -> int:
     if type(value) is not int or not low <= value <= high:
         raise ReportError(f"{what} must be an integer in {low}..{high}")
@@ -121,7 +109,7 @@ def _peer(value: Any, key: str) -> PeerReport:
         raise ReportError(f"peer {key[:12]}... must be an object with {sorted(_PEER_KEYS)}")
     endpoint = value.get("endpoint")
     return PeerReport(
-        endpoint=None if endpoint is None else _endpoint(endpoint, "peer endpoint"),
+        endpoint=None if endpoint is None else literal_endpoint(endpoint, "peer endpoint", error=ReportError),
         last_handshake=_timestamp(value.get("last_handshake"), "last_handshake"),
         rx_bytes=_integer(value.get("rx_bytes", 0), "rx_bytes", 0, _MAX_COUNTER),
         tx_bytes=_integer(value.get("tx_bytes", 0), "tx_bytes", 0, _MAX_COUNTER),
@@ -162,7 +150,7 @@ def parse_report(data: Any) -> MemberReport:
     tries = _mapping(data.get("tries", {}), "tries")
     ports = _mapping(data.get("relay_ports", {}), "relay_ports")
     return MemberReport(
-        lan=tuple(_endpoint(item, "lan candidate") for item in lan),
+        lan=tuple(literal_endpoint(item, "lan candidate", error=ReportError) for item in lan),
         relay=relay,
         peers={_key(key, "peer key"): _peer(value, key) for key, value in peers.items()},
         tries={_key(key, "try peer key"): _try(value) for key, value in tries.items()},

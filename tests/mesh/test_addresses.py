@@ -100,3 +100,15 @@ def test_bad_interface_names_are_refused(name: str) -> None:
 
 def test_good_interface_name() -> None:
     assert parse_interface_name("shardpool0") == "shardpool0"
+
+
+def test_literal_endpoint_takes_only_ipv4_and_port_text() -> None:
+    from mesh.addresses import literal_endpoint
+    from mesh.control.report import ReportError
+
+    assert literal_endpoint("203.0.113.9:51820", "try endpoint") == "203.0.113.9:51820"
+    for bad in ("gpu-box.example:51820", 51820, "x" * 65, "203.0.113.9"):
+        with pytest.raises(MeshError):
+            literal_endpoint(bad, "try endpoint")
+    with pytest.raises(ReportError, match="lan candidate 'box.lan:1' is not a literal IPv4 endpoint"):
+        literal_endpoint("box.lan:1", "lan candidate", error=ReportError)
