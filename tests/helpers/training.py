@@ -95,3 +95,18 @@ def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None) -> subpro
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
     """The records of ``metrics.jsonl``."""
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def stage_pids(job_file: Path) -> dict[int, int]:
+    """rank -> pid of the stage processes still running ``job_file``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"shardpool.train.worker" in argv and str(job_file).encode() in argv:
+            found[int(argv[argv.index(str(job_file).encode()) + 1])] = int(entry.name)
+    return found
