@@ -33,7 +33,7 @@ def test_forced_reshard_trains_exactly_as_the_kept_plan(
         parse_config(base_config(tiny_model, completion_data, tmp_path / "kept", **_overrides())),
         console=Console(quiet=True),
     )
-    monkeypatch.setenv(FORCE_ENV, "3:0-1,1-4,4-6")
+    monkeypatch.setenv(FORCE_ENV, "3:0-1,1-3,3-6")
     moved = finetune(
         parse_config(base_config(tiny_model, completion_data, tmp_path / "moved", **_overrides())),
         console=Console(quiet=True),
@@ -53,14 +53,14 @@ def test_forced_reshard_trains_exactly_as_the_kept_plan(
             "event": "rebalance",
             "step": 3,
             "from": [[0, 2], [2, 4], [4, 6]],
-            "to": [[0, 1], [1, 4], [4, 6]],
+            "to": [[0, 1], [1, 3], [3, 6]],
             "predicted_step_s": events[0]["predicted_step_s"],
             "current_step_s": events[0]["current_step_s"],
             "reason": f"forced by {FORCE_ENV}",
         }
     ]
     plan = json.loads((moved / "plan.json").read_text())
-    assert [stage["layers"] for stage in plan["stages"]] == [[0, 1], [1, 4], [4, 6]]
+    assert [stage["layers"] for stage in plan["stages"]] == [[0, 1], [1, 3], [3, 6]]
     assert plan["source"] == "rebalance"
     assert [entry["ended_at_step"] for entry in plan["history"]] == [3]
     assert [stage["layers"] for stage in plan["history"][0]["stages"]] == [[0, 2], [2, 4], [4, 6]]
@@ -75,7 +75,7 @@ def test_stage_killed_during_the_handover_stops_the_run_and_resume_finishes(
     config = write_config(
         tmp_path / "c.yaml", base_config(tiny_model, completion_data, out, **_overrides(save_steps=2))
     )
-    monkeypatch.setenv(FORCE_ENV, "3:0-1,1-4,4-6")
+    monkeypatch.setenv(FORCE_ENV, "3:0-1,1-3,3-6")
     monkeypatch.setenv(KILL_ENV, "1")
     killed = run_cli("finetune", str(config), timeout=180)
     assert killed.returncode == 2

@@ -14,18 +14,38 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load as load_tensor_bytes
 from safetensors.torch import save as save_tensor_bytes
 
-from shardpool.contract.rebalance import handovers, key_layer, kill_rank
+from shardpool.contract.rebalance import decision_key, handovers, key_layer, kill_rank
+from shardpool.errors import ShardpoolError
 
-__all__ = ["HANDOVER_TAG", "exchange_state", "kept_state", "state_for_layers"]
+__all__ = ["HANDOVER_TAG", "await_decision", "exchange_state", "kept_state", "state_for_layers"]
 
 #: The tag of hand-over messages (the pipeline's are 1 and 2, and quiet at a step boundary).
 HANDOVER_TAG = 7
+
+
+def await_decision(store: Any, step: int, *, timeout_s: float) -> bytes:
+    """The launcher's answer to the check after ``step``, read from the rendezvous ``store``.
+
+    Waits at most ``timeout_s``: a launcher that is gone must not leave its stages waiting.
+    """
+    key = decision_key(step)
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+        return bytes(store.get(key))
+    except (RuntimeError, dist.DistError) as error:
+        detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ShardpoolError(
+            f"no re-balance decision from the launcher within {timeout_s:g} s after step {step} "
+            f"(is the launcher gone?): {detail}"
+        ) from None
 
 
 def state_key_layer(name: str) -> int | None:

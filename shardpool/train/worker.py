@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from shardpool.contract.events import EVENT_PREFIX, StageEvent
 from shardpool.contract.job import Job
-from shardpool.contract.rebalance import decision_key, decode_decision
+from shardpool.contract.rebalance import decode_decision
 from shardpool.data.cadence import config_steps_per_epoch, epoch_at, eval_step_set, save_step_set
 from shardpool.data.prepared_file import load_prepared
 from shardpool.data.rows import PreparedData
@@ -57,7 +57,7 @@ from shardpool.train.loss_scale import LossScale, inject_inf_at
 from shardpool.train.optim import build_optimizer, build_scheduler
 from shardpool.train.pipeline import StagePipe
 from shardpool.train.process_group import Groups, Wire, join_process_group
-from shardpool.train.reshard import exchange_state, kept_state
+from shardpool.train.reshard import await_decision, exchange_state, kept_state
 from shardpool.train.runfiles import DATA_INPUT, INIT_ADAPTER_PREFIX, RunFiles
 from shardpool.train.stage_state import (
     StageState,
@@ -405,20 +405,10 @@ class StageWorker:
     # ----- re-balancing -------------------------------------------------------------------
     def check_rebalance(self, step: int) -> None:
         """Wait for the launcher's decision after ``step`` (every rank reads the same key); re-shard if asked."""
-        new = decode_decision(self._await_decision(step), current=self.layers)
+        answer = await_decision(self.rendezvous, step, timeout_s=self.job.timeout_s)
+        new = decode_decision(answer, current=self.layers)
         if new is not None:
             self.reshard(new)
-
-    def _await_decision(self, step: int) -> bytes:
-        key = decision_key(step)
-        try:
-            self.rendezvous.wait([key], timedelta(seconds=self.job.timeout_s))
-            return bytes(self.rendezvous.get(key))
-        except (RuntimeError, dist.DistError) as error:
-            raise ShardpoolError(
-                f"no re-balance decision from the launcher within {self.job.timeout_s:g} s after step {step} "
-                f"(is the launcher gone?): {str(error).splitlines()[0] if str(error) else type(error).__name__}"
-            ) from None
 
     def reshard(self, new: list[tuple[int, int]]) -> None:
         """Move to the layers ``new`` gives this stage, in place: same process, rank, device and groups.
