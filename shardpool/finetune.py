@@ -10,8 +10,9 @@ The story of a run, top to bottom:
      serve it to remote stages, and host the rendezvous store;
   4. start one process per stage and replica, ``python -m shardpool.train.worker job.json RANK``
      (:mod:`shardpool.train.worker`), and relay their events: the progress (a bar on a terminal,
-     else a log line per logged step) and ``metrics.jsonl`` per step and periodic eval, checkpoints
-     finalized (the oldest deleted past ``save_total_limit``), and
+     else a log line per logged step) and ``metrics.jsonl`` per step and periodic eval, the
+     re-balance check after the warm-up steps answered (:mod:`shardpool.launch.rebalancing`),
+     checkpoints finalized (the oldest deleted past ``save_total_limit``), and
      at the end the stages' LoRA tensors merged into the adapter, saved with the tokenizer;
   5. write the model card (``README.md``), report eval loss before and after, and how to load
      the adapter.
@@ -340,6 +341,8 @@ def _train(
         first_step=run.first_step,
         logging_steps=run.config.logging_steps,
     ) as progress:
+        if rebalance is not None:
+            rebalance.say = progress.say
 
         def on_event(event: dict[str, Any]) -> None:
             record.record(event)

@@ -4,7 +4,8 @@
 (``Job.rebalance_at``) it asks :func:`shardpool.plan.calibrate.rebalance_decision` (or takes the
 test hook's forced split, :data:`shardpool.contract.rebalance.FORCE_ENV`) and publishes the answer
 at the rendezvous-store key every rank waits on. It always publishes, keep included, so the stages
-never wait longer than the launcher takes to decide. A re-shard rewrites ``plan.json`` with the new
+never wait longer than the launcher takes to decide; a check that fails (a bug in calibration)
+says one line and keeps the plan rather than stopping the run. A re-shard rewrites ``plan.json`` with the new
 plan and the earlier ones under ``history``, and returns the ``rebalance`` line for ``metrics.jsonl``.
 Torch-free.
 """
@@ -48,6 +49,7 @@ class RebalanceCheck:
     plan_path: Path
     measured: list[StepMeasurement] = field(default_factory=list)
     decide: Callable[[Plan, list[StepMeasurement], Config], Rebalance | None] = rebalance_decision
+    say: Callable[[str], None] = print  # where a failed check's one line goes (the run's console)
 
     def on_step(self, event: dict[str, Any]) -> dict[str, Any] | None:
         """Note a ``step`` event; at the check step decide and answer. Returns the re-balance line, if any."""
@@ -68,10 +70,11 @@ class RebalanceCheck:
         decision: Rebalance | None = None
         try:
             decision = self._decision()
-            if decision is not None and decision.layers == self.plan.layer_ranges():
-                decision = None
-        finally:
-            self.publish(decision_key(step), encode_decision(decision.layers if decision else None))
+        except Exception as error:  # noqa: BLE001 - a failed check keeps the plan; it must not stop the run
+            self.say(f"re-balance check after step {step} failed, keeping the plan: {_first_line(error)}")
+        if decision is not None and decision.layers == self.plan.layer_ranges():
+            decision = None
+        self.publish(decision_key(step), encode_decision(decision.layers if decision else None))
         if decision is None:
             return None
         self.plan_json = replanned_json(self.plan_json, decision.plan, ended_at_step=step)
@@ -85,6 +88,11 @@ class RebalanceCheck:
         if forced is not None:
             return forced_rebalance(self.plan, forced[1], self.measured)
         return self.decide(self.plan, list(self.measured), self.config)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text.strip() else type(error).__name__
 
 
 def forced_rebalance(plan: Plan, layers: list[tuple[int, int]], measured: list[StepMeasurement]) -> Rebalance:

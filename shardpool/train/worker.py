@@ -8,6 +8,8 @@ Then, per optimizer step:
      the last stage's loss is divided by the label tokens of the *whole* step;
   2. replicas sum their LoRA gradients; the gradients are clipped on the global norm over all
      stages (:mod:`shardpool.train.loss`); AdamW and the LR schedule step.
+After the job's re-balance check step every rank waits for the launcher's decision and, if it
+moves the layer boundaries, re-shards in place (:meth:`StageWorker.reshard`).
 It evaluates before, after, and every ``eval_steps`` (:mod:`shardpool.train.evaluate`; the cadence
 is :mod:`shardpool.data.cadence`), sends checkpoints and the final
 LoRA tensors to the launcher (:mod:`shardpool.train.stage_state`), and reports to it by JSON

@@ -105,18 +105,19 @@ def test_a_decision_is_published_recorded_and_kept_in_plan_history(
     assert check.plan.layer_ranges() == new
 
 
-def test_a_failing_decision_still_answers_keep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_check_says_so_and_answers_keep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(FORCE_ENV, raising=False)
 
     def broken(plan: Plan, measured: list[StepMeasurement], config: Any) -> Rebalance | None:
         raise ValueError("calibration bug")
 
     published: dict[str, str] = {}
+    said: list[str] = []
     check = _check(tmp_path, broken, published)
-    with pytest.raises(ValueError, match="calibration bug"):
-        for step in (1, 2, 3):
-            check.on_step(_step(step, 1.0))
+    check.say = said.append
+    assert [check.on_step(_step(step, 1.0)) for step in (1, 2, 3)] == [None, None, None]
     assert decode_decision(published[decision_key(3)], current=LAYERS) is None
+    assert said == ["re-balance check after step 3 failed, keeping the plan: ValueError: calibration bug"]
 
 
 def test_the_forced_hook_overrides_the_decision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
