@@ -25,7 +25,14 @@ from safetensors.torch import save as save_tensor_bytes
 from shardpool.contract.rebalance import decision_key, handovers, key_layer, kill_rank
 from shardpool.errors import ShardpoolError
 
-__all__ = ["HANDOVER_TAG", "await_decision", "exchange_state", "kept_state", "state_for_layers"]
+__all__ = [
+    "HANDOVER_TAG",
+    "await_decision",
+    "exchange_state",
+    "kept_state",
+    "module_layer",
+    "state_for_layers",
+]
 
 #: The tag of hand-over messages (the pipeline's are 1 and 2, and quiet at a step boundary).
 HANDOVER_TAG = 7
@@ -46,6 +53,11 @@ def await_decision(store: Any, step: int, *, timeout_s: float) -> bytes:
             f"no re-balance decision from the launcher within {timeout_s:g} s after step {step} "
             f"(is the launcher gone?): {detail}"
         ) from None
+
+
+def module_layer(path: str) -> int | None:
+    """The decoder layer of a module path in the causal LM (``model.layers.N``), or None."""
+    return key_layer(path + ".")
 
 
 def state_key_layer(name: str) -> int | None:

@@ -50,7 +50,7 @@ from shardpool.data.steps import config_step_batches
 from shardpool.errors import ShardpoolError
 from shardpool.model.lora import lora_settings
 from shardpool.model.nf4 import DTYPES
-from shardpool.model.stage import BaseSettings, PipelineStage, StageSpec, build_stage
+from shardpool.model.stage import BaseSettings, PipelineStage, StageSpec, build_stage, reusable_modules
 from shardpool.train import checkpoint as ckpt
 from shardpool.train.evaluate import evaluate
 from shardpool.train.kernels import apply_tf32, stage_attention
@@ -59,7 +59,7 @@ from shardpool.train.loss_scale import LossScale, inject_inf_at
 from shardpool.train.optim import build_optimizer, build_scheduler
 from shardpool.train.pipeline import StagePipe
 from shardpool.train.process_group import Groups, Wire, join_process_group
-from shardpool.train.reshard import await_decision, exchange_state, kept_state
+from shardpool.train.reshard import await_decision, exchange_state, kept_state, module_layer
 from shardpool.train.runfiles import DATA_INPUT, INIT_ADAPTER_PREFIX, RunFiles
 from shardpool.train.stage_state import (
     StageState,
@@ -227,11 +227,22 @@ class StageWorker:
         self._set_cadence()
         self._train_stage(stage, loss_scale=LossScale() if self.job.scales_loss else None)
 
-    def _load_stage(self, spec: StageSpec) -> PipelineStage:
-        """Build the layers of ``spec`` (NF4 base from the model files or the launcher, fresh LoRA)."""
+    def _load_stage(
+        self, spec: StageSpec, *, reuse: dict[str, torch.nn.Module] | None = None
+    ) -> PipelineStage:
+        """Build the layers of ``spec`` (NF4 base from the model files or the launcher, fresh LoRA).
+
+        ``reuse``: base modules this process already holds, taken as they are (a re-shard).
+        """
         with self.files.weight_reader() as reader:
             return build_stage(
-                self.files.model_dir(), spec, self.base, self.lora, seed=self.config.seed, reader=reader
+                self.files.model_dir(),
+                spec,
+                self.base,
+                self.lora,
+                seed=self.config.seed,
+                reader=reader,
+                reuse=reuse,
             )
 
     def _train_stage(self, stage: PipelineStage, *, loss_scale: LossScale | None) -> None:
@@ -417,8 +428,9 @@ class StageWorker:
 
         The LoRA tensors and AdamW state at this step boundary go by global key to the stage that
         now owns their layer (:func:`shardpool.train.reshard.exchange_state`); this stage then drops
-        its old layers, builds those of its new range (from the weight cache or the launcher), and
-        restores the state, the LR schedule's position and the learning rate as they were.
+        the layers it no longer holds, builds those it gains (from the model files, or on the mesh
+        from the launcher through the weight cache) around the base modules it keeps, and restores
+        the state, the LR schedule's position and the learning rate as they were.
         """
         started = time.perf_counter()
         index = self.spec.index
@@ -435,11 +447,18 @@ class StageWorker:
         rates = [group["lr"] for group in self.state.optimizer.param_groups]
         loss_scale = self.state.loss_scale
         del tensors, received
+        start, stop = new[index]
+        reuse = {
+            path: module
+            for path, module in reusable_modules(self.pipe.stage).items()
+            if (layer := module_layer(path)) is None or start <= layer < stop
+        }
         self._drop_stage()
-        self.spec = replace(self.spec, start=new[index][0], stop=new[index][1])
+        self.spec = replace(self.spec, start=start, stop=stop)
         self.layers = list(new)
         with _rng_kept(self.device):  # building a stage draws from the global RNG; dropout must not see it
-            stage = self._load_stage(self.spec)
+            stage = self._load_stage(self.spec, reuse=reuse)
+        del reuse
         self._train_stage(stage, loss_scale=loss_scale)
         keys = [key for key, _ in self.state.named_params]
         load_lora_and_optimizer(self.state, *ckpt.lora_and_optimizer_from(wanted, keys))
