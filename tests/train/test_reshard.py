@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ import torch.distributed as dist
 from shardpool.contract.rebalance import decision_key, encode_decision
 from shardpool.errors import ShardpoolError
 from shardpool.train.rendezvous import rendezvous_store
-from shardpool.train.reshard import await_decision, kept_state, state_for_layers
+from shardpool.train.reshard import await_decision, exchange_state, kept_state, state_for_layers
 
 
 def _key(layer: int) -> str:
@@ -53,3 +56,43 @@ def test_the_decision_is_read_from_the_store_and_a_silent_launcher_is_one_line()
     ):
         await_decision(client, 4, timeout_s=0.3)
     assert time.monotonic() - started < 5.0
+
+
+def _handover_rank(rank: int, world_size: int, init_file: str, results: Any) -> None:
+    """One rank of a 2-stage, 2-replica world: hand over [0, 3) [3, 6) -> [0, 4) [4, 6) by gloo."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        old, new = [(0, 3), (3, 6)], [(0, 4), (4, 6)]
+        stage, replica = rank % 2, rank // 2
+        tensors = {
+            name: tensor + 100 * replica
+            for name, tensor in _state(range(*old[stage])).items()
+            if ".layers." in name
+        }
+        received = exchange_state(tensors, old=old, new=new, stage=stage, replica=replica, rank=rank)
+        results.put((rank, {name: float(tensor.flatten()[0]) for name, tensor in received.items()}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_replica_hands_its_layers_to_its_own_new_owner(tmp_path: Path) -> None:
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [
+        context.Process(target=_handover_rank, args=(rank, 4, str(tmp_path / "init"), results))
+        for rank in range(4)
+    ]
+    for process in processes:
+        process.start()
+    received = dict(results.get(timeout=120) for _ in processes)
+    for process in processes:
+        process.join(timeout=30)
+        assert process.exitcode == 0
+    for rank in (0, 2):  # stage 0 of each replica gains layer 3, from stage 1 of the same replica
+        replica = rank // 2
+        assert received[rank] == {
+            f"lora.{_key(3)}": 3.0 + 100 * replica,
+            f"optim.{_key(3)}.exp_avg": 3.5 + 100 * replica,
+            f"optim.{_key(3)}.step": 3.0 + 100 * replica,
+        }
+    assert received[1] == received[3] == {}
