@@ -3,6 +3,7 @@ that keeps its plan, and a stage lost during the hand-over stops the run cleanly
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,12 @@ def test_forced_reshard_trains_exactly_as_the_kept_plan(
         console=Console(quiet=True),
     )
     monkeypatch.setenv(FORCE_ENV, "3:0-1,1-3,3-6")
+    shown = io.StringIO()
     moved = finetune(
         parse_config(base_config(tiny_model, completion_data, tmp_path / "moved", **_overrides())),
-        console=Console(quiet=True),
+        console=Console(file=shown, width=200),
     )
+    assert "re-balanced after step 3: layers now [0, 1) [1, 3) [3, 6) (forced by" in shown.getvalue()
 
     kept_losses, moved_losses = _step_losses(kept), _step_losses(moved)
     assert sorted(moved_losses) == [1, 2, 3, 4, 5]
@@ -65,6 +68,9 @@ def test_forced_reshard_trains_exactly_as_the_kept_plan(
     assert [entry["ended_at_step"] for entry in plan["history"]] == [3]
     assert [stage["layers"] for stage in plan["history"][0]["stages"]] == [[0, 2], [2, 4], [4, 6]]
     assert not any(line.get("event") == "rebalance" for line in read_metrics(kept))
+    logs = moved / RUN_DIR_NAME / "logs"
+    assert "re-sharded layers [2, 4) -> [1, 3)" in (logs / "rank-1.log").read_text()
+    assert "re-sharded layers [4, 6) -> [3, 6)" in (logs / "rank-2.log").read_text()
 
 
 @pytest.mark.slow
