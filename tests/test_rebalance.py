@@ -20,7 +20,12 @@ from tests.helpers.training import base_config, read_metrics, run_cli, stage_pid
 
 
 def _overrides(**extra: Any) -> dict[str, Any]:
-    return {"max_steps": 5, "val_set_size": 0, "shardpool": {"layers": [2, 2, 2]}, **extra}
+    return {
+        "max_steps": 5,
+        "val_set_size": 0,
+        "shardpool": {"layers": [2, 2, 2], "rebalance": "auto"},
+        **extra,
+    }
 
 
 def _step_losses(output_dir: Path) -> dict[int, float]:

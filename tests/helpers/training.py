@@ -38,7 +38,12 @@ def write_jsonl(path: Path, rows: list[Any]) -> Path:
 
 
 def base_config(model: Path, data: Path, output_dir: Path, **overrides: Any) -> dict[str, Any]:
-    """A small, fast, deterministic training config (fp32, file order, no dropout)."""
+    """A small, fast, deterministic training config (fp32, file order, no dropout).
+
+    Runs keep their plan (``shardpool.rebalance: off``) unless ``shardpool`` overrides say
+    otherwise, so a re-shard that the timing of a busy machine would justify never changes what a
+    test compares.
+    """
     config: dict[str, Any] = {
         "base_model": str(model),
         "adapter": "qlora",
@@ -63,11 +68,11 @@ def base_config(model: Path, data: Path, output_dir: Path, **overrides: Any) -> 
         "seed": 7,
         "output_dir": str(output_dir),
         "logging_steps": 1,
-        "shardpool": {"stages": 1},
+        "shardpool": {"stages": 1, "rebalance": "off"},
     }
     for key, value in overrides.items():
         if key == "shardpool":
-            config["shardpool"] = dict(value)
+            config["shardpool"] = {"rebalance": "off", **dict(value)}
         else:
             config[key] = value
     return config
