@@ -144,7 +144,7 @@ def calibrate(plan: Plan, measured: Sequence[StepMeasurement], config: Config) -
         measured_ms_per_microbatch=tuple(per_microbatch),
         measured_ms_per_layer=tuple(per_layer),
         measured_step_s=statistics.median(m.step_seconds for m in measured),
-        steps=tuple(m.step for m in measured),
+        steps=tuple(sorted(m.step for m in measured)),
         costs=tuple(calibrated),
         microbatches=microbatches,
         schedule=schedule,
