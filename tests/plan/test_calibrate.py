@@ -15,6 +15,7 @@ from shardpool.config import Config, parse_config
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.calibrate import (
+    MIN_GAIN,
     StepMeasurement,
     calibrate,
     calibrated_plan,
@@ -227,3 +228,46 @@ def test_plan_json_round_trips_costs_and_calibration() -> None:
     assert [s.costs for s in back.stages] == [s.costs for s in decision.plan.stages]
     assert back.calibration == decision.plan.calibration
     assert back.to_json() == decision.plan.to_json()
+
+
+def three_hosts(seconds: list[float]) -> Fleet:
+    return Fleet(
+        devices=tuple(
+            Device(name=name, memory_bytes=8 * GIB, seconds_per_layer=s, kind="cpu", host=name)
+            for name, s in zip("abc", seconds, strict=True)
+        )
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_decision_is_the_best_split_under_the_measured_speeds(seed: int) -> None:
+    """Against brute force: a fleet file with each profile times its measured factor is the
+    calibrated model (the ends scale with the layer time there), so its best split of the same
+    order is what calibration must find, and the 10% rule is checked against its steps."""
+    import random
+
+    rng = random.Random(seed)
+    profiled = [0.1, 0.2, 0.15]
+    config = config_with(shardpool={"stages": 3})
+    workload = Workload.from_config(config)
+    plan = plan_pipeline(SHAPE, workload, three_hosts(profiled))
+    order = [stage.slot for stage in plan.stages]
+    factor = {name: rng.uniform(0.4, 2.5) for name in "abc"}
+    truth = three_hosts([s * factor[name] for name, s in zip("abc", profiled, strict=True)])
+    decision = rebalance_decision(plan, measured_as(plan, [factor[name] for name in order]), config)
+
+    def step(counts: list[int]) -> float:
+        return evaluate_split(SHAPE, workload, truth, devices=order, layers=counts).predicted_step_s
+
+    splits = [
+        [b - a for a, b in itertools.pairwise([0, *cut, SHAPE.num_layers])]
+        for cut in itertools.combinations(range(1, SHAPE.num_layers), 2)
+    ]
+    best = min(step(counts) for counts in splits)
+    current = step([stage.num_layers for stage in plan.stages])
+    if decision is None:
+        assert best > current * (1 - MIN_GAIN)
+    else:
+        assert decision.current_step_s == pytest.approx(current, rel=1e-9)
+        assert decision.predicted_step_s == pytest.approx(best, rel=1e-9)
+        assert best <= current * (1 - MIN_GAIN)
