@@ -111,9 +111,13 @@ def calibrate(plan: Plan, measured: Sequence[StepMeasurement], config: Config) -
     workload = Workload.from_config(config)
     microbatches, schedule = workload.gradient_accumulation_steps, workload.schedule
     num_stages = len(plan.stages)
-    costs = [stage.costs for stage in plan.stages]
-    if any(c is None for c in costs):
-        raise ShardpoolError("the plan has no stage costs to calibrate (an older or hand-written plan.json)")
+    costs: list[StageCosts] = []
+    for stage in plan.stages:
+        if stage.costs is None:
+            raise ShardpoolError(
+                "the plan has no stage costs to calibrate (an older or hand-written plan.json)"
+            )
+        costs.append(stage.costs)
     if not measured:
         raise ShardpoolError("no measured steps to calibrate the plan with")
     ranks = len(measured[0].stage_compute_s)
@@ -124,7 +128,6 @@ def calibrate(plan: Plan, measured: Sequence[StepMeasurement], config: Config) -
     per_rank = [statistics.median(m.stage_compute_s[r] for m in measured) for r in range(ranks)]
     speed, per_microbatch, per_layer, calibrated = [], [], [], []
     for index, (stage, stage_costs) in enumerate(zip(plan.stages, costs, strict=True)):
-        assert stage_costs is not None
         replicas = per_rank[index::num_stages]
         seconds = sum(replicas) / len(replicas) / microbatches
         predicted = stage_costs.seconds(stage.num_layers)
