@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -462,6 +463,28 @@ def test_local_fleet_shares_one_cpu() -> None:
         )
         assert times.optimizer_per_layer_s == pytest.approx(0.0005 * slowdown)
     assert len({d.host for d in fleet.devices}) == 1
+
+
+def test_local_fleet_slots_share_the_cpu_quota() -> None:
+    """Slots on a host throttled to one CPU each profiled at that one CPU; together they run at a
+    third of it each, whatever the core count says."""
+    from shardpool.plan.devices import device_info
+
+    info = device_info("cpu")
+    profile = LayerProfile(0.01, 1000, None, "cpu", "cpu", None, 3, cpu_quota=1.0)
+    fleet = local_fleet(
+        ["cpu", "cpu", "cpu"], shape=EIGHT_B, workload=BIG_WORKLOAD, probe=FixedProbe(profile)
+    )
+    threads = max(1, info.threads // 3)
+    expected = 3 * min(threads, 1.0) / min(info.threads, 1.0)
+    assert expected == pytest.approx(3.0)
+    assert [d.seconds_per_layer for d in fleet.devices] == pytest.approx([0.01 * expected] * 3)
+    assert fleet.devices[0].measurement is not None and fleet.devices[0].measurement.cpu_quota == 1.0
+    # Half a CPU's quota, one slot: alone either way, no slowdown.
+    alone = local_fleet(
+        ["cpu"], shape=EIGHT_B, workload=BIG_WORKLOAD, probe=FixedProbe(replace(profile, cpu_quota=0.5))
+    )
+    assert alone.devices[0].seconds_per_layer == pytest.approx(0.01)
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
