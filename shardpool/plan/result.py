@@ -247,7 +247,10 @@ def plan_table(plan: Plan) -> Any:
     table = Table(title=title, caption=caption, show_edge=False)
     for column in ("#", "host", "device", "layers", "dtype", "used GiB", "free GiB", "ms/mb", ""):
         table.add_column(
-            column, justify="right" if "GiB" in column or "ms" in column else "left", no_wrap=True
+            column,
+            justify="right" if "GiB" in column or "ms" in column else "left",
+            no_wrap=True,
+            min_width=len(column),  # a narrow terminal shortens the values, never a heading
         )
     for index, stage in enumerate(plan.stages):
         table.add_row(
