@@ -175,12 +175,27 @@ def parse_hosts(text: str) -> tuple[float, ...]:
     return quotas
 
 
-def gated_argv(argv: Sequence[str]) -> list[str]:
-    """``argv`` behind a gate: a shell that waits for one line on its standard input, then becomes
-    ``argv``. Moving the shell into a cgroup before opening the gate throttles the command and
-    everything it forks from their first instruction. (A command inside a lab host cannot join a
-    cgroup itself: ``ip netns exec`` mounts a fresh ``/sys`` without the cgroup filesystems.)"""
-    return ["sh", "-c", 'read -r _ && exec "$@"', "gated", *argv]
+def cgroupfs_mounts(choice: CgroupChoice) -> str:
+    """Shell commands that mount the cgroup filesystem at ``/sys/fs/cgroup`` as this machine has it.
+
+    ``ip netns exec`` mounts a fresh ``/sys`` (in a mount namespace of its own, whose mounts do not
+    reach the machine's) that lacks the cgroup filesystems, so a process in a lab host could not
+    read its own CPU quota, which a profile records (``shardpool.plan.cpu_quota``); a real host can.
+    """
+    if choice.version == "v2":
+        return "mount -t cgroup2 cgroup2 /sys/fs/cgroup"
+    return (
+        "mount -t tmpfs cgroup /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/cpu"
+        " && mount -t cgroup -o cpu cgroup /sys/fs/cgroup/cpu"
+    )
+
+
+def gated_argv(argv: Sequence[str], prepare: str = ":") -> list[str]:
+    """``argv`` behind a gate: a shell runs ``prepare`` (its failure is ignored), waits for one line
+    on its standard input, then becomes ``argv``. Moving the shell into a cgroup before opening the
+    gate throttles the command and everything it forks from their first instruction. (A command
+    inside a lab host cannot join a cgroup itself: its ``/sys`` has no cgroup filesystem.)"""
+    return ["sh", "-c", f'{{ {prepare}; }} >/dev/null 2>&1; read -r _ && exec "$@"', "gated", *argv]
 
 
 def even_counts(num_layers: int, stages: int) -> list[int]:
@@ -441,13 +456,18 @@ def form_mesh(lab: Lab, labels: str) -> float:
                 30,
                 f"ping {label} -> {address}",
             )
-    for address in addresses:
-        wait_until(
-            lambda address=address: lab.agent_healthy(lab.hosts[labels[0]], address, AGENT_PORT),
-            60,
-            f"agent at {address} healthy",
-        )
+    wait_for_agents(lab, labels)
     return time.monotonic() - started
+
+
+def wait_for_agents(lab: Lab, labels: str) -> None:
+    """Wait until the agent of every host in ``labels`` answers over the mesh."""
+    for index, label in enumerate(labels):
+        wait_until(
+            lambda index=index: lab.agent_healthy(lab.hosts[LABELS[0]], mesh_address(index), AGENT_PORT),
+            60,
+            f"agent of {label} healthy",
+        )
 
 
 def namespace_pids(host: Host) -> list[int]:
@@ -479,7 +499,8 @@ def start_in_cgroup(
     lab: Lab, host: Host, cgroups: HostCgroups, argv: Sequence[str], **popen: Any
 ) -> subprocess.Popen[Any]:
     """Start ``argv`` inside ``host`` and inside its cgroup (see :func:`gated_argv`)."""
-    process = subprocess.Popen(lab.command(host, *gated_argv(argv)), stdin=subprocess.PIPE, **popen)
+    gated = gated_argv(argv, cgroupfs_mounts(cgroups.choice))
+    process = subprocess.Popen(lab.command(host, *gated), stdin=subprocess.PIPE, **popen)
     try:
         cgroups.add(host.label, process.pid)  # ``ip netns exec`` and ``env`` exec in place: same pid
         assert process.stdin is not None
@@ -500,18 +521,19 @@ def restart_agent(lab: Lab, host: Host, cgroups: HostCgroups) -> None:
     if pid is not None:
         os.kill(pid, signal.SIGTERM)
         wait_until(lambda: read_pid(agent_pid_file(host)) is None, 30, f"agent of {host.label} stopping")
-    process = start_in_cgroup(
-        lab, host, cgroups, [sys.executable, "-m", "shardpool", "mesh", "up"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        output = process.communicate(timeout=120)[0].decode(errors="replace")
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        raise BenchError(f"restarting the agent of {host.label} took over 120 s") from None
+    log = host.home.parent / f"{host.label}-mesh-up.log"
+    with open(log, "w") as sink:  # not a pipe: the detached agent must not hold our end open
+        process = start_in_cgroup(
+            lab, host, cgroups, [sys.executable, "-m", "shardpool", "mesh", "up"], stdout=sink, stderr=sink
+        )
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise BenchError(f"restarting the agent of {host.label} took over 120 s") from None
     if process.returncode != 0 or read_pid(agent_pid_file(host)) is None:
-        raise BenchError(f"restarting the agent of {host.label}: {output.strip()[-300:]}")
+        raise BenchError(f"restarting the agent of {host.label}: {log_tail(log, 3)}")
 
 
 def profiles_file(host: Host) -> Path:
@@ -535,14 +557,7 @@ def swap_profiles(lab: Lab, cgroups: HostCgroups, first: str, second: str) -> in
         os.chown(path, owner.st_uid, owner.st_gid)
     for label in (first, second):
         restart_agent(lab, lab.hosts[label], cgroups)
-    for index, label in enumerate(lab.hosts):
-        if label in (first, second):
-            address = mesh_address(index)
-            wait_until(
-                lambda address=address: lab.agent_healthy(lab.hosts[LABELS[0]], address, AGENT_PORT),
-                60,
-                f"agent at {address} healthy after the restart",
-            )
+    wait_for_agents(lab, "".join(lab.hosts))
     return swapped
 
 
@@ -601,6 +616,15 @@ def profiled_seconds_per_layer(plans: Sequence[dict[str, Any]]) -> dict[str, flo
     return dict(sorted(found.items()))
 
 
+def profiled_quotas(plans: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """The CPU quota each host's profile says it was measured under (None: unlimited or unseen)."""
+    found: dict[str, float | None] = {}
+    for plan in plans:
+        for stage in plan["stages"]:
+            found.setdefault(stage["host"], (stage.get("measured") or {}).get("cpu_quota"))
+    return dict(sorted(found.items()))
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -628,6 +652,9 @@ def benchmark(
                 lab.add_host(label, octet)
             mesh_setup_s = form_mesh(lab, labels)
             moved = throttle(lab, cgroups)
+            for label in labels:  # so each agent, and what it starts, sees its cgroup's quota
+                restart_agent(lab, lab.hosts[label], cgroups)
+            wait_for_agents(lab, labels)
             say(
                 f"mesh of {len(labels)} hosts formed in {mesh_setup_s:.1f} s and throttled {dict(cgroups.quotas)}"
             )
@@ -645,6 +672,9 @@ def benchmark(
                 run_finetune(lab, cgroups, config_path, work / f"{mode}.log", size["run_timeout_s"])
                 plans[mode] = json.loads((out / "plan.json").read_text())
                 records[mode] = read_jsonl(out / "metrics.jsonl")
+                if mode == "fastest_alone":  # a local plan names the machine, not the lab host
+                    for stage in plans[mode]["stages"]:
+                        stage["host"] = labels[0]
                 runs[mode] = summarize_run(records[mode], plans[mode], size["warmup"])
                 runs[mode]["run_s"] = round(time.monotonic() - run_started, 1)
                 say(f"{mode}: {runs[mode]['tokens_per_s']} tokens/s, run took {runs[mode]['run_s']} s")
@@ -712,7 +742,8 @@ def report(
             (value for value in runs["pooled"]["stage_wait_over_step"] if value is not None), default=None
         ),
         "seconds_per_layer_by_host": {
-            "profile": profiled_seconds_per_layer([plans["even_split"], plans["fastest_alone"]]),
+            "profile": profiled_seconds_per_layer([plans["even_split"], plans["pooled"]]),
+            "profile_cpu_quota": profiled_quotas([plans["even_split"], plans["pooled"]]),
             "even_split_compute": runs["even_split"].get("compute_s_per_layer_by_host"),
         },
         "rebalanced": bool(events),
