@@ -87,7 +87,7 @@ FULL: dict[str, Any] = {
         "hidden_size": 512,
         "intermediate_size": 1376,
         "num_heads": 8,
-        "num_kv_heads": 4,
+        "num_kv_heads": 2,
         "vocab_size": 2048,
     },
     "sequence_len": 128,
