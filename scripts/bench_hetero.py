@@ -30,8 +30,9 @@ failure or Ctrl-C:
      ``rebalance: off`` where the config knows that key, so they stay the baselines;
   4. with ``--swap-profiles``, before the pooled run, swaps the fastest and the slowest host's
      cached layer profiles (``<agent work dir>/profile/profiles.json``) and restarts both agents so
-     they forget the profiles they hold in memory: the pooled run is planned from the wrong
-     profiles and must re-balance to recover.
+     they forget the profiles they hold in memory, then runs *pooled_swapped*: the pooled run again,
+     planned from the wrong profiles, which must re-balance to recover; the plain pooled run's
+     tokens/s is "the best plan's" it is measured against.
 
 The JSON holds tokens/s of each run, pooled ÷ fastest, plan.json's ``predicted_step_s`` ÷ the
 median measured step after ``warmup`` steps, per-stage compute and wait (``metrics.jsonl``), the
@@ -80,6 +81,8 @@ PERIOD_US = 10_000
 pass takes milliseconds). Under the default 100 ms, a burst shorter than the quota runs at full
 speed, and a short profile would time the host unthrottled."""
 MODES = ("fastest_alone", "even_split", "pooled")
+SWAPPED = "pooled_swapped"
+"""With ``--swap-profiles``: the pooled run again, planned from the swapped profiles."""
 
 FULL: dict[str, Any] = {
     "model": {
@@ -295,16 +298,32 @@ def initial_prediction(plan: dict[str, Any]) -> float | None:
     return None if value is None else float(value)
 
 
-def first_step_near_final(tokens_per_s: Sequence[float], share: float = 0.9, tail: int = 3) -> int | None:
-    """The first step (1-based) whose tokens/s reaches ``share`` of the median of the last ``tail``
-    steps, and stays there for the rest of the run."""
-    if not tokens_per_s:
+def first_step_reaching(tokens_per_s: Sequence[float], target: float | None) -> int | None:
+    """The first step (1-based) from which every step's tokens/s is at least ``target`` (None: never)."""
+    if target is None:
         return None
-    target = share * statistics.median(tokens_per_s[-tail:])
     for index in range(len(tokens_per_s)):
         if all(value >= target for value in tokens_per_s[index:]):
             return index + 1
     return None
+
+
+def swapped_summary(
+    swapped: dict[str, Any], pooled: dict[str, Any], events: Sequence[dict[str, Any]], share: float = 0.9
+) -> dict[str, Any]:
+    """How the run from swapped profiles recovered: its tokens/s against the plain pooled run's
+    (the best plan's), and the first step from which it stays at ``share`` of it."""
+    best = pooled["tokens_per_s"]
+    return {
+        "tokens_per_s": swapped["tokens_per_s"],
+        "over_pooled": ratio(swapped["tokens_per_s"], best),
+        "first_step_at_90pct_of_pooled": first_step_reaching(
+            swapped["tokens_per_s_by_step"], None if best is None else share * best
+        ),
+        "tokens_per_s_by_step": swapped["tokens_per_s_by_step"],
+        "rebalanced": bool(events),
+        "rebalances": list(events),
+    }
 
 
 def swap_profile_entries(
@@ -631,8 +650,10 @@ def profiled_quotas(plans: Sequence[dict[str, Any]]) -> dict[str, float | None]:
 def benchmark(
     *, quick: bool, quotas: tuple[float, ...], swap: bool, keep: Path | None, choice: CgroupChoice
 ) -> dict[str, Any]:
-    """Build the model, the throttled lab and the mesh; train the three ways; the JSON report."""
+    """Build the model, the throttled lab and the mesh; train the three ways (and from swapped
+    profiles); the JSON report."""
     size = QUICK if quick else FULL
+    modes = (*MODES, SWAPPED) if swap else MODES
     labels = LABELS[: len(quotas)]
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="shardpool-bench-hetero-")) if keep is None else keep
@@ -658,14 +679,14 @@ def benchmark(
             say(
                 f"mesh of {len(labels)} hosts formed in {mesh_setup_s:.1f} s and throttled {dict(cgroups.quotas)}"
             )
-            for mode in MODES:
-                if mode == "pooled" and swap:
+            for mode in modes:
+                if mode == SWAPPED:
                     swapped = swap_profiles(lab, cgroups, labels[0], labels[-1])
                 out = work / f"out-{mode}"
                 config = training_config(
                     model_dir, data, out, size, mode_settings(mode, num_layers, len(labels))
                 )
-                if mode != "pooled":
+                if mode not in ("pooled", SWAPPED):
                     config = rebalance_setting(config, "off")
                 config_path = write_yaml(work / f"{mode}.yaml", config)
                 run_started = time.monotonic()
@@ -715,9 +736,9 @@ def report(
     seconds: float,
 ) -> dict[str, Any]:
     """Assemble the JSON report."""
-    tokens = {mode: runs[mode]["tokens_per_s"] for mode in MODES}
+    modes = list(runs)
+    tokens = {mode: runs[mode]["tokens_per_s"] for mode in modes}
     events = rebalance_events(records["pooled"])
-    pooled_steps = runs["pooled"]["tokens_per_s_by_step"]
     command = "sudo python scripts/bench_hetero.py"
     if tuple(quotas.values()) != size["hosts"]:
         command += " --hosts " + ",".join(f"{quota:g}" for quota in quotas.values())
@@ -732,12 +753,12 @@ def report(
         "tokens_per_s": tokens,
         "pooled_over_fastest": ratio(tokens["pooled"], tokens["fastest_alone"]),
         "even_over_fastest": ratio(tokens["even_split"], tokens["fastest_alone"]),
-        "predicted_over_measured_step": {mode: runs[mode]["predicted_over_measured_step"] for mode in MODES},
+        "predicted_over_measured_step": {mode: runs[mode]["predicted_over_measured_step"] for mode in modes},
         "pooled_after_rebalance_predicted_over_measured": runs["pooled"]
         .get("after_rebalance", {})
         .get("predicted_over_measured_step"),
-        "stage_compute_s": {mode: runs[mode]["stage_compute_s"] for mode in MODES},
-        "stage_wait_s": {mode: runs[mode]["stage_wait_s"] for mode in MODES},
+        "stage_compute_s": {mode: runs[mode]["stage_compute_s"] for mode in modes},
+        "stage_wait_s": {mode: runs[mode]["stage_wait_s"] for mode in modes},
         "pooled_stage_wait_over_step_max": max(
             (value for value in runs["pooled"]["stage_wait_over_step"] if value is not None), default=None
         ),
@@ -748,9 +769,10 @@ def report(
         },
         "rebalanced": bool(events),
         "rebalances": events,
-        "profiles_swapped": swapped is not None,
         "profile_entries_swapped": swapped,
-        "pooled_first_step_within_90pct_of_final": first_step_near_final(pooled_steps),
+        "from_swapped_profiles": None
+        if swapped is None
+        else swapped_summary(runs[SWAPPED], runs["pooled"], rebalance_events(records[SWAPPED])),
         "runs": runs,
         "model": {
             "type": hf_config["model_type"],
@@ -804,7 +826,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--swap-profiles",
         action="store_true",
-        help="swap the fastest and slowest host's cached profiles before the pooled run",
+        help="then swap the fastest and slowest host's cached profiles and run pooled again from them",
     )
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it (model, outputs, logs)")
     args = parser.parse_args(argv)

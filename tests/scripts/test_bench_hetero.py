@@ -140,10 +140,16 @@ def test_a_rebalanced_run_compares_each_plan_with_its_own_steps() -> None:
     assert len(bench.rebalance_events(records)) == 1
 
 
-def test_recovery_is_the_first_step_that_stays_near_the_end() -> None:
-    assert bench.first_step_near_final([10, 50, 95, 60, 100, 100, 100]) == 5
-    assert bench.first_step_near_final([100, 100, 100]) == 1
-    assert bench.first_step_near_final([]) is None
+def test_recovery_from_swapped_profiles_is_the_first_step_that_stays_near_the_pooled_run() -> None:
+    assert bench.first_step_reaching([10, 50, 95, 60, 100, 100, 100], 90) == 5
+    assert bench.first_step_reaching([100, 100], 90) == 1
+    assert bench.first_step_reaching([10, 20], 90) is None
+    assert bench.first_step_reaching([], 90) is None
+    swapped = {"tokens_per_s": 80.0, "tokens_per_s_by_step": [40.0, 45.0, 95.0, 96.0]}
+    event = {"event": "rebalance", "step": 2}
+    summary = bench.swapped_summary(swapped, {"tokens_per_s": 100.0}, [event])
+    assert summary["first_step_at_90pct_of_pooled"] == 3 and summary["over_pooled"] == 0.8
+    assert summary["rebalanced"] and summary["rebalances"] == [event]
 
 
 @pytest.mark.netns
