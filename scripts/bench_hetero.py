@@ -838,7 +838,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     choice = detect_cgroup()
     assert choice is not None  # skip_reason checked it
     quotas = args.hosts or (QUICK if args.quick else FULL)["hosts"]
-    signal.signal(signal.SIGTERM, _interrupt)
+    for stop in (signal.SIGTERM, signal.SIGINT):  # SIGINT too: a background job starts with it ignored
+        signal.signal(stop, _interrupt)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # only the JSON report goes to stdout
             result = benchmark(
