@@ -187,9 +187,10 @@ def cgroupfs_mounts(choice: CgroupChoice) -> str:
     """
     if choice.version == "v2":
         return "mount -t cgroup2 cgroup2 /sys/fs/cgroup"
+    hierarchy = choice.mount.name  # "cpu", or "cpu,cpuacct" where the controllers are mounted together
     return (
-        "mount -t tmpfs cgroup /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/cpu"
-        " && mount -t cgroup -o cpu cgroup /sys/fs/cgroup/cpu"
+        f"mount -t tmpfs cgroup /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/{hierarchy}"
+        f" && mount -t cgroup -o {hierarchy} cgroup /sys/fs/cgroup/{hierarchy}"
     )
 
 
@@ -242,10 +243,11 @@ def summarize_run(records: Sequence[dict[str, Any]], plan: dict[str, Any], warmu
     kept = steps[warmup:] or steps
     first_reshard = int(events[0]["step"]) if events else None
     before = [r for r in kept if first_reshard is None or int(r["step"]) <= first_reshard]
-    stages = len(kept[0]["stage_compute_s"]) if kept else 0
+    stages = len(kept[-1]["stage_compute_s"]) if kept else 0
+    staged = [r for r in kept if len(r["stage_compute_s"]) == stages]  # a re-shard may change the count
     step_s = median_of([float(r["step_seconds"]) for r in kept])
-    compute = [median_of([float(r["stage_compute_s"][i]) for r in kept]) or 0.0 for i in range(stages)]
-    wait = [median_of([float(r["stage_wait_s"][i]) for r in kept]) or 0.0 for i in range(stages)]
+    compute = [median_of([float(r["stage_compute_s"][i]) for r in staged]) or 0.0 for i in range(stages)]
+    wait = [median_of([float(r["stage_wait_s"][i]) for r in staged]) or 0.0 for i in range(stages)]
     layers = [int(stop) - int(start) for start, stop in (stage["layers"] for stage in plan["stages"])]
     predicted = initial_prediction(plan)
     summary: dict[str, Any] = {

@@ -55,6 +55,14 @@ def test_hosts_are_two_or_three_quotas_fastest_first() -> None:
             bench.parse_hosts(bad)
 
 
+def test_the_cgroup_filesystem_is_mounted_as_the_machine_has_it() -> None:
+    assert bench.cgroupfs_mounts(bench.CgroupChoice("v2", Path("/sys/fs/cgroup"))) == (
+        "mount -t cgroup2 cgroup2 /sys/fs/cgroup"
+    )
+    together = bench.cgroupfs_mounts(bench.CgroupChoice("v1", Path("/sys/fs/cgroup/cpu,cpuacct")))
+    assert together.endswith("mount -t cgroup -o cpu,cpuacct cgroup /sys/fs/cgroup/cpu,cpuacct")
+
+
 def test_the_gate_runs_the_command_only_after_a_line_and_keeps_the_arguments() -> None:
     argv = bench.gated_argv(["printf", "%s|", "a b", "$HOME"], prepare="false")
     done = subprocess.run(argv, input="go\n", capture_output=True, text=True, timeout=10)
