@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from itertools import permutations
 from typing import Any
 
 from shardpool.errors import ShardpoolError
@@ -46,6 +47,9 @@ GIB = 2**30
 EXACT_SEQUENCE_LIMIT = 20000
 #: Simulated steps the exhaustive search may run before the local search takes over.
 EXACT_SIMULATION_LIMIT = 5000
+#: Device orders a fixed split (``Workload.layers``) may try: beyond it the fleet is too large to try
+#: every order of that many stages, and the split is refused with the fix.
+GIVEN_SPLIT_ORDERS = 5040
 #: Sequence evaluations the local search on large fleets may spend (a count, not a time, so a
 #: fleet gets the same plan on any machine).
 HEURISTIC_EVALUATIONS = 3000
@@ -68,7 +72,8 @@ def plan_pipeline(
     sequence evaluations. Both limits are counts, so a fleet gets the same plan on any machine. Raises :class:`ShardpoolError` saying how many GiB are missing, and where
     they would help, when the model fits on no subset of the fleet. Devices that cannot run the
     workload (NF4 on a card bitsandbytes does not support) get no layers; the plan's ``refused``
-    says why.
+    says why. With ``workload.layers`` the split is fixed and only the devices and their order are
+    chosen (:func:`_given_split`).
     """
     refused = refusals(fleet, workload)
     if refused:
@@ -77,6 +82,8 @@ def plan_pipeline(
             raise ShardpoolError(next(iter(refused.values())))
         fleet = replace(fleet, devices=usable)
     ctx = SearchContext(shape, workload, fleet)
+    if workload.layers is not None:
+        return _given_split(ctx, list(workload.layers), refused)
     allowed = allowed_stage_counts(ctx)
     sequences = distinct_sequences(ctx, allowed, exact_limit)
     best, complete = None, False
@@ -128,6 +135,42 @@ def evaluate_split(
             "a device appears twice in the stage list; give every stage its own device or slot"
         )
     return _build_plan(ctx, seq, counts, search="given")
+
+
+def _given_split(ctx: SearchContext, counts: list[int], refused: dict[str, str]) -> Plan:
+    """The fixed split ``counts`` on the order of devices predicted fastest (fitting orders first).
+
+    For ``shardpool.layers`` on the mesh, where the user fixes the split but not the members: every
+    order of ``len(counts)`` of the fleet's devices is simulated.
+    """
+    stages, devices = len(counts), len(ctx.devices)
+    if sum(counts) != ctx.layers:
+        raise ShardpoolError(
+            f"shardpool.layers {counts} sums to {sum(counts)} but the model has {ctx.layers} layers; "
+            "make the counts add up"
+        )
+    if stages > devices:
+        raise ShardpoolError(
+            f"shardpool.layers asks for {stages} stages but {devices} devices can take them; give at most {devices}"
+        )
+    if math.perm(devices, stages) > GIVEN_SPLIT_ORDERS:
+        raise ShardpoolError(
+            f"{devices} devices have too many orders for a fixed split of {stages} stages; "
+            "remove shardpool.layers and let the planner split"
+        )
+
+    def rank(seq: tuple[int, ...]) -> tuple[bool, float]:
+        stage_costs = [ctx.stage(seq, i) for i in range(stages)]
+        fits = all(n <= cap for (_, cap), n in zip(stage_costs, counts, strict=True))
+        step = simulate_step(
+            [c.times(n) for (c, _), n in zip(stage_costs, counts, strict=True)],
+            microbatches=ctx.workload.gradient_accumulation_steps,
+            schedule=ctx.workload.schedule,
+        ).step_s
+        return (not fits, step)
+
+    best = min(permutations(range(devices), stages), key=rank)
+    return _build_plan(ctx, best, counts, search="given", refused=refused)
 
 
 def _build_plan(

@@ -229,6 +229,25 @@ def test_forced_stage_count_matches_brute_force() -> None:
     assert plan.predicted_step_s == pytest.approx(brute_force(shape, workload, fleet), rel=1e-9)
 
 
+def test_a_fixed_split_keeps_its_counts_and_takes_the_fastest_order_of_devices() -> None:
+    # shardpool.layers on the mesh: the split is the user's, the devices and their order the planner's.
+    shape = small_shape(6, 128, 4096)
+    fleet = Fleet(devices=tuple(Device(name=f"d{i}", memory_bytes=GIB, tflops=1 + i) for i in range(3)))
+    workload = Workload(micro_batch_size=1, sequence_len=256, gradient_accumulation_steps=4, layers=(3, 3))
+    plan = plan_pipeline(shape, workload, fleet)
+    assert [stage.num_layers for stage in plan.stages] == [3, 3] and plan.search == "given"
+    orders = [
+        evaluate_split(shape, workload, fleet, devices=[a.name, b.name], layers=[3, 3])
+        for a, b in itertools.permutations(fleet.devices, 2)
+    ]
+    assert plan.predicted_step_s == pytest.approx(min(order.predicted_step_s for order in orders), rel=1e-12)
+    assert plan.left_out == ["d0"], "the slowest device is left out of a two-stage split"
+    with pytest.raises(ShardpoolError, match="sums to 5 but the model has 6"):
+        plan_pipeline(shape, Workload(layers=(2, 3)), fleet)
+    with pytest.raises(ShardpoolError, match="asks for 4 stages but 3 devices"):
+        plan_pipeline(shape, Workload(layers=(1, 1, 2, 2)), fleet)
+
+
 def test_three_times_faster_device_gets_three_times_the_layers() -> None:
     fleet = Fleet(
         devices=(
