@@ -103,11 +103,11 @@ def test_markers_are_read_with_their_line_and_a_stray_one_is_an_error(tmp_path: 
 def _run_directory(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     """A directory laid out like the repository root, and an environment whose commands are this checkout's."""
     workdir = tmp_path / "run"
-    workdir.mkdir()
+    workdir.mkdir(parents=True)
     for name in COPIED_INTO_THE_RUN_DIRECTORY:
         shutil.copytree(REPO / name, workdir / name, ignore=shutil.ignore_patterns("__pycache__"))
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(parents=True)
     for command, argv in (
         ("shardpool", f'"{sys.executable}" -m shardpool'),
         ("python", f'"{sys.executable}"'),
@@ -138,21 +138,34 @@ def test_marked_block_runs_as_written(block: RunnableBlock, tmp_path: Path) -> N
             cwd=workdir, env=env, capture_output=True, text=True, timeout=block.timeout_s,
         )  # fmt: skip
     except subprocess.TimeoutExpired as timeout:
-        output = (timeout.stdout or b"").decode() + (timeout.stderr or b"").decode()
+        output = "".join(_text(stream) for stream in (timeout.stdout, timeout.stderr))
         pytest.fail(f"{block.where}: did not finish in {block.timeout_s} s\n{output[-OUTPUT_TAIL_CHARS:]}")
     wall_s, cpu_s = time.monotonic() - started, _children_cpu_s() - cpu_before
     output = result.stdout + result.stderr
     print(f"{block.where}: {wall_s:.0f} s wall, {cpu_s:.0f} CPU s")
-    assert result.returncode == 0, (
-        f"{block.where}: exited {result.returncode} after {wall_s:.0f} s\n{output[-OUTPUT_TAIL_CHARS:]}"
-    )
-    if block.cpu_budget_s is not None:
-        assert cpu_s <= block.cpu_budget_s, (
-            f"{block.where}: took {cpu_s:.0f} CPU seconds, over its budget of {block.cpu_budget_s}"
+    if result.returncode != 0:
+        pytest.fail(
+            f"{block.where}: exited {result.returncode} after {wall_s:.0f} s\n{output[-OUTPUT_TAIL_CHARS:]}"
         )
+    if block.cpu_budget_s is not None and cpu_s > block.cpu_budget_s:
+        pytest.fail(f"{block.where}: took {cpu_s:.0f} CPU seconds, over its budget of {block.cpu_budget_s}")
+
+
+def _text(stream: str | bytes | None) -> str:
+    """What a timed-out process wrote: str or bytes, depending on the Python version, or nothing."""
+    return stream.decode(errors="replace") if isinstance(stream, bytes) else stream or ""
 
 
 def _children_cpu_s() -> float:
     """User and system CPU seconds of every finished process this one has waited for, theirs included."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def test_a_failing_or_hanging_block_names_its_file_and_line(tmp_path: Path) -> None:
+    block = RunnableBlock("docs/page.md:3", "echo checked\nfalse\necho never\n", timeout_s=60)
+    with pytest.raises(pytest.fail.Exception, match=r"^docs/page.md:3: exited 1 after \d+ s\nchecked\n$"):
+        test_marked_block_runs_as_written(block, tmp_path / "failing")
+    block = RunnableBlock("docs/page.md:9", "echo waiting\nsleep 5\n", timeout_s=1)
+    with pytest.raises(pytest.fail.Exception, match=r"^docs/page.md:9: did not finish in 1 s\nwaiting\n$"):
+        test_marked_block_runs_as_written(block, tmp_path / "hanging")
