@@ -130,6 +130,17 @@ def compare(result: dict[str, Any], reference: dict[str, Any], dtype: str) -> di
     return {"eval_loss_rel": eval_diff, "step_loss_rel": step_diff, "tolerance": limit, "ok": bool(within)}
 
 
+def what_ran(plan: dict[str, Any], metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """The dtype each stage really computed in (the planner chooses it from the device under the
+    config's cap: an fp16 case on a card below 7.0 runs fp32) and the steps the fp16 loss scale
+    skipped (a skipped step trains less than the reference, so later losses may leave tolerance)."""
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    return {
+        "stage_dtypes": [short.get(stage.get("dtype") or "", "config") for stage in plan.get("stages", [])],
+        "skipped_steps": [line["step"] for line in metrics if line.get("skipped_step")],
+    }
+
+
 def memory_ratios(plan: dict[str, Any], summary: dict[str, Any]) -> list[dict[str, Any]]:
     """Per CUDA stage: the plan's predicted memory and the measured peaks, as ratios measured / predicted."""
     rows = []
@@ -215,11 +226,13 @@ def _train(case: Case, work: Path, model: Path, data: Path) -> dict[str, Any]:
         return {"error": lines[-1] if lines else f"exit status {done.returncode}"}
     summary = json.loads((output_dir / "run_summary.json").read_text())
     metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    plan = json.loads((output_dir / "plan.json").read_text())
     return {
         "eval_loss": summary.get("eval_loss_after"),
         "losses": [line["loss"] for line in metrics if "loss" in line],
-        "plan": json.loads((output_dir / "plan.json").read_text()),
+        "plan": plan,
         "summary": summary,
+        "ran": what_ran(plan, metrics),
     }
 
 
@@ -259,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(
                 row
                 | {"eval_loss": result["eval_loss"]}
+                | result["ran"]
                 | compare(result, reference, case.dtype)
                 | {"memory": memory_ratios(result["plan"], result["summary"])}
             )

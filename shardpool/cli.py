@@ -99,7 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     jobs.set_defaults(handler=_run_jobs)
 
     plan = commands.add_parser("plan", help="place the model's layers on devices and predict the step time")
-    plan.add_argument("config", help="path to the YAML config (only base_model's config.json is read)")
+    plan.add_argument(
+        "config",
+        nargs="?",
+        help="path to the YAML config (only base_model's config.json is read); "
+        "optional with a --fleet file that has a plan: section",
+    )
     plan.add_argument("--fleet", help="YAML list of (hypothetical) devices to plan for instead of local ones")
     plan.add_argument("--json", action="store_true", help="print only the plan, as in output_dir/plan.json")
     plan.add_argument("--model", help="a config.json (or its directory) to plan instead of base_model's")
@@ -251,15 +256,18 @@ def _run_plan(args: argparse.Namespace) -> int:
     from shardpool.plan.fleet import load_fleet
     from shardpool.plan.result import plan_table
 
-    config = load_config_with_overrides(args.config, args.set, model_path=args.model)
+    config_path, overrides, model = args.config, list(args.set), args.model
+    if config_path is None:
+        config_path, overrides, model = _fleet_plan_request(args.fleet, overrides, model)
+    config = load_config_with_overrides(config_path, overrides, model_path=model)
     if args.fleet:
-        model_path = args.model or str(local_model_dir(config.base_model, config_only=True))
+        model_path = model or str(local_model_dir(config.base_model, config_only=True))
         plan = plan_for_config(config, fleet=load_fleet(args.fleet), model_path=model_path)
     else:
         from shardpool.plan.profiler import TorchProbe
 
         config = with_local_sources(config)  # the local devices are profiled with the real layer
-        plan = plan_for_config(config, probe=TorchProbe(), model_path=args.model)
+        plan = plan_for_config(config, probe=TorchProbe(), model_path=model)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
@@ -267,6 +275,22 @@ def _run_plan(args: argparse.Namespace) -> int:
 
         Console().print(plan_table(plan))
     return 0
+
+
+def _fleet_plan_request(
+    fleet: str | None, overrides: list[str], model: str | None
+) -> tuple[str, list[str], str | None]:
+    """The config, overrides and model a fleet file's ``plan:`` section names, under the command line's."""
+    from shardpool.plan.fleet import fleet_plan_request
+
+    if not fleet:
+        raise ShardpoolError("shardpool plan needs a config: shardpool plan CONFIG [--fleet FILE]")
+    request = fleet_plan_request(fleet)
+    if request is None:
+        raise ShardpoolError(
+            f"fleet file {fleet} has no plan: section naming a config; run shardpool plan CONFIG --fleet {fleet}"
+        )
+    return request.config, [*request.overrides, *overrides], model or request.model
 
 
 def _run_merge(args: argparse.Namespace) -> int:

@@ -57,7 +57,6 @@ def test_numbers_written_the_axolotl_way_are_accepted() -> None:
         ({"curriculum_sampling": True}, "shuffle_merged_datasets: false"),
         ({"shardpool": {"stages": 3, "layers": [1, 2]}}, "stage counts disagree"),
         ({"shardpool": {"devices": ["tpu"]}}, "unknown device `tpu`"),
-        ({"shardpool": {"placement": "mesh", "layers": [2, 2]}}, "for `placement: local`"),
         ({"deepspeed": "z3.json"}, "`deepspeed` is not supported"),
         ({"lora_target_linear": False}, "no LoRA targets"),
         ({"save_steps": 2, "saves_per_epoch": 2}, "`save_steps` and `saves_per_epoch` both set"),

@@ -10,7 +10,8 @@ agent builds (:func:`shardpool.agent.processes.stage_environment`), in its own p
 fenced by Landlock to its own 0700 directory and ``/dev``, and tied to the agent's life. It
 gets a deadline and a cap on what it prints; a crash, a hang or a malformed report becomes a
 one-line 500 and the agent carries on. The report of each model shape and per-layer workload is
-kept, so a planner asking again (with other planner-only fields) gets it at once.
+kept, so a planner asking again (with other planner-only fields) gets it at once, unless the
+host's CPU quota changed since.
 
 The profiler keeps its measurement cache (``profiles.json``) in its own directory, not in the
 stages' shared cache, so a stage cannot plant profiles there where Landlock fences it.
@@ -36,6 +37,7 @@ from mesh.http.server import HTTPError
 from shardpool.agent.processes import Spawner, StageSettings, popen_as, signal_group, stage_environment
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
+from shardpool.plan.cpu_quota import cpu_quota
 
 __all__ = [
     "MAX_CAPABILITY_CHARS",
@@ -155,11 +157,12 @@ class DeviceProfiler:
     def devices(self, body: dict[str, Any]) -> dict[str, Any]:
         """This machine's devices with one profiled layer each, for the launcher's planner (cached).
 
-        The cache key is the model shape and the workload's per-layer settings, so planner-only
-        fields don't matter.
+        The cache key is the model shape, the workload's per-layer settings (planner-only fields
+        don't matter) and the agent's cgroup CPU quota, which its children share: a host throttled
+        anew since the last answer is measured again rather than answered from the old profile.
         """
         shape, workload = devices_request(body)
-        key = f"{shape.key()}|{workload.profile_key()}"
+        key = f"{shape.key()}|{workload.profile_key()}|quota={cpu_quota()}"
         with self._lock:
             if key not in self._reports:
                 if not self.spawner.running:

@@ -230,7 +230,8 @@ class ShardpoolSection(_Strict):
         default=None, description="one device per stage, e.g. [cpu, cuda:0, mps]"
     )
     layers: list[int] | None = Field(
-        default=None, description="manual split: decoder layers per stage, e.g. [1, 3, 2]"
+        default=None,
+        description="manual split: decoder layers per stage, e.g. [1, 3, 2] (mesh: the planner picks the devices)",
     )
     threads_per_stage: int | None = Field(
         default=None, ge=1, description="torch intra-op threads per CPU stage (default: cores / processes)"
@@ -257,10 +258,6 @@ class ShardpoolSection(_Strict):
         if self.placement == "mesh" and self.devices is not None:
             found.append(
                 "`shardpool.devices` is for `placement: local`; on the mesh the planner picks devices"
-            )
-        if self.placement == "mesh" and self.layers is not None:
-            found.append(
-                "`shardpool.layers` is for `placement: local`; on the mesh the planner splits the layers"
             )
         return [Check(("shardpool",), message) for message in found]
 

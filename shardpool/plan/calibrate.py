@@ -4,17 +4,46 @@ The launcher calls :func:`rebalance_decision` once the warm-up steps are done, w
 started and the steps' measured per-rank compute and wait. A decision keeps the stages, their
 devices and their order; only the layer boundaries move, so the runtime can re-shard in place at
 the next step boundary (``shardpool.launch``), without restarting any process.
+
+Calibration: each rank's compute seconds (forward + backward of its micro-batches, the ends
+included; no waits, no optimizer) is taken as the median over the given steps, and a stage's as
+the mean over its replicas (rank ``r`` runs stage ``r % S``). Divided by the micro-batches, that
+is the stage's measured seconds per micro-batch; divided by the plan's own prediction for the
+same stage (``PlannedStage.costs``: embedding on the first stage, ``lm_head`` + loss on the last,
+``n`` decoder layers) it gives the stage's *speed factor*: how many times slower its device
+computes than its profile said. The calibrated model multiplies that stage's forward and backward
+costs, per layer and at the ends alike, by its factor; memory, transfers and the after-step work
+stay as planned. The exact split search (``plan.split_search.best_split``) then finds the best
+split of the same device sequence under the calibrated model, within each stage's memory, and
+:func:`rebalance_decision` returns it when it shortens the calibrated step by at least
+:data:`MIN_GAIN` of the current split's calibrated step.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from shardpool.config import Config
+from shardpool.errors import ShardpoolError
+from shardpool.plan.costmodel import Workload
+from shardpool.plan.planner import resplit_plan
 from shardpool.plan.result import Plan
+from shardpool.plan.split_search import SplitProblem, best_split
+from shardpool.plan.stage_costs import StageCosts
 
-__all__ = ["MIN_GAIN", "Rebalance", "StepMeasurement", "rebalance_decision"]
+__all__ = [
+    "MIN_GAIN",
+    "Calibration",
+    "Rebalance",
+    "StepMeasurement",
+    "calibrate",
+    "calibrated_plan",
+    "predicted_over_measured",
+    "rebalance_decision",
+]
 
 #: Re-shard only when the calibrated model predicts a step at least this much faster.
 MIN_GAIN = 0.10
@@ -45,12 +74,164 @@ class Rebalance:
         return [(stage.start, stage.stop) for stage in self.plan.stages]
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """A plan's stages corrected by measured steps.
+
+    ``speed``: per stage, measured compute ÷ the plan's prediction (2.0: twice as slow as
+    profiled). ``measured_ms_per_microbatch``: the stage's median compute per micro-batch.
+    ``measured_ms_per_layer``: the calibrated forward + backward of one decoder layer (the ends
+    priced apart). ``costs``: the calibrated stage costs the split search runs on.
+    """
+
+    speed: tuple[float, ...]
+    measured_ms_per_microbatch: tuple[float, ...]
+    measured_ms_per_layer: tuple[float, ...]
+    measured_step_s: float
+    steps: tuple[int, ...]
+    costs: tuple[StageCosts, ...]
+    microbatches: int
+    schedule: str
+
+    def to_json(self) -> dict[str, Any]:
+        """What ``plan.json`` records under ``calibration``."""
+        return {
+            "speed": [round(x, 4) for x in self.speed],
+            "measured_ms_per_microbatch": [round(x, 3) for x in self.measured_ms_per_microbatch],
+            "measured_ms_per_layer": [round(x, 3) for x in self.measured_ms_per_layer],
+            "measured_step_s": round(self.measured_step_s, 6),
+            "steps": list(self.steps),
+        }
+
+
+def calibrate(plan: Plan, measured: Sequence[StepMeasurement], config: Config) -> Calibration:
+    """Each stage's measured speed relative to ``plan`` and the calibrated stage costs (see the module
+    docstring). Raises :class:`ShardpoolError` when the plan lacks stage costs (a hand-written or
+    older ``plan.json``), no step was measured, or the ranks do not match the plan's stages."""
+    workload = Workload.from_config(config)
+    microbatches, schedule = workload.gradient_accumulation_steps, workload.schedule
+    num_stages = len(plan.stages)
+    costs: list[StageCosts] = []
+    for stage in plan.stages:
+        if stage.costs is None:
+            raise ShardpoolError(
+                "the plan has no stage costs to calibrate (an older or hand-written plan.json)"
+            )
+        costs.append(stage.costs)
+    if not measured:
+        raise ShardpoolError("no measured steps to calibrate the plan with")
+    ranks = len(measured[0].stage_compute_s)
+    if ranks == 0 or ranks % num_stages or any(len(m.stage_compute_s) != ranks for m in measured):
+        raise ShardpoolError(
+            f"the steps report compute for {ranks} ranks, not a multiple of the plan's {num_stages} stages"
+        )
+    per_rank = [statistics.median(m.stage_compute_s[r] for m in measured) for r in range(ranks)]
+    speed, per_microbatch, per_layer, calibrated = [], [], [], []
+    for index, (stage, stage_costs) in enumerate(zip(plan.stages, costs, strict=True)):
+        replicas = per_rank[index::num_stages]
+        seconds = sum(replicas) / len(replicas) / microbatches
+        predicted = stage_costs.seconds(stage.num_layers)
+        if predicted <= 0 or seconds <= 0:
+            raise ShardpoolError(
+                f"stage {index} has predicted {predicted:.6f} s and measured {seconds:.6f} s per micro-batch; "
+                "both must be positive to calibrate"
+            )
+        factor = seconds / predicted
+        scaled = stage_costs.scaled(factor)
+        speed.append(factor)
+        per_microbatch.append(seconds * 1e3)
+        per_layer.append(scaled.per_layer_s * 1e3)
+        calibrated.append(scaled)
+    return Calibration(
+        speed=tuple(speed),
+        measured_ms_per_microbatch=tuple(per_microbatch),
+        measured_ms_per_layer=tuple(per_layer),
+        measured_step_s=statistics.median(m.step_seconds for m in measured),
+        steps=tuple(sorted(m.step for m in measured)),
+        costs=tuple(calibrated),
+        microbatches=microbatches,
+        schedule=schedule,
+    )
+
+
+def calibrated_plan(plan: Plan, measured: Sequence[StepMeasurement], config: Config) -> Plan:
+    """``plan``'s own split, predicted by the model calibrated on ``measured`` (its ``calibration``
+    records how). The bench compares its ``predicted_step_s`` with the measured step."""
+    calibration = calibrate(plan, measured, config)
+    return _resplit(plan, calibration, [stage.num_layers for stage in plan.stages])
+
+
 def rebalance_decision(
     plan: Plan, measured: Sequence[StepMeasurement], config: Config, *, min_gain: float = MIN_GAIN
 ) -> Rebalance | None:
     """The re-shard that the measured steps justify, or None to keep the running plan.
 
-    Placeholder until calibration lands: it keeps the plan.
+    Calibrates the plan's stages on ``measured`` (the warm-up steps), searches the exact best split
+    of the same stages under the calibrated model within each stage's memory, and returns it when
+    its predicted step is at least ``min_gain`` (a fraction) shorter than the current split's under
+    that same model. None too for a plan without stage costs (older ``plan.json``) or no steps.
+    Pure and deterministic.
     """
-    del plan, measured, config, min_gain
-    return None
+    if not measured or any(stage.costs is None for stage in plan.stages):
+        return None
+    calibration = calibrate(plan, measured, config)
+    current = [stage.num_layers for stage in plan.stages]
+    problem = SplitProblem(
+        costs=calibration.costs,
+        caps=[c.max_layers() for c in calibration.costs],
+        layers=sum(current),
+        microbatches=calibration.microbatches,
+        schedule=calibration.schedule,
+    )
+    current_step = problem.simulate(current)
+    found = best_split(problem)
+    if found is None:
+        return None
+    best_step, counts = found
+    if list(counts) == current or best_step > current_step * (1 - min_gain):
+        return None
+    new_plan = _resplit(plan, calibration, counts)
+    return Rebalance(
+        plan=new_plan,
+        predicted_step_s=best_step,
+        current_step_s=current_step,
+        reason=_reason(plan, calibration, counts, current_step, best_step),
+    )
+
+
+def predicted_over_measured(plan: Plan, measured: Sequence[StepMeasurement]) -> float:
+    """``plan.predicted_step_s`` ÷ the median measured step: 1.0 is a true prediction, 2.0 a plan
+    that expected steps twice as long as they ran. Raises when no step was measured."""
+    if not measured:
+        raise ShardpoolError("no measured steps to compare the plan's prediction with")
+    step = statistics.median(m.step_seconds for m in measured)
+    if step <= 0:
+        raise ShardpoolError(f"the median measured step is {step} s; it must be positive")
+    return plan.predicted_step_s / step
+
+
+def _resplit(plan: Plan, calibration: Calibration, counts: Sequence[int]) -> Plan:
+    """``plan`` split into ``counts`` under the calibrated costs, with the calibration recorded."""
+    return resplit_plan(
+        plan,
+        calibration.costs,
+        counts,
+        microbatches=calibration.microbatches,
+        schedule=calibration.schedule,
+        search="calibrated",
+        calibration=calibration.to_json(),
+    )
+
+
+def _reason(plan: Plan, calibration: Calibration, counts: Sequence[int], current: float, best: float) -> str:
+    """One line for the console and the metrics event: what was measured and what moves."""
+    speeds = ", ".join(
+        f"{stage.slot or stage.device} {factor:.2f}x"
+        for stage, factor in zip(plan.stages, calibration.speed, strict=True)
+    )
+    before = "/".join(str(stage.num_layers) for stage in plan.stages)
+    after = "/".join(str(n) for n in counts)
+    return (
+        f"measured compute vs plan: {speeds}; layers {before} -> {after} predicts "
+        f"{best:.3f} s per step instead of {current:.3f} s ({1 - best / current:.0%} faster)"
+    )

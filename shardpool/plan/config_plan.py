@@ -32,13 +32,13 @@ def plan_for_config(
     """Plan a loaded config: on ``fleet`` if given, else on its local ``shardpool.devices`` measured by ``probe``.
 
     Only ``config.json`` of the base model (or ``model_path``) is read. With a hypothetical
-    fleet, the config's ``shardpool.stages`` and ``devices`` describe a local run and are not
+    fleet, the config's ``shardpool.stages``, ``devices`` and ``layers`` describe a local run and are not
     applied. With ``shardpool.layers`` on a local run, that manual split is predicted as given.
     """
     shape = ModelShape.from_config_dir(model_path or config.base_model)
     workload = Workload.from_config(config)
     if fleet is not None:
-        return plan_pipeline(shape, replace(workload, stages=None), fleet)
+        return plan_pipeline(shape, replace(workload, stages=None, layers=None), fleet)
     if probe is None:
         raise ShardpoolError("planning this machine's devices needs a probe to measure them; pass probe=")
     section = config.shardpool

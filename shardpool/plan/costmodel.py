@@ -37,7 +37,9 @@ class Workload:
     ``wire_bytes`` for tensors sent between stages. ``precision`` is the config's cap
     (:mod:`shardpool.plan.precision`): when set, each stage's dtype, and so its ``compute_bytes``,
     is chosen from its device; None keeps ``compute_bytes`` for every stage. ``quantize`` says
-    the base is NF4 (qlora), so devices bitsandbytes cannot run NF4 on get no layers.
+    the base is NF4 (qlora), so devices bitsandbytes cannot run NF4 on get no layers. ``layers``
+    fixes the split (decoder layers per stage, ``shardpool.layers``): the planner then chooses only
+    which devices hold the stages, in which order.
     """
 
     micro_batch_size: int = 1
@@ -54,6 +56,7 @@ class Workload:
     replicas: int = 1
     precision: Cap | None = None
     quantize: bool = True
+    layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -80,6 +83,8 @@ class Workload:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ShardpoolError(f"shardpool.{name} is {value}; it must be positive")
+        if self.layers is not None and (not self.layers or min(self.layers) < 1):
+            raise ShardpoolError(f"shardpool.layers is {list(self.layers)}; give at least 1 layer per stage")
 
     @property
     def tokens(self) -> int:
@@ -136,4 +141,5 @@ class Workload:
             replicas=config.shardpool.replicas,
             precision=config_cap(config.bf16, config.fp16),
             quantize=config.adapter == "qlora",
+            layers=tuple(config.shardpool.layers) if config.shardpool.layers else None,
         )

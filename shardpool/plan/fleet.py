@@ -30,8 +30,10 @@ __all__ = [
     "DEFAULT_LOOPBACK",
     "Device",
     "Fleet",
+    "FleetPlanRequest",
     "LinkSpec",
     "fleet_from_dict",
+    "fleet_plan_request",
     "heterogeneous_fleet",
     "load_fleet",
 ]
@@ -208,12 +210,43 @@ class _DeviceEntry(BaseModel):
         return self
 
 
+class _PlanEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    config: str = Field(min_length=1)
+    model: str | None = None
+    set: list[str] = []
+
+
 class _FleetFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     devices: list[_DeviceEntry]
     links: list[_LinkEntry] = []
     loopback: _PathEntry | None = None
     default_link: _PathEntry | None = None
+    plan: _PlanEntry | None = None
+
+
+@dataclass(frozen=True)
+class FleetPlanRequest:
+    """What a fleet file's ``plan:`` section asks ``shardpool plan --fleet FILE`` to plan when no
+    config is given: a config and a model (paths resolved against the fleet file) and ``--set``
+    overrides, so the file can carry the workload its devices were written down for."""
+
+    config: str
+    model: str | None
+    overrides: tuple[str, ...]
+
+
+def fleet_plan_request(path: str | Path) -> FleetPlanRequest | None:
+    """The ``plan:`` section of the fleet file at ``path`` (checked with the whole file), or None."""
+    path = Path(path)
+    load_fleet(path)  # the same one-line errors as planning it
+    data = yaml.safe_load(path.read_text())
+    entry = _FleetFile.model_validate(data).plan if isinstance(data, dict) else None
+    if entry is None:
+        return None
+    model = str(path.parent / entry.model) if entry.model else None
+    return FleetPlanRequest(str(path.parent / entry.config), model, tuple(entry.set))
 
 
 def load_fleet(path: str | Path) -> Fleet:

@@ -61,7 +61,8 @@ def local_fleet(
     Each slot is profiled through ``probe`` (which caches). A CPU slot is profiled with
     ``threads // k`` threads (at least 1), or ``threads_per_stage`` (the config's
     ``shardpool.threads_per_stage``) when given, and slowed further when the slots oversubscribe
-    the cores; an accelerator slot takes ``k`` times the measured layer time.
+    the cores or the cgroup CPU quota the profile ran under; an accelerator slot takes ``k`` times
+    the measured layer time.
     """
     if not devices:
         raise ShardpoolError("no local devices were given; set shardpool.devices, e.g. [cpu]")
@@ -79,10 +80,8 @@ def local_fleet(
                 + "; remove it from shardpool.devices"
             )
         threads = None
-        slowdown = float(share)
         if info.kind == "cpu":
             threads = threads_per_stage or max(1, info.threads // share)
-            slowdown = max(1.0, share * threads / info.threads)
         # Profile in the dtype the stage will compute in (its device's choice under the config's cap).
         capability = parse_capability(getattr(info, "compute_capability", None))
         bf16 = getattr(info, "bf16", None)
@@ -93,6 +92,11 @@ def local_fleet(
                 workload, compute_bytes=DTYPE_BYTES[choose_dtype(facts, workload.precision).dtype]
             )
         profile = probe.profile_layer(shape, profiled, device=name, threads=threads)
+        slowdown = (
+            float(share)
+            if threads is None
+            else _cpu_slowdown(share, threads, info.threads, profile.cpu_quota)
+        )
         slot = name if share == 1 else f"{name}#{seen[name]}"
         seen[name] += 1
         built.append(
@@ -117,6 +121,20 @@ def local_fleet(
             )
         )
     return Fleet(devices=tuple(built), loopback=probe.loopback())
+
+
+def _cpu_slowdown(share: int, threads: int, cores: int, quota: float | None) -> float:
+    """How much slower each of ``share`` CPU slots runs together than its profile, taken alone.
+
+    Alone, a slot's ``threads`` get ``min(threads, quota)`` CPUs; together, the slots share the
+    host's ``min(cores, quota)``. The cgroup CPU quota (``plan.cpu_quota``, recorded with the
+    profile) matters here: on a host throttled to one CPU, two slots of 8 threads each profile at
+    one CPU but run at half of one, which the core count alone does not show.
+    """
+    if quota is None:
+        return max(1.0, share * threads / cores)
+    capacity = min(cores, quota)
+    return max(1.0, share * min(threads, capacity) / capacity)
 
 
 def _slowed(seconds: float | None, slowdown: float) -> float | None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from itertools import permutations
+from typing import Any
 
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
@@ -29,6 +31,7 @@ from shardpool.plan.heuristic_search import heuristic_search
 from shardpool.plan.pipeline_sim import simulate_step
 from shardpool.plan.result import Plan, PlannedStage
 from shardpool.plan.search_context import SearchContext, allowed_stage_counts, refusals
+from shardpool.plan.stage_costs import StageCosts
 
 __all__ = [
     "EXACT_SEQUENCE_LIMIT",
@@ -36,6 +39,7 @@ __all__ = [
     "HEURISTIC_EVALUATIONS",
     "evaluate_split",
     "plan_pipeline",
+    "resplit_plan",
 ]
 
 GIB = 2**30
@@ -43,6 +47,9 @@ GIB = 2**30
 EXACT_SEQUENCE_LIMIT = 20000
 #: Simulated steps the exhaustive search may run before the local search takes over.
 EXACT_SIMULATION_LIMIT = 5000
+#: Device orders a fixed split (``Workload.layers``) may try: beyond it the fleet is too large to try
+#: every order of that many stages, and the split is refused with the fix.
+GIVEN_SPLIT_ORDERS = 5040
 #: Sequence evaluations the local search on large fleets may spend (a count, not a time, so a
 #: fleet gets the same plan on any machine).
 HEURISTIC_EVALUATIONS = 3000
@@ -65,7 +72,8 @@ def plan_pipeline(
     sequence evaluations. Both limits are counts, so a fleet gets the same plan on any machine. Raises :class:`ShardpoolError` saying how many GiB are missing, and where
     they would help, when the model fits on no subset of the fleet. Devices that cannot run the
     workload (NF4 on a card bitsandbytes does not support) get no layers; the plan's ``refused``
-    says why.
+    says why. With ``workload.layers`` the split is fixed and only the devices and their order are
+    chosen (:func:`_given_split`).
     """
     refused = refusals(fleet, workload)
     if refused:
@@ -74,6 +82,8 @@ def plan_pipeline(
             raise ShardpoolError(next(iter(refused.values())))
         fleet = replace(fleet, devices=usable)
     ctx = SearchContext(shape, workload, fleet)
+    if workload.layers is not None:
+        return _given_split(ctx, list(workload.layers), refused)
     allowed = allowed_stage_counts(ctx)
     sequences = distinct_sequences(ctx, allowed, exact_limit)
     best, complete = None, False
@@ -127,6 +137,42 @@ def evaluate_split(
     return _build_plan(ctx, seq, counts, search="given")
 
 
+def _given_split(ctx: SearchContext, counts: list[int], refused: dict[str, str]) -> Plan:
+    """The fixed split ``counts`` on the order of devices predicted fastest (fitting orders first).
+
+    For ``shardpool.layers`` on the mesh, where the user fixes the split but not the members: every
+    order of ``len(counts)`` of the fleet's devices is simulated.
+    """
+    stages, devices = len(counts), len(ctx.devices)
+    if sum(counts) != ctx.layers:
+        raise ShardpoolError(
+            f"shardpool.layers {counts} sums to {sum(counts)} but the model has {ctx.layers} layers; "
+            "make the counts add up"
+        )
+    if stages > devices:
+        raise ShardpoolError(
+            f"shardpool.layers asks for {stages} stages but {devices} devices can take them; give at most {devices}"
+        )
+    if math.perm(devices, stages) > GIVEN_SPLIT_ORDERS:
+        raise ShardpoolError(
+            f"{devices} devices have too many orders for a fixed split of {stages} stages; "
+            "remove shardpool.layers and let the planner split"
+        )
+
+    def rank(seq: tuple[int, ...]) -> tuple[bool, float]:
+        stage_costs = [ctx.stage(seq, i) for i in range(stages)]
+        fits = all(n <= cap for (_, cap), n in zip(stage_costs, counts, strict=True))
+        step = simulate_step(
+            [c.times(n) for (c, _), n in zip(stage_costs, counts, strict=True)],
+            microbatches=ctx.workload.gradient_accumulation_steps,
+            schedule=ctx.workload.schedule,
+        ).step_s
+        return (not fits, step)
+
+    best = min(permutations(range(devices), stages), key=rank)
+    return _build_plan(ctx, best, counts, search="given", refused=refused)
+
+
 def _build_plan(
     ctx: SearchContext,
     seq: tuple[int, ...],
@@ -147,7 +193,6 @@ def _build_plan(
     )
     for d, n, (stage_costs, cap) in zip(seq, counts, costs, strict=True):
         device = ctx.devices[d]
-        memory = int(math.ceil(stage_costs.memory(n)))
         fits = fits and n <= cap
         stages.append(
             PlannedStage(
@@ -155,21 +200,11 @@ def _build_plan(
                 host=device.host,
                 start=start,
                 stop=start + n,
-                predicted_ms_per_microbatch=stage_costs.seconds(n) * 1e3,
-                memory_bytes=memory,
-                free_bytes=device.memory_bytes - memory,
                 slot=device.name,
-                capacity_bytes=device.memory_bytes,
-                compute_ms=stage_costs.seconds(n) * 1e3,
-                comm_ms=stage_costs.comm_s * 1e3,
-                in_flight_microbatches=stage_costs.in_flight,
-                memory_breakdown=stage_costs.breakdown(n),
-                forward_ms=stage_costs.forward(n) * 1e3,
-                backward_ms=stage_costs.backward(n) * 1e3,
-                after_step_ms=stage_costs.after(n) * 1e3,
                 measured=device.measurement.to_json() if device.measurement else {},
                 dtype=choice.dtype if (choice := ctx.precision[d]) else "",
                 dtype_reason=choice.reason if choice else "",
+                **_predictions(stage_costs, n, device.memory_bytes),
             )
         )
         start += n
@@ -189,6 +224,69 @@ def _build_plan(
     )
     plan.stages[plan.bottleneck_index].bottleneck = True
     return plan
+
+
+def resplit_plan(
+    plan: Plan,
+    costs: Sequence[StageCosts],
+    counts: Sequence[int],
+    *,
+    microbatches: int,
+    schedule: str,
+    search: str,
+    calibration: dict[str, Any] | None = None,
+) -> Plan:
+    """``plan``'s stages (same devices, same order) holding ``counts`` layers, predicted with ``costs``.
+
+    Calibration (``plan.calibrate``) re-splits a running plan with costs corrected by the measured
+    steps; the result is a full plan whose predictions are those costs', so ``plan.json`` stays true.
+    """
+    if len(costs) != len(plan.stages) or len(counts) != len(plan.stages):
+        raise ShardpoolError(
+            f"{len(plan.stages)} stages but {len(costs)} stage costs and {len(counts)} layer counts; give one each"
+        )
+    simulation = simulate_step(
+        [c.times(n) for c, n in zip(costs, counts, strict=True)], microbatches=microbatches, schedule=schedule
+    )
+    stages, start, fits = [], 0, True
+    for old, stage_costs, n in zip(plan.stages, costs, counts, strict=True):
+        fits = fits and n <= stage_costs.max_layers()
+        capacity = old.capacity_bytes or int(stage_costs.capacity_bytes)
+        fields = _predictions(stage_costs, n, capacity)
+        stages.append(replace(old, start=start, stop=start + n, bottleneck=False, **fields))
+        start += n
+    resplit = replace(
+        plan,
+        stages=stages,
+        predicted_step_s=simulation.step_s,
+        bubble_fraction=simulation.bubble_fraction,
+        microbatches=microbatches,
+        schedule=schedule,
+        search=search,
+        fits=fits,
+        calibration=dict(calibration or {}),
+    )
+    resplit.stages[resplit.bottleneck_index].bottleneck = True
+    return resplit
+
+
+def _predictions(costs: StageCosts, layers: int, capacity_bytes: int) -> dict[str, Any]:
+    """A :class:`PlannedStage`'s predicted fields for ``layers`` layers under ``costs``."""
+    memory = int(math.ceil(costs.memory(layers)))
+    return {
+        "predicted_ms_per_microbatch": costs.seconds(layers) * 1e3,
+        "memory_bytes": memory,
+        "free_bytes": capacity_bytes - memory,
+        "capacity_bytes": capacity_bytes,
+        "compute_ms": costs.seconds(layers) * 1e3,
+        "comm_ms": costs.comm_s * 1e3,
+        "in_flight_microbatches": costs.in_flight,
+        "memory_breakdown": costs.breakdown(layers),
+        "forward_ms": costs.forward(layers) * 1e3,
+        "backward_ms": costs.backward(layers) * 1e3,
+        "after_step_ms": costs.after(layers) * 1e3,
+        "costs": costs,
+    }
 
 
 def _recommend_microbatches(ctx: SearchContext, seq: tuple[int, ...], counts: Sequence[int]) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 
 from shardpool.errors import ShardpoolError
 from shardpool.plan.precision import DTYPE_BYTES, DTYPE_SHORT
+from shardpool.plan.stage_costs import StageCosts
 from shardpool.plan.time_model import bubble_fraction
 
 __all__ = ["Plan", "PlannedStage", "plan_table"]
@@ -30,7 +31,9 @@ class PlannedStage:
     taken (:meth:`shardpool.plan.device_facts.Measurement.to_json`); empty for a device whose speed
     was given rather than measured. ``dtype`` is the stage's compute dtype (``float32``,
     ``bfloat16``, ``float16``; :mod:`shardpool.plan.precision`) and ``dtype_reason`` why; empty
-    where the plan did not choose one (the config's dtype then applies).
+    where the plan did not choose one (the config's dtype then applies). ``costs`` are the stage's
+    affine costs at its position (:class:`~shardpool.plan.stage_costs.StageCosts`), which
+    calibration re-splits (``plan.calibrate``); None in a hand-written or older ``plan.json``.
     """
 
     device: str
@@ -53,6 +56,7 @@ class PlannedStage:
     measured: dict[str, Any] = field(default_factory=dict)
     dtype: str = ""
     dtype_reason: str = ""
+    costs: StageCosts | None = None
 
     @property
     def num_layers(self) -> int:
@@ -84,6 +88,8 @@ class PlannedStage:
         if self.dtype:
             entry["dtype"] = self.dtype
             entry["dtype_reason"] = self.dtype_reason
+        if self.costs is not None:
+            entry["costs"] = self.costs.to_json()
         return entry
 
     @classmethod
@@ -117,6 +123,7 @@ class PlannedStage:
             measured=dict(measured) if isinstance(measured := data.get("measured"), Mapping) else {},
             dtype=_dtype_of(data.get("dtype", "")),
             dtype_reason=str(data.get("dtype_reason", "")),
+            costs=StageCosts.from_json(costs) if isinstance(costs := data.get("costs"), Mapping) else None,
         )
 
 
@@ -130,6 +137,9 @@ class Plan:
     drain under about 20% (``M >= 4 S``) while fitting in memory. ``fits`` is False only for plans built by
     :func:`evaluate_split` from a split that overflows a device. ``refused`` maps each device that may
     hold no layers of this run to the one-line reason (a card bitsandbytes cannot run NF4 on).
+    ``calibration`` is empty for a plan from profiles; a plan re-split from measured steps
+    (``plan.calibrate``) records there each stage's measured speed relative to its profile and the
+    steps it was measured on.
     """
 
     stages: list[PlannedStage]
@@ -144,6 +154,7 @@ class Plan:
     search: str = "exact"
     fits: bool = True
     refused: dict[str, str] = field(default_factory=dict)
+    calibration: dict[str, Any] = field(default_factory=dict)
 
     @property
     def bottleneck_ms(self) -> float:
@@ -177,7 +188,7 @@ class Plan:
             "search": self.search,
             "fits": self.fits,
             "refused": dict(self.refused),
-        }
+        } | ({"calibration": dict(self.calibration)} if self.calibration else {})
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Plan:
@@ -211,6 +222,9 @@ class Plan:
             search=str(data.get("search", "given")),
             fits=bool(data.get("fits", True)),
             refused={str(k): str(v) for k, v in dict(data.get("refused", {})).items()},
+            calibration=dict(calibration)
+            if isinstance(calibration := data.get("calibration"), Mapping)
+            else {},
         )
 
 
@@ -233,7 +247,10 @@ def plan_table(plan: Plan) -> Any:
     table = Table(title=title, caption=caption, show_edge=False)
     for column in ("#", "host", "device", "layers", "dtype", "used GiB", "free GiB", "ms/mb", ""):
         table.add_column(
-            column, justify="right" if "GiB" in column or "ms" in column else "left", no_wrap=True
+            column,
+            justify="right" if "GiB" in column or "ms" in column else "left",
+            no_wrap=True,
+            min_width=len(column),  # a narrow terminal shortens the values, never a heading
         )
     for index, stage in enumerate(plan.stages):
         table.add_row(

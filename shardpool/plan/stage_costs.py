@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
+from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.memory_model import (
@@ -115,6 +117,47 @@ class StageCosts:
         tensors = self.fixed_bytes + layers * self.per_layer_bytes
         return tensors + reserve_bytes(self.kind, tensors)
 
+    def scaled(self, speed: float) -> StageCosts:
+        """These costs on a device ``speed`` times slower at compute (forward and backward, ends
+        included); memory, transfers and the after-step work are unchanged."""
+        return replace(
+            self,
+            forward_fixed_s=self.forward_fixed_s * speed,
+            forward_per_layer_s=self.forward_per_layer_s * speed,
+            backward_fixed_s=self.backward_fixed_s * speed,
+            backward_per_layer_s=self.backward_per_layer_s * speed,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The affine coefficients as a ``plan.json`` stage's ``costs`` (seconds and bytes, unrounded),
+        so a running plan can be re-split (``plan.calibrate``) without the fleet it was planned from."""
+        data: dict[str, Any] = {name: getattr(self, name) for name in _FLOAT_FIELDS}
+        data["kind"] = self.kind
+        data["in_flight"] = self.in_flight
+        data["to_next"] = [self.to_next.busy_s, self.to_next.latency_s]
+        data["to_previous"] = [self.to_previous.busy_s, self.to_previous.latency_s]
+        data["fixed_breakdown"] = dict(self.fixed_breakdown)
+        data["per_layer_breakdown"] = dict(self.per_layer_breakdown)
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StageCosts:
+        """Read :meth:`to_json`'s output back; a clear error when a field is missing or not a number."""
+        try:
+            return cls(
+                **{name: float(data[name]) for name in _FLOAT_FIELDS},
+                kind=str(data["kind"]),
+                in_flight=int(data["in_flight"]),
+                to_next=Transfer(*(float(x) for x in data["to_next"])),
+                to_previous=Transfer(*(float(x) for x in data["to_previous"])),
+                fixed_breakdown={str(k): float(v) for k, v in dict(data["fixed_breakdown"]).items()},
+                per_layer_breakdown={str(k): float(v) for k, v in dict(data["per_layer_breakdown"]).items()},
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ShardpoolError(
+                f"plan.json stage costs are incomplete or malformed ({error!r}); re-plan to rewrite them"
+            ) from None
+
     def breakdown(self, layers: int) -> dict[str, int]:
         """Bytes by cause for ``layers`` layers (sums to :meth:`memory`)."""
         parts = {key: value for key, value in self.fixed_breakdown.items()}
@@ -123,6 +166,20 @@ class StageCosts:
         tensors = self.fixed_bytes + layers * self.per_layer_bytes
         parts["reserve"] = reserve_bytes(self.kind, tensors)
         return {key: int(round(value)) for key, value in parts.items()}
+
+
+#: The float fields of :class:`StageCosts`, as ``plan.json`` stores them.
+_FLOAT_FIELDS = (
+    "forward_fixed_s",
+    "forward_per_layer_s",
+    "backward_fixed_s",
+    "backward_per_layer_s",
+    "after_fixed_s",
+    "after_per_layer_s",
+    "fixed_bytes",
+    "per_layer_bytes",
+    "capacity_bytes",
+)
 
 
 def stage_costs(

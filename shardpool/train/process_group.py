@@ -1,9 +1,10 @@
 """A stage process's torch.distributed groups and the wire between neighbouring stages.
 
 :func:`join_process_group` makes the gloo world group every rank joins, exchanges each rank's
-device kind over it (a tensor of small integers; nothing is unpickled), and creates the native
-subgroups :func:`shardpool.train.transport.plan_groups` chooses, each only by its members
-(``use_local_synchronization=True``). :class:`Wire` then moves activations and their gradients
+device kind over it (a tensor of small integers; nothing is unpickled), and creates the
+subgroups :func:`shardpool.train.transport.plan_groups` chooses, every rank calling for each in one
+global order, so that only members build a communicator and torch's group names agree
+(:meth:`~shardpool.train.transport.GroupPlan.creation_calls`). :class:`Wire` then moves activations and their gradients
 across each boundary by the transport chosen for it: on the device through the pair's native
 group, or through host memory over gloo, with pinned buffers and non-blocking copies on GPUs.
 The store every rank meets at first is hosted by the launcher
@@ -95,10 +96,10 @@ def join_process_group(
     devices = [decode_rank_device(int(code), places[index]) for index, code in enumerate(gathered)]
     plan = plan_groups(devices, num_stages=num_stages, replicas=replicas)
     created: dict[tuple[int, ...], Any] = {}
-    for backend, ranks in plan.subgroups_of(rank):
-        created[ranks] = dist.new_group(
-            list(ranks), backend=backend, timeout=timeout, use_local_synchronization=True
-        )
+    for backend, ranks, member in plan.creation_calls(rank):
+        group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
+        if member:
+            created[ranks] = group
     return Groups(plan, created)
 
 

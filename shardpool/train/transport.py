@@ -13,8 +13,14 @@ Intel XPU):
 Every other boundary (CUDA↔CPU, CUDA↔MPS, ROCm↔CUDA, …) goes through gloo with the tensor
 staged in CPU memory (pinned where the device supports it, copied without blocking).
 
-Subgroups are created with ``use_local_synchronization=True``, so only their members call
-``new_group``: a rank whose torch has no NCCL (a Mac, a CPU box) never constructs one. The choice
+Every rank calls ``new_group`` for every subgroup, in one global order (:meth:`GroupPlan.creation_calls`):
+torch names a group from a per-process count of groups made so far, so members must agree on
+that count. A rank outside a subgroup gets torch's non-member placeholder, before any communicator
+is built, and asks for it with ``gloo``: a rank whose torch has no NCCL (a Mac, a CPU box) never
+names NCCL, let alone constructs it. (``use_local_synchronization=True`` cannot be used here: it
+hashes the ranks with that per-process count, so in a chain of three CUDA stages the middle rank,
+which makes two groups, names its second one differently from its neighbour, and both wait until
+the timeout; ``tests/train/test_process_group.py`` shows it.) The choice
 is a pure function of each rank's device kind and whether its torch has that kind's backend, which
 the ranks exchange over the gloo world group at start; this module imports no torch, so the
 choice is tested on any machine (``tests/train/test_transport.py``).
@@ -117,6 +123,16 @@ class GroupPlan:
     def subgroups_of(self, rank: int) -> list[tuple[str, tuple[int, ...]]]:
         """The subgroups ``rank`` belongs to, in creation order."""
         return [(backend, ranks) for backend, ranks in self.subgroups if rank in ranks]
+
+    def creation_calls(self, rank: int) -> list[tuple[str, tuple[int, ...], bool]]:
+        """``(backend, ranks, member)`` for each ``new_group`` call ``rank`` makes, in the global order.
+
+        Every rank calls for every subgroup, so torch's group names agree across ranks; a
+        non-member asks for ``gloo`` (its group is never built, and its torch may lack NCCL).
+        """
+        return [
+            (backend if rank in ranks else "gloo", ranks, rank in ranks) for backend, ranks in self.subgroups
+        ]
 
 
 def plan_groups(devices: list[RankDevice], *, num_stages: int, replicas: int) -> GroupPlan:

@@ -226,3 +226,27 @@ def test_a_row_keeps_the_device_facts_and_a_refused_device_needs_no_profile() ->
 def test_a_device_fact_out_of_bounds_fails_the_report(field: str, value: Any) -> None:
     with pytest.raises(ProfileFailed, match=f"row's {field} is"):
         _rows({**OLD_ROW, field: value})
+
+
+def test_a_host_throttled_anew_is_profiled_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent keeps each report, keyed by the cgroup CPU quota its children run under too."""
+    from types import SimpleNamespace
+
+    from shardpool.agent import profiling
+
+    quota: list[float | None] = [None]
+    monkeypatch.setattr(profiling, "cpu_quota", lambda: quota[0])
+    profiler = profiling.DeviceProfiler(SimpleNamespace(), SimpleNamespace(running=True))  # type: ignore[arg-type]
+    measured: list[float | None] = []
+
+    def measure(shape: Any, workload: Any) -> list[dict[str, Any]]:
+        measured.append(quota[0])
+        return [{"name": "cpu", "seconds_per_layer": 0.1 if quota[0] is None else 0.1 / quota[0]}]
+
+    monkeypatch.setattr(profiler, "_measure", measure)
+    body = {"model_config": CONFIG, "workload": WORKLOAD}
+    first = profiler.devices(body)
+    assert profiler.devices(body) == first and measured == [None]
+    quota[0] = 0.25
+    assert profiler.devices(body)["devices"][0]["seconds_per_layer"] == pytest.approx(0.4)
+    assert measured == [None, 0.25]

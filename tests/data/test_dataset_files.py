@@ -1,4 +1,4 @@
-"""shardpool.data.reading: JSON lines, JSON arrays in .json files, and files that are not UTF-8."""
+"""shardpool.data.reading: JSON lines, JSON arrays, parquet, directories with `split` / `data_files`, non-UTF-8."""
 
 from __future__ import annotations
 
@@ -20,21 +20,21 @@ ROWS = [
 ]
 
 
-def alpaca_config(model_dir: Path, path: Path) -> Config:
+def alpaca_config(model_dir: Path, path: Path, **entry: Any) -> Config:
     return parse_config(
         {
             "base_model": str(model_dir),
             "lora_target_linear": True,
-            "datasets": [{"path": str(path), "type": "alpaca"}],
+            "datasets": [{"path": str(path), "type": "alpaca", **entry}],
             "sequence_len": 256,
             "shuffle_merged_datasets": False,
         }
     )
 
 
-def one_line_error(model_dir: Path, tok: Any, path: Path) -> str:
+def one_line_error(model_dir: Path, tok: Any, path: Path, **entry: Any) -> str:
     with pytest.raises(ShardpoolError) as error:
-        prepare_data(alpaca_config(model_dir, path), tok)
+        prepare_data(alpaca_config(model_dir, path, **entry), tok)
     message = str(error.value)
     assert "\n" not in message, message
     return message
@@ -50,6 +50,49 @@ def test_json_array_reads_like_the_same_rows_as_jsonl(tmp_path: Path, model_dir:
     assert len(from_array) == len(ROWS)
     assert from_array.input_ids.tolist() == from_lines.input_ids.tolist()
     assert from_array.labels.tolist() == from_lines.labels.tolist()
+
+
+@pytest.fixture
+def private_datasets_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`datasets` caches what it reads under ~/.cache; these tests keep theirs in tmp_path."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-datasets")
+
+
+def _write_parquet(path: Path, rows: list[dict[str, Any]]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist([{"input": "", **row} for row in rows]), path)
+    return path
+
+
+def _train_ids(model_dir: Path, tok: Any, path: Path, **entry: Any) -> list[list[int]]:
+    return prepare_data(alpaca_config(model_dir, path, **entry), tok).train.input_ids.tolist()
+
+
+@pytest.mark.usefixtures("private_datasets_cache")
+def test_parquet_file_and_a_directorys_split_and_data_files(
+    tmp_path: Path, model_dir: Path, tok: Any
+) -> None:
+    rows_jsonl = tmp_path / "rows.jsonl"
+    rows_jsonl.write_text("".join(json.dumps({"input": "", **row}) + "\n" for row in ROWS), encoding="utf-8")
+    expected = _train_ids(model_dir, tok, rows_jsonl)
+    assert _train_ids(model_dir, tok, _write_parquet(tmp_path / "rows.parquet", ROWS)) == expected
+
+    # A directory laid out as a dataset repository: split from the file names, `train` by default.
+    repo = tmp_path / "repo"
+    _write_parquet(repo / "data" / "train-00000-of-00001.parquet", ROWS[:2])
+    _write_parquet(repo / "data" / "test-00000-of-00001.parquet", ROWS[2:])
+    assert _train_ids(model_dir, tok, repo) == expected[:2]
+    assert _train_ids(model_dir, tok, repo, split="test") == expected[2:]
+    assert _train_ids(model_dir, tok, repo, data_files=["data/test-00000-of-00001.parquet"]) == expected[2:]
+
+    message = one_line_error(model_dir, tok, repo, split="validation")
+    assert message.startswith(f"cannot read dataset {str(repo)!r} (datasets[0]) with split 'validation': ")
+    assert message.endswith("; check path, data_files, split and name")
 
 
 def test_json_file_of_json_lines_is_read_as_lines(tmp_path: Path, model_dir: Path, tok: Any) -> None:

@@ -5,22 +5,23 @@ fields a profile depends on, so an agent from before a planner field was added s
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from shardpool.agent.client import AgentUnreachable
-from shardpool.launch.mesh_members import MeshMember, mesh_fleet
+from shardpool.config import parse_config
+from shardpool.launch.mesh_members import MeshMember, mesh_fleet, mesh_planner
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.planner import plan_pipeline
 from shardpool.plan.time_model import modeled_times
 
-SHAPE = ModelShape.from_config_json(
-    {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100},
-    name="tiny",
-)  # fmt: skip
+SHAPE_CONFIG = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}  # fmt: skip
+SHAPE = ModelShape.from_config_json(SHAPE_CONFIG, name="tiny")
 WORKLOAD = Workload(sequence_len=16, lora_r=4, replicas=1, stages=2)
 OLD_ROW = {"name": "cpu", "kind": "cpu", "label": "old cpu", "total_bytes": 8 << 30,
            "free_bytes": 4 << 30, "threads": 2, "seconds_per_layer": 0.5, "activation_bytes": 1024}  # fmt: skip
@@ -87,7 +88,25 @@ def test_the_profile_request_leaves_planner_only_fields_at_home() -> None:
     new, old = FakeAgent("new", [OLD_ROW]), FakeAgent("old", [OLD_ROW])
     _fleet(new, old)
     assert new.asked == old.asked == [WORKLOAD.profile_request()]
-    assert not {"replicas", "stages", "max_stages", "gradient_accumulation_steps"} & set(new.asked[0])
+    assert not {"replicas", "stages", "max_stages", "gradient_accumulation_steps", "layers"} & set(
+        new.asked[0]
+    )
+
+
+def test_shardpool_layers_on_the_mesh_keeps_the_split_and_puts_the_big_stage_on_the_fast_member(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(SHAPE_CONFIG))
+    fast, slow = FakeAgent("fast", [{**OLD_ROW, "seconds_per_layer": 0.1}]), FakeAgent("slow", [OLD_ROW])
+    members = [MeshMember("fast", "10.0.0.1", True, fast), MeshMember("slow", "10.0.0.2", False, slow)]  # type: ignore[arg-type]
+    config = parse_config(
+        {"base_model": str(tmp_path), "datasets": [{"path": "x.jsonl", "type": "completion"}],
+         "sequence_len": 16, "lora_r": 4, "lora_target_linear": True,
+         "shardpool": {"placement": "mesh", "layers": [3, 1]}}
+    )  # fmt: skip
+    plan = mesh_planner(members, say=lambda line: None)(config)
+    assert [(stage.host, stage.num_layers) for stage in plan.stages] == [("fast", 3), ("slow", 1)]
+    assert plan.search == "given"
 
 
 def test_a_member_that_fails_its_health_check_is_skipped_before_any_profile_request() -> None:

@@ -142,6 +142,10 @@ def test_workload_from_config() -> None:
     raw["shardpool"] = {**raw.get("shardpool", {}), "wire_dtype": "fp32"}
     other = Workload.from_config(parse_config(raw))
     assert (other.compute_bytes, other.wire_bytes, other.lora_targets) == (2, 4, ("q_proj",))
+    assert w.layers is None
+    raw["shardpool"] = {"placement": "mesh", "layers": [1, 1]}  # on the mesh too: the planner keeps the split
+    pinned = Workload.from_config(parse_config(raw))
+    assert pinned.layers == (1, 1) and "layers" not in pinned.profile_request()
 
 
 def _profile_and_run(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, float]]:

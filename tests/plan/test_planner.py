@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -226,6 +227,25 @@ def test_forced_stage_count_matches_brute_force() -> None:
     plan = plan_pipeline(shape, workload, fleet)
     assert len(plan.stages) == 3
     assert plan.predicted_step_s == pytest.approx(brute_force(shape, workload, fleet), rel=1e-9)
+
+
+def test_a_fixed_split_keeps_its_counts_and_takes_the_fastest_order_of_devices() -> None:
+    # shardpool.layers on the mesh: the split is the user's, the devices and their order the planner's.
+    shape = small_shape(6, 128, 4096)
+    fleet = Fleet(devices=tuple(Device(name=f"d{i}", memory_bytes=GIB, tflops=1 + i) for i in range(3)))
+    workload = Workload(micro_batch_size=1, sequence_len=256, gradient_accumulation_steps=4, layers=(3, 3))
+    plan = plan_pipeline(shape, workload, fleet)
+    assert [stage.num_layers for stage in plan.stages] == [3, 3] and plan.search == "given"
+    orders = [
+        evaluate_split(shape, workload, fleet, devices=[a.name, b.name], layers=[3, 3])
+        for a, b in itertools.permutations(fleet.devices, 2)
+    ]
+    assert plan.predicted_step_s == pytest.approx(min(order.predicted_step_s for order in orders), rel=1e-12)
+    assert plan.left_out == ["d0"], "the slowest device is left out of a two-stage split"
+    with pytest.raises(ShardpoolError, match="sums to 5 but the model has 6"):
+        plan_pipeline(shape, Workload(layers=(2, 3)), fleet)
+    with pytest.raises(ShardpoolError, match="asks for 4 stages but 3 devices"):
+        plan_pipeline(shape, Workload(layers=(1, 1, 2, 2)), fleet)
 
 
 def test_three_times_faster_device_gets_three_times_the_layers() -> None:
@@ -462,6 +482,28 @@ def test_local_fleet_shares_one_cpu() -> None:
         )
         assert times.optimizer_per_layer_s == pytest.approx(0.0005 * slowdown)
     assert len({d.host for d in fleet.devices}) == 1
+
+
+def test_local_fleet_slots_share_the_cpu_quota() -> None:
+    """Slots on a host throttled to one CPU each profiled at that one CPU; together they run at a
+    third of it each, whatever the core count says."""
+    from shardpool.plan.devices import device_info
+
+    info = device_info("cpu")
+    profile = LayerProfile(0.01, 1000, None, "cpu", "cpu", None, 3, cpu_quota=1.0)
+    fleet = local_fleet(
+        ["cpu", "cpu", "cpu"], shape=EIGHT_B, workload=BIG_WORKLOAD, probe=FixedProbe(profile)
+    )
+    threads = max(1, info.threads // 3)
+    expected = 3 * min(threads, 1.0) / min(info.threads, 1.0)
+    assert expected == pytest.approx(3.0)
+    assert [d.seconds_per_layer for d in fleet.devices] == pytest.approx([0.01 * expected] * 3)
+    assert fleet.devices[0].measurement is not None and fleet.devices[0].measurement.cpu_quota == 1.0
+    # Half a CPU's quota, one slot: alone either way, no slowdown.
+    alone = local_fleet(
+        ["cpu"], shape=EIGHT_B, workload=BIG_WORKLOAD, probe=FixedProbe(replace(profile, cpu_quota=0.5))
+    )
+    assert alone.devices[0].seconds_per_layer == pytest.approx(0.01)
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -179,3 +179,35 @@ def test_cli_plan_of_the_seed_fleet_shows_dtypes_and_refuses_the_m40() -> None:
         "v100": "float16",
     }
     assert list(plan["refused"]) == ["m40"]
+
+
+def test_plan_of_the_seed_fleet_alone_plans_the_workload_its_file_names(tmp_path: Path) -> None:
+    """`shardpool plan --fleet configs/fleet-seed.yaml`, from any directory (issue 11's Done-when)."""
+    result = run_cli("plan", "--fleet", str(ROOT / "configs/fleet-seed.yaml"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = {
+        line.split("│")[2].strip(): line.split("│")[4].strip()
+        for line in result.stdout.splitlines()
+        if line.count("│") >= 7
+    }
+    assert rows == {"rtx3090": "bf16", "rtx4090": "bf16", "v100": "fp16"}
+    assert "refused: m40 (compute capability 5.2) cannot run bitsandbytes NF4" in " ".join(
+        result.stdout.split()
+    )
+
+
+def test_plan_without_a_config_needs_a_fleet_file_that_names_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shardpool.cli import main
+
+    bare = tmp_path / "fleet.yaml"
+    bare.write_text("devices: [{name: g, memory_gib: 8, tflops: 10}]\n")
+    assert main(["plan", "--fleet", str(bare)]) != 0
+    assert f"fleet file {bare} has no plan: section" in capsys.readouterr().err
+    assert main(["plan"]) != 0
+    assert "shardpool plan needs a config" in capsys.readouterr().err
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("devices: [{name: g, memory_gib: 8, tflops: 10}]\nplan: {model: m.json}\n")
+    assert main(["plan", "--fleet", str(wrong)]) != 0
+    assert "plan.config" in capsys.readouterr().err

@@ -48,6 +48,19 @@ def test_a_run_is_compared_with_the_reference_within_its_dtypes_tolerance() -> N
     ]  # a step missing
 
 
+def test_a_row_says_which_dtype_each_stage_ran_and_which_steps_the_loss_scale_skipped() -> None:
+    plan = {"stages": [{"dtype": "float32"}, {"dtype": "float16"}, {}]}
+    metrics = [
+        {"step": 1, "loss": 5.0, "loss_scale": 65536.0, "skipped_step": True},
+        {"step": 2, "loss": 4.9, "loss_scale": 32768.0, "skipped_step": False},
+        {"step": 2, "eval_loss": 4.8},
+    ]
+    assert gpu_check.what_ran(plan, metrics) == {
+        "stage_dtypes": ["fp32", "fp16", "config"],
+        "skipped_steps": [1],
+    }
+
+
 def test_memory_ratios_set_each_cuda_stages_peaks_against_the_plan() -> None:
     plan = {"stages": [{"device": "cuda:0", "memory_bytes": 1000}, {"device": "cpu", "memory_bytes": 500}]}
     summary = {"ranks": [

@@ -124,6 +124,26 @@ def test_no_rank_is_ever_put_in_a_group_of_a_backend_its_torch_lacks() -> None:
                     assert all(devices[rank].native_backend == backend for rank in ranks), (devices, plan)
 
 
+def test_every_rank_asks_for_every_subgroup_in_one_order_and_only_members_ask_natively() -> None:
+    # A chain of three CUDA stages: the middle rank belongs to both NCCL pairs. torch names a group
+    # from a per-process count, so every rank must make the same calls in the same order.
+    plan = plan_groups(
+        [RankDevice("cuda", True, f"h{index}/cuda:0") for index in range(3)], num_stages=3, replicas=1
+    )
+    calls = {rank: plan.creation_calls(rank) for rank in range(3)}
+    assert {tuple(ranks for _, ranks, _ in calls[rank]) for rank in range(3)} == {((0, 1), (1, 2))}
+    assert calls[1] == [("nccl", (0, 1), True), ("nccl", (1, 2), True)]
+    assert calls[2] == [("gloo", (0, 1), False), ("nccl", (1, 2), True)]
+    # A rank whose torch has no NCCL never names it, whatever the plan.
+    mixed = [
+        RankDevice("cuda", True, "A/cuda:0"),
+        RankDevice("cuda", True, "A/cuda:1"),
+        RankDevice("mps", False, "M/mps"),
+    ]
+    plan = plan_groups(mixed, num_stages=3, replicas=1)
+    assert plan.creation_calls(2) == [("gloo", (0, 1), False)]
+
+
 def test_rank_device_codes_round_trip() -> None:
     for kind in DEVICE_KINDS:
         for native in (True, False):

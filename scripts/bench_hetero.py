@@ -1,0 +1,861 @@
+"""Benchmark a heterogeneous pool: mesh hosts throttled by cgroup CPU quotas, pooled against the fastest alone.
+
+    sudo python scripts/bench_hetero.py                       # 2 hosts, 0.6 + 0.3 CPU (issue 10's setup)
+    sudo python scripts/bench_hetero.py --hosts 1.0,0.5,0.25  # the 3-host fleet
+    sudo python scripts/bench_hetero.py --swap-profiles       # the pooled run starts from swapped profiles
+    sudo python scripts/bench_hetero.py --quick               # a tiny model, few steps (the test's version)
+
+It needs what the mesh tests need (root, ``ip``, ``wireguard-go``, ``wg``, ``ping``,
+``/dev/net/tun``) and a writable cgroup hierarchy with the ``cpu`` controller: cgroup v2's
+``cpu.max`` where the unified hierarchy has the controller, else cgroup v1's ``cpu.cfs_quota_us``
+(:func:`choose_cgroup` picks). Where it cannot run it prints ``{"skipped": reason}`` and exits 0.
+Everything happens in a temporary directory, in network namespaces and in cgroups made for the run;
+every one of them, and every process the run started, is removed by name or pid at the end, also on
+failure or Ctrl-C:
+
+  1. builds a random Llama (default 16 layers, hidden 512) and a completion dataset;
+  2. builds hosts a, b (, c) with ``mesh.lab.Lab`` and forms the mesh with the real CLI (``mesh init``
+     on a, ``mesh join`` on the others), unthrottled; then moves every process of each host (its
+     WireGuard, sync daemon and shardpool agent) into a cgroup of its own with that host's CPU
+     quota. The stages and profilers an agent starts later are its children and inherit the
+     cgroup; the launcher runs on host a (the fastest: hosts are given fastest first) inside a's
+     cgroup. So a host's whole work runs under its quota, as on a smaller machine;
+  3. trains the same config three ways with ``shardpool finetune``:
+     *fastest alone* (``placement: local``, ``layers: [N]``: one stage process on host a, as its
+     owner would train on it alone; not through the mesh, where the planner would pick the host
+     from profiles, which are what is under test), *even split* (``placement: mesh`` with
+     ``shardpool.layers`` as even as the layers allow over every host; the planner picks only the
+     order) and *pooled* (``placement: mesh``: the planner's split and stage count); the launcher
+     always runs on host a, in a's cgroup. Fastest-alone and even runs have
+     ``rebalance: off`` where the config knows that key, so they stay the baselines;
+  4. with ``--swap-profiles``, before the pooled run, swaps the fastest and the slowest host's
+     cached layer profiles (``<agent work dir>/profile/profiles.json``) and restarts both agents so
+     they forget the profiles they hold in memory, then runs *pooled_swapped*: the pooled run again,
+     planned from the wrong profiles, which must re-balance to recover; the plain pooled run's
+     tokens/s is "the best plan's" it is measured against.
+
+The JSON holds tokens/s of each run, pooled ÷ fastest, plan.json's ``predicted_step_s`` ÷ the
+median measured step after ``warmup`` steps, per-stage compute and wait (``metrics.jsonl``), the
+per-layer seconds of each host (its profile, and its measured compute in the even split), and the
+re-balancing events (``{"event": "rebalance", ...}`` lines of ``metrics.jsonl``) where any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, Literal
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mesh.constants import AGENT_PORT  # noqa: E402
+from mesh.files import write_json  # noqa: E402
+from mesh.lab import Host, Lab, LabError, netns_skip_reason  # noqa: E402
+from scripts.bench_mesh import (  # noqa: E402 - needs ROOT on sys.path
+    BenchError,
+    build_inputs,
+    log_tail,
+    stop_launcher,
+    wait_until,
+    write_yaml,
+)
+from scripts.bench_pipeline import training_config  # noqa: E402
+
+LABELS = "abc"
+PERIOD_US = 10_000
+"""The CFS period of every quota: 10 ms, so a host is slow at every timescale its work has (a layer
+pass takes milliseconds). Under the default 100 ms, a burst shorter than the quota runs at full
+speed, and a short profile would time the host unthrottled."""
+MODES = ("fastest_alone", "even_split", "pooled")
+SWAPPED = "pooled_swapped"
+"""With ``--swap-profiles``: the pooled run again, planned from the swapped profiles."""
+
+FULL: dict[str, Any] = {
+    "model": {
+        "num_layers": 16,
+        "hidden_size": 512,
+        "intermediate_size": 1376,
+        "num_heads": 8,
+        "num_kv_heads": 2,
+        "vocab_size": 2048,
+    },
+    "sequence_len": 128,
+    "micro_batch_size": 1,
+    "gradient_accumulation_steps": 16,
+    "max_steps": 14,
+    "lora_r": 8,
+    "warmup": 2,
+    "hosts": (0.6, 0.3),
+    "run_timeout_s": 3600,
+}
+QUICK: dict[str, Any] = {
+    "model": {
+        "num_layers": 4,
+        "hidden_size": 128,
+        "intermediate_size": 344,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "vocab_size": 512,
+    },
+    "sequence_len": 32,
+    "micro_batch_size": 1,
+    "gradient_accumulation_steps": 4,
+    "max_steps": 3,
+    "lora_r": 4,
+    "warmup": 1,
+    "hosts": (1.0, 0.5),
+    "run_timeout_s": 300,
+}
+
+
+# ---------------------------------------------------------------------------- pure helpers
+
+
+@dataclass(frozen=True)
+class CgroupChoice:
+    """Which cgroup hierarchy throttles the hosts: ``v2`` (``cpu.max``) or ``v1`` (CFS files), mounted where."""
+
+    version: Literal["v1", "v2"]
+    mount: Path
+
+
+def choose_cgroup(mounts: str, unified_controllers: Mapping[str, str]) -> CgroupChoice | None:
+    """The hierarchy to put CPU quotas in, from the text of ``/proc/self/mounts``.
+
+    cgroup v2 where a ``cgroup2`` mount lists ``cpu`` in its ``cgroup.controllers`` (given in
+    ``unified_controllers``, mount point -> file text); else the cgroup v1 mount with the ``cpu``
+    controller among its options; None when neither exists.
+    """
+    v1: Path | None = None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        kind, mount, options = fields[2], fields[1], fields[3].split(",")
+        if kind == "cgroup2" and "cpu" in unified_controllers.get(mount, "").split():
+            return CgroupChoice("v2", Path(mount))
+        if kind == "cgroup" and "cpu" in options and v1 is None:
+            v1 = Path(mount)
+    return CgroupChoice("v1", v1) if v1 is not None else None
+
+
+def quota_files(version: Literal["v1", "v2"], cpus: float, period_us: int = PERIOD_US) -> dict[str, str]:
+    """The files (name -> text, in write order) that cap a cgroup at ``cpus`` CPUs."""
+    quota_us = max(1000, round(cpus * period_us))  # the kernel refuses quotas under 1 ms
+    if version == "v2":
+        return {"cpu.max": f"{quota_us} {period_us}"}
+    return {"cpu.cfs_period_us": str(period_us), "cpu.cfs_quota_us": str(quota_us)}
+
+
+def parse_hosts(text: str) -> tuple[float, ...]:
+    """``"0.6,0.3"`` -> (0.6, 0.3): two or three CPU quotas, fastest first, each in (0, 64]."""
+    try:
+        quotas = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--hosts {text!r}: give CPU quotas like 0.6,0.3") from None
+    if not 2 <= len(quotas) <= len(LABELS):
+        raise argparse.ArgumentTypeError(f"--hosts {text!r}: give 2 or {len(LABELS)} quotas")
+    if any(not 0 < quota <= 64 for quota in quotas):
+        raise argparse.ArgumentTypeError(f"--hosts {text!r}: each quota must be above 0 and at most 64 CPUs")
+    if list(quotas) != sorted(quotas, reverse=True):
+        raise argparse.ArgumentTypeError(
+            f"--hosts {text!r}: list the fastest host first (host a runs the launcher)"
+        )
+    return quotas
+
+
+def cgroupfs_mounts(choice: CgroupChoice) -> str:
+    """Shell commands that mount the cgroup filesystem at ``/sys/fs/cgroup`` as this machine has it.
+
+    ``ip netns exec`` mounts a fresh ``/sys`` (in a mount namespace of its own, whose mounts do not
+    reach the machine's) that lacks the cgroup filesystems, so a process in a lab host could not
+    read its own CPU quota, which a profile records (``shardpool.plan.cpu_quota``); a real host can.
+    """
+    if choice.version == "v2":
+        return "mount -t cgroup2 cgroup2 /sys/fs/cgroup"
+    hierarchy = choice.mount.name  # "cpu", or "cpu,cpuacct" where the controllers are mounted together
+    return (
+        f"mount -t tmpfs cgroup /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/{hierarchy}"
+        f" && mount -t cgroup -o {hierarchy} cgroup /sys/fs/cgroup/{hierarchy}"
+    )
+
+
+def gated_argv(argv: Sequence[str], prepare: str = ":") -> list[str]:
+    """``argv`` behind a gate: a shell runs ``prepare`` (its failure is ignored), waits for one line
+    on its standard input, then becomes ``argv``. Moving the shell into a cgroup before opening the
+    gate throttles the command and everything it forks from their first instruction. (A command
+    inside a lab host cannot join a cgroup itself: its ``/sys`` has no cgroup filesystem.)"""
+    return ["sh", "-c", f'{{ {prepare}; }} >/dev/null 2>&1; read -r _ && exec "$@"', "gated", *argv]
+
+
+def even_counts(num_layers: int, stages: int) -> list[int]:
+    """Layer counts as even as possible, the larger ones first (16 over 3: [6, 5, 5])."""
+    base, extra = divmod(num_layers, stages)
+    return [base + (1 if index < extra else 0) for index in range(stages)]
+
+
+def step_records(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The per-step lines of ``metrics.jsonl`` (not eval or event lines), by step."""
+    steps = [r for r in records if "event" not in r and "step_seconds" in r and "stage_compute_s" in r]
+    return sorted(steps, key=lambda record: int(record["step"]))
+
+
+def rebalance_events(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``{"event": "rebalance", ...}`` lines of ``metrics.jsonl``, in order."""
+    return [record for record in records if record.get("event") == "rebalance"]
+
+
+def median_of(values: Sequence[float]) -> float | None:
+    """The median, or None for no values."""
+    return statistics.median(values) if values else None
+
+
+def ratio(numerator: float | None, denominator: float | None, places: int = 3) -> float | None:
+    """``numerator / denominator`` rounded, or None where either is missing or the denominator is 0."""
+    if numerator is None or not denominator:
+        return None
+    return round(numerator / denominator, places)
+
+
+def summarize_run(records: Sequence[dict[str, Any]], plan: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """One run's figures: medians over its steps after ``warmup``, per stage and against the plan.
+
+    With re-balancing, ``predicted_over_measured_step`` compares the first plan with the steps
+    before the first re-shard, and ``after_rebalance`` the last event's prediction with the
+    steps after it (the step of the re-shard itself left out).
+    """
+    steps = step_records(records)
+    events = rebalance_events(records)
+    kept = steps[warmup:] or steps
+    first_reshard = int(events[0]["step"]) if events else None
+    before = [r for r in kept if first_reshard is None or int(r["step"]) <= first_reshard]
+    stages = len(kept[-1]["stage_compute_s"]) if kept else 0
+    staged = [r for r in kept if len(r["stage_compute_s"]) == stages]  # a re-shard may change the count
+    step_s = median_of([float(r["step_seconds"]) for r in kept])
+    compute = [median_of([float(r["stage_compute_s"][i]) for r in staged]) or 0.0 for i in range(stages)]
+    wait = [median_of([float(r["stage_wait_s"][i]) for r in staged]) or 0.0 for i in range(stages)]
+    layers = [int(stop) - int(start) for start, stop in (stage["layers"] for stage in plan["stages"])]
+    predicted = initial_prediction(plan)
+    summary: dict[str, Any] = {
+        "steps_trained": len(steps),
+        "steps_measured": len(kept),
+        "plan": [
+            {"host": stage["host"], "layers": stage["layers"], "device": stage["device"]}
+            for stage in plan["stages"]
+        ],
+        "predicted_step_s": predicted,
+        "step_s": _rounded(step_s),
+        "tokens_per_s": _rounded(median_of([float(r["tokens_per_s"]) for r in kept]), 1),
+        "predicted_over_measured_step": ratio(
+            predicted, median_of([float(r["step_seconds"]) for r in before])
+        ),
+        "stage_compute_s": [round(value, 4) for value in compute],
+        "stage_wait_s": [round(value, 4) for value in wait],
+        "stage_wait_over_step": [ratio(value, step_s) for value in wait],
+        "final_loss": round(float(steps[-1]["loss"]), 6) if steps else None,
+        "tokens_per_s_by_step": [round(float(r["tokens_per_s"]), 1) for r in steps],
+    }
+    if events or len(layers) != stages:
+        summary["compute_s_per_layer_by_host"] = None  # the stages' layers changed mid-run
+    else:
+        summary["compute_s_per_layer_by_host"] = {
+            stage["host"]: round(seconds / count, 5)
+            for stage, seconds, count in zip(plan["stages"], compute, layers, strict=True)
+        }
+    if events:
+        last = events[-1]
+        after = [float(r["step_seconds"]) for r in steps if int(r["step"]) > int(last["step"]) + 1]
+        summary["after_rebalance"] = {
+            "steps_measured": len(after),
+            "predicted_step_s": last.get("predicted_step_s"),
+            "step_s": _rounded(median_of(after)),
+            "predicted_over_measured_step": ratio(last.get("predicted_step_s"), median_of(after)),
+        }
+    return summary
+
+
+def initial_prediction(plan: dict[str, Any]) -> float | None:
+    """The predicted step of the plan the run started with: the oldest of plan.json's history where
+    it keeps one (after a re-shard), else its own ``predicted_step_s``."""
+    history = plan.get("history")
+    if isinstance(history, list) and history and isinstance(history[0], dict):
+        first = history[0].get("predicted_step_s", history[0].get("plan", {}).get("predicted_step_s"))
+        if first is not None:
+            return float(first)
+    value = plan.get("predicted_step_s")
+    return None if value is None else float(value)
+
+
+def first_step_reaching(tokens_per_s: Sequence[float], target: float | None) -> int | None:
+    """The first step (1-based) from which every step's tokens/s is at least ``target`` (None: never)."""
+    if target is None:
+        return None
+    for index in range(len(tokens_per_s)):
+        if all(value >= target for value in tokens_per_s[index:]):
+            return index + 1
+    return None
+
+
+def swapped_summary(
+    swapped: dict[str, Any], pooled: dict[str, Any], events: Sequence[dict[str, Any]], share: float = 0.9
+) -> dict[str, Any]:
+    """How the run from swapped profiles recovered: its tokens/s against the plain pooled run's
+    (the best plan's), and the first step from which it stays at ``share`` of it."""
+    best = pooled["tokens_per_s"]
+    return {
+        "tokens_per_s": swapped["tokens_per_s"],
+        "over_pooled": ratio(swapped["tokens_per_s"], best),
+        "first_step_at_90pct_of_pooled": first_step_reaching(
+            swapped["tokens_per_s_by_step"], None if best is None else share * best
+        ),
+        "tokens_per_s_by_step": swapped["tokens_per_s_by_step"],
+        "rebalanced": bool(events),
+        "rebalances": list(events),
+    }
+
+
+def swap_profile_entries(
+    first: dict[str, Any], second: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """Two hosts' ``profiles.json`` with the measurements of the same model and workload exchanged.
+
+    A key is ``device label|threads=..|quota=..|shape|workload|...``; entries whose keys agree
+    past the first three fields are swapped, each keeping its own key (so each host's profiler
+    finds the other's numbers). Returns both new contents and how many pairs were swapped.
+    """
+
+    def tail(key: str) -> str:
+        return key.split("|", 3)[-1]
+
+    by_tail = {tail(key): key for key in second}
+    new_first, new_second, swapped = dict(first), dict(second), 0
+    for key, value in first.items():
+        other = by_tail.get(tail(key))
+        if other is not None:
+            new_first[key], new_second[other] = second[other], value
+            swapped += 1
+    return new_first, new_second, swapped
+
+
+def _rounded(value: float | None, places: int = 4) -> float | None:
+    return None if value is None else round(value, places)
+
+
+# ---------------------------------------------------------------------------- cgroups
+
+
+def detect_cgroup() -> CgroupChoice | None:
+    """:func:`choose_cgroup` on this machine's mounts."""
+    mounts = Path("/proc/self/mounts").read_text()
+    controllers: dict[str, str] = {}
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == "cgroup2":
+            with contextlib.suppress(OSError):
+                controllers[fields[1]] = (Path(fields[1]) / "cgroup.controllers").read_text()
+    return choose_cgroup(mounts, controllers)
+
+
+@dataclass
+class HostCgroups:
+    """One cgroup per host under ``<mount>/shardpool-bench-<pid>``, each capped at its CPU quota.
+
+    A context manager: on exit every process still in them is killed by pid and the cgroups are removed.
+    """
+
+    choice: CgroupChoice
+    quotas: dict[str, float]
+    parent: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.parent = self.choice.mount / f"shardpool-bench-{os.getpid()}"
+
+    def __enter__(self) -> HostCgroups:
+        self.parent.mkdir()
+        try:
+            if self.choice.version == "v2":
+                (self.choice.mount / "cgroup.subtree_control").write_text("+cpu")
+                (self.parent / "cgroup.subtree_control").write_text("+cpu")
+            for label, cpus in self.quotas.items():
+                self.path(label).mkdir()
+                for name, text in quota_files(self.choice.version, cpus).items():
+                    (self.path(label) / name).write_text(text)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def path(self, label: str) -> Path:
+        """The cgroup directory of host ``label``."""
+        return self.parent / label
+
+    def procs(self, label: str) -> Path:
+        """The ``cgroup.procs`` file of host ``label`` (write a pid to move that process in)."""
+        return self.path(label) / "cgroup.procs"
+
+    def add(self, label: str, pid: int) -> None:
+        """Move process ``pid`` (all its threads) into host ``label``'s cgroup."""
+        self.procs(label).write_text(str(pid))
+
+    def pids(self, label: str) -> list[int]:
+        """The processes in host ``label``'s cgroup now."""
+        try:
+            return [int(pid) for pid in self.procs(label).read_text().split()]
+        except OSError:
+            return []
+
+    def close(self) -> None:
+        """Kill what is left in the cgroups (by pid) and remove them, the parent last."""
+        for label in self.quotas:
+            directory = self.path(label)
+            if not directory.is_dir():
+                continue
+            deadline = time.monotonic() + 10
+            while (pids := self.pids(label)) and time.monotonic() < deadline:
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                time.sleep(0.1)
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        with contextlib.suppress(OSError):
+            self.parent.rmdir()
+
+
+def cgroup_skip_reason() -> str | None:
+    """Why the hosts cannot be throttled here, or None: no ``cpu`` controller, or no write to it."""
+    choice = detect_cgroup()
+    if choice is None:
+        return "needs a cgroup hierarchy with the cpu controller (v2 cpu.max or v1 cpu.cfs_quota_us)"
+    try:
+        with HostCgroups(choice, {"probe": 0.5}):
+            pass
+    except OSError as error:
+        return f"cannot create a throttled {choice.version} cgroup under {choice.mount}: {error}"
+    return None
+
+
+def skip_reason() -> str | None:
+    """Why this benchmark cannot run here (no root, namespaces, wireguard-go or cgroup write), or None."""
+    return netns_skip_reason() or cgroup_skip_reason()
+
+
+# ---------------------------------------------------------------------------- the lab
+
+
+def mesh_address(index: int) -> str:
+    """The mesh address of the ``index``-th host (0-based): the coordinator takes .1, joiners follow."""
+    return f"10.77.0.{index + 1}"
+
+
+def form_mesh(lab: Lab, labels: str) -> float:
+    """``mesh init`` on the first host, ``mesh join`` on the rest; wait for pings and every agent."""
+    started = time.monotonic()
+    lab.form_mesh(labels[0], labels[1:], uses=len(labels) - 1)
+    addresses = [mesh_address(index) for index in range(len(labels))]
+    for label in labels:
+        for address in addresses:
+            wait_until(
+                lambda label=label, address=address: lab.ping(lab.hosts[label], address, timeout=1),
+                30,
+                f"ping {label} -> {address}",
+            )
+    wait_for_agents(lab, labels)
+    return time.monotonic() - started
+
+
+def wait_for_agents(lab: Lab, labels: str) -> None:
+    """Wait until the agent of every host in ``labels`` answers over the mesh."""
+    for index, label in enumerate(labels):
+        wait_until(
+            lambda index=index: lab.agent_healthy(lab.hosts[LABELS[0]], mesh_address(index), AGENT_PORT),
+            60,
+            f"agent of {label} healthy",
+        )
+
+
+def namespace_pids(host: Host) -> list[int]:
+    """Every process in ``host``'s network namespace."""
+    listed = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True)
+    return [int(pid) for pid in listed.stdout.split() if pid.isdigit()]
+
+
+def throttle(lab: Lab, cgroups: HostCgroups) -> dict[str, int]:
+    """Move every process of every host into the host's cgroup; how many each had."""
+    moved: dict[str, int] = {}
+    for label, host in lab.hosts.items():
+        pids = namespace_pids(host)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, OSError):  # gone meanwhile
+                cgroups.add(label, pid)
+        moved[label] = len(pids)
+        if not pids:
+            raise BenchError(f"host {label} runs no process to throttle (is its agent up?)")
+    return moved
+
+
+def agent_pid_file(host: Host) -> Path:
+    """The agent's pid file in ``host``'s state directory (``mesh.cli.agent_process``)."""
+    return host.home / "run" / "shardpool-agent.pid"
+
+
+def start_in_cgroup(
+    lab: Lab, host: Host, cgroups: HostCgroups, argv: Sequence[str], **popen: Any
+) -> subprocess.Popen[Any]:
+    """Start ``argv`` inside ``host`` and inside its cgroup (see :func:`gated_argv`)."""
+    gated = gated_argv(argv, cgroupfs_mounts(cgroups.choice))
+    process = subprocess.Popen(lab.command(host, *gated), stdin=subprocess.PIPE, **popen)
+    try:
+        cgroups.add(host.label, process.pid)  # ``ip netns exec`` and ``env`` exec in place: same pid
+        assert process.stdin is not None
+        process.stdin.write(b"go\n")
+        process.stdin.close()
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return process
+
+
+def restart_agent(lab: Lab, host: Host, cgroups: HostCgroups) -> None:
+    """Stop ``host``'s agent by pid and start it again with ``mesh up``, inside the host's cgroup."""
+    from mesh.daemon import read_pid
+
+    pid = read_pid(agent_pid_file(host))
+    if pid is not None:
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: read_pid(agent_pid_file(host)) is None, 30, f"agent of {host.label} stopping")
+    log = host.home.parent / f"{host.label}-mesh-up.log"
+    with open(log, "w") as sink:  # not a pipe: the detached agent must not hold our end open
+        process = start_in_cgroup(
+            lab, host, cgroups, [sys.executable, "-m", "shardpool", "mesh", "up"], stdout=sink, stderr=sink
+        )
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise BenchError(f"restarting the agent of {host.label} took over 120 s") from None
+    if process.returncode != 0 or read_pid(agent_pid_file(host)) is None:
+        raise BenchError(f"restarting the agent of {host.label}: {log_tail(log, 3)}")
+
+
+def profiles_file(host: Host) -> Path:
+    """Where ``host``'s agent caches its layer profiles (its work dir's profiler directory)."""
+    return host.home.with_name(host.home.name + "-work") / "profile" / "profiles.json"
+
+
+def swap_profiles(lab: Lab, cgroups: HostCgroups, first: str, second: str) -> int:
+    """Swap two hosts' cached profiles and restart both agents; how many entries were swapped."""
+    paths = [profiles_file(lab.hosts[label]) for label in (first, second)]
+    missing = [str(path) for path in paths if not path.is_file()]
+    if missing:
+        raise BenchError(f"no cached profiles to swap at {missing}; the agents have not profiled yet")
+    contents = [json.loads(path.read_text()) for path in paths]
+    new_first, new_second, swapped = swap_profile_entries(*contents)
+    if not swapped:
+        raise BenchError(f"the profiles of {first} and {second} share no model and workload to swap")
+    for path, content in zip(paths, (new_first, new_second), strict=True):
+        owner = path.stat()
+        write_json(path, content, mode=owner.st_mode & 0o777)
+        os.chown(path, owner.st_uid, owner.st_gid)
+    for label in (first, second):
+        restart_agent(lab, lab.hosts[label], cgroups)
+    wait_for_agents(lab, "".join(lab.hosts))
+    return swapped
+
+
+# ---------------------------------------------------------------------------- runs
+
+
+def rebalance_setting(config: dict[str, Any], value: str) -> dict[str, Any]:
+    """``config`` with ``shardpool.rebalance: value`` where this shardpool knows the key (as is otherwise)."""
+    from shardpool.config.schema import ShardpoolSection
+
+    if "rebalance" in ShardpoolSection.model_fields:
+        config["shardpool"]["rebalance"] = value
+    return config
+
+
+def mode_settings(mode: str, num_layers: int, hosts: int) -> dict[str, Any]:
+    """The ``shardpool`` block of each way of running."""
+    if mode == "fastest_alone":
+        return {"placement": "local", "layers": [num_layers]}
+    if mode == "even_split":
+        return {"placement": "mesh", "layers": even_counts(num_layers, hosts)}
+    return {"placement": "mesh"}
+
+
+def run_finetune(lab: Lab, cgroups: HostCgroups, config_path: Path, log: Path, timeout_s: float) -> None:
+    """``shardpool finetune`` on host a, inside a's cgroup; raise BenchError with the log's tail on failure."""
+    host = lab.hosts[LABELS[0]]
+    argv = [sys.executable, "-m", "shardpool", "finetune", str(config_path)]
+    with open(log, "w") as sink:
+        launcher = start_in_cgroup(lab, host, cgroups, argv, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            launcher.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired as error:
+            raise BenchError(
+                f"{config_path.stem} took over {timeout_s:.0f} s; log {log}:\n{log_tail(log)}"
+            ) from error
+        finally:
+            stop_launcher(launcher)
+    if launcher.returncode != 0:
+        raise BenchError(f"{config_path.stem} failed (exit {launcher.returncode}):\n{log_tail(log)}")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a ``.jsonl`` file."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def profiled_seconds_per_layer(plans: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Each host's profiled seconds per layer, from the ``measured`` block of the plans' stages."""
+    found: dict[str, float] = {}
+    for plan in plans:
+        for stage in plan["stages"]:
+            median = (stage.get("measured") or {}).get("seconds_median")
+            if median is not None:
+                found.setdefault(stage["host"], round(float(median), 5))
+    return dict(sorted(found.items()))
+
+
+def profiled_quotas(plans: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """The CPU quota each host's profile says it was measured under (None: unlimited or unseen)."""
+    found: dict[str, float | None] = {}
+    for plan in plans:
+        for stage in plan["stages"]:
+            found.setdefault(stage["host"], (stage.get("measured") or {}).get("cpu_quota"))
+    return dict(sorted(found.items()))
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def benchmark(
+    *, quick: bool, quotas: tuple[float, ...], swap: bool, keep: Path | None, choice: CgroupChoice
+) -> dict[str, Any]:
+    """Build the model, the throttled lab and the mesh; train the three ways (and from swapped
+    profiles); the JSON report."""
+    size = QUICK if quick else FULL
+    modes = (*MODES, SWAPPED) if swap else MODES
+    labels = LABELS[: len(quotas)]
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="shardpool-bench-hetero-")) if keep is None else keep
+    work.mkdir(parents=True, exist_ok=True)
+    work.chmod(0o755)
+    try:
+        model_dir, data = build_inputs(work, size)
+        hf_config = json.loads((model_dir / "config.json").read_text())
+        num_layers = int(hf_config["num_hidden_layers"])
+        (work / "lab").mkdir(exist_ok=True)
+        runs: dict[str, dict[str, Any]] = {}
+        plans: dict[str, dict[str, Any]] = {}
+        records: dict[str, list[dict[str, Any]]] = {}
+        swapped = 0
+        with Lab(work / "lab") as lab, HostCgroups(choice, dict(zip(labels, quotas, strict=True))) as cgroups:
+            for octet, label in enumerate(labels, start=1):
+                lab.add_host(label, octet)
+            mesh_setup_s = form_mesh(lab, labels)
+            moved = throttle(lab, cgroups)
+            for label in labels:  # so each agent, and what it starts, sees its cgroup's quota
+                restart_agent(lab, lab.hosts[label], cgroups)
+            wait_for_agents(lab, labels)
+            say(
+                f"mesh of {len(labels)} hosts formed in {mesh_setup_s:.1f} s and throttled {dict(cgroups.quotas)}"
+            )
+            for mode in modes:
+                if mode == SWAPPED:
+                    swapped = swap_profiles(lab, cgroups, labels[0], labels[-1])
+                out = work / f"out-{mode}"
+                config = training_config(
+                    model_dir, data, out, size, mode_settings(mode, num_layers, len(labels))
+                )
+                if mode not in ("pooled", SWAPPED):
+                    config = rebalance_setting(config, "off")
+                config_path = write_yaml(work / f"{mode}.yaml", config)
+                run_started = time.monotonic()
+                run_finetune(lab, cgroups, config_path, work / f"{mode}.log", size["run_timeout_s"])
+                plans[mode] = json.loads((out / "plan.json").read_text())
+                records[mode] = read_jsonl(out / "metrics.jsonl")
+                if mode == "fastest_alone":  # a local plan names the machine, not the lab host
+                    for stage in plans[mode]["stages"]:
+                        stage["host"] = labels[0]
+                runs[mode] = summarize_run(records[mode], plans[mode], size["warmup"])
+                runs[mode]["run_s"] = round(time.monotonic() - run_started, 1)
+                say(f"{mode}: {runs[mode]['tokens_per_s']} tokens/s, run took {runs[mode]['run_s']} s")
+        return report(
+            quick=quick,
+            size=size,
+            quotas=dict(zip(labels, quotas, strict=True)),
+            choice=choice,
+            runs=runs,
+            plans=plans,
+            records=records,
+            swapped=swapped if swap else None,
+            moved=moved,
+            hf_config=hf_config,
+            mesh_setup_s=mesh_setup_s,
+            seconds=time.monotonic() - started,
+        )
+    finally:
+        if keep is None:
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def report(
+    *,
+    quick: bool,
+    size: dict[str, Any],
+    quotas: dict[str, float],
+    choice: CgroupChoice,
+    runs: dict[str, dict[str, Any]],
+    plans: dict[str, dict[str, Any]],
+    records: dict[str, list[dict[str, Any]]],
+    swapped: int | None,
+    moved: dict[str, int],
+    hf_config: dict[str, Any],
+    mesh_setup_s: float,
+    seconds: float,
+) -> dict[str, Any]:
+    """Assemble the JSON report."""
+    modes = list(runs)
+    tokens = {mode: runs[mode]["tokens_per_s"] for mode in modes}
+    events = rebalance_events(records["pooled"])
+    command = "sudo python scripts/bench_hetero.py"
+    if tuple(quotas.values()) != size["hosts"]:
+        command += " --hosts " + ",".join(f"{quota:g}" for quota in quotas.values())
+    command += (" --swap-profiles" if swapped is not None else "") + (" --quick" if quick else "")
+    return {
+        "benchmark": "hetero",
+        "quick": quick,
+        "command": command,
+        "hosts_cpu_quota": quotas,
+        "fastest_host": next(iter(quotas)),
+        "cgroup": choice.version,
+        "tokens_per_s": tokens,
+        "pooled_over_fastest": ratio(tokens["pooled"], tokens["fastest_alone"]),
+        "even_over_fastest": ratio(tokens["even_split"], tokens["fastest_alone"]),
+        "predicted_over_measured_step": {mode: runs[mode]["predicted_over_measured_step"] for mode in modes},
+        "pooled_after_rebalance_predicted_over_measured": runs["pooled"]
+        .get("after_rebalance", {})
+        .get("predicted_over_measured_step"),
+        "stage_compute_s": {mode: runs[mode]["stage_compute_s"] for mode in modes},
+        "stage_wait_s": {mode: runs[mode]["stage_wait_s"] for mode in modes},
+        "pooled_stage_wait_over_step_max": max(
+            (value for value in runs["pooled"]["stage_wait_over_step"] if value is not None), default=None
+        ),
+        "seconds_per_layer_by_host": {
+            "profile": profiled_seconds_per_layer([plans["even_split"], plans["pooled"]]),
+            "profile_cpu_quota": profiled_quotas([plans["even_split"], plans["pooled"]]),
+            "even_split_compute": runs["even_split"].get("compute_s_per_layer_by_host"),
+        },
+        "rebalanced": bool(events),
+        "rebalances": events,
+        "profile_entries_swapped": swapped,
+        "from_swapped_profiles": None
+        if swapped is None
+        else swapped_summary(runs[SWAPPED], runs["pooled"], rebalance_events(records[SWAPPED])),
+        "runs": runs,
+        "model": {
+            "type": hf_config["model_type"],
+            "num_layers": hf_config["num_hidden_layers"],
+            "hidden_size": hf_config["hidden_size"],
+            "intermediate_size": hf_config["intermediate_size"],
+            "vocab_size": hf_config["vocab_size"],
+        },
+        "config": {
+            key: size[key]
+            for key in (
+                "sequence_len",
+                "micro_batch_size",
+                "gradient_accumulation_steps",
+                "max_steps",
+                "lora_r",
+            )
+        }
+        | {"warmup_steps_skipped": size["warmup"]},
+        "processes_throttled_at_start": moved,
+        "machine": {
+            "logical_cpus": os.cpu_count(),
+            "loadavg_1m_end": round(os.getloadavg()[0], 2),
+            "kernel": platform.release(),
+            "python": platform.python_version(),
+        },
+        "mesh_setup_s": round(mesh_setup_s, 1),
+        "seconds": round(seconds, 1),
+    }
+
+
+def say(line: str) -> None:
+    """A progress line on standard error (standard output carries only the JSON)."""
+    print(f"bench_hetero: {line}", file=sys.stderr, flush=True)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    """Turn SIGTERM into KeyboardInterrupt so the lab's and the cgroups' cleanup runs."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the arguments, skip where the machine cannot run it, run it, print the JSON report."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny model and few steps (hosts 1.0,0.5)")
+    parser.add_argument(
+        "--hosts",
+        type=parse_hosts,
+        help="CPU quota of each host, fastest first (default 0.6,0.3; 1.0,0.5 with --quick)",
+    )
+    parser.add_argument(
+        "--swap-profiles",
+        action="store_true",
+        help="then swap the fastest and slowest host's cached profiles and run pooled again from them",
+    )
+    parser.add_argument("--keep", type=Path, help="work in this directory and keep it (model, outputs, logs)")
+    args = parser.parse_args(argv)
+    reason = skip_reason()
+    if reason is not None:
+        print(f"bench_hetero: skipped: {reason}", file=sys.stderr)
+        print(json.dumps({"skipped": reason}))
+        return 0
+    choice = detect_cgroup()
+    assert choice is not None  # skip_reason checked it
+    quotas = args.hosts or (QUICK if args.quick else FULL)["hosts"]
+    for stop in (signal.SIGTERM, signal.SIGINT):  # SIGINT too: a background job starts with it ignored
+        signal.signal(stop, _interrupt)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # only the JSON report goes to stdout
+            result = benchmark(
+                quick=args.quick, quotas=quotas, swap=args.swap_profiles, keep=args.keep, choice=choice
+            )
+    except (BenchError, LabError) as error:
+        print(f"bench_hetero: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench_hetero: interrupted; the lab and the cgroups were removed", file=sys.stderr)
+        return 130
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

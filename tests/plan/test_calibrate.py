@@ -1,0 +1,273 @@
+"""Calibration: measured warm-up steps correct each stage's speed, and the same stages are re-split
+when the calibrated model predicts a step at least 10% faster (``plan.calibrate``)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardpool.config import Config, parse_config
+from shardpool.errors import ShardpoolError
+from shardpool.model.shape import ModelShape
+from shardpool.plan.calibrate import (
+    MIN_GAIN,
+    StepMeasurement,
+    calibrate,
+    calibrated_plan,
+    predicted_over_measured,
+    rebalance_decision,
+)
+from shardpool.plan.costmodel import Workload
+from shardpool.plan.fleet import Device, Fleet
+from shardpool.plan.planner import evaluate_split, plan_pipeline
+from shardpool.plan.result import Plan
+
+ROOT = Path(__file__).resolve().parents[2]
+GIB = 2**30
+#: The worked example's model (docs/planner.md, "Calibration"): an 8-layer hidden-512 Llama.
+SHAPE = ModelShape.from_config_json(
+    {
+        "model_type": "llama",
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "vocab_size": 2048,
+    },
+    name="llama-512",
+)
+
+
+def config_with(**changes: object) -> Config:
+    raw = yaml.safe_load((ROOT / "configs/quickstart.yaml").read_text())
+    raw.update({"gradient_accumulation_steps": 16, **changes})
+    return parse_config(raw, source="test")
+
+
+CONFIG = config_with()
+WORKLOAD = Workload.from_config(CONFIG)
+
+
+def two_hosts(a_s: float, b_s: float, *, a_memory: int = 8 * GIB) -> Fleet:
+    """Two CPU hosts whose profiles say ``a_s`` and ``b_s`` seconds per layer."""
+    return Fleet(
+        devices=(
+            Device(name="a", memory_bytes=a_memory, seconds_per_layer=a_s, kind="cpu", host="a"),
+            Device(name="b", memory_bytes=8 * GIB, seconds_per_layer=b_s, kind="cpu", host="b"),
+        )
+    )
+
+
+def measured_as(
+    plan: Plan, speed: list[float], *, steps: int = 3, step_s: float = 1.0, noise: list[float] | None = None
+) -> list[StepMeasurement]:
+    """Warm-up steps whose stages computed ``speed[s]`` times their planned time (times ``noise[i]`` on step i)."""
+    m = plan.microbatches
+    out = []
+    for i in range(steps):
+        jitter = noise[i] if noise else 1.0
+        compute = tuple(
+            m * stage.compute_ms / 1e3 * f * jitter for stage, f in zip(plan.stages, speed, strict=True)
+        )
+        out.append(
+            StepMeasurement(
+                step=i + 1, step_seconds=step_s, stage_compute_s=compute, stage_wait_s=(0.0,) * len(compute)
+            )
+        )
+    return out
+
+
+def brute_force(fleet: Fleet, devices: list[str]) -> tuple[float, list[int]]:
+    """The best split of ``devices`` (in that order) on ``fleet``, trying every split."""
+    best = (math.inf, [])
+    for cut in itertools.combinations(range(1, SHAPE.num_layers), len(devices) - 1):
+        bounds = [0, *cut, SHAPE.num_layers]
+        counts = [b - a for a, b in itertools.pairwise(bounds)]
+        plan = evaluate_split(SHAPE, WORKLOAD, fleet, devices=devices, layers=counts)
+        if plan.fits and plan.predicted_step_s < best[0]:
+            best = (plan.predicted_step_s, counts)
+    return best
+
+
+def test_worked_example_a_stage_twice_as_slow_loses_layers() -> None:
+    """docs/planner.md, "Calibration": the numbers there come from this test."""
+    plan = plan_pipeline(SHAPE, WORKLOAD, two_hosts(0.1, 0.1))
+    assert plan.layer_ranges() == [(0, 4), (4, 8)]
+    assert plan.predicted_step_s == pytest.approx(7.288, abs=1e-3)
+    assert [round(s.compute_ms, 1) for s in plan.stages] == [400.0, 429.2]
+    measured = measured_as(plan, [1.0, 2.0], step_s=14.2)
+    assert [round(x, 3) for x in measured[0].stage_compute_s] == [6.4, 13.735]
+
+    calibration = calibrate(plan, measured, CONFIG)
+    assert calibration.speed == pytest.approx((1.0, 2.0))
+    assert calibration.measured_ms_per_layer == pytest.approx((100.0, 200.0))
+    decision = rebalance_decision(plan, measured, CONFIG)
+    assert decision is not None
+    assert decision.layers == [(0, 6), (6, 8)]
+    assert decision.current_step_s == pytest.approx(14.156, abs=1e-3)
+    assert decision.predicted_step_s == pytest.approx(9.957, abs=1e-3)
+    assert 1 - decision.predicted_step_s / decision.current_step_s == pytest.approx(0.297, abs=1e-3)
+    assert "b 2.00x" in decision.reason and "4/4 -> 6/2" in decision.reason
+    # The new plan's predictions are the calibrated model's.
+    new = decision.plan
+    assert new.predicted_step_s == pytest.approx(decision.predicted_step_s)
+    assert [s.slot for s in new.stages] == ["a", "b"] and new.search == "calibrated"
+    assert [round(s.compute_ms, 1) for s in new.stages] == [600.0, 458.4]
+    assert new.calibration["speed"] == [1.0, 2.0] and new.calibration["steps"] == [1, 2, 3]
+    # Predicted / measured: 0.51 before calibration, 1.00 after.
+    assert predicted_over_measured(plan, measured) == pytest.approx(0.513, abs=1e-3)
+    assert predicted_over_measured(calibrated_plan(plan, measured, CONFIG), measured) == pytest.approx(
+        0.997, abs=1e-3
+    )
+
+
+def test_measurements_that_match_the_plan_keep_it() -> None:
+    plan = plan_pipeline(SHAPE, WORKLOAD, two_hosts(0.1, 0.25))
+    assert rebalance_decision(plan, measured_as(plan, [1.0, 1.0]), CONFIG) is None
+    # Noise common to all stages, and one outlier step the median ignores.
+    noisy = measured_as(plan, [1.0, 1.0], steps=5, noise=[1.03, 0.98, 1.0, 1.01, 4.0])
+    assert rebalance_decision(plan, noisy, CONFIG) is None
+    calibration = calibrate(plan, noisy, CONFIG)
+    assert calibration.speed == pytest.approx((1.01, 1.01))
+
+
+def test_a_gain_under_ten_percent_keeps_the_plan() -> None:
+    plan = plan_pipeline(SHAPE, WORKLOAD, two_hosts(0.1, 0.1))
+    measured = measured_as(plan, [1.0, 1.25])
+    assert rebalance_decision(plan, measured, CONFIG) is None
+    # A better split exists, only not 10% better: 7.1%.
+    smaller = rebalance_decision(plan, measured, CONFIG, min_gain=0.0)
+    assert smaller is not None and smaller.layers == [(0, 5), (5, 8)]
+    assert 1 - smaller.predicted_step_s / smaller.current_step_s == pytest.approx(0.0713, abs=1e-4)
+    # 1.3x slower: the same move gains 10.2%, enough.
+    enough = rebalance_decision(plan, measured_as(plan, [1.0, 1.3]), CONFIG)
+    assert enough is not None and enough.layers == [(0, 5), (5, 8)]
+    assert 1 - enough.predicted_step_s / enough.current_step_s == pytest.approx(0.1019, abs=1e-4)
+
+
+def test_memory_caps_are_respected() -> None:
+    roomy = plan_pipeline(SHAPE, WORKLOAD, two_hosts(0.1, 0.1))
+    first = roomy.stages[0].costs
+    assert first is not None
+    # Stage 0's device holds at most 5 layers.
+    fleet = two_hosts(0.1, 0.1, a_memory=math.ceil(first.memory(5)) + 1)
+    plan = evaluate_split(SHAPE, WORKLOAD, fleet, devices=["a", "b"], layers=[4, 4])
+    assert plan.stages[0].costs is not None and plan.stages[0].costs.max_layers() == 5
+    unlimited = rebalance_decision(roomy, measured_as(roomy, [1.0, 4.0]), CONFIG)
+    assert unlimited is not None and unlimited.layers == [(0, 7), (7, 8)]
+    capped = rebalance_decision(plan, measured_as(plan, [1.0, 4.0]), CONFIG)
+    assert capped is not None and capped.layers == [(0, 5), (5, 8)]
+    assert capped.plan.fits and capped.plan.stages[0].free_bytes >= 0
+
+
+def test_the_decision_is_deterministic() -> None:
+    plan = plan_pipeline(SHAPE, WORKLOAD, two_hosts(0.1, 0.1))
+    measured = measured_as(plan, [1.0, 2.0], steps=4, noise=[1.0, 1.02, 0.99, 1.01])
+    first = rebalance_decision(plan, measured, CONFIG)
+    again = rebalance_decision(plan, list(reversed(measured)), CONFIG)
+    assert first is not None and again is not None
+    assert json.dumps(first.plan.to_json(), sort_keys=True) == json.dumps(
+        again.plan.to_json(), sort_keys=True
+    )
+    assert (first.predicted_step_s, first.current_step_s) == (again.predicted_step_s, again.current_step_s)
+
+
+def test_swapped_profiles_get_the_right_split_back() -> None:
+    """Planned from profiles that swapped the fast and the slow device; the measured steps give
+    the split the true profiles would have given for that device order, and its step."""
+    true_fleet = two_hosts(0.05, 0.15)
+    swapped = plan_pipeline(SHAPE, WORKLOAD, two_hosts(0.15, 0.05))
+    order = [stage.slot for stage in swapped.stages]
+    assert swapped.stages[order.index("b")].num_layers > swapped.stages[order.index("a")].num_layers
+    truth = {"a": 0.05 / 0.15, "b": 0.15 / 0.05}
+    decision = rebalance_decision(swapped, measured_as(swapped, [truth[name] for name in order]), CONFIG)
+    assert decision is not None
+    best_step, best_counts = brute_force(true_fleet, order)
+    assert [stop - start for start, stop in decision.layers] == best_counts
+    assert decision.predicted_step_s == pytest.approx(best_step, rel=1e-9)
+    assert decision.layers == [(0, 7), (7, 8)] and order == ["a", "b"]
+
+
+def test_replicas_are_averaged_per_stage() -> None:
+    config = config_with(shardpool={"stages": 2, "replicas": 2})
+    plan = plan_pipeline(SHAPE, Workload.from_config(config), two_hosts(0.1, 0.1))
+    one = measured_as(plan, [1.0, 2.0])[0]
+    # Ranks are stage-major per replica: (r0 s0, r0 s1, r1 s0, r1 s1); replica 1 of stage 1 a bit faster.
+    s0, s1 = one.stage_compute_s
+    step = StepMeasurement(
+        step=1, step_seconds=1.0, stage_compute_s=(s0, s1 * 1.1, s0, s1 * 0.9), stage_wait_s=(0.0,) * 4
+    )
+    assert calibrate(plan, [step], config).speed == pytest.approx((1.0, 2.0))
+    with pytest.raises(ShardpoolError, match="not a multiple"):
+        calibrate(plan, [StepMeasurement(1, 1.0, (s0, s1, s0), (0.0,) * 3)], config)
+
+
+def test_plans_without_stage_costs_are_kept() -> None:
+    """An older plan.json (no ``costs``) reads back and is never re-sharded."""
+    plan = plan_pipeline(SHAPE, WORKLOAD, two_hosts(0.1, 0.1))
+    data = plan.to_json()
+    for stage in data["stages"]:
+        del stage["costs"]
+    old = Plan.from_json(data)
+    assert old.stages[0].costs is None
+    assert rebalance_decision(old, measured_as(plan, [1.0, 2.0]), CONFIG) is None
+    assert rebalance_decision(plan, [], CONFIG) is None
+
+
+def test_plan_json_round_trips_costs_and_calibration() -> None:
+    plan = plan_pipeline(SHAPE, WORKLOAD, two_hosts(0.1, 0.1))
+    decision = rebalance_decision(plan, measured_as(plan, [1.0, 2.0]), CONFIG)
+    assert decision is not None
+    back = Plan.from_json(json.loads(json.dumps(decision.plan.to_json())))
+    assert [s.costs for s in back.stages] == [s.costs for s in decision.plan.stages]
+    assert back.calibration == decision.plan.calibration
+    assert back.to_json() == decision.plan.to_json()
+
+
+def three_hosts(seconds: list[float]) -> Fleet:
+    return Fleet(
+        devices=tuple(
+            Device(name=name, memory_bytes=8 * GIB, seconds_per_layer=s, kind="cpu", host=name)
+            for name, s in zip("abc", seconds, strict=True)
+        )
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_decision_is_the_best_split_under_the_measured_speeds(seed: int) -> None:
+    """Against brute force: a fleet file with each profile times its measured factor is the
+    calibrated model (the ends scale with the layer time there), so its best split of the same
+    order is what calibration must find, and the 10% rule is checked against its steps."""
+    import random
+
+    rng = random.Random(seed)
+    profiled = [0.1, 0.2, 0.15]
+    config = config_with(shardpool={"stages": 3})
+    workload = Workload.from_config(config)
+    plan = plan_pipeline(SHAPE, workload, three_hosts(profiled))
+    order = [stage.slot for stage in plan.stages]
+    factor = {name: rng.uniform(0.4, 2.5) for name in "abc"}
+    truth = three_hosts([s * factor[name] for name, s in zip("abc", profiled, strict=True)])
+    decision = rebalance_decision(plan, measured_as(plan, [factor[name] for name in order]), config)
+
+    def step(counts: list[int]) -> float:
+        return evaluate_split(SHAPE, workload, truth, devices=order, layers=counts).predicted_step_s
+
+    splits = [
+        [b - a for a, b in itertools.pairwise([0, *cut, SHAPE.num_layers])]
+        for cut in itertools.combinations(range(1, SHAPE.num_layers), 2)
+    ]
+    best = min(step(counts) for counts in splits)
+    current = step([stage.num_layers for stage in plan.stages])
+    if decision is None:
+        assert best > current * (1 - MIN_GAIN)
+    else:
+        assert decision.current_step_s == pytest.approx(current, rel=1e-9)
+        assert decision.predicted_step_s == pytest.approx(best, rel=1e-9)
+        assert best <= current * (1 - MIN_GAIN)

@@ -1,0 +1,195 @@
+"""scripts/bench_hetero.py: its pure helpers, and its --quick run where the machine allows
+(root, network namespaces, wireguard-go and a writable cgroup cpu controller)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_hetero.py"
+_spec = importlib.util.spec_from_file_location("bench_hetero", _SCRIPT)
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["bench_hetero"] = bench  # its dataclasses look their module up by name
+_spec.loader.exec_module(bench)
+
+MOUNTS_V1 = """\
+tmpfs /sys/fs/cgroup tmpfs rw,relatime,mode=755 0 0
+cgroup /sys/fs/cgroup/cpuacct cgroup rw,relatime,cpuacct 0 0
+cgroup /sys/fs/cgroup/cpu cgroup rw,relatime,cpu 0 0
+cgroup2 /sys/fs/cgroup/unified cgroup2 rw,relatime 0 0
+"""
+MOUNTS_V2 = "cgroup2 /sys/fs/cgroup cgroup2 rw,nosuid,nodev,noexec,relatime 0 0\n"
+
+
+def test_v2_is_chosen_only_where_the_unified_hierarchy_has_the_cpu_controller() -> None:
+    assert bench.choose_cgroup(MOUNTS_V1, {"/sys/fs/cgroup/unified": "hugetlb\n"}) == bench.CgroupChoice(
+        "v1", Path("/sys/fs/cgroup/cpu")
+    )
+    assert bench.choose_cgroup(MOUNTS_V2, {"/sys/fs/cgroup": "cpuset cpu io memory pids\n"}) == (
+        bench.CgroupChoice("v2", Path("/sys/fs/cgroup"))
+    )
+    assert bench.choose_cgroup(MOUNTS_V2, {"/sys/fs/cgroup": "cpuset io memory\n"}) is None
+    assert bench.choose_cgroup("proc /proc proc rw 0 0\n", {}) is None
+
+
+def test_quota_files_cap_at_the_given_cpus() -> None:
+    assert bench.quota_files("v2", 0.3) == {"cpu.max": "3000 10000"}
+    assert bench.quota_files("v1", 0.6, period_us=100_000) == {
+        "cpu.cfs_period_us": "100000",
+        "cpu.cfs_quota_us": "60000",
+    }
+    assert bench.quota_files("v2", 0.01)["cpu.max"] == "1000 10000", "the kernel's 1 ms floor"
+
+
+def test_hosts_are_two_or_three_quotas_fastest_first() -> None:
+    assert bench.parse_hosts("0.6,0.3") == (0.6, 0.3)
+    assert bench.parse_hosts("1.0,0.5,0.25") == (1.0, 0.5, 0.25)
+    for bad in ("0.6", "0.3,0.6", "1,1,1,1", "0.6,0", "a,b"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_hosts(bad)
+
+
+def test_the_cgroup_filesystem_is_mounted_as_the_machine_has_it() -> None:
+    assert bench.cgroupfs_mounts(bench.CgroupChoice("v2", Path("/sys/fs/cgroup"))) == (
+        "mount -t cgroup2 cgroup2 /sys/fs/cgroup"
+    )
+    together = bench.cgroupfs_mounts(bench.CgroupChoice("v1", Path("/sys/fs/cgroup/cpu,cpuacct")))
+    assert together.endswith("mount -t cgroup -o cpu,cpuacct cgroup /sys/fs/cgroup/cpu,cpuacct")
+
+
+def test_the_gate_runs_the_command_only_after_a_line_and_keeps_the_arguments() -> None:
+    argv = bench.gated_argv(["printf", "%s|", "a b", "$HOME"], prepare="false")
+    done = subprocess.run(argv, input="go\n", capture_output=True, text=True, timeout=10)
+    assert done.stdout == "a b|$HOME|", "arguments pass through unquoted, and a failing prepare is ignored"
+    closed = subprocess.run(argv, input="", capture_output=True, text=True, timeout=10)
+    assert closed.returncode != 0 and closed.stdout == "", "no line, no command"
+
+
+def test_even_counts_put_the_extra_layers_first() -> None:
+    assert bench.even_counts(16, 2) == [8, 8]
+    assert bench.even_counts(16, 3) == [6, 5, 5]
+
+
+def test_profile_swap_exchanges_the_same_model_and_workload_and_keeps_each_key() -> None:
+    tail = "shape|mb1-seq128|torch=2|v3"
+    first = {f"cpu AMD|threads=2|quota=0.6|{tail}": {"seconds_per_layer": 1.0}, "other|x|y|z": {"s": 9}}
+    second = {f"cpu AMD|threads=2|quota=0.3|{tail}": {"seconds_per_layer": 2.0}}
+    new_first, new_second, swapped = bench.swap_profile_entries(first, second)
+    assert swapped == 1
+    assert new_first[f"cpu AMD|threads=2|quota=0.6|{tail}"] == {"seconds_per_layer": 2.0}
+    assert new_second[f"cpu AMD|threads=2|quota=0.3|{tail}"] == {"seconds_per_layer": 1.0}
+    assert new_first["other|x|y|z"] == {"s": 9}
+
+
+def _step(step: int, seconds: float, compute: list[float], wait: list[float]) -> dict:
+    return {
+        "step": step,
+        "loss": 1.0 / step,
+        "step_seconds": seconds,
+        "tokens_per_s": 100.0 / seconds,
+        "stage_compute_s": compute,
+        "stage_wait_s": wait,
+    }
+
+
+def test_a_run_is_summarized_after_warmup_per_stage_and_per_layer() -> None:
+    plan = {
+        "predicted_step_s": 1.5,
+        "stages": [
+            {"host": "a", "layers": [0, 3], "device": "cpu", "measured": {"seconds_median": 0.1}},
+            {"host": "b", "layers": [3, 4], "device": "cpu", "measured": {"seconds_median": 0.2}},
+        ],
+    }
+    records = [_step(1, 9.0, [5.0, 5.0], [1.0, 1.0])] + [
+        _step(step, 2.0, [1.5, 0.8], [0.1, 0.9]) for step in range(2, 5)
+    ]
+    records.append({"step": 4, "eval_loss": 0.5})
+    summary = bench.summarize_run(records, plan, warmup=1)
+    assert summary["steps_trained"] == 4 and summary["steps_measured"] == 3
+    assert summary["step_s"] == 2.0 and summary["tokens_per_s"] == 50.0
+    assert summary["predicted_over_measured_step"] == 0.75
+    assert summary["stage_wait_over_step"] == [0.05, 0.45]
+    assert summary["compute_s_per_layer_by_host"] == {"a": 0.5, "b": 0.8}
+    assert "after_rebalance" not in summary
+    assert bench.profiled_seconds_per_layer([plan]) == {"a": 0.1, "b": 0.2}
+
+
+def test_a_rebalanced_run_compares_each_plan_with_its_own_steps() -> None:
+    plan = {
+        "predicted_step_s": 1.0,
+        "history": [{"predicted_step_s": 3.0}],
+        "stages": [
+            {"host": "a", "layers": [0, 2], "device": "cpu"},
+            {"host": "b", "layers": [2, 4], "device": "cpu"},
+        ],
+    }
+    records = [_step(step, 2.0, [1.0, 1.0], [0.0, 0.0]) for step in range(1, 4)]
+    records.append(
+        {"event": "rebalance", "step": 3, "from": [[0, 3], [3, 4]], "to": [[0, 2], [2, 4]],
+         "predicted_step_s": 1.0, "current_step_s": 2.0, "reason": "measured"}
+    )  # fmt: skip
+    records += [_step(step, 1.25, [1.0, 1.0], [0.0, 0.0]) for step in range(4, 8)]
+    summary = bench.summarize_run(records, plan, warmup=1)
+    assert summary["predicted_step_s"] == 3.0, "the plan the run started with"
+    assert summary["predicted_over_measured_step"] == 1.5, "against the steps before the re-shard"
+    assert summary["after_rebalance"] == {
+        "steps_measured": 3,
+        "predicted_step_s": 1.0,
+        "step_s": 1.25,
+        "predicted_over_measured_step": 0.8,
+    }
+    assert summary["compute_s_per_layer_by_host"] is None
+    assert len(bench.rebalance_events(records)) == 1
+
+
+def test_recovery_from_swapped_profiles_is_the_first_step_that_stays_near_the_pooled_run() -> None:
+    assert bench.first_step_reaching([10, 50, 95, 60, 100, 100, 100], 90) == 5
+    assert bench.first_step_reaching([100, 100], 90) == 1
+    assert bench.first_step_reaching([10, 20], 90) is None
+    assert bench.first_step_reaching([], 90) is None
+    swapped = {"tokens_per_s": 80.0, "tokens_per_s_by_step": [40.0, 45.0, 95.0, 96.0]}
+    event = {"event": "rebalance", "step": 2}
+    summary = bench.swapped_summary(swapped, {"tokens_per_s": 100.0}, [event])
+    assert summary["first_step_at_90pct_of_pooled"] == 3 and summary["over_pooled"] == 0.8
+    assert summary["rebalanced"] and summary["rebalances"] == [event]
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+def test_quick_run_trains_every_way_and_the_quota_throttles() -> None:
+    reason = bench.skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    process = subprocess.Popen(
+        [sys.executable, str(_SCRIPT), "--quick"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.communicate(timeout=60)
+    assert process.returncode == 0, stderr[-2000:]
+    report = json.loads(stdout)
+    assert "skipped" not in report, report
+    for mode in bench.MODES:
+        run = report["runs"][mode]
+        assert run["steps_trained"] == bench.QUICK["max_steps"], (mode, run)
+        assert run["tokens_per_s"] > 0 and run["step_s"] > 0 and run["predicted_step_s"] > 0
+        assert all(seconds > 0 for seconds in run["stage_compute_s"]), (mode, run)
+    assert report["pooled_over_fastest"] > 0
+    assert len(report["runs"]["even_split"]["plan"]) == 2
+    assert report["seconds_per_layer_by_host"]["profile_cpu_quota"] == {"a": 1.0, "b": 0.5}
+    measured = report["seconds_per_layer_by_host"]["even_split_compute"]
+    assert measured["b"] > measured["a"], f"b has half a's quota, yet trained as fast per layer: {measured}"
+    assert not list(bench.detect_cgroup().mount.glob(f"shardpool-bench-{process.pid}")), "cgroups removed"
+    assert (
+        f"sp{process.pid}-"
+        not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    )

@@ -1,0 +1,212 @@
+"""join_process_group and Wire in real processes: subgroups made only by their members, the wire
+dtype cast on arrival, and every step-end collective on the host (issue 11).
+
+The CPU test runs four gloo ranks that *claim* mixed devices (two CUDA ranks with NCCL, a Mac and a
+CPU box without) so the group plan has an NCCL pair. Its ``new_group`` calls are recorded, and the
+members of the NCCL pair build it with gloo, since this machine has no NCCL: what is shown is who
+asks for which group and who builds it (the Mac and the CPU box never ask for NCCL and build only
+their own replica group), that every rank gets through group creation, and what crosses the wire,
+not that NCCL works. Rank 0 makes two groups and rank 2 one, which is the case that hung with
+``use_local_synchronization=True`` (torch hashes a per-process group count into the group's name,
+so rank 0 and rank 2 named their common group differently and both timed out). The tests that
+need a GPU are skipped without one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardpool.train import process_group
+from shardpool.train.loss import gather_timings, reduce_and_clip_gradients
+from shardpool.train.process_group import Wire, join_process_group
+from shardpool.train.transport import RankDevice
+
+#: What each of the four ranks claims to be: 2 stages x 2 replicas, rank = replica * 2 + stage.
+CLAIMED = [
+    RankDevice("cuda", True, "A/cuda:0"),
+    RankDevice("cuda", True, "A/cuda:1"),
+    RankDevice("mps", False, "Mac/mps"),
+    RankDevice("cpu", False, "B/cpu"),
+]
+#: Rank 2 sends in bf16; rank 3 computes in fp16: the tensor must arrive cast, not reinterpreted.
+WIRE_DTYPE, RECEIVER_DTYPE = torch.bfloat16, torch.float16
+#: Not exactly representable in bf16 or fp16, so a missing cast or a wrong wire dtype shows.
+SENT = torch.tensor([[[1.0 + 2**-10, -3.14159, 1000.3, 2**-20]]])
+TIMEOUT = timedelta(seconds=60)
+
+
+def _claimed_rank(store_path: str, rank: int, results: Any) -> None:
+    """One rank of the CPU test: join, record subgroup calls, move a tensor, reduce gradients."""
+    try:
+        calls: list[tuple[str, tuple[int, ...], bool]] = []
+        real_new_group = dist.new_group
+
+        def recording_new_group(ranks: list[int], *, backend: str, **kwargs: Any) -> Any:
+            group = real_new_group(ranks, backend="gloo", **kwargs)  # no NCCL on this machine
+            calls.append((backend, tuple(ranks), group is not dist.GroupMember.NON_GROUP_MEMBER))
+            return group
+
+        dist.new_group = recording_new_group  # type: ignore[assignment]
+        process_group.local_rank_device = lambda device, place: CLAIMED[rank]  # type: ignore[assignment]
+        store = dist.FileStore(store_path, len(CLAIMED))
+        groups = join_process_group(
+            store=store,
+            rank=rank,
+            world_size=4,
+            num_stages=2,
+            replicas=2,
+            device=torch.device("cpu"),
+            places=[claimed.place for claimed in CLAIMED],
+            timeout=TIMEOUT,
+        )
+        report: dict[str, Any] = {"calls": calls}
+        stage, replica = rank % 2, rank // 2
+        compute = RECEIVER_DTYPE if rank == 3 else torch.float32
+        wire = Wire.for_rank(
+            groups,
+            rank=rank,
+            is_first=stage == 0,
+            is_last=stage == 1,
+            device=torch.device("cpu"),
+            wire_dtype=WIRE_DTYPE,
+            compute_dtype=compute,
+        )
+        link = wire.next if stage == 0 else wire.previous
+        assert link is not None
+        report["staged"] = link.staged
+        if stage == 0:
+            wire.send(SENT, link, tag=1)
+            wire.flush()
+            report["gradient"] = _plain(wire.recv(tuple(SENT.shape), link, tag=2))
+            report["bytes_sent"] = wire.bytes_sent
+        else:
+            arrived = wire.recv(tuple(SENT.shape), link, tag=1)
+            report["arrived"] = _plain(arrived)
+            wire.send(arrived * 2, link, tag=2)
+            wire.flush()
+        # Gradients: replica r's are all (r + 1); the replica group sums them, the world adds norms.
+        grads = [torch.full((3,), float(replica + 1)), torch.full((2, 2), float(replica + 1))]
+        norm, loss, finite = reduce_and_clip_gradients(
+            grads, groups.replicas(stage), loss=float(rank), replicas=2, max_grad_norm=0.0
+        )
+        report |= {"grads": [grad.tolist() for grad in grads], "norm": norm, "loss": loss, "finite": finite}
+        report["timings"] = gather_timings(float(rank), 0.0, 0, 4)
+        dist.barrier()
+        dist.destroy_process_group()
+        results.put((rank, report))
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        results.put((rank, {"error": traceback.format_exc()}))
+
+
+def _plain(tensor: torch.Tensor) -> tuple[str, list[Any]]:
+    """A tensor as (dtype name, values): tensors put on a queue would be shared memory that dies with the rank."""
+    return str(tensor.dtype).removeprefix("torch."), tensor.tolist()
+
+
+def _tensor(plain: tuple[str, list[Any]]) -> torch.Tensor:
+    name, values = plain
+    return torch.tensor(values, dtype=getattr(torch, name))
+
+
+def _run_ranks(target: Any, world: int, tmp_path: Path) -> dict[int, dict[str, Any]]:
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    store_path = str(tmp_path / "store")
+    processes = [context.Process(target=target, args=(store_path, rank, results)) for rank in range(world)]
+    for process in processes:
+        process.start()
+    reports = dict(results.get(timeout=180) for _ in processes)
+    for process in processes:
+        process.join(timeout=60)
+    errors = {rank: report["error"] for rank, report in reports.items() if "error" in report}
+    assert not errors, errors
+    return reports
+
+
+@pytest.mark.slow
+def test_subgroups_are_made_by_their_members_only_and_the_wire_casts_on_arrival(tmp_path: Path) -> None:
+    reports = _run_ranks(_claimed_rank, 4, tmp_path)
+    # Every rank asks for every subgroup in one order; only members build one (the third field).
+    # The NCCL pair (0, 1) is built by ranks 0 and 1 alone; the Mac (2) and the CPU box (3) ask
+    # for it as gloo and get torch's non-member placeholder. Replica groups mix kinds: gloo.
+    assert reports[0]["calls"] == [("nccl", (0, 1), True), ("gloo", (0, 2), True), ("gloo", (1, 3), False)]
+    assert reports[1]["calls"] == [("nccl", (0, 1), True), ("gloo", (0, 2), False), ("gloo", (1, 3), True)]
+    assert reports[2]["calls"] == [("gloo", (0, 1), False), ("gloo", (0, 2), True), ("gloo", (1, 3), False)]
+    assert reports[3]["calls"] == [("gloo", (0, 1), False), ("gloo", (0, 2), False), ("gloo", (1, 3), True)]
+    assert [reports[rank]["staged"] for rank in range(4)] == [False, False, True, True]
+    # Rank 2 -> 3 crossed in bf16 (2 bytes each) and arrived cast to rank 3's fp16.
+    arrived = _tensor(reports[3]["arrived"])
+    assert arrived.dtype == RECEIVER_DTYPE
+    assert torch.equal(arrived, SENT.to(WIRE_DTYPE).to(RECEIVER_DTYPE))
+    assert not torch.equal(arrived.float(), SENT)
+    assert reports[2]["bytes_sent"] == SENT.numel() * 2
+    # The gradient came back through the wire dtype and arrived in rank 2's fp32.
+    gradient = _tensor(reports[2]["gradient"])
+    assert gradient.dtype == torch.float32
+    assert torch.equal(gradient, (arrived * 2).to(WIRE_DTYPE).float())
+    # Replica sums (1 + 2) on every rank, the global norm over both stages' summed gradients
+    # (each stage: 7 elements of 3), divided as the replicas' mean; the loss summed over all ranks.
+    for rank in range(4):
+        report = reports[rank]
+        assert report["grads"] == [[3.0] * 3, [[3.0, 3.0], [3.0, 3.0]]]
+        assert report["norm"] == pytest.approx((2 * 2 * 7 * 9 / 2) ** 0.5)
+        assert report["loss"] == 0 + 1 + 2 + 3 and report["finite"]
+        assert report["timings"][0] == [0.0, 1.0, 2.0, 3.0]
+
+
+def _cuda_cpu_rank(store_path: str, rank: int, results: Any) -> None:
+    """One rank of the GPU test: rank 0 on cuda:0, rank 1 on the CPU, as a real run places them."""
+    try:
+        device = torch.device("cuda:0" if rank == 0 else "cpu")
+        store = dist.FileStore(store_path, 2)
+        places = ["h/cuda:0", "h/cpu"]
+        groups = join_process_group(
+            store=store, rank=rank, world_size=2, num_stages=2, replicas=1,
+            device=device, places=places, timeout=TIMEOUT,
+        )  # fmt: skip
+        wire = Wire.for_rank(
+            groups, rank=rank, is_first=rank == 0, is_last=rank == 1, device=device,
+            wire_dtype=torch.bfloat16, compute_dtype=torch.float32,
+        )  # fmt: skip
+        link = wire.next if rank == 0 else wire.previous
+        assert link is not None
+        report: dict[str, Any] = {"staged": link.staged, "pinned": link.pinned}
+        if rank == 0:
+            wire.send(SENT.to(device), link, tag=1)
+            wire.flush()
+            back = wire.recv(tuple(SENT.shape), link, tag=2)
+            report["back"] = (back.device.type, _plain(back))
+        else:
+            arrived = wire.recv(tuple(SENT.shape), link, tag=1)
+            wire.send(arrived, link, tag=2)
+            wire.flush()
+        _, _, finite = reduce_and_clip_gradients(
+            [torch.ones(3, device=device)], None, loss=1.0, replicas=1, max_grad_norm=1.0
+        )
+        report["finite"] = finite
+        dist.barrier()
+        dist.destroy_process_group()
+        results.put((rank, report))
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        results.put((rank, {"error": traceback.format_exc()}))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (pinned staging of cuda<->cpu)"
+)
+def test_a_cuda_to_cpu_boundary_stages_through_pinned_host_memory(tmp_path: Path) -> None:
+    reports = _run_ranks(_cuda_cpu_rank, 2, tmp_path)
+    assert (reports[0]["staged"], reports[0]["pinned"]) == (True, True)
+    assert (reports[1]["staged"], reports[1]["pinned"]) == (True, False)
+    device_type, back = reports[0]["back"]
+    assert device_type == "cuda" and torch.equal(_tensor(back), SENT.to(torch.bfloat16).float())
+    assert reports[0]["finite"] and reports[1]["finite"]
