@@ -169,7 +169,10 @@ def _finetune_holding_output_dir(
     with launcher.serving(inputs, Path(config.output_dir)) as files_url:
         store = rendezvous_store(launcher.address, port=launcher.port)
         check_at = check_step(
-            config.shardpool.rebalance, first_step=run.first_step, total_steps=run.total_steps
+            config.shardpool.rebalance,
+            first_step=run.first_step,
+            total_steps=run.total_steps,
+            num_stages=len(run.placements),
         )
         job = build_job(
             run,

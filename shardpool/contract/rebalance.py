@@ -56,14 +56,14 @@ def decision_key(step: int) -> str:
     return f"shardpool/rebalance/{step}"
 
 
-def check_step(mode: str, *, first_step: int, total_steps: int) -> int | None:
-    """The step after which a run checks its plan, or None (``rebalance: off``, or too short to gain).
+def check_step(mode: str, *, first_step: int, total_steps: int, num_stages: int) -> int | None:
+    """The step after which a run checks its plan, or None (``rebalance: off``, one stage, or too short to gain).
 
     The forced re-shard of :data:`FORCE_ENV` sets the step where it is given. Otherwise the check
     comes :data:`WARMUP_STEPS` after the run's first step (a resumed run measures itself afresh),
     and only when at least one step follows it.
     """
-    if mode == "off":
+    if mode == "off" or num_stages < 2:
         return None
     forced = forced_reshard()
     step = forced[0] if forced else first_step + WARMUP_STEPS

@@ -8,6 +8,10 @@ other line, and its stderr, goes to ``logs/rank-N.log``. If any process exits no
 are terminated at once and the run fails with that stage's error. Children die with the launcher
 (``PR_SET_PDEATHSIG`` on Linux), so no stage outlives a killed run.
 
+While the stages compute, the launcher sleeps: its loop wakes for an event, for a stage's stdout
+closing (a stage that ends or dies closes it), and otherwise only every
+``_IDLE_WAKE_S`` seconds. It shares the cores with the stages, so it must not poll.
+
 Why not ``torch.distributed.elastic.multiprocessing.start_processes``: it does give per-rank
 environments and stop-all-on-first-failure, but (torch 2.13) it starts each binary with
 ``start_new_session=True`` and no ``preexec_fn``, so a stage can neither be tied to the launcher
@@ -47,6 +51,8 @@ from shardpool.plan.result import Plan
 __all__ = ["LocalLauncher", "free_port", "run_local_job", "StageFailed"]
 
 _TERMINATE_GRACE_S = 5.0
+_IDLE_WAKE_S = 2.0  # the loop's wake-up when nothing happens (a stage's exit wakes it at once)
+_EXIT_WAKE_S = 0.05  # while a stage's stdout has closed and its exit status is not in yet
 
 
 class StageFailed(ShardpoolError):
@@ -93,10 +99,11 @@ def run_local_job(
 ) -> None:
     """Run every rank of ``job`` as a local process until all finish; raise StageFailed on the first failure."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+    events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
     processes: list[subprocess.Popen[bytes]] = []
     readers: list[threading.Thread] = []
     errors: dict[int, str] = {}
+    closed: set[int] = set()  # ranks whose stdout has closed
     try:
         for rank in range(job.world_size):
             log_path = log_dir / f"rank-{rank}.log"
@@ -108,19 +115,20 @@ def run_local_job(
             reader.start()
             readers.append(reader)
         while True:
-            _dispatch(events, on_event, errors, timeout=0.2)
+            exiting = any(processes[rank].poll() is None for rank in closed)
+            _dispatch(events, on_event, errors, closed, timeout=_EXIT_WAKE_S if exiting else _IDLE_WAKE_S)
             codes = [process.poll() for process in processes]
             failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
                 _stop_all(processes)
                 for reader in readers:
                     reader.join(timeout=2.0)
-                _dispatch(events, on_event, errors, timeout=0.0)
+                _dispatch(events, on_event, errors, closed, timeout=0.0)
                 raise _failure(job, failed, codes, errors, log_dir)
             if all(code == 0 for code in codes):
                 for reader in readers:
                     reader.join(timeout=5.0)
-                _dispatch(events, on_event, errors, timeout=0.0)
+                _dispatch(events, on_event, errors, closed, timeout=0.0)
                 return
     finally:
         _stop_all(processes)
@@ -157,31 +165,40 @@ def _die_with_parent() -> None:
 
 
 def _relay(
-    rank: int, stream: IO[bytes] | None, log_path: Path, events: queue.Queue[tuple[int, dict[str, Any]]]
+    rank: int,
+    stream: IO[bytes] | None,
+    log_path: Path,
+    events: queue.Queue[tuple[int, dict[str, Any] | None]],
 ) -> None:
-    if stream is None:
-        return
-    with open(log_path, "ab") as log:
-        for raw in stream:
-            line = raw.decode("utf-8", errors="replace")
-            if line.startswith(EVENT_PREFIX):
-                try:
-                    event = parse_stage_event(json.loads(line[len(EVENT_PREFIX) :]))
-                    events.put((rank, event.model_dump(mode="json")))
-                    continue
-                except (json.JSONDecodeError, ContractError):
-                    pass
-            log.write(raw)
-            log.flush()
+    """Pass a stage's events on and log its other lines; ``(rank, None)`` last, when its stdout closes."""
+    try:
+        if stream is None:
+            return
+        with open(log_path, "ab") as log:
+            for raw in stream:
+                line = raw.decode("utf-8", errors="replace")
+                if line.startswith(EVENT_PREFIX):
+                    try:
+                        event = parse_stage_event(json.loads(line[len(EVENT_PREFIX) :]))
+                        events.put((rank, event.model_dump(mode="json")))
+                        continue
+                    except (json.JSONDecodeError, ContractError):
+                        pass
+                log.write(raw)
+                log.flush()
+    finally:
+        events.put((rank, None))
 
 
 def _dispatch(
-    events: queue.Queue[tuple[int, dict[str, Any]]],
+    events: queue.Queue[tuple[int, dict[str, Any] | None]],
     on_event: Callable[[dict[str, Any]], None],
     errors: dict[int, str],
+    closed: set[int],
     *,
     timeout: float,
 ) -> None:
+    """Handle events for up to ``timeout`` seconds; return early when a stage's stdout closes."""
     deadline = time.monotonic() + timeout
     while True:
         remaining = deadline - time.monotonic()
@@ -189,7 +206,10 @@ def _dispatch(
             rank, event = events.get(timeout=remaining) if remaining > 0 else events.get_nowait()
         except queue.Empty:
             return
-        if event.get("event") == StageEvent.ERROR:
+        if event is None:
+            closed.add(rank)
+            deadline = 0.0  # drain what is queued, then let the caller look at the exit codes
+        elif event.get("event") == StageEvent.ERROR:
             errors.setdefault(rank, str(event.get("message", "unknown error")))
         else:
             on_event(event)

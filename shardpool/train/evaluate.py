@@ -13,6 +13,7 @@ import torch.distributed as dist
 from shardpool.data.rows import TokenRows
 from shardpool.train.loss import label_tokens, token_loss_sum
 from shardpool.train.pipeline import FORWARD_TAG, StagePipe
+from shardpool.train.process_group import others_in_world
 from shardpool.train.runfiles import RunFiles
 
 __all__ = ["EVAL_LOGITS", "evaluate"]
@@ -53,7 +54,8 @@ def evaluate(
     pipe.wire.flush()
     pipe.stage.train()
     summary = torch.tensor([loss_sum, float(token_count)], dtype=torch.float64)
-    dist.all_reduce(summary)
+    if others_in_world():
+        dist.all_reduce(summary)
     return float(summary[0] / summary[1]) if summary[1] > 0 else None
 
 

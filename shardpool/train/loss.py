@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardpool.train.process_group import others_in_world
+
 __all__ = ["StepTotals", "gather_timings", "label_tokens", "reduce_and_clip_gradients", "token_loss_sum"]
 
 
@@ -91,7 +93,7 @@ def reduce_and_clip_gradients(
     squares = float((norms.double() ** 2).sum())
     not_finite = 0.0 if math.isfinite(squares) else 1.0
     summary = torch.tensor([squares, loss, not_finite], dtype=torch.float64)
-    if _others_in_world():
+    if others_in_world():
         dist.all_reduce(summary)
     finite = float(summary[2]) == 0.0
     if not finite and loss_scale is not None:
@@ -101,11 +103,6 @@ def reduce_and_clip_gradients(
         coefficient = min(1.0, max_grad_norm / (grad_norm + 1e-6))
         torch._foreach_mul_(grads, torch.tensor(coefficient, dtype=grads[0].dtype, device=grads[0].device))
     return grad_norm, float(summary[1]), True
-
-
-def _others_in_world() -> bool:
-    """Whether a world collective has anyone to talk to (a lone stage skips the round trip)."""
-    return dist.is_initialized() and dist.get_world_size() > 1
 
 
 def gather_timings(

@@ -9,6 +9,11 @@ across each boundary by the transport chosen for it: on the device through the p
 group, or through host memory over gloo, with pinned buffers and non-blocking copies on GPUs.
 The store every rank meets at first is hosted by the launcher
 (:func:`shardpool.train.rendezvous.rendezvous_store`).
+
+A lone stage (a world of one rank) joins no group at all: it has no one to talk to, and a gloo
+world would keep a transport thread that wakes every 10 ms for the whole run (gloo's TCP loop
+polls with a 10 ms timeout), next to the compute threads on the same cores.
+:func:`others_in_world` and :func:`world_barrier` are the guards the world collectives use.
 """
 
 from __future__ import annotations
@@ -30,7 +35,16 @@ from shardpool.train.transport import (
     staging_is_pinned,
 )
 
-__all__ = ["Groups", "Link", "Wire", "join_process_group", "local_rank_device"]
+__all__ = [
+    "Groups",
+    "Link",
+    "Wire",
+    "join_process_group",
+    "leave_process_group",
+    "local_rank_device",
+    "others_in_world",
+    "world_barrier",
+]
 
 
 def local_rank_device(device: torch.device, place: str) -> RankDevice:
@@ -85,10 +99,14 @@ def join_process_group(
     """Join the gloo world group, learn every rank's device, and create this rank's subgroups.
 
     ``places[rank]`` names each rank's physical device (host and device), so ranks sharing one GPU
-    are never put in one NCCL communicator.
+    are never put in one NCCL communicator. A world of one joins nothing (``store`` may be None):
+    see the module's docstring.
     """
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if world_size == 1:
+        lone = [local_rank_device(device, places[rank])]
+        return Groups(plan_groups(lone, num_stages=num_stages, replicas=replicas), {})
     dist.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     mine = torch.tensor([encode_rank_device(local_rank_device(device, places[rank]))], dtype=torch.int64)
     gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
@@ -101,6 +119,24 @@ def join_process_group(
         if member:
             created[ranks] = group
     return Groups(plan, created)
+
+
+def others_in_world() -> bool:
+    """Whether a world collective has anyone to talk to (a lone stage skips the round trip)."""
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world_barrier() -> None:
+    """Wait until every rank of the world gets here (at once for a lone stage)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def leave_process_group() -> None:
+    """Wait for every rank, then leave the world group (nothing to leave for a lone stage)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from shardpool.contract.job import RESUME_PREFIX, Job
 from shardpool.train import checkpoint as ckpt
 from shardpool.train.loss_scale import LossScale
+from shardpool.train.process_group import world_barrier
 from shardpool.train.runfiles import RunFiles
 
 __all__ = [
@@ -53,14 +53,14 @@ def send_checkpoint(
     if state.loss_scale is not None:
         rank_tensors[ckpt.LOSS_SCALE_KEY] = state.loss_scale.state_tensor()
     files.save_tensors(f"{partial}/{ckpt.rng_file(rank)}", rank_tensors)
-    dist.barrier()
+    world_barrier()
     return partial
 
 
 def send_final_lora(files: RunFiles, state: StageState, *, stage: int, replica: int) -> str:
     """Send this stage's trained LoRA tensors for the adapter, wait for every rank; return their directory."""
     _send_lora_and_optimizer(files, state, FINAL_DIR, stage=stage, replica=replica)
-    dist.barrier()
+    world_barrier()
     return FINAL_DIR
 
 

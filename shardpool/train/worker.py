@@ -58,7 +58,7 @@ from shardpool.train.loss import gather_timings, label_tokens, reduce_and_clip_g
 from shardpool.train.loss_scale import LossScale, inject_inf_at
 from shardpool.train.optim import build_optimizer, build_scheduler
 from shardpool.train.pipeline import StagePipe
-from shardpool.train.process_group import Groups, Wire, join_process_group
+from shardpool.train.process_group import Groups, Wire, join_process_group, leave_process_group
 from shardpool.train.reshard import await_decision, exchange_state, kept_state, module_layer
 from shardpool.train.runfiles import DATA_INPUT, INIT_ADAPTER_PREFIX, RunFiles
 from shardpool.train.stage_state import (
@@ -184,9 +184,11 @@ class StageWorker:
         torch.set_num_threads(self._threads())
         torch.manual_seed(self.config.seed + self.rank)
         timeout = timedelta(seconds=self.job.timeout_s)
-        store = self.store or dist.TCPStore(
-            self.job.master_addr, self.job.master_port, is_master=False, timeout=timeout
-        )
+        store = self.store
+        if store is None and self.job.world_size > 1:  # a lone stage joins no group (process_group)
+            store = dist.TCPStore(
+                self.job.master_addr, self.job.master_port, is_master=False, timeout=timeout
+            )
         self.rendezvous = store
         self.groups = join_process_group(
             store=store,
@@ -325,8 +327,7 @@ class StageWorker:
         )
         if self.rank == 0:
             self.emit({"event": StageEvent.DONE, "eval_before": eval_before, "eval_after": eval_after})
-        dist.barrier()
-        dist.destroy_process_group()
+        leave_process_group()
 
     def _peak_device_bytes(self) -> int | None:
         if self.device.type == "cuda":

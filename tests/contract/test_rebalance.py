@@ -22,14 +22,17 @@ def test_check_comes_after_the_warmup_steps_and_only_where_a_step_follows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(FORCE_ENV, raising=False)
-    assert check_step("auto", first_step=0, total_steps=10) == 3
-    assert check_step("auto", first_step=4, total_steps=10) == 7  # a resumed run measures itself afresh
-    assert check_step("auto", first_step=0, total_steps=3) is None  # nothing left to gain
-    assert check_step("off", first_step=0, total_steps=10) is None
+    assert check_step("auto", first_step=0, total_steps=10, num_stages=3) == 3
+    assert (
+        check_step("auto", first_step=4, total_steps=10, num_stages=3) == 7
+    )  # a resumed run measures itself afresh
+    assert check_step("auto", first_step=0, total_steps=3, num_stages=3) is None  # nothing left to gain
+    assert check_step("off", first_step=0, total_steps=10, num_stages=3) is None
+    assert check_step("auto", first_step=0, total_steps=10, num_stages=1) is None  # nothing to move
     monkeypatch.setenv(FORCE_ENV, "5:0-1,1-6")
-    assert check_step("auto", first_step=0, total_steps=10) == 5
-    assert check_step("off", first_step=0, total_steps=10) is None
-    assert check_step("auto", first_step=5, total_steps=10) is None
+    assert check_step("auto", first_step=0, total_steps=10, num_stages=3) == 5
+    assert check_step("off", first_step=0, total_steps=10, num_stages=3) is None
+    assert check_step("auto", first_step=5, total_steps=10, num_stages=3) is None
 
 
 def test_forced_reshard_reads_the_hook_and_refuses_nonsense(monkeypatch: pytest.MonkeyPatch) -> None:

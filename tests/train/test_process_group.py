@@ -15,6 +15,9 @@ need a GPU are skipped without one.
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
+import sys
+import textwrap
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +31,7 @@ from shardpool.train import process_group
 from shardpool.train.loss import gather_timings, reduce_and_clip_gradients
 from shardpool.train.process_group import Wire, join_process_group
 from shardpool.train.transport import RankDevice
+from tests.helpers.training import REPO_ROOT
 
 #: What each of the four ranks claims to be: 2 stages x 2 replicas, rank = replica * 2 + stage.
 CLAIMED = [
@@ -210,3 +214,39 @@ def test_a_cuda_to_cpu_boundary_stages_through_pinned_host_memory(tmp_path: Path
     device_type, back = reports[0]["back"]
     assert device_type == "cuda" and torch.equal(_tensor(back), SENT.to(torch.bfloat16).float())
     assert reports[0]["finite"] and reports[1]["finite"]
+
+
+LONE_STAGE = textwrap.dedent(
+    """
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from shardpool.train.process_group import (
+        join_process_group, leave_process_group, others_in_world, world_barrier,
+    )
+
+    groups = join_process_group(
+        store=None, rank=0, world_size=1, num_stages=1, replicas=1, device=torch.device("cpu"),
+        places=["local/cpu"], timeout=timedelta(seconds=10),
+    )
+    assert not dist.is_initialized()
+    assert groups.replicas(0) is None and groups.created == {}
+    assert not others_in_world()
+    world_barrier()
+    leave_process_group()
+    names = {open(f"/proc/self/task/{tid}/comm").read().strip() for tid in os.listdir("/proc/self/task")}
+    assert not any(name.startswith(("gloo", "pt_gloo", "pt_tcpstore")) for name in names), names
+    print("ok")
+    """
+)
+
+
+def test_a_lone_stage_joins_no_group_and_starts_no_transport_thread() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", LONE_STAGE], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok"
