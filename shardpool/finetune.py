@@ -10,8 +10,9 @@ The story of a run, top to bottom:
      serve it to remote stages, and host the rendezvous store;
   4. start one process per stage and replica, ``python -m shardpool.train.worker job.json RANK``
      (:mod:`shardpool.train.worker`), and relay their events: the progress (a bar on a terminal,
-     else a log line per logged step) and ``metrics.jsonl`` per step and periodic eval, checkpoints
-     finalized (the oldest deleted past ``save_total_limit``), and
+     else a log line per logged step) and ``metrics.jsonl`` per step and periodic eval, the
+     re-balance check after the warm-up steps answered (:mod:`shardpool.launch.rebalancing`),
+     checkpoints finalized (the oldest deleted past ``save_total_limit``), and
      at the end the stages' LoRA tensors merged into the adapter, saved with the tokenizer;
   5. write the model card (``README.md``), report eval loss before and after, and how to load
      the adapter.
@@ -34,6 +35,7 @@ from shardpool.console import RunEvents, print_placement, print_result, training
 from shardpool.contract.events import StageEvent
 from shardpool.contract.job import Job, StagePlacement
 from shardpool.contract.names import resolve_inside
+from shardpool.contract.rebalance import check_step
 from shardpool.data.hub import with_local_sources
 from shardpool.data.prepare import configure_tokenizer, prepare_data
 from shardpool.data.prepared_file import save_prepared
@@ -42,6 +44,7 @@ from shardpool.data.steps import config_step_batches
 from shardpool.data.tokenizing import load_tokenizer, save_tokenizer
 from shardpool.launch.model_card import render_model_card, write_model_card
 from shardpool.launch.output_lock import locked_output_dir
+from shardpool.launch.rebalancing import RebalanceCheck
 from shardpool.launch.run import (
     METRICS_FILE,
     RUN_DIR_NAME,
@@ -87,6 +90,7 @@ class PreparedRun:
     base_model_reference: str | None = (
         None  # what the adapter names as its base: a hub id or an absolute path
     )
+    planned: Plan | None = None  # the plan behind ``plan`` (its JSON), for the re-balance check
 
 
 def finetune_from_file(
@@ -164,10 +168,22 @@ def _finetune_holding_output_dir(
     inputs = job_inputs(config, run_dir, run.resume_from)
     with launcher.serving(inputs, Path(config.output_dir)) as files_url:
         store = rendezvous_store(launcher.address, port=launcher.port)
+        check_at = check_step(
+            config.shardpool.rebalance,
+            first_step=run.first_step,
+            total_steps=run.total_steps,
+            num_stages=len(run.placements),
+        )
         job = build_job(
-            run, inputs=inputs, master_addr=launcher.address, master_port=store.port, files_url=files_url
+            run,
+            inputs=inputs,
+            master_addr=launcher.address,
+            master_port=store.port,
+            files_url=files_url,
+            rebalance_at=check_at,
         )
         job_file = write_job(job, run_dir)
+        rebalance = _rebalance_check(run, check_at, store)
         trackers = open_trackers(as_written, Path(config.output_dir))
         try:
             record = _train(
@@ -177,12 +193,28 @@ def _finetune_holding_output_dir(
                 job,
                 start=lambda on_event: launcher.start(job, job_file, on_event),
                 trackers=trackers,
+                rebalance=rebalance,
             )
         finally:
             trackers.close()
         del store
     finish_run(as_written, config, run, record, console, events)
     return Path(config.output_dir)
+
+
+def _rebalance_check(run: PreparedRun, check_at: int | None, store: Any) -> RebalanceCheck | None:
+    """The launcher's re-balance check of ``run``, answering at ``store``; None when the run has none."""
+    if check_at is None or run.planned is None:
+        return None
+    return RebalanceCheck(
+        plan=run.planned,
+        plan_json=dict(run.plan),
+        config=run.config,
+        check_at=check_at,
+        first_step=run.first_step,
+        publish=store.set,
+        plan_path=Path(run.config.output_dir) / "plan.json",
+    )
 
 
 def finish_run(
@@ -260,6 +292,7 @@ def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Pla
         first_step,
         eval_before,
         tokenizer,
+        planned=plan,
     )
 
 
@@ -294,8 +327,12 @@ def _train(
     *,
     start: Callable[[OnEvent], None],
     trackers: Trackers | None = None,
+    rebalance: RebalanceCheck | None = None,
 ) -> RunRecord:
-    """Start the stages with ``start`` and relay their events until all finish; return what was recorded."""
+    """Start the stages with ``start`` and relay their events until all finish; return what was recorded.
+
+    ``rebalance`` answers the stages' re-balance check (and records a re-shard); None: the job has none.
+    """
     output_dir = Path(job.output_dir)
     record = RunRecord(
         output_dir, run.config.logging_steps, run.total_steps, run.first_step, eval_before=job.eval_before,
@@ -307,6 +344,8 @@ def _train(
         first_step=run.first_step,
         logging_steps=run.config.logging_steps,
     ) as progress:
+        if rebalance is not None:
+            rebalance.say = progress.say
 
         def on_event(event: dict[str, Any]) -> None:
             record.record(event)
@@ -314,6 +353,11 @@ def _train(
             if kind == StageEvent.STEP:
                 progress.step(event)
                 events.emit("step", total_steps=run.total_steps, **_fields(event))
+                line = rebalance.on_step(event) if rebalance is not None else None
+                if line is not None:
+                    record.record_rebalance(line)
+                    progress.say(_rebalance_message(line))
+                    events.emit("rebalance", **_fields(line))
             elif kind == StageEvent.EVAL:
                 events.emit("eval", **_fields(event))
             elif kind == StageEvent.CHECKPOINT_WRITTEN:
@@ -344,6 +388,15 @@ def _train(
         record.timed(start, on_event)
     record.write_summary()
     return record
+
+
+def _rebalance_message(line: dict[str, Any]) -> str:
+    """The console line of a re-shard."""
+    moved = " ".join(f"[{start}, {stop})" for start, stop in line["to"])
+    return (
+        f"re-balanced after step {line['step']}: layers now {moved} ({line['reason']}; "
+        f"predicted {line['predicted_step_s']:.3f} s/step, measured {line['current_step_s']:.3f} s/step)"
+    )
 
 
 def _fields(event: dict[str, Any]) -> dict[str, Any]:

@@ -218,6 +218,11 @@ class ShardpoolSection(_Strict):
         default=1, ge=1, description="data-parallel pipelines; LoRA gradients are all-reduced"
     )
     schedule: Literal["1f1b", "gpipe"] = Field(default="1f1b", description="pipeline schedule")
+    rebalance: Literal["auto", "off"] = Field(
+        default="auto",
+        description="auto: after the warm-up steps, move layer boundaries in place when the measured "
+        "step says another split is faster; off: keep the plan",
+    )
     wire_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         default="auto", description="dtype of activations between stages (auto: the compute dtype)"
     )

@@ -69,7 +69,8 @@ class Job(Closed):
     machine. A stage on that machine opens the paths; a stage elsewhere fetches them by name from
     ``files_url`` and sends its results there too, so ``output_dir`` and the input paths mean
     nothing on another member. ``master_addr:master_port`` is the launcher's torch.distributed
-    TCPStore.
+    TCPStore. ``rebalance_at`` is the step after which every rank waits there for the launcher's
+    re-balance decision (:mod:`shardpool.contract.rebalance`).
     """
 
     config: dict[str, Any]
@@ -85,6 +86,8 @@ class Job(Closed):
     eval_before: FiniteFloat | None = None
     files_url: FilesURL | None = None
     timeout_s: float = Field(default=300.0, gt=0, le=7 * 86400, allow_inf_nan=False)
+    #: The step after which every rank waits for the launcher's re-balance decision (None: never).
+    rebalance_at: Steps | None = None
 
     @field_validator("config")
     @classmethod

@@ -114,10 +114,12 @@ def build_job(
     master_addr: str,
     master_port: int,
     files_url: str | None = None,
+    rebalance_at: int | None = None,
 ) -> Job:
     """The job of ``run``: its config, placements, input files by name and rendezvous address.
 
-    ``files_url`` is the launcher's file server, for stages on other machines.
+    ``files_url`` is the launcher's file server, for stages on other machines; ``rebalance_at``
+    the step after which the stages wait for the launcher's re-balance decision (None: they never do).
     """
     config = run.config
     return Job(
@@ -133,6 +135,7 @@ def build_job(
         resume_step=run.first_step,
         eval_before=run.eval_before,
         files_url=files_url,
+        rebalance_at=rebalance_at,
     )
 
 
@@ -179,6 +182,10 @@ class RunRecord:
             eval_loss_before=self.eval_before,
             eval_loss_after=self.eval_after,
         )
+
+    def record_rebalance(self, line: dict[str, Any]) -> None:
+        """Append a re-balance event to ``metrics.jsonl`` (not to trackers: it holds no scalars)."""
+        _append_metrics(self.output_dir / METRICS_FILE, line)
 
     def _metrics_line(self, line: dict[str, Any]) -> None:
         _append_metrics(self.output_dir / METRICS_FILE, line)

@@ -27,7 +27,14 @@ from shardpool.model.nf4 import DTYPES, quantize_linear
 from shardpool.model.shape import EMBED_NAME, LM_HEAD_NAME, layer_prefix, mask_kind
 from shardpool.model.weights import WeightReader
 
-__all__ = ["StageSpec", "BaseSettings", "PipelineStage", "build_stage", "owned_tensor_names"]
+__all__ = [
+    "StageSpec",
+    "BaseSettings",
+    "PipelineStage",
+    "build_stage",
+    "owned_tensor_names",
+    "reusable_modules",
+]
 
 _MASK_BUILDERS = {
     "full_attention": create_causal_mask,
@@ -175,6 +182,26 @@ class PipelineStage(nn.Module):
             raise ShardpoolError(f"{source}: unexpected LoRA keys such as {result.unexpected_keys[0]}")
 
 
+def reusable_modules(stage: PipelineStage) -> dict[str, nn.Module]:
+    """The stage's base modules without their LoRA, by path in the causal LM, for :func:`build_stage`'s ``reuse``.
+
+    Removes the LoRA from ``stage`` (peft's ``unload``), which is then no longer trainable: this
+    is for a stage about to be rebuilt with other layers (an in-place re-shard), so that the
+    layers it keeps are neither read nor quantized again.
+    """
+    causal_lm = stage.peft_model.unload()
+    inner = causal_lm.model
+    modules: dict[str, nn.Module] = {f"model.layers.{name}": layer for name, layer in inner.layers.items()}
+    for path, module in (
+        ("model.embed_tokens", inner.embed_tokens),
+        ("model.norm", inner.norm),
+        ("lm_head", causal_lm.lm_head),
+    ):
+        if module is not None:
+            modules[path] = module
+    return modules
+
+
 def _adapter_key(parameter_name: str) -> str:
     return parameter_name.replace(".default.", ".")
 
@@ -187,11 +214,14 @@ def build_stage(
     *,
     seed: int,
     reader: WeightReader | None = None,
+    reuse: dict[str, nn.Module] | None = None,
 ) -> PipelineStage:
     """Build one stage on its device from only the tensors it owns, then add LoRA to it.
 
     The LoRA starts from ``lora.init_from`` when given, else from a per-module seeded draw, so
-    every split of the same config starts from the same adapter.
+    every split of the same config starts from the same adapter. ``reuse`` holds base modules
+    this process already built on this device (:func:`reusable_modules`), by path; those the new
+    stage owns are taken as they are instead of being read and quantized again.
     """
     device = torch.device(spec.device)
     compute_dtype = DTYPES[base.compute_dtype]
@@ -202,6 +232,7 @@ def build_stage(
     try:
         hf_config._attn_implementation = base.attn_implementation
         model = _pruned_skeleton(hf_config, spec)
+        _take_reused(model, reuse or {})
         _materialize(
             model,
             reader,
@@ -256,6 +287,18 @@ def _pruned_skeleton(hf_config: PretrainedConfig, spec: StageSpec) -> nn.Module:
     return model
 
 
+def _take_reused(model: nn.Module, reuse: dict[str, nn.Module]) -> None:
+    """Put the reused modules the skeleton still holds (on the meta device) in their place."""
+    for path, module in reuse.items():
+        owner_path, _, leaf = path.rpartition(".")
+        try:
+            owner = model.get_submodule(owner_path) if owner_path else model
+        except AttributeError:
+            continue
+        if getattr(owner, leaf, None) is not None:  # the new stage owns it
+            setattr(owner, leaf, module)
+
+
 def _materialize(
     model: nn.Module,
     reader: WeightReader,
@@ -270,7 +313,7 @@ def _materialize(
         for layer_index in spec.layer_indices:
             layer = model.model.layers[str(layer_index)]
             for name, module in list(layer.named_modules()):
-                if isinstance(module, nn.Linear):
+                if isinstance(module, nn.Linear) and module.weight.device.type == "meta":
                     prefix = f"{layer_prefix(layer_index)}{name}."
                     bias = reader.read(prefix + "bias").to(compute_dtype) if module.bias is not None else None
                     quantized = quantize_linear(

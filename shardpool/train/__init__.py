@@ -4,7 +4,8 @@ It owns one stage process from start to end (:mod:`.worker`: set-up, the step lo
 launcher), its part of a pipelined step (:mod:`.pipeline`, with the schedules in :mod:`.schedule`),
 the loss and the per-step reductions across ranks (:mod:`.loss`), the optimizer and LR schedule
 (:mod:`.optim`), evaluation (:mod:`.evaluate`),
-its training state and share of checkpoints (:mod:`.stage_state`), the checkpoint files and their
+its training state and share of checkpoints (:mod:`.stage_state`), the hand-over of an in-place
+re-shard (:mod:`.reshard`), the checkpoint files and their
 finalizing on the launcher (:mod:`.checkpoint`), the process groups and the wire between stages
 (:mod:`.process_group`, :mod:`.transport`), the files a stage reads and writes on the launcher
 (:mod:`.runfiles`), and the rendezvous store the launcher hosts (:mod:`.rendezvous`).

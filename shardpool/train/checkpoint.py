@@ -36,6 +36,7 @@ __all__ = [
     "finalize_checkpoint",
     "newest_checkpoint",
     "read_lora_and_optimizer",
+    "lora_and_optimizer_from",
     "read_rng_state",
     "checkpoint_step",
     "checkpoint_eval_before",
@@ -240,6 +241,13 @@ def read_lora_and_optimizer(
     found: dict[str, torch.Tensor] = {}
     for path in stage_files:
         found.update(load_file(str(path)))
+    return lora_and_optimizer_from(found, keys)
+
+
+def lora_and_optimizer_from(
+    found: dict[str, torch.Tensor], keys: list[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """The LoRA tensors and AdamW state of ``keys`` in stage-state tensors (:func:`stage_state_tensors`' names)."""
     lora: dict[str, torch.Tensor] = {}
     optim: dict[str, dict[str, torch.Tensor]] = {}
     for key in keys:

@@ -23,6 +23,7 @@ from shardpool.train.runfiles import RunFiles
 __all__ = [
     "FINAL_DIR",
     "StageState",
+    "load_lora_and_optimizer",
     "load_optimizer_state",
     "restore_stage_state",
     "send_checkpoint",
@@ -76,11 +77,7 @@ def restore_stage_state(files: RunFiles, job: Job, state: StageState, *, rank: i
     step = job.resume_step
     stage_files = [files.path(name) for name in job.inputs if name.startswith(RESUME_PREFIX + "stage-")]
     keys = [key for key, _ in state.named_params]
-    lora, optim_state = ckpt.read_lora_and_optimizer(stage_files, keys)
-    with torch.no_grad():
-        for key, param in state.named_params:
-            param.copy_(lora[key].to(device=param.device, dtype=param.dtype))
-    load_optimizer_state(state.optimizer, state.named_params, optim_state)
+    load_lora_and_optimizer(state, *ckpt.read_lora_and_optimizer(stage_files, keys))
     for _ in range(step):
         state.scheduler.step()
     rng_input = RESUME_PREFIX + ckpt.rng_file(rank)
@@ -90,6 +87,16 @@ def restore_stage_state(files: RunFiles, job: Job, state: StageState, *, rank: i
         if state.loss_scale is not None and saved_scale is not None:
             state.loss_scale.load_state_tensor(saved_scale)
     return step
+
+
+def load_lora_and_optimizer(
+    state: StageState, lora: dict[str, torch.Tensor], optim_state: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    """Put LoRA tensors and per-parameter optimizer state (by adapter key) into ``state``."""
+    with torch.no_grad():
+        for key, param in state.named_params:
+            param.copy_(lora[key].to(device=param.device, dtype=param.dtype))
+    load_optimizer_state(state.optimizer, state.named_params, optim_state)
 
 
 def load_optimizer_state(

@@ -8,6 +8,8 @@ Then, per optimizer step:
      the last stage's loss is divided by the label tokens of the *whole* step;
   2. replicas sum their LoRA gradients; the gradients are clipped on the global norm over all
      stages (:mod:`shardpool.train.loss`); AdamW and the LR schedule step.
+After the job's re-balance check step every rank waits for the launcher's decision and, if it
+moves the layer boundaries, re-shards in place (:meth:`StageWorker.reshard`).
 It evaluates before, after, and every ``eval_steps`` (:mod:`shardpool.train.evaluate`; the cadence
 is :mod:`shardpool.data.cadence`), sends checkpoints and the final
 LoRA tensors to the launcher (:mod:`shardpool.train.stage_state`), and reports to it by JSON
@@ -22,12 +24,14 @@ collective is left waiting on it.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +42,7 @@ import torch.distributed as dist
 
 from shardpool.contract.events import EVENT_PREFIX, StageEvent
 from shardpool.contract.job import Job
+from shardpool.contract.rebalance import decode_decision
 from shardpool.data.cadence import config_steps_per_epoch, epoch_at, eval_step_set, save_step_set
 from shardpool.data.prepared_file import load_prepared
 from shardpool.data.rows import PreparedData
@@ -45,7 +50,8 @@ from shardpool.data.steps import config_step_batches
 from shardpool.errors import ShardpoolError
 from shardpool.model.lora import lora_settings
 from shardpool.model.nf4 import DTYPES
-from shardpool.model.stage import BaseSettings, StageSpec, build_stage
+from shardpool.model.stage import BaseSettings, PipelineStage, StageSpec, build_stage, reusable_modules
+from shardpool.train import checkpoint as ckpt
 from shardpool.train.evaluate import evaluate
 from shardpool.train.kernels import apply_tf32, stage_attention
 from shardpool.train.loss import gather_timings, label_tokens, reduce_and_clip_gradients
@@ -53,8 +59,15 @@ from shardpool.train.loss_scale import LossScale, inject_inf_at
 from shardpool.train.optim import build_optimizer, build_scheduler
 from shardpool.train.pipeline import StagePipe
 from shardpool.train.process_group import Groups, Wire, join_process_group, leave_process_group
+from shardpool.train.reshard import await_decision, exchange_state, kept_state, module_layer
 from shardpool.train.runfiles import DATA_INPUT, INIT_ADAPTER_PREFIX, RunFiles
-from shardpool.train.stage_state import StageState, restore_stage_state, send_checkpoint, send_final_lora
+from shardpool.train.stage_state import (
+    StageState,
+    load_lora_and_optimizer,
+    restore_stage_state,
+    send_checkpoint,
+    send_final_lora,
+)
 
 __all__ = [
     "stage_spec",
@@ -162,6 +175,8 @@ class StageWorker:
         self.groups: Groups
         self.pipe: StagePipe
         self.state: StageState
+        self.rendezvous: Any = None  # the joined rendezvous store: where the re-balance decision arrives
+        self.layers = [(placement.start, placement.stop) for placement in job.stages]  # every stage's, now
 
     # ----- set-up -------------------------------------------------------------------------
     def setup(self) -> None:
@@ -174,6 +189,7 @@ class StageWorker:
             store = dist.TCPStore(
                 self.job.master_addr, self.job.master_port, is_master=False, timeout=timeout
             )
+        self.rendezvous = store
         self.groups = join_process_group(
             store=store,
             rank=self.rank,
@@ -185,7 +201,7 @@ class StageWorker:
             timeout=timeout,
         )
         self.files = RunFiles(self.job, job_dir=self.job_dir)
-        wire = Wire.for_rank(
+        self.wire = Wire.for_rank(
             self.groups,
             rank=self.rank,
             is_first=self.spec.is_first,
@@ -195,7 +211,7 @@ class StageWorker:
             compute_dtype=self.compute_dtype,
         )
         lora = lora_settings(self.config, check_init_adapter=False)
-        base = BaseSettings(
+        self.base = BaseSettings(
             quantize=self.config.adapter == "qlora",
             quant_type=self.config.bnb_config_kwargs.bnb_4bit_quant_type,
             double_quant=self.config.bnb_config_kwargs.bnb_4bit_use_double_quant,
@@ -206,22 +222,45 @@ class StageWorker:
         apply_tf32(self.config, self.device)
         if lora.init_from:
             lora = replace(lora, init_from=str(self.files.adapter_dir(INIT_ADAPTER_PREFIX)))
-        with self.files.weight_reader() as reader:
-            stage = build_stage(
-                self.files.model_dir(), self.spec, base, lora, seed=self.config.seed, reader=reader
-            )
+        self.lora = lora
+        stage = self._load_stage(self.spec)
         self.data = load_prepared(self.files.path(DATA_INPUT))
-        self.pipe = StagePipe(
-            stage, self.spec, wire, self.device, int(stage.hf_config.hidden_size), packed=self.data.packed
-        )
         self.steps = config_step_batches(self.config, len(self.data.train), replicas=self.job.replicas)
         self._set_cadence()
+        self._train_stage(stage, loss_scale=LossScale() if self.job.scales_loss else None)
+
+    def _load_stage(
+        self, spec: StageSpec, *, reuse: dict[str, torch.nn.Module] | None = None
+    ) -> PipelineStage:
+        """Build the layers of ``spec`` (NF4 base from the model files or the launcher, fresh LoRA).
+
+        ``reuse``: base modules this process already holds, taken as they are (a re-shard).
+        """
+        with self.files.weight_reader() as reader:
+            return build_stage(
+                self.files.model_dir(),
+                spec,
+                self.base,
+                self.lora,
+                seed=self.config.seed,
+                reader=reader,
+                reuse=reuse,
+            )
+
+    def _train_stage(self, stage: PipelineStage, *, loss_scale: LossScale | None) -> None:
+        """Put ``stage`` in the pipe and give its LoRA parameters a fresh AdamW and LR schedule."""
+        self.pipe = StagePipe(
+            stage,
+            self.spec,
+            self.wire,
+            self.device,
+            int(stage.hf_config.hidden_size),
+            packed=self.data.packed,
+        )
         named_params = stage.named_lora_parameters()
         optimizer = build_optimizer(self.config, [param for _, param in named_params], self.device)
         scheduler = build_scheduler(self.config, optimizer, len(self.steps))
-        self.state = StageState(
-            named_params, optimizer, scheduler, loss_scale=LossScale() if self.job.scales_loss else None
-        )
+        self.state = StageState(named_params, optimizer, scheduler, loss_scale=loss_scale)
 
     def _set_cadence(self) -> None:
         """Which steps evaluate and save, and how many steps an epoch takes (for ``epoch``)."""
@@ -270,6 +309,8 @@ class StageWorker:
                 self.report_eval(done, self.evaluate())
             if done in self.save_at:
                 self.save_checkpoint(done, eval_before=eval_before)
+            if done == self.job.rebalance_at and done < total_steps:
+                self.check_rebalance(done)
         eval_after = self.evaluate(save_logits=True)
         if total_steps in self.eval_at:
             self.report_eval(total_steps, eval_after)  # the final eval is the last step's
@@ -375,6 +416,71 @@ class StageWorker:
                 }
             )
 
+    # ----- re-balancing -------------------------------------------------------------------
+    def check_rebalance(self, step: int) -> None:
+        """Wait for the launcher's decision after ``step`` (every rank reads the same key); re-shard if asked."""
+        answer = await_decision(self.rendezvous, step, timeout_s=self.job.timeout_s)
+        new = decode_decision(answer, current=self.layers)
+        if new is not None:
+            self.reshard(new)
+
+    def reshard(self, new: list[tuple[int, int]]) -> None:
+        """Move to the layers ``new`` gives this stage, in place: same process, rank, device and groups.
+
+        The LoRA tensors and AdamW state at this step boundary go by global key to the stage that
+        now owns their layer (:func:`shardpool.train.reshard.exchange_state`); this stage then drops
+        the layers it no longer holds, builds those it gains (from the model files, or on the mesh
+        from the launcher through the weight cache) around the base modules it keeps, and restores
+        the state, the LR schedule's position and the learning rate as they were.
+        """
+        started = time.perf_counter()
+        index = self.spec.index
+        old = self.layers
+        tensors = ckpt.stage_state_tensors(
+            named_parameters=self.state.named_params, optimizer=self.state.optimizer
+        )
+        received = exchange_state(
+            tensors, old=old, new=new, stage=index, replica=self.replica, rank=self.rank
+        )
+        wanted = kept_state(tensors, old=old[index], new=new[index]) | received
+        wanted = {name: tensor.detach().clone() for name, tensor in wanted.items()}
+        schedule = self.state.scheduler.state_dict()
+        rates = [group["lr"] for group in self.state.optimizer.param_groups]
+        loss_scale = self.state.loss_scale
+        del tensors, received
+        start, stop = new[index]
+        reuse = {
+            path: module
+            for path, module in reusable_modules(self.pipe.stage).items()
+            if (layer := module_layer(path)) is None or start <= layer < stop
+        }
+        self._drop_stage()
+        self.spec = replace(self.spec, start=start, stop=stop)
+        self.layers = list(new)
+        with _rng_kept(self.device):  # building a stage draws from the global RNG; dropout must not see it
+            stage = self._load_stage(self.spec, reuse=reuse)
+        del reuse
+        self._train_stage(stage, loss_scale=loss_scale)
+        keys = [key for key, _ in self.state.named_params]
+        load_lora_and_optimizer(self.state, *ckpt.lora_and_optimizer_from(wanted, keys))
+        self.state.scheduler.load_state_dict(schedule)
+        for group, rate in zip(self.state.optimizer.param_groups, rates, strict=True):
+            group["lr"] = rate
+        dist.barrier()
+        print(
+            f"shardpool: re-sharded layers [{old[index][0]}, {old[index][1]}) -> "
+            f"[{self.spec.start}, {self.spec.stop}) in {time.perf_counter() - started:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _drop_stage(self) -> None:
+        """Free the stage's layers, LoRA and optimizer state before the new ones are built."""
+        del self.pipe, self.state
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     # ----- saving -----------------------------------------------------------------------------
     def save_checkpoint(self, step: int, *, eval_before: float | None) -> None:
         """Send every stage's part of a checkpoint to the launcher, which then renames it into place."""
@@ -396,6 +502,19 @@ class StageWorker:
         directory = send_final_lora(self.files, self.state, stage=self.spec.index, replica=self.replica)
         if self.rank == 0:
             self.emit({"event": StageEvent.FINAL_WRITTEN, "directory": directory})
+
+
+@contextmanager
+def _rng_kept(device: torch.device) -> Iterator[None]:
+    """Restore this process's torch RNG state (and the CUDA device's) after the block."""
+    cpu_state = torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, device)
 
 
 if __name__ == "__main__":

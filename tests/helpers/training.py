@@ -38,7 +38,12 @@ def write_jsonl(path: Path, rows: list[Any]) -> Path:
 
 
 def base_config(model: Path, data: Path, output_dir: Path, **overrides: Any) -> dict[str, Any]:
-    """A small, fast, deterministic training config (fp32, file order, no dropout)."""
+    """A small, fast, deterministic training config (fp32, file order, no dropout).
+
+    Runs keep their plan (``shardpool.rebalance: off``) unless ``shardpool`` overrides say
+    otherwise, so a re-shard that the timing of a busy machine would justify never changes what a
+    test compares.
+    """
     config: dict[str, Any] = {
         "base_model": str(model),
         "adapter": "qlora",
@@ -63,11 +68,11 @@ def base_config(model: Path, data: Path, output_dir: Path, **overrides: Any) -> 
         "seed": 7,
         "output_dir": str(output_dir),
         "logging_steps": 1,
-        "shardpool": {"stages": 1},
+        "shardpool": {"stages": 1, "rebalance": "off"},
     }
     for key, value in overrides.items():
         if key == "shardpool":
-            config["shardpool"] = dict(value)
+            config["shardpool"] = {"rebalance": "off", **dict(value)}
         else:
             config[key] = value
     return config
@@ -95,3 +100,18 @@ def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None) -> subpro
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
     """The records of ``metrics.jsonl``."""
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def stage_pids(job_file: Path) -> dict[int, int]:
+    """rank -> pid of the stage processes still running ``job_file``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"shardpool.train.worker" in argv and str(job_file).encode() in argv:
+            found[int(argv[argv.index(str(job_file).encode()) + 1])] = int(entry.name)
+    return found

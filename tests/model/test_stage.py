@@ -17,7 +17,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from shardpool.model.lora import LoraSettings, peft_config
 from shardpool.model.nf4 import bnb_config, keep_exact_cpu_matmul
-from shardpool.model.stage import BaseSettings, PipelineStage, StageSpec, build_stage, owned_tensor_names
+from shardpool.model.stage import (
+    BaseSettings,
+    PipelineStage,
+    StageSpec,
+    build_stage,
+    owned_tensor_names,
+    reusable_modules,
+)
 from shardpool.model.tinymodel import make_tiny_llama
 from shardpool.model.weights import WeightReader
 
@@ -94,6 +101,29 @@ def test_stage_reads_only_the_tensors_it_owns(tiny_model: Path) -> None:
         assert "lm_head.weight" in reader.names_read and "model.norm.weight" in reader.names_read
         assert "model.embed_tokens.weight" not in reader.names_read
         assert not any(name.startswith("model.layers.3.") for name in reader.names_read)
+
+
+def test_a_rebuilt_stage_reuses_the_layers_it_keeps_and_equals_a_fresh_one(tiny_model: Path) -> None:
+    old = build_stage(tiny_model, StageSpec(1, 3, 1, 4, "cpu"), BaseSettings(), LORA, seed=5)
+    kept_layer = old.peft_model.get_base_model().model.layers["2"]
+    reuse = {path: module for path, module in reusable_modules(old).items() if path != "model.layers.1"}
+    assert sorted(reuse) == ["model.layers.2", "model.layers.3"], "a middle stage holds no embedding or head"
+    with WeightReader(tiny_model) as reader:
+        rebuilt = build_stage(
+            tiny_model, StageSpec(1, 3, 2, 5, "cpu"), BaseSettings(), LORA, seed=5, reader=reader, reuse=reuse
+        )
+        assert {name.split(".")[2] for name in reader.names_read} == {"4"}, "only the layer it gains is read"
+    fresh = build_stage(tiny_model, StageSpec(1, 3, 2, 5, "cpu"), BaseSettings(), LORA, seed=5)
+    assert rebuilt.peft_model.get_base_model().model.layers["2"] is kept_layer
+    assert [key for key, _ in rebuilt.named_lora_parameters()] == [
+        key for key, _ in fresh.named_lora_parameters()
+    ]
+    _randomize_lora_b([rebuilt])
+    _randomize_lora_b([fresh])
+    hidden = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(2))
+    inputs = _inputs(vocab=128)
+    kwargs = {"attention_mask": inputs["attention_mask"], "position_ids": inputs["position_ids"]}
+    assert torch.equal(rebuilt(hidden, **kwargs), fresh(hidden, **kwargs))
 
 
 def test_nf4_base_is_bit_for_bit_what_transformers_loads(tiny_model: Path) -> None:

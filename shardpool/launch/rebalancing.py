@@ -1,0 +1,132 @@
+"""The launcher's side of re-balancing: measure the warm-up steps, decide, answer the stages, record it.
+
+:class:`RebalanceCheck` follows the run's ``step`` events. At the job's check step
+(``Job.rebalance_at``) it asks :func:`shardpool.plan.calibrate.rebalance_decision` (or takes the
+test hook's forced split, :data:`shardpool.contract.rebalance.FORCE_ENV`) and publishes the answer
+at the rendezvous-store key every rank waits on. It always publishes, keep included, so the stages
+never wait longer than the launcher takes to decide; a check that fails (a bug in calibration)
+says one line and keeps the plan rather than stopping the run. A re-shard rewrites ``plan.json`` with the new
+plan and the earlier ones under ``history``, and returns the ``rebalance`` line for ``metrics.jsonl``.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+from mesh.files import write_json
+from shardpool.config import Config
+from shardpool.contract.events import StageEvent
+from shardpool.contract.rebalance import (
+    FORCE_ENV,
+    check_same_stages,
+    decision_key,
+    encode_decision,
+    forced_reshard,
+)
+from shardpool.plan.calibrate import Rebalance, StepMeasurement, rebalance_decision
+from shardpool.plan.result import Plan
+
+__all__ = ["RebalanceCheck", "forced_rebalance", "rebalance_line", "replanned_json"]
+
+Publish = Callable[[str, str], None]  # (store key, value): the rendezvous store's set
+
+
+@dataclass
+class RebalanceCheck:
+    """The check of one run: its plan, the step it checks after, and where the answer goes."""
+
+    plan: Plan
+    plan_json: dict[str, Any]
+    config: Config
+    check_at: int
+    first_step: int
+    publish: Publish
+    plan_path: Path
+    measured: list[StepMeasurement] = field(default_factory=list)
+    decide: Callable[[Plan, list[StepMeasurement], Config], Rebalance | None] = rebalance_decision
+    say: Callable[[str], None] = print  # where a failed check's one line goes (the run's console)
+
+    def on_step(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        """Note a ``step`` event; at the check step decide and answer. Returns the re-balance line, if any."""
+        if event.get("event") != StageEvent.STEP:
+            return None
+        step = int(event["step"])
+        if step > self.first_step + 1:  # the run's first step is warm-up, not a measurement
+            self.measured.append(
+                StepMeasurement(
+                    step=step,
+                    step_seconds=float(event["step_seconds"]),
+                    stage_compute_s=tuple(event["stage_compute_s"]),
+                    stage_wait_s=tuple(event["stage_wait_s"]),
+                )
+            )
+        if step != self.check_at:
+            return None
+        decision: Rebalance | None = None
+        try:
+            decision = self._decision()
+        except Exception as error:  # noqa: BLE001 - a failed check keeps the plan; it must not stop the run
+            self.say(f"re-balance check after step {step} failed, keeping the plan: {_first_line(error)}")
+        if decision is not None and decision.layers == self.plan.layer_ranges():
+            decision = None
+        self.publish(decision_key(step), encode_decision(decision.layers if decision else None))
+        if decision is None:
+            return None
+        self.plan_json = replanned_json(self.plan_json, decision.plan, ended_at_step=step)
+        write_json(self.plan_path, self.plan_json)
+        line = rebalance_line(step, self.plan, decision)
+        self.plan = decision.plan
+        return line
+
+    def _decision(self) -> Rebalance | None:
+        forced = forced_reshard()
+        if forced is not None:
+            return forced_rebalance(self.plan, forced[1], self.measured)
+        return self.decide(self.plan, list(self.measured), self.config)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text.strip() else type(error).__name__
+
+
+def forced_rebalance(plan: Plan, layers: list[tuple[int, int]], measured: list[StepMeasurement]) -> Rebalance:
+    """The re-shard the test hook asks for: ``plan`` with ``layers``, predicting nothing new."""
+    check_same_stages(plan.layer_ranges(), layers)
+    stages = [
+        replace(stage, start=start, stop=stop)
+        for stage, (start, stop) in zip(plan.stages, layers, strict=True)
+    ]
+    current = mean(step.step_seconds for step in measured) if measured else 0.0
+    return Rebalance(
+        plan=replace(plan, stages=stages),
+        predicted_step_s=plan.predicted_step_s,
+        current_step_s=current,
+        reason=f"forced by {FORCE_ENV}",
+    )
+
+
+def rebalance_line(step: int, old: Plan, decision: Rebalance) -> dict[str, Any]:
+    """The ``metrics.jsonl`` line of a re-shard after ``step``."""
+    return {
+        "event": "rebalance",
+        "step": step,
+        "from": [list(pair) for pair in old.layer_ranges()],
+        "to": [list(pair) for pair in decision.layers],
+        "predicted_step_s": round(decision.predicted_step_s, 6),
+        "current_step_s": round(decision.current_step_s, 6),
+        "reason": decision.reason,
+    }
+
+
+def replanned_json(current: dict[str, Any], new_plan: Plan, *, ended_at_step: int) -> dict[str, Any]:
+    """``plan.json`` after a re-shard: the new plan, the run's keys kept, the current one in ``history``."""
+    earlier = {key: value for key, value in current.items() if key != "history"}
+    history = [*current.get("history", []), earlier | {"ended_at_step": ended_at_step}]
+    kept = {key: current[key] for key in ("replicas",) if key in current}
+    return new_plan.to_json() | kept | {"source": "rebalance", "history": history}

@@ -1,0 +1,137 @@
+"""A stage's side of an in-place re-shard: which state it hands over, and the hand-over itself.
+
+At a re-shard (:mod:`shardpool.contract.rebalance`) every rank keeps its process, its rank, its
+device and its process groups; only its layers change. It takes its LoRA tensors and AdamW state
+at the step boundary (by global adapter key, as checkpoints hold them), sends those of the layers
+it loses to their new owner in the same replica, and receives those of the layers it gains. The
+tensors travel as safetensors bytes over the gloo world group (nothing is unpickled), so every
+optimizer's state fields travel as they are and the result is exact. The caller then rebuilds its
+stage for the new layers and restores the state by key.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load as load_tensor_bytes
+from safetensors.torch import save as save_tensor_bytes
+
+from shardpool.contract.rebalance import decision_key, handovers, key_layer, kill_rank
+from shardpool.errors import ShardpoolError
+
+__all__ = [
+    "HANDOVER_TAG",
+    "await_decision",
+    "exchange_state",
+    "kept_state",
+    "module_layer",
+    "state_for_layers",
+]
+
+#: The tag of hand-over messages (the pipeline's are 1 and 2, and quiet at a step boundary).
+HANDOVER_TAG = 7
+
+
+def await_decision(store: Any, step: int, *, timeout_s: float) -> bytes:
+    """The launcher's answer to the check after ``step``, read from the rendezvous ``store``.
+
+    Waits at most ``timeout_s``: a launcher that is gone must not leave its stages waiting.
+    """
+    key = decision_key(step)
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+        return bytes(store.get(key))
+    except (RuntimeError, dist.DistError) as error:
+        detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ShardpoolError(
+            f"no re-balance decision from the launcher within {timeout_s:g} s after step {step} "
+            f"(is the launcher gone?): {detail}"
+        ) from None
+
+
+def module_layer(path: str) -> int | None:
+    """The decoder layer of a module path in the causal LM (``model.layers.N``), or None."""
+    return key_layer(path + ".")
+
+
+def state_key_layer(name: str) -> int | None:
+    """The decoder layer of a state tensor (``lora.KEY`` or ``optim.KEY.FIELD``), or None."""
+    return key_layer(name.split(".", 1)[1])
+
+
+def state_for_layers(tensors: dict[str, torch.Tensor], layers: Sequence[int]) -> dict[str, torch.Tensor]:
+    """The state tensors of ``layers``, on the host and contiguous (as safetensors writes them)."""
+    wanted = set(layers)
+    return {
+        name: tensor.detach().to("cpu").contiguous()
+        for name, tensor in tensors.items()
+        if state_key_layer(name) in wanted
+    }
+
+
+def kept_state(
+    tensors: dict[str, torch.Tensor], *, old: tuple[int, int], new: tuple[int, int]
+) -> dict[str, torch.Tensor]:
+    """The state tensors a stage keeps: those of layers in both its old and new range, and its non-layer ones."""
+    keep = set(range(*old)) & set(range(*new))
+    return {
+        name: tensor
+        for name, tensor in tensors.items()
+        if (layer := state_key_layer(name)) is None or layer in keep
+    }
+
+
+def exchange_state(
+    tensors: dict[str, torch.Tensor],
+    *,
+    old: Sequence[tuple[int, int]],
+    new: Sequence[tuple[int, int]],
+    stage: int,
+    replica: int,
+    rank: int,
+) -> dict[str, torch.Tensor]:
+    """Send the state of the layers this stage loses, receive that of the layers it gains; return the received.
+
+    Ranks are replica-major (rank = replica × stages + stage); each replica hands over within
+    itself, since replicas hold the same state. Sizes go first, then the bytes; sends are posted
+    before receives, so no order of pairs can deadlock.
+    """
+    num_stages = len(old)
+    moves = handovers(old, new)
+    outgoing = {
+        target: save_tensor_bytes(state_for_layers(tensors, layers))
+        for (source, target), layers in moves.items()
+        if source == stage
+    }
+    sources = sorted(source for source, target in moves if target == stage)
+    peer = {index: replica * num_stages + index for index in range(num_stages)}
+
+    pending = [
+        dist.isend(torch.tensor([len(payload)], dtype=torch.int64), peer[target], tag=HANDOVER_TAG)
+        for target, payload in sorted(outgoing.items())
+    ]
+    sizes = {}
+    for source in sources:
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, peer[source], tag=HANDOVER_TAG)
+        sizes[source] = int(size.item())
+    pending += [
+        dist.isend(torch.frombuffer(bytearray(payload), dtype=torch.uint8), peer[target], tag=HANDOVER_TAG)
+        for target, payload in sorted(outgoing.items())
+    ]
+    if kill_rank() == rank:
+        os.kill(os.getpid(), signal.SIGKILL)  # the test hook: a stage lost in the middle of a hand-over
+    received: dict[str, torch.Tensor] = {}
+    for source in sources:
+        buffer = torch.empty(sizes[source], dtype=torch.uint8)
+        dist.recv(buffer, peer[source], tag=HANDOVER_TAG)
+        received.update(load_tensor_bytes(buffer.numpy().tobytes()))
+    for work in pending:
+        work.wait()
+    return received

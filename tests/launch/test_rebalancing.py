@@ -1,0 +1,140 @@
+"""The launcher's re-balance check: what it measures, what it answers on the store, what it records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardpool.config import parse_config
+from shardpool.contract.rebalance import FORCE_ENV, decision_key, decode_decision
+from shardpool.launch.rebalancing import RebalanceCheck, replanned_json
+from shardpool.plan.calibrate import Rebalance, StepMeasurement
+from shardpool.plan.result import Plan, PlannedStage
+
+LAYERS = [(0, 2), (2, 4), (4, 6)]
+
+
+def _plan(layers: list[tuple[int, int]], predicted: float = 1.0) -> Plan:
+    stages = [
+        PlannedStage(device="cpu", host="local", start=start, stop=stop, predicted_ms_per_microbatch=1.0,
+                     memory_bytes=0, free_bytes=0, slot=f"cpu#{index}")
+        for index, (start, stop) in enumerate(layers)
+    ]  # fmt: skip
+    return Plan(stages=stages, predicted_step_s=predicted, bubble_fraction=0.0, microbatches=3,
+                recommended_microbatches=12, num_layers=6)  # fmt: skip
+
+
+def _step(step: int, seconds: float) -> dict[str, Any]:
+    return {
+        "event": "step",
+        "step": step,
+        "step_seconds": seconds,
+        "stage_compute_s": [seconds / 2] * 3,
+        "stage_wait_s": [0.0] * 3,
+    }
+
+
+def _check(tmp_path: Path, decide: Any, published: dict[str, str], *, first_step: int = 0) -> RebalanceCheck:
+    plan = _plan(LAYERS)
+    return RebalanceCheck(
+        plan=plan,
+        plan_json=plan.to_json() | {"replicas": 1, "source": "planner"},
+        config=parse_config(
+            {
+                "base_model": "m",
+                "lora_target_linear": True,
+                "datasets": [{"path": "d.jsonl", "type": "completion"}],
+            }
+        ),
+        check_at=first_step + 3,
+        first_step=first_step,
+        publish=published.__setitem__,
+        plan_path=tmp_path / "plan.json",
+        decide=decide,
+    )
+
+
+def test_the_check_measures_steps_after_the_first_and_answers_keep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(FORCE_ENV, raising=False)
+    seen: list[list[StepMeasurement]] = []
+    published: dict[str, str] = {}
+    check = _check(tmp_path, lambda plan, measured, config: seen.append(measured), published, first_step=4)
+    assert [check.on_step(_step(step, 2.0)) for step in (5, 6)] == [None, None]
+    assert published == {}, "nothing is published before the check step"
+    assert check.on_step(_step(7, 3.0)) is None
+    assert [measurement.step for measurement in seen[0]] == [6, 7]  # step 5, the first, is warm-up
+    assert seen[0][1] == StepMeasurement(step=7, step_seconds=3.0, stage_compute_s=(1.5,) * 3,
+                                         stage_wait_s=(0.0,) * 3)  # fmt: skip
+    assert decode_decision(published[decision_key(7)], current=LAYERS) is None
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_decision_is_published_recorded_and_kept_in_plan_history(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(FORCE_ENV, raising=False)
+    new = [(0, 3), (3, 5), (5, 6)]
+    decision = Rebalance(
+        plan=_plan(new, 0.8), predicted_step_s=0.8, current_step_s=1.1, reason="stage 0 is fast"
+    )
+    published: dict[str, str] = {}
+    check = _check(tmp_path, lambda plan, measured, config: decision, published)
+    for step in (1, 2):
+        check.on_step(_step(step, 1.1))
+    line = check.on_step(_step(3, 1.1))
+    assert line == {
+        "event": "rebalance",
+        "step": 3,
+        "from": [[0, 2], [2, 4], [4, 6]],
+        "to": [[0, 3], [3, 5], [5, 6]],
+        "predicted_step_s": 0.8,
+        "current_step_s": 1.1,
+        "reason": "stage 0 is fast",
+    }
+    assert decode_decision(published[decision_key(3)], current=LAYERS) == new
+    written = json.loads((tmp_path / "plan.json").read_text())
+    assert [stage["layers"] for stage in written["stages"]] == [[0, 3], [3, 5], [5, 6]]
+    assert written["source"] == "rebalance" and written["replicas"] == 1
+    assert [entry["ended_at_step"] for entry in written["history"]] == [3]
+    assert written["history"][0]["source"] == "planner"
+    assert check.plan.layer_ranges() == new
+
+
+def test_a_failing_check_says_so_and_answers_keep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(FORCE_ENV, raising=False)
+
+    def broken(plan: Plan, measured: list[StepMeasurement], config: Any) -> Rebalance | None:
+        raise ValueError("calibration bug")
+
+    published: dict[str, str] = {}
+    said: list[str] = []
+    check = _check(tmp_path, broken, published)
+    check.say = said.append
+    assert [check.on_step(_step(step, 1.0)) for step in (1, 2, 3)] == [None, None, None]
+    assert decode_decision(published[decision_key(3)], current=LAYERS) is None
+    assert said == ["re-balance check after step 3 failed, keeping the plan: ValueError: calibration bug"]
+
+
+def test_the_forced_hook_overrides_the_decision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FORCE_ENV, "3:0-1,1-3,3-6")
+    published: dict[str, str] = {}
+    check = _check(tmp_path, lambda plan, measured, config: None, published)
+    for step in (1, 2):
+        check.on_step(_step(step, 1.0))
+    line = check.on_step(_step(3, 2.0))
+    assert line is not None and line["to"] == [[0, 1], [1, 3], [3, 6]]
+    assert line["current_step_s"] == 1.5 and line["reason"] == f"forced by {FORCE_ENV}"
+
+
+def test_history_grows_with_each_replan() -> None:
+    first = _plan(LAYERS).to_json() | {"replicas": 2, "source": "manual"}
+    second = replanned_json(first, _plan([(0, 3), (3, 5), (5, 6)]), ended_at_step=3)
+    third = replanned_json(second, _plan([(0, 1), (1, 5), (5, 6)]), ended_at_step=9)
+    assert [entry["ended_at_step"] for entry in third["history"]] == [3, 9]
+    assert all("history" not in entry for entry in third["history"])
+    assert third["replicas"] == 2

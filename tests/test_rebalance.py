@@ -1,0 +1,103 @@
+"""Re-balancing a running fine-tune end to end: a forced in-place re-shard trains exactly as a run
+that keeps its plan, and a stage lost during the hand-over stops the run cleanly for ``--resume``."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+from safetensors.torch import load_file
+
+from shardpool.config import parse_config
+from shardpool.contract.rebalance import FORCE_ENV, KILL_ENV
+from shardpool.finetune import finetune
+from shardpool.launch.run import RUN_DIR_NAME
+from tests.helpers.training import base_config, read_metrics, run_cli, stage_pids, write_config
+
+
+def _overrides(rebalance: str = "auto", **extra: Any) -> dict[str, Any]:
+    return {
+        "max_steps": 5,
+        "val_set_size": 0,
+        "shardpool": {"layers": [2, 2, 2], "rebalance": rebalance},
+        **extra,
+    }
+
+
+def _step_losses(output_dir: Path) -> dict[int, float]:
+    return {line["step"]: line["loss"] for line in read_metrics(output_dir) if "loss" in line}
+
+
+def test_forced_reshard_trains_exactly_as_the_kept_plan(
+    tmp_path: Path, tiny_model: Path, completion_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kept = finetune(  # the baseline keeps its plan, whatever calibration would make of its steps
+        parse_config(base_config(tiny_model, completion_data, tmp_path / "kept", **_overrides("off"))),
+        console=Console(quiet=True),
+    )
+    monkeypatch.setenv(FORCE_ENV, "3:0-1,1-3,3-6")
+    shown = io.StringIO()
+    moved = finetune(
+        parse_config(base_config(tiny_model, completion_data, tmp_path / "moved", **_overrides())),
+        console=Console(file=shown, width=200),
+    )
+    assert "re-balanced after step 3: layers now [0, 1) [1, 3) [3, 6) (forced by" in shown.getvalue()
+
+    kept_losses, moved_losses = _step_losses(kept), _step_losses(moved)
+    assert sorted(moved_losses) == [1, 2, 3, 4, 5]
+    assert max(abs(kept_losses[step] - moved_losses[step]) for step in kept_losses) < 1e-5
+    kept_adapter = load_file(str(kept / "adapter_model.safetensors"))
+    moved_adapter = load_file(str(moved / "adapter_model.safetensors"))
+    assert moved_adapter.keys() == kept_adapter.keys()
+    assert max(float((moved_adapter[k] - kept_adapter[k]).abs().max()) for k in kept_adapter) < 1e-4
+
+    events = [line for line in read_metrics(moved) if line.get("event") == "rebalance"]
+    assert events == [
+        {
+            "event": "rebalance",
+            "step": 3,
+            "from": [[0, 2], [2, 4], [4, 6]],
+            "to": [[0, 1], [1, 3], [3, 6]],
+            "predicted_step_s": events[0]["predicted_step_s"],
+            "current_step_s": events[0]["current_step_s"],
+            "reason": f"forced by {FORCE_ENV}",
+        }
+    ]
+    plan = json.loads((moved / "plan.json").read_text())
+    assert [stage["layers"] for stage in plan["stages"]] == [[0, 1], [1, 3], [3, 6]]
+    assert plan["source"] == "rebalance"
+    assert [entry["ended_at_step"] for entry in plan["history"]] == [3]
+    assert [stage["layers"] for stage in plan["history"][0]["stages"]] == [[0, 2], [2, 4], [4, 6]]
+    assert not any(line.get("event") == "rebalance" for line in read_metrics(kept))
+    logs = moved / RUN_DIR_NAME / "logs"
+    assert "re-sharded layers [2, 4) -> [1, 3)" in (logs / "rank-1.log").read_text()
+    assert "re-sharded layers [4, 6) -> [3, 6)" in (logs / "rank-2.log").read_text()
+
+
+@pytest.mark.slow
+def test_stage_killed_during_the_handover_stops_the_run_and_resume_finishes(
+    tmp_path: Path, tiny_model: Path, completion_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    config = write_config(
+        tmp_path / "c.yaml", base_config(tiny_model, completion_data, out, **_overrides(save_steps=2))
+    )
+    monkeypatch.setenv(FORCE_ENV, "3:0-1,1-3,3-6")
+    monkeypatch.setenv(KILL_ENV, "1")
+    killed = run_cli("finetune", str(config), timeout=180)
+    assert killed.returncode == 2
+    error = killed.stderr.strip().splitlines()[-1]
+    assert error.startswith("shardpool: error: stage 1 (rank 1) failed: killed by signal 9"), error
+    assert "Traceback" not in killed.stderr
+    assert stage_pids(out / RUN_DIR_NAME / "job.json") == {}
+    assert not (out / "adapter_model.safetensors").exists()
+
+    monkeypatch.delenv(KILL_ENV)
+    resumed = run_cli("finetune", str(config), "--resume", timeout=180)
+    assert resumed.returncode == 0, resumed.stderr
+    assert [line["step"] for line in read_metrics(out) if "loss" in line] == [1, 2, 3, 4, 5]
+    assert (out / "adapter_model.safetensors").is_file()

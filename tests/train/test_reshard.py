@@ -1,0 +1,98 @@
+"""A stage's side of a re-shard: which state tensors it hands over or keeps, and the bounded wait."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardpool.contract.rebalance import decision_key, encode_decision
+from shardpool.errors import ShardpoolError
+from shardpool.train.rendezvous import rendezvous_store
+from shardpool.train.reshard import await_decision, exchange_state, kept_state, state_for_layers
+
+
+def _key(layer: int) -> str:
+    return f"base_model.model.model.layers.{layer}.mlp.down_proj.lora_A.weight"
+
+
+def _state(layers: range) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for layer in layers:
+        tensors[f"lora.{_key(layer)}"] = torch.full((2, 2), float(layer))
+        tensors[f"optim.{_key(layer)}.exp_avg"] = torch.full((2, 2), layer + 0.5)
+        tensors[f"optim.{_key(layer)}.step"] = torch.tensor(3.0)
+    tensors["lora.base_model.model.lm_head.lora_A.weight"] = torch.ones(2)
+    return tensors
+
+
+def test_state_for_layers_takes_lora_and_every_optimizer_field_of_those_layers() -> None:
+    chosen = state_for_layers(_state(range(2, 4)), [3])
+    assert sorted(chosen) == [f"lora.{_key(3)}", f"optim.{_key(3)}.exp_avg", f"optim.{_key(3)}.step"]
+    assert all(tensor.is_contiguous() and tensor.device.type == "cpu" for tensor in chosen.values())
+
+
+def test_kept_state_holds_the_overlap_and_what_is_no_layer() -> None:
+    kept = kept_state(_state(range(2, 5)), old=(2, 5), new=(3, 6))
+    layers = sorted({name.split(".layers.")[1].split(".")[0] for name in kept if ".layers." in name})
+    assert layers == ["3", "4"]
+    assert "lora.base_model.model.lm_head.lora_A.weight" in kept
+
+
+def test_the_decision_is_read_from_the_store_and_a_silent_launcher_is_one_line() -> None:
+    store = rendezvous_store("127.0.0.1", timeout_s=5.0)
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=5))
+    store.set(decision_key(3), encode_decision(None))
+    assert await_decision(client, 3, timeout_s=5.0) == encode_decision(None).encode()
+    started = time.monotonic()
+    with pytest.raises(
+        ShardpoolError, match=r"no re-balance decision from the launcher within 0.3 s after step 4"
+    ):
+        await_decision(client, 4, timeout_s=0.3)
+    assert time.monotonic() - started < 5.0
+
+
+def _handover_rank(rank: int, world_size: int, init_file: str, results: Any) -> None:
+    """One rank of a 2-stage, 2-replica world: hand over [0, 3) [3, 6) -> [0, 4) [4, 6) by gloo."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        old, new = [(0, 3), (3, 6)], [(0, 4), (4, 6)]
+        stage, replica = rank % 2, rank // 2
+        tensors = {
+            name: tensor + 100 * replica
+            for name, tensor in _state(range(*old[stage])).items()
+            if ".layers." in name
+        }
+        received = exchange_state(tensors, old=old, new=new, stage=stage, replica=replica, rank=rank)
+        results.put((rank, {name: float(tensor.flatten()[0]) for name, tensor in received.items()}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_replica_hands_its_layers_to_its_own_new_owner(tmp_path: Path) -> None:
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [
+        context.Process(target=_handover_rank, args=(rank, 4, str(tmp_path / "init"), results))
+        for rank in range(4)
+    ]
+    for process in processes:
+        process.start()
+    received = dict(results.get(timeout=120) for _ in processes)
+    for process in processes:
+        process.join(timeout=30)
+        assert process.exitcode == 0
+    for rank in (0, 2):  # stage 0 of each replica gains layer 3, from stage 1 of the same replica
+        replica = rank // 2
+        assert received[rank] == {
+            f"lora.{_key(3)}": 3.0 + 100 * replica,
+            f"optim.{_key(3)}.exp_avg": 3.5 + 100 * replica,
+            f"optim.{_key(3)}.step": 3.0 + 100 * replica,
+        }
+    assert received[1] == received[3] == {}
