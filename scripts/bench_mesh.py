@@ -604,7 +604,7 @@ def benchmark(*, quick: bool, keep: Path | None, max_wait_idle_s: float) -> dict
                 data,
                 mesh_out,
                 size,
-                {"placement": "mesh", "stages": WORKERS, "threads_per_stage": threads},
+                {"placement": "mesh", "stages": WORKERS, "threads_per_stage": threads, "rebalance": "off"},
             ),
         )
         load: dict[str, dict[str, Any]] = {}
@@ -629,7 +629,12 @@ def benchmark(*, quick: bool, keep: Path | None, max_wait_idle_s: float) -> dict
                 data,
                 loop_out,
                 size,
-                {"placement": "local", "layers": layer_counts(plan), "threads_per_stage": threads},
+                {
+                    "placement": "local",
+                    "layers": layer_counts(plan),
+                    "threads_per_stage": threads,
+                    "rebalance": "off",
+                },
             ),
         )
         env = dict(os.environ, SHARDPOOL_CACHE=str(work / "cache"), COLUMNS="200", PYTHONPATH=str(ROOT))

@@ -105,7 +105,7 @@ def run_config(case: Case, *, model: Path, data: Path, output_dir: Path) -> dict
         "output_dir": str(output_dir),
         "logging_steps": 1,
         **DTYPE_KEYS[case.dtype],
-        "shardpool": {"devices": devices, "layers": layers},
+        "shardpool": {"devices": devices, "layers": layers, "rebalance": "off"},
     }
 
 
