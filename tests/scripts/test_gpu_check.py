@@ -29,7 +29,7 @@ def test_the_config_of_a_case_names_its_devices_split_and_dtype(tmp_path: Path) 
     config = gpu_check.run_config(
         gpu_check.Case("cuda+cpu", "bf16"), model=tmp_path, data=tmp_path / "d", output_dir=tmp_path / "o"
     )
-    assert config["shardpool"] == {"devices": ["cuda:0", "cpu"], "layers": [3, 3]}
+    assert config["shardpool"] == {"devices": ["cuda:0", "cpu"], "layers": [3, 3], "rebalance": "off"}
     assert (config["bf16"], config["fp16"]) == (True, False)
     two_on_one = gpu_check.run_config(
         gpu_check.Case("cuda+cuda", "fp32"), model=tmp_path, data=tmp_path, output_dir=tmp_path
