@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from shardpool.cli import main
 from shardpool.config import parse_config
 from shardpool.finetune import finetune
 from shardpool.launch.run import RUN_DIR_NAME
-from tests.helpers.training import REPO_ROOT, base_config, read_metrics, run_cli, write_config, write_jsonl
+from tests.helpers.training import base_config, read_metrics, run_cli, write_config, write_jsonl
 
 
 def _bad_case(name: str, tmp: Path, model: Path, data: Path) -> tuple[Path, str]:
@@ -209,58 +208,6 @@ def test_exception_in_one_stage_stops_the_whole_run(
     assert "model.layers.4." in error and "missing" in error
     assert "Traceback" not in result.stderr
     assert _worker_pids(out / RUN_DIR_NAME / "job.json") == {}, "no stage process may outlive the run"
-
-
-@pytest.mark.slow
-def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(
-    tmp_path: Path, tiny_model: Path, completion_data: Path
-) -> None:
-    overrides: dict[str, Any] = {
-        "num_epochs": 5,
-        "max_steps": 40,
-        "save_steps": 3,
-        "val_set_size": 0,
-        "shardpool": {"stages": 2},
-    }
-    killed_out = tmp_path / "killed"
-    config_path = write_config(
-        tmp_path / "c.yaml", base_config(tiny_model, completion_data, killed_out, **overrides)
-    )
-    job_file = killed_out / RUN_DIR_NAME / "job.json"
-    env = dict(os.environ, COLUMNS="200")
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "shardpool", "finetune", str(config_path)],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while not (killed_out / "checkpoints" / "checkpoint-3").is_dir():
-            assert launcher.poll() is None, launcher.communicate()
-            assert time.monotonic() < deadline, "no checkpoint appeared"
-            time.sleep(0.02)
-        os.kill(_worker_pids(job_file)[1], signal.SIGKILL)
-        _, stderr = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    assert launcher.returncode == 2
-    assert "stage 1 (rank 1) failed: killed by signal 9" in stderr
-    assert _worker_pids(job_file) == {}
-    assert not (killed_out / "adapter_model.safetensors").exists(), "the killed run must not have finished"
-
-    resumed = run_cli("finetune", str(config_path), "--resume", timeout=180)
-    assert resumed.returncode == 0, resumed.stderr
-    steps = [record["step"] for record in read_metrics(killed_out)]
-    assert steps == list(range(1, 41)), "metrics continue without gaps or repeats"
-
-    clean_out = finetune(
-        parse_config(base_config(tiny_model, completion_data, tmp_path / "clean", **overrides)),
-        console=Console(quiet=True),
-    )
-    resumed_adapter = load_file(str(killed_out / "adapter_model.safetensors"))
-    clean_adapter = load_file(str(clean_out / "adapter_model.safetensors"))
-    assert resumed_adapter.keys() == clean_adapter.keys()
-    assert max(float((resumed_adapter[k] - clean_adapter[k]).abs().max()) for k in clean_adapter) < 1e-6
 
 
 def test_resume_without_checkpoint_and_rerun_over_checkpoints_are_refused(

@@ -1,5 +1,7 @@
 """Re-balancing a running fine-tune end to end: a forced in-place re-shard trains exactly as a run
-that keeps its plan, and a stage lost during the hand-over stops the run cleanly for ``--resume``."""
+that keeps its plan, and a stage SIGKILLed during the hand-over stops the run cleanly; ``--resume``
+then continues from the last checkpoint to the adapter of an uninterrupted run (this is also the
+suite's kill-and-resume exactness test)."""
 
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ def test_forced_reshard_trains_exactly_as_the_kept_plan(
 
 
 @pytest.mark.slow
-def test_stage_killed_during_the_handover_stops_the_run_and_resume_finishes(
+def test_stage_killed_during_the_handover_stops_the_run_and_resume_matches_uninterrupted(
     tmp_path: Path, tiny_model: Path, completion_data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "out"
@@ -99,5 +101,16 @@ def test_stage_killed_during_the_handover_stops_the_run_and_resume_finishes(
     monkeypatch.delenv(KILL_ENV)
     resumed = run_cli("finetune", str(config), "--resume", timeout=180)
     assert resumed.returncode == 0, resumed.stderr
-    assert [line["step"] for line in read_metrics(out) if "loss" in line] == [1, 2, 3, 4, 5]
-    assert (out / "adapter_model.safetensors").is_file()
+    assert [line["step"] for line in read_metrics(out) if "loss" in line] == [1, 2, 3, 4, 5], (
+        "metrics continue from the checkpoint without gaps or repeats"
+    )
+
+    monkeypatch.delenv(FORCE_ENV)
+    uninterrupted = finetune(
+        parse_config(base_config(tiny_model, completion_data, tmp_path / "clean", **_overrides("off"))),
+        console=Console(quiet=True),
+    )
+    resumed_adapter = load_file(str(out / "adapter_model.safetensors"))
+    clean_adapter = load_file(str(uninterrupted / "adapter_model.safetensors"))
+    assert resumed_adapter.keys() == clean_adapter.keys()
+    assert max(float((resumed_adapter[k] - clean_adapter[k]).abs().max()) for k in clean_adapter) < 1e-6

@@ -31,6 +31,7 @@ from typing import IO, Any, TypeVar
 from shardpool.agent.accounts import RunAs
 from shardpool.agent.confine import restrict_writes
 from shardpool.errors import ShardpoolError
+from shardpool.plan.cpu_quota import available_cpus
 
 __all__ = ["Spawner", "StageSettings", "check_reachable", "popen_as", "signal_group", "stage_environment"]
 
@@ -76,12 +77,13 @@ def stage_environment(
     Nothing comes from the launcher, and the agent's own environment is not passed on (it may hold
     credentials or ``LD_PRELOAD``). ``HOME`` and ``TMPDIR`` are the job directory, so whatever a
     stage writes stays there; gloo and NCCL are pinned to the mesh interface and InfiniBand is off,
-    so training traffic stays inside WireGuard; threads are this machine's cores over its ranks.
+    so training traffic stays inside WireGuard; threads are this machine's usable CPUs (its cores, capped
+    by its cgroup CPU quota) over its ranks.
     ``SHARDPOOL_CACHE`` is ``cache_dir``, one content-addressed cache owned by the run-as account
     for all jobs, so a resumed or repeated run downloads nothing it already has (every cached byte
     is re-hashed when read).
     """
-    threads = str(max(1, (os.cpu_count() or 1) // max(1, local_ranks)))
+    threads = str(max(1, available_cpus() // max(1, local_ranks)))
     env = {name: os.environ[name] for name in _INHERITED_ENV if os.environ.get(name)}
     env.setdefault("PATH", os.defpath)
     env.update(
@@ -92,6 +94,7 @@ def stage_environment(
             "PYTHONUNBUFFERED": "1",
             "NCCL_IB_DISABLE": "1",
             "SHARDPOOL_LOCAL_RANKS": str(local_ranks),
+            "SHARDPOOL_THREADS": threads,
             "OMP_NUM_THREADS": threads,
             "MKL_NUM_THREADS": threads,
         }

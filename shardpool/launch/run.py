@@ -12,7 +12,6 @@ run ended). Torch-free: nothing here touches a tensor.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -27,6 +26,7 @@ from shardpool.contract.job import Job, StagePlacement
 from shardpool.launch.local_launcher import LocalLauncher
 from shardpool.launch.mesh_launcher import MeshLauncher
 from shardpool.launch.model_card import TrainingOutcome
+from shardpool.plan.cpu_quota import available_cpus
 from shardpool.plan.local_fleet import DeviceProbe
 from shardpool.plan.result import Plan
 
@@ -149,7 +149,7 @@ def write_job(job: Job, run_dir: Path) -> Path:
 def _threads_per_process(config: Config, processes: int) -> int:
     if config.shardpool.threads_per_stage:
         return config.shardpool.threads_per_stage
-    return max(1, (os.cpu_count() or 1) // processes)
+    return max(1, available_cpus() // processes)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import psutil
 import torch
 
 from shardpool.errors import ShardpoolError
+from shardpool.plan.cpu_quota import available_cpus
 from shardpool.plan.device_facts import (
     DeviceInfo,
     cpu_model_name,
@@ -137,7 +138,15 @@ def _cpu_info() -> DeviceInfo:
     if limit is not None and limit < total:
         used = _cgroup_usage() or 0
         total, free = limit, max(0, min(free, limit - used))
-    return DeviceInfo("cpu", "cpu", cpu_model_name(), total, free, threads=torch.get_num_threads(), bf16=True)
+    return DeviceInfo(
+        "cpu",
+        "cpu",
+        cpu_model_name(),
+        total,
+        free,
+        threads=min(torch.get_num_threads(), available_cpus()),
+        bf16=True,
+    )
 
 
 def _mps_bf16() -> bool:

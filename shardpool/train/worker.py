@@ -274,12 +274,12 @@ class StageWorker:
         self.save_at = save_step_set(self.config, total_steps=total, epoch_steps=self.epoch_steps)
 
     def _threads(self) -> int:
-        """Intra-op threads: the configured count, else this machine's cores over its stage processes."""
+        """Intra-op threads: the configured count, else the agent's or launcher's usable CPUs over its stage processes."""
         if self.config.shardpool.threads_per_stage:
             return self.config.shardpool.threads_per_stage
-        local_ranks = os.environ.get("SHARDPOOL_LOCAL_RANKS")
-        if local_ranks:
-            return max(1, (os.cpu_count() or 1) // int(local_ranks))
+        agent_threads = os.environ.get("SHARDPOOL_THREADS")  # the agent's: usable CPUs over its ranks
+        if agent_threads:
+            return max(1, int(agent_threads))
         return self.job.threads_per_process
 
     def _place(self, rank: int) -> str:

@@ -34,6 +34,7 @@ from shardpool.agent import jobs as agent_jobs
 from shardpool.agent.members import MeshPeer
 from shardpool.agent.service import Agent
 from shardpool.contract.job import Job
+from shardpool.plan.cpu_quota import available_cpus
 from tests.helpers.agents import (
     AGENT_KEY,
     LAUNCHER_KEY,
@@ -193,7 +194,7 @@ def test_stage_environment_is_set_by_the_agent_alone(agent: Agent, monkeypatch: 
     assert signed(agent.url, "POST", "/v1/jobs", body)[0] == 201
     _drain(agent.url, "env")
     job_dir = agent.work_dir / "jobs" / "env"
-    threads = str(max(1, (os.cpu_count() or 1) // 2))
+    threads = str(max(1, available_cpus() // 2))
     expected = {
         "PATH": os.environ["PATH"],
         "LANG": "C.UTF-8",
@@ -205,6 +206,7 @@ def test_stage_environment_is_set_by_the_agent_alone(agent: Agent, monkeypatch: 
         "NCCL_SOCKET_IFNAME": "sptest0",
         "NCCL_IB_DISABLE": "1",
         "SHARDPOOL_LOCAL_RANKS": "2",
+        "SHARDPOOL_THREADS": threads,
         "OMP_NUM_THREADS": threads,
         "MKL_NUM_THREADS": threads,
     }

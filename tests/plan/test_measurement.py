@@ -10,7 +10,7 @@ import pytest
 from shardpool.model.shape import ModelShape
 from shardpool.plan import report
 from shardpool.plan.costmodel import Workload
-from shardpool.plan.cpu_quota import cgroup_paths, cpu_quota, parse_cfs_quota, parse_cpu_max
+from shardpool.plan.cpu_quota import cgroup_paths, cpu_quota, parse_cfs_quota, parse_cpu_max, usable_cpus
 from shardpool.plan.device_facts import DeviceInfo, LayerProfile, Measurement
 from shardpool.plan.fleet import Device, Fleet
 from shardpool.plan.local_fleet import local_fleet
@@ -57,6 +57,26 @@ def test_parse_cfs_quota() -> None:
 def _write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+@pytest.mark.parametrize(
+    ("cores", "quota", "threads"),
+    [
+        (2, None, 2),
+        (16, None, 16),
+        (2, 0.3, 1),
+        (2, 0.6, 1),
+        (2, 1.0, 1),
+        (4, 1.5, 2),
+        (2, 3.0, 2),
+        (1, None, 1),
+    ],
+)
+def test_usable_cpus_caps_threads_at_the_quota_rounded_up(
+    cores: int, quota: float | None, threads: int
+) -> None:
+    # A stage under a 0.6-CPU quota runs one thread: a second one only waits for the quota.
+    assert usable_cpus(cores, quota) == threads
 
 
 def test_cpu_quota_v2_takes_the_tightest_quota_up_to_the_root(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ the mesh launcher passes on only events that fit the contract. Real agent, real 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +16,7 @@ from shardpool.contract.job import Job
 from shardpool.errors import ShardpoolError
 from shardpool.launch.mesh_launcher import run_mesh_job
 from shardpool.launch.mesh_members import MeshMember
+from shardpool.plan.cpu_quota import available_cpus
 from tests.helpers.agents import (
     AGENT_KEY,
     LAUNCHER_KEY,
@@ -98,7 +98,7 @@ def test_stage_processes_get_the_agents_minimal_environment_not_its_own(
     }
     assert (env["NCCL_IB_DISABLE"], env["SHARDPOOL_LOCAL_RANKS"]) == ("1", "2")
     assert env["SHARDPOOL_CACHE"] == str(agent.work_dir / "cache"), "one cache for every job"
-    assert int(env["OMP_NUM_THREADS"]) == max(1, (os.cpu_count() or 1) // 2)
+    assert int(env["OMP_NUM_THREADS"]) == int(env["SHARDPOOL_THREADS"]) == max(1, available_cpus() // 2)
 
 
 def test_the_mesh_launcher_refuses_an_event_that_points_outside_the_output_dir(agent: Agent) -> None:
