@@ -22,7 +22,7 @@ from shardpool.cli import main
 from shardpool.config import parse_config
 from shardpool.finetune import finetune
 from shardpool.launch.run import RUN_DIR_NAME
-from tests.helpers.training import base_config, read_metrics, run_cli, write_config, write_jsonl
+from tests.helpers.training import base_config, read_metrics, run_cli, stage_pids, write_config, write_jsonl
 
 
 def _bad_case(name: str, tmp: Path, model: Path, data: Path) -> tuple[Path, str]:
@@ -139,21 +139,6 @@ def test_missing_config_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureF
     assert "does not exist" in capsys.readouterr().err
 
 
-def _worker_pids(job_file: Path) -> dict[int, int]:
-    """rank -> pid of the stage processes running ``job_file``."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"shardpool.train.worker" in argv and str(job_file).encode() in argv:
-            found[int(argv[argv.index(str(job_file).encode()) + 1])] = int(entry.name)
-    return found
-
-
 @pytest.mark.slow
 def test_output_that_is_not_a_terminal_gets_a_log_line_per_logged_step(
     tmp_path: Path, tiny_model: Path, completion_data: Path
@@ -207,7 +192,7 @@ def test_exception_in_one_stage_stops_the_whole_run(
     assert error.startswith("shardpool: error: stage 1 (rank 1) failed:"), error
     assert "model.layers.4." in error and "missing" in error
     assert "Traceback" not in result.stderr
-    assert _worker_pids(out / RUN_DIR_NAME / "job.json") == {}, "no stage process may outlive the run"
+    assert stage_pids(out / RUN_DIR_NAME / "job.json") == {}, "no stage process may outlive the run"
 
 
 def test_resume_without_checkpoint_and_rerun_over_checkpoints_are_refused(
