@@ -62,14 +62,15 @@ from typing import Any, Literal
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mesh.constants import AGENT_PORT  # noqa: E402
 from mesh.files import write_json  # noqa: E402
 from mesh.lab import Host, Lab, LabError, netns_skip_reason  # noqa: E402
 from scripts.bench_mesh import (  # noqa: E402 - needs ROOT on sys.path
     BenchError,
     build_inputs,
+    form_mesh,
     log_tail,
     stop_launcher,
+    wait_for_agents,
     wait_until,
     write_yaml,
 )
@@ -458,37 +459,6 @@ def skip_reason() -> str | None:
 
 
 # ---------------------------------------------------------------------------- the lab
-
-
-def mesh_address(index: int) -> str:
-    """The mesh address of the ``index``-th host (0-based): the coordinator takes .1, joiners follow."""
-    return f"10.77.0.{index + 1}"
-
-
-def form_mesh(lab: Lab, labels: str) -> float:
-    """``mesh init`` on the first host, ``mesh join`` on the rest; wait for pings and every agent."""
-    started = time.monotonic()
-    lab.form_mesh(labels[0], labels[1:], uses=len(labels) - 1)
-    addresses = [mesh_address(index) for index in range(len(labels))]
-    for label in labels:
-        for address in addresses:
-            wait_until(
-                lambda label=label, address=address: lab.ping(lab.hosts[label], address, timeout=1),
-                30,
-                f"ping {label} -> {address}",
-            )
-    wait_for_agents(lab, labels)
-    return time.monotonic() - started
-
-
-def wait_for_agents(lab: Lab, labels: str) -> None:
-    """Wait until the agent of every host in ``labels`` answers over the mesh."""
-    for index, label in enumerate(labels):
-        wait_until(
-            lambda index=index: lab.agent_healthy(lab.hosts[LABELS[0]], mesh_address(index), AGENT_PORT),
-            60,
-            f"agent of {label} healthy",
-        )
 
 
 def namespace_pids(host: Host) -> list[int]:

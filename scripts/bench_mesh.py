@@ -71,7 +71,7 @@ WARMUP_STEPS = 2
 WORKERS = 3
 TCP_PORT = 5201
 ONE_GBIT_BYTES_PER_S = 1e9 / 8
-MESH_ADDRESSES = {"a": "10.77.0.1", "b": "10.77.0.2", "c": "10.77.0.3"}
+MESH_ADDRESSES = {"a": "10.77.0.1", "b": "10.77.0.2", "c": "10.77.0.3"}  # mesh_address of a, b, c
 
 FULL: dict[str, Any] = {
     "model": {
@@ -326,26 +326,39 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, step_
     return time.monotonic() - started
 
 
-def form_mesh(lab: Lab) -> float:
-    """``mesh init`` on a, ``mesh join`` on b and c; wait for all pings and agents. Returns seconds taken."""
+def mesh_address(index: int) -> str:
+    """The mesh address of the ``index``-th host (0-based): the coordinator takes .1, joiners follow."""
+    return f"10.77.0.{index + 1}"
+
+
+def form_mesh(lab: Lab, labels: str = "abc") -> float:
+    """``mesh init`` on the first host, ``mesh join`` on the rest; wait for all pings and agents.
+
+    Returns the seconds taken.
+    """
     started = time.monotonic()
-    a, b, c = (lab.hosts[label] for label in "abc")
-    lab.form_mesh("a", "bc", uses=2)
-    for source in (a, b, c):
-        for target, address in MESH_ADDRESSES.items():
-            if target != source.label:
+    lab.form_mesh(labels[0], labels[1:], uses=len(labels) - 1)
+    for source in labels:
+        for index, target in enumerate(labels):
+            if target != source:
+                address = mesh_address(index)
                 wait_until(
-                    lambda source=source, address=address: lab.ping(source, address, timeout=1),
+                    lambda source=source, address=address: lab.ping(lab.hosts[source], address, timeout=1),
                     30,
-                    f"ping {source.label} -> {address}",
+                    f"ping {source} -> {address}",
                 )
-    for address in MESH_ADDRESSES.values():
-        wait_until(
-            lambda address=address: lab.agent_healthy(a, address, AGENT_PORT),
-            60,
-            f"agent at {address} healthy",
-        )
+    wait_for_agents(lab, labels)
     return time.monotonic() - started
+
+
+def wait_for_agents(lab: Lab, labels: str) -> None:
+    """Wait until the agent of every host in ``labels`` answers over the mesh, asked from the first."""
+    for index, label in enumerate(labels):
+        wait_until(
+            lambda index=index: lab.agent_healthy(lab.hosts[labels[0]], mesh_address(index), AGENT_PORT),
+            60,
+            f"agent of {label} healthy",
+        )
 
 
 def tcp_throughput(
