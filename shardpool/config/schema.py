@@ -223,6 +223,24 @@ class ShardpoolSection(_Strict):
         description="auto: after the warm-up steps, move layer boundaries in place when the measured "
         "step says another split is faster; off: keep the plan",
     )
+    on_member_loss: Literal["continue", "stop"] = Field(
+        default="continue",
+        description="mesh runs: continue: when a member is lost, re-plan over the rest and go on from the "
+        "last step; stop: stop the run (resume with --resume)",
+    )
+    min_members: int = Field(
+        default=1, ge=1, description="mesh runs: stop rather than continue on fewer members than this"
+    )
+    max_replans_per_hour: int = Field(
+        default=6, ge=0, description="mesh runs: stop rather than re-plan more often than this in an hour"
+    )
+    member_timeout_s: float = Field(
+        default=30.0,
+        ge=5.0,
+        le=3600.0,
+        description="mesh runs: a member whose agent or stage is silent this long is lost (the stall "
+        "bound is 3 steps' time within it)",
+    )
     wire_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         default="auto", description="dtype of activations between stages (auto: the compute dtype)"
     )

@@ -88,6 +88,8 @@ class Job(Closed):
     timeout_s: float = Field(default=300.0, gt=0, le=7 * 86400, allow_inf_nan=False)
     #: The step after which every rank waits for the launcher's re-balance decision (None: never).
     rebalance_at: Steps | None = None
+    #: Whether the stages beat and copy their step-boundary state (:mod:`shardpool.contract.liveness`).
+    keep_state: bool = False
 
     @field_validator("config")
     @classmethod

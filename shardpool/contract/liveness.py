@@ -1,0 +1,60 @@
+"""Keeping a run alive across a lost member: the names the stages and the launcher share.
+
+A mesh run with ``shardpool.on_member_loss: continue`` sets :attr:`Job.keep_state
+<shardpool.contract.job.Job.keep_state>`. Its stage processes then do two things for the launcher:
+
+* **beat**: from the moment the process starts, a thread adds 1 to the rendezvous-store counter
+  :func:`beat_key` of its rank every :data:`BEAT_INTERVAL_S` seconds. A stage whose counter stops
+  moving (a suspended laptop, a ``SIGSTOP``) is found by the launcher even though its process and
+  its agent are still there.
+* **copy its step-boundary state**: after every optimizer step ``N`` each rank writes its part of
+  a checkpoint (the same files: :func:`~shardpool.train.checkpoint.stage_file` from replica 0,
+  :func:`~shardpool.train.checkpoint.rng_file` from every rank) into :func:`live_dir` ``(N)`` under
+  ``output_dir`` on the launcher, in the background while step ``N + 1`` computes, then adds 1 to
+  :func:`live_key` ``(N)``. Step ``N``'s copy is complete when that counter equals the world size.
+
+When a member is lost the launcher turns the newest complete copy into ``checkpoints/checkpoint-N``
+and starts the stages again over the remaining members from it: no completed step is lost.
+Pure and torch-free.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "BEAT_INTERVAL_S",
+    "LIVE_ROOT",
+    "beat_key",
+    "live_dir",
+    "live_key",
+    "live_step",
+]
+
+#: Seconds between two beats of a stage process.
+BEAT_INTERVAL_S = 1.0
+#: Where the step-boundary copies go, relative to ``output_dir``.
+LIVE_ROOT = ".shardpool/live"
+
+_LIVE_DIR = re.compile(r"step-([0-9]+)")
+
+
+def beat_key(rank: int) -> str:
+    """The rendezvous-store counter a rank's beat thread adds to."""
+    return f"shardpool/beat/{rank}"
+
+
+def live_key(step: int) -> str:
+    """The rendezvous-store counter of ranks whose step-boundary copy after ``step`` is written."""
+    return f"shardpool/live/{step}"
+
+
+def live_dir(step: int) -> str:
+    """The directory (relative to ``output_dir``) that holds the step-boundary copy after ``step``."""
+    return f"{LIVE_ROOT}/step-{step}"
+
+
+def live_step(name: str) -> int | None:
+    """The step of a :func:`live_dir` directory name (``step-N``), or None for any other name."""
+    match = _LIVE_DIR.fullmatch(name)
+    return int(match.group(1)) if match else None
