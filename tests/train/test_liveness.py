@@ -142,14 +142,20 @@ def test_keep_state_leaves_a_complete_copy_after_every_step(runs: dict[str, Path
             "rng-rank-0.safetensors", "rng-rank-1.safetensors", "stage-0.safetensors", "stage-1.safetensors",
         ]  # fmt: skip
     assert not (runs["plain"] / LIVE_ROOT).exists()
+    logs = "".join(path.read_text() for path in (runs["kept"] / ".shardpool" / "logs").glob("rank-*.log"))
+    assert "copy after step" not in logs and "stopped beating" not in logs
 
 
 def test_a_copy_equals_the_checkpoint_of_its_step_tensor_for_tensor(runs: dict[str, Path]) -> None:
     for step in (1, 2):  # no checkpoint after the last step: the adapter is written instead
         checkpoint = runs["kept"] / "checkpoints" / f"checkpoint-{step}"
-        for path in sorted(checkpoint.glob("*-*.safetensors")):
-            if not path.name.startswith(("stage-", "rng-rank-")):
-                continue
+        state_files = [
+            path
+            for path in sorted(checkpoint.glob("*.safetensors"))
+            if path.name.startswith(("stage-", "rng-rank-"))
+        ]
+        assert len(state_files) == 4
+        for path in state_files:
             copied = load_file(str(runs["kept"] / live_dir(step) / path.name))
             saved = load_file(str(path))
             assert sorted(copied) == sorted(saved)
