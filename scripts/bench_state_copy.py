@@ -2,6 +2,7 @@
 
     python scripts/bench_state_copy.py                 # 3 pairs, bench_pipeline's quick model, 8 steps
     python scripts/bench_state_copy.py --pairs 5 --steps 12
+    python scripts/bench_state_copy.py --pairs 1 --steps 5 --no-warmup   # a short look (noisy)
 
 It prints one JSON object on stdout. Side A is a 2-stage LOCAL ``finetune`` with keep_state on
 (the stage processes beat on the rendezvous store and, after every step, write CPU clones of their
@@ -96,8 +97,12 @@ def run_side(side: str, config: dict[str, Any], *, work: Path, label: str) -> di
     return measured
 
 
-def benchmark(*, pairs: int, steps: int, keep: Path | None) -> dict[str, Any]:
-    """Build the quick model and data once, run an unrecorded warm-up pair and ``pairs`` pairs."""
+def benchmark(*, pairs: int, steps: int, warmup: bool, keep: Path | None) -> dict[str, Any]:
+    """Build the quick model and data once, run an unrecorded warm-up pair (``warmup``) and ``pairs`` pairs.
+
+    Without the warm-up the first run also profiles the devices (before its steps, so only its
+    ``run_seconds`` carries it, not its step times).
+    """
     from shardpool.model.tinymodel import DEFAULT_CORPUS, make_tiny_llama, write_jsonl
 
     size = {**bench.QUICK, "max_steps": steps}
@@ -121,7 +126,7 @@ def benchmark(*, pairs: int, steps: int, keep: Path | None) -> dict[str, Any]:
             placement = {"stages": 2, "threads_per_stage": 1}
             return bench.training_config(model_dir, data, work / f"out-{label}", size, placement)
 
-        for side in ("A", "B"):
+        for side in ("A", "B") if warmup else ():
             print(f"bench: warm-up {side}", file=sys.stderr, flush=True)
             run_side(side, config_for(f"warmup-{side}"), work=work, label=f"warmup-{side}")
         runs: dict[str, list[dict[str, Any]]] = {"A": [], "B": []}
@@ -137,7 +142,8 @@ def benchmark(*, pairs: int, steps: int, keep: Path | None) -> dict[str, Any]:
         run_ratio = ratios(lambda run: run["run_seconds"])
         return {
             "benchmark": "state_copy",
-            "command": f"python scripts/bench_state_copy.py --pairs {pairs} --steps {steps}",
+            "command": f"python scripts/bench_state_copy.py --pairs {pairs} --steps {steps}"
+            + ("" if warmup else " --no-warmup"),
             "A": "finetune, 2 local stages, keep_state on (beat + step-boundary copies)",
             "B": "the same run, keep_state off",
             "pairs": pairs,
@@ -169,6 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3, help="A/B pairs (default 3)")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run (default 8)")
+    parser.add_argument(
+        "--no-warmup", action="store_true", help="skip the unrecorded warm-up pair (a short look only)"
+    )
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -180,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.pairs < 1 or args.steps < 2:
         parser.error("--pairs must be at least 1 and --steps at least 2")
     with contextlib.redirect_stdout(sys.stderr):
-        report = benchmark(pairs=args.pairs, steps=args.steps, keep=args.keep)
+        report = benchmark(pairs=args.pairs, steps=args.steps, warmup=not args.no_warmup, keep=args.keep)
     print(json.dumps(report, indent=2))
     return 0
 
