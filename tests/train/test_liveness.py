@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from shardpool.config import parse_config
 from shardpool.contract.liveness import LIVE_ROOT, beat_key, live_dir, live_key
+from shardpool.contract.rebalance import FORCE_ENV
 from shardpool.finetune import finetune
 from shardpool.train.liveness import StateCopier, start_beat, store_client
 from shardpool.train.rendezvous import rendezvous_store
@@ -183,3 +184,24 @@ def test_a_failing_copy_does_not_stop_training(
     assert (finished / "adapter_model.safetensors").is_file()
     logs = "".join(path.read_text() for path in (finished / ".shardpool" / "logs").glob("rank-*.log"))
     assert "step-boundary copy after step 1 failed" in logs
+
+
+def _layers(path: Path) -> list[int]:
+    return sorted(
+        {int(name.split(".layers.")[1].split(".")[0]) for name in load_file(str(path)) if ".layers." in name}
+    )
+
+
+def test_the_copy_after_a_reshard_holds_the_layers_of_the_next_step(
+    tiny_model: Path, completion_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KEEP_STATE_HOOK, "1")
+    monkeypatch.setenv(FORCE_ENV, "2:0-2,2-6")
+    config = base_config(
+        tiny_model, completion_data, tmp_path / "out", max_steps=3, val_set_size=0,
+        shardpool={"layers": [3, 3], "rebalance": "auto", "threads_per_stage": 1},
+    )  # fmt: skip
+    output_dir = _train(config)
+    assert _layers(output_dir / live_dir(1) / "stage-0.safetensors") == [0, 1, 2]
+    assert _layers(output_dir / live_dir(2) / "stage-0.safetensors") == [0, 1]
+    assert _layers(output_dir / live_dir(2) / "stage-1.safetensors") == [2, 3, 4, 5]
