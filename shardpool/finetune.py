@@ -181,6 +181,7 @@ def _finetune_holding_output_dir(
                 run, launcher = supervisor.next_attempt(run, launcher, ended)
     finally:
         trackers.close()
+    assert record is not None
     finish_run(as_written, config, run, record, console, events)
     return Path(config.output_dir)
 

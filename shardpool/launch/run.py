@@ -49,6 +49,8 @@ __all__ = [
 RUN_DIR_NAME = ".shardpool"
 METRICS_FILE = "metrics.jsonl"
 _SUMMARY_FILE = "run_summary.json"
+#: metrics.jsonl events that a restart keeps (see :func:`trim_metrics`).
+HISTORY_EVENTS = frozenset({"member_lost", "replan", "member_joined"})
 _JOB_FILE = "job.json"
 
 OnEvent = Callable[[dict[str, Any]], None]  # what receives a stage's events, one at a time
@@ -274,7 +276,11 @@ def append_metrics_line(path: Path, record: dict[str, Any]) -> None:
 
 
 def trim_metrics(path: Path, *, keep_through_step: int) -> None:
-    """Drop metric lines past the step a run restarts from, so a resumed run does not repeat them."""
+    """Drop metric lines past the step a run restarts from, so a resumed run does not repeat them.
+
+    The lines of lost and joined members and re-plans (:data:`HISTORY_EVENTS`) stay: they are the
+    run's history, not work that is done again. Step 0 (a fresh start) drops everything.
+    """
     if not path.is_file():
         return
     if keep_through_step == 0:
@@ -283,6 +289,9 @@ def trim_metrics(path: Path, *, keep_through_step: int) -> None:
     kept = [
         line
         for line in path.read_text(encoding="utf-8").splitlines()
-        if json.loads(line)["step"] <= keep_through_step
+        if json.loads(line)["step"] <= keep_through_step or json.loads(line).get("event") in HISTORY_EVENTS
     ]
-    atomic_write(path, ("\n".join(kept) + "\n").encode("utf-8") if kept else b"")
+    if not kept:
+        path.unlink()
+        return
+    atomic_write(path, ("\n".join(kept) + "\n").encode("utf-8"))
