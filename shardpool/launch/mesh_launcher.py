@@ -129,6 +129,7 @@ class MeshLauncher:
             files_secret=self._files_secret,
             watch=self.watch(job) if self.watch is not None else None,
             interrupt=self.interrupt,
+            previous=self.previous_job_ids[-1] if self.previous_job_ids else None,
         )
 
 
@@ -167,12 +168,15 @@ def run_mesh_job(
     files_secret: str | None = None,
     watch: BeatWatch | None = None,
     interrupt: Callable[[], bool] | None = None,
+    previous: str | None = None,
 ) -> None:
     """Run every rank on its member until all finish; raise StageFailed/MemberLost on the first failure.
 
     ``files_secret`` is the launcher's file-server secret; each agent hands it to its stages.
     ``watch`` follows the stages' beats (a stage that stopped beating is a lost member);
     ``interrupt`` is asked after each event: True stops the job on purpose (:class:`Interrupted`).
+    ``previous`` is the job this one continues (after a lost or joined member): the local agent
+    keeps it for ``shardpool jobs show``.
 
     Each member's agent derives its stages' environment (threads from its own cores over the ranks
     it runs, the mesh interface for gloo and NCCL) itself; nothing but the job crosses.
@@ -187,7 +191,7 @@ def run_mesh_job(
     try:
         payload = job.model_dump(mode="json")
         for name, (member, ranks) in ranks_by_member.items():
-            member.agent.start_job(job_id, payload, ranks, files_secret=files_secret)
+            member.agent.start_job(job_id, payload, ranks, files_secret=files_secret, previous=previous)
             started.append(name)
         threads = [
             threading.Thread(target=_poll, args=(follow, job_id, events, stop, lost_after_s), daemon=True)
