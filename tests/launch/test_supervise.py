@@ -48,8 +48,15 @@ class _Agent:
         return {}
 
     def start_job(
-        self, job_id: str, job: dict[str, Any], ranks: list[int], *, files_secret: str | None = None
+        self,
+        job_id: str,
+        job: dict[str, Any],
+        ranks: list[int],
+        *,
+        files_secret: str | None = None,
+        previous: str | None = None,
     ) -> dict[str, Any]:
+        self.previous = previous
         return {"job_id": job_id}
 
     def events(self, job_id: str, *, after: int, wait: float = 1.0) -> dict[str, Any]:
