@@ -84,7 +84,7 @@ class MeshLauncher:
     def over(self, members: list[MeshMember], *, say: Callable[[str], None]) -> MeshLauncher:
         """The next attempt's launcher over ``members`` (a lost one left out, or joined ones added),
         keeping this one's hooks and file secret and its job ids as the run's history."""
-        successor = MeshLauncher(members, say=say, files_secret=self._files_secret)
+        successor = type(self)(members, say=say, files_secret=self._files_secret)
         successor.watch, successor.interrupt = self.watch, self.interrupt
         successor.lost_after_s, successor.list_members = self.lost_after_s, self.list_members
         successor.previous_job_ids = [*self.previous_job_ids, *([self.job_id] if self.job_id else [])]
