@@ -38,7 +38,7 @@ __all__ = ["Interrupted", "MemberLost", "MeshLauncher", "new_job_id", "ranks_by_
 
 LOST_AFTER_S = 10.0
 _POLL_WAIT_S = 1.0
-_NEIGHBOUR_GRACE_S = 2.0
+_NEIGHBOUR_GRACE_S = 15.0  # a forwarded poll of a vanished member takes up to ~11 s to fail
 
 
 class MemberLost(StageFailed):
@@ -169,6 +169,7 @@ def run_mesh_job(
     watch: BeatWatch | None = None,
     interrupt: Callable[[], bool] | None = None,
     previous: str | None = None,
+    neighbour_grace_s: float = _NEIGHBOUR_GRACE_S,
 ) -> None:
     """Run every rank on its member until all finish; raise StageFailed/MemberLost on the first failure.
 
@@ -176,7 +177,8 @@ def run_mesh_job(
     ``watch`` follows the stages' beats (a stage that stopped beating is a lost member);
     ``interrupt`` is asked after each event: True stops the job on purpose (:class:`Interrupted`).
     ``previous`` is the job this one continues (after a lost or joined member): the local agent
-    keeps it for ``shardpool jobs show``.
+    keeps it for ``shardpool jobs show``. With a ``watch``, a stage error waits ``lost_after_s +
+    neighbour_grace_s`` for a lost member behind it (a neighbour of a vanished member fails first).
 
     Each member's agent derives its stages' environment (threads from its own cores over the ranks
     it runs, the mesh interface for gloo and NCCL) itself; nothing but the job crosses.
@@ -220,7 +222,7 @@ def run_mesh_job(
                 # A lost member makes its neighbours fail too (a broken connection), often first:
                 # wait up to the loss bound for the member behind it before calling it a stage error.
                 failed_at = failed_at if failed_at is not None else time.monotonic()
-                if time.monotonic() - failed_at <= lost_after_s + _NEIGHBOUR_GRACE_S:
+                if time.monotonic() - failed_at <= lost_after_s + neighbour_grace_s:
                     failure = None
             if failure is not None:
                 raise failure

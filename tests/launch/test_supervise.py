@@ -112,9 +112,29 @@ def test_a_stage_error_is_not_a_member_loss_even_when_the_run_continues() -> Non
             on_event=lambda event: None,
             watch=watch,
             lost_after_s=0.2,
+            neighbour_grace_s=0.5,
         )
     assert not isinstance(failed.value, MemberLost)
     assert "ValueError: a bug" in str(failed.value)
+
+
+def test_a_neighbour_that_fails_first_is_not_blamed_for_the_member_lost_behind_it() -> None:
+    a, b = _members("a", "b")
+    error = {"event": "error", "rank": 1, "message": "RuntimeError: connection reset by peer"}
+    b.agent.replies = [_exited(1, 1, [error])]  # type: ignore[attr-defined]
+    running = {"events": [], "exited": {}, "running": True}
+    a.agent.replies = [running, running, running, _exited(0, -9)]  # type: ignore[attr-defined]
+    watch = BeatWatch(beats=lambda rank: 0, ranks={"a": [0], "b": [1]}, member_timeout_s=30.0)
+    with pytest.raises(MemberLost) as lost:
+        run_mesh_job(
+            _job(),
+            "j",
+            {"a": (a, [0]), "b": (b, [1])},
+            on_event=lambda event: None,
+            watch=watch,
+            lost_after_s=5.0,
+        )
+    assert lost.value.member == "a"
 
 
 def test_a_stage_that_stopped_beating_is_a_lost_member_named_with_its_silence() -> None:
