@@ -16,7 +16,7 @@ from shardpool.errors import ShardpoolError
 from shardpool.finetune import PreparedRun
 from shardpool.launch.beats import BeatWatch
 from shardpool.launch.local_launcher import StageFailed
-from shardpool.launch.mesh_launcher import MemberLost, MeshLauncher, run_mesh_job
+from shardpool.launch.mesh_launcher import Interrupted, MemberLost, MeshLauncher, run_mesh_job
 from shardpool.launch.mesh_members import MeshMember
 from shardpool.launch.run import keeps_state, trim_metrics
 from shardpool.launch.supervise import (
@@ -419,3 +419,40 @@ def test_only_a_continuing_mesh_run_of_several_processes_keeps_state(tmp_path: P
     assert not keeps_state(_config(tmp_path), 1)
     assert not keeps_state(_config(tmp_path, on_member_loss="stop"), 3)
     assert not keeps_state(_config(tmp_path, placement="local"), 3)
+
+
+def test_a_join_stops_the_stages_only_once_the_copy_of_the_last_step_is_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _config(tmp_path)
+    monkeypatch.setattr(
+        MeshLauncher,
+        "plan",
+        lambda self, config: _plan([m.name for m in self.members], 2.0 / len(self.members)),
+    )
+    seen: dict[str, list[Any]] = {}
+    supervisor = _supervisor(tmp_path, config, seen)
+    launcher = MeshLauncher(_members("a", "b"), say=print)
+    launcher.list_members = lambda: _members("a", "b", "c")
+    counts: dict[int, int] = {}
+
+    class _Store:
+        def add(self, key: str, amount: int) -> int:
+            return counts.get(int(key.rsplit("/", 1)[1]), 0) if "live" in key else 1
+
+    run = _run(config, _plan(["a", "b"]))
+    supervisor.begin(launcher, run, Job.model_validate(job_dict(stages=2)), _Store())
+    supervisor._look_for_joins(launcher, 10, 1.0)  # what the join check's thread does
+    supervisor._last_step = 11
+    _copies(tmp_path, 10, 11)
+    counts.update({10: 2, 11: 1})
+    assert not supervisor.interrupt(), "step 11's copy is still being written"
+    counts[11] = 2
+    assert supervisor.interrupt()
+    ended = supervisor.ended(Interrupted("stopped"))
+    assert (ended.kind, ended.member, ended.newest_copy) == ("member_joined", "c", 11)
+    following, successor = supervisor.next_attempt(run, launcher, ended)
+    assert [member.name for member in successor.members] == ["a", "b", "c"]
+    assert following.first_step == 11
+    assert [line["event"] for line in seen["record"]] == ["member_joined", "replan"]
+    assert seen["record"][0]["steps_lost"] == 0
