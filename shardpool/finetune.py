@@ -13,7 +13,10 @@ The story of a run, top to bottom:
      else a log line per logged step) and ``metrics.jsonl`` per step and periodic eval, the
      re-balance check after the warm-up steps answered (:mod:`shardpool.launch.rebalancing`),
      checkpoints finalized (the oldest deleted past ``save_total_limit``), and
-     at the end the stages' LoRA tensors merged into the adapter, saved with the tokenizer;
+     at the end the stages' LoRA tensors merged into the adapter, saved with the tokenizer; a mesh
+     run with ``on_member_loss: continue`` that loses a member (or gains one worth a restart)
+     goes on from its newest complete step-boundary copy with a new plan, one attempt after the
+     other (:class:`~shardpool.launch.supervise.Supervisor`);
   5. write the model card (``README.md``), report eval loss before and after, and how to load
      the adapter.
 """

@@ -7,7 +7,9 @@ file server on this member's mesh address, and starts each member's ranks with o
 The polls double as the launcher's heartbeat: an agent that stops hearing from the launcher stops
 its stages. A member whose agent stops answering for ``lost_after_s`` seconds, or whose stage
 exits non-zero, ends the run: every other member's stages are stopped and the error names the
-member and the step.
+member and the step. A member whose agent went silent, whose stage was killed by a signal or
+(with a :class:`~shardpool.launch.beats.BeatWatch`) stopped beating is :class:`MemberLost`, which
+a supervised run survives (:mod:`shardpool.launch.supervise`); a stage's own error is not.
 """
 
 from __future__ import annotations
