@@ -139,14 +139,27 @@ def test_missing_config_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureF
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.fixture(scope="module")
+def cli_run(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, completion_data: Path
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """One real CLI run whose stdout is a pipe, from a working directory of its own with the model
+    and output_dir given relative to it: (the finished process, its output_dir). Two tests read it."""
+    root = tmp_path_factory.mktemp("cli-run")
+    workdir = root / "work"
+    (workdir / "models").mkdir(parents=True)
+    (workdir / "models" / "tiny").symlink_to(tiny_model)
+    config = base_config(Path("models/tiny"), completion_data, Path("out"), max_steps=3, logging_steps=2)
+    result = run_cli("finetune", str(write_config(root / "c.yaml", config)), timeout=180, cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    return result, workdir / "out"
+
+
 @pytest.mark.slow
 def test_output_that_is_not_a_terminal_gets_a_log_line_per_logged_step(
-    tmp_path: Path, tiny_model: Path, completion_data: Path
+    cli_run: tuple[subprocess.CompletedProcess[str], Path],
 ) -> None:
-    out = tmp_path / "out"
-    config = base_config(tiny_model, completion_data, out, max_steps=3, logging_steps=2)
-    result = run_cli("finetune", str(write_config(tmp_path / "c.yaml", config)), timeout=180)
-    assert result.returncode == 0, result.stderr
+    result, out = cli_run
     lines = result.stdout.splitlines()
     step_lines = [line for line in lines if line.startswith("step ")]
     shape = r"step \d/3  loss \S+  lr \d\.\d\de[-+]\d\d  \d+ tok/s  eta \d+:\d\d:\d\d"
@@ -167,7 +180,7 @@ def test_output_that_is_not_a_terminal_gets_a_log_line_per_logged_step(
 
 @pytest.mark.slow
 def test_exception_in_one_stage_stops_the_whole_run(
-    tmp_path: Path, tiny_model: Path, completion_data: Path
+    tmp_path: Path, tiny_model: Path, completion_data: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     broken = tmp_path / "broken-model"
     broken.mkdir()
@@ -184,14 +197,15 @@ def test_exception_in_one_stage_stops_the_whole_run(
         tmp_path / "c.yaml", base_config(broken, completion_data, out, shardpool={"layers": [3, 3]})
     )
     started = time.monotonic()
-    result = run_cli("finetune", str(config), timeout=120)
+    code = main(["finetune", str(config)])  # in-process; the stages are processes of their own
     elapsed = time.monotonic() - started
-    assert result.returncode == 2
+    stderr = capfd.readouterr().err  # this process's and the stages' (they inherit descriptor 2)
+    assert code == 2
     assert elapsed < 30, f"the run took {elapsed:.1f}s to fail"
-    error = result.stderr.strip().splitlines()[-1]
+    error = stderr.strip().splitlines()[-1]
     assert error.startswith("shardpool: error: stage 1 (rank 1) failed:"), error
     assert "model.layers.4." in error and "missing" in error
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in stderr
     assert stage_pids(out / RUN_DIR_NAME / "job.json") == {}, "no stage process may outlive the run"
 
 
@@ -224,15 +238,9 @@ print(json.dumps({"base": model.peft_config["default"].base_model_name_or_path, 
 
 @pytest.mark.slow
 def test_output_dir_loads_by_itself_from_any_directory(
-    tmp_path: Path, tiny_model: Path, completion_data: Path, monkeypatch: pytest.MonkeyPatch
+    cli_run: tuple[subprocess.CompletedProcess[str], Path], tiny_model: Path, tmp_path: Path
 ) -> None:
-    workdir = tmp_path / "work"
-    (workdir / "models").mkdir(parents=True)
-    (workdir / "models" / "tiny").symlink_to(tiny_model)
-    monkeypatch.chdir(workdir)
-    config = base_config(Path("models/tiny"), completion_data, Path("out"), max_steps=1)
-    out = workdir / finetune(parse_config(config), console=Console(quiet=True))
-
+    _, out = cli_run
     adapter_config = json.loads((out / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == str(tiny_model.resolve())
     assert (out / "tokenizer_config.json").is_file() and (out / "tokenizer.json").is_file()
@@ -272,8 +280,7 @@ def test_resume_from_a_step_n_checkpoint_of_an_earlier_version_or_a_named_one(
     shutil.copytree(first / "checkpoints" / "checkpoint-1", old / "checkpoints" / "step-1")
     shutil.copy(first / "metrics.jsonl", old / "metrics.jsonl")
     config = write_config(tmp_path / "c.yaml", base_config(tiny_model, completion_data, old, **overrides))
-    resumed = run_cli("finetune", str(config), "--resume", timeout=180)
-    assert resumed.returncode == 0, resumed.stderr
+    assert main(["finetune", str(config), "--resume"]) == 0
     assert [record["step"] for record in read_metrics(old)] == [1, 2]
     resumed_adapter = load_file(str(old / "adapter_model.safetensors"))
     first_adapter = load_file(str(first / "adapter_model.safetensors"))

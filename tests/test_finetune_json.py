@@ -25,6 +25,18 @@ def _json_lines(stdout: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stdout.splitlines()]
 
 
+def _finetune_in_process(capfd: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``shardpool finetune ARGS`` through the CLI's ``main`` in this process, which has torch
+    imported already: its exit status and what reached descriptors 1 and 2 meanwhile, the stage
+    processes' output included (they inherit both)."""
+    from shardpool.cli import main
+
+    capfd.readouterr()
+    code = main(["finetune", *args])
+    captured = capfd.readouterr()
+    return code, captured.out, captured.err
+
+
 def test_events_are_one_plain_json_object_a_line() -> None:
     stream = io.StringIO()
     events = RunEvents(stream)
@@ -101,7 +113,7 @@ def test_a_state_dir_without_a_running_agent_is_one_line(
 
 
 def test_finetune_launches_through_the_agent_of_the_state_dir(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """--state-dir wins over $SHARDPOOL_AGENT_SOCKET; the agent's answer ends the run (this machine
     is not among the members online), as an error event on stdout with --json."""
@@ -116,26 +128,28 @@ def test_finetune_launches_through_the_agent_of_the_state_dir(
     )
     try:
         with StubLocalAgent(socket_path, members=members):
-            result = run_cli("finetune", "--json", "--state-dir", str(state), str(config), timeout=300)
+            code, stdout, stderr = _finetune_in_process(
+                capfd, "--json", "--state-dir", str(state), str(config)
+            )
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
     message = "this machine's mesh interface is down; run `shardpool mesh up` first"
-    assert result.returncode == 2, result.stderr
-    assert _json_lines(result.stdout) == [{"event": "error", "message": message}]
-    assert result.stderr.splitlines() == [f"shardpool: error: {message}"]
+    assert code == 2, stderr
+    assert _json_lines(stdout) == [{"event": "error", "message": message}]
+    assert stderr.splitlines() == [f"shardpool: error: {message}"]
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
 def test_a_real_run_streams_its_events_and_nothing_else_on_stdout(
-    tmp_path: Path, tiny_model: Path, completion_data: Path
+    tmp_path: Path, tiny_model: Path, completion_data: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "out"
     overrides = {"max_steps": 4, "eval_steps": 2, "save_steps": 3, "logging_steps": 2}
     config = write_config(tmp_path / "run.yaml", base_config(tiny_model, completion_data, out, **overrides))
-    result = run_cli("finetune", "--json", str(config), timeout=300)
-    assert result.returncode == 0, result.stderr
-    events = _json_lines(result.stdout)
+    code, stdout, stderr = _finetune_in_process(capfd, "--json", str(config))
+    assert code == 0, stderr
+    events = _json_lines(stdout)
     assert [(event["event"], event.get("step")) for event in events] == [
         ("plan", None),
         ("step", 1),
@@ -160,4 +174,4 @@ def test_a_real_run_streams_its_events_and_nothing_else_on_stdout(
     summary = json.loads((out / "run_summary.json").read_text())
     assert done["eval_loss_after"] == summary["eval_loss_after"] == events[7]["eval_loss"]
     assert done["output_dir"] == str(out) and done["steps"] == 4
-    assert "adapter written to" in result.stderr, "what people read goes to stderr"
+    assert "adapter written to" in stderr, "what people read goes to stderr"

@@ -9,12 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from safetensors.torch import load_file
 
 from shardpool.config import parse_config
 from shardpool.errors import ShardpoolError
+from shardpool.finetune import finetune
 from shardpool.torchrun import TorchrunWorld, torchrun_config, torchrun_devices, torchrun_world
-from tests.helpers.training import REPO_ROOT, base_config, run_cli, write_config
+from tests.helpers.training import REPO_ROOT, base_config, write_config
 
 TORCHRUN_ENV = {
     "RANK": "1",
@@ -107,9 +109,10 @@ def test_torchrun_on_cpu_stages_equals_local_placement(
     """The same split, seeds and data: the adapters agree within 1e-6 (fp32), as do the eval losses."""
     section = {"layers": [3, 3]}
     local_out, torchrun_out = tmp_path / "local", tmp_path / "torchrun"
-    local = run_cli("finetune", str(write_config(tmp_path / "local.yaml", base_config(
-        tiny_model, completion_data, local_out, shardpool=section))), timeout=600)  # fmt: skip
-    assert local.returncode == 0, local.stderr[-3000:]
+    # The local run goes in-process (the same local launcher and stage processes as the CLI's):
+    # a second fresh interpreter would only add its imports.
+    local_config = base_config(tiny_model, completion_data, local_out, shardpool=section)
+    finetune(parse_config(local_config), console=Console(quiet=True))
     launched = _torchrun(write_config(tmp_path / "tr.yaml", base_config(
         tiny_model, completion_data, torchrun_out, shardpool=section)))  # fmt: skip
     assert launched.returncode == 0, launched.stderr[-3000:]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,6 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from shardpool.cli import main
-from tests.helpers.training import REPO_ROOT
 
 
 def _adapter(base_dir: Path, out: Path) -> Path:
@@ -35,21 +32,21 @@ def _adapter(base_dir: Path, out: Path) -> Path:
     return out
 
 
-def _merge(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shardpool", "merge", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO_ROOT,
-    )
+def _merge(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``shardpool merge ARGS`` in this process (the README's quickstart runs the real command):
+    its exit status and what it printed on stdout."""
+    capsys.readouterr()
+    code = main(["merge", *args])
+    return code, capsys.readouterr().out
 
 
-def test_merged_model_equals_base_plus_adapter(tiny_model: Path, tmp_path: Path) -> None:
+def test_merged_model_equals_base_plus_adapter(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     adapter = _adapter(tiny_model, tmp_path / "adapter")
-    run = _merge(str(adapter), "--out", str(tmp_path / "merged"), "--dtype", "fp32")
-    assert run.returncode == 0, run.stderr
-    assert "load it with AutoModelForCausalLM.from_pretrained" in run.stdout
+    code, stdout = _merge(capsys, str(adapter), "--out", str(tmp_path / "merged"), "--dtype", "fp32")
+    assert code == 0
+    assert "load it with AutoModelForCausalLM.from_pretrained" in stdout
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
     reference = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32), str(adapter)
@@ -63,9 +60,11 @@ def test_merged_model_equals_base_plus_adapter(tiny_model: Path, tmp_path: Path)
 
 
 @pytest.mark.slow
-def test_bf16_merge_writes_bf16_weights(tiny_model: Path, tmp_path: Path) -> None:
+def test_bf16_merge_writes_bf16_weights(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     adapter = _adapter(tiny_model, tmp_path / "adapter")
-    assert _merge(str(adapter), "--out", str(tmp_path / "m16")).returncode == 0
+    assert _merge(capsys, str(adapter), "--out", str(tmp_path / "m16"))[0] == 0
     tensors = load_file(str(tmp_path / "m16" / "model.safetensors"))
     assert {tensor.dtype for tensor in tensors.values()} == {torch.bfloat16}
 

@@ -181,22 +181,33 @@ def test_adapter_loads_with_peft_and_reproduces_pipeline_logits(
     assert float((logits - reference["logits"]).abs().max()) < 1e-4
 
 
+#: Two stages, two steps, no eval: the 1F1B run that the replica and the schedule tests compare with.
+TWO_STAGE_STEPS = {"max_steps": 2, "val_set_size": 0, "gradient_accumulation_steps": 4}
+
+
+@pytest.fixture(scope="module")
+def two_stage_1f1b(
+    tiny_model: Path, completion_data: Path, start_adapter: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """One replica of 2 stages on the 1F1B schedule, 4 micro-batches a step (trained once, compared twice)."""
+    return _train(
+        base_config(
+            tiny_model, completion_data, tmp_path_factory.mktemp("two-stage") / "out",
+            lora_model_dir=str(start_adapter), **TWO_STAGE_STEPS, shardpool={"stages": 2, "replicas": 1},
+        )
+    )  # fmt: skip
+
+
 def test_two_replicas_equal_one_replica_with_double_accumulation(
-    tiny_model: Path, completion_data: Path, start_adapter: Path, tmp_path: Path
+    tiny_model: Path, completion_data: Path, start_adapter: Path, two_stage_1f1b: Path, tmp_path: Path
 ) -> None:
-    common = {"lora_model_dir": str(start_adapter), "max_steps": 2, "val_set_size": 0}
+    common = {"lora_model_dir": str(start_adapter), **TWO_STAGE_STEPS, "gradient_accumulation_steps": 2}
     replicated = _train(
         base_config(
-            tiny_model, completion_data, tmp_path / "r2", **common, gradient_accumulation_steps=2,
-            shardpool={"stages": 2, "replicas": 2},
+            tiny_model, completion_data, tmp_path / "r2", **common, shardpool={"stages": 2, "replicas": 2}
         )
-    )  # fmt: skip
-    single = _train(
-        base_config(
-            tiny_model, completion_data, tmp_path / "r1", **common, gradient_accumulation_steps=4,
-            shardpool={"stages": 2, "replicas": 1},
-        )
-    )  # fmt: skip
+    )
+    single = two_stage_1f1b
     _assert_losses_close(
         [r["loss"] for r in read_metrics(replicated)], [r["loss"] for r in read_metrics(single)], rel=1e-5
     )
@@ -207,9 +218,9 @@ def test_two_replicas_equal_one_replica_with_double_accumulation(
 
 
 def test_gpipe_schedule_matches_1f1b(
-    tiny_model: Path, completion_data: Path, start_adapter: Path, tmp_path: Path
+    tiny_model: Path, completion_data: Path, start_adapter: Path, two_stage_1f1b: Path, tmp_path: Path
 ) -> None:
-    common = {"lora_model_dir": str(start_adapter), "max_steps": 2, "val_set_size": 0}
+    common = {"lora_model_dir": str(start_adapter), **TWO_STAGE_STEPS}
     gpipe = _train(
         base_config(
             tiny_model,
@@ -219,9 +230,7 @@ def test_gpipe_schedule_matches_1f1b(
             shardpool={"stages": 2, "schedule": "gpipe"},
         )
     )
-    one_f = _train(
-        base_config(tiny_model, completion_data, tmp_path / "f", **common, shardpool={"stages": 2})
-    )
+    one_f = two_stage_1f1b
     _assert_losses_close(
         [r["loss"] for r in read_metrics(gpipe)], [r["loss"] for r in read_metrics(one_f)], rel=1e-6
     )
