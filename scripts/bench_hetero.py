@@ -81,6 +81,13 @@ PERIOD_US = 10_000
 """The CFS period of every quota: 10 ms, so a host is slow at every timescale its work has (a layer
 pass takes milliseconds). Under the default 100 ms, a burst shorter than the quota runs at full
 speed, and a short profile would time the host unthrottled."""
+SCOPES = ("stage", "host")
+"""What a host's CPU quota throttles (``--quota-scope``). ``stage`` (the default): only the stage
+processes and the profilers, the work a real fleet runs on its accelerator, which the quota stands
+in for; the host's agent (their parent, so that they inherit the quota and the thread count from
+their first instruction) stays with them. The launcher, WireGuard (``wireguard-go`` encrypts every
+activation in user space) and the sync daemon run on the host's CPU, unthrottled, as they would
+beside a GPU. ``host``: every process of the host, as on a smaller machine (last session's figures)."""
 MODES = ("fastest_alone", "even_split", "pooled")
 SWAPPED = "pooled_swapped"
 """With ``--swap-profiles``: the pooled run again, planned from the swapped profiles."""
@@ -380,6 +387,7 @@ class HostCgroups:
 
     choice: CgroupChoice
     quotas: dict[str, float]
+    unthrottled: tuple[str, ...] = ()
     parent: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -395,6 +403,8 @@ class HostCgroups:
                 self.path(label).mkdir()
                 for name, text in quota_files(self.choice.version, cpus).items():
                     (self.path(label) / name).write_text(text)
+            for label in self.unthrottled:
+                self.path(label).mkdir()
         except BaseException:
             self.close()
             raise
@@ -424,7 +434,7 @@ class HostCgroups:
 
     def close(self) -> None:
         """Kill what is left in the cgroups (by pid) and remove them, the parent last."""
-        for label in self.quotas:
+        for label in (*self.quotas, *self.unthrottled):
             directory = self.path(label)
             if not directory.is_dir():
                 continue
@@ -467,14 +477,70 @@ def namespace_pids(host: Host) -> list[int]:
     return [int(pid) for pid in listed.stdout.split() if pid.isdigit()]
 
 
-def throttle(lab: Lab, cgroups: HostCgroups) -> dict[str, int]:
-    """Move every process of every host into the host's cgroup; how many each had."""
+def overhead_cgroup(label: str, scope: str) -> str:
+    """The cgroup of host ``label``'s own processes (launcher, WireGuard, sync daemon): its throttled
+    one in ``host`` scope, an unthrottled ``<label>-host`` beside it in ``stage`` scope."""
+    return label if scope == "host" else f"{label}-host"
+
+
+def parent_pids(proc: Path = Path("/proc")) -> dict[int, int]:
+    """Every process's parent, from ``/proc/<pid>/stat``."""
+    parents: dict[int, int] = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
+        parents[int(entry.name)] = int(fields[1])
+    return parents
+
+
+def process_tree(root: int, parents: Mapping[int, int]) -> set[int]:
+    """``root`` and all its descendants, given each process's parent."""
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo.extend(children.get(pid, ()))
+    return tree
+
+
+def settle_scope(lab: Lab, cgroups: HostCgroups, scope: str) -> None:
+    """In ``stage`` scope, move every process of each host but its agent's tree (the agent, its
+    stages and profilers) out of the quota, into ``<label>-host``; ``mesh up`` may have started
+    WireGuard or the sync daemon inside it. Nothing to do in ``host`` scope."""
+    from mesh.daemon import read_pid
+
+    if scope == "host":
+        return
+    parents = parent_pids()
+    for label, host in lab.hosts.items():
+        agent = read_pid(agent_pid_file(host))
+        if agent is None:
+            raise BenchError(f"host {label} has no agent to keep under its quota")
+        device = process_tree(agent, parents)
+        for pid in namespace_pids(host):
+            with contextlib.suppress(ProcessLookupError, OSError):
+                cgroups.add(label if pid in device else overhead_cgroup(label, scope), pid)
+
+
+def throttle(lab: Lab, cgroups: HostCgroups, scope: str = "host") -> dict[str, int]:
+    """Move every process of every host into the host's cgroup (``host`` scope) or its unthrottled
+    ``<label>-host`` one (``stage`` scope: the restarted agents bring the quota to what they start);
+    how many each had."""
     moved: dict[str, int] = {}
     for label, host in lab.hosts.items():
         pids = namespace_pids(host)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, OSError):  # gone meanwhile
-                cgroups.add(label, pid)
+                cgroups.add(overhead_cgroup(label, scope), pid)
         moved[label] = len(pids)
         if not pids:
             raise BenchError(f"host {label} runs no process to throttle (is its agent up?)")
@@ -487,13 +553,21 @@ def agent_pid_file(host: Host) -> Path:
 
 
 def start_in_cgroup(
-    lab: Lab, host: Host, cgroups: HostCgroups, argv: Sequence[str], **popen: Any
+    lab: Lab,
+    host: Host,
+    cgroups: HostCgroups,
+    argv: Sequence[str],
+    cgroup: str | None = None,
+    **popen: Any,
 ) -> subprocess.Popen[Any]:
-    """Start ``argv`` inside ``host`` and inside its cgroup (see :func:`gated_argv`)."""
+    """Start ``argv`` inside ``host`` and inside ``cgroup`` (default: the host's throttled one; see
+    :func:`gated_argv`)."""
     gated = gated_argv(argv, cgroupfs_mounts(cgroups.choice))
     process = subprocess.Popen(lab.command(host, *gated), stdin=subprocess.PIPE, **popen)
     try:
-        cgroups.add(host.label, process.pid)  # ``ip netns exec`` and ``env`` exec in place: same pid
+        cgroups.add(
+            cgroup or host.label, process.pid
+        )  # ``ip netns exec`` and ``env`` exec in place: same pid
         assert process.stdin is not None
         process.stdin.write(b"go\n")
         process.stdin.close()
@@ -532,7 +606,7 @@ def profiles_file(host: Host) -> Path:
     return host.home.with_name(host.home.name + "-work") / "profile" / "profiles.json"
 
 
-def swap_profiles(lab: Lab, cgroups: HostCgroups, first: str, second: str) -> int:
+def swap_profiles(lab: Lab, cgroups: HostCgroups, first: str, second: str, scope: str = "host") -> int:
     """Swap two hosts' cached profiles and restart both agents; how many entries were swapped."""
     paths = [profiles_file(lab.hosts[label]) for label in (first, second)]
     missing = [str(path) for path in paths if not path.is_file()]
@@ -549,10 +623,19 @@ def swap_profiles(lab: Lab, cgroups: HostCgroups, first: str, second: str) -> in
     for label in (first, second):
         restart_agent(lab, lab.hosts[label], cgroups)
     wait_for_agents(lab, "".join(lab.hosts))
+    settle_scope(lab, cgroups, scope)
     return swapped
 
 
 # ---------------------------------------------------------------------------- runs
+
+
+def quota_threads(cpus: float) -> int:
+    """The threads a stage under ``cpus`` CPUs runs (``plan.cpu_quota.usable_cpus`` on this machine's
+    cores): what the launcher would give its local stage had it run under that quota itself."""
+    from shardpool.plan.cpu_quota import usable_cpus
+
+    return usable_cpus(len(os.sched_getaffinity(0)), cpus)
 
 
 def rebalance_setting(config: dict[str, Any], value: str) -> dict[str, Any]:
@@ -573,22 +656,72 @@ def mode_settings(mode: str, num_layers: int, hosts: int) -> dict[str, Any]:
     return {"placement": "mesh"}
 
 
-def run_finetune(lab: Lab, cgroups: HostCgroups, config_path: Path, log: Path, timeout_s: float) -> None:
-    """``shardpool finetune`` on host a, inside a's cgroup; raise BenchError with the log's tail on failure."""
+def run_finetune(
+    lab: Lab, cgroups: HostCgroups, config_path: Path, log: Path, timeout_s: float, scope: str = "host"
+) -> None:
+    """``shardpool finetune`` on host a, in a's overhead cgroup (:func:`overhead_cgroup`); in ``stage``
+    scope what the launcher starts itself (the fastest-alone run's stage) is moved under a's quota
+    as it appears. Raise BenchError with the log's tail on failure."""
     host = lab.hosts[LABELS[0]]
     argv = [sys.executable, "-m", "shardpool", "finetune", str(config_path)]
     with open(log, "w") as sink:
-        launcher = start_in_cgroup(lab, host, cgroups, argv, stdout=sink, stderr=subprocess.STDOUT)
+        launcher = start_in_cgroup(
+            lab,
+            host,
+            cgroups,
+            argv,
+            overhead_cgroup(host.label, scope),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+        mover = None if scope == "host" else ChildMover(cgroups, host.label, launcher.pid)
         try:
+            if mover is not None:
+                mover.start()
             launcher.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired as error:
             raise BenchError(
                 f"{config_path.stem} took over {timeout_s:.0f} s; log {log}:\n{log_tail(log)}"
             ) from error
         finally:
+            if mover is not None:
+                mover.stop()
             stop_launcher(launcher)
     if launcher.returncode != 0:
         raise BenchError(f"{config_path.stem} failed (exit {launcher.returncode}):\n{log_tail(log)}")
+
+
+class ChildMover:
+    """Moves the processes ``parent`` starts into cgroup ``label`` as they appear (every 20 ms).
+
+    A stage imports torch for about a second before it computes, so the few milliseconds it may
+    run outside the quota do not count; its thread count comes from the config
+    (``threads_per_stage``), not from the quota it sees at start."""
+
+    def __init__(self, cgroups: HostCgroups, label: str, parent: int, period_s: float = 0.02) -> None:
+        import threading
+
+        self.cgroups, self.label, self.parent, self.period_s = cgroups, label, parent, period_s
+        self.moved: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="child-mover", daemon=True)
+
+    def start(self) -> None:
+        """Start watching."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching (the processes stay where they were moved)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            with contextlib.suppress(OSError):
+                for pid in process_tree(self.parent, parent_pids()) - {self.parent} - self.moved:
+                    with contextlib.suppress(ProcessLookupError, OSError):
+                        self.cgroups.add(self.label, pid)
+                        self.moved.add(pid)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -620,7 +753,13 @@ def profiled_quotas(plans: Sequence[dict[str, Any]]) -> dict[str, float | None]:
 
 
 def benchmark(
-    *, quick: bool, quotas: tuple[float, ...], swap: bool, keep: Path | None, choice: CgroupChoice
+    *,
+    quick: bool,
+    quotas: tuple[float, ...],
+    swap: bool,
+    keep: Path | None,
+    choice: CgroupChoice,
+    scope: str = "stage",
 ) -> dict[str, Any]:
     """Build the model, the throttled lab and the mesh; train the three ways (and from swapped
     profiles); the JSON report."""
@@ -640,29 +779,34 @@ def benchmark(
         plans: dict[str, dict[str, Any]] = {}
         records: dict[str, list[dict[str, Any]]] = {}
         swapped = 0
-        with Lab(work / "lab") as lab, HostCgroups(choice, dict(zip(labels, quotas, strict=True))) as cgroups:
+        overhead = () if scope == "host" else tuple(overhead_cgroup(label, scope) for label in labels)
+        host_quotas = dict(zip(labels, quotas, strict=True))
+        with Lab(work / "lab") as lab, HostCgroups(choice, host_quotas, overhead) as cgroups:
             for octet, label in enumerate(labels, start=1):
                 lab.add_host(label, octet)
             mesh_setup_s = form_mesh(lab, labels)
-            moved = throttle(lab, cgroups)
+            moved = throttle(lab, cgroups, scope)
             for label in labels:  # so each agent, and what it starts, sees its cgroup's quota
                 restart_agent(lab, lab.hosts[label], cgroups)
             wait_for_agents(lab, labels)
+            settle_scope(lab, cgroups, scope)
             say(
                 f"mesh of {len(labels)} hosts formed in {mesh_setup_s:.1f} s and throttled {dict(cgroups.quotas)}"
             )
             for mode in modes:
                 if mode == SWAPPED:
-                    swapped = swap_profiles(lab, cgroups, labels[0], labels[-1])
+                    swapped = swap_profiles(lab, cgroups, labels[0], labels[-1], scope)
                 out = work / f"out-{mode}"
                 config = training_config(
                     model_dir, data, out, size, mode_settings(mode, num_layers, len(labels))
                 )
                 if mode not in ("pooled", SWAPPED):
                     config = rebalance_setting(config, "off")
+                if mode == "fastest_alone" and scope == "stage":
+                    config["shardpool"]["threads_per_stage"] = quota_threads(quotas[0])
                 config_path = write_yaml(work / f"{mode}.yaml", config)
                 run_started = time.monotonic()
-                run_finetune(lab, cgroups, config_path, work / f"{mode}.log", size["run_timeout_s"])
+                run_finetune(lab, cgroups, config_path, work / f"{mode}.log", size["run_timeout_s"], scope)
                 plans[mode] = json.loads((out / "plan.json").read_text())
                 records[mode] = read_jsonl(out / "metrics.jsonl")
                 if mode == "fastest_alone":  # a local plan names the machine, not the lab host
@@ -674,8 +818,9 @@ def benchmark(
         return report(
             quick=quick,
             size=size,
-            quotas=dict(zip(labels, quotas, strict=True)),
+            quotas=host_quotas,
             choice=choice,
+            scope=scope,
             runs=runs,
             plans=plans,
             records=records,
@@ -698,6 +843,7 @@ def report(
     size: dict[str, Any],
     quotas: dict[str, float],
     choice: CgroupChoice,
+    scope: str,
     runs: dict[str, dict[str, Any]],
     plans: dict[str, dict[str, Any]],
     records: dict[str, list[dict[str, Any]]],
@@ -715,12 +861,14 @@ def report(
     if tuple(quotas.values()) != size["hosts"]:
         command += " --hosts " + ",".join(f"{quota:g}" for quota in quotas.values())
     command += (" --swap-profiles" if swapped is not None else "") + (" --quick" if quick else "")
+    command += " --quota-scope host" if scope == "host" else ""
     return {
         "benchmark": "hetero",
         "quick": quick,
         "command": command,
         "hosts_cpu_quota": quotas,
         "fastest_host": next(iter(quotas)),
+        "quota_scope": scope,
         "cgroup": choice.version,
         "tokens_per_s": tokens,
         "pooled_over_fastest": ratio(tokens["pooled"], tokens["fastest_alone"]),
@@ -800,6 +948,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="then swap the fastest and slowest host's cached profiles and run pooled again from them",
     )
+    parser.add_argument(
+        "--quota-scope",
+        choices=SCOPES,
+        default=SCOPES[0],
+        help="throttle only the stages and profilers (stage, default) or every process of a host (host)",
+    )
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it (model, outputs, logs)")
     args = parser.parse_args(argv)
     reason = skip_reason()
@@ -815,7 +969,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with contextlib.redirect_stdout(sys.stderr):  # only the JSON report goes to stdout
             result = benchmark(
-                quick=args.quick, quotas=quotas, swap=args.swap_profiles, keep=args.keep, choice=choice
+                quick=args.quick,
+                quotas=quotas,
+                swap=args.swap_profiles,
+                keep=args.keep,
+                choice=choice,
+                scope=args.quota_scope,
             )
     except (BenchError, LabError) as error:
         print(f"bench_hetero: error: {error}", file=sys.stderr)
