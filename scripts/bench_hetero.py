@@ -186,6 +186,15 @@ def parse_hosts(text: str) -> tuple[float, ...]:
     return quotas
 
 
+def parse_modes(text: str) -> tuple[str, ...]:
+    """``"even_split,pooled"`` -> those ways, in the order of :data:`MODES`; at least one."""
+    names = {part.strip() for part in text.split(",") if part.strip()}
+    unknown = sorted(names - set(MODES))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--modes {text!r}: choose among {', '.join(MODES)}")
+    return tuple(mode for mode in MODES if mode in names)
+
+
 def cgroupfs_mounts(choice: CgroupChoice) -> str:
     """Shell commands that mount the cgroup filesystem at ``/sys/fs/cgroup`` as this machine has it.
 
@@ -294,6 +303,57 @@ def summarize_run(records: Sequence[dict[str, Any]], plan: dict[str, Any], warmu
             "predicted_over_measured_step": ratio(last.get("predicted_step_s"), median_of(after)),
         }
     return summary
+
+
+def initial_plan_json(plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan a run started with: the oldest of plan.json's history after a re-shard, else plan.json."""
+    history = plan.get("history")
+    if isinstance(history, list) and history and isinstance(history[0], dict):
+        return history[0]
+    return plan
+
+
+def calibrated_figures(
+    plan: dict[str, Any], records: Sequence[dict[str, Any]], config_path: Path, check_after: int = 3
+) -> dict[str, Any] | None:
+    """The started plan's split under the model calibrated as the launcher calibrates it (on steps 2
+    to ``check_after``, ``plan.calibrate``), against the median of the later steps it did not see
+    (before any re-shard). None for a plan without stage costs or too few steps."""
+    from shardpool.config import load_config
+    from shardpool.errors import ShardpoolError
+    from shardpool.plan.calibrate import StepMeasurement, calibrated_plan
+    from shardpool.plan.result import Plan
+
+    steps = step_records(records)
+    events = rebalance_events(records)
+    last = int(events[0]["step"]) if events else None
+    window = [r for r in steps if 1 < int(r["step"]) <= check_after]
+    last_step = last if last is not None else len(steps) + 1  # after a re-shard another split ran
+    later = [float(r["step_seconds"]) for r in steps if check_after < int(r["step"]) <= last_step]
+    if not window or not later:
+        return None
+    measured = [
+        StepMeasurement(
+            step=int(r["step"]),
+            step_seconds=float(r["step_seconds"]),
+            stage_compute_s=tuple(float(x) for x in r["stage_compute_s"]),
+            stage_wait_s=tuple(float(x) for x in r["stage_wait_s"]),
+        )
+        for r in window
+    ]
+    try:
+        calibrated = calibrated_plan(
+            Plan.from_json(initial_plan_json(plan)), measured, load_config(config_path)
+        )
+    except ShardpoolError:
+        return None
+    return {
+        "calibrated_on_steps": [m.step for m in measured],
+        "speed": calibrated.calibration.get("speed") if calibrated.calibration else None,
+        "predicted_step_s": round(calibrated.predicted_step_s, 4),
+        "measured_step_s": _rounded(median_of(later)),
+        "predicted_over_measured_step": ratio(calibrated.predicted_step_s, median_of(later)),
+    }
 
 
 def initial_prediction(plan: dict[str, Any]) -> float | None:
@@ -760,11 +820,13 @@ def benchmark(
     keep: Path | None,
     choice: CgroupChoice,
     scope: str = "stage",
+    only: Sequence[str] = MODES,
 ) -> dict[str, Any]:
-    """Build the model, the throttled lab and the mesh; train the three ways (and from swapped
-    profiles); the JSON report."""
+    """Build the model, the throttled lab and the mesh; train the three ways (or ``only`` those; and
+    from swapped profiles); the JSON report."""
     size = QUICK if quick else FULL
-    modes = (*MODES, SWAPPED) if swap else MODES
+    chosen = tuple(mode for mode in MODES if mode in only)
+    modes = (*chosen, SWAPPED) if swap else chosen
     labels = LABELS[: len(quotas)]
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="shardpool-bench-hetero-")) if keep is None else keep
@@ -813,6 +875,10 @@ def benchmark(
                     for stage in plans[mode]["stages"]:
                         stage["host"] = labels[0]
                 runs[mode] = summarize_run(records[mode], plans[mode], size["warmup"])
+                if mode != "fastest_alone":
+                    runs[mode]["after_calibration"] = calibrated_figures(
+                        plans[mode], records[mode], config_path
+                    )
                 runs[mode]["run_s"] = round(time.monotonic() - run_started, 1)
                 say(f"{mode}: {runs[mode]['tokens_per_s']} tokens/s, run took {runs[mode]['run_s']} s")
         return report(
@@ -856,12 +922,18 @@ def report(
     """Assemble the JSON report."""
     modes = list(runs)
     tokens = {mode: runs[mode]["tokens_per_s"] for mode in modes}
-    events = rebalance_events(records["pooled"])
+    events = rebalance_events(records.get("pooled", []))
+    pooled = runs.get("pooled", {})
+    tokens.update({mode: None for mode in MODES if mode not in tokens})  # runs left out by --modes
+    measured_plans = [plans[mode] for mode in ("even_split", "pooled") if mode in plans]
     command = "sudo python scripts/bench_hetero.py"
     if tuple(quotas.values()) != size["hosts"]:
         command += " --hosts " + ",".join(f"{quota:g}" for quota in quotas.values())
     command += (" --swap-profiles" if swapped is not None else "") + (" --quick" if quick else "")
     command += " --quota-scope host" if scope == "host" else ""
+    command += (
+        "" if set(modes) >= set(MODES) else " --modes " + ",".join(mode for mode in MODES if mode in runs)
+    )
     return {
         "benchmark": "hetero",
         "quick": quick,
@@ -874,18 +946,21 @@ def report(
         "pooled_over_fastest": ratio(tokens["pooled"], tokens["fastest_alone"]),
         "even_over_fastest": ratio(tokens["even_split"], tokens["fastest_alone"]),
         "predicted_over_measured_step": {mode: runs[mode]["predicted_over_measured_step"] for mode in modes},
-        "pooled_after_rebalance_predicted_over_measured": runs["pooled"]
-        .get("after_rebalance", {})
-        .get("predicted_over_measured_step"),
+        "pooled_after_calibration_predicted_over_measured": (pooled.get("after_calibration") or {}).get(
+            "predicted_over_measured_step"
+        ),
+        "pooled_after_rebalance_predicted_over_measured": pooled.get("after_rebalance", {}).get(
+            "predicted_over_measured_step"
+        ),
         "stage_compute_s": {mode: runs[mode]["stage_compute_s"] for mode in modes},
         "stage_wait_s": {mode: runs[mode]["stage_wait_s"] for mode in modes},
         "pooled_stage_wait_over_step_max": max(
-            (value for value in runs["pooled"]["stage_wait_over_step"] if value is not None), default=None
+            (value for value in pooled.get("stage_wait_over_step", []) if value is not None), default=None
         ),
         "seconds_per_layer_by_host": {
-            "profile": profiled_seconds_per_layer([plans["even_split"], plans["pooled"]]),
-            "profile_cpu_quota": profiled_quotas([plans["even_split"], plans["pooled"]]),
-            "even_split_compute": runs["even_split"].get("compute_s_per_layer_by_host"),
+            "profile": profiled_seconds_per_layer(measured_plans),
+            "profile_cpu_quota": profiled_quotas(measured_plans),
+            "even_split_compute": runs.get("even_split", {}).get("compute_s_per_layer_by_host"),
         },
         "rebalanced": bool(events),
         "rebalances": events,
@@ -954,6 +1029,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=SCOPES[0],
         help="throttle only the stages and profilers (stage, default) or every process of a host (host)",
     )
+    parser.add_argument(
+        "--modes",
+        type=parse_modes,
+        default=MODES,
+        help="run only these ways, comma-separated (default all: " + ",".join(MODES) + ")",
+    )
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it (model, outputs, logs)")
     args = parser.parse_args(argv)
     reason = skip_reason()
@@ -964,6 +1045,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     choice = detect_cgroup()
     assert choice is not None  # skip_reason checked it
     quotas = args.hosts or (QUICK if args.quick else FULL)["hosts"]
+    if args.swap_profiles and "pooled" not in args.modes:
+        parser.error("--swap-profiles compares with the pooled run: keep pooled in --modes")
     for stop in (signal.SIGTERM, signal.SIGINT):  # SIGINT too: a background job starts with it ignored
         signal.signal(stop, _interrupt)
     try:
@@ -975,6 +1058,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 keep=args.keep,
                 choice=choice,
                 scope=args.quota_scope,
+                only=args.modes,
             )
     except (BenchError, LabError) as error:
         print(f"bench_hetero: error: {error}", file=sys.stderr)
