@@ -862,8 +862,9 @@ def benchmark(
                 config = training_config(
                     model_dir, data, out, size, mode_settings(mode, num_layers, len(labels))
                 )
-                if mode not in ("pooled", SWAPPED):
-                    config = rebalance_setting(config, "off")
+                # training_config turns re-balancing off for every benchmark; the pooled runs are
+                # the ones that must re-balance, at the default.
+                config = rebalance_setting(config, "auto" if mode in ("pooled", SWAPPED) else "off")
                 if mode == "fastest_alone" and scope == "stage":
                     config["shardpool"]["threads_per_stage"] = quota_threads(quotas[0])
                 config_path = write_yaml(work / f"{mode}.yaml", config)
