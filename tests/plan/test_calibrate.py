@@ -26,6 +26,7 @@ from shardpool.plan.costmodel import Workload
 from shardpool.plan.fleet import Device, Fleet
 from shardpool.plan.planner import evaluate_split, plan_pipeline
 from shardpool.plan.result import Plan
+from shardpool.plan.split_search import SplitProblem, best_split
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
@@ -320,3 +321,36 @@ def test_the_bench_run_that_did_not_rebalance_gains_under_ten_percent() -> None:
     assert below.current_step_s / 13.77 == pytest.approx(0.98, abs=0.01), "calibrated: within 2 % of the run"
     assert below.predicted_step_s == pytest.approx(12.59, abs=0.01)
     assert 1 - below.predicted_step_s / below.current_step_s == pytest.approx(0.068, abs=0.002)
+
+
+def test_the_bench_worked_example_of_the_docs() -> None:
+    """docs/planner.md, "Worked example: the bench": the pooled plan of `bench_hetero.py` (stage
+    scope, 0.6 + 0.3 CPU, 2026-11-24; its plan.json kept next to this test), predicted from the
+    profiles, then calibrated on the run's steps 2 and 3 as the launcher does."""
+    data = json.loads((Path(__file__).parent / "bench_hetero_pooled_plan.json").read_text())
+    plan = Plan.from_json(data)
+    assert [(s.slot, s.start, s.stop) for s in plan.stages] == [("b/cpu", 0, 5), ("a/cpu", 5, 16)]
+    costs = [stage.costs for stage in plan.stages]
+    assert costs[0] is not None and costs[1] is not None
+    assert [round(c.seconds(s.num_layers) * 1e3, 1) for c, s in zip(costs, plan.stages, strict=True)] == [
+        557.4,
+        600.8,
+    ]
+    problem = SplitProblem(
+        costs=costs, caps=[c.max_layers() for c in costs], layers=16, microbatches=16, schedule="1f1b"
+    )
+    assert problem.simulate([5, 11]) == pytest.approx(10.207, abs=1e-3)
+    assert best_split(problem)[1] == [5, 11], "the profiles' best split"
+    config = config_with(sequence_len=128, micro_batch_size=1, lora_r=8)
+    measured = [
+        StepMeasurement(
+            step=2, step_seconds=13.829, stage_compute_s=(11.4163, 12.5594), stage_wait_s=(2.269, 0.751)
+        ),
+        StepMeasurement(
+            step=3, step_seconds=13.739, stage_compute_s=(12.2234, 12.2754), stage_wait_s=(1.326, 0.939)
+        ),
+    ]
+    calibration = calibrate(plan, measured, config)
+    assert [round(x, 3) for x in calibration.speed] == [1.325, 1.292]
+    assert calibrated_plan(plan, measured, config).predicted_step_s == pytest.approx(13.194, abs=1e-3)
+    assert rebalance_decision(plan, measured, config) is None, "5/11 stays the best split"
