@@ -15,19 +15,19 @@ failure or Ctrl-C:
 
   1. builds a random Llama (default 16 layers, hidden 512) and a completion dataset;
   2. builds hosts a, b (, c) with ``mesh.lab.Lab`` and forms the mesh with the real CLI (``mesh init``
-     on a, ``mesh join`` on the others), unthrottled; then moves every process of each host (its
-     WireGuard, sync daemon and shardpool agent) into a cgroup of its own with that host's CPU
-     quota. The stages and profilers an agent starts later are its children and inherit the
-     cgroup; the launcher runs on host a (the fastest: hosts are given fastest first) inside a's
-     cgroup. So a host's whole work runs under its quota, as on a smaller machine;
+     on a, ``mesh join`` on the others), unthrottled; then throttles each host by a cgroup with
+     its CPU quota (:data:`SCOPES`): in ``stage`` scope (the default) its agent, restarted inside
+     it, and the stages and profilers the agent starts, while WireGuard, the sync daemon and the
+     launcher run in an unthrottled cgroup beside it, as they would beside a GPU; in ``host``
+     scope every process of the host, as on a smaller machine;
   3. trains the same config three ways with ``shardpool finetune``:
      *fastest alone* (``placement: local``, ``layers: [N]``: one stage process on host a, as its
      owner would train on it alone; not through the mesh, where the planner would pick the host
      from profiles, which are what is under test), *even split* (``placement: mesh`` with
      ``shardpool.layers`` as even as the layers allow over every host; the planner picks only the
      order) and *pooled* (``placement: mesh``: the planner's split and stage count); the launcher
-     always runs on host a, in a's cgroup. Fastest-alone and even runs have
-     ``rebalance: off`` where the config knows that key, so they stay the baselines;
+     always runs on host a. Fastest-alone and even runs have ``rebalance: off``, so they stay
+     the baselines, and the pooled ones ``rebalance: auto``; ``--modes`` runs only some ways;
   4. with ``--swap-profiles``, before the pooled run, swaps the fastest and the slowest host's
      cached layer profiles (``<agent work dir>/profile/profiles.json``) and restarts both agents so
      they forget the profiles they hold in memory, then runs *pooled_swapped*: the pooled run again,
