@@ -188,7 +188,7 @@ def test_quick_even_split_trains_on_both_hosts_and_the_quota_throttles() -> None
     profiles each under its quota and trains on both, which only a real run can show; the other
     two ways differ from it by their ``shardpool`` block (``mode_settings``, above) and are the
     full bench's figures. All three ways took 119 s of the suite; the even split alone 65 s at
-    1.0 + 0.5 CPU, most of it host b's imports (its profiler's and its stage's), so b gets 0.75."""
+    1.0 + 0.5 CPU, most of it host b's imports (its profiler's and its stage's), so b gets 0.75: 57 s."""
     reason = bench.skip_reason()
     if reason is not None:
         pytest.skip(reason)
