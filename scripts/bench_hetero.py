@@ -15,19 +15,19 @@ failure or Ctrl-C:
 
   1. builds a random Llama (default 16 layers, hidden 512) and a completion dataset;
   2. builds hosts a, b (, c) with ``mesh.lab.Lab`` and forms the mesh with the real CLI (``mesh init``
-     on a, ``mesh join`` on the others), unthrottled; then moves every process of each host (its
-     WireGuard, sync daemon and shardpool agent) into a cgroup of its own with that host's CPU
-     quota. The stages and profilers an agent starts later are its children and inherit the
-     cgroup; the launcher runs on host a (the fastest: hosts are given fastest first) inside a's
-     cgroup. So a host's whole work runs under its quota, as on a smaller machine;
+     on a, ``mesh join`` on the others), unthrottled; then throttles each host by a cgroup with
+     its CPU quota (:data:`SCOPES`): in ``stage`` scope (the default) its agent, restarted inside
+     it, and the stages and profilers the agent starts, while WireGuard, the sync daemon and the
+     launcher run in an unthrottled cgroup beside it, as they would beside a GPU; in ``host``
+     scope every process of the host, as on a smaller machine;
   3. trains the same config three ways with ``shardpool finetune``:
      *fastest alone* (``placement: local``, ``layers: [N]``: one stage process on host a, as its
      owner would train on it alone; not through the mesh, where the planner would pick the host
      from profiles, which are what is under test), *even split* (``placement: mesh`` with
      ``shardpool.layers`` as even as the layers allow over every host; the planner picks only the
      order) and *pooled* (``placement: mesh``: the planner's split and stage count); the launcher
-     always runs on host a, in a's cgroup. Fastest-alone and even runs have
-     ``rebalance: off`` where the config knows that key, so they stay the baselines;
+     always runs on host a. Fastest-alone and even runs have ``rebalance: off``, so they stay
+     the baselines, and the pooled ones ``rebalance: auto``; ``--modes`` runs only some ways;
   4. with ``--swap-profiles``, before the pooled run, swaps the fastest and the slowest host's
      cached layer profiles (``<agent work dir>/profile/profiles.json``) and restarts both agents so
      they forget the profiles they hold in memory, then runs *pooled_swapped*: the pooled run again,
@@ -81,6 +81,13 @@ PERIOD_US = 10_000
 """The CFS period of every quota: 10 ms, so a host is slow at every timescale its work has (a layer
 pass takes milliseconds). Under the default 100 ms, a burst shorter than the quota runs at full
 speed, and a short profile would time the host unthrottled."""
+SCOPES = ("stage", "host")
+"""What a host's CPU quota throttles (``--quota-scope``). ``stage`` (the default): only the stage
+processes and the profilers, the work a real fleet runs on its accelerator, which the quota stands
+in for; the host's agent (their parent, so that they inherit the quota and the thread count from
+their first instruction) stays with them. The launcher, WireGuard (``wireguard-go`` encrypts every
+activation in user space) and the sync daemon run on the host's CPU, unthrottled, as they would
+beside a GPU. ``host``: every process of the host, as on a smaller machine (last session's figures)."""
 MODES = ("fastest_alone", "even_split", "pooled")
 SWAPPED = "pooled_swapped"
 """With ``--swap-profiles``: the pooled run again, planned from the swapped profiles."""
@@ -177,6 +184,15 @@ def parse_hosts(text: str) -> tuple[float, ...]:
             f"--hosts {text!r}: list the fastest host first (host a runs the launcher)"
         )
     return quotas
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    """``"even_split,pooled"`` -> those ways, in the order of :data:`MODES`; at least one."""
+    names = {part.strip() for part in text.split(",") if part.strip()}
+    unknown = sorted(names - set(MODES))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--modes {text!r}: choose among {', '.join(MODES)}")
+    return tuple(mode for mode in MODES if mode in names)
 
 
 def cgroupfs_mounts(choice: CgroupChoice) -> str:
@@ -289,6 +305,57 @@ def summarize_run(records: Sequence[dict[str, Any]], plan: dict[str, Any], warmu
     return summary
 
 
+def initial_plan_json(plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan a run started with: the oldest of plan.json's history after a re-shard, else plan.json."""
+    history = plan.get("history")
+    if isinstance(history, list) and history and isinstance(history[0], dict):
+        return history[0]
+    return plan
+
+
+def calibrated_figures(
+    plan: dict[str, Any], records: Sequence[dict[str, Any]], config_path: Path, check_after: int = 3
+) -> dict[str, Any] | None:
+    """The started plan's split under the model calibrated as the launcher calibrates it (on steps 2
+    to ``check_after``, ``plan.calibrate``), against the median of the later steps it did not see
+    (before any re-shard). None for a plan without stage costs or too few steps."""
+    from shardpool.config import load_config
+    from shardpool.errors import ShardpoolError
+    from shardpool.plan.calibrate import StepMeasurement, calibrated_plan
+    from shardpool.plan.result import Plan
+
+    steps = step_records(records)
+    events = rebalance_events(records)
+    last = int(events[0]["step"]) if events else None
+    window = [r for r in steps if 1 < int(r["step"]) <= check_after]
+    last_step = last if last is not None else len(steps) + 1  # after a re-shard another split ran
+    later = [float(r["step_seconds"]) for r in steps if check_after < int(r["step"]) <= last_step]
+    if not window or not later:
+        return None
+    measured = [
+        StepMeasurement(
+            step=int(r["step"]),
+            step_seconds=float(r["step_seconds"]),
+            stage_compute_s=tuple(float(x) for x in r["stage_compute_s"]),
+            stage_wait_s=tuple(float(x) for x in r["stage_wait_s"]),
+        )
+        for r in window
+    ]
+    try:
+        calibrated = calibrated_plan(
+            Plan.from_json(initial_plan_json(plan)), measured, load_config(config_path)
+        )
+    except ShardpoolError:
+        return None
+    return {
+        "calibrated_on_steps": [m.step for m in measured],
+        "speed": calibrated.calibration.get("speed") if calibrated.calibration else None,
+        "predicted_step_s": round(calibrated.predicted_step_s, 4),
+        "measured_step_s": _rounded(median_of(later)),
+        "predicted_over_measured_step": ratio(calibrated.predicted_step_s, median_of(later)),
+    }
+
+
 def initial_prediction(plan: dict[str, Any]) -> float | None:
     """The predicted step of the plan the run started with: the oldest of plan.json's history where
     it keeps one (after a re-shard), else its own ``predicted_step_s``."""
@@ -380,6 +447,7 @@ class HostCgroups:
 
     choice: CgroupChoice
     quotas: dict[str, float]
+    unthrottled: tuple[str, ...] = ()
     parent: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -395,6 +463,8 @@ class HostCgroups:
                 self.path(label).mkdir()
                 for name, text in quota_files(self.choice.version, cpus).items():
                     (self.path(label) / name).write_text(text)
+            for label in self.unthrottled:
+                self.path(label).mkdir()
         except BaseException:
             self.close()
             raise
@@ -424,7 +494,7 @@ class HostCgroups:
 
     def close(self) -> None:
         """Kill what is left in the cgroups (by pid) and remove them, the parent last."""
-        for label in self.quotas:
+        for label in (*self.quotas, *self.unthrottled):
             directory = self.path(label)
             if not directory.is_dir():
                 continue
@@ -467,14 +537,70 @@ def namespace_pids(host: Host) -> list[int]:
     return [int(pid) for pid in listed.stdout.split() if pid.isdigit()]
 
 
-def throttle(lab: Lab, cgroups: HostCgroups) -> dict[str, int]:
-    """Move every process of every host into the host's cgroup; how many each had."""
+def overhead_cgroup(label: str, scope: str) -> str:
+    """The cgroup of host ``label``'s own processes (launcher, WireGuard, sync daemon): its throttled
+    one in ``host`` scope, an unthrottled ``<label>-host`` beside it in ``stage`` scope."""
+    return label if scope == "host" else f"{label}-host"
+
+
+def parent_pids(proc: Path = Path("/proc")) -> dict[int, int]:
+    """Every process's parent, from ``/proc/<pid>/stat``."""
+    parents: dict[int, int] = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
+        parents[int(entry.name)] = int(fields[1])
+    return parents
+
+
+def process_tree(root: int, parents: Mapping[int, int]) -> set[int]:
+    """``root`` and all its descendants, given each process's parent."""
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo.extend(children.get(pid, ()))
+    return tree
+
+
+def settle_scope(lab: Lab, cgroups: HostCgroups, scope: str) -> None:
+    """In ``stage`` scope, move every process of each host but its agent's tree (the agent, its
+    stages and profilers) out of the quota, into ``<label>-host``; ``mesh up`` may have started
+    WireGuard or the sync daemon inside it. Nothing to do in ``host`` scope."""
+    from mesh.daemon import read_pid
+
+    if scope == "host":
+        return
+    parents = parent_pids()
+    for label, host in lab.hosts.items():
+        agent = read_pid(agent_pid_file(host))
+        if agent is None:
+            raise BenchError(f"host {label} has no agent to keep under its quota")
+        device = process_tree(agent, parents)
+        for pid in namespace_pids(host):
+            with contextlib.suppress(ProcessLookupError, OSError):
+                cgroups.add(label if pid in device else overhead_cgroup(label, scope), pid)
+
+
+def throttle(lab: Lab, cgroups: HostCgroups, scope: str = "host") -> dict[str, int]:
+    """Move every process of every host into the host's cgroup (``host`` scope) or its unthrottled
+    ``<label>-host`` one (``stage`` scope: the restarted agents bring the quota to what they start);
+    how many each had."""
     moved: dict[str, int] = {}
     for label, host in lab.hosts.items():
         pids = namespace_pids(host)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, OSError):  # gone meanwhile
-                cgroups.add(label, pid)
+                cgroups.add(overhead_cgroup(label, scope), pid)
         moved[label] = len(pids)
         if not pids:
             raise BenchError(f"host {label} runs no process to throttle (is its agent up?)")
@@ -487,13 +613,21 @@ def agent_pid_file(host: Host) -> Path:
 
 
 def start_in_cgroup(
-    lab: Lab, host: Host, cgroups: HostCgroups, argv: Sequence[str], **popen: Any
+    lab: Lab,
+    host: Host,
+    cgroups: HostCgroups,
+    argv: Sequence[str],
+    cgroup: str | None = None,
+    **popen: Any,
 ) -> subprocess.Popen[Any]:
-    """Start ``argv`` inside ``host`` and inside its cgroup (see :func:`gated_argv`)."""
+    """Start ``argv`` inside ``host`` and inside ``cgroup`` (default: the host's throttled one; see
+    :func:`gated_argv`)."""
     gated = gated_argv(argv, cgroupfs_mounts(cgroups.choice))
     process = subprocess.Popen(lab.command(host, *gated), stdin=subprocess.PIPE, **popen)
     try:
-        cgroups.add(host.label, process.pid)  # ``ip netns exec`` and ``env`` exec in place: same pid
+        cgroups.add(
+            cgroup or host.label, process.pid
+        )  # ``ip netns exec`` and ``env`` exec in place: same pid
         assert process.stdin is not None
         process.stdin.write(b"go\n")
         process.stdin.close()
@@ -532,7 +666,7 @@ def profiles_file(host: Host) -> Path:
     return host.home.with_name(host.home.name + "-work") / "profile" / "profiles.json"
 
 
-def swap_profiles(lab: Lab, cgroups: HostCgroups, first: str, second: str) -> int:
+def swap_profiles(lab: Lab, cgroups: HostCgroups, first: str, second: str, scope: str = "host") -> int:
     """Swap two hosts' cached profiles and restart both agents; how many entries were swapped."""
     paths = [profiles_file(lab.hosts[label]) for label in (first, second)]
     missing = [str(path) for path in paths if not path.is_file()]
@@ -549,10 +683,19 @@ def swap_profiles(lab: Lab, cgroups: HostCgroups, first: str, second: str) -> in
     for label in (first, second):
         restart_agent(lab, lab.hosts[label], cgroups)
     wait_for_agents(lab, "".join(lab.hosts))
+    settle_scope(lab, cgroups, scope)
     return swapped
 
 
 # ---------------------------------------------------------------------------- runs
+
+
+def quota_threads(cpus: float) -> int:
+    """The threads a stage under ``cpus`` CPUs runs (``plan.cpu_quota.usable_cpus`` on this machine's
+    cores): what the launcher would give its local stage had it run under that quota itself."""
+    from shardpool.plan.cpu_quota import usable_cpus
+
+    return usable_cpus(len(os.sched_getaffinity(0)), cpus)
 
 
 def rebalance_setting(config: dict[str, Any], value: str) -> dict[str, Any]:
@@ -573,22 +716,72 @@ def mode_settings(mode: str, num_layers: int, hosts: int) -> dict[str, Any]:
     return {"placement": "mesh"}
 
 
-def run_finetune(lab: Lab, cgroups: HostCgroups, config_path: Path, log: Path, timeout_s: float) -> None:
-    """``shardpool finetune`` on host a, inside a's cgroup; raise BenchError with the log's tail on failure."""
+def run_finetune(
+    lab: Lab, cgroups: HostCgroups, config_path: Path, log: Path, timeout_s: float, scope: str = "host"
+) -> None:
+    """``shardpool finetune`` on host a, in a's overhead cgroup (:func:`overhead_cgroup`); in ``stage``
+    scope what the launcher starts itself (the fastest-alone run's stage) is moved under a's quota
+    as it appears. Raise BenchError with the log's tail on failure."""
     host = lab.hosts[LABELS[0]]
     argv = [sys.executable, "-m", "shardpool", "finetune", str(config_path)]
     with open(log, "w") as sink:
-        launcher = start_in_cgroup(lab, host, cgroups, argv, stdout=sink, stderr=subprocess.STDOUT)
+        launcher = start_in_cgroup(
+            lab,
+            host,
+            cgroups,
+            argv,
+            overhead_cgroup(host.label, scope),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+        mover = None if scope == "host" else ChildMover(cgroups, host.label, launcher.pid)
         try:
+            if mover is not None:
+                mover.start()
             launcher.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired as error:
             raise BenchError(
                 f"{config_path.stem} took over {timeout_s:.0f} s; log {log}:\n{log_tail(log)}"
             ) from error
         finally:
+            if mover is not None:
+                mover.stop()
             stop_launcher(launcher)
     if launcher.returncode != 0:
         raise BenchError(f"{config_path.stem} failed (exit {launcher.returncode}):\n{log_tail(log)}")
+
+
+class ChildMover:
+    """Moves the processes ``parent`` starts into cgroup ``label`` as they appear (every 20 ms).
+
+    A stage imports torch for about a second before it computes, so the few milliseconds it may
+    run outside the quota do not count; its thread count comes from the config
+    (``threads_per_stage``), not from the quota it sees at start."""
+
+    def __init__(self, cgroups: HostCgroups, label: str, parent: int, period_s: float = 0.02) -> None:
+        import threading
+
+        self.cgroups, self.label, self.parent, self.period_s = cgroups, label, parent, period_s
+        self.moved: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="child-mover", daemon=True)
+
+    def start(self) -> None:
+        """Start watching."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching (the processes stay where they were moved)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            with contextlib.suppress(OSError):
+                for pid in process_tree(self.parent, parent_pids()) - {self.parent} - self.moved:
+                    with contextlib.suppress(ProcessLookupError, OSError):
+                        self.cgroups.add(self.label, pid)
+                        self.moved.add(pid)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -620,12 +813,20 @@ def profiled_quotas(plans: Sequence[dict[str, Any]]) -> dict[str, float | None]:
 
 
 def benchmark(
-    *, quick: bool, quotas: tuple[float, ...], swap: bool, keep: Path | None, choice: CgroupChoice
+    *,
+    quick: bool,
+    quotas: tuple[float, ...],
+    swap: bool,
+    keep: Path | None,
+    choice: CgroupChoice,
+    scope: str = "stage",
+    only: Sequence[str] = MODES,
 ) -> dict[str, Any]:
-    """Build the model, the throttled lab and the mesh; train the three ways (and from swapped
-    profiles); the JSON report."""
+    """Build the model, the throttled lab and the mesh; train the three ways (or ``only`` those; and
+    from swapped profiles); the JSON report."""
     size = QUICK if quick else FULL
-    modes = (*MODES, SWAPPED) if swap else MODES
+    chosen = tuple(mode for mode in MODES if mode in only)
+    modes = (*chosen, SWAPPED) if swap else chosen
     labels = LABELS[: len(quotas)]
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="shardpool-bench-hetero-")) if keep is None else keep
@@ -640,42 +841,53 @@ def benchmark(
         plans: dict[str, dict[str, Any]] = {}
         records: dict[str, list[dict[str, Any]]] = {}
         swapped = 0
-        with Lab(work / "lab") as lab, HostCgroups(choice, dict(zip(labels, quotas, strict=True))) as cgroups:
+        overhead = () if scope == "host" else tuple(overhead_cgroup(label, scope) for label in labels)
+        host_quotas = dict(zip(labels, quotas, strict=True))
+        with Lab(work / "lab") as lab, HostCgroups(choice, host_quotas, overhead) as cgroups:
             for octet, label in enumerate(labels, start=1):
                 lab.add_host(label, octet)
             mesh_setup_s = form_mesh(lab, labels)
-            moved = throttle(lab, cgroups)
+            moved = throttle(lab, cgroups, scope)
             for label in labels:  # so each agent, and what it starts, sees its cgroup's quota
                 restart_agent(lab, lab.hosts[label], cgroups)
             wait_for_agents(lab, labels)
+            settle_scope(lab, cgroups, scope)
             say(
                 f"mesh of {len(labels)} hosts formed in {mesh_setup_s:.1f} s and throttled {dict(cgroups.quotas)}"
             )
             for mode in modes:
                 if mode == SWAPPED:
-                    swapped = swap_profiles(lab, cgroups, labels[0], labels[-1])
+                    swapped = swap_profiles(lab, cgroups, labels[0], labels[-1], scope)
                 out = work / f"out-{mode}"
                 config = training_config(
                     model_dir, data, out, size, mode_settings(mode, num_layers, len(labels))
                 )
-                if mode not in ("pooled", SWAPPED):
-                    config = rebalance_setting(config, "off")
+                # training_config turns re-balancing off for every benchmark; the pooled runs are
+                # the ones that must re-balance, at the default.
+                config = rebalance_setting(config, "auto" if mode in ("pooled", SWAPPED) else "off")
+                if mode == "fastest_alone" and scope == "stage":
+                    config["shardpool"]["threads_per_stage"] = quota_threads(quotas[0])
                 config_path = write_yaml(work / f"{mode}.yaml", config)
                 run_started = time.monotonic()
-                run_finetune(lab, cgroups, config_path, work / f"{mode}.log", size["run_timeout_s"])
+                run_finetune(lab, cgroups, config_path, work / f"{mode}.log", size["run_timeout_s"], scope)
                 plans[mode] = json.loads((out / "plan.json").read_text())
                 records[mode] = read_jsonl(out / "metrics.jsonl")
                 if mode == "fastest_alone":  # a local plan names the machine, not the lab host
                     for stage in plans[mode]["stages"]:
                         stage["host"] = labels[0]
                 runs[mode] = summarize_run(records[mode], plans[mode], size["warmup"])
+                if mode != "fastest_alone":
+                    runs[mode]["after_calibration"] = calibrated_figures(
+                        plans[mode], records[mode], config_path
+                    )
                 runs[mode]["run_s"] = round(time.monotonic() - run_started, 1)
                 say(f"{mode}: {runs[mode]['tokens_per_s']} tokens/s, run took {runs[mode]['run_s']} s")
         return report(
             quick=quick,
             size=size,
-            quotas=dict(zip(labels, quotas, strict=True)),
+            quotas=host_quotas,
             choice=choice,
+            scope=scope,
             runs=runs,
             plans=plans,
             records=records,
@@ -698,6 +910,7 @@ def report(
     size: dict[str, Any],
     quotas: dict[str, float],
     choice: CgroupChoice,
+    scope: str,
     runs: dict[str, dict[str, Any]],
     plans: dict[str, dict[str, Any]],
     records: dict[str, list[dict[str, Any]]],
@@ -710,34 +923,45 @@ def report(
     """Assemble the JSON report."""
     modes = list(runs)
     tokens = {mode: runs[mode]["tokens_per_s"] for mode in modes}
-    events = rebalance_events(records["pooled"])
+    events = rebalance_events(records.get("pooled", []))
+    pooled = runs.get("pooled", {})
+    tokens.update({mode: None for mode in MODES if mode not in tokens})  # runs left out by --modes
+    measured_plans = [plans[mode] for mode in ("even_split", "pooled") if mode in plans]
     command = "sudo python scripts/bench_hetero.py"
     if tuple(quotas.values()) != size["hosts"]:
         command += " --hosts " + ",".join(f"{quota:g}" for quota in quotas.values())
     command += (" --swap-profiles" if swapped is not None else "") + (" --quick" if quick else "")
+    command += " --quota-scope host" if scope == "host" else ""
+    command += (
+        "" if set(modes) >= set(MODES) else " --modes " + ",".join(mode for mode in MODES if mode in runs)
+    )
     return {
         "benchmark": "hetero",
         "quick": quick,
         "command": command,
         "hosts_cpu_quota": quotas,
         "fastest_host": next(iter(quotas)),
+        "quota_scope": scope,
         "cgroup": choice.version,
         "tokens_per_s": tokens,
         "pooled_over_fastest": ratio(tokens["pooled"], tokens["fastest_alone"]),
         "even_over_fastest": ratio(tokens["even_split"], tokens["fastest_alone"]),
         "predicted_over_measured_step": {mode: runs[mode]["predicted_over_measured_step"] for mode in modes},
-        "pooled_after_rebalance_predicted_over_measured": runs["pooled"]
-        .get("after_rebalance", {})
-        .get("predicted_over_measured_step"),
+        "pooled_after_calibration_predicted_over_measured": (pooled.get("after_calibration") or {}).get(
+            "predicted_over_measured_step"
+        ),
+        "pooled_after_rebalance_predicted_over_measured": pooled.get("after_rebalance", {}).get(
+            "predicted_over_measured_step"
+        ),
         "stage_compute_s": {mode: runs[mode]["stage_compute_s"] for mode in modes},
         "stage_wait_s": {mode: runs[mode]["stage_wait_s"] for mode in modes},
         "pooled_stage_wait_over_step_max": max(
-            (value for value in runs["pooled"]["stage_wait_over_step"] if value is not None), default=None
+            (value for value in pooled.get("stage_wait_over_step", []) if value is not None), default=None
         ),
         "seconds_per_layer_by_host": {
-            "profile": profiled_seconds_per_layer([plans["even_split"], plans["pooled"]]),
-            "profile_cpu_quota": profiled_quotas([plans["even_split"], plans["pooled"]]),
-            "even_split_compute": runs["even_split"].get("compute_s_per_layer_by_host"),
+            "profile": profiled_seconds_per_layer(measured_plans),
+            "profile_cpu_quota": profiled_quotas(measured_plans),
+            "even_split_compute": runs.get("even_split", {}).get("compute_s_per_layer_by_host"),
         },
         "rebalanced": bool(events),
         "rebalances": events,
@@ -800,6 +1024,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="then swap the fastest and slowest host's cached profiles and run pooled again from them",
     )
+    parser.add_argument(
+        "--quota-scope",
+        choices=SCOPES,
+        default=SCOPES[0],
+        help="throttle only the stages and profilers (stage, default) or every process of a host (host)",
+    )
+    parser.add_argument(
+        "--modes",
+        type=parse_modes,
+        default=MODES,
+        help="run only these ways, comma-separated (default all: " + ",".join(MODES) + ")",
+    )
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it (model, outputs, logs)")
     args = parser.parse_args(argv)
     reason = skip_reason()
@@ -810,12 +1046,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     choice = detect_cgroup()
     assert choice is not None  # skip_reason checked it
     quotas = args.hosts or (QUICK if args.quick else FULL)["hosts"]
+    if args.swap_profiles and "pooled" not in args.modes:
+        parser.error("--swap-profiles compares with the pooled run: keep pooled in --modes")
     for stop in (signal.SIGTERM, signal.SIGINT):  # SIGINT too: a background job starts with it ignored
         signal.signal(stop, _interrupt)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # only the JSON report goes to stdout
             result = benchmark(
-                quick=args.quick, quotas=quotas, swap=args.swap_profiles, keep=args.keep, choice=choice
+                quick=args.quick,
+                quotas=quotas,
+                swap=args.swap_profiles,
+                keep=args.keep,
+                choice=choice,
+                scope=args.quota_scope,
+                only=args.modes,
             )
     except (BenchError, LabError) as error:
         print(f"bench_hetero: error: {error}", file=sys.stderr)
