@@ -249,7 +249,8 @@ def _loading_snippet(config: Config) -> list[str]:
 class RunEvents:
     """A run's events as JSON lines on ``stream``: one object a line, flushed at once; None writes nothing.
 
-    Every object has ``event`` (``plan``, ``step``, ``eval``, ``checkpoint``, ``rebalance``, ``done`` or ``error``)
+    Every object has ``event`` (``plan``, ``step``, ``eval``, ``checkpoint``, ``rebalance``,
+    ``member_lost``, ``member_joined``, ``replan``, ``done`` or ``error``)
     and plain JSON values: a loss that is NaN or infinite (a diverging run) is written as null.
     """
 

@@ -13,7 +13,10 @@ The story of a run, top to bottom:
      else a log line per logged step) and ``metrics.jsonl`` per step and periodic eval, the
      re-balance check after the warm-up steps answered (:mod:`shardpool.launch.rebalancing`),
      checkpoints finalized (the oldest deleted past ``save_total_limit``), and
-     at the end the stages' LoRA tensors merged into the adapter, saved with the tokenizer;
+     at the end the stages' LoRA tensors merged into the adapter, saved with the tokenizer; a mesh
+     run with ``on_member_loss: continue`` that loses a member (or gains one worth a restart)
+     goes on from its newest complete step-boundary copy with a new plan, one attempt after the
+     other (:class:`~shardpool.launch.supervise.Supervisor`);
   5. write the model card (``README.md``), report eval loss before and after, and how to load
      the adapter.
 """
@@ -42,6 +45,7 @@ from shardpool.data.prepared_file import save_prepared
 from shardpool.data.rows import PreparedData
 from shardpool.data.steps import config_step_batches
 from shardpool.data.tokenizing import load_tokenizer, save_tokenizer
+from shardpool.launch.mesh_launcher import Interrupted, MemberLost, MeshLauncher
 from shardpool.launch.model_card import render_model_card, write_model_card
 from shardpool.launch.output_lock import locked_output_dir
 from shardpool.launch.rebalancing import RebalanceCheck
@@ -51,11 +55,13 @@ from shardpool.launch.run import (
     Launcher,
     OnEvent,
     RunRecord,
+    append_metrics_line,
     build_job,
     launcher_for,
     trim_metrics,
     write_job,
 )
+from shardpool.launch.supervise import AttemptEnded, ReplanPolicy, Supervisor, placements_of
 from shardpool.model.footprint import stage_footprints
 from shardpool.model.lora import LoraSettings, base_model_reference, lora_settings, write_adapter
 from shardpool.model.shape import ModelInfo, check_sequence_len, check_stage_count, read_model_info
@@ -165,6 +171,37 @@ def _finetune_holding_output_dir(
         eval_rows=len(run.data.eval),
         plan=run.plan,
     )
+    supervisor = _supervisor(run, launcher, console, events)
+    record: RunRecord | None = None
+    trackers = open_trackers(as_written, Path(config.output_dir))
+    try:
+        while True:
+            try:
+                record = _attempt(run, run_dir, launcher, console, events, trackers, record, supervisor)
+                break
+            except AttemptEnded as ended:
+                assert supervisor is not None and isinstance(launcher, MeshLauncher)
+                run, launcher = supervisor.next_attempt(run, launcher, ended)
+    finally:
+        trackers.close()
+    assert record is not None
+    finish_run(as_written, config, run, record, console, events)
+    return Path(config.output_dir)
+
+
+def _attempt(
+    run: PreparedRun,
+    run_dir: Path,
+    launcher: Launcher,
+    console: Console,
+    events: RunEvents,
+    trackers: Trackers,
+    record: RunRecord | None,
+    supervisor: Supervisor | None,
+) -> RunRecord:
+    """One start of the run's stages, from ``run.first_step`` to the end (or to a lost or joined
+    member, :class:`AttemptEnded`, when ``supervisor`` keeps the run going)."""
+    config = run.config
     inputs = job_inputs(config, run_dir, run.resume_from)
     with launcher.serving(inputs, Path(config.output_dir)) as files_url:
         store = rendezvous_store(launcher.address, port=launcher.port)
@@ -184,9 +221,10 @@ def _finetune_holding_output_dir(
         )
         job_file = write_job(job, run_dir)
         rebalance = _rebalance_check(run, check_at, store)
-        trackers = open_trackers(as_written, Path(config.output_dir))
+        if supervisor is not None and isinstance(launcher, MeshLauncher):
+            supervisor.begin(launcher, run, job, store)
         try:
-            record = _train(
+            return _train(
                 console,
                 events,
                 run,
@@ -194,12 +232,68 @@ def _finetune_holding_output_dir(
                 start=lambda on_event: launcher.start(job, job_file, on_event),
                 trackers=trackers,
                 rebalance=rebalance,
+                record=record,
+                observe=supervisor.observe if supervisor is not None else None,
             )
+        except (MemberLost, Interrupted) as stopped:
+            if supervisor is None:
+                raise
+            raise supervisor.ended(stopped) from stopped
         finally:
-            trackers.close()
-        del store
-    finish_run(as_written, config, run, record, console, events)
-    return Path(config.output_dir)
+            del store
+
+
+def _supervisor(
+    run: PreparedRun, launcher: Launcher, console: Console, events: RunEvents
+) -> Supervisor | None:
+    """What keeps a mesh run going when a member is lost or joins; None for a run that stops instead."""
+    config = run.config
+    if not Supervisor.wanted(config, launcher):
+        return None
+    output_dir = Path(config.output_dir)
+    settings = config.shardpool
+    return Supervisor(
+        config=config,
+        policy=ReplanPolicy(settings.on_member_loss, settings.min_members, settings.max_replans_per_hour),
+        checkpoints=_RunCheckpoints(run),
+        say=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True),
+        emit=events.emit,
+        record=lambda line: append_metrics_line(output_dir / METRICS_FILE, line),
+        trim=lambda step: trim_metrics(output_dir / METRICS_FILE, keep_through_step=step),
+        write_plan=lambda plan_json: write_json(output_dir / "plan.json", plan_json),
+        output_dir=output_dir,
+    )
+
+
+@dataclass(frozen=True)
+class _RunCheckpoints:
+    """The run's checkpoints as the supervisor asks for them (see :class:`~shardpool.launch.supervise.Checkpoints`)."""
+
+    run: PreparedRun
+
+    def partial(self, step: int) -> Path:
+        return ckpt.partial_dir(self.run.config.output_dir, step)
+
+    def finalize(self, partial: Path, step: int, eval_before: float | None) -> Path:
+        run = self.run
+        final = ckpt.finalize_checkpoint(
+            partial,
+            step=step,
+            settings=run.lora,
+            base_model=run.base_model_reference or run.config.base_model,
+            extra={"eval_before": eval_before, "total_steps": run.total_steps},
+        )
+        ckpt.prune_checkpoints(run.config.output_dir, keep=run.config.save_total_limit)
+        return final
+
+    def newest(self) -> Path | None:
+        return ckpt.newest_checkpoint(self.run.config.output_dir)
+
+    def step_of(self, checkpoint: Path) -> int:
+        return ckpt.checkpoint_step(checkpoint)
+
+    def eval_before_of(self, checkpoint: Path) -> float | None:
+        return ckpt.checkpoint_eval_before(checkpoint)
 
 
 def _rebalance_check(run: PreparedRun, check_at: int | None, store: Any) -> RebalanceCheck | None:
@@ -266,16 +360,7 @@ def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Pla
         auto=config.auto_resume_from_checkpoints,
     )
     plan = planner(config)
-    placements = [
-        StagePlacement(
-            start=stage.start,
-            stop=stage.stop,
-            device=stage.device,
-            host=stage.host,
-            dtype=stage.dtype or None,
-        )
-        for stage in plan.stages
-    ]
+    placements = placements_of(plan)
     source = "manual" if config.shardpool.layers else "planner"
     plan_json = plan.to_json() | {"replicas": config.shardpool.replicas, "source": source}
     first_step = ckpt.checkpoint_step(resume_from) if resume_from else 0
@@ -328,13 +413,16 @@ def _train(
     start: Callable[[OnEvent], None],
     trackers: Trackers | None = None,
     rebalance: RebalanceCheck | None = None,
+    record: RunRecord | None = None,
+    observe: OnEvent | None = None,
 ) -> RunRecord:
     """Start the stages with ``start`` and relay their events until all finish; return what was recorded.
 
     ``rebalance`` answers the stages' re-balance check (and records a re-shard); None: the job has none.
+    ``record`` goes on with an earlier attempt's record; ``observe`` sees every event first (the supervisor).
     """
     output_dir = Path(job.output_dir)
-    record = RunRecord(
+    record = record or RunRecord(
         output_dir, run.config.logging_steps, run.total_steps, run.first_step, eval_before=job.eval_before,
         on_metrics=trackers.log if trackers is not None else None,
     )  # fmt: skip
@@ -348,6 +436,8 @@ def _train(
             rebalance.say = progress.say
 
         def on_event(event: dict[str, Any]) -> None:
+            if observe is not None:
+                observe(event)
             record.record(event)
             kind = event.get("event")
             if kind == StageEvent.STEP:

@@ -82,12 +82,22 @@ class AgentClient:
         return dict(self._call("POST", "/v1/probe", body, timeout=120.0)["links"])
 
     def start_job(
-        self, job_id: str, job: dict[str, Any], ranks: list[int], *, files_secret: str | None = None
+        self,
+        job_id: str,
+        job: dict[str, Any],
+        ranks: list[int],
+        *,
+        files_secret: str | None = None,
+        previous: str | None = None,
     ) -> dict[str, Any]:
         """Start the given ranks of a job on the member (the agent sets their environment itself).
 
         ``files_secret`` is the launcher's file-server secret, handed to the stages in a 0600 file.
+        ``previous`` (the job this one continues) is kept only by a launching member's local agent
+        (:meth:`LocalAgentClient.forward <shardpool.agent.local_client.LocalAgentClient.forward>`);
+        a direct call has no record to keep it in.
         """
+        del previous
         body: dict[str, Any] = {"job_id": job_id, "job": job, "ranks": ranks}
         if files_secret is not None:
             body["files_secret"] = files_secret

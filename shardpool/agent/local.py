@@ -44,7 +44,8 @@ _FORWARDED = [
 ]
 _FORWARD_MAX_BODY = MAX_JOB_JSON_BYTES + 64 * 1024
 _MAX_LOCAL_JOBS = 1024
-_FORWARD_FIELDS = {"member", "method", "path", "body"}
+_FORWARD_FIELDS = {"member", "method", "path", "body", "previous"}
+_PREVIOUS_JOB = re.compile(_JOB_ID)  # the job a started one continues
 
 
 def forward_route(method: object, path: object) -> tuple[str | None, float]:
@@ -83,16 +84,20 @@ class _LocalJob:
     members: list[str] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)
     state: str = "running"
+    previous: str | None = None  # the job this one continues (a run re-planned after a member change)
 
     def to_json(self) -> dict[str, Any]:
         """The job as ``GET /v1/local/jobs`` shows it."""
-        return {
+        shown: dict[str, Any] = {
             "id": self.job_id,
             "submitter": self.user,
             "members": list(self.members),
             "state": self.state,
             "started": self.started,
         }
+        if self.previous is not None:
+            shown["previous"] = self.previous
+        return shown
 
 
 class LocalService:
@@ -209,6 +214,11 @@ class LocalService:
         job_id, timeout = forward_route(method, path)
         peer = self._peer(payload["member"])
         starting = method == "POST" and path == "/v1/jobs"
+        previous = payload.get("previous")
+        if previous is not None and (
+            not starting or not isinstance(previous, str) or not _PREVIOUS_JOB.fullmatch(previous)
+        ):
+            raise HTTPError(400, "previous is a job id, and only for a job start")
         if starting:
             if not isinstance(inner, dict):
                 raise HTTPError(400, "a job start's body must be a JSON object")
@@ -221,7 +231,7 @@ class LocalService:
         data = b"" if inner is None else json.dumps(inner).encode("utf-8")
         status, body = self._call(peer, str(method), str(path), data, timeout)
         if starting and status == 201 and isinstance(inner.get("job_id"), str):
-            self._record(inner["job_id"], caller, peer.name)
+            self._record(inner["job_id"], caller, peer.name, previous=previous)
         elif job_id is not None and status == 200 and isinstance(body, dict):
             self._note_progress(job_id, peer.name, path, body)
         return json_reply({"status": status, "body": body})
@@ -269,11 +279,13 @@ class LocalService:
             )
         return job
 
-    def _record(self, job_id: str, caller: Caller, member: str) -> None:
+    def _record(self, job_id: str, caller: Caller, member: str, *, previous: str | None = None) -> None:
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None or job.uid != caller.uid or job.state != "running":
                 job = self._jobs[job_id] = _LocalJob(job_id, caller.uid, caller.user, time.time())
+            if previous is not None:
+                job.previous = previous
             if member not in job.members:
                 job.members.append(member)
             job.finished.discard(member)

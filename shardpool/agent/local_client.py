@@ -156,14 +156,24 @@ class LocalAgentClient:
         ]
 
     def forward(
-        self, member: str, method: str, path: str, body: Any = None, *, timeout: float | None = None
+        self,
+        member: str,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        timeout: float | None = None,
+        previous: str | None = None,
     ) -> Any:
         """Have the local agent send a signed request to ``member``'s agent; return the reply body.
 
         An error status from that agent raises :class:`AgentRefused` naming the member; a member
-        the local agent could not reach raises :class:`AgentUnreachable`.
+        the local agent could not reach raises :class:`AgentUnreachable`. ``previous`` (a job
+        start only) is the job this one continues, kept in the local agent's record of the job.
         """
-        request = {"member": member, "method": method, "path": path, "body": body}
+        request: dict[str, Any] = {"member": member, "method": method, "path": path, "body": body}
+        if previous is not None:
+            request["previous"] = previous
         reply = self._call("POST", "/v1/local/forward", request, timeout=timeout)
         status = int(reply.get("status", 0))
         answer = reply.get("body")
@@ -284,13 +294,23 @@ class ForwardedAgent:
         return dict(self.local.forward(self.name, "POST", "/v1/probe", body, timeout=130.0)["links"])
 
     def start_job(
-        self, job_id: str, job: dict[str, Any], ranks: list[int], *, files_secret: str | None = None
+        self,
+        job_id: str,
+        job: dict[str, Any],
+        ranks: list[int],
+        *,
+        files_secret: str | None = None,
+        previous: str | None = None,
     ) -> dict[str, Any]:
-        """Start the given ranks of a job on the member; the local agent stamps who submitted it."""
+        """Start the given ranks of a job on the member; the local agent stamps who submitted it.
+
+        ``previous`` is the job this one continues (a run re-planned after a lost or joined member):
+        ``shardpool jobs show`` prints it.
+        """
         body: dict[str, Any] = {"job_id": job_id, "job": job, "ranks": ranks}
         if files_secret is not None:
             body["files_secret"] = files_secret
-        return dict(self.local.forward(self.name, "POST", "/v1/jobs", body, timeout=70.0))
+        return dict(self.local.forward(self.name, "POST", "/v1/jobs", body, timeout=70.0, previous=previous))
 
     def events(self, job_id: str, *, after: int, wait: float = 1.0) -> dict[str, Any]:
         """Events after sequence number ``after`` (long-polls up to ``wait`` s); also the heartbeat."""

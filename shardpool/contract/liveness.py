@@ -33,8 +33,12 @@ __all__ = [
 
 #: Seconds between two beats of a stage process.
 BEAT_INTERVAL_S = 1.0
-#: Where the step-boundary copies go, relative to ``output_dir``.
-LIVE_ROOT = ".shardpool/live"
+#: Where the step-boundary copies go, relative to ``output_dir``. Not under ``.shardpool``: the
+#: stages write through :class:`~shardpool.train.runfiles.RunFiles` and the file server's uploads,
+#: and both refuse path segments that start with a dot (:func:`shardpool.contract.names.safe_relative_name`).
+#: Beside the checkpoints, so a complete copy becomes ``checkpoints/checkpoint-N.partial`` by one
+#: rename on the same file system; the checkpoint scans (``checkpoint-N`` / ``step-N`` names) skip it.
+LIVE_ROOT = "checkpoints/live"
 
 _LIVE_DIR = re.compile(r"step-([0-9]+)")
 

@@ -7,7 +7,9 @@ file server on this member's mesh address, and starts each member's ranks with o
 The polls double as the launcher's heartbeat: an agent that stops hearing from the launcher stops
 its stages. A member whose agent stops answering for ``lost_after_s`` seconds, or whose stage
 exits non-zero, ends the run: every other member's stages are stopped and the error names the
-member and the step.
+member and the step. A member whose agent went silent, whose stage was killed by a signal or
+(with a :class:`~shardpool.launch.beats.BeatWatch`) stopped beating is :class:`MemberLost`, which
+a supervised run survives (:mod:`shardpool.launch.supervise`); a stage's own error is not.
 """
 
 from __future__ import annotations
@@ -29,18 +31,30 @@ from shardpool.contract.events import StageEvent, parse_stage_event
 from shardpool.contract.job import Job
 from shardpool.contract.names import ContractError
 from shardpool.files.server import FileServer
+from shardpool.launch.beats import BeatWatch
 from shardpool.launch.local_launcher import StageFailed
 from shardpool.launch.mesh_members import MeshMember, launcher_member, mesh_planner, online_members
 from shardpool.plan.result import Plan
 
-__all__ = ["MemberLost", "MeshLauncher", "new_job_id", "ranks_by_member", "run_mesh_job"]
+__all__ = ["Interrupted", "MemberLost", "MeshLauncher", "new_job_id", "ranks_by_member", "run_mesh_job"]
 
 LOST_AFTER_S = 10.0
 _POLL_WAIT_S = 1.0
+_NEIGHBOUR_GRACE_S = 15.0  # a forwarded poll of a vanished member takes up to ~11 s to fail
 
 
 class MemberLost(StageFailed):
-    """A member stopped answering mid-run."""
+    """A member was lost mid-run: its agent stopped answering, its stage was killed by a signal or
+    stopped beating. ``member`` names it and ``step`` is the last step the launcher saw completed."""
+
+    def __init__(self, message: str, *, rank: int, stage: int, member: str = "", step: int = 0) -> None:
+        super().__init__(message, rank=rank, stage=stage)
+        self.member = member
+        self.step = step
+
+
+class Interrupted(Exception):  # noqa: N818 - not an error: the launcher asked for it
+    """The launcher stopped the job on purpose (a member joined and the run re-plans with it)."""
 
 
 class MeshLauncher:
@@ -48,11 +62,35 @@ class MeshLauncher:
 
     port = 0  # the rendezvous store takes any free port on the mesh address
 
-    def __init__(self, members: list[MeshMember], *, say: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        members: list[MeshMember],
+        *,
+        say: Callable[[str], None],
+        files_secret: str | None = None,
+    ) -> None:
         self.members = members
         self.address = launcher_member(members).address
         self._planner = mesh_planner(members, say=say)
-        self._files_secret = secrets.token_hex(32)
+        self._files_secret = files_secret or secrets.token_hex(32)
+        #: Set by the launcher's supervisor: the stall watch, the agent-silence bound, and a check
+        #: that asks for the job to stop on purpose (a joined member), each attempt.
+        self.watch: Callable[[Job], BeatWatch | None] | None = None
+        self.lost_after_s: float = LOST_AFTER_S
+        self.interrupt: Callable[[], bool] | None = None
+        self.job_id: str | None = None
+        self.previous_job_ids: list[str] = []
+        #: The members online now, as this machine's agent lists them (None: not known here).
+        self.list_members: Callable[[], list[MeshMember]] | None = None
+
+    def over(self, members: list[MeshMember], *, say: Callable[[str], None]) -> MeshLauncher:
+        """The next attempt's launcher over ``members`` (a lost one left out, or joined ones added),
+        keeping this one's hooks and file secret and its job ids as the run's history."""
+        successor = type(self)(members, say=say, files_secret=self._files_secret)
+        successor.watch, successor.interrupt = self.watch, self.interrupt
+        successor.lost_after_s, successor.list_members = self.lost_after_s, self.list_members
+        successor.previous_job_ids = [*self.previous_job_ids, *([self.job_id] if self.job_id else [])]
+        return successor
 
     @classmethod
     def connect(cls, *, say: Callable[[str], None], agent_socket: str | None = None) -> MeshLauncher:
@@ -60,8 +98,10 @@ class MeshLauncher:
 
         ``agent_socket`` is the agent's socket (default: :func:`agent_socket_path`).
         """
-        members = online_members(LocalAgentClient(agent_socket_path(agent_socket)))
+        local = LocalAgentClient(agent_socket_path(agent_socket))
+        members = online_members(local)
         launcher = cls(members, say=say)
+        launcher.list_members = lambda: online_members(local)
         say(f"mesh members online: {', '.join(member.name for member in members)}")
         return launcher
 
@@ -81,7 +121,18 @@ class MeshLauncher:
     def start(self, job: Job, job_file: Path, on_event: Callable[[dict[str, Any]], None]) -> None:
         """Run every rank on the member hosting its stage until all finish (see :func:`run_mesh_job`)."""
         ranks = ranks_by_member(job, self.members)
-        run_mesh_job(job, new_job_id(), ranks, on_event=on_event, files_secret=self._files_secret)
+        self.job_id = new_job_id()
+        run_mesh_job(
+            job,
+            self.job_id,
+            ranks,
+            on_event=on_event,
+            lost_after_s=self.lost_after_s,
+            files_secret=self._files_secret,
+            watch=self.watch(job) if self.watch is not None else None,
+            interrupt=self.interrupt,
+            previous=self.previous_job_ids[-1] if self.previous_job_ids else None,
+        )
 
 
 def ranks_by_member(job: Job, members: list[MeshMember]) -> dict[str, tuple[MeshMember, list[int]]]:
@@ -117,10 +168,19 @@ def run_mesh_job(
     on_event: Callable[[dict[str, Any]], None],
     lost_after_s: float = LOST_AFTER_S,
     files_secret: str | None = None,
+    watch: BeatWatch | None = None,
+    interrupt: Callable[[], bool] | None = None,
+    previous: str | None = None,
+    neighbour_grace_s: float = _NEIGHBOUR_GRACE_S,
 ) -> None:
     """Run every rank on its member until all finish; raise StageFailed/MemberLost on the first failure.
 
     ``files_secret`` is the launcher's file-server secret; each agent hands it to its stages.
+    ``watch`` follows the stages' beats (a stage that stopped beating is a lost member);
+    ``interrupt`` is asked after each event: True stops the job on purpose (:class:`Interrupted`).
+    ``previous`` is the job this one continues (after a lost or joined member): the local agent
+    keeps it for ``shardpool jobs show``. With a ``watch``, a stage error waits ``lost_after_s +
+    neighbour_grace_s`` for a lost member behind it (a neighbour of a vanished member fails first).
 
     Each member's agent derives its stages' environment (threads from its own cores over the ranks
     it runs, the mesh interface for gloo and NCCL) itself; nothing but the job crosses.
@@ -130,11 +190,12 @@ def run_mesh_job(
     stop = threading.Event()
     errors: dict[int, str] = {}
     last_step = job.resume_step
+    failed_at: float | None = None
     started: list[str] = []
     try:
         payload = job.model_dump(mode="json")
         for name, (member, ranks) in ranks_by_member.items():
-            member.agent.start_job(job_id, payload, ranks, files_secret=files_secret)
+            member.agent.start_job(job_id, payload, ranks, files_secret=files_secret, previous=previous)
             started.append(name)
         threads = [
             threading.Thread(target=_poll, args=(follow, job_id, events, stop, lost_after_s), daemon=True)
@@ -151,12 +212,24 @@ def run_mesh_job(
                 else:
                     if kind == StageEvent.STEP:
                         last_step = int(event["step"])
+                        if watch is not None:
+                            watch.on_step(event)
                     on_event(event)
             except queue.Empty:
                 pass
             failure = _failure(job, follows, errors, last_step)
+            if failure is None and watch is not None:
+                failure = _stall(job, follows, watch, last_step)
+            if failure is not None and watch is not None and not isinstance(failure, MemberLost):
+                # A lost member makes its neighbours fail too (a broken connection), often first:
+                # wait up to the loss bound for the member behind it before calling it a stage error.
+                failed_at = failed_at if failed_at is not None else time.monotonic()
+                if time.monotonic() - failed_at <= lost_after_s + neighbour_grace_s:
+                    failure = None
             if failure is not None:
                 raise failure
+            if interrupt is not None and interrupt():
+                raise Interrupted(f"stopped after step {last_step} to re-plan")
             if all(not follow.running for follow in follows.values()) and events.empty():
                 return
     finally:
@@ -225,6 +298,8 @@ def _failure(
                 f"member {name!r} was lost at step {last_step}: {follow.lost}",
                 rank=follow.ranks[0],
                 stage=stage,
+                member=name,
+                step=last_step,
             )
     failed = [
         (name, rank, code)
@@ -239,9 +314,24 @@ def _failure(
     name, rank, code = (killed or reporting or failed)[0]
     stage = job.stage_index(rank)
     message = f"killed by signal {-code}" if code < 0 else errors.get(rank, f"exited with status {code}")
-    failure = MemberLost if code < 0 else StageFailed
-    return failure(
-        f"stage {stage} (rank {rank}) on member {name!r} failed at step {last_step}: {message}",
+    text = f"stage {stage} (rank {rank}) on member {name!r} failed at step {last_step}: {message}"
+    if code < 0:
+        return MemberLost(text, rank=rank, stage=stage, member=name, step=last_step)
+    return StageFailed(text, rank=rank, stage=stage)
+
+
+def _stall(job: Job, follows: dict[str, _Follow], watch: BeatWatch, last_step: int) -> MemberLost | None:
+    """A member whose stage stopped beating, as a lost member; None while every stage beats."""
+    finished = [rank for follow in follows.values() for rank in follow.exited]
+    stalled = watch.stalled(finished)
+    if stalled is None:
+        return None
+    name, reason = stalled
+    rank = follows[name].ranks[0]
+    return MemberLost(
+        f"member {name!r} was lost at step {last_step}: {reason}",
         rank=rank,
-        stage=stage,
+        stage=job.stage_index(rank),
+        member=name,
+        step=last_step,
     )

@@ -37,8 +37,10 @@ __all__ = [
     "OnEvent",
     "PlannedRun",
     "RunRecord",
+    "append_metrics_line",
     "build_job",
     "is_logged_step",
+    "keeps_state",
     "launcher_for",
     "trim_metrics",
     "write_job",
@@ -47,6 +49,8 @@ __all__ = [
 RUN_DIR_NAME = ".shardpool"
 METRICS_FILE = "metrics.jsonl"
 _SUMMARY_FILE = "run_summary.json"
+#: metrics.jsonl events that a restart keeps (see :func:`trim_metrics`).
+HISTORY_EVENTS = frozenset({"member_lost", "replan", "member_joined"})
 _JOB_FILE = "job.json"
 
 OnEvent = Callable[[dict[str, Any]], None]  # what receives a stage's events, one at a time
@@ -136,7 +140,15 @@ def build_job(
         eval_before=run.eval_before,
         files_url=files_url,
         rebalance_at=rebalance_at,
+        keep_state=keeps_state(config, len(run.placements) * config.shardpool.replicas),
     )
+
+
+def keeps_state(config: Config, world_size: int) -> bool:
+    """Whether a run's stages beat and copy their step-boundary state: a mesh run of more than one
+    process that continues when a member is lost (:mod:`shardpool.contract.liveness`)."""
+    settings = config.shardpool
+    return settings.placement == "mesh" and settings.on_member_loss == "continue" and world_size > 1
 
 
 def write_job(job: Job, run_dir: Path) -> Path:
@@ -171,8 +183,10 @@ class RunRecord:
     def timed(self, start: Callable[[OnEvent], None], on_event: OnEvent) -> None:
         """Run ``start(on_event)`` (the stages, until all finish) and record how long it took."""
         started = time.monotonic()
-        start(on_event)
-        self.seconds = time.monotonic() - started
+        try:
+            start(on_event)
+        finally:
+            self.seconds += time.monotonic() - started
 
     def outcome(self, steps: int) -> TrainingOutcome:
         """What the model card reports of this run: steps, the last train loss, eval loss before and after."""
@@ -184,11 +198,11 @@ class RunRecord:
         )
 
     def record_rebalance(self, line: dict[str, Any]) -> None:
-        """Append a re-balance event to ``metrics.jsonl`` (not to trackers: it holds no scalars)."""
-        _append_metrics(self.output_dir / METRICS_FILE, line)
+        """Append a re-balance (or member loss, re-plan, join) event to ``metrics.jsonl`` (not to trackers: it holds no scalars)."""
+        append_metrics_line(self.output_dir / METRICS_FILE, line)
 
     def _metrics_line(self, line: dict[str, Any]) -> None:
-        _append_metrics(self.output_dir / METRICS_FILE, line)
+        append_metrics_line(self.output_dir / METRICS_FILE, line)
         if self.on_metrics is not None:
             self.on_metrics(line)
 
@@ -255,13 +269,18 @@ def _eval_metrics(event: dict[str, Any]) -> dict[str, Any]:
     return {key: event[key] for key in ("step", "epoch", "eval_loss")}
 
 
-def _append_metrics(path: Path, record: dict[str, Any]) -> None:
+def append_metrics_line(path: Path, record: dict[str, Any]) -> None:
+    """Append one line to ``metrics.jsonl``."""
     with open(path, "a", encoding="utf-8") as file:
         file.write(json.dumps(record) + "\n")
 
 
 def trim_metrics(path: Path, *, keep_through_step: int) -> None:
-    """Drop metric lines past the step a run restarts from, so a resumed run does not repeat them."""
+    """Drop metric lines past the step a run restarts from, so a resumed run does not repeat them.
+
+    The lines of lost and joined members and re-plans (:data:`HISTORY_EVENTS`) stay: they are the
+    run's history, not work that is done again. Step 0 (a fresh start) drops everything.
+    """
     if not path.is_file():
         return
     if keep_through_step == 0:
@@ -270,6 +289,9 @@ def trim_metrics(path: Path, *, keep_through_step: int) -> None:
     kept = [
         line
         for line in path.read_text(encoding="utf-8").splitlines()
-        if json.loads(line)["step"] <= keep_through_step
+        if json.loads(line)["step"] <= keep_through_step or json.loads(line).get("event") in HISTORY_EVENTS
     ]
-    atomic_write(path, ("\n".join(kept) + "\n").encode("utf-8") if kept else b"")
+    if not kept:
+        path.unlink()
+        return
+    atomic_write(path, ("\n".join(kept) + "\n").encode("utf-8"))

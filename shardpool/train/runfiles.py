@@ -169,9 +169,19 @@ class RunFiles:
         assert self._fetch_dir is not None
         staging = self._fetch_dir / "outgoing"
         staging.mkdir(parents=True, exist_ok=True)
-        local = staging / Path(safe_relative_name(relative, "output path")).name
-        save_tensors(local, tensors)
+        name = Path(safe_relative_name(relative, "output path")).name
+        # A name of its own per call: the step-boundary copy thread uploads files of the same names
+        # (stage-i, rng-rank-r) while the main thread may be sending a checkpoint's.
+        fd, staged = tempfile.mkstemp(dir=staging, prefix=f"{name}.", suffix=".out")
+        os.close(fd)
+        local = Path(staged)
         try:
+            save_tensors(local, tensors)
             self._remote.upload(local, relative)
         finally:
-            os.unlink(local)
+            local.unlink(missing_ok=True)
+
+    def close_connection(self) -> None:
+        """Close the calling thread's connection to the file server (each thread has its own)."""
+        if self._remote is not None:
+            self._remote.close()

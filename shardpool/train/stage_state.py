@@ -23,8 +23,10 @@ from shardpool.train.runfiles import RunFiles
 __all__ = [
     "FINAL_DIR",
     "StageState",
+    "checkpoint_files",
     "load_lora_and_optimizer",
     "load_optimizer_state",
+    "rank_state_tensors",
     "restore_stage_state",
     "send_checkpoint",
     "send_final_lora",
@@ -49,12 +51,33 @@ def send_checkpoint(
     """Send this rank's part of the checkpoint after ``step``, wait for every rank; return its directory."""
     partial = f"checkpoints/{ckpt.partial_dir('', step).name}"
     _send_lora_and_optimizer(files, state, partial, stage=stage, replica=replica)
-    rank_tensors = ckpt.rng_state_tensors()
-    if state.loss_scale is not None:
-        rank_tensors[ckpt.LOSS_SCALE_KEY] = state.loss_scale.state_tensor()
-    files.save_tensors(f"{partial}/{ckpt.rng_file(rank)}", rank_tensors)
+    files.save_tensors(f"{partial}/{ckpt.rng_file(rank)}", rank_state_tensors(state))
     world_barrier()
     return partial
+
+
+def rank_state_tensors(state: StageState) -> dict[str, torch.Tensor]:
+    """What a rank's RNG file holds: this process's torch RNG state, and the loss scale if it scales."""
+    tensors = ckpt.rng_state_tensors()
+    if state.loss_scale is not None:
+        tensors[ckpt.LOSS_SCALE_KEY] = state.loss_scale.state_tensor()
+    return tensors
+
+
+def checkpoint_files(
+    state: StageState, *, rank: int, stage: int, replica: int
+) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's part of a checkpoint as file name → tensors, the same files :func:`send_checkpoint` writes.
+
+    The stage file (LoRA + optimizer state) from replica 0 only, the RNG file from every rank. The
+    tensors are the live ones: clone them before the next step if they are to be kept.
+    """
+    files = {ckpt.rng_file(rank): rank_state_tensors(state)}
+    if replica == 0:
+        files[ckpt.stage_file(stage)] = ckpt.stage_state_tensors(
+            named_parameters=state.named_params, optimizer=state.optimizer
+        )
+    return files
 
 
 def send_final_lora(files: RunFiles, state: StageState, *, stage: int, replica: int) -> str:

@@ -17,6 +17,14 @@ events on stdout. Because each stage runs exactly the layers of the single-devic
 exactly the same inputs, and gradients accumulate in micro-batch order, the result is the
 single-device result.
 
+With ``job.keep_state`` (mesh runs with ``on_member_loss: continue``; contract in
+:mod:`shardpool.contract.liveness`, stage side in :mod:`shardpool.train.liveness`) the process also
+beats on the rendezvous store from its first moment, before the model is built, and after every
+step (after that step's re-shard, if any) hands CPU clones of its checkpoint files to a background
+thread that writes them into ``live_dir(step)`` and counts them on ``live_key(step)`` while the
+next step computes; the last copy is waited for before the final eval. Without it neither runs.
+``SHARDPOOL_TEST_KEEP_STATE=1`` turns it on in a local run (a bench and test hook).
+
 A failure is reported to the launcher as one JSON ``error`` event naming the stage, with the full
 traceback in the stage's log (stderr), and the process exits at once with status 1 so that no
 collective is left waiting on it.
@@ -54,6 +62,7 @@ from shardpool.model.stage import BaseSettings, PipelineStage, StageSpec, build_
 from shardpool.train import checkpoint as ckpt
 from shardpool.train.evaluate import evaluate
 from shardpool.train.kernels import apply_tf32, stage_attention
+from shardpool.train.liveness import StateCopier, cpu_clones, start_beat, store_client
 from shardpool.train.loss import gather_timings, label_tokens, reduce_and_clip_gradients
 from shardpool.train.loss_scale import LossScale, inject_inf_at
 from shardpool.train.optim import build_optimizer, build_scheduler
@@ -63,6 +72,7 @@ from shardpool.train.reshard import await_decision, exchange_state, kept_state, 
 from shardpool.train.runfiles import DATA_INPUT, INIT_ADAPTER_PREFIX, RunFiles
 from shardpool.train.stage_state import (
     StageState,
+    checkpoint_files,
     load_lora_and_optimizer,
     restore_stage_state,
     send_checkpoint,
@@ -99,9 +109,15 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+#: Bench and test hook: ``1`` turns on the job's ``keep_state`` in a local run (beat and step-boundary copies).
+KEEP_STATE_HOOK = "SHARDPOOL_TEST_KEEP_STATE"
+
+
 def run_stage_process(job_path: str, rank: int) -> None:
     """Train rank ``rank`` of the job in ``job_path`` to the end, then delete what it fetched."""
     job = Job.read(job_path)
+    if os.environ.get(KEEP_STATE_HOOK) == "1":
+        job = job.model_copy(update={"keep_state": True})
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     worker = StageWorker(job, rank, job_dir=Path(job_path).resolve().parent)
     try:
@@ -177,6 +193,10 @@ class StageWorker:
         self.state: StageState
         self.rendezvous: Any = None  # the joined rendezvous store: where the re-balance decision arrives
         self.layers = [(placement.start, placement.stop) for placement in job.stages]  # every stage's, now
+        # keep_state: the step-boundary copies' writer, and what stops the beat.
+        self.keeps_state = job.keep_state and job.world_size > 1
+        self.copier: StateCopier | None = None
+        self.stop_beat: Any = None
 
     # ----- set-up -------------------------------------------------------------------------
     def setup(self) -> None:
@@ -290,7 +310,15 @@ class StageWorker:
     # ----- the run ------------------------------------------------------------------------
     def run(self) -> None:
         """Train from the start or from a checkpoint, evaluate, and write the adapter."""
+        if self.keeps_state:  # before the model is built: a slow start must not look like a lost member
+            _, self.stop_beat = start_beat(
+                store_client(self.job.master_addr, self.job.master_port), self.rank
+            )
         self.setup()
+        if self.keeps_state:
+            self.copier = StateCopier(
+                self.files, store_client(self.job.master_addr, self.job.master_port), rank=self.rank
+            )
         first_step = (
             restore_stage_state(self.files, self.job, self.state, rank=self.rank)
             if self.job.resume_step
@@ -311,6 +339,9 @@ class StageWorker:
                 self.save_checkpoint(done, eval_before=eval_before)
             if done == self.job.rebalance_at and done < total_steps:
                 self.check_rebalance(done)
+            self.copy_state(done)
+        if self.copier is not None:
+            self.copier.close()
         eval_after = self.evaluate(save_logits=True)
         if total_steps in self.eval_at:
             self.report_eval(total_steps, eval_after)  # the final eval is the last step's
@@ -327,6 +358,8 @@ class StageWorker:
         )
         if self.rank == 0:
             self.emit({"event": StageEvent.DONE, "eval_before": eval_before, "eval_after": eval_after})
+        if self.stop_beat is not None:
+            self.stop_beat.set()
         leave_process_group()
 
     def _peak_device_bytes(self) -> int | None:
@@ -482,6 +515,18 @@ class StageWorker:
             torch.cuda.empty_cache()
 
     # ----- saving -----------------------------------------------------------------------------
+    def copy_state(self, step: int) -> None:
+        """With keep_state: hand CPU clones of this rank's checkpoint files after ``step`` to the copier.
+
+        Called after the step's re-shard (if any), so the copy holds the layers step + 1 trains.
+        The clones are taken here, between steps; the writing and the store count happen in the
+        copier's thread while the next step computes.
+        """
+        if self.copier is None:
+            return
+        files = checkpoint_files(self.state, rank=self.rank, stage=self.spec.index, replica=self.replica)
+        self.copier.submit(step, {name: cpu_clones(tensors) for name, tensors in files.items()})
+
     def save_checkpoint(self, step: int, *, eval_before: float | None) -> None:
         """Send every stage's part of a checkpoint to the launcher, which then renames it into place."""
         partial = send_checkpoint(

@@ -79,6 +79,15 @@ def test_online_members_lists_only_those_that_answer_with_clients_forwarding_to_
     ]
 
 
+def test_a_restart_forwards_the_job_it_continues_beside_the_start_body(socket_dir: Path) -> None:
+    path = socket_dir / "agent.sock"
+    replies = {"/v1/jobs": (201, {"job_id": "j2", "pids": {"0": 1}})}
+    with StubLocalAgent(path, members=MEMBERS, forward_replies=replies) as agent:
+        LocalAgentClient(str(path)).member("b", "10.77.0.2").start_job("j2", {"world": 1}, [0], previous="j1")
+    assert agent.forwarded[0]["previous"] == "j1"
+    assert "previous" not in agent.forwarded[0]["body"], "the member's agent never sees it"
+
+
 def test_a_member_agents_refusal_names_the_member_and_an_unreachable_member_is_told_apart(
     socket_dir: Path,
 ) -> None:

@@ -181,6 +181,22 @@ def test_a_forged_submitter_is_overwritten_with_the_callers_name(setup) -> None:
     local_call(socket_path, "DELETE", "/v1/local/jobs/forged")
 
 
+def test_a_restarted_job_names_the_job_it_continues_and_nothing_else_takes_previous(setup) -> None:
+    agent, socket_path = setup
+    forward = _forward("b", "POST", "/v1/jobs", _job_body("second")) | {"previous": "first"}
+    status, reply = local_call(socket_path, "POST", "/v1/local/forward", forward, **group_member())
+    assert (status, reply["status"]) == (200, 201), reply
+    status, listed = local_call(socket_path, "GET", "/v1/local/jobs", **group_member())
+    assert [(j["id"], j.get("previous")) for j in listed["jobs"]] == [("second", "first")]
+    for bad in (
+        _forward("b", "GET", "/v1/jobs/second/events?after=0&wait=0") | {"previous": "first"},
+        _forward("b", "POST", "/v1/jobs", _job_body("third")) | {"previous": "../x"},
+    ):
+        status, reply = local_call(socket_path, "POST", "/v1/local/forward", bad, **group_member())
+        assert status == 400 and "previous" in reply["error"], reply
+    local_call(socket_path, "DELETE", "/v1/local/jobs/second")
+
+
 def test_only_the_member_that_started_a_job_may_stop_it(setup) -> None:
     agent, _ = setup
     assert signed(agent.url, "POST", "/v1/jobs", _job_body("from-a"))[0] == 201

@@ -70,3 +70,39 @@ def test_a_missing_or_malformed_secret_file_is_one_line(
     assert "\n" not in str(caught.value)
     with pytest.raises(ShardpoolError, match=message):
         RunFiles(_job("http://127.0.0.1:41000", {"data.safetensors": "/x"}), job_dir=tmp_path)
+
+
+def test_two_threads_upload_files_of_the_same_name_through_one_run_files(tmp_path: Path) -> None:
+    """The step-boundary copy thread and the main thread both send ``stage-0.safetensors`` files."""
+    import threading
+
+    import torch
+    from safetensors.torch import load_file
+
+    from shardpool.contract.liveness import live_dir
+
+    secret = secrets.token_hex(32)
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    (job_dir / FILES_SECRET_FILE).write_text(secret)
+    out = tmp_path / "out"
+    with FileServer("127.0.0.1", files={}, upload_root=out, secret=secret) as server:
+        run_files = RunFiles(_job(server.url, {}), job_dir=job_dir)
+
+        def send(directory: str, value: float) -> None:
+            for _ in range(20):
+                run_files.save_tensors(f"{directory}/stage-0.safetensors", {"w": torch.full((256,), value)})
+            run_files.close_connection()
+
+        try:
+            copy = threading.Thread(target=send, args=(live_dir(4), 1.0))
+            copy.start()
+            send("checkpoints/checkpoint-4.partial", 2.0)
+            copy.join()
+        finally:
+            run_files.close()
+    assert torch.equal(
+        load_file(str(out / live_dir(4) / "stage-0.safetensors"))["w"], torch.full((256,), 1.0)
+    )
+    saved = load_file(str(out / "checkpoints/checkpoint-4.partial/stage-0.safetensors"))["w"]
+    assert torch.equal(saved, torch.full((256,), 2.0))

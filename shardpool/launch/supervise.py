@@ -1,0 +1,591 @@
+"""Keep a mesh run going when a member is lost or joins (issue 16): the launcher's decisions.
+
+A mesh run with ``shardpool.on_member_loss: continue`` has its stages beat and copy their
+step-boundary state (:mod:`shardpool.contract.liveness`). This module holds what the launcher
+decides from them, each part pure or given its side effects, so that it is tested with fakes:
+
+* :class:`~shardpool.launch.beats.BeatWatch` (its own module): a stage whose beat counter stopped moving for :func:`stall_bound` seconds is
+  stalled (a suspended laptop, a ``SIGSTOP``), named as the member that stopped, not its waiting
+  neighbour; a stage that has not beaten yet is still starting and is not stalled;
+* :func:`complete_live_steps`, :func:`prune_live_copies`, :func:`take_live_copy`: which
+  step-boundary copies are complete (their counter equals the world size), which go, and the
+  newest complete one turned into a checkpoint directory;
+* :class:`ReplanPolicy`: whether a loss is survived (``on_member_loss``, ``min_members``,
+  ``max_replans_per_hour``), with the one line that stops the run when it is not;
+* :func:`join_gain` / :func:`worth_joining`: whether a plan with a member that came back is at
+  least :data:`JOIN_GAIN` faster;
+* :func:`supervision_line`: the ``metrics.jsonl`` (and ``finetune --json``) line of a loss,
+  re-plan or join.
+
+Torch-free: the store is reached through the callables the launcher passes in.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal, Protocol, TypeVar
+
+from shardpool.config import Config
+from shardpool.contract.events import StageEvent
+from shardpool.contract.job import Job, StagePlacement
+from shardpool.contract.liveness import LIVE_ROOT, beat_key, live_dir, live_key, live_step
+from shardpool.errors import ShardpoolError
+from shardpool.launch.beats import BeatWatch
+from shardpool.launch.mesh_launcher import (
+    LOST_AFTER_S,
+    Interrupted,
+    MemberLost,
+    MeshLauncher,
+    ranks_by_member,
+)
+from shardpool.launch.rebalancing import replanned_json
+from shardpool.plan.result import Plan
+
+__all__ = [
+    "JOIN_GAIN",
+    "KEEP_LIVE_COPIES",
+    "REPLAN_CHECK_EVERY_STEPS",
+    "REPLAN_CHECK_MIN_S",
+    "AttemptEnded",
+    "Checkpoints",
+    "Supervisor",
+    "JoinCheckClock",
+    "ReplanPolicy",
+    "clear_live_copies",
+    "complete_live_steps",
+    "does_not_fit_line",
+    "join_gain",
+    "look_for_joins",
+    "live_steps",
+    "placements_of",
+    "prune_live_copies",
+    "supervision_line",
+    "take_live_copy",
+    "worth_joining",
+]
+
+#: A plan with a joined member must predict a step at least this much faster to be worth a restart.
+JOIN_GAIN = 0.10
+#: The launcher looks for joined members every this many steps ...
+REPLAN_CHECK_EVERY_STEPS = 10
+#: ... and no more often than this many seconds.
+REPLAN_CHECK_MIN_S = 60.0
+#: Complete step-boundary copies kept while the run goes on; older ones are deleted.
+KEEP_LIVE_COPIES = 2
+
+SupervisionEvent = Literal["member_lost", "replan", "member_joined"]
+
+
+def live_steps(output_dir: Path) -> list[int]:
+    """Steps of the step-boundary copy directories under ``output_dir``, ascending."""
+    root = output_dir / LIVE_ROOT
+    if not root.is_dir():
+        return []
+    steps = (live_step(child.name) for child in root.iterdir() if child.is_dir())
+    return sorted(step for step in steps if step is not None)
+
+
+def complete_live_steps(output_dir: Path, count: Callable[[int], int], world_size: int) -> list[int]:
+    """Steps whose copy every rank finished (``count(step)`` reads ``live_key(step)``), ascending."""
+    complete = []
+    for step in live_steps(output_dir):
+        try:
+            if int(count(step)) >= world_size:
+                complete.append(step)
+        except Exception:  # noqa: BLE001 - an unreadable counter: not known complete
+            continue
+    return complete
+
+
+def prune_live_copies(
+    output_dir: Path, count: Callable[[int], int], world_size: int, *, keep: int = KEEP_LIVE_COPIES
+) -> list[int]:
+    """Delete the copies older than the ``keep`` newest complete ones; return the steps deleted.
+
+    Copies newer than the newest complete one are being written and stay.
+    """
+    complete = complete_live_steps(output_dir, count, world_size)
+    if len(complete) < keep:
+        return []
+    oldest_kept = complete[-keep]
+    deleted = [step for step in live_steps(output_dir) if step < oldest_kept]
+    for step in deleted:
+        shutil.rmtree(output_dir / live_dir(step), ignore_errors=True)
+    return deleted
+
+
+def take_live_copy(output_dir: Path, step: int, partial: Path) -> Path:
+    """Move step ``step``'s copy to ``partial`` (a ``checkpoint-N.partial`` to finalize); return it."""
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(partial, ignore_errors=True)
+    (output_dir / live_dir(step)).rename(partial)
+    return partial
+
+
+def clear_live_copies(output_dir: Path) -> None:
+    """Delete every step-boundary copy (a new attempt writes its own)."""
+    shutil.rmtree(output_dir / LIVE_ROOT, ignore_errors=True)
+
+
+@dataclass
+class ReplanPolicy:
+    """Whether the run survives a lost member: the config's ``on_member_loss``, ``min_members`` and
+    ``max_replans_per_hour``, and the re-plans done so far."""
+
+    on_member_loss: str
+    min_members: int
+    max_replans_per_hour: int
+    clock: Callable[[], float] = time.monotonic
+    replans: list[float] = field(default_factory=list)
+
+    @property
+    def continues(self) -> bool:
+        """Whether a loss is survived at all (``on_member_loss: continue``)."""
+        return self.on_member_loss == "continue"
+
+    def refusal(self, remaining: int) -> str | None:
+        """Why the run stops instead of re-planning over ``remaining`` members, or None to re-plan."""
+        if not self.continues:
+            return "shardpool.on_member_loss is stop"
+        if remaining < self.min_members:
+            return (
+                f"only {remaining} member{'s' if remaining != 1 else ''} remain, "
+                f"fewer than shardpool.min_members ({self.min_members})"
+            )
+        hour_ago = self.clock() - 3600.0
+        recent = [moment for moment in self.replans if moment > hour_ago]
+        if len(recent) >= self.max_replans_per_hour:
+            return (
+                f"{len(recent)} re-plans in the last hour already "
+                f"(shardpool.max_replans_per_hour: {self.max_replans_per_hour})"
+            )
+        return None
+
+    def note_replan(self) -> None:
+        """Count one re-plan now (against ``max_replans_per_hour``)."""
+        self.replans.append(self.clock())
+
+
+def kept_line(checkpoint: Path | None) -> str:
+    """The end of a stop line: what is kept and how to go on."""
+    if checkpoint is None:
+        return "no checkpoint yet; run again once a member is back"
+    return f"{checkpoint.name} is kept; `shardpool finetune --resume` continues once a member is back"
+
+
+def does_not_fit_line(lost: str, planner_error: str, checkpoint: Path | None) -> str:
+    """The one line of a run that no longer fits on the members left after losing ``lost``."""
+    first = planner_error.strip().splitlines()[0] if planner_error.strip() else "the model does not fit"
+    return f"after losing member {lost!r} the remaining members cannot hold the model: {first}; {kept_line(checkpoint)}"
+
+
+def join_gain(current_step_s: float, candidate_step_s: float) -> float:
+    """How much faster (a fraction of the current predicted step) a candidate plan's step is."""
+    if current_step_s <= 0:
+        return 0.0
+    return (current_step_s - candidate_step_s) / current_step_s
+
+
+def worth_joining(current_step_s: float, candidate_step_s: float, *, gain: float = JOIN_GAIN) -> bool:
+    """Whether a plan with joined members predicts a step at least ``gain`` faster (same cost model)."""
+    return join_gain(current_step_s, candidate_step_s) >= gain - 1e-12
+
+
+@dataclass
+class JoinCheckClock:
+    """When the launcher looks for joined members: every ``every_steps`` steps and ``min_s`` seconds, whichever is later."""
+
+    every_steps: int = REPLAN_CHECK_EVERY_STEPS
+    min_s: float = REPLAN_CHECK_MIN_S
+    clock: Callable[[], float] = time.monotonic
+    _last_step: int | None = None
+    _last_time: float | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether a check is due after ``step`` (the first call only starts the clocks)."""
+        now = self.clock()
+        if self._last_step is None or self._last_time is None:
+            self._last_step, self._last_time = step, now
+            return False
+        if step - self._last_step >= self.every_steps and now - self._last_time >= self.min_s:
+            self._last_step, self._last_time = step, now
+            return True
+        return False
+
+
+def supervision_line(
+    event: SupervisionEvent,
+    *,
+    member: str,
+    step: int,
+    reason: str,
+    steps_lost: int = 0,
+    now: Callable[[], float] = time.time,
+) -> dict[str, Any]:
+    """The ``metrics.jsonl`` line of a loss, re-plan or join (also a ``finetune --json`` event)."""
+    return {
+        "event": event,
+        "member": member,
+        "step": step,
+        "reason": reason,
+        "steps_lost": steps_lost,
+        "time": round(now(), 3),
+    }
+
+
+def placements_of(plan: Plan) -> list[StagePlacement]:
+    """The job's stage placements of a plan."""
+    return [
+        StagePlacement(
+            start=stage.start,
+            stop=stage.stop,
+            device=stage.device,
+            host=stage.host,
+            dtype=stage.dtype or None,
+        )
+        for stage in plan.stages
+    ]
+
+
+class AttemptEnded(Exception):  # noqa: N818 - not an error: the supervisor goes on from it
+    """One attempt of a run ended early: a member was lost, or one joined and the run re-plans.
+
+    ``newest_copy`` is the newest complete step-boundary copy when it ended (read while the
+    attempt's store was still there), None when there was none.
+    """
+
+    def __init__(
+        self, kind: SupervisionEvent, *, member: str, reason: str, step: int, newest_copy: int | None
+    ):
+        super().__init__(f"{kind}: {member} at step {step}: {reason}")
+        self.kind, self.member, self.reason, self.step, self.newest_copy = (
+            kind,
+            member,
+            reason,
+            step,
+            newest_copy,
+        )
+
+
+class Checkpoints(Protocol):
+    """The run's checkpoints, as the supervisor needs them (the train layer's, given by finetune)."""
+
+    def partial(self, step: int) -> Path:
+        """The ``checkpoint-N.partial`` directory a checkpoint of ``step`` is assembled in."""
+        ...
+
+    def finalize(self, partial: Path, step: int, eval_before: float | None) -> Path:
+        """Turn an assembled ``partial`` into ``checkpoint-N`` (adapter merged, step recorded); return it."""
+        ...
+
+    def newest(self) -> Path | None:
+        """The newest complete checkpoint in ``output_dir``, or None."""
+        ...
+
+    def step_of(self, checkpoint: Path) -> int:
+        """The step a checkpoint was taken after."""
+        ...
+
+    def eval_before_of(self, checkpoint: Path) -> float | None:
+        """The eval loss before training that a checkpoint recorded."""
+        ...
+
+
+class SupervisedRun(Protocol):
+    """What the supervisor reads of a run (finetune's PreparedRun), and replaces for the next attempt."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def plan(self) -> dict[str, Any]: ...
+    @property
+    def planned(self) -> Plan | None: ...
+    @property
+    def first_step(self) -> int: ...
+    @property
+    def eval_before(self) -> float | None: ...
+
+
+Run = TypeVar("Run", bound=SupervisedRun)
+
+#: A join check (listing, profiling, planning) that takes longer than this is ignored.
+JOIN_CHECK_TIMEOUT_S = 180.0
+#: How long a join waits for a step-boundary copy of the very last step before it takes an older one.
+JOIN_COPY_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class _JoinFound:
+    launcher: MeshLauncher
+    plan: Plan
+    members: list[str]
+    step: int
+    reason: str
+    found_at: float
+
+
+@dataclass
+class Supervisor:
+    """Keeps one mesh run going across lost and joined members (``on_member_loss: continue``).
+
+    Per attempt, :meth:`begin` hooks the launcher (stall watch, loss bound, join interrupt) and
+    the attempt's store; :meth:`observe` sees every stage event (prunes the step-boundary
+    copies, notes the eval loss before training, schedules join checks); :meth:`ended` turns a
+    lost member or a join into :class:`AttemptEnded` while the store still answers, and
+    :meth:`next_attempt` restores the newest complete copy as ``checkpoint-N`` and re-plans.
+    ``say`` prints a console line, ``emit`` writes a ``finetune --json`` event, ``record`` appends
+    a ``metrics.jsonl`` line, ``trim`` drops metrics lines past a step, ``write_plan`` rewrites
+    ``plan.json``.
+    """
+
+    config: Config
+    policy: ReplanPolicy
+    checkpoints: Checkpoints
+    say: Callable[[str], None]
+    emit: Callable[..., None]
+    record: Callable[[dict[str, Any]], None]
+    trim: Callable[[int], None]
+    write_plan: Callable[[dict[str, Any]], None]
+    output_dir: Path
+    join_clock: JoinCheckClock = field(default_factory=JoinCheckClock)
+    clock: Callable[[], float] = time.monotonic
+    _count: Callable[[int], int] = field(default=lambda step: 0)
+    _world_size: int = 1
+    _last_step: int = 0
+    _eval_before: float | None = None
+    _launcher: MeshLauncher | None = None
+    _current_step_s: float | None = None
+    _join_lock: threading.Lock = field(default_factory=threading.Lock)
+    _join_thread: threading.Thread | None = None
+    _join_started: float = 0.0
+    _found: _JoinFound | None = None
+
+    @classmethod
+    def wanted(cls, config: Config, launcher: object) -> bool:
+        """Whether a run is supervised: a mesh launcher and ``on_member_loss: continue``."""
+        return isinstance(launcher, MeshLauncher) and config.shardpool.on_member_loss == "continue"
+
+    def begin(self, launcher: MeshLauncher, run: SupervisedRun, job: Job, store: Any) -> None:
+        """Hook one attempt: ``launcher`` about to start ``job``, its stages meeting at ``store``."""
+        timeout_s = self.config.shardpool.member_timeout_s
+        self._count = lambda step: int(store.add(live_key(step), 0))
+        self._world_size = job.world_size
+        self._last_step = job.resume_step
+        self._eval_before = job.eval_before
+        self._launcher = launcher
+        self._current_step_s = run.planned.predicted_step_s if run.planned is not None else None
+        with self._join_lock:
+            self._found, self._join_thread = None, None
+        launcher.lost_after_s = min(LOST_AFTER_S, timeout_s)
+        launcher.interrupt = self.interrupt
+        if job.keep_state:
+            launcher.watch = lambda started: BeatWatch(
+                beats=lambda rank: int(store.add(beat_key(rank), 0)),
+                ranks={
+                    name: ranks for name, (_, ranks) in ranks_by_member(started, launcher.members).items()
+                },
+                member_timeout_s=timeout_s,
+            )
+        else:
+            launcher.watch = None
+
+    def observe(self, event: dict[str, Any]) -> None:
+        """See one stage event: a step prunes old copies and may start a join check; a checkpoint
+        tells the eval loss before training."""
+        kind = event.get("event")
+        if kind == StageEvent.STEP:
+            self._last_step = int(event["step"])
+            prune_live_copies(self.output_dir, self._count, self._world_size)
+            self._maybe_look_for_joins(self._last_step)
+        elif kind == StageEvent.CHECKPOINT_WRITTEN and event.get("eval_before") is not None:
+            self._eval_before = float(event["eval_before"])
+
+    def ended(self, stopped: MemberLost | Interrupted) -> AttemptEnded:
+        """The attempt's end as :class:`AttemptEnded`, with the newest complete copy (read now, while the store answers)."""
+        complete = complete_live_steps(self.output_dir, self._count, self._world_size)
+        newest = complete[-1] if complete else None
+        if isinstance(stopped, MemberLost):
+            reason = str(stopped).split(": ", 1)[-1]
+            return AttemptEnded(
+                "member_lost", member=stopped.member, reason=reason, step=stopped.step, newest_copy=newest
+            )
+        found = self._found
+        names = ", ".join(found.members) if found else "?"
+        return AttemptEnded(
+            "member_joined", member=names, reason=found.reason if found else str(stopped),
+            step=self._last_step, newest_copy=newest,
+        )  # fmt: skip
+
+    def interrupt(self) -> bool:
+        """Whether to stop the stages now for a join: a faster plan was found and the step-boundary
+        copy of the last completed step is complete (so no completed step is lost)."""
+        with self._join_lock:
+            found = self._found
+        if found is None:
+            return False
+        complete = complete_live_steps(self.output_dir, self._count, self._world_size)
+        if not complete or complete[-1] < found.step:
+            return False
+        return complete[-1] >= self._last_step or self.clock() - found.found_at > JOIN_COPY_WAIT_S
+
+    def next_attempt(self, run: Run, launcher: MeshLauncher, ended: AttemptEnded) -> tuple[Run, MeshLauncher]:
+        """Restore the newest complete copy and re-plan; return the next attempt's run and launcher.
+
+        Raises :class:`ShardpoolError` with one line when the run cannot go on (``min_members``,
+        ``max_replans_per_hour``, the model no longer fits); the checkpoint stays for ``--resume``.
+        """
+        checkpoint = self._restore(ended.newest_copy, run)
+        first_step = self.checkpoints.step_of(checkpoint) if checkpoint is not None else 0
+        steps_lost = max(0, ended.step - first_step)
+        if ended.kind == "member_lost":
+            self._visible(
+                "member_lost",
+                member=ended.member,
+                step=ended.step,
+                reason=ended.reason,
+                steps_lost=steps_lost,
+            )
+            remaining = [member for member in launcher.members if member.name != ended.member]
+            refusal = self.policy.refusal(len(remaining))
+            if refusal is not None:
+                raise ShardpoolError(
+                    f"member {ended.member!r} was lost at step {ended.step} ({ended.reason}); "
+                    f"stopping: {refusal}; {kept_line(checkpoint)}"
+                )
+            successor = launcher.over(remaining, say=self.say)
+            try:
+                plan = successor.plan(run.config)
+            except ShardpoolError as error:
+                raise ShardpoolError(does_not_fit_line(ended.member, str(error), checkpoint)) from None
+            reason = f"member {ended.member!r} lost"
+        else:
+            found = self._found
+            assert found is not None, "a join ends an attempt only once one was found"
+            self._visible(
+                "member_joined",
+                member=ended.member,
+                step=ended.step,
+                reason=ended.reason,
+                steps_lost=steps_lost,
+            )
+            successor, plan, reason = found.launcher, found.plan, f"member {ended.member!r} joined"
+        self.policy.note_replan()
+        plan_json = replanned_json(run.plan, plan, ended_at_step=ended.step) | {"source": "replan"}
+        self.write_plan(plan_json)
+        placed = " ".join(f"{stage.host}[{stage.start}, {stage.stop})" for stage in plan.stages)
+        self._visible(
+            "replan",
+            member=ended.member,
+            step=first_step,
+            reason=f"{reason}; stages now {placed}",
+            steps_lost=0,
+        )
+        eval_before = self.checkpoints.eval_before_of(checkpoint) if checkpoint is not None else None
+        following = replace(
+            run,  # type: ignore[type-var]
+            placements=placements_of(plan),
+            plan=plan_json,
+            planned=plan,
+            resume_from=checkpoint,
+            first_step=first_step,
+            eval_before=eval_before,
+        )
+        return following, successor
+
+    def _restore(self, newest_copy: int | None, run: SupervisedRun) -> Path | None:
+        """The checkpoint the next attempt starts from: the newest complete copy made a
+        ``checkpoint-N``, or the newest regular checkpoint when that is newer or there is no copy."""
+        newest = self.checkpoints.newest()
+        newest_step = self.checkpoints.step_of(newest) if newest is not None else -1
+        restored = newest
+        if newest_copy is not None and newest_copy > newest_step:
+            partial = take_live_copy(self.output_dir, newest_copy, self.checkpoints.partial(newest_copy))
+            restored = self.checkpoints.finalize(partial, newest_copy, self._eval_before)
+        clear_live_copies(self.output_dir)
+        self.trim(self.checkpoints.step_of(restored) if restored is not None else 0)
+        return restored
+
+    def _visible(
+        self, kind: SupervisionEvent, *, member: str, step: int, reason: str, steps_lost: int
+    ) -> None:
+        """A loss, join or re-plan shown everywhere: metrics.jsonl, the console, ``finetune --json``."""
+        line = supervision_line(kind, member=member, step=step, reason=reason, steps_lost=steps_lost)
+        self.record(line)
+        self.emit(kind, **{key: value for key, value in line.items() if key != "event"})
+        what = {"member_lost": "lost member", "member_joined": "member joined", "replan": "re-planned"}[kind]
+        lost = f", {steps_lost} steps lost" if steps_lost else ""
+        self.say(f"{what} {member!r} at step {step}: {reason}{lost}")
+
+    def _maybe_look_for_joins(self, step: int) -> None:
+        launcher = self._launcher
+        if launcher is None or launcher.list_members is None or self._current_step_s is None:
+            return
+        with self._join_lock:
+            busy = self._found is not None or (
+                self._join_thread is not None and self.clock() - self._join_started < JOIN_CHECK_TIMEOUT_S
+            )
+        if busy or not self.join_clock.due(step):
+            return
+        thread = threading.Thread(
+            target=self._look_for_joins, args=(launcher, step, self._current_step_s), daemon=True
+        )
+        with self._join_lock:
+            self._join_thread, self._join_started = thread, self.clock()
+        thread.start()
+
+    def _look_for_joins(self, launcher: MeshLauncher, step: int, current_step_s: float) -> None:
+        """Off the event loop: list the members online, profile and plan with any not in the plan,
+        and keep the plan when it is :data:`JOIN_GAIN` faster."""
+        started = self.clock()
+        try:
+            found = look_for_joins(launcher, self.config, current_step_s, step=step, say=lambda line: None)
+        except Exception as error:  # noqa: BLE001 - a failed look leaves the run as it is
+            self.say(
+                f"join check after step {step} failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+            )
+            found = None
+        with self._join_lock:
+            self._join_thread = None
+            if (
+                found is None
+                or self.clock() - started > JOIN_CHECK_TIMEOUT_S
+                or self._launcher is not launcher
+            ):
+                return
+            if self.policy.refusal(len(found[0].members)) is not None:
+                return
+            successor, plan, joined, reason = found
+            self._found = _JoinFound(successor, plan, joined, step, reason, self.clock())
+
+
+def look_for_joins(
+    launcher: MeshLauncher, config: Config, current_step_s: float, *, step: int, say: Callable[[str], None]
+) -> tuple[MeshLauncher, Plan, list[str], str] | None:
+    """A launcher and plan with the members online but not in ``launcher``'s, when worth joining.
+
+    None when no member joined, or the plan with them is not :data:`JOIN_GAIN` faster than
+    ``current_step_s`` (the current plan's prediction, same cost model), or uses none of them.
+    """
+    if launcher.list_members is None:
+        return None
+    current = {member.name for member in launcher.members}
+    online = launcher.list_members()
+    joined = [member for member in online if member.name not in current]
+    if not joined:
+        return None
+    candidate = launcher.over([*launcher.members, *joined], say=say)
+    plan = candidate.plan(config)
+    used = sorted({stage.host for stage in plan.stages} - current)
+    if not used or not worth_joining(current_step_s, plan.predicted_step_s):
+        return None
+    gain = join_gain(current_step_s, plan.predicted_step_s)
+    reason = (
+        f"predicted {plan.predicted_step_s:.3f} s/step with it, {current_step_s:.3f} s/step without "
+        f"({gain:.0%} faster)"
+    )
+    return candidate, plan, used, reason

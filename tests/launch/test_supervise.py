@@ -1,0 +1,458 @@
+"""Keeping a mesh run going: lost-member detection in run_mesh_job, the step-boundary copies, the
+policy, the re-plan after a loss and the join decision (fakes for members, agents and store)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardpool.config import Config, parse_config
+from shardpool.contract.job import Job
+from shardpool.contract.liveness import live_dir
+from shardpool.errors import ShardpoolError
+from shardpool.finetune import PreparedRun
+from shardpool.launch.beats import BeatWatch
+from shardpool.launch.local_launcher import StageFailed
+from shardpool.launch.mesh_launcher import Interrupted, MemberLost, MeshLauncher, run_mesh_job
+from shardpool.launch.mesh_members import MeshMember
+from shardpool.launch.run import keeps_state, trim_metrics
+from shardpool.launch.supervise import (
+    AttemptEnded,
+    JoinCheckClock,
+    ReplanPolicy,
+    Supervisor,
+    complete_live_steps,
+    does_not_fit_line,
+    look_for_joins,
+    prune_live_copies,
+    supervision_line,
+    worth_joining,
+)
+from shardpool.plan.result import Plan, PlannedStage
+from tests.helpers.jobs import job_dict
+
+
+class _Agent:
+    """A member's agent: replies from a script, then the last reply forever."""
+
+    url = "http://fake"
+
+    def __init__(self, replies: list[dict[str, Any]] | None = None) -> None:
+        self.replies = replies or [{"events": [], "exited": {}, "running": True}]
+        self.stopped: list[str] = []
+
+    def health(self) -> dict[str, Any]:
+        return {}
+
+    def start_job(
+        self,
+        job_id: str,
+        job: dict[str, Any],
+        ranks: list[int],
+        *,
+        files_secret: str | None = None,
+        previous: str | None = None,
+    ) -> dict[str, Any]:
+        self.previous = previous
+        return {"job_id": job_id}
+
+    def events(self, job_id: str, *, after: int, wait: float = 1.0) -> dict[str, Any]:
+        reply = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
+        return reply
+
+    def stop_job(self, job_id: str, *, timeout: float = 10.0) -> dict[str, Any]:
+        self.stopped.append(job_id)
+        return {}
+
+
+def _members(*names: str) -> list[MeshMember]:
+    return [MeshMember(name, f"10.0.0.{index + 1}", index == 0, _Agent()) for index, name in enumerate(names)]
+
+
+def _job(stages: int = 2, **fields: Any) -> Job:
+    job = job_dict(stages=stages, **fields)
+    for index, stage in enumerate(job["stages"]):
+        stage["host"] = "abc"[index]
+    return Job.model_validate(job)
+
+
+def _exited(rank: int, code: int, events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {
+        "events": [
+            {"seq": index + 1, "rank": rank, "event": event} for index, event in enumerate(events or [])
+        ],
+        "exited": {str(rank): code},
+        "running": False,
+    }
+
+
+def test_a_stage_killed_by_a_signal_is_a_lost_member() -> None:
+    a, b = _members("a", "b")
+    b.agent.replies = [_exited(1, -9)]  # type: ignore[attr-defined]
+    with pytest.raises(MemberLost) as lost:
+        run_mesh_job(_job(), "j", {"a": (a, [0]), "b": (b, [1])}, on_event=lambda event: None)
+    assert lost.value.member == "b"
+    assert "killed by signal 9" in str(lost.value)
+    assert a.agent.stopped == ["j"], "the other members' stages are stopped"  # type: ignore[attr-defined]
+
+
+def test_a_stage_error_is_not_a_member_loss_even_when_the_run_continues() -> None:
+    a, b = _members("a", "b")
+    error = {"event": "error", "rank": 1, "message": "ValueError: a bug"}
+    b.agent.replies = [_exited(1, 1, [error])]  # type: ignore[attr-defined]
+    watch = BeatWatch(beats=lambda rank: 0, ranks={"a": [0], "b": [1]}, member_timeout_s=30.0)
+    with pytest.raises(StageFailed) as failed:
+        run_mesh_job(
+            _job(),
+            "j",
+            {"a": (a, [0]), "b": (b, [1])},
+            on_event=lambda event: None,
+            watch=watch,
+            lost_after_s=0.2,
+            neighbour_grace_s=0.5,
+        )
+    assert not isinstance(failed.value, MemberLost)
+    assert "ValueError: a bug" in str(failed.value)
+
+
+def test_a_neighbour_that_fails_first_is_not_blamed_for_the_member_lost_behind_it() -> None:
+    a, b = _members("a", "b")
+    error = {"event": "error", "rank": 1, "message": "RuntimeError: connection reset by peer"}
+    b.agent.replies = [_exited(1, 1, [error])]  # type: ignore[attr-defined]
+    running = {"events": [], "exited": {}, "running": True}
+    a.agent.replies = [running, running, running, _exited(0, -9)]  # type: ignore[attr-defined]
+    watch = BeatWatch(beats=lambda rank: 0, ranks={"a": [0], "b": [1]}, member_timeout_s=30.0)
+    with pytest.raises(MemberLost) as lost:
+        run_mesh_job(
+            _job(),
+            "j",
+            {"a": (a, [0]), "b": (b, [1])},
+            on_event=lambda event: None,
+            watch=watch,
+            lost_after_s=5.0,
+        )
+    assert lost.value.member == "a"
+
+
+def test_a_stage_that_stopped_beating_is_a_lost_member_named_with_its_silence() -> None:
+    a, b = _members("a", "b")
+    clock = iter(float(second) for second in range(0, 10_000, 2))
+    beats = {0: 1, 1: 1}
+
+    def read(rank: int) -> int:
+        if rank == 0:
+            beats[0] += 1
+        return beats[rank]
+
+    watch = BeatWatch(
+        beats=read, ranks={"a": [0], "b": [1]}, member_timeout_s=10.0, clock=lambda: next(clock)
+    )
+    with pytest.raises(MemberLost) as lost:
+        run_mesh_job(_job(), "j", {"a": (a, [0]), "b": (b, [1])}, on_event=lambda event: None, watch=watch)
+    assert lost.value.member == "b"
+    assert "stopped beating for" in str(lost.value)
+
+
+def _copies(tmp_path: Path, *steps: int) -> None:
+    for step in steps:
+        (tmp_path / live_dir(step)).mkdir(parents=True)
+        (tmp_path / live_dir(step) / "stage-0.safetensors").write_bytes(b"x")
+
+
+def test_the_newest_complete_copy_counts_and_older_ones_are_pruned(tmp_path: Path) -> None:
+    _copies(tmp_path, 3, 4, 5, 6)
+    counts = {3: 2, 4: 2, 5: 2, 6: 1}  # step 6 is still being written
+    assert complete_live_steps(tmp_path, counts.__getitem__, 2) == [3, 4, 5]
+    assert prune_live_copies(tmp_path, counts.__getitem__, 2) == [3]
+    assert sorted(path.name for path in (tmp_path / ".shardpool/live").iterdir()) == [
+        "step-4",
+        "step-5",
+        "step-6",
+    ]
+    assert prune_live_copies(tmp_path, {4: 2, 5: 1, 6: 1}.__getitem__, 2) == []
+
+
+def test_the_policy_stops_on_stop_too_few_members_and_too_many_replans() -> None:
+    now = [0.0]
+    assert ReplanPolicy("stop", 1, 6).refusal(3) == "shardpool.on_member_loss is stop"
+    policy = ReplanPolicy("continue", 2, 2, clock=lambda: now[0])
+    assert "fewer than shardpool.min_members (2)" in (policy.refusal(1) or "")
+    assert policy.refusal(2) is None
+    policy.note_replan()
+    policy.note_replan()
+    assert "max_replans_per_hour: 2" in (policy.refusal(2) or "")
+    now[0] = 3601.0
+    assert policy.refusal(2) is None, "re-plans older than an hour do not count"
+
+
+def test_the_does_not_fit_line_is_one_line_with_the_missing_memory_and_the_kept_checkpoint() -> None:
+    line = does_not_fit_line(
+        "c",
+        "tiny (8 layers) does not fit: about 1.50 GiB are missing\nmore",
+        Path("/o/checkpoints/checkpoint-7"),
+    )
+    assert "\n" not in line
+    assert "1.50 GiB are missing" in line
+    assert "checkpoint-7 is kept" in line and "--resume" in line
+
+
+def test_a_join_needs_a_step_at_least_ten_percent_faster() -> None:
+    assert worth_joining(1.0, 0.9)
+    assert worth_joining(1.0, 0.5)
+    assert not worth_joining(1.0, 0.91)
+    assert not worth_joining(1.0, 1.2)
+
+
+def test_joins_are_checked_every_ten_steps_and_sixty_seconds_whichever_is_later() -> None:
+    now = [0.0]
+    clock = JoinCheckClock(clock=lambda: now[0])
+    assert not clock.due(1)
+    assert not clock.due(11), "ten steps but not a minute"
+    now[0] = 61.0
+    assert clock.due(11)
+    now[0] = 200.0
+    assert not clock.due(15)
+    assert clock.due(21)
+
+
+def test_the_supervision_line_has_who_when_why_and_the_steps_lost() -> None:
+    line = supervision_line("member_lost", member="c", step=7, reason="killed", steps_lost=1, now=lambda: 5.0)
+    assert line == {
+        "event": "member_lost",
+        "member": "c",
+        "step": 7,
+        "reason": "killed",
+        "steps_lost": 1,
+        "time": 5.0,
+    }
+
+
+def test_trim_keeps_the_history_events(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [{"step": 5, "loss": 1.0}, {"event": "member_lost", "step": 7}, {"step": 7, "loss": 0.5}]
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    trim_metrics(metrics, keep_through_step=6)
+    assert [json.loads(line) for line in metrics.read_text().splitlines()] == lines[:2]
+
+
+# --- the re-plan after a loss -------------------------------------------------------------
+
+
+def _plan(hosts: list[str], predicted: float = 1.0) -> Plan:
+    per = 6 // len(hosts)
+    stages = [
+        PlannedStage(device="cpu", host=host, start=index * per, stop=(index + 1) * per,
+                     predicted_ms_per_microbatch=1.0, memory_bytes=0, free_bytes=0, slot=f"{host}/cpu")
+        for index, host in enumerate(hosts)
+    ]  # fmt: skip
+    return Plan(stages=stages, predicted_step_s=predicted, bubble_fraction=0.0, microbatches=3,
+                recommended_microbatches=12, num_layers=6)  # fmt: skip
+
+
+def _config(tmp_path: Path, **shardpool: Any) -> Config:
+    return parse_config(
+        {
+            "base_model": "m",
+            "lora_target_linear": True,
+            "datasets": [{"path": "d.jsonl", "type": "completion"}],
+            "output_dir": str(tmp_path),
+            "shardpool": {"placement": "mesh", **shardpool},
+        }
+    )
+
+
+class _Checkpoints:
+    def __init__(self, root: Path) -> None:
+        self.root = root / "checkpoints"
+        self.finalized: list[tuple[Path, int, float | None]] = []
+
+    def partial(self, step: int) -> Path:
+        return self.root / f"checkpoint-{step}.partial"
+
+    def finalize(self, partial: Path, step: int, eval_before: float | None) -> Path:
+        final = partial.with_name(f"checkpoint-{step}")
+        partial.rename(final)
+        (final / "checkpoint.json").write_text(json.dumps({"step": step, "eval_before": eval_before}))
+        self.finalized.append((final, step, eval_before))
+        return final
+
+    def newest(self) -> Path | None:
+        found = sorted(self.root.glob("checkpoint-*[0-9]"), key=self.step_of) if self.root.is_dir() else []
+        return found[-1] if found else None
+
+    def step_of(self, checkpoint: Path) -> int:
+        return int(json.loads((checkpoint / "checkpoint.json").read_text())["step"])
+
+    def eval_before_of(self, checkpoint: Path) -> float | None:
+        return json.loads((checkpoint / "checkpoint.json").read_text())["eval_before"]
+
+
+def _supervisor(tmp_path: Path, config: Config, seen: dict[str, list[Any]]) -> Supervisor:
+    return Supervisor(
+        config=config,
+        policy=ReplanPolicy(config.shardpool.on_member_loss, config.shardpool.min_members, 6),
+        checkpoints=_Checkpoints(tmp_path),
+        say=seen.setdefault("say", []).append,
+        emit=lambda kind, **fields: seen.setdefault("emit", []).append((kind, fields)),
+        record=seen.setdefault("record", []).append,
+        trim=seen.setdefault("trim", []).append,
+        write_plan=seen.setdefault("plan", []).append,
+        output_dir=tmp_path,
+    )
+
+
+def _run(config: Config, plan: Plan) -> PreparedRun:
+    return PreparedRun(
+        config=config, model=None, lora=None, placements=[], data=None, total_steps=20,  # type: ignore[arg-type]
+        resume_from=None, plan=plan.to_json() | {"replicas": 1, "source": "planner"}, planned=plan,
+    )  # fmt: skip
+
+
+def test_after_a_loss_the_newest_complete_copy_becomes_the_checkpoint_and_the_rest_replan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _config(tmp_path)
+    monkeypatch.setattr(MeshLauncher, "plan", lambda self, config: _plan([m.name for m in self.members], 1.5))
+    seen: dict[str, list[Any]] = {}
+    supervisor = _supervisor(tmp_path, config, seen)
+    _copies(tmp_path, 5, 6)
+    launcher = MeshLauncher(_members("a", "b", "c"), say=print)
+    run = _run(config, _plan(["a", "b", "c"]))
+    ended = AttemptEnded("member_lost", member="c", reason="killed by signal 9", step=7, newest_copy=6)
+
+    following, successor = supervisor.next_attempt(run, launcher, ended)
+
+    assert [member.name for member in successor.members] == ["a", "b"]
+    assert following.first_step == 6
+    assert following.resume_from == tmp_path / "checkpoints" / "checkpoint-6"
+    assert not (tmp_path / ".shardpool" / "live").exists(), "every copy is gone once one is restored"
+    assert [stage.host for stage in following.placements] == ["a", "b"]
+    assert seen["trim"] == [6]
+    kinds = [line["event"] for line in seen["record"]]
+    assert kinds == ["member_lost", "replan"]
+    assert seen["record"][0]["steps_lost"] == 1 and seen["record"][0]["member"] == "c"
+    assert [kind for kind, _ in seen["emit"]] == kinds
+    written = seen["plan"][-1]
+    assert written["source"] == "replan"
+    assert written["history"][0]["ended_at_step"] == 7
+    assert [stage["host"] for stage in written["history"][0]["stages"]] == ["a", "b", "c"]
+    assert any("lost member 'c' at step 7" in line for line in seen["say"])
+
+
+def test_with_no_copy_the_newest_regular_checkpoint_is_the_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _config(tmp_path)
+    monkeypatch.setattr(MeshLauncher, "plan", lambda self, config: _plan([m.name for m in self.members]))
+    checkpoint = tmp_path / "checkpoints" / "checkpoint-4"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "checkpoint.json").write_text(json.dumps({"step": 4, "eval_before": 2.5}))
+    supervisor = _supervisor(tmp_path, config, {})
+    ended = AttemptEnded("member_lost", member="c", reason="gone", step=5, newest_copy=None)
+    following, _ = supervisor.next_attempt(
+        _run(config, _plan(["a", "b", "c"])), MeshLauncher(_members("a", "b", "c"), say=print), ended
+    )
+    assert (following.first_step, following.resume_from, following.eval_before) == (4, checkpoint, 2.5)
+
+
+def test_too_few_members_stop_with_one_line_and_keep_the_checkpoint(tmp_path: Path) -> None:
+    config = _config(tmp_path, min_members=3)
+    supervisor = _supervisor(tmp_path, config, {})
+    _copies(tmp_path, 6)
+    ended = AttemptEnded("member_lost", member="c", reason="gone", step=6, newest_copy=6)
+    with pytest.raises(ShardpoolError) as stopped:
+        supervisor.next_attempt(
+            _run(config, _plan(["a", "b", "c"])), MeshLauncher(_members("a", "b", "c"), say=print), ended
+        )
+    message = str(stopped.value)
+    assert "\n" not in message
+    assert "min_members (3)" in message and "checkpoint-6 is kept" in message
+    assert (tmp_path / "checkpoints" / "checkpoint-6").is_dir()
+
+
+def test_a_model_that_no_longer_fits_stops_with_the_missing_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_fit(self: MeshLauncher, config: Config) -> Plan:
+        raise ShardpoolError("tiny (6 layers) does not fit: about 0.75 GiB are missing; add memory")
+
+    monkeypatch.setattr(MeshLauncher, "plan", no_fit)
+    config = _config(tmp_path)
+    _copies(tmp_path, 3)
+    ended = AttemptEnded("member_lost", member="c", reason="gone", step=3, newest_copy=3)
+    with pytest.raises(
+        ShardpoolError, match=r"losing member 'c'.*0\.75 GiB are missing.*checkpoint-3 is kept"
+    ):
+        _supervisor(tmp_path, config, {}).next_attempt(
+            _run(config, _plan(["a", "b", "c"])), MeshLauncher(_members("a", "b", "c"), say=print), ended
+        )
+
+
+def test_a_member_back_online_is_taken_when_the_plan_is_ten_percent_faster(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    config = _config(tmp_path)
+    speeds = {2: 1.0, 3: 0.85}
+    monkeypatch.setattr(
+        MeshLauncher,
+        "plan",
+        lambda self, config: _plan([m.name for m in self.members], speeds[len(self.members)]),
+    )
+    launcher = MeshLauncher(_members("a", "b"), say=print)
+    launcher.list_members = lambda: _members("a", "b", "c")
+    found = look_for_joins(launcher, config, 1.0, step=10, say=print)
+    assert found is not None
+    successor, plan, joined, reason = found
+    assert joined == ["c"] and "15% faster" in reason
+    assert [member.name for member in successor.members] == ["a", "b", "c"]
+    speeds[3] = 0.95
+    assert look_for_joins(launcher, config, 1.0, step=10, say=print) is None, "5% is not worth a restart"
+    launcher.list_members = lambda: _members("a", "b")
+    assert look_for_joins(launcher, config, 1.0, step=10, say=print) is None
+
+
+def test_only_a_continuing_mesh_run_of_several_processes_keeps_state(tmp_path: Path) -> None:
+    assert keeps_state(_config(tmp_path), 2)
+    assert not keeps_state(_config(tmp_path), 1)
+    assert not keeps_state(_config(tmp_path, on_member_loss="stop"), 3)
+    assert not keeps_state(_config(tmp_path, placement="local"), 3)
+
+
+def test_a_join_stops_the_stages_only_once_the_copy_of_the_last_step_is_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _config(tmp_path)
+    monkeypatch.setattr(
+        MeshLauncher,
+        "plan",
+        lambda self, config: _plan([m.name for m in self.members], 2.0 / len(self.members)),
+    )
+    seen: dict[str, list[Any]] = {}
+    supervisor = _supervisor(tmp_path, config, seen)
+    launcher = MeshLauncher(_members("a", "b"), say=print)
+    launcher.list_members = lambda: _members("a", "b", "c")
+    counts: dict[int, int] = {}
+
+    class _Store:
+        def add(self, key: str, amount: int) -> int:
+            return counts.get(int(key.rsplit("/", 1)[1]), 0) if "live" in key else 1
+
+    run = _run(config, _plan(["a", "b"]))
+    supervisor.begin(launcher, run, Job.model_validate(job_dict(stages=2)), _Store())
+    supervisor._look_for_joins(launcher, 10, 1.0)  # what the join check's thread does
+    supervisor._last_step = 11
+    _copies(tmp_path, 10, 11)
+    counts.update({10: 2, 11: 1})
+    assert not supervisor.interrupt(), "step 11's copy is still being written"
+    counts[11] = 2
+    assert supervisor.interrupt()
+    ended = supervisor.ended(Interrupted("stopped"))
+    assert (ended.kind, ended.member, ended.newest_copy) == ("member_joined", "c", 11)
+    following, successor = supervisor.next_attempt(run, launcher, ended)
+    assert [member.name for member in successor.members] == ["a", "b", "c"]
+    assert following.first_step == 11
+    assert [line["event"] for line in seen["record"]] == ["member_joined", "replan"]
+    assert seen["record"][0]["steps_lost"] == 0

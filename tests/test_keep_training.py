@@ -1,0 +1,95 @@
+"""A supervised run goes on by itself after a lost member: the finetune loop end to end, with
+local processes standing in for the members (no mesh, no agent)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+
+import shardpool.finetune as finetune_module
+from shardpool.config import Config, parse_config
+from shardpool.contract.job import Job
+from shardpool.finetune import finetune
+from shardpool.launch.local_launcher import LocalLauncher
+from shardpool.launch.mesh_launcher import MemberLost, MeshLauncher
+from shardpool.launch.mesh_members import MeshMember
+from shardpool.plan.profiler import TorchProbe
+from shardpool.plan.result import Plan
+from tests.helpers.training import base_config, read_metrics
+
+pytestmark = pytest.mark.slow  # three tiny runs' worth of training (about 40 s on a quiet machine)
+
+
+class _LocalMesh(MeshLauncher):
+    """Members 'a' and 'b' (and 'c' in the first attempt) whose stages are local processes; the
+    first attempt loses 'c' after step 2."""
+
+    attempts = 0
+
+    @contextmanager
+    def serving(self, inputs: dict[str, str], output_dir: Path) -> Iterator[str | None]:
+        yield None
+
+    def plan(self, config: Config) -> Plan:
+        return LocalLauncher(probe=TorchProbe()).plan(config)
+
+    def start(self, job: Job, job_file: Path, on_event: Callable[[dict[str, Any]], None]) -> None:
+        type(self).attempts += 1
+        first = type(self).attempts == 1
+
+        def relay(event: dict[str, Any]) -> None:
+            on_event(event)
+            if first and event.get("event") == "step" and event["step"] == 2:
+                raise MemberLost(
+                    "member 'c' was lost at step 2: killed by signal 9", rank=1, stage=1, member="c", step=2
+                )
+
+        LocalLauncher(probe=TorchProbe()).start(job, job_file, relay)
+
+
+class _Agent:
+    url = "http://fake"
+
+
+def _members(*names: str) -> list[MeshMember]:
+    return [MeshMember(name, "127.0.0.1", index == 0, _Agent()) for index, name in enumerate(names)]  # type: ignore[arg-type]
+
+
+def test_a_lost_member_is_survived_with_the_same_adapter_as_an_uninterrupted_run(
+    tmp_path: Path, tiny_model: Path, completion_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    overrides: dict[str, Any] = {"max_steps": 4, "save_steps": 1, "shardpool": {"stages": 2}}
+    plain = finetune(parse_config(base_config(tiny_model, completion_data, tmp_path / "plain", **overrides)),
+                     console=Console(quiet=True))  # fmt: skip
+
+    said: list[str] = []
+    launcher = _LocalMesh(_members("a", "b", "c"), say=said.append)
+    monkeypatch.setattr(finetune_module, "launcher_for", lambda config, **kwargs: launcher)
+    mesh = dict(overrides, shardpool={"stages": 2, "placement": "mesh"})
+    out = finetune(parse_config(base_config(tiny_model, completion_data, tmp_path / "kept", **mesh)),
+                   console=Console(quiet=True))  # fmt: skip
+
+    assert _LocalMesh.attempts == 2
+    history = [line for line in read_metrics(out) if "event" in line]
+    assert [line["event"] for line in history] == ["member_lost", "replan"]
+    lost, replan = history
+    assert (lost["member"], lost["step"]) == ("c", 2)
+    assert lost["steps_lost"] == 2 - replan["step"] and replan["step"] in (1, 2)
+    assert [line["step"] for line in read_metrics(out) if "loss" in line] == [1, 2, 3, 4]
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["source"] == "replan" and plan["history"][0]["ended_at_step"] == 2
+    kept, expected = (
+        load_file(str(out / "adapter_model.safetensors")),
+        load_file(str(plain / "adapter_model.safetensors")),
+    )
+    assert kept.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(kept[key], expected[key], atol=1e-5, rtol=0)
