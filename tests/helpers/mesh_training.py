@@ -26,6 +26,7 @@ from tests.helpers.training import base_config, completion_rows
 __all__ = [
     "AGENT_PORT",
     "ADDRESSES",
+    "Drained",
     "MetricsWatch",
     "adapter_difference",
     "launch",
@@ -297,3 +298,48 @@ class MetricsWatch:
         """The ``{"event": kind, ...}`` lines seen, in order."""
         with self._lock:
             return [r for _, r in self.seen if r.get("event") == kind]
+
+
+class Drained:
+    """A background launch whose stdout and stderr are read as they come (by two threads), so a
+    long run never blocks on a full pipe; :meth:`finish` waits for it and returns both texts."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.process = process
+        self._chunks: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        self._readers = [
+            threading.Thread(target=self._read, args=(name, stream), daemon=True)
+            for name, stream in (("stdout", process.stdout), ("stderr", process.stderr))
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, name: str, stream: Any) -> None:
+        for line in stream:
+            self._chunks[name].append(line)
+
+    def poll(self) -> int | None:
+        """The exit code, or None while it runs."""
+        return self.process.poll()
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code once it ended."""
+        return self.process.returncode
+
+    def finish(self, timeout: float) -> tuple[str, str]:
+        """Wait up to ``timeout`` s for the launcher to end (killing it after), then its stdout and stderr."""
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        for reader in self._readers:
+            reader.join(10)
+        return "".join(self._chunks["stdout"]), "".join(self._chunks["stderr"])
+
+    def kill(self) -> None:
+        """Kill the launcher if it still runs (its stages stop with it, by its agents)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()

@@ -40,6 +40,7 @@ import pytest
 from mesh.lab import Lab, netns_skip_reason
 from tests.helpers.memory_cgroups import MemoryCgroups, memory_cgroup_skip_reason, probe_free_bytes
 from tests.helpers.mesh_training import (
+    Drained,
     MetricsWatch,
     adapter_difference,
     launch,
@@ -132,16 +133,7 @@ def _start(lab: Lab, tmp_path: Path, **shardpool: Any) -> tuple[Path, Path, Any]
         out, private, shardpool={"placement": "mesh", "stages": 3, **shardpool}, **SETTINGS
     )
     config_path = write_config(tmp_path / "run.yaml", config)
-    return out, private, launch(lab, lab.hosts["a"], private, config_path, background=True)
-
-
-def _finish(launcher: Any, timeout: float) -> tuple[str, str]:
-    try:
-        return launcher.communicate(timeout=timeout)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.communicate()
+    return out, private, Drained(launch(lab, lab.hosts["a"], private, config_path, background=True))
 
 
 def _is_step(record: dict[str, Any]) -> bool:
@@ -173,10 +165,9 @@ def test_a_killed_member_is_survived_and_taken_back_when_it_returns(
                 lambda r: _is_step(r) and r["step"] > joined["step"], 180, after=joined_seen, alive=alive
             )
             MEASURED["join_seen_after_restart_s"] = round(joined_seen - killed_at, 1)
-            stdout, stderr = _finish(launcher, 600)
+            stdout, stderr = launcher.finish(600)
         finally:
-            if launcher.poll() is None:
-                launcher.kill()
+            launcher.kill()
     assert launcher.returncode == 0, f"stdout: {stdout[-3000:]}\nstderr: {stderr}"
     assert lost["member"] == "c" and lost["steps_lost"] == 0, lost
     assert lost["step"] >= kill_after, lost
@@ -210,7 +201,7 @@ def test_a_stopped_stage_is_found_by_its_silent_beat_and_the_run_finishes(
                 os.kill(pid, signal.SIGSTOP)
             stopped_at = time.time()
             _, lost = watch.wait(lambda r: r.get("event") == "member_lost", 120, alive=alive)
-            stdout, stderr = _finish(launcher, 600)
+            stdout, stderr = launcher.finish(600)
         assert launcher.returncode == 0, f"stdout: {stdout[-3000:]}\nstderr: {stderr}"
         MEASURED["sigstop_detected_s"] = round(lost["time"] - stopped_at, 1)
         assert lost["member"] == "c" and lost["steps_lost"] == 0, lost
@@ -220,6 +211,7 @@ def test_a_stopped_stage_is_found_by_its_silent_beat_and_the_run_finishes(
         assert not left, f"the stopped stage {left} outlived the run"
         _same_training(out, reference, "sigstop")
     finally:
+        launcher.kill()
         for pid in stopped:  # whatever is left of it, by pid
             for sig in (signal.SIGCONT, signal.SIGKILL):
                 try:
@@ -336,18 +328,17 @@ def test_when_the_rest_cannot_hold_the_model_the_run_stops_and_resume_finishes(
             out, private, **MEMORY_SETTINGS, shardpool={"placement": "mesh", "stages": 3}
         )
         config_path = write_config(tmp_path / "capped.yaml", config)
-        launcher = launch(lab, lab.hosts["a"], private, config_path, background=True)
+        launcher = Drained(launch(lab, lab.hosts["a"], private, config_path, background=True))
         with MetricsWatch(out / "metrics.jsonl") as watch:
             try:
                 alive = lambda: launcher.poll() is None  # noqa: E731
                 watch.wait(lambda r: _is_step(r) and r["step"] >= 2, 400, alive=alive)
                 killed_at = time.monotonic()
                 lab.kill_host(lab.hosts["c"])
-                _, stderr = _finish(launcher, 300)
+                _, stderr = launcher.finish(300)
                 MEASURED["stopped_after_loss_s"] = round(time.monotonic() - killed_at, 1)
             finally:
-                if launcher.poll() is None:
-                    launcher.kill()
+                launcher.kill()
         assert launcher.returncode == 2, stderr
         plan = json.loads((out / "plan.json").read_text())
         planned_free = {stage["host"]: stage["free_bytes"] for stage in plan["stages"]}
