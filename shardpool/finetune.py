@@ -61,7 +61,13 @@ from shardpool.launch.run import (
     trim_metrics,
     write_job,
 )
-from shardpool.launch.supervise import AttemptEnded, ReplanPolicy, Supervisor, placements_of
+from shardpool.launch.supervise import (
+    AttemptEnded,
+    ReplanPolicy,
+    Supervisor,
+    clear_live_copies,
+    placements_of,
+)
 from shardpool.model.footprint import stage_footprints
 from shardpool.model.lora import LoraSettings, base_model_reference, lora_settings, write_adapter
 from shardpool.model.shape import ModelInfo, check_sequence_len, check_stage_count, read_model_info
@@ -185,6 +191,8 @@ def _finetune_holding_output_dir(
     finally:
         trackers.close()
     assert record is not None
+    if supervisor is not None:
+        clear_live_copies(Path(config.output_dir))  # the run is over: its step-boundary copies are spent
     finish_run(as_written, config, run, record, console, events)
     return Path(config.output_dir)
 
@@ -387,6 +395,7 @@ def _write_run_inputs(run: PreparedRun, console: Console) -> Path:
     run_dir = output_dir / RUN_DIR_NAME
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt.clear_partials(output_dir)
+    clear_live_copies(output_dir)  # copies an earlier run left behind count for nothing now
     save_prepared(run.data, run_dir / DATA_INPUT)
     write_json(output_dir / "plan.json", run.plan)
     trim_metrics(output_dir / METRICS_FILE, keep_through_step=run.first_step)

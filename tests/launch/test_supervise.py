@@ -11,7 +11,7 @@ import pytest
 
 from shardpool.config import Config, parse_config
 from shardpool.contract.job import Job
-from shardpool.contract.liveness import live_dir
+from shardpool.contract.liveness import LIVE_ROOT, live_dir
 from shardpool.errors import ShardpoolError
 from shardpool.finetune import PreparedRun
 from shardpool.launch.beats import BeatWatch
@@ -167,7 +167,7 @@ def test_the_newest_complete_copy_counts_and_older_ones_are_pruned(tmp_path: Pat
     counts = {3: 2, 4: 2, 5: 2, 6: 1}  # step 6 is still being written
     assert complete_live_steps(tmp_path, counts.__getitem__, 2) == [3, 4, 5]
     assert prune_live_copies(tmp_path, counts.__getitem__, 2) == [3]
-    assert sorted(path.name for path in (tmp_path / ".shardpool/live").iterdir()) == [
+    assert sorted(path.name for path in (tmp_path / LIVE_ROOT).iterdir()) == [
         "step-4",
         "step-5",
         "step-6",
