@@ -110,7 +110,8 @@ def _reachable(lab: Lab) -> dict[str, str]:
             if target != source.label:
                 wait_for(lambda source=source, address=address: lab.ping(source, address, timeout=1), 30)
     for address in ADDRESSES.values():
-        wait_for(lambda address=address: lab.agent_healthy(a, address, AGENT_PORT), 30)
+        # an agent imports a good part of shardpool before it listens: slow on a busy machine
+        wait_for(lambda address=address: lab.agent_healthy(a, address, AGENT_PORT), 120)
     return dict(ADDRESSES)
 
 
@@ -215,7 +216,7 @@ def restart_host(lab: Lab, host: Host) -> float:
     ok(lab.mesh(host, "up", timeout=120))
     a = lab.hosts["a"]
     wait_for(lambda: lab.ping(a, ADDRESSES[host.label], timeout=1), 60)
-    wait_for(lambda: lab.agent_healthy(a, ADDRESSES[host.label], AGENT_PORT), 60)
+    wait_for(lambda: lab.agent_healthy(a, ADDRESSES[host.label], AGENT_PORT), 120)
     return time.monotonic() - started
 
 

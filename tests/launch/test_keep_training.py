@@ -312,7 +312,7 @@ def test_when_the_rest_cannot_hold_the_model_the_run_stops_and_resume_finishes(
         for label in "abc":
             cgroups.set_limit(label, generous)
             cgroups.start_agent(lab, lab.hosts[label])
-        wait_for(lambda: all(lab.agent_healthy(lab.hosts["a"], address) for address in mesh3.values()), 60)
+        wait_for(lambda: all(lab.agent_healthy(lab.hosts["a"], address) for address in mesh3.values()), 120)
         free = probe_free_bytes(lab, lab.hosts["a"], "abc", model_config, workload)
         usage = {label: generous - free[label] for label in "abc"}
         assert all(0 < used < 2 << 30 for used in usage.values()), usage
@@ -361,7 +361,7 @@ def test_when_the_rest_cannot_hold_the_model_the_run_stops_and_resume_finishes(
         # c comes back as it was: WireGuard and the sync daemon outside the cap, the agent inside
         restart_host(lab, lab.hosts["c"])
         cgroups.start_agent(lab, lab.hosts["c"])
-        wait_for(lambda: lab.agent_healthy(lab.hosts["a"], mesh3["c"]), 60)
+        wait_for(lambda: lab.agent_healthy(lab.hosts["a"], mesh3["c"]), 120)
         resumed = launch(lab, lab.hosts["a"], private, config_path, "--resume")
         ok(resumed)
     plan = json.loads((out / "plan.json").read_text())
