@@ -38,6 +38,8 @@ from typing import Any
 import pytest
 
 from mesh.lab import Lab, netns_skip_reason
+from shardpool.contract.liveness import LIVE_ROOT
+from shardpool.train.checkpoint import rng_file, stage_file
 from tests.helpers.memory_cgroups import MemoryCgroups, memory_cgroup_skip_reason, probe_free_bytes
 from tests.helpers.mesh_training import (
     Drained,
@@ -140,6 +142,30 @@ def _is_step(record: dict[str, Any]) -> bool:
     return "event" not in record and "loss" in record
 
 
+def _copy_complete(out: Path, step: int, stages: int = 3) -> bool:
+    """Whether the step-boundary copy after ``step`` holds every stage's and every rank's file.
+
+    The copy of step N is written while step N + 1 computes: a member lost before its part is
+    written takes step N with it (the launcher restores N - 1 and says ``steps_lost: 1``). The
+    tests lose c once its part is written, so no completed step may be lost.
+    """
+    directory = out / LIVE_ROOT / f"step-{step}"
+    names = [stage_file(index) for index in range(stages)] + [rng_file(rank) for rank in range(stages)]
+    return all((directory / name).is_file() for name in names)
+
+
+def _settled_step(watch: MetricsWatch, out: Path, at_least: int, alive: Any) -> int:
+    """Wait until the newest logged step (at least ``at_least``) has its copy complete; that step."""
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline and alive():
+        watch.poll()
+        newest = max((int(r["step"]) for _, r in watch.seen if _is_step(r)), default=0)
+        if newest >= at_least and _copy_complete(out, newest):
+            return newest
+        time.sleep(0.05)
+    pytest.fail(f"no step from {at_least} on with a complete copy (the run {'runs' if alive() else 'ended'})")
+
+
 def test_a_killed_member_is_survived_and_taken_back_when_it_returns(
     lab: Lab, mesh3: dict[str, str], reference: Path, tmp_path: Path
 ) -> None:
@@ -149,7 +175,7 @@ def test_a_killed_member_is_survived_and_taken_back_when_it_returns(
     with MetricsWatch(out / "metrics.jsonl") as watch:
         try:
             alive = lambda: launcher.poll() is None  # noqa: E731
-            watch.wait(lambda r: _is_step(r) and r["step"] >= kill_after, 400, alive=alive)
+            killed_after = _settled_step(watch, out, kill_after, alive)
             killed_at = time.monotonic()
             killed = lab.kill_host(lab.hosts["c"])
             assert killed, "host c ran processes"
@@ -170,7 +196,7 @@ def test_a_killed_member_is_survived_and_taken_back_when_it_returns(
             launcher.kill()
     assert launcher.returncode == 0, f"stdout: {stdout[-3000:]}\nstderr: {stderr}"
     assert lost["member"] == "c" and lost["steps_lost"] == 0, lost
-    assert lost["step"] >= kill_after, lost
+    assert lost["step"] == killed_after, (lost, killed_after)
     assert MEASURED["loss_to_training_again_s"] < TRAINING_AGAIN_S
     assert joined["member"] == "c" and joined["steps_lost"] == 0, joined
     replans = watch.events("replan")
@@ -194,7 +220,7 @@ def test_a_stopped_stage_is_found_by_its_silent_beat_and_the_run_finishes(
     try:
         with MetricsWatch(out / "metrics.jsonl") as watch:
             alive = lambda: launcher.poll() is None  # noqa: E731
-            watch.wait(lambda r: _is_step(r) and r["step"] >= stop_after, 400, alive=alive)
+            stopped_after = _settled_step(watch, out, stop_after, alive)
             stopped = sorted(lab.processes(lab.hosts["c"], "shardpool.train.worker"))
             assert stopped, "host c runs a stage"
             for pid in stopped:
@@ -205,6 +231,7 @@ def test_a_stopped_stage_is_found_by_its_silent_beat_and_the_run_finishes(
         assert launcher.returncode == 0, f"stdout: {stdout[-3000:]}\nstderr: {stderr}"
         MEASURED["sigstop_detected_s"] = round(lost["time"] - stopped_at, 1)
         assert lost["member"] == "c" and lost["steps_lost"] == 0, lost
+        assert lost["step"] == stopped_after, (lost, stopped_after)
         assert "beat" in lost["reason"], lost
         assert MEASURED["sigstop_detected_s"] <= MEMBER_TIMEOUT_S + DETECTION_SLACK_S
         left = [pid for pid in stopped if Path(f"/proc/{pid}").exists() and _state(pid) not in ("Z", "X")]
@@ -332,7 +359,7 @@ def test_when_the_rest_cannot_hold_the_model_the_run_stops_and_resume_finishes(
         with MetricsWatch(out / "metrics.jsonl") as watch:
             try:
                 alive = lambda: launcher.poll() is None  # noqa: E731
-                watch.wait(lambda r: _is_step(r) and r["step"] >= 2, 400, alive=alive)
+                _settled_step(watch, out, 2, alive)
                 killed_at = time.monotonic()
                 lab.kill_host(lab.hosts["c"])
                 _, stderr = launcher.finish(300)
