@@ -12,13 +12,15 @@ lab started stopped by pid, also on failure or Ctrl-C:
      trains one uninterrupted *reference* with three local stage processes (split 2/2/2);
   2. builds hosts a, b, c (``mesh.lab.Lab``) once and forms the mesh with the real CLI;
   3. runs ``shardpool finetune`` on host a (``placement: mesh``, three stages,
-     ``on_member_loss: continue``) N times; in each, once a random step is logged, every process
-     of a random host other than a (the launcher's) is killed with ``SIGKILL``
+     ``on_member_loss: continue``) N times; in each, at a random moment of the step after a random
+     step (a delay drawn up to the median step time so far), every process of a random host
+     other than a (the launcher's) is killed with ``SIGKILL``
      (:meth:`mesh.lab.Lab.kill_host`: WireGuard, sync daemon, agent, stage). The run must finish
      by itself; afterwards the host is started again with ``mesh up`` for the next run.
 
 The JSON report: runs, how many finished by themselves (exit 0), the steps lost per loss (each
-``member_lost`` event's ``steps_lost``), the worst max-abs difference of a finished run's adapter
+``member_lost`` event's ``steps_lost``: a kill that lands after a step ended but before every
+stage's copy of it was written loses that step, so 1 here is the copy window, not a bug), the worst max-abs difference of a finished run's adapter
 from the reference's, and the time from the kill to training again (the kill to the first step
 line of ``metrics.jsonl`` after the ``member_lost`` line appeared, polled every 0.1 s): median
 and max, with every run's record.
@@ -82,6 +84,7 @@ class RoundResult:
 
     victim: str
     kill_after_step: int
+    kill_delay_s: float = 0.0
     exit_code: int | None = None
     steps_lost: list[int] = field(default_factory=list)
     training_again_s: float | None = None
@@ -94,6 +97,7 @@ class RoundResult:
         return {
             "victim": self.victim,
             "kill_after_step": self.kill_after_step,
+            "kill_delay_s": round(self.kill_delay_s, 2),
             "exit_code": self.exit_code,
             "steps_lost": self.steps_lost,
             "training_again_s": None if self.training_again_s is None else round(self.training_again_s, 1),
@@ -215,6 +219,11 @@ class MetricsPoll:
         )
         return None if again is None else again - since
 
+    def median_step_s(self) -> float:
+        """The median ``step_seconds`` logged so far (1 s before any)."""
+        seconds = [float(r["step_seconds"]) for _, r in self.seen if _is_step(r) and "step_seconds" in r]
+        return statistics.median(seconds) if seconds else 1.0
+
     def steps_lost(self) -> list[int]:
         """``steps_lost`` of every ``member_lost`` line."""
         return [int(r.get("steps_lost", -1)) for _, r in self.seen if r.get("event") == "member_lost"]
@@ -239,6 +248,7 @@ def chaos_round(
     started = time.monotonic()
     watch = MetricsPoll(out / "metrics.jsonl")
     killed_at: float | None = None
+    kill_at: float | None = None
     argv = lab.command(
         lab.hosts["a"], sys.executable, "-m", "shardpool", "finetune", str(config), env={"COLUMNS": "200"}
     )
@@ -251,7 +261,10 @@ def chaos_round(
                         f"round {index} took over {RUN_TIMEOUT_S:.0f} s; log {log}:\n{log_tail(log)}"
                     )
                 watch.poll()
-                if killed_at is None and watch.newest_step() >= result.kill_after_step:
+                if kill_at is None and watch.newest_step() >= result.kill_after_step:
+                    result.kill_delay_s = rng.uniform(0.0, watch.median_step_s())
+                    kill_at = time.monotonic() + result.kill_delay_s
+                if killed_at is None and kill_at is not None and time.monotonic() >= kill_at:
                     lab.kill_host(lab.hosts[victim])
                     killed_at = time.monotonic()
                 time.sleep(POLL_S)
