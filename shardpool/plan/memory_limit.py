@@ -5,7 +5,10 @@ A container, a Slurm job or a systemd slice caps a process's memory with a cgrou
 available memory would be killed by the kernel's OOM killer. The process's own cgroup comes from
 ``/proc/self/cgroup`` (its ``memory`` controller line in cgroup v1, the ``0::`` line in v2); its
 limit is v2's ``memory.max`` (``max`` for none) or v1's ``memory.limit_in_bytes`` (a huge number
-for none), its usage ``memory.current`` / ``memory.usage_in_bytes``. A parent's limit caps its
+for none). Its usage counts the page cache of files its processes read, which the kernel drops
+before it refuses memory, so what is in use is the *working set*, as container runtimes count
+it: ``memory.current`` / ``memory.usage_in_bytes`` minus the inactive file cache of
+``memory.stat`` (v2 ``inactive_file``, v1 ``total_inactive_file``). A parent's limit caps its
 children, so every cgroup from the process's own up to the root counts: what is left is the
 smallest ``limit - usage`` among them. A container that sees its own cgroup as the root has it at
 the mount point itself. The parsers are pure functions of the files' text; :func:`cgroup_memory`
@@ -22,6 +25,7 @@ __all__ = [
     "capped_memory",
     "cgroup_memory",
     "memory_cgroup_paths",
+    "memory_stat",
     "parse_memory_limit",
 ]
 
@@ -85,24 +89,35 @@ def cgroup_memory(
         paths = memory_cgroup_paths(proc_self_cgroup.read_text())
     except OSError:
         return None
-    levels: list[tuple[Path, str, str]] = []  # (directory, limit file, usage file)
+    levels: list[tuple[Path, str, str, str]] = []  # (directory, limit, usage, inactive cache key)
     if paths[1] is not None:
-        levels += [(d, "memory.max", "memory.current") for d in _ancestors(root, paths[1])]
+        levels += [(d, "memory.max", "memory.current", "inactive_file") for d in _ancestors(root, paths[1])]
     if paths[0] is not None:
         levels += [
-            (d, "memory.limit_in_bytes", "memory.usage_in_bytes")
+            (d, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
             for d in _ancestors(root / "memory", paths[0])
         ]
     tightest: CgroupMemory | None = None
-    for directory, limit_file, usage_file in levels:
+    for directory, limit_file, usage_file, inactive_key in levels:
         limit = parse_memory_limit(_read(directory / limit_file) or "max")
         if limit is None:
             continue
         usage = parse_memory_limit(_read(directory / usage_file) or "") or 0
-        level = CgroupMemory(limit, max(0, limit - usage))
+        inactive = memory_stat(_read(directory / "memory.stat") or "").get(inactive_key, 0)
+        level = CgroupMemory(limit, max(0, limit - max(0, usage - inactive)))
         if tightest is None or level.free_bytes < tightest.free_bytes:
             tightest = level
     return tightest
+
+
+def memory_stat(text: str) -> dict[str, int]:
+    """The ``name value`` lines of a ``memory.stat`` file (v1 or v2) as a dict; other lines are skipped."""
+    stats: dict[str, int] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[1].isdigit():
+            stats[fields[0]] = int(fields[1])
+    return stats
 
 
 def capped_memory(total: int, available: int, cap: CgroupMemory | None) -> tuple[int, int]:

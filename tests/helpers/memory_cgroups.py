@@ -95,6 +95,16 @@ class MemoryCgroups:
         name = "memory.max" if self.hierarchy.version == "v2" else "memory.limit_in_bytes"
         (self.parent / label / name).write_text(str(int(limit_bytes)))
 
+    def reclaim(self, label: str) -> None:
+        """Have the kernel drop what it can of host ``label``'s page cache (v1 ``memory.force_empty``,
+        v2 ``memory.reclaim``), so what its processes read earlier does not count as used."""
+        directory = self.parent / label
+        with contextlib.suppress(OSError):  # it reclaims what it can and may still say EBUSY/EAGAIN
+            if self.hierarchy.version == "v2":
+                (directory / "memory.reclaim").write_text(str(self.usage(label)))
+            else:
+                (directory / "memory.force_empty").write_text("0")
+
     def usage(self, label: str) -> int:
         """Bytes host ``label``'s cgroup uses now."""
         name = "memory.current" if self.hierarchy.version == "v2" else "memory.usage_in_bytes"

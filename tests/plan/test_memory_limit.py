@@ -13,6 +13,7 @@ from shardpool.plan.memory_limit import (
     capped_memory,
     cgroup_memory,
     memory_cgroup_paths,
+    memory_stat,
     parse_memory_limit,
 )
 
@@ -105,3 +106,23 @@ def test_the_cpu_device_reports_the_cgroup_cap(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(devices, "cgroup_memory", lambda: None)
     info = devices.device_info("cpu", nf4=False)
     assert (info.total_bytes, info.free_bytes) == (32 * GIB, 20 * GIB)
+
+
+def test_the_inactive_file_cache_is_not_counted_as_used(tmp_path: Path) -> None:
+    """Page cache the kernel drops before it refuses memory leaves room: usage is the working set."""
+    proc = tmp_path / "cgroup"
+    proc.write_text(V1_CGROUP)
+    root = tmp_path / "fs"
+    job = root / "memory/slurm/uid_1000/job_42"
+    _write(job / "memory.limit_in_bytes", str(4 * GIB))
+    _write(job / "memory.usage_in_bytes", str(3 * GIB))
+    _write(job / "memory.stat", f"cache 123\ninactive_file 7\ntotal_inactive_file {2 * GIB}\nbad line here\n")
+    assert cgroup_memory(proc_self_cgroup=proc, root=root) == CgroupMemory(4 * GIB, 3 * GIB)
+    v2 = tmp_path / "cgroup2"
+    v2.write_text(V2_CGROUP)
+    service = tmp_path / "fs2/system.slice/member.service"
+    _write(service / "memory.max", str(2 * GIB))
+    _write(service / "memory.current", str(2 * GIB))
+    _write(service / "memory.stat", f"anon {GIB}\ninactive_file {GIB // 2}\n")
+    assert cgroup_memory(proc_self_cgroup=v2, root=tmp_path / "fs2") == CgroupMemory(2 * GIB, GIB // 2)
+    assert memory_stat("a 1\nb x\nc 2 3\n") == {"a": 1}
