@@ -81,7 +81,11 @@ LOSS_AFTER_STEPS = (2, 4)
 #: What each test asserts of the time from a loss to training again, and the stall bound it sets.
 TRAINING_AGAIN_S = 45.0
 MEMBER_TIMEOUT_S = 15.0
-DETECTION_SLACK_S = 5.0
+#: Past the bound: the launcher's poll of the beats (about a second) ...
+DETECTION_SLACK_S = 3.0
+#: ... and, for the ``member_lost`` line's time, the teardown of the stopped job before it is written
+#: (stopping every member's stage through its agent: several seconds on a busy machine).
+TEARDOWN_SLACK_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -229,11 +233,17 @@ def test_a_stopped_stage_is_found_by_its_silent_beat_and_the_run_finishes(
             _, lost = watch.wait(lambda r: r.get("event") == "member_lost", 120, alive=alive)
             stdout, stderr = launcher.finish(600)
         assert launcher.returncode == 0, f"stdout: {stdout[-3000:]}\nstderr: {stderr}"
-        MEASURED["sigstop_detected_s"] = round(lost["time"] - stopped_at, 1)
+        MEASURED["sigstop_to_member_lost_line_s"] = round(lost["time"] - stopped_at, 1)
+        silent = re.search(r"stopped beating for ([0-9.]+) s", lost["reason"])
+        assert silent, lost
+        MEASURED["sigstop_silent_when_found_s"] = float(silent.group(1))
         assert lost["member"] == "c" and lost["steps_lost"] == 0, lost
         assert lost["step"] == stopped_after, (lost, stopped_after)
-        assert "beat" in lost["reason"], lost
-        assert MEASURED["sigstop_detected_s"] <= MEMBER_TIMEOUT_S + DETECTION_SLACK_S
+        assert MEASURED["sigstop_silent_when_found_s"] <= MEMBER_TIMEOUT_S + DETECTION_SLACK_S
+        assert (
+            MEASURED["sigstop_to_member_lost_line_s"]
+            <= MEMBER_TIMEOUT_S + DETECTION_SLACK_S + TEARDOWN_SLACK_S
+        )
         left = [pid for pid in stopped if Path(f"/proc/{pid}").exists() and _state(pid) not in ("Z", "X")]
         assert not left, f"the stopped stage {left} outlived the run"
         _same_training(out, reference, "sigstop")
