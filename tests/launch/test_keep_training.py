@@ -381,7 +381,7 @@ def test_when_the_rest_cannot_hold_the_model_the_run_stops_and_resume_finishes(
                 launcher.kill()
         assert launcher.returncode == 2, stderr
         plan = json.loads((out / "plan.json").read_text())
-        planned_free = {stage["host"]: stage["free_bytes"] for stage in plan["stages"]}
+        planned_free = {stage["host"]: stage["capacity_bytes"] for stage in plan["stages"]}
         MEASURED["planned_free_mib"] = {host: round(value / MIB, 1) for host, value in planned_free.items()}
         assert sorted(planned_free) == ["a", "b", "c"]
         assert all(three <= value < two for value in planned_free.values()), (planned_free, three, two)
