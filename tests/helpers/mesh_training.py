@@ -147,11 +147,12 @@ def launch(
     *extra: str,
     background: bool = False,
     user: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> Any:
     """Run ``shardpool finetune`` on ``host`` with the model and data on a tmpfs only it can see.
 
     Root mounts the tmpfs and writes the files; with ``user`` the launcher itself then runs as
-    that account. Returns the CompletedProcess, or the Popen with ``background``.
+    that account; ``env`` adds variables. Returns the CompletedProcess, or the Popen with ``background``.
     """
     finetune = [sys.executable, "-m", "shardpool", "finetune", str(config_path), *extra]
     if user is not None:
@@ -167,9 +168,10 @@ def launch(
         ]
     )
     argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+    variables = {"COLUMNS": "200", **(env or {})}
     if not background:
-        return lab.run(host, *argv, timeout=600, env={"COLUMNS": "200"})
-    command = lab.command(host, *argv, env={"COLUMNS": "200"})
+        return lab.run(host, *argv, timeout=600, env=variables)
+    command = lab.command(host, *argv, env=variables)
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
