@@ -9,8 +9,8 @@ the same config (one reference, split 2/2/2: a re-plan may split the layers diff
 arithmetic is the same).
 
 1. ``kill -9`` of every process of host c (its WireGuard, sync daemon, agent and stage) at a random
-   step: the run goes on on a and b by itself (``member_lost``, training again within 45 s); c is started again (``mesh up``) and the run takes it back at a step boundary
-   (``member_joined`` and ``replan``; the final plan has c); exit 0; the adapter equals the
+   step: the run goes on on a and b by itself (``member_lost``, training again within 45 s); c
+   is started again (``mesh up``) and the run takes it back at a step boundary (``member_joined`` and ``replan``; the final plan has c); exit 0; the adapter equals the
    reference's within 1e-4 and every step's loss the reference's.
    No step whose step-boundary copy was complete when c went is lost; a step that ends while c is
    being lost (its copy still in flight) is redone and counted in ``steps_lost``.
