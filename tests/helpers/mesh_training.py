@@ -341,6 +341,10 @@ class Drained:
             reader.join(10)
         return "".join(self._chunks["stdout"]), "".join(self._chunks["stderr"])
 
+    def said(self) -> str:
+        """What the launcher wrote to stderr so far (its own lines: losses, joins, re-plans)."""
+        return "".join(list(self._chunks["stderr"]))
+
     def kill(self) -> None:
         """Kill the launcher if it still runs (its stages stop with it, by its agents)."""
         if self.process.poll() is None:

@@ -195,7 +195,12 @@ def test_a_killed_member_is_survived_and_taken_back_when_it_returns(
             MEASURED["loss_to_training_again_s"] = round(again_at - killed_at, 1)
             MEASURED["loss_detected_s"] = round(lost_seen - killed_at, 1)
             MEASURED["host_restart_s"] = round(restart_host(lab, lab.hosts["c"]), 1)
-            joined_seen, joined = watch.wait(lambda r: r.get("event") == "member_joined", 300, alive=alive)
+            try:
+                joined_seen, joined = watch.wait(
+                    lambda r: r.get("event") == "member_joined", 300, alive=alive
+                )
+            except pytest.fail.Exception:
+                pytest.fail(f"c was not taken back; the launcher said:\n{launcher.said()[-4000:]}")
             watch.wait(
                 lambda r: _is_step(r) and r["step"] > joined["step"], 180, after=joined_seen, alive=alive
             )
