@@ -342,8 +342,9 @@ class Drained:
         return "".join(self._chunks["stdout"]), "".join(self._chunks["stderr"])
 
     def said(self) -> str:
-        """What the launcher wrote to stderr so far (its own lines: losses, joins, re-plans)."""
-        return "".join(list(self._chunks["stderr"]))
+        """What the launcher wrote so far: stdout (its console lines: losses, joins, re-plans, failed
+        join checks), then stderr."""
+        return "".join(list(self._chunks["stdout"])) + "".join(list(self._chunks["stderr"]))
 
     def kill(self) -> None:
         """Kill the launcher if it still runs (its stages stop with it, by its agents)."""
