@@ -460,6 +460,31 @@ class Lab:
         listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
         return [int(pid) for pid in listed.stdout.split() if pid.isdigit()]
 
+    def host_pids(self, host: Host) -> list[int]:
+        """Every process running inside ``host`` (its network namespace) now."""
+        return self._namespace_pids(host.netns)
+
+    def kill_host(self, host: Host, timeout: float = 10.0) -> list[int]:
+        """``kill -9`` every process of ``host`` (its WireGuard, sync daemon, agent and stages), by pid,
+        as a machine that loses power; waits until none is left. Returns the pids killed.
+
+        The namespace, its interfaces and the host's state directory stay: ``mesh up`` inside the
+        host starts it again, as the machine's owner would after a reboot.
+        """
+        killed: list[int] = []
+        deadline = time.monotonic() + timeout
+        while pids := self._namespace_pids(host.netns):
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                except ProcessLookupError:
+                    pass
+            if time.monotonic() > deadline:
+                raise LabError(f"processes {pids} of host {host.label} outlived SIGKILL for {timeout:.0f} s")
+            time.sleep(0.05)
+        return sorted(set(killed))
+
     def _kill_namespace_processes(self, name: str) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             pids = self._namespace_pids(name)

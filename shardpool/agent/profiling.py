@@ -38,6 +38,7 @@ from shardpool.agent.processes import Spawner, StageSettings, popen_as, signal_g
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.cpu_quota import cpu_quota
+from shardpool.plan.memory_limit import cgroup_memory
 
 __all__ = [
     "MAX_CAPABILITY_CHARS",
@@ -158,11 +159,14 @@ class DeviceProfiler:
         """This machine's devices with one profiled layer each, for the launcher's planner (cached).
 
         The cache key is the model shape, the workload's per-layer settings (planner-only fields
-        don't matter) and the agent's cgroup CPU quota, which its children share: a host throttled
-        anew since the last answer is measured again rather than answered from the old profile.
+        don't matter) and the agent's cgroup CPU quota and memory limit, which its children share:
+        a host throttled or capped anew since the last answer is measured again rather than
+        answered from the old profile and its old free memory.
         """
         shape, workload = devices_request(body)
-        key = f"{shape.key()}|{workload.profile_key()}|quota={cpu_quota()}"
+        memory = cgroup_memory()
+        limit = None if memory is None else memory.limit_bytes
+        key = f"{shape.key()}|{workload.profile_key()}|quota={cpu_quota()}|memory={limit}"
         with self._lock:
             if key not in self._reports:
                 if not self.spawner.running:

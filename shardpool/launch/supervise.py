@@ -22,6 +22,7 @@ Torch-free: the store is reached through the callables the launcher passes in.
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -73,8 +74,10 @@ __all__ = [
 JOIN_GAIN = 0.10
 #: The launcher looks for joined members every this many steps ...
 REPLAN_CHECK_EVERY_STEPS = 10
-#: ... and no more often than this many seconds.
+#: ... and no more often than this many seconds (``SHARDPOOL_TEST_JOIN_CHECK_MIN_S`` replaces it
+#: in tests' runs, whose steps take anywhere from 1 to 30 s on a shared machine).
 REPLAN_CHECK_MIN_S = 60.0
+_TEST_JOIN_CHECK_MIN_S = "SHARDPOOL_TEST_JOIN_CHECK_MIN_S"
 #: Complete step-boundary copies kept while the run goes on; older ones are deleted.
 KEEP_LIVE_COPIES = 2
 
@@ -196,12 +199,21 @@ def worth_joining(current_step_s: float, candidate_step_s: float, *, gain: float
     return join_gain(current_step_s, candidate_step_s) >= gain - 1e-12
 
 
+def join_check_min_s(environ: dict[str, str] | None = None) -> float:
+    """The fewest seconds between two join checks: :data:`REPLAN_CHECK_MIN_S`, or the test hook's value."""
+    text = (os.environ if environ is None else environ).get(_TEST_JOIN_CHECK_MIN_S, "")
+    try:
+        return max(0.0, float(text)) if text else REPLAN_CHECK_MIN_S
+    except ValueError:
+        return REPLAN_CHECK_MIN_S
+
+
 @dataclass
 class JoinCheckClock:
     """When the launcher looks for joined members: every ``every_steps`` steps and ``min_s`` seconds, whichever is later."""
 
     every_steps: int = REPLAN_CHECK_EVERY_STEPS
-    min_s: float = REPLAN_CHECK_MIN_S
+    min_s: float = field(default_factory=lambda: join_check_min_s())
     clock: Callable[[], float] = time.monotonic
     _last_step: int | None = None
     _last_time: float | None = None

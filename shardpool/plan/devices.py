@@ -1,7 +1,8 @@
 """Local devices torch can see: CUDA (ROCm included), MPS, XPU and the CPU, with their memory.
 
-The CPU is a device like the others; its memory is the RAM this process may use (the cgroup
-limit, when one is set, caps what ``/proc/meminfo`` reports). Device names and the
+The CPU is a device like the others; its memory is the RAM this process may use: what
+``/proc/meminfo`` reports, capped by the memory limit of this process's cgroup or an ancestor's
+(:mod:`shardpool.plan.memory_limit`). Device names and the
 :class:`DeviceInfo` record are torch-free and live in ``plan.device_facts``.
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 import functools
 import platform
 from dataclasses import replace
-from pathlib import Path
 
 import psutil
 import torch
@@ -25,6 +25,7 @@ from shardpool.plan.device_facts import (
     normalize_device,
     rocm_architecture,
 )
+from shardpool.plan.memory_limit import capped_memory, cgroup_memory
 
 __all__ = ["device_info", "list_devices", "probe_nf4", "synchronize"]
 
@@ -133,11 +134,7 @@ def synchronize(name: str) -> None:
 
 def _cpu_info() -> DeviceInfo:
     memory = psutil.virtual_memory()
-    total, free = int(memory.total), int(memory.available)
-    limit = _cgroup_limit()
-    if limit is not None and limit < total:
-        used = _cgroup_usage() or 0
-        total, free = limit, max(0, min(free, limit - used))
+    total, free = capped_memory(int(memory.total), int(memory.available), cgroup_memory())
     return DeviceInfo(
         "cpu",
         "cpu",
@@ -155,27 +152,3 @@ def _mps_bf16() -> bool:
         return bool((torch.ones(2, dtype=torch.bfloat16, device="mps") * 2).sum().item() == 4)
     except (RuntimeError, TypeError):
         return False
-
-
-def _cgroup_limit() -> int | None:
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        value = _read_int(Path(path))
-        if value is not None and value < 1 << 60:
-            return value
-    return None
-
-
-def _cgroup_usage() -> int | None:
-    for path in ("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes"):
-        value = _read_int(Path(path))
-        if value is not None:
-            return value
-    return None
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None

@@ -250,3 +250,30 @@ def test_a_host_throttled_anew_is_profiled_again(monkeypatch: pytest.MonkeyPatch
     quota[0] = 0.25
     assert profiler.devices(body)["devices"][0]["seconds_per_layer"] == pytest.approx(0.4)
     assert measured == [None, 0.25]
+
+
+def test_a_host_capped_anew_is_profiled_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new cgroup memory limit (a container resized, a job given less) is part of the cache key:
+    the report's free memory is measured again under it."""
+    from types import SimpleNamespace
+
+    from shardpool.agent import profiling
+    from shardpool.plan.memory_limit import CgroupMemory
+
+    limit: list[CgroupMemory | None] = [None]
+    monkeypatch.setattr(profiling, "cgroup_memory", lambda: limit[0])
+    profiler = profiling.DeviceProfiler(SimpleNamespace(), SimpleNamespace(running=True))  # type: ignore[arg-type]
+    measured: list[CgroupMemory | None] = []
+
+    def measure(shape: Any, workload: Any) -> list[dict[str, Any]]:
+        measured.append(limit[0])
+        return [{"name": "cpu", "free_bytes": 8 << 30 if limit[0] is None else limit[0].free_bytes}]
+
+    monkeypatch.setattr(profiler, "_measure", measure)
+    body = {"model_config": CONFIG, "workload": WORKLOAD}
+    assert profiler.devices(body)["devices"][0]["free_bytes"] == 8 << 30
+    limit[0] = CgroupMemory(2 << 30, 1 << 30)
+    assert profiler.devices(body)["devices"][0]["free_bytes"] == 1 << 30
+    limit[0] = CgroupMemory(2 << 30, 1 << 29)  # same limit, other usage: the kept report stands
+    assert profiler.devices(body)["devices"][0]["free_bytes"] == 1 << 30
+    assert len(measured) == 2

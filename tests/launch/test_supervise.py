@@ -218,6 +218,14 @@ def test_joins_are_checked_every_ten_steps_and_sixty_seconds_whichever_is_later(
     assert clock.due(21)
 
 
+def test_the_test_hook_shortens_the_minute_between_join_checks() -> None:
+    from shardpool.launch.supervise import REPLAN_CHECK_MIN_S, join_check_min_s
+
+    assert join_check_min_s({}) == REPLAN_CHECK_MIN_S == 60.0
+    assert join_check_min_s({"SHARDPOOL_TEST_JOIN_CHECK_MIN_S": "5"}) == 5.0
+    assert join_check_min_s({"SHARDPOOL_TEST_JOIN_CHECK_MIN_S": "soon"}) == REPLAN_CHECK_MIN_S
+
+
 def test_the_supervision_line_has_who_when_why_and_the_steps_lost() -> None:
     line = supervision_line("member_lost", member="c", step=7, reason="killed", steps_lost=1, now=lambda: 5.0)
     assert line == {

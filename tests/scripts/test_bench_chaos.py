@@ -1,0 +1,76 @@
+"""scripts/bench_chaos.py: its pure helpers (the metrics poll, the summary) and its skip answer.
+
+The chaos rounds themselves need root, network namespaces and wireguard-go, and take minutes per
+round: they are run by hand (docs/performance.md), not here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_chaos.py"
+_spec = importlib.util.spec_from_file_location("bench_chaos", _SCRIPT)
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["bench_chaos"] = bench  # its dataclasses look their module up by name
+_spec.loader.exec_module(bench)
+
+
+def _lines(path: Path, *records: dict) -> None:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
+def test_training_again_is_the_first_step_after_the_loss_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    clock = iter([10.0, 11.0, 30.0, 31.5, 40.0])
+    monkeypatch.setattr(bench.time, "monotonic", lambda: next(clock))
+    watch = bench.MetricsPoll(metrics)
+    step = lambda n, loss: {"step": n, "loss": loss}  # noqa: E731
+    _lines(metrics, step(1, 2.0), step(2, 1.9))
+    watch.poll()  # t = 10
+    assert watch.newest_step() == 2 and watch.training_again(since=10.5) is None
+    _lines(metrics, step(1, 2.0), step(2, 1.9), step(3, 1.8))
+    watch.poll()  # t = 11: step 3 finished just as the member went; it does not count
+    # the launcher restored the copy of step 2: it trimmed the file to step 2, then wrote its events
+    _lines(
+        metrics,
+        step(1, 2.0),
+        step(2, 1.9),
+        {"event": "member_lost", "member": "c", "step": 2, "steps_lost": 0},
+    )
+    watch.poll()  # t = 30
+    assert watch.training_again(since=10.5) is None
+    _lines(metrics, step(1, 2.0), step(2, 1.9), {"event": "member_lost", "member": "c", "step": 2, "steps_lost": 0},
+           {"step": 3, "loss": 1.8, "step_seconds": 0.5})  # fmt: skip
+    watch.poll()  # t = 31.5: step 3 redone
+    assert watch.training_again(since=10.5) == pytest.approx(21.0)
+    assert watch.steps_lost() == [0]
+
+
+def test_summary_counts_finished_runs_and_takes_the_worst_and_the_median() -> None:
+    rounds = [
+        bench.RoundResult("b", 3, exit_code=0, steps_lost=[0], training_again_s=20.0, max_abs_diff=2e-7),
+        bench.RoundResult("c", 5, exit_code=0, steps_lost=[0], training_again_s=30.0, max_abs_diff=5e-7),
+        bench.RoundResult("c", 1, exit_code=2, steps_lost=[1], training_again_s=None, error="x"),
+    ]
+    assert bench.summary(rounds) == {
+        "runs": 3,
+        "finished_by_themselves": 2,
+        "steps_lost_per_loss": [0, 0, 1],
+        "worst_max_abs_diff": 5e-7,
+        "training_again_s": {"median": 25.0, "max": 30.0},
+    }
+
+
+def test_it_says_skipped_where_it_cannot_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(bench, "netns_skip_reason", lambda: "needs root")
+    assert bench.main(["--runs", "2"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"skipped": "needs root"}
