@@ -70,8 +70,9 @@ MIB = 1 << 20
 #: run must last that long after the loss. On this 2-core machine a step of 3 micro-batches over
 #: three namespace hosts took 1-2 s when it was quiet and 5-28 s when other jobs ran, so the
 #: launcher's 60 s is replaced by :data:`JOIN_CHECK_MIN_S` (a test hook) and the join comes 10
-#: steps after the restart, whatever a step takes; 40 steps leave room for it.
-MAX_STEPS = 40
+#: steps after the restart, whatever a step takes. A run on a quiet machine took c back at step
+#: 35 of 40 (profiling the restarted host takes most of that), so 60 steps leave room for it.
+MAX_STEPS = 60
 JOIN_CHECK_MIN_S = 5
 SETTINGS: dict[str, Any] = {
     "num_epochs": 20,
@@ -142,7 +143,9 @@ def _start(lab: Lab, tmp_path: Path, **shardpool: Any) -> tuple[Path, Path, Any]
         out, private, shardpool={"placement": "mesh", "stages": 3, **shardpool}, **SETTINGS
     )
     config_path = write_config(tmp_path / "run.yaml", config)
-    hook = {"SHARDPOOL_TEST_JOIN_CHECK_MIN_S": str(JOIN_CHECK_MIN_S)}
+    # The join rule (10 % predicted gain) is unit-tested; this tiny model predicts 11-25 % with c,
+    # too near it for the join path to be tested reliably, so any gain takes c back here.
+    hook = {"SHARDPOOL_TEST_JOIN_CHECK_MIN_S": str(JOIN_CHECK_MIN_S), "SHARDPOOL_TEST_JOIN_GAIN": "0"}
     return out, private, Drained(launch(lab, lab.hosts["a"], private, config_path, background=True, env=hook))
 
 

@@ -26,6 +26,7 @@ from shardpool.launch.supervise import (
     Supervisor,
     complete_live_steps,
     does_not_fit_line,
+    join_gain_needed,
     look_for_joins,
     prune_live_copies,
     supervision_line,
@@ -204,6 +205,9 @@ def test_a_join_needs_a_step_at_least_ten_percent_faster() -> None:
     assert worth_joining(1.0, 0.5)
     assert not worth_joining(1.0, 0.91)
     assert not worth_joining(1.0, 1.2)
+    assert join_gain_needed({}) == 0.10
+    assert join_gain_needed({"SHARDPOOL_TEST_JOIN_GAIN": "0"}) == 0.0
+    assert join_gain_needed({"SHARDPOOL_TEST_JOIN_GAIN": "x"}) == 0.10
 
 
 def test_joins_are_checked_every_ten_steps_and_sixty_seconds_whichever_is_later() -> None:
