@@ -29,6 +29,8 @@ __all__ = [
     "live_dir",
     "live_key",
     "live_step",
+    "rng_file_name",
+    "stage_file_name",
 ]
 
 #: Seconds between two beats of a stage process.
@@ -62,3 +64,13 @@ def live_step(name: str) -> int | None:
     """The step of a :func:`live_dir` directory name (``step-N``), or None for any other name."""
     match = _LIVE_DIR.fullmatch(name)
     return int(match.group(1)) if match else None
+
+
+def stage_file_name(stage_index: int) -> str:
+    """The file of one stage's LoRA and optimizer state, in a checkpoint and in a copy."""
+    return f"stage-{stage_index}.safetensors"
+
+
+def rng_file_name(rank: int) -> str:
+    """The file of one rank's RNG state (and loss scale), in a checkpoint and in a copy."""
+    return f"rng-rank-{rank}.safetensors"

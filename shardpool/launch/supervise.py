@@ -34,7 +34,15 @@ from typing import Any, Literal, Protocol, TypeVar
 from shardpool.config import Config
 from shardpool.contract.events import StageEvent
 from shardpool.contract.job import Job, StagePlacement
-from shardpool.contract.liveness import LIVE_ROOT, beat_key, live_dir, live_key, live_step
+from shardpool.contract.liveness import (
+    LIVE_ROOT,
+    beat_key,
+    live_dir,
+    live_key,
+    live_step,
+    rng_file_name,
+    stage_file_name,
+)
 from shardpool.errors import ShardpoolError
 from shardpool.launch.beats import BeatWatch
 from shardpool.launch.mesh_launcher import (
@@ -59,6 +67,7 @@ __all__ = [
     "ReplanPolicy",
     "clear_live_copies",
     "complete_live_steps",
+    "copy_files_count",
     "does_not_fit_line",
     "join_gain",
     "look_for_joins",
@@ -95,6 +104,19 @@ def live_steps(output_dir: Path) -> list[int]:
         return []
     steps = (live_step(child.name) for child in root.iterdir() if child.is_dir())
     return sorted(step for step in steps if step is not None)
+
+
+def copy_files_count(output_dir: Path, step: int, job: Job) -> int:
+    """``job.world_size`` when every file of step ``step``'s copy is on disk (each is renamed into
+    place whole), else 0.
+
+    The files are the copy; the store counter only says so sooner. A rank stopped between its last
+    file and its count (a ``SIGSTOP`` in that instant) leaves a complete copy the counter misses.
+    """
+    directory = output_dir / live_dir(step)
+    names = [stage_file_name(index) for index in range(job.num_stages)]
+    names += [rng_file_name(rank) for rank in range(job.world_size)]
+    return job.world_size if all((directory / name).is_file() for name in names) else 0
 
 
 def complete_live_steps(output_dir: Path, count: Callable[[int], int], world_size: int) -> list[int]:
@@ -402,7 +424,9 @@ class Supervisor:
     def begin(self, launcher: MeshLauncher, run: SupervisedRun, job: Job, store: Any) -> None:
         """Hook one attempt: ``launcher`` about to start ``job``, its stages meeting at ``store``."""
         timeout_s = self.config.shardpool.member_timeout_s
-        self._count = lambda step: int(store.add(live_key(step), 0))
+        self._count = lambda step: max(
+            int(store.add(live_key(step), 0)), copy_files_count(self.output_dir, step, job)
+        )
         self._world_size = job.world_size
         self._last_step = job.resume_step
         self._eval_before = job.eval_before

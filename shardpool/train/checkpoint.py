@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from mesh.files import write_json
+from shardpool.contract.liveness import rng_file_name, stage_file_name
 from shardpool.errors import ShardpoolError
 from shardpool.model.lora import LoraSettings, write_adapter
 
@@ -90,12 +91,12 @@ def rng_state_tensors() -> dict[str, torch.Tensor]:
 
 def stage_file(stage_index: int) -> str:
     """File name of one stage's state inside a checkpoint."""
-    return f"stage-{stage_index}.safetensors"
+    return stage_file_name(stage_index)
 
 
 def rng_file(rank: int) -> str:
     """File name of one rank's RNG state inside a checkpoint."""
-    return f"rng-rank-{rank}.safetensors"
+    return rng_file_name(rank)
 
 
 def finalize_checkpoint(

@@ -25,6 +25,7 @@ from shardpool.launch.supervise import (
     ReplanPolicy,
     Supervisor,
     complete_live_steps,
+    copy_files_count,
     does_not_fit_line,
     join_gain_needed,
     look_for_joins,
@@ -468,3 +469,16 @@ def test_a_join_stops_the_stages_only_once_the_copy_of_the_last_step_is_complete
     assert following.first_step == 11
     assert [line["event"] for line in seen["record"]] == ["member_joined", "replan"]
     assert seen["record"][0]["steps_lost"] == 0
+
+
+def test_a_copy_whose_files_are_all_on_disk_counts_whatever_the_store_says(tmp_path: Path) -> None:
+    """A rank stopped between its last file and its count leaves a whole copy: the files decide."""
+    job = _job(stages=2)
+    directory = tmp_path / live_dir(4)
+    directory.mkdir(parents=True)
+    for name in ("stage-0.safetensors", "stage-1.safetensors", "rng-rank-0.safetensors"):
+        (directory / name).write_bytes(b"x")
+    assert copy_files_count(tmp_path, 4, job) == 0  # rank 1's RNG file is missing
+    (directory / "rng-rank-1.safetensors").write_bytes(b"x")
+    assert copy_files_count(tmp_path, 4, job) == job.world_size == 2
+    assert complete_live_steps(tmp_path, lambda step: copy_files_count(tmp_path, step, job), 2) == [4]
