@@ -188,12 +188,14 @@ def test_quick_even_split_trains_on_both_hosts_and_the_quota_throttles() -> None
     profiles each under its quota and trains on both, which only a real run can show; the other
     two ways differ from it by their ``shardpool`` block (``mode_settings``, above) and are the
     full bench's figures. All three ways took 119 s of the suite; the even split alone 65 s at
-    1.0 + 0.5 CPU, most of it host b's imports (its profiler's and its stage's), so b gets 0.75: 57 s."""
+    1.0 + 0.5 CPU, most of it host b's imports (its profiler's and its stage's). At 0.75 (57 s) b
+    trained faster per layer than a in one CI run (0.027 against 0.034 s): a stage that waits on
+    its neighbour does not use all of a 1.0 quota, so 1.0 and 0.75 are too close; b stays at 0.5."""
     reason = bench.skip_reason()
     if reason is not None:
         pytest.skip(reason)
     process = subprocess.Popen(
-        [sys.executable, str(_SCRIPT), "--quick", "--modes", "even_split", "--hosts", "1.0,0.75"],
+        [sys.executable, str(_SCRIPT), "--quick", "--modes", "even_split", "--hosts", "1.0,0.5"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -214,9 +216,9 @@ def test_quick_even_split_trains_on_both_hosts_and_the_quota_throttles() -> None
     assert all(seconds > 0 for seconds in run["stage_compute_s"]), run
     assert report["quota_scope"] == "stage"
     assert len(report["runs"]["even_split"]["plan"]) == 2
-    assert report["seconds_per_layer_by_host"]["profile_cpu_quota"] == {"a": 1.0, "b": 0.75}
+    assert report["seconds_per_layer_by_host"]["profile_cpu_quota"] == {"a": 1.0, "b": 0.5}
     measured = report["seconds_per_layer_by_host"]["even_split_compute"]
-    assert measured["b"] > measured["a"], f"b has 3/4 of a's quota, yet trained as fast per layer: {measured}"
+    assert measured["b"] > measured["a"], f"b has half a's quota, yet trained as fast per layer: {measured}"
     assert not list(bench.detect_cgroup().mount.glob(f"shardpool-bench-{process.pid}")), "cgroups removed"
     assert (
         f"sp{process.pid}-"
