@@ -16,6 +16,7 @@ from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
 __all__ = [
+    "controller_cgroup_paths",
     "CgroupPaths",
     "available_cpus",
     "cgroup_paths",
@@ -38,11 +39,16 @@ class CgroupPaths(NamedTuple):
 
 
 def cgroup_paths(proc_self_cgroup: str) -> CgroupPaths:
-    """The v1 ``cpu`` and the v2 cgroup paths named in the text of ``/proc/self/cgroup``.
+    """The v1 ``cpu`` and the v2 cgroup paths named in the text of ``/proc/self/cgroup``."""
+    return CgroupPaths(*controller_cgroup_paths(proc_self_cgroup, "cpu"))
+
+
+def controller_cgroup_paths(proc_self_cgroup: str, controller: str) -> tuple[str | None, str | None]:
+    """The v1 path of ``controller`` and the v2 path named in the text of ``/proc/self/cgroup``.
 
     Each line is ``hierarchy-id:controllers:path``; v2's line has id 0 and no controllers.
     """
-    v1_cpu: str | None = None
+    v1: str | None = None
     v2: str | None = None
     for line in proc_self_cgroup.splitlines():
         parts = line.strip().split(":", 2)
@@ -51,9 +57,9 @@ def cgroup_paths(proc_self_cgroup: str) -> CgroupPaths:
         hierarchy, controllers, path = parts
         if hierarchy == "0" and controllers == "":
             v2 = path
-        elif "cpu" in controllers.split(","):
-            v1_cpu = path
-    return CgroupPaths(v1_cpu, v2)
+        elif controller in controllers.split(","):
+            v1 = path
+    return v1, v2
 
 
 def parse_cpu_max(text: str) -> float | None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
+from shardpool.plan.cpu_quota import controller_cgroup_paths
+
 __all__ = [
     "CgroupMemory",
     "capped_memory",
@@ -53,22 +55,8 @@ class _Paths(NamedTuple):
 
 
 def memory_cgroup_paths(proc_self_cgroup: str) -> tuple[str | None, str | None]:
-    """The v1 ``memory`` and the v2 cgroup paths named in the text of ``/proc/self/cgroup``.
-
-    Each line is ``hierarchy-id:controllers:path``; v2's line has id 0 and no controllers.
-    """
-    v1_memory: str | None = None
-    v2: str | None = None
-    for line in proc_self_cgroup.splitlines():
-        parts = line.strip().split(":", 2)
-        if len(parts) != 3 or not parts[2].startswith("/"):
-            continue
-        hierarchy, controllers, path = parts
-        if hierarchy == "0" and controllers == "":
-            v2 = path
-        elif "memory" in controllers.split(","):
-            v1_memory = path
-    return _Paths(v1_memory, v2)
+    """The v1 ``memory`` and the v2 cgroup paths named in the text of ``/proc/self/cgroup``."""
+    return _Paths(*controller_cgroup_paths(proc_self_cgroup, "memory"))
 
 
 def parse_memory_limit(text: str) -> int | None:
