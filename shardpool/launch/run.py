@@ -257,6 +257,8 @@ def _step_metrics(event: dict[str, Any]) -> dict[str, Any]:
             "stage_bytes_sent": event["bytes_sent"],
         }
     )
+    if event.get("stage_copy_s") is not None:
+        record["stage_copy_s"] = event["stage_copy_s"]
     if event.get("loss_scale") is not None:
         # fp16 runs: the scale after this step, and whether an overflow skipped it.
         record["loss_scale"] = event["loss_scale"]

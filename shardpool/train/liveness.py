@@ -23,6 +23,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -94,7 +95,9 @@ class StateCopier:
     tensors, already cloned) for ``live_dir(step)``; the thread writes each file through ``files``
     (a :class:`RunFiles`, whose local writes and uploads are safe next to the main thread's) and
     then adds 1 to ``live_key(step)`` on its own store client. ``bytes_copied`` counts what the
-    last copy wrote; ``failures`` counts copies that failed.
+    last copy wrote; ``copy_seconds`` is how long it took from ``submit`` to its count on the
+    store (the window in which losing this member also loses the step just copied);
+    ``failures`` counts copies that failed.
     """
 
     def __init__(self, files: RunFiles, connect: StoreFactory, *, rank: int) -> None:
@@ -102,16 +105,21 @@ class StateCopier:
         self.rank = rank
         self._connect = connect
         self._store: Any = None
-        self._queue: queue.Queue[tuple[int, dict[str, dict[str, torch.Tensor]]] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, float, dict[str, dict[str, torch.Tensor]]] | None] = queue.Queue()
         self.bytes_copied = 0
+        self.copy_seconds = 0.0
         self.failures = 0
         self._thread = threading.Thread(target=self._serve, name=f"shardpool-copy-{rank}", daemon=True)
         self._thread.start()
 
-    def submit(self, step: int, files: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Queue the copy after ``step`` once the previous one is written."""
+    def submit(
+        self, step: int, files: dict[str, dict[str, torch.Tensor]], *, since: float | None = None
+    ) -> None:
+        """Queue the copy after ``step`` once the previous one is written; ``since`` (a
+        ``time.perf_counter()``, default now) is when the step ended, for ``copy_seconds``."""
+        started = time.perf_counter() if since is None else since
         self.wait()
-        self._queue.put((step, files))
+        self._queue.put((step, started, files))
 
     def wait(self) -> None:
         """Block until every queued copy is written (or has failed)."""
@@ -145,7 +153,7 @@ class StateCopier:
             finally:
                 self._queue.task_done()
 
-    def _copy(self, step: int, files: dict[str, dict[str, torch.Tensor]]) -> None:
+    def _copy(self, step: int, started: float, files: dict[str, dict[str, torch.Tensor]]) -> None:
         written = 0
         for name, tensors in files.items():
             self.files.save_tensors(f"{live_dir(step)}/{name}", tensors)
@@ -154,3 +162,4 @@ class StateCopier:
             self._store = self._connect()
         self._store.add(live_key(step), 1)
         self.bytes_copied = written
+        self.copy_seconds = time.perf_counter() - started

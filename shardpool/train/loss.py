@@ -106,12 +106,14 @@ def reduce_and_clip_gradients(
 
 
 def gather_timings(
-    compute_seconds: float, wait_seconds: float, bytes_sent: int, world_size: int
+    compute_seconds: float, wait_seconds: float, bytes_sent: int, world_size: int, *extra: float
 ) -> list[list[float]]:
-    """Every rank's compute seconds, wait seconds and bytes sent this step, each as a list by rank."""
-    mine = torch.tensor([compute_seconds, wait_seconds, float(bytes_sent)], dtype=torch.float64)
+    """Every rank's compute seconds, wait seconds, bytes sent (and any ``extra`` figures) this step,
+    each as a list by rank, in that order: one all-gather for all of them."""
+    mine = torch.tensor([compute_seconds, wait_seconds, float(bytes_sent), *extra], dtype=torch.float64)
+    columns = len(mine)
     if world_size == 1:
         return [[float(value)] for value in mine]
-    gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(world_size)]
+    gathered = [torch.zeros(columns, dtype=torch.float64) for _ in range(world_size)]
     dist.all_gather(gathered, mine)
-    return [[float(row[column]) for row in gathered] for column in range(3)]
+    return [[float(row[column]) for row in gathered] for column in range(columns)]

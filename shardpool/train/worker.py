@@ -403,8 +403,9 @@ class StageWorker:
         self.state.optimizer.zero_grad(set_to_none=True)
         if scale:
             scale.update(finite=finite)
+        copy_seconds = () if self.copier is None else (self.copier.copy_seconds,)
         timings = gather_timings(
-            totals.compute_seconds, wire.wait_seconds, wire.bytes_sent, self.job.world_size
+            totals.compute_seconds, wire.wait_seconds, wire.bytes_sent, self.job.world_size, *copy_seconds
         )
         wire.bytes_sent = 0
         if self.rank == 0:
@@ -424,6 +425,7 @@ class StageWorker:
                     "stage_wait_s": timings[1],
                     "bytes_sent": timings[2],
                 }
+                | ({"stage_copy_s": timings[3]} if copy_seconds else {})
                 | ({"loss_scale": scale.scale, "skipped_step": not finite} if scale else {})
             )
 
@@ -524,8 +526,11 @@ class StageWorker:
         """
         if self.copier is None:
             return
+        started = time.perf_counter()
         files = checkpoint_files(self.state, rank=self.rank, stage=self.spec.index, replica=self.replica)
-        self.copier.submit(step, {name: cpu_clones(tensors) for name, tensors in files.items()})
+        self.copier.submit(
+            step, {name: cpu_clones(tensors) for name, tensors in files.items()}, since=started
+        )
 
     def save_checkpoint(self, step: int, *, eval_before: float | None) -> None:
         """Send every stage's part of a checkpoint to the launcher, which then renames it into place."""

@@ -95,6 +95,7 @@ def test_a_copy_writes_its_files_then_counts_and_a_failed_copy_only_logs(
         load_file(str(tmp_path / live_dir(1) / "rng-rank-1.safetensors"))["cpu"], torch.arange(4)
     )
     assert copier.bytes_copied == 4 * 8
+    assert 0.0 < copier.copy_seconds < 5.0
 
     (tmp_path / live_dir(2)).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / live_dir(2)).write_text("not a directory")  # an unwritable target
@@ -161,6 +162,16 @@ def test_a_copy_equals_the_checkpoint_of_its_step_tensor_for_tensor(runs: dict[s
             saved = load_file(str(path))
             assert sorted(copied) == sorted(saved)
             assert all(torch.equal(copied[name], saved[name]) for name in saved), path.name
+
+
+def test_each_step_line_says_how_long_every_rank_s_last_copy_took(runs: dict[str, Path]) -> None:
+    kept, plain = read_metrics(runs["kept"]), read_metrics(runs["plain"])
+    assert all("stage_copy_s" not in record for record in plain)
+    assert kept[0]["stage_copy_s"] == [0.0, 0.0]  # no copy has finished before the first step ends
+    for record in kept[1:]:  # the copy after the step before (or the one before that, if in flight)
+        assert len(record["stage_copy_s"]) == 2 and all(
+            0.0 < s < record["step_seconds"] * 50 for s in record["stage_copy_s"]
+        )
 
 
 def test_keep_state_changes_no_loss_and_no_adapter(runs: dict[str, Path]) -> None:
