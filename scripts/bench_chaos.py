@@ -20,7 +20,8 @@ lab started stopped by pid, also on failure or Ctrl-C:
 
 The JSON report: runs, how many finished by themselves (exit 0), the steps lost per loss (each
 ``member_lost`` event's ``steps_lost``: a kill that lands after a step ended but before every
-stage's copy of it was written loses that step, so 1 here is the copy window, not a bug), the worst max-abs difference of a finished run's adapter
+stage's copy of it was written loses that step: the report says which kills fell in that window,
+by the run's median ``stage_copy_s``), the worst max-abs difference of a finished run's adapter
 from the reference's, and the time from the kill to training again (the kill to the first step
 line of ``metrics.jsonl`` after the ``member_lost`` line appeared, polled every 0.1 s): median
 and max, with every run's record.
@@ -85,6 +86,8 @@ class RoundResult:
     victim: str
     kill_after_step: int
     kill_delay_s: float = 0.0
+    copy_window_s: float | None = None
+    step_s: float | None = None
     exit_code: int | None = None
     steps_lost: list[int] = field(default_factory=list)
     training_again_s: float | None = None
@@ -92,12 +95,23 @@ class RoundResult:
     seconds: float = 0.0
     error: str | None = None
 
+    @property
+    def killed_in_copy_window(self) -> bool | None:
+        """Whether the kill came before the step-boundary copy of the step just logged was likely
+        written (its delay under the run's median copy window; None when the run logged none)."""
+        if self.copy_window_s is None:
+            return None
+        return self.kill_delay_s < self.copy_window_s
+
     def to_json(self) -> dict[str, Any]:
         """The round as the report lists it."""
         return {
             "victim": self.victim,
             "kill_after_step": self.kill_after_step,
             "kill_delay_s": round(self.kill_delay_s, 2),
+            "copy_window_s": None if self.copy_window_s is None else round(self.copy_window_s, 3),
+            "step_s": None if self.step_s is None else round(self.step_s, 3),
+            "killed_in_copy_window": self.killed_in_copy_window,
             "exit_code": self.exit_code,
             "steps_lost": self.steps_lost,
             "training_again_s": None if self.training_again_s is None else round(self.training_again_s, 1),
@@ -224,6 +238,12 @@ class MetricsPoll:
         seconds = [float(r["step_seconds"]) for _, r in self.seen if _is_step(r) and "step_seconds" in r]
         return statistics.median(seconds) if seconds else 1.0
 
+    def median_copy_window_s(self) -> float | None:
+        """The median over logged steps of the slowest rank's step-boundary copy (``stage_copy_s``)."""
+        windows = [max(r["stage_copy_s"]) for _, r in self.seen if _is_step(r) and r.get("stage_copy_s")]
+        windows = [window for window in windows if window > 0]
+        return statistics.median(windows) if windows else None
+
     def steps_lost(self) -> list[int]:
         """``steps_lost`` of every ``member_lost`` line."""
         return [int(r.get("steps_lost", -1)) for _, r in self.seen if r.get("event") == "member_lost"]
@@ -262,7 +282,9 @@ def chaos_round(
                     )
                 watch.poll()
                 if kill_at is None and watch.newest_step() >= result.kill_after_step:
-                    result.kill_delay_s = rng.uniform(0.0, watch.median_step_s())
+                    result.step_s = watch.median_step_s()
+                    result.copy_window_s = watch.median_copy_window_s()
+                    result.kill_delay_s = rng.uniform(0.0, result.step_s)
                     kill_at = time.monotonic() + result.kill_delay_s
                 if killed_at is None and kill_at is not None and time.monotonic() >= kill_at:
                     lab.kill_host(lab.hosts[victim])
@@ -298,10 +320,16 @@ def summary(rounds: list[RoundResult]) -> dict[str, Any]:
     """The report's figures over all rounds."""
     again = [r.training_again_s for r in rounds if r.training_again_s is not None]
     diffs = [r.max_abs_diff for r in rounds if r.max_abs_diff is not None]
+    window_share = [r.copy_window_s / r.step_s for r in rounds if r.copy_window_s and r.step_s]
     return {
         "runs": len(rounds),
         "finished_by_themselves": sum(1 for r in rounds if r.exit_code == 0),
         "steps_lost_per_loss": [lost for r in rounds for lost in r.steps_lost],
+        "steps_lost_outside_the_copy_window": sum(
+            lost for r in rounds if r.killed_in_copy_window is False for lost in r.steps_lost
+        ),
+        "kills_in_the_copy_window": sum(1 for r in rounds if r.killed_in_copy_window),
+        "copy_window_over_step_median": round(statistics.median(window_share), 4) if window_share else None,
         "worst_max_abs_diff": max(diffs) if diffs else None,
         "training_again_s": {
             "median": round(statistics.median(again), 1) if again else None,

@@ -53,16 +53,42 @@ def test_training_again_is_the_first_step_after_the_loss_line(
     assert watch.steps_lost() == [0]
 
 
+def test_the_copy_window_is_the_median_of_the_slowest_rank_s_copy(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    watch = bench.MetricsPoll(metrics)
+    _lines(metrics, {"step": 1, "loss": 2.0})
+    watch.poll()
+    assert watch.median_copy_window_s() is None  # no copy figures: not a keep-state run
+    _lines(
+        metrics,
+        {"step": 1, "loss": 2.0, "stage_copy_s": [0.0, 0.0]},  # no copy finished before step 1 ended
+        {"step": 2, "loss": 1.9, "stage_copy_s": [0.02, 0.05, 0.01]},
+        {"step": 3, "loss": 1.8, "stage_copy_s": [0.03, 0.01, 0.09]},
+        {"step": 4, "loss": 1.7, "stage_copy_s": [0.07, 0.01, 0.01]},
+    )
+    watch.poll()
+    assert watch.median_copy_window_s() == pytest.approx(0.07)
+
+
 def test_summary_counts_finished_runs_and_takes_the_worst_and_the_median() -> None:
+    window = {"copy_window_s": 0.1, "step_s": 2.0}
     rounds = [
-        bench.RoundResult("b", 3, exit_code=0, steps_lost=[0], training_again_s=20.0, max_abs_diff=2e-7),
-        bench.RoundResult("c", 5, exit_code=0, steps_lost=[0], training_again_s=30.0, max_abs_diff=5e-7),
+        bench.RoundResult(
+            "b", 3, 1.5, **window, exit_code=0, steps_lost=[0], training_again_s=20.0, max_abs_diff=2e-7
+        ),
+        bench.RoundResult(
+            "c", 5, 0.05, **window, exit_code=0, steps_lost=[1], training_again_s=30.0, max_abs_diff=5e-7
+        ),
         bench.RoundResult("c", 1, exit_code=2, steps_lost=[1], training_again_s=None, error="x"),
     ]
+    assert [r.killed_in_copy_window for r in rounds] == [False, True, None]
     assert bench.summary(rounds) == {
         "runs": 3,
         "finished_by_themselves": 2,
-        "steps_lost_per_loss": [0, 0, 1],
+        "steps_lost_per_loss": [0, 1, 1],
+        "steps_lost_outside_the_copy_window": 0,
+        "kills_in_the_copy_window": 1,
+        "copy_window_over_step_median": 0.05,
         "worst_max_abs_diff": 5e-7,
         "training_again_s": {"median": 25.0, "max": 30.0},
     }
