@@ -98,8 +98,8 @@ class StepEvent(_Event):
     stage_compute_s: Timings
     stage_wait_s: Timings
     bytes_sent: Timings
-    #: With ``keep_state``: each rank's most recent step-boundary copy, seconds from the clones to
-    #: its count on the store (a member lost inside that window loses the step being copied).
+    #: With ``keep_state``: each rank's most recent step-boundary copy, seconds from the clones
+    #: until its files were written (a member lost inside that window loses the step being copied).
     stage_copy_s: Timings | None = None
     loss_scale: float | None = None
     skipped_step: bool = False

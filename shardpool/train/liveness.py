@@ -95,8 +95,8 @@ class StateCopier:
     tensors, already cloned) for ``live_dir(step)``; the thread writes each file through ``files``
     (a :class:`RunFiles`, whose local writes and uploads are safe next to the main thread's) and
     then adds 1 to ``live_key(step)`` on its own store client. ``bytes_copied`` counts what the
-    last copy wrote; ``copy_seconds`` is how long it took from ``submit`` to its count on the
-    store (the window in which losing this member also loses the step just copied);
+    last copy wrote; ``copy_seconds`` is how long it took from ``submit`` until its files were
+    written (the window in which losing this member also loses the step just copied);
     ``failures`` counts copies that failed.
     """
 
@@ -158,8 +158,11 @@ class StateCopier:
         for name, tensors in files.items():
             self.files.save_tensors(f"{live_dir(step)}/{name}", tensors)
             written += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        written_at = (
+            time.perf_counter()
+        )  # all files on the launcher's disk: the launcher counts the copy complete
         if self._store is None:
             self._store = self._connect()
         self._store.add(live_key(step), 1)
         self.bytes_copied = written
-        self.copy_seconds = time.perf_counter() - started
+        self.copy_seconds = written_at - started
