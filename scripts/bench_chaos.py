@@ -20,8 +20,9 @@ lab started stopped by pid, also on failure or Ctrl-C:
 
 The JSON report: runs, how many finished by themselves (exit 0), the steps lost per loss (each
 ``member_lost`` event's ``steps_lost``: a kill that lands after a step ended but before every
-stage's copy of it was written loses that step: the report says which kills fell in that window,
-by the run's median ``stage_copy_s``), the worst max-abs difference of a finished run's adapter
+stage's copy of it was written loses that step; the launcher loses a step only then. The
+report gives each run's median copy window (the slowest rank's ``stage_copy_s``) over its median
+step: the chance that a kill at a random moment lands in it), the worst max-abs difference of a finished run's adapter
 from the reference's, and the time from the kill to training again (the kill to the first step
 line of ``metrics.jsonl`` after the ``member_lost`` line appeared, polled every 0.1 s): median
 and max, with every run's record.
@@ -95,14 +96,6 @@ class RoundResult:
     seconds: float = 0.0
     error: str | None = None
 
-    @property
-    def killed_in_copy_window(self) -> bool | None:
-        """Whether the kill came before the step-boundary copy of the step just logged was likely
-        written (its delay under the run's median copy window; None when the run logged none)."""
-        if self.copy_window_s is None:
-            return None
-        return self.kill_delay_s < self.copy_window_s
-
     def to_json(self) -> dict[str, Any]:
         """The round as the report lists it."""
         return {
@@ -111,7 +104,6 @@ class RoundResult:
             "kill_delay_s": round(self.kill_delay_s, 2),
             "copy_window_s": None if self.copy_window_s is None else round(self.copy_window_s, 3),
             "step_s": None if self.step_s is None else round(self.step_s, 3),
-            "killed_in_copy_window": self.killed_in_copy_window,
             "exit_code": self.exit_code,
             "steps_lost": self.steps_lost,
             "training_again_s": None if self.training_again_s is None else round(self.training_again_s, 1),
@@ -325,10 +317,7 @@ def summary(rounds: list[RoundResult]) -> dict[str, Any]:
         "runs": len(rounds),
         "finished_by_themselves": sum(1 for r in rounds if r.exit_code == 0),
         "steps_lost_per_loss": [lost for r in rounds for lost in r.steps_lost],
-        "steps_lost_outside_the_copy_window": sum(
-            lost for r in rounds if r.killed_in_copy_window is False for lost in r.steps_lost
-        ),
-        "kills_in_the_copy_window": sum(1 for r in rounds if r.killed_in_copy_window),
+        "losses_that_lost_a_step": sum(1 for r in rounds for lost in r.steps_lost if lost > 0),
         "copy_window_over_step_median": round(statistics.median(window_share), 4) if window_share else None,
         "worst_max_abs_diff": max(diffs) if diffs else None,
         "training_again_s": {
