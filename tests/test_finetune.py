@@ -22,6 +22,7 @@ from shardpool.cli import main
 from shardpool.config import parse_config
 from shardpool.finetune import finetune
 from shardpool.launch.run import RUN_DIR_NAME
+from tests.helpers.shared_runs import CHECKPOINTED_TWO_STAGES, trained_once
 from tests.helpers.training import base_config, read_metrics, run_cli, stage_pids, write_config, write_jsonl
 
 
@@ -267,21 +268,22 @@ def test_output_dir_loads_by_itself_from_any_directory(
 
 @pytest.mark.slow
 def test_resume_from_a_step_n_checkpoint_of_an_earlier_version_or_a_named_one(
-    tmp_path: Path, tiny_model: Path, completion_data: Path
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, completion_data: Path
 ) -> None:
-    overrides: dict[str, Any] = {"max_steps": 2, "save_steps": 1, "shardpool": {"stages": 2}}
-    first = finetune(
-        parse_config(base_config(tiny_model, completion_data, tmp_path / "first", **overrides)),
-        console=Console(quiet=True),
-    )
-    assert [path.name for path in (first / "checkpoints").iterdir()] == ["checkpoint-1"]
+    # The first run is tests/test_keep_training.py's uninterrupted one (trained once a session);
+    # each resume below trains its last step only, from its last checkpoint.
+    overrides = CHECKPOINTED_TWO_STAGES
+    first = trained_once(tmp_path_factory, tiny_model, completion_data, **overrides)
+    assert sorted(path.name for path in (first / "checkpoints").iterdir()) == [
+        "checkpoint-1", "checkpoint-2", "checkpoint-3",
+    ]  # fmt: skip
     old = tmp_path / "old"
     old.mkdir()
-    shutil.copytree(first / "checkpoints" / "checkpoint-1", old / "checkpoints" / "step-1")
+    shutil.copytree(first / "checkpoints" / "checkpoint-3", old / "checkpoints" / "step-3")
     shutil.copy(first / "metrics.jsonl", old / "metrics.jsonl")
     config = write_config(tmp_path / "c.yaml", base_config(tiny_model, completion_data, old, **overrides))
     assert main(["finetune", str(config), "--resume"]) == 0
-    assert [record["step"] for record in read_metrics(old)] == [1, 2]
+    assert [record["step"] for record in read_metrics(old)] == [1, 2, 3, 4]
     resumed_adapter = load_file(str(old / "adapter_model.safetensors"))
     first_adapter = load_file(str(first / "adapter_model.safetensors"))
     assert resumed_adapter.keys() == first_adapter.keys()
@@ -291,12 +293,12 @@ def test_resume_from_a_step_n_checkpoint_of_an_earlier_version_or_a_named_one(
         parse_config(
             base_config(
                 tiny_model, completion_data, tmp_path / "named", **overrides,
-                resume_from_checkpoint=str(first / "checkpoints" / "checkpoint-1"),
+                resume_from_checkpoint=str(first / "checkpoints" / "checkpoint-3"),
             )
         ),
         console=Console(quiet=True),
     )  # fmt: skip
-    assert [record["step"] for record in read_metrics(named)] == [2]
+    assert [record["step"] for record in read_metrics(named)] == [4]
     named_adapter = load_file(str(named / "adapter_model.safetensors"))
     assert max(float((named_adapter[k] - first_adapter[k]).abs().max()) for k in first_adapter) < 1e-6
 

@@ -23,6 +23,7 @@ from shardpool.launch.mesh_launcher import MemberLost, MeshLauncher
 from shardpool.launch.mesh_members import MeshMember
 from shardpool.plan.profiler import TorchProbe
 from shardpool.plan.result import Plan
+from tests.helpers.shared_runs import CHECKPOINTED_TWO_STAGES, trained_once
 from tests.helpers.training import base_config, read_metrics
 
 pytestmark = pytest.mark.slow  # three tiny runs' worth of training (about 40 s on a quiet machine)
@@ -63,12 +64,16 @@ def _members(*names: str) -> list[MeshMember]:
     return [MeshMember(name, "127.0.0.1", index == 0, _Agent()) for index, name in enumerate(names)]  # type: ignore[arg-type]
 
 
+@pytest.fixture
+def plain(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, completion_data: Path) -> Path:
+    """The uninterrupted run (tests/test_finetune.py resumes from its checkpoints: trained once)."""
+    return trained_once(tmp_path_factory, tiny_model, completion_data, **CHECKPOINTED_TWO_STAGES)
+
+
 def test_a_lost_member_is_survived_with_the_same_adapter_as_an_uninterrupted_run(
-    tmp_path: Path, tiny_model: Path, completion_data: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, plain: Path, tiny_model: Path, completion_data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    overrides: dict[str, Any] = {"max_steps": 4, "save_steps": 1, "shardpool": {"stages": 2}}
-    plain = finetune(parse_config(base_config(tiny_model, completion_data, tmp_path / "plain", **overrides)),
-                     console=Console(quiet=True))  # fmt: skip
+    overrides: dict[str, Any] = CHECKPOINTED_TWO_STAGES
 
     said: list[str] = []
     launcher = _LocalMesh(_members("a", "b", "c"), say=said.append)

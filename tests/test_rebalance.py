@@ -1,12 +1,14 @@
 """Re-balancing a running fine-tune end to end: a forced in-place re-shard trains exactly as a run
 that keeps its plan, and a stage SIGKILLed during the hand-over stops the run cleanly; ``--resume``
 then continues from the last checkpoint to the adapter of an uninterrupted run (this is also the
-suite's kill-and-resume exactness test)."""
+suite's kill-and-resume exactness test). The run that keeps its plan is that uninterrupted run
+too: the same config, trained once and compared twice."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +16,12 @@ import pytest
 from rich.console import Console
 from safetensors.torch import load_file
 
+from shardpool.cli import main
 from shardpool.config import parse_config
 from shardpool.contract.rebalance import FORCE_ENV, KILL_ENV
 from shardpool.finetune import finetune
 from shardpool.launch.run import RUN_DIR_NAME
-from tests.helpers.training import base_config, read_metrics, run_cli, stage_pids, write_config
+from tests.helpers.training import base_config, read_metrics, stage_pids, write_config
 
 
 def _overrides(rebalance: str = "auto", **extra: Any) -> dict[str, Any]:
@@ -34,13 +37,33 @@ def _step_losses(output_dir: Path) -> dict[int, float]:
     return {line["step"]: line["loss"] for line in read_metrics(output_dir) if "loss" in line}
 
 
-def test_forced_reshard_trains_exactly_as_the_kept_plan(
-    tmp_path: Path, tiny_model: Path, completion_data: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    kept = finetune(  # the baseline keeps its plan, whatever calibration would make of its steps
-        parse_config(base_config(tiny_model, completion_data, tmp_path / "kept", **_overrides("off"))),
+@pytest.fixture(scope="module")
+def kept(tiny_model: Path, completion_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The baseline: the same 3 stages and 5 steps, keeping its plan whatever calibration would make
+    of its steps, with neither test hook set. Both tests compare with it and neither writes to it."""
+    assert FORCE_ENV not in os.environ and KILL_ENV not in os.environ
+    return finetune(
+        parse_config(
+            base_config(
+                tiny_model, completion_data, tmp_path_factory.mktemp("kept") / "out", **_overrides("off")
+            )
+        ),
         console=Console(quiet=True),
     )
+
+
+def _finetune_in_process(capfd: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``shardpool finetune ARGS`` through the CLI's ``main`` in this process, which has torch
+    imported already (a fresh interpreter would only add its imports): its exit status and what
+    reached descriptor 2 meanwhile, the stage processes' output included (they inherit it)."""
+    capfd.readouterr()
+    code = main(["finetune", *args])
+    return code, capfd.readouterr().err
+
+
+def test_forced_reshard_trains_exactly_as_the_kept_plan(
+    tmp_path: Path, kept: Path, tiny_model: Path, completion_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(FORCE_ENV, "3:0-1,1-3,3-6")
     shown = io.StringIO()
     moved = finetune(
@@ -82,7 +105,12 @@ def test_forced_reshard_trains_exactly_as_the_kept_plan(
 
 @pytest.mark.slow
 def test_stage_killed_during_the_handover_stops_the_run_and_resume_matches_uninterrupted(
-    tmp_path: Path, tiny_model: Path, completion_data: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    kept: Path,
+    tiny_model: Path,
+    completion_data: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
     out = tmp_path / "out"
     config = write_config(
@@ -90,27 +118,22 @@ def test_stage_killed_during_the_handover_stops_the_run_and_resume_matches_unint
     )
     monkeypatch.setenv(FORCE_ENV, "3:0-1,1-3,3-6")
     monkeypatch.setenv(KILL_ENV, "1")
-    killed = run_cli("finetune", str(config), timeout=180)
-    assert killed.returncode == 2
-    error = killed.stderr.strip().splitlines()[-1]
+    code, stderr = _finetune_in_process(capfd, str(config))
+    assert code == 2
+    error = stderr.strip().splitlines()[-1]
     assert error.startswith("shardpool: error: stage 1 (rank 1) failed: killed by signal 9"), error
-    assert "Traceback" not in killed.stderr
+    assert "Traceback" not in stderr
     assert stage_pids(out / RUN_DIR_NAME / "job.json") == {}
     assert not (out / "adapter_model.safetensors").exists()
 
     monkeypatch.delenv(KILL_ENV)
-    resumed = run_cli("finetune", str(config), "--resume", timeout=180)
-    assert resumed.returncode == 0, resumed.stderr
+    code, stderr = _finetune_in_process(capfd, str(config), "--resume")
+    assert code == 0, stderr
     assert [line["step"] for line in read_metrics(out) if "loss" in line] == [1, 2, 3, 4, 5], (
         "metrics continue from the checkpoint without gaps or repeats"
     )
 
-    monkeypatch.delenv(FORCE_ENV)
-    uninterrupted = finetune(
-        parse_config(base_config(tiny_model, completion_data, tmp_path / "clean", **_overrides("off"))),
-        console=Console(quiet=True),
-    )
     resumed_adapter = load_file(str(out / "adapter_model.safetensors"))
-    clean_adapter = load_file(str(uninterrupted / "adapter_model.safetensors"))
+    clean_adapter = load_file(str(kept / "adapter_model.safetensors"))  # the uninterrupted run
     assert resumed_adapter.keys() == clean_adapter.keys()
     assert max(float((resumed_adapter[k] - clean_adapter[k]).abs().max()) for k in clean_adapter) < 1e-6

@@ -9,13 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 from safetensors.torch import load_file
 
 from shardpool.config import parse_config
 from shardpool.errors import ShardpoolError
-from shardpool.finetune import finetune
 from shardpool.torchrun import TorchrunWorld, torchrun_config, torchrun_devices, torchrun_world
+from tests.helpers.shared_runs import FP32_TWO_STAGES, trained_once
 from tests.helpers.training import REPO_ROOT, base_config, write_config
 
 TORCHRUN_ENV = {
@@ -104,17 +103,16 @@ def _torchrun(config: Path, *, timeout: float = 600) -> subprocess.CompletedProc
 
 @pytest.mark.slow
 def test_torchrun_on_cpu_stages_equals_local_placement(
-    tmp_path: Path, tiny_model: Path, completion_data: Path
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, completion_data: Path
 ) -> None:
     """The same split, seeds and data: the adapters agree within 1e-6 (fp32), as do the eval losses."""
-    section = {"layers": [3, 3]}
-    local_out, torchrun_out = tmp_path / "local", tmp_path / "torchrun"
+    torchrun_out = tmp_path / "torchrun"
     # The local run goes in-process (the same local launcher and stage processes as the CLI's):
-    # a second fresh interpreter would only add its imports.
-    local_config = base_config(tiny_model, completion_data, local_out, shardpool=section)
-    finetune(parse_config(local_config), console=Console(quiet=True))
+    # a second fresh interpreter would only add its imports. Its settings are the fp32 run of
+    # tests/train/test_precision.py, so the session trains it once for both.
+    local_out = trained_once(tmp_path_factory, tiny_model, completion_data, **FP32_TWO_STAGES)
     launched = _torchrun(write_config(tmp_path / "tr.yaml", base_config(
-        tiny_model, completion_data, torchrun_out, shardpool=section)))  # fmt: skip
+        tiny_model, completion_data, torchrun_out, **FP32_TWO_STAGES)))  # fmt: skip
     assert launched.returncode == 0, launched.stderr[-3000:]
     a = load_file(str(local_out / "adapter_model.safetensors"))
     b = load_file(str(torchrun_out / "adapter_model.safetensors"))

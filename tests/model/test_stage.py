@@ -258,7 +258,7 @@ def test_peak_memory_of_a_quarter_stage_is_far_below_the_whole_model(tmp_path: P
     file_mib = (model_dir / "model.safetensors").stat().st_size / 2**20
     layer_mib = (4 * 768 * 768 + 3 * 768 * 3072) * 4 / 2**20
 
-    def peak_growth_mib(start: int, stop: int, stages: int, index: int) -> float:
+    def start_probe(start: int, stop: int, stages: int, index: int) -> subprocess.Popen[str]:
         probe = [
             sys.executable,
             "-c",
@@ -272,12 +272,22 @@ def test_peak_memory_of_a_quarter_stage_is_far_below_the_whole_model(tmp_path: P
         # A fixed mmap threshold makes glibc return freed tensor buffers at once, so RSS tracks
         # what the stage keeps rather than what the allocator happens to cache.
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(2**20))
-        completed = subprocess.run(probe, capture_output=True, text=True, check=True, env=env)
-        result = json.loads(completed.stdout.strip().splitlines()[-1])
+        return subprocess.Popen(probe, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    def peak_growth_mib(probe: subprocess.Popen[str]) -> float:
+        stdout, stderr = probe.communicate(timeout=300)
+        assert probe.returncode == 0, stderr[-2000:]
+        result = json.loads(stdout.strip().splitlines()[-1])
         return (result["after_kib"] - result["before_kib"]) / 1024
 
-    quarter = peak_growth_mib(2, 4, 4, 1)
-    whole = peak_growth_mib(0, 8, 1, 0)
+    # Each probe measures its own process's RSS, so the two run at once: their imports overlap.
+    probes = [start_probe(2, 4, 4, 1), start_probe(0, 8, 1, 0)]
+    try:
+        quarter, whole = (peak_growth_mib(probe) for probe in probes)
+    finally:
+        for probe in probes:
+            if probe.poll() is None:
+                probe.kill()
     print(
         json.dumps(
             {

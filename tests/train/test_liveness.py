@@ -24,6 +24,7 @@ from shardpool.train.liveness import StateCopier, start_beat, store_client
 from shardpool.train.rendezvous import rendezvous_store
 from shardpool.train.runfiles import RunFiles
 from shardpool.train.worker import KEEP_STATE_HOOK
+from tests.helpers.shared_runs import CHECKPOINTED_TWO_STAGES, trained_once
 from tests.helpers.training import base_config, read_metrics
 
 
@@ -126,19 +127,21 @@ def _config(tiny_model: Path, data: Path, output_dir: Path) -> dict[str, Any]:
 def runs(
     tiny_model: Path, completion_data: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
-    """The same 2-stage local run without and with keep_state (the bench hook)."""
+    """The same 2-stage local run of 4 steps, a checkpoint after each, without and with keep_state
+    (the bench hook). The run without is tests/test_finetune.py's and tests/test_keep_training.py's
+    (trained once a session): it is only read here."""
+    plain = trained_once(tmp_path_factory, tiny_model, completion_data, **CHECKPOINTED_TWO_STAGES)
     root = tmp_path_factory.mktemp("keep-state")
-    plain = _train(_config(tiny_model, completion_data, root / "plain"))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(KEEP_STATE_HOOK, "1")
-        kept = _train(_config(tiny_model, completion_data, root / "kept"))
+        kept = _train(base_config(tiny_model, completion_data, root / "kept", **CHECKPOINTED_TWO_STAGES))
     return {"plain": plain, "kept": kept}
 
 
 def test_keep_state_leaves_a_complete_copy_after_every_step(runs: dict[str, Path]) -> None:
     live = runs["kept"] / LIVE_ROOT
-    assert sorted(path.name for path in live.iterdir()) == ["step-1", "step-2", "step-3"]
-    for step in (1, 2, 3):
+    assert sorted(path.name for path in live.iterdir()) == ["step-1", "step-2", "step-3", "step-4"]
+    for step in (1, 2, 3, 4):
         names = sorted(path.name for path in (runs["kept"] / live_dir(step)).iterdir())
         assert names == [
             "rng-rank-0.safetensors", "rng-rank-1.safetensors", "stage-0.safetensors", "stage-1.safetensors",
@@ -149,7 +152,7 @@ def test_keep_state_leaves_a_complete_copy_after_every_step(runs: dict[str, Path
 
 
 def test_a_copy_equals_the_checkpoint_of_its_step_tensor_for_tensor(runs: dict[str, Path]) -> None:
-    for step in (1, 2):  # no checkpoint after the last step: the adapter is written instead
+    for step in (1, 2, 3):  # no checkpoint after the last step: the adapter is written instead
         checkpoint = runs["kept"] / "checkpoints" / f"checkpoint-{step}"
         state_files = [
             path

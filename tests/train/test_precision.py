@@ -26,6 +26,7 @@ from shardpool.model.stage import BaseSettings, StageSpec, build_stage
 from shardpool.train.loss import reduce_and_clip_gradients
 from shardpool.train.loss_scale import INJECT_INF_ENV, LossScale
 from shardpool.train.optim import build_optimizer
+from tests.helpers.shared_runs import FP32_TWO_STAGES, trained_once
 from tests.helpers.training import base_config, read_metrics
 
 LORA = LoraSettings(r=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj"], init_from=None)
@@ -148,15 +149,7 @@ def _mixed_planner(monkeypatch: pytest.MonkeyPatch, dtypes: list[str]) -> None:
 
 
 def _run(tiny_model: Path, data: Path, out: Path, **overrides: Any) -> Path:
-    config = base_config(
-        tiny_model,
-        data,
-        out,
-        lr_scheduler="constant",
-        warmup_steps=0,
-        shardpool={"layers": [3, 3]},
-        **overrides,
-    )
+    config = base_config(tiny_model, data, out, **{**FP32_TWO_STAGES, **overrides})
     return finetune(parse_config(config), console=Console(quiet=True))
 
 
@@ -174,9 +167,14 @@ def _adapter(output: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_fp16_and_bf16_stages_track_the_fp32_run(
-    tiny_model: Path, completion_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model: Path,
+    completion_data: Path,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    fp32 = _run(tiny_model, completion_data, tmp_path / "fp32")
+    # the fp32 run is _run's settings as they are (tests/test_torchrun.py's local run: trained once)
+    fp32 = trained_once(tmp_path_factory, tiny_model, completion_data, **FP32_TWO_STAGES)
     _mixed_planner(monkeypatch, ["float16", "bfloat16"])
     mixed = _run(tiny_model, completion_data, tmp_path / "mixed", bf16=True)
     want, got = _losses(fp32), _losses(mixed)
