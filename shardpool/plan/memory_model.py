@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from shardpool.contract.schedule import peak_in_flight, schedule_for
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
 
@@ -97,12 +98,14 @@ def reserve_bytes(kind: str, tensor_bytes: float) -> float:
 
 
 def in_flight_microbatches(workload: Workload, *, index: int, num_stages: int) -> int:
-    """Micro-batches whose activations stage ``index`` holds at once.
+    """Micro-batches whose activations stage ``index`` holds at once, read off the schedule the
+    stages run (:func:`~shardpool.contract.schedule.schedule_for`).
 
-    1F1B: stage i runs S - i warm-up forwards before its first backward, so it holds up to
-    ``S - i`` (never more than M). GPipe runs all M forwards first, so every stage holds M.
+    1F1B: stage i holds up to ``S - i + 1`` (the last stage 1, never more than M). GPipe runs
+    all M forwards first, so every stage holds M.
     """
-    m = workload.gradient_accumulation_steps
-    if workload.schedule == "gpipe":
-        return m
-    return max(1, min(num_stages - index, m))
+    actions = schedule_for(
+        workload.schedule, stage=index, num_stages=num_stages,
+        num_microbatches=workload.gradient_accumulation_steps,
+    )  # fmt: skip
+    return max(1, peak_in_flight(actions))

@@ -112,8 +112,14 @@ def test_worked_example_a_stage_twice_as_slow_loses_layers() -> None:
     assert decision is not None
     assert decision.layers == [(0, 6), (6, 8)]
     assert decision.current_step_s == pytest.approx(14.156, abs=1e-3)
-    assert decision.predicted_step_s == pytest.approx(9.957, abs=1e-3)
-    assert 1 - decision.predicted_step_s / decision.current_step_s == pytest.approx(0.297, abs=1e-3)
+    # Stage 1 (858.4 ms a micro-batch) is the bottleneck of 4/4 and never waits: stage 0's first
+    # forward 196.35 ms + activation 9.39 ms + 16 x 858.45 ms + gradient 9.39 ms + stage 0's last
+    # backward 203.65 ms + optimizer 1.64 ms = 14.156 s. In 6/2 stage 0 (600 ms) is; its three
+    # warm-up forwards (883.6 ms) outlast the first gradient's round trip (771.8 ms), so it never
+    # waits either: 16 x 600 ms + optimizer 2.46 ms = 9.602 s (9.957 s under the textbook warm-up,
+    # whose stage 0 waited for the gradient).
+    assert decision.predicted_step_s == pytest.approx(9.602, abs=1e-3)
+    assert 1 - decision.predicted_step_s / decision.current_step_s == pytest.approx(0.322, abs=1e-3)
     assert "b 2.00x" in decision.reason and "4/4 -> 6/2" in decision.reason
     # The new plan's predictions are the calibrated model's.
     new = decision.plan
@@ -140,16 +146,20 @@ def test_measurements_that_match_the_plan_keep_it() -> None:
 
 def test_a_gain_under_ten_percent_keeps_the_plan() -> None:
     plan = plan_pipeline(SHAPE, WORKLOAD, two_hosts(0.1, 0.1))
-    measured = measured_as(plan, [1.0, 1.25])
+    # With b k times slower, 4/4 takes 0.4204 s (stage 0's first forward and last backward, two
+    # transfers, the optimizer) + 16 x 429.22 ms x k, as stage 1 never waits; 5/3 takes
+    # 16 x 500 ms + 2.05 ms = 8.002 s (stage 0 the bottleneck, never waiting) while 3 layers on b
+    # stay under 500 ms. The gain reaches 10% at k = 1.233.
+    measured = measured_as(plan, [1.0, 1.2])
     assert rebalance_decision(plan, measured, CONFIG) is None
-    # A better split exists, only not 10% better: 7.1%.
+    # A better split exists, only not 10% better: 1 - 8.002 / 8.662 = 7.6%.
     smaller = rebalance_decision(plan, measured, CONFIG, min_gain=0.0)
     assert smaller is not None and smaller.layers == [(0, 5), (5, 8)]
-    assert 1 - smaller.predicted_step_s / smaller.current_step_s == pytest.approx(0.0713, abs=1e-4)
-    # 1.3x slower: the same move gains 10.2%, enough.
-    enough = rebalance_decision(plan, measured_as(plan, [1.0, 1.3]), CONFIG)
+    assert 1 - smaller.predicted_step_s / smaller.current_step_s == pytest.approx(0.0761, abs=1e-4)
+    # 1.25x slower: the same move gains 1 - 8.002 / 9.005 = 11.1%, enough.
+    enough = rebalance_decision(plan, measured_as(plan, [1.0, 1.25]), CONFIG)
     assert enough is not None and enough.layers == [(0, 5), (5, 8)]
-    assert 1 - enough.predicted_step_s / enough.current_step_s == pytest.approx(0.1019, abs=1e-4)
+    assert 1 - enough.predicted_step_s / enough.current_step_s == pytest.approx(0.1114, abs=1e-4)
 
 
 def test_memory_caps_are_respected() -> None:

@@ -52,7 +52,10 @@ def test_nf4_bytes_matches_bitsandbytes_storage() -> None:
 
 def test_in_flight_and_pipeline_formulas() -> None:
     w = Workload(gradient_accumulation_steps=8)
-    assert [in_flight_microbatches(w, index=i, num_stages=4) for i in range(4)] == [4, 3, 2, 1]
+    # 1F1B: stage i warms up with S - i forwards (the textbook S - 1 - i plus one) and runs one more
+    # before its first backward, so it holds S - i + 1; the last stage runs F, B, F, B: 1.
+    assert [in_flight_microbatches(w, index=i, num_stages=4) for i in range(4)] == [5, 4, 3, 1]
+    # Never more than M: with M = 2 stage 0 runs both forwards, then both backwards.
     assert in_flight_microbatches(replace(w, gradient_accumulation_steps=2), index=0, num_stages=4) == 2
     assert in_flight_microbatches(replace(w, schedule="gpipe"), index=3, num_stages=4) == 8
     assert step_seconds(2.0, microbatches=8, num_stages=4) == pytest.approx(22.0)
@@ -77,9 +80,10 @@ def test_stage_memory_parts_and_checkpointing() -> None:
     last = stage_costs(TINY, w, index=2, **common)
     assert "embeddings" in first.fixed_breakdown and "lm_head" not in first.fixed_breakdown
     assert "lm_head" in last.fixed_breakdown and last.fixed_s > middle.fixed_s
-    # 1F1B: the first stage holds 3 micro-batches, the middle 2.
+    # 1F1B at S = 3, M = 4: the first stage holds S - 0 + 1 = 4 micro-batches, the middle 3.
     act = first.per_layer_breakdown["activations"]
-    assert act == pytest.approx(1.5 * middle.per_layer_breakdown["activations"])
+    assert (first.in_flight, middle.in_flight, last.in_flight) == (4, 3, 1)
+    assert act == pytest.approx(4 / 3 * middle.per_layer_breakdown["activations"])
     checkpointed = stage_costs(TINY, replace(w, gradient_checkpointing=True), index=0, **common)
     assert checkpointed.per_layer_breakdown["activations"] < act / 5
     assert sum(first.breakdown(3).values()) == pytest.approx(first.memory(3), abs=8)

@@ -53,10 +53,16 @@ def test_worked_example_of_the_docs() -> None:
         StageTimes(2.0, 4.0, to_next=link, after_s=0.2),
         StageTimes(3.0, 3.0, to_previous=link, after_s=0.3),
     ]
+    # Orders: stage 0 F0 F1 F2 B0 F3 B1 B2 B3 (one warm-up forward more than the textbook 1F1B),
+    # stage 1 F0 B0 F1 B1 F2 B2 F3 B3. By hand (each transfer 0.5 s on the link + 0.5 s latency):
+    # stage 0 F0 0-2 F1 2-4 F2 4-6 (activations arrive 3, 5, 7); stage 1 F0 3-6 B0 6-9 (gradient 0
+    # at 10) F1 9-12 B1 12-15 (16) F2 15-18 B2 18-21 (22); stage 0 B0 10-14 F3 14-16 (arrives 17)
+    # B1 16-20 B2 22-26; stage 1 F3 21-24 B3 24-27 (arrives 28); stage 0 B3 28-32.
+    # The textbook warm-up (F0 F1 B0 F2 ...) gave 34.0 / 30.0 and a 34.2 s step.
     result = simulate_step(stages, microbatches=4, schedule="1f1b")
-    assert result.finish_s == pytest.approx((34.0, 30.0))
-    assert result.step_s == pytest.approx(34.2)
-    assert result.bubble_fraction == pytest.approx(1 - 24 / 34.2)
+    assert result.finish_s == pytest.approx((32.0, 28.0))
+    assert result.step_s == pytest.approx(32.2)
+    assert result.bubble_fraction == pytest.approx(1 - 24 / 32.2)
     assert step_seconds(7.0, microbatches=4, num_stages=2) == pytest.approx(35.0)  # the old additive model
 
 
@@ -128,15 +134,31 @@ def test_gpipe_equals_its_flow_shop_closed_form(raw: list[tuple[float, ...]], mi
 
 
 @pytest.mark.parametrize("num_stages", [2, 3, 4])
-@pytest.mark.parametrize("link_s", [0.0, 0.1, 0.4])
+@pytest.mark.parametrize("link_s", [0.0, 0.1, 0.4, 2.0])
 def test_one_f_one_b_steady_state_cycle(num_stages: int, link_s: float) -> None:
-    """1F1B's warm-up (S - 1 - s forwards) leaves no slack: in steady state the gradient of
-    micro-batch i must come back through the pipeline before stage 0 can send micro-batch i + S.
-    So every S micro-batches cost all S stages' compute plus every boundary's round trip,
-    ``S (f + b) + (S - 1)(x_f + x_b)``: 1F1B does not hide transfers, GPipe does (below)."""
-    stages = chain([(1.0, 2.0)] * num_stages, Transfer(busy_s=link_s / 2, latency_s=link_s / 2))
-    steps = [simulate_step(stages, microbatches=m, schedule="1f1b").step_s for m in (16, 16 + num_stages)]
-    assert steps[1] - steps[0] == pytest.approx(num_stages * 3.0 + (num_stages - 1) * 2 * link_s)
+    """The steady state of 1F1B on identical stages (forward f, backward b, a transfer of x each
+    way), per micro-batch, is the heaviest cycle of its dependency graph per micro-batch it spans.
+
+    Stage s runs F(j) just before B(j - w_s) and B(k) just before F(k + w_s + 1), where w_s is its
+    warm-up: S - s forwards (the textbook S - 1 - s plus one), none on the last stage. Stages a..c
+    (n of them) close a cycle B_a(k) -> F_a(k + w_a + 1) -> down to c -> B_c(k + w_a + 1 - w_c)
+    -> back up to B_a: n (f + b) + 2 (n - 1) x over w_a + 1 - w_c micro-batches. That span is n
+    when c is not the last stage (neighbouring warm-ups still differ by one: the round trip stays on
+    the cycle), and n + 1 when c is the last (the extra forward gives the last link a whole
+    micro-batch of slack). The heaviest: stages 0..S-2, ``f + b + 2 (S - 2) x / (S - 1)``, or the
+    whole pipeline, ``(S (f + b) + 2 (S - 1) x) / (S + 1)``. So at S = 2 a link with 2x < f + b
+    costs nothing in steady state, where the textbook warm-up paid ``2x`` per micro-batch (and
+    ``S (f + b) + 2 (S - 1) x`` per S micro-batches in all). Both cycles repeat over
+    (S - 1)(S + 1) micro-batches; from M = 32 on the fill's slack is spent."""
+    f, b, x = 1.0, 2.0, link_s
+    stages = chain([(f, b)] * num_stages, Transfer(busy_s=x / 2, latency_s=x / 2))
+    span = (num_stages - 1) * (num_stages + 1)
+    steps = [simulate_step(stages, microbatches=m, schedule="1f1b").step_s for m in (32, 32 + span)]
+    per_microbatch = max(
+        f + b + 2 * (num_stages - 2) * x / (num_stages - 1),
+        (num_stages * (f + b) + 2 * (num_stages - 1) * x) / (num_stages + 1),
+    )
+    assert steps[1] - steps[0] == pytest.approx(span * per_microbatch)
 
 
 @settings(max_examples=150, deadline=None)

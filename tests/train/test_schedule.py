@@ -58,19 +58,25 @@ def test_schedules_complete_and_keep_backward_order(stages: int, microbatches: i
 
 
 @pytest.mark.parametrize(("stages", "microbatches"), [(4, 8), (3, 2), (2, 6)])
-def test_1f1b_holds_at_most_s_minus_i_microbatches(stages: int, microbatches: int) -> None:
+def test_1f1b_holds_at_most_s_minus_i_plus_one_microbatches_and_the_last_stage_one(
+    stages: int, microbatches: int
+) -> None:
     for stage in range(stages):
         peak = peak_in_flight(one_f_one_b(stage=stage, num_stages=stages, num_microbatches=microbatches))
-        assert peak == min(stages - stage, microbatches)
+        assert peak == (1 if stage == stages - 1 else min(stages - stage + 1, microbatches))
         assert (
             peak_in_flight(gpipe(stage=stage, num_stages=stages, num_microbatches=microbatches))
             == microbatches
         )
 
 
-def test_1f1b_on_four_stages_has_the_textbook_order() -> None:
+def test_1f1b_on_four_stages_is_the_textbook_order_with_one_more_warm_up_forward() -> None:
     assert one_f_one_b(stage=0, num_stages=4, num_microbatches=6) == [
-        ("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4), ("B", 1), ("F", 5), ("B", 2),
+        ("F", 0), ("F", 1), ("F", 2), ("F", 3), ("F", 4), ("B", 0), ("F", 5), ("B", 1), ("B", 2),
+        ("B", 3), ("B", 4), ("B", 5),
+    ]  # fmt: skip
+    assert one_f_one_b(stage=2, num_stages=4, num_microbatches=6) == [
+        ("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("F", 4), ("B", 2), ("F", 5),
         ("B", 3), ("B", 4), ("B", 5),
     ]  # fmt: skip
     assert one_f_one_b(stage=3, num_stages=4, num_microbatches=3) == [
