@@ -33,7 +33,13 @@ from shardpool.contract.names import ContractError
 from shardpool.files.server import FileServer
 from shardpool.launch.beats import BeatWatch
 from shardpool.launch.local_launcher import StageFailed
-from shardpool.launch.mesh_members import MeshMember, launcher_member, mesh_planner, online_members
+from shardpool.launch.mesh_members import (
+    MeshMember,
+    launcher_member,
+    mesh_planner,
+    online_members,
+    plans_with_and_without,
+)
 from shardpool.plan.result import Plan
 
 __all__ = ["Interrupted", "MemberLost", "MeshLauncher", "new_job_id", "ranks_by_member", "run_mesh_job"]
@@ -45,12 +51,24 @@ _NEIGHBOUR_GRACE_S = 15.0  # a forwarded poll of a vanished member takes up to ~
 
 class MemberLost(StageFailed):
     """A member was lost mid-run: its agent stopped answering, its stage was killed by a signal or
-    stopped beating. ``member`` names it and ``step`` is the last step the launcher saw completed."""
+    stopped beating. ``member`` names it and ``step`` is the last step the launcher saw completed;
+    ``agent_answered`` says its agent was still there (a stall or a killed stage, not a machine gone),
+    so it looks healthy again as soon as its stage is stopped."""
 
-    def __init__(self, message: str, *, rank: int, stage: int, member: str = "", step: int = 0) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        stage: int,
+        member: str = "",
+        step: int = 0,
+        agent_answered: bool = False,
+    ) -> None:
         super().__init__(message, rank=rank, stage=stage)
         self.member = member
         self.step = step
+        self.agent_answered = agent_answered
 
 
 class Interrupted(Exception):  # noqa: N818 - not an error: the launcher asked for it
@@ -72,6 +90,7 @@ class MeshLauncher:
         self.members = members
         self.address = launcher_member(members).address
         self._planner = mesh_planner(members, say=say)
+        self._say = say
         self._files_secret = files_secret or secrets.token_hex(32)
         #: Set by the launcher's supervisor: the stall watch, the agent-silence bound, and a check
         #: that asks for the job to stop on purpose (a joined member), each attempt.
@@ -108,6 +127,11 @@ class MeshLauncher:
     def plan(self, config: Config) -> Plan:
         """Place the stages on the members' devices, profiled there for this model."""
         return self._planner(config)
+
+    def plans_with_and_without(self, config: Config, left_out: set[str]) -> tuple[Plan, Plan]:
+        """Plans over every member and over all but ``left_out``, from one measurement of the fleet
+        (a join check's comparison: see :func:`~shardpool.launch.mesh_members.plans_with_and_without`)."""
+        return plans_with_and_without(self.members, config, left_out=left_out, say=self._say)
 
     @contextmanager
     def serving(self, inputs: dict[str, str], output_dir: Path) -> Iterator[str | None]:
@@ -316,7 +340,7 @@ def _failure(
     message = f"killed by signal {-code}" if code < 0 else errors.get(rank, f"exited with status {code}")
     text = f"stage {stage} (rank {rank}) on member {name!r} failed at step {last_step}: {message}"
     if code < 0:
-        return MemberLost(text, rank=rank, stage=stage, member=name, step=last_step)
+        return MemberLost(text, rank=rank, stage=stage, member=name, step=last_step, agent_answered=True)
     return StageFailed(text, rank=rank, stage=stage)
 
 
@@ -334,4 +358,5 @@ def _stall(job: Job, follows: dict[str, _Follow], watch: BeatWatch, last_step: i
         stage=job.stage_index(rank),
         member=name,
         step=last_step,
+        agent_answered=True,
     )
