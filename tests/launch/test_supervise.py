@@ -210,6 +210,8 @@ def test_a_join_needs_a_step_at_least_ten_percent_faster() -> None:
     assert join_gain_needed({}) == 0.10
     assert join_gain_needed({"SHARDPOOL_TEST_JOIN_GAIN": "0"}) == 0.0
     assert join_gain_needed({"SHARDPOOL_TEST_JOIN_GAIN": "x"}) == 0.10
+    anything = join_gain_needed({"SHARDPOOL_TEST_JOIN_GAIN": "-inf"})  # the netns test's: any plan using it
+    assert worth_joining(1.0, 3.0, gain=anything)
 
 
 def test_joins_are_checked_every_ten_steps_and_sixty_seconds_whichever_is_later() -> None:
