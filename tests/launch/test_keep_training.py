@@ -19,7 +19,8 @@ same).
    MEASURED.
 2. ``SIGSTOP`` of c's stage only (a suspended laptop), in a shorter run: found by its silent beat
    within ``member_timeout_s`` (+ a few s), the run finishes on the rest, same adapter, the
-   stopped process does not outlive the run.
+   stopped process does not outlive the run; c, whose agent answered all along, is held back by
+   the join checks, not taken back (and lost again).
 3. Each host capped by a memory cgroup so that three hold the planned model and two do not (the
    planner's memory model decides: the cap is set from the plan's own figures); losing c stops the
    run with exit 2 and one line saying how much memory is missing and which checkpoint is kept;
