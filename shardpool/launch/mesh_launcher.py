@@ -216,6 +216,7 @@ def run_mesh_job(
     last_step = job.resume_step
     failed_at: float | None = None
     started: list[str] = []
+    lost: MemberLost | None = None
     try:
         payload = job.model_dump(mode="json")
         for name, (member, ranks) in ranks_by_member.items():
@@ -251,6 +252,7 @@ def run_mesh_job(
                 if time.monotonic() - failed_at <= lost_after_s + neighbour_grace_s:
                     failure = None
             if failure is not None:
+                lost = failure if isinstance(failure, MemberLost) else None
                 raise failure
             if interrupt is not None and interrupt():
                 raise Interrupted(f"stopped after step {last_step} to re-plan")
@@ -259,22 +261,33 @@ def run_mesh_job(
     finally:
         stop.set()
         reachable = [name for name in started if follows[name].lost is None]
+        answered: set[str] = set()
         stoppers = [
-            threading.Thread(target=_stop_quietly, args=(ranks_by_member[name][0], job_id), daemon=True)
+            threading.Thread(
+                target=_stop_quietly, args=(ranks_by_member[name][0], job_id, answered), daemon=True
+            )
             for name in reachable
         ]
         for thread in stoppers:
             thread.start()
         for thread in stoppers:
             thread.join(timeout=15.0)
+        if lost is not None and lost.agent_answered and lost.member not in answered:
+            # found by its silent beat first, but its agent does not answer the stop either: the
+            # machine went (a kill -9, a power cut), it did not just stall
+            lost.agent_answered = False
 
 
-def _stop_quietly(member: MeshMember, job_id: str) -> None:
-    """Ask one agent to stop the job; a member that does not answer is already gone."""
+def _stop_quietly(member: MeshMember, job_id: str, answered: set[str]) -> None:
+    """Ask one agent to stop the job, noting in ``answered`` that it answered; a member that does
+    not answer is already gone."""
     try:
         member.agent.stop_job(job_id, timeout=10.0)
-    except (AgentUnreachable, AgentRefused):
+    except AgentUnreachable:
+        return
+    except AgentRefused:
         pass
+    answered.add(member.name)
 
 
 def _poll(
