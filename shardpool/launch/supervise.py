@@ -747,6 +747,14 @@ def look_for_joins(
         names = ", ".join(sorted(member.name for member in online)) or "none"
         if held:
             return JoinCheck(holding, tuple(held), away=away)
+        silent = sorted({member.name for member in outside} & set(away))
+        if silent:
+            return JoinCheck(
+                f"{', '.join(repr(name) for name in silent)} listed online but its agent does not answer: "
+                "seen away, taken back once it answers",
+                tuple(silent),
+                away=away,
+            )
         return JoinCheck(f"no member online outside the plan (online: {names})", away=away)
     candidates = tuple(sorted(member.name for member in joined))
     named = ", ".join(repr(name) for name in candidates)

@@ -651,6 +651,9 @@ def test_a_member_lost_while_its_agent_answered_is_taken_back_only_once_it_was_a
     online[0] = [*_members("a", "b"), MeshMember("c", "10.0.0.3", False, _Gone())]
     supervisor._look_for_joins(launcher, 12)
     assert supervisor._found is None, "away now: not taken while it does not answer"
+    assert seen["say"][-1].endswith(
+        "'c' listed online but its agent does not answer: seen away, taken back once it answers"
+    )
     online[0] = _members("a", "b", "c")
     supervisor._look_for_joins(launcher, 14)
     assert supervisor._found is not None and supervisor._found.members == ["c"], "back after being away"
