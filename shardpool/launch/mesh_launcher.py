@@ -33,7 +33,13 @@ from shardpool.contract.names import ContractError
 from shardpool.files.server import FileServer
 from shardpool.launch.beats import BeatWatch
 from shardpool.launch.local_launcher import StageFailed
-from shardpool.launch.mesh_members import MeshMember, launcher_member, mesh_planner, online_members
+from shardpool.launch.mesh_members import (
+    MeshMember,
+    launcher_member,
+    mesh_planner,
+    online_members,
+    plans_with_and_without,
+)
 from shardpool.plan.result import Plan
 
 __all__ = ["Interrupted", "MemberLost", "MeshLauncher", "new_job_id", "ranks_by_member", "run_mesh_job"]
@@ -45,12 +51,24 @@ _NEIGHBOUR_GRACE_S = 15.0  # a forwarded poll of a vanished member takes up to ~
 
 class MemberLost(StageFailed):
     """A member was lost mid-run: its agent stopped answering, its stage was killed by a signal or
-    stopped beating. ``member`` names it and ``step`` is the last step the launcher saw completed."""
+    stopped beating. ``member`` names it and ``step`` is the last step the launcher saw completed;
+    ``agent_answered`` says its agent was still there (a stall or a killed stage, not a machine gone),
+    so it looks healthy again as soon as its stage is stopped."""
 
-    def __init__(self, message: str, *, rank: int, stage: int, member: str = "", step: int = 0) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        stage: int,
+        member: str = "",
+        step: int = 0,
+        agent_answered: bool = False,
+    ) -> None:
         super().__init__(message, rank=rank, stage=stage)
         self.member = member
         self.step = step
+        self.agent_answered = agent_answered
 
 
 class Interrupted(Exception):  # noqa: N818 - not an error: the launcher asked for it
@@ -72,6 +90,7 @@ class MeshLauncher:
         self.members = members
         self.address = launcher_member(members).address
         self._planner = mesh_planner(members, say=say)
+        self._say = say
         self._files_secret = files_secret or secrets.token_hex(32)
         #: Set by the launcher's supervisor: the stall watch, the agent-silence bound, and a check
         #: that asks for the job to stop on purpose (a joined member), each attempt.
@@ -108,6 +127,11 @@ class MeshLauncher:
     def plan(self, config: Config) -> Plan:
         """Place the stages on the members' devices, profiled there for this model."""
         return self._planner(config)
+
+    def plans_with_and_without(self, config: Config, left_out: set[str]) -> tuple[Plan, Plan]:
+        """Plans over every member and over all but ``left_out``, from one measurement of the fleet
+        (a join check's comparison: see :func:`~shardpool.launch.mesh_members.plans_with_and_without`)."""
+        return plans_with_and_without(self.members, config, left_out=left_out, say=self._say)
 
     @contextmanager
     def serving(self, inputs: dict[str, str], output_dir: Path) -> Iterator[str | None]:
@@ -192,6 +216,7 @@ def run_mesh_job(
     last_step = job.resume_step
     failed_at: float | None = None
     started: list[str] = []
+    lost: MemberLost | None = None
     try:
         payload = job.model_dump(mode="json")
         for name, (member, ranks) in ranks_by_member.items():
@@ -227,6 +252,7 @@ def run_mesh_job(
                 if time.monotonic() - failed_at <= lost_after_s + neighbour_grace_s:
                     failure = None
             if failure is not None:
+                lost = failure if isinstance(failure, MemberLost) else None
                 raise failure
             if interrupt is not None and interrupt():
                 raise Interrupted(f"stopped after step {last_step} to re-plan")
@@ -235,22 +261,33 @@ def run_mesh_job(
     finally:
         stop.set()
         reachable = [name for name in started if follows[name].lost is None]
+        answered: set[str] = set()
         stoppers = [
-            threading.Thread(target=_stop_quietly, args=(ranks_by_member[name][0], job_id), daemon=True)
+            threading.Thread(
+                target=_stop_quietly, args=(ranks_by_member[name][0], job_id, answered), daemon=True
+            )
             for name in reachable
         ]
         for thread in stoppers:
             thread.start()
         for thread in stoppers:
             thread.join(timeout=15.0)
+        if lost is not None and lost.agent_answered and lost.member not in answered:
+            # found by its silent beat first, but its agent does not answer the stop either: the
+            # machine went (a kill -9, a power cut), it did not just stall
+            lost.agent_answered = False
 
 
-def _stop_quietly(member: MeshMember, job_id: str) -> None:
-    """Ask one agent to stop the job; a member that does not answer is already gone."""
+def _stop_quietly(member: MeshMember, job_id: str, answered: set[str]) -> None:
+    """Ask one agent to stop the job, noting in ``answered`` that it answered; a member that does
+    not answer is already gone."""
     try:
         member.agent.stop_job(job_id, timeout=10.0)
-    except (AgentUnreachable, AgentRefused):
+    except AgentUnreachable:
+        return
+    except AgentRefused:
         pass
+    answered.add(member.name)
 
 
 def _poll(
@@ -316,7 +353,7 @@ def _failure(
     message = f"killed by signal {-code}" if code < 0 else errors.get(rank, f"exited with status {code}")
     text = f"stage {stage} (rank {rank}) on member {name!r} failed at step {last_step}: {message}"
     if code < 0:
-        return MemberLost(text, rank=rank, stage=stage, member=name, step=last_step)
+        return MemberLost(text, rank=rank, stage=stage, member=name, step=last_step, agent_answered=True)
     return StageFailed(text, rank=rank, stage=stage)
 
 
@@ -334,4 +371,5 @@ def _stall(job: Job, follows: dict[str, _Follow], watch: BeatWatch, last_step: i
         stage=job.stage_index(rank),
         member=name,
         step=last_step,
+        agent_answered=True,
     )

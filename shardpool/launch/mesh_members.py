@@ -35,6 +35,7 @@ __all__ = [
     "mesh_fleet",
     "mesh_planner",
     "online_members",
+    "plans_with_and_without",
 ]
 
 
@@ -100,15 +101,46 @@ def mesh_planner(members: list[MeshMember], *, say: Callable[[str], None]) -> Ca
     """
 
     def plan_on_mesh(config: Config) -> Plan:
-        model_config = json.loads((Path(config.base_model) / "config.json").read_text(encoding="utf-8"))
-        shape, workload = ModelShape.from_config_dir(config.base_model), Workload.from_config(config)
-        fleet = mesh_fleet(members, model_config=model_config, workload=workload, say=say)
-        if workload.stages is not None and workload.stages > len(fleet.devices):
-            say(f"only {len(fleet.devices)} devices online: planning {len(fleet.devices)} stages")
-            workload = replace(workload, stages=len(fleet.devices))
-        return plan_pipeline(shape, workload, fleet)
+        shape, workload, fleet = _measured(members, config, say=say)
+        return _plan_on(shape, workload, fleet, say=say)
 
     return plan_on_mesh
+
+
+def plans_with_and_without(
+    members: list[MeshMember], config: Config, *, left_out: set[str], say: Callable[[str], None]
+) -> tuple[Plan, Plan]:
+    """Plans over all ``members`` and over those not named in ``left_out``, from ONE measurement of
+    the fleet (the same device profiles and the same link probes).
+
+    A join check compares the two: a plan made minutes earlier, from links probed then (they vary
+    by tens of percent on a busy host), says little about what a member that came back adds.
+    """
+    shape, workload, fleet = _measured(members, config, say=say)
+    kept = replace(
+        fleet,
+        devices=tuple(device for device in fleet.devices if device.host not in left_out),
+        links={pair: link for pair, link in fleet.links.items() if not pair & left_out},
+    )
+    # "only N devices online" is the point of the plan without them: not a note for the user
+    return _plan_on(shape, workload, fleet, say=say), _plan_on(shape, workload, kept, say=lambda line: None)
+
+
+def _measured(
+    members: list[MeshMember], config: Config, *, say: Callable[[str], None]
+) -> tuple[ModelShape, Workload, Fleet]:
+    """A config's model shape and workload, and the members' fleet measured for them."""
+    model_config = json.loads((Path(config.base_model) / "config.json").read_text(encoding="utf-8"))
+    shape, workload = ModelShape.from_config_dir(config.base_model), Workload.from_config(config)
+    return shape, workload, mesh_fleet(members, model_config=model_config, workload=workload, say=say)
+
+
+def _plan_on(shape: ModelShape, workload: Workload, fleet: Fleet, *, say: Callable[[str], None]) -> Plan:
+    """The plan of ``workload`` on ``fleet``: one stage per device when more stages are asked for."""
+    if workload.stages is not None and workload.stages > len(fleet.devices):
+        say(f"only {len(fleet.devices)} devices online: planning {len(fleet.devices)} stages")
+        workload = replace(workload, stages=len(fleet.devices))
+    return plan_pipeline(shape, workload, fleet)
 
 
 def mesh_fleet(

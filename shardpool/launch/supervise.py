@@ -12,8 +12,10 @@ decides from them, each part pure or given its side effects, so that it is teste
   newest complete one turned into a checkpoint directory;
 * :class:`ReplanPolicy`: whether a loss is survived (``on_member_loss``, ``min_members``,
   ``max_replans_per_hour``), with the one line that stops the run when it is not;
-* :func:`join_gain` / :func:`worth_joining`: whether a plan with a member that came back is at
-  least :data:`JOIN_GAIN` faster;
+* :func:`look_for_joins` (a :class:`JoinCheck`): whether a plan with a member that came back is
+  at least :data:`JOIN_GAIN` faster than the plan without it, both from one measurement of the
+  fleet (:func:`join_gain` / :func:`worth_joining`), and why not in words; a member lost while
+  its agent answered is held back (:data:`REJOIN_HOLD_OFF_S`) so that it does not flap;
 * :func:`supervision_line`: the ``metrics.jsonl`` (and ``finetune --json``) line of a loss,
   re-plan or join.
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
+from shardpool.agent.client import AgentRefused, AgentUnreachable
 from shardpool.config import Config
 from shardpool.contract.events import StageEvent
 from shardpool.contract.job import Job, StagePlacement
@@ -59,10 +62,12 @@ __all__ = [
     "JOIN_GAIN",
     "KEEP_LIVE_COPIES",
     "REPLAN_CHECK_EVERY_STEPS",
+    "REJOIN_HOLD_OFF_S",
     "REPLAN_CHECK_MIN_S",
     "AttemptEnded",
     "Checkpoints",
     "Supervisor",
+    "JoinCheck",
     "JoinCheckClock",
     "ReplanPolicy",
     "clear_live_copies",
@@ -88,9 +93,17 @@ REPLAN_CHECK_EVERY_STEPS = 10
 #: in tests' runs, whose steps take anywhere from 1 to 30 s on a shared machine).
 REPLAN_CHECK_MIN_S = 60.0
 _TEST_JOIN_CHECK_MIN_S = "SHARDPOOL_TEST_JOIN_CHECK_MIN_S"
+#: Test hook: the steps between two join checks, instead of :data:`REPLAN_CHECK_EVERY_STEPS` (a
+#: test's run is a few dozen steps; ten of them between checks would be most of its length).
+_TEST_JOIN_CHECK_EVERY_STEPS = "SHARDPOOL_TEST_JOIN_CHECK_EVERY_STEPS"
 #: Test hook: the gain a join must predict, instead of :data:`JOIN_GAIN` (the tests' tiny model
-#: predicts 11-25 % with a third host, too near the rule to test the join path reliably).
+#: predicts -1 to 15 % with a third host, from profiles taken under whatever load there was: too
+#: near any rule to test the join path reliably; ``-inf`` takes any plan that uses the member).
 _TEST_JOIN_GAIN = "SHARDPOOL_TEST_JOIN_GAIN"
+#: A member lost while its agent still answered (a stall, a killed stage) looks healthy again as
+#: soon as its stage is stopped: it is taken back only once a join check found it away (its agent
+#: not answering: a restart), or this many seconds after it was lost, so that it does not flap.
+REJOIN_HOLD_OFF_S = 600.0
 #: Complete step-boundary copies kept while the run goes on; older ones are deleted.
 KEEP_LIVE_COPIES = 2
 
@@ -247,11 +260,20 @@ def join_check_min_s(environ: dict[str, str] | None = None) -> float:
         return REPLAN_CHECK_MIN_S
 
 
+def join_check_every_steps(environ: dict[str, str] | None = None) -> int:
+    """The fewest steps between two join checks: :data:`REPLAN_CHECK_EVERY_STEPS`, or the test hook's value."""
+    text = (os.environ if environ is None else environ).get(_TEST_JOIN_CHECK_EVERY_STEPS, "")
+    try:
+        return max(1, int(text)) if text else REPLAN_CHECK_EVERY_STEPS
+    except ValueError:
+        return REPLAN_CHECK_EVERY_STEPS
+
+
 @dataclass
 class JoinCheckClock:
     """When the launcher looks for joined members: every ``every_steps`` steps and ``min_s`` seconds, whichever is later."""
 
-    every_steps: int = REPLAN_CHECK_EVERY_STEPS
+    every_steps: int = field(default_factory=lambda: join_check_every_steps())
     min_s: float = field(default_factory=lambda: join_check_min_s())
     clock: Callable[[], float] = time.monotonic
     _last_step: int | None = None
@@ -311,7 +333,14 @@ class AttemptEnded(Exception):  # noqa: N818 - not an error: the supervisor goes
     """
 
     def __init__(
-        self, kind: SupervisionEvent, *, member: str, reason: str, step: int, newest_copy: int | None
+        self,
+        kind: SupervisionEvent,
+        *,
+        member: str,
+        reason: str,
+        step: int,
+        newest_copy: int | None,
+        agent_answered: bool = False,
     ):
         super().__init__(f"{kind}: {member} at step {step}: {reason}")
         self.kind, self.member, self.reason, self.step, self.newest_copy = (
@@ -321,6 +350,8 @@ class AttemptEnded(Exception):  # noqa: N818 - not an error: the supervisor goes
             step,
             newest_copy,
         )
+        #: A lost member's agent still answered (see :attr:`MemberLost.agent_answered`).
+        self.agent_answered = agent_answered
 
 
 class Checkpoints(Protocol):
@@ -415,6 +446,8 @@ class Supervisor:
     _join_thread: threading.Thread | None = None
     _join_started: float = 0.0
     _found: _JoinFound | None = None
+    _lost: list[str] = field(default_factory=list)
+    _held: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def wanted(cls, config: Config, launcher: object) -> bool:
@@ -465,7 +498,12 @@ class Supervisor:
         if isinstance(stopped, MemberLost):
             reason = str(stopped).split(": ", 1)[-1]
             return AttemptEnded(
-                "member_lost", member=stopped.member, reason=reason, step=stopped.step, newest_copy=newest
+                "member_lost",
+                member=stopped.member,
+                reason=reason,
+                step=stopped.step,
+                newest_copy=newest,
+                agent_answered=stopped.agent_answered,
             )
         found = self._found
         names = ", ".join(found.members) if found else "?"
@@ -503,6 +541,12 @@ class Supervisor:
                 reason=ended.reason,
                 steps_lost=steps_lost,
             )
+            if ended.member not in self._lost:
+                self._lost.append(ended.member)
+            if ended.agent_answered:
+                self._held[ended.member] = self.clock()
+            else:
+                self._held.pop(ended.member, None)
             remaining = [member for member in launcher.members if member.name != ended.member]
             refusal = self.policy.refusal(len(remaining))
             if refusal is not None:
@@ -584,61 +628,158 @@ class Supervisor:
             )
         if busy or not self.join_clock.due(step):
             return
-        thread = threading.Thread(
-            target=self._look_for_joins, args=(launcher, step, self._current_step_s), daemon=True
-        )
+        thread = threading.Thread(target=self._look_for_joins, args=(launcher, step), daemon=True)
         with self._join_lock:
             self._join_thread, self._join_started = thread, self.clock()
         thread.start()
 
-    def _look_for_joins(self, launcher: MeshLauncher, step: int, current_step_s: float) -> None:
+    def _look_for_joins(self, launcher: MeshLauncher, step: int) -> None:
         """Off the event loop: list the members online, profile and plan with any not in the plan,
-        and keep the plan when it is :data:`JOIN_GAIN` faster."""
+        and keep the plan when it is :data:`JOIN_GAIN` faster; say why not when a member is online
+        outside the plan or one lost in this run is still away."""
         started = self.clock()
+        with self._join_lock:
+            held = self._held_back(started)
         try:
-            found = look_for_joins(launcher, self.config, current_step_s, step=step, say=lambda line: None)
+            check = look_for_joins(launcher, self.config, step=step, say=lambda line: None, held_back=held)
         except Exception as error:  # noqa: BLE001 - a failed look leaves the run as it is
-            self.say(
-                f"join check after step {step} failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
-            )
-            found = None
+            first = str(error).splitlines()[0] if str(error) else type(error).__name__
+            check = JoinCheck(f"failed: {first}", ("?",))
+        took = self.clock() - started
         with self._join_lock:
             self._join_thread = None
-            if (
-                found is None
-                or self.clock() - started > JOIN_CHECK_TIMEOUT_S
-                or self._launcher is not launcher
-            ):
-                return
-            if self.policy.refusal(len(found[0].members)) is not None:
-                return
-            successor, plan, joined, reason = found
-            self._found = _JoinFound(successor, plan, joined, step, reason, self.clock())
+            for name in check.away:
+                self._held.pop(name, None)  # seen away: taken back once it answers again
+            why = check.why
+            if check.found is not None:
+                if took > JOIN_CHECK_TIMEOUT_S:
+                    why = f"{why}; took {took:.0f} s, over {JOIN_CHECK_TIMEOUT_S:.0f} s: not taken"
+                elif self._launcher is not launcher:
+                    why = f"{why}; the run re-planned meanwhile: not taken"
+                elif (refusal := self.policy.refusal(len(check.found[0].members))) is not None:
+                    why = f"{why}; not taken: {refusal}"
+                else:
+                    successor, plan, joined, reason = check.found
+                    self._found = _JoinFound(successor, plan, joined, step, reason, self.clock())
+                    self.say(f"join check after step {step} ({took:.0f} s): {why}; taking it")
+                    return
+            elif not check.candidates:
+                away = self._away()
+                if not away:
+                    return  # nothing joined and nothing lost: nothing to tell
+                names = ", ".join(repr(name) for name in away)
+                why = f"{names} (lost in this run) not back: {why}"
+        self.say(f"join check after step {step} ({took:.0f} s): {why}")
+
+    def _held_back(self, now: float) -> dict[str, str]:
+        """The members lost in this run while their agent answered that may not come back yet, and why."""
+        for name in [name for name, since in self._held.items() if now - since >= REJOIN_HOLD_OFF_S]:
+            del self._held[name]
+        return {
+            name: (
+                f"lost {now - since:.0f} s ago while its agent answered: taken back once it has been away "
+                f"(restarted) or {REJOIN_HOLD_OFF_S / 60:.0f} min after it was lost"
+            )
+            for name, since in self._held.items()
+        }
+
+    def _away(self) -> list[str]:
+        """Members this run lost that are not in the current plan (a join check says when they stay away)."""
+        launcher = self._launcher
+        current = {member.name for member in launcher.members} if launcher is not None else set()
+        return [name for name in self._lost if name not in current]
+
+
+@dataclass(frozen=True)
+class JoinCheck:
+    """What one join check found: ``found`` (a launcher and plan with joined members, worth a
+    restart) or None, and ``why`` in words either way, for the console line that says so.
+
+    ``candidates`` are the members online but not in the plan (the ones the check was about,
+    held-back ones included).
+    """
+
+    why: str
+    candidates: tuple[str, ...] = ()
+    found: tuple[MeshLauncher, Plan, list[str], str] | None = None
+    #: Held-back members found away (not online, or their agent not answering).
+    away: tuple[str, ...] = ()
 
 
 def look_for_joins(
-    launcher: MeshLauncher, config: Config, current_step_s: float, *, step: int, say: Callable[[str], None]
-) -> tuple[MeshLauncher, Plan, list[str], str] | None:
-    """A launcher and plan with the members online but not in ``launcher``'s, when worth joining.
+    launcher: MeshLauncher,
+    config: Config,
+    *,
+    step: int,
+    say: Callable[[str], None],
+    held_back: dict[str, str] | None = None,
+) -> JoinCheck:
+    """Whether the members online but not in ``launcher``'s are worth a restart, and why (not).
 
-    None when no member joined, or the plan with them is not :data:`JOIN_GAIN` faster than
-    ``current_step_s`` (the current plan's prediction, same cost model), or uses none of them.
+    The members are measured once (profiles, links) and planned with and without the ones that
+    joined; ``found`` is set when the plan with them uses at least one and predicts a step at
+    least :func:`join_gain_needed` faster than the plan without them. The planner's notes (a
+    member skipped, a link not measured) are passed to ``say`` and end up in ``why`` too.
+    ``held_back`` (name: why) are members not to take back yet: they are only asked whether their
+    agent answers (``away`` names those that are gone).
     """
+    held_back = held_back or {}
     if launcher.list_members is None:
-        return None
+        return JoinCheck("the launcher cannot list the members online")
     current = {member.name for member in launcher.members}
     online = launcher.list_members()
-    joined = [member for member in online if member.name not in current]
+    outside = [member for member in online if member.name not in current]
+    away = tuple(sorted(name for name in held_back if name not in {member.name for member in outside}))
+    held: list[str] = []
+    for member in (member for member in outside if member.name in held_back):
+        try:
+            member.agent.health()
+            held.append(member.name)
+        except (AgentUnreachable, AgentRefused):
+            away += (member.name,)
+    holding = "; ".join(f"{name!r} held back: {held_back[name]}" for name in held)
+
+    def told(why: str) -> str:
+        return f"{why}; {holding}" if holding else why
+
+    joined = [member for member in outside if member.name not in held_back]
     if not joined:
-        return None
-    candidate = launcher.over([*launcher.members, *joined], say=say)
-    plan = candidate.plan(config)
+        names = ", ".join(sorted(member.name for member in online)) or "none"
+        if held:
+            return JoinCheck(holding, tuple(held), away=away)
+        silent = sorted({member.name for member in outside} & set(away))
+        if silent:
+            return JoinCheck(
+                f"{', '.join(repr(name) for name in silent)} listed online but its agent does not answer: "
+                "seen away, taken back once it answers",
+                tuple(silent),
+                away=away,
+            )
+        return JoinCheck(f"no member online outside the plan (online: {names})", away=away)
+    candidates = tuple(sorted(member.name for member in joined))
+    named = ", ".join(repr(name) for name in candidates)
+    notes: list[str] = []
+
+    def note(line: str) -> None:
+        notes.append(line)
+        say(line)
+
+    candidate = launcher.over([*launcher.members, *joined], say=note)
+    plan, without = candidate.plans_with_and_without(config, set(candidates))
+    skipped = f" ({'; '.join(notes)})" if notes else ""
     used = sorted({stage.host for stage in plan.stages} - current)
-    if not used or not worth_joining(current_step_s, plan.predicted_step_s):
-        return None
-    gain = join_gain(current_step_s, plan.predicted_step_s)
-    reason = (
-        f"predicted {plan.predicted_step_s:.3f} s/step with it, {current_step_s:.3f} s/step without "
-        f"({gain:.0%} faster)"
+    placed = " ".join(f"{stage.host}[{stage.start}, {stage.stop})" for stage in plan.stages)
+    if not used:
+        return JoinCheck(
+            told(f"{named} online, but the plan with it leaves it out ({placed}){skipped}"),
+            candidates,
+            away=away,
+        )
+    gain, needed = join_gain(without.predicted_step_s, plan.predicted_step_s), join_gain_needed()
+    prediction = (
+        f"the plan with {', '.join(repr(name) for name in used)} predicts {plan.predicted_step_s:.3f} s/step "
+        f"vs {without.predicted_step_s:.3f} without ({gain:.0%} faster, needs {needed:.0%}; {placed})"
     )
-    return candidate, plan, used, reason
+    if not worth_joining(without.predicted_step_s, plan.predicted_step_s):
+        return JoinCheck(told(f"{named} online, {prediction}; not taken{skipped}"), candidates, away=away)
+    return JoinCheck(told(prediction), candidates, (candidate, plan, used, prediction), away)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from shardpool.agent.client import AgentUnreachable
 from shardpool.config import Config, parse_config
 from shardpool.contract.job import Job
 from shardpool.contract.liveness import LIVE_ROOT, live_dir
@@ -156,6 +157,37 @@ def test_a_stage_that_stopped_beating_is_a_lost_member_named_with_its_silence() 
         run_mesh_job(_job(), "j", {"a": (a, [0]), "b": (b, [1])}, on_event=lambda event: None, watch=watch)
     assert lost.value.member == "b"
     assert "stopped beating for" in str(lost.value)
+    assert lost.value.agent_answered, "b's agent answered the stop: b stalled, its machine is there"
+
+
+class _Unreachable(_Agent):
+    """An agent gone with its machine: it answers the launcher's polls from a script (the replies
+    already in flight), then nothing; it does not answer the stop."""
+
+    def stop_job(self, job_id: str, *, timeout: float = 10.0) -> dict[str, Any]:
+        raise AgentUnreachable("timed out")
+
+
+def test_a_silent_beat_whose_agent_does_not_answer_the_stop_is_a_machine_gone_not_a_stall() -> None:
+    """A kill -9 of a whole host is often found by its beat before its agent's silence: the stop
+    the launcher sends then tells the two apart (a stalled member is held back, a gone one not)."""
+    a = _members("a")[0]
+    b = MeshMember("b", "10.0.0.2", False, _Unreachable())
+    clock = iter(float(second) for second in range(0, 10_000, 2))
+    beats = {0: 1, 1: 1}
+
+    def read(rank: int) -> int:
+        if rank == 0:
+            beats[0] += 1
+        return beats[rank]
+
+    watch = BeatWatch(
+        beats=read, ranks={"a": [0], "b": [1]}, member_timeout_s=10.0, clock=lambda: next(clock)
+    )
+    with pytest.raises(MemberLost) as lost:
+        run_mesh_job(_job(), "j", {"a": (a, [0]), "b": (b, [1])}, on_event=lambda event: None, watch=watch)
+    assert lost.value.member == "b" and "stopped beating for" in str(lost.value)
+    assert not lost.value.agent_answered
 
 
 def _copies(tmp_path: Path, *steps: int) -> None:
@@ -209,6 +241,8 @@ def test_a_join_needs_a_step_at_least_ten_percent_faster() -> None:
     assert join_gain_needed({}) == 0.10
     assert join_gain_needed({"SHARDPOOL_TEST_JOIN_GAIN": "0"}) == 0.0
     assert join_gain_needed({"SHARDPOOL_TEST_JOIN_GAIN": "x"}) == 0.10
+    anything = join_gain_needed({"SHARDPOOL_TEST_JOIN_GAIN": "-inf"})  # the netns test's: any plan using it
+    assert worth_joining(1.0, 3.0, gain=anything)
 
 
 def test_joins_are_checked_every_ten_steps_and_sixty_seconds_whichever_is_later() -> None:
@@ -229,6 +263,15 @@ def test_the_test_hook_shortens_the_minute_between_join_checks() -> None:
     assert join_check_min_s({}) == REPLAN_CHECK_MIN_S == 60.0
     assert join_check_min_s({"SHARDPOOL_TEST_JOIN_CHECK_MIN_S": "5"}) == 5.0
     assert join_check_min_s({"SHARDPOOL_TEST_JOIN_CHECK_MIN_S": "soon"}) == REPLAN_CHECK_MIN_S
+
+
+def test_the_test_hook_shortens_the_ten_steps_between_join_checks() -> None:
+    from shardpool.launch.supervise import REPLAN_CHECK_EVERY_STEPS, join_check_every_steps
+
+    assert join_check_every_steps({}) == REPLAN_CHECK_EVERY_STEPS == 10
+    assert join_check_every_steps({"SHARDPOOL_TEST_JOIN_CHECK_EVERY_STEPS": "2"}) == 2
+    assert join_check_every_steps({"SHARDPOOL_TEST_JOIN_CHECK_EVERY_STEPS": "0"}) == 1
+    assert join_check_every_steps({"SHARDPOOL_TEST_JOIN_CHECK_EVERY_STEPS": "often"}) == 10
 
 
 def test_the_supervision_line_has_who_when_why_and_the_steps_lost() -> None:
@@ -404,27 +447,74 @@ def test_a_model_that_no_longer_fits_stops_with_the_missing_memory(
         )
 
 
+def _plans_by_size(speeds: dict[int, float]) -> Any:
+    """A fake ``MeshLauncher.plans_with_and_without``: a plan's predicted step by its member count."""
+
+    def plans(self: MeshLauncher, config: Config, left_out: set[str]) -> tuple[Plan, Plan]:
+        every = [member.name for member in self.members]
+        kept = [name for name in every if name not in left_out]
+        return _plan(every, speeds[len(every)]), _plan(kept, speeds[len(kept)])
+
+    return plans
+
+
 def test_a_member_back_online_is_taken_when_the_plan_is_ten_percent_faster(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     config = _config(tmp_path)
     speeds = {2: 1.0, 3: 0.85}
-    monkeypatch.setattr(
-        MeshLauncher,
-        "plan",
-        lambda self, config: _plan([m.name for m in self.members], speeds[len(self.members)]),
-    )
+    monkeypatch.setattr(MeshLauncher, "plans_with_and_without", _plans_by_size(speeds))
     launcher = MeshLauncher(_members("a", "b"), say=print)
     launcher.list_members = lambda: _members("a", "b", "c")
-    found = look_for_joins(launcher, config, 1.0, step=10, say=print)
+    found = look_for_joins(launcher, config, step=10, say=print).found
     assert found is not None
     successor, plan, joined, reason = found
     assert joined == ["c"] and "15% faster" in reason
     assert [member.name for member in successor.members] == ["a", "b", "c"]
     speeds[3] = 0.95
-    assert look_for_joins(launcher, config, 1.0, step=10, say=print) is None, "5% is not worth a restart"
+    slow = look_for_joins(launcher, config, step=10, say=print)
+    assert slow.found is None, "5% is not worth a restart"
+    assert slow.candidates == ("c",)
+    assert "predicts 0.950 s/step vs 1.000 without (5% faster, needs 10%" in slow.why
+    assert slow.why.endswith("; not taken")
     launcher.list_members = lambda: _members("a", "b")
-    assert look_for_joins(launcher, config, 1.0, step=10, say=print) is None
+    alone = look_for_joins(launcher, config, step=10, say=print)
+    assert alone.found is None and alone.candidates == ()
+    assert alone.why == "no member online outside the plan (online: a, b)"
+
+
+def test_a_join_check_compares_plans_from_one_measurement_of_the_fleet(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Links probed minutes apart differ by tens of percent on a busy host: the plan without the
+    member that came back is made again from the same profiles and probes as the plan with it."""
+    from shardpool.launch import mesh_members
+    from shardpool.plan.fleet import Device, Fleet, LinkSpec
+
+    measured: list[list[str]] = []
+
+    def fleet(members: list[MeshMember], **_: Any) -> Fleet:
+        measured.append([member.name for member in members])
+        devices = tuple(
+            Device(name=f"{name}/cpu", memory_bytes=8 << 30, host=name, kind="cpu", seconds_per_layer=0.01)
+            for name in ("a", "b", "c")
+        )
+        slow = LinkSpec(bandwidth=1e6, latency=0.5)
+        return Fleet(devices=devices, links={frozenset(("a", "c")): slow, frozenset(("a", "b")): slow})
+
+    monkeypatch.setattr(mesh_members, "mesh_fleet", fleet)
+    model = tmp_path / "model"
+    model.mkdir()
+    shape = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 6,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}  # fmt: skip
+    (model / "config.json").write_text(json.dumps(shape))
+    config = _config(tmp_path, stages=3).model_copy(update={"base_model": str(model)})
+    with_c, without_c = mesh_members.plans_with_and_without(
+        _members("a", "b", "c"), config, left_out={"c"}, say=print
+    )
+    assert measured == [["a", "b", "c"]], "one measurement for both plans"
+    assert {stage.host for stage in with_c.stages} == {"a", "b", "c"}
+    assert {stage.host for stage in without_c.stages} == {"a", "b"}
 
 
 def test_only_a_continuing_mesh_run_of_several_processes_keeps_state(tmp_path: Path) -> None:
@@ -438,11 +528,7 @@ def test_a_join_stops_the_stages_only_once_the_copy_of_the_last_step_is_complete
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = _config(tmp_path)
-    monkeypatch.setattr(
-        MeshLauncher,
-        "plan",
-        lambda self, config: _plan([m.name for m in self.members], 2.0 / len(self.members)),
-    )
+    monkeypatch.setattr(MeshLauncher, "plans_with_and_without", _plans_by_size({2: 1.0, 3: 2.0 / 3}))
     seen: dict[str, list[Any]] = {}
     supervisor = _supervisor(tmp_path, config, seen)
     launcher = MeshLauncher(_members("a", "b"), say=print)
@@ -455,7 +541,7 @@ def test_a_join_stops_the_stages_only_once_the_copy_of_the_last_step_is_complete
 
     run = _run(config, _plan(["a", "b"]))
     supervisor.begin(launcher, run, Job.model_validate(job_dict(stages=2)), _Store())
-    supervisor._look_for_joins(launcher, 10, 1.0)  # what the join check's thread does
+    supervisor._look_for_joins(launcher, 10)  # what the join check's thread does
     supervisor._last_step = 11
     _copies(tmp_path, 10, 11)
     counts.update({10: 2, 11: 1})
@@ -482,3 +568,121 @@ def test_a_copy_whose_files_are_all_on_disk_counts_whatever_the_store_says(tmp_p
     (directory / "rng-rank-1.safetensors").write_bytes(b"x")
     assert copy_files_count(tmp_path, 4, job) == job.world_size == 2
     assert complete_live_steps(tmp_path, lambda step: copy_files_count(tmp_path, step, job), 2) == [4]
+
+
+def test_a_join_check_says_why_a_member_online_or_lost_is_not_taken_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Users want to know why a returning member is not used: every "no" about one is a console line."""
+    config = _config(tmp_path)
+    speeds = {2: 1.0, 3: 0.95}
+    monkeypatch.setattr(MeshLauncher, "plans_with_and_without", _plans_by_size(speeds))
+    seen: dict[str, list[Any]] = {}
+    supervisor = _supervisor(tmp_path, config, seen)
+    launcher = MeshLauncher(_members("a", "b"), say=print)
+    online = [_members("a", "b")]
+    launcher.list_members = lambda: online[0]
+    supervisor.begin(launcher, _run(config, _plan(["a", "b"])), Job.model_validate(job_dict(stages=2)), None)
+
+    supervisor._look_for_joins(launcher, 10)
+    assert not seen["say"], "nothing joined, nothing lost: nothing to say"
+
+    supervisor._lost.append("c")
+    supervisor._look_for_joins(launcher, 20)
+    assert seen["say"][-1].startswith("join check after step 20 (")
+    assert seen["say"][-1].endswith(
+        "'c' (lost in this run) not back: no member online outside the plan (online: a, b)"
+    )
+
+    online[0] = _members("a", "b", "c")
+    supervisor._look_for_joins(launcher, 30)
+    assert (
+        "'c' online, the plan with 'c' predicts 0.950 s/step vs 1.000 without (5% faster, needs 10%"
+        in seen["say"][-1]
+    )
+    assert seen["say"][-1].endswith("; not taken") and supervisor._found is None
+
+    def unreachable(self: MeshLauncher, config: Config, left_out: set[str]) -> tuple[Plan, Plan]:
+        raise ShardpoolError("no mesh member's agent answered")
+
+    monkeypatch.setattr(MeshLauncher, "plans_with_and_without", unreachable)
+    supervisor._look_for_joins(launcher, 40)
+    assert seen["say"][-1].endswith("failed: no mesh member's agent answered")
+
+    monkeypatch.setattr(MeshLauncher, "plans_with_and_without", _plans_by_size({2: 1.0, 3: 0.8}))
+    supervisor._look_for_joins(launcher, 50)
+    assert supervisor._found is not None and supervisor._found.members == ["c"]
+    assert seen["say"][-1].endswith("taking it")
+
+
+class _Gone(_Agent):
+    """An agent that does not answer (its machine was restarting)."""
+
+    def health(self) -> dict[str, Any]:
+        raise AgentUnreachable("timed out")
+
+
+def test_a_member_lost_while_its_agent_answered_is_taken_back_only_once_it_was_away_or_after_the_hold_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stalled member looks healthy once its stage is stopped: no flapping back into the run."""
+    config = _config(tmp_path)
+    monkeypatch.setattr(MeshLauncher, "plan", lambda self, config: _plan([m.name for m in self.members]))
+    monkeypatch.setattr(MeshLauncher, "plans_with_and_without", _plans_by_size({2: 1.0, 3: 0.5}))
+    now = [100.0]
+    seen: dict[str, list[Any]] = {}
+    supervisor = _supervisor(tmp_path, config, seen)
+    supervisor.clock = lambda: now[0]
+    run = _run(config, _plan(["a", "b", "c"]))
+    stalled = AttemptEnded(
+        "member_lost", member="c", reason="stopped beating", step=3, newest_copy=None, agent_answered=True
+    )
+    following, launcher = supervisor.next_attempt(
+        run, MeshLauncher(_members("a", "b", "c"), say=print), stalled
+    )
+    online = [_members("a", "b", "c")]
+    launcher.list_members = lambda: online[0]
+    supervisor.begin(launcher, following, Job.model_validate(job_dict(stages=2)), None)
+
+    supervisor._look_for_joins(launcher, 10)
+    assert supervisor._found is None
+    assert "'c' held back: lost 0 s ago while its agent answered" in seen["say"][-1]
+
+    online[0] = [*_members("a", "b"), MeshMember("c", "10.0.0.3", False, _Gone())]
+    supervisor._look_for_joins(launcher, 12)
+    assert supervisor._found is None, "away now: not taken while it does not answer"
+    assert seen["say"][-1].endswith(
+        "'c' listed online but its agent does not answer: seen away, taken back once it answers"
+    )
+    online[0] = _members("a", "b", "c")
+    supervisor._look_for_joins(launcher, 14)
+    assert supervisor._found is not None and supervisor._found.members == ["c"], "back after being away"
+
+    # the same stall again, and this time c never goes away: taken back after the hold-off
+    supervisor._found = None
+    supervisor._held["c"] = now[0]
+    now[0] += 599.0
+    supervisor._look_for_joins(launcher, 16)
+    assert supervisor._found is None
+    now[0] += 2.0
+    supervisor._look_for_joins(launcher, 18)
+    assert supervisor._found is not None
+
+
+def test_a_member_lost_with_its_agent_is_taken_back_as_soon_as_it_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _config(tmp_path)
+    monkeypatch.setattr(MeshLauncher, "plan", lambda self, config: _plan([m.name for m in self.members]))
+    monkeypatch.setattr(MeshLauncher, "plans_with_and_without", _plans_by_size({2: 1.0, 3: 0.5}))
+    supervisor = _supervisor(tmp_path, config, {})
+    killed = AttemptEnded(
+        "member_lost", member="c", reason="its agent stopped answering", step=3, newest_copy=None
+    )
+    following, launcher = supervisor.next_attempt(
+        _run(config, _plan(["a", "b", "c"])), MeshLauncher(_members("a", "b", "c"), say=print), killed
+    )
+    launcher.list_members = lambda: _members("a", "b", "c")
+    supervisor.begin(launcher, following, Job.model_validate(job_dict(stages=2)), None)
+    supervisor._look_for_joins(launcher, 10)
+    assert supervisor._found is not None and supervisor._found.members == ["c"]
