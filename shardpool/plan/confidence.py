@@ -14,12 +14,26 @@ import math
 import statistics
 from collections.abc import Sequence
 
-__all__ = ["MAX_RUNS", "MIN_RUNS", "TARGET_CI95", "TIME_BUDGET_S", "ci95_relative", "measured_enough"]
+__all__ = [
+    "MAX_RUNS",
+    "MIN_RUNS",
+    "QUOTA_SAMPLE_S",
+    "TARGET_CI95",
+    "TIME_BUDGET_S",
+    "ci95_relative",
+    "measured_enough",
+    "passes_per_sample",
+]
 
 MIN_RUNS = 3
 MAX_RUNS = 25
 TARGET_CI95 = 0.05
 TIME_BUDGET_S = 10.0
+#: Under a CPU quota the kernel lets a process run for quota x period, then holds it until the
+#: period ends (CFS: 100 ms by default). A timed pass shorter than a period is fast or slow
+#: depending on where in the period it falls, so a throttled profile times samples of several
+#: passes that span this many seconds (ten default periods) and divides: the duty cycle averages out.
+QUOTA_SAMPLE_S = 1.0
 
 # Two-sided 95% Student t quantiles by degrees of freedom; 1.96 (the normal quantile) past 30.
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
@@ -51,3 +65,11 @@ def measured_enough(times: Sequence[float], *, spent_seconds: float) -> bool:
         return True
     relative = ci95_relative(times)
     return relative is not None and relative <= TARGET_CI95
+
+
+def passes_per_sample(pass_seconds: float, *, throttled: bool, sample_s: float = QUOTA_SAMPLE_S) -> int:
+    """Passes to time together as one sample: 1, or under a CPU quota (``throttled``) enough passes
+    of ``pass_seconds`` to span ``sample_s`` (see :data:`QUOTA_SAMPLE_S`)."""
+    if not throttled or pass_seconds <= 0:
+        return 1
+    return max(1, math.ceil(sample_s / pass_seconds))

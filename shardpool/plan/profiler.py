@@ -32,7 +32,7 @@ from mesh.files import atomic_write
 from shardpool.config import load_config
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
-from shardpool.plan.confidence import ci95_relative, measured_enough
+from shardpool.plan.confidence import ci95_relative, measured_enough, passes_per_sample
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.cpu_quota import cpu_quota
 from shardpool.plan.device_facts import DeviceInfo, LayerProfile, normalize_device
@@ -103,7 +103,10 @@ def profile_layer(
             except TypeError:
                 pass
     with _threads(threads if info.kind == "cpu" else None):
-        profile = _measure(shape, workload, device=device, label=label, threads=threads, repeats=repeats)
+        profile = _measure(
+            shape, workload, device=device, label=label, threads=threads, repeats=repeats,
+            throttled=info.kind == "cpu" and quota is not None,
+        )  # fmt: skip
     profile = replace(profile, cpu_quota=quota)
     if use_cache:
         _write_cache(key, asdict(profile))
@@ -222,7 +225,14 @@ def _nf4_linear(linear: Any, dtype: Any, device: str, generator: Any, bnb: Any) 
 
 
 def _measure(
-    shape: ModelShape, workload: Workload, *, device: str, label: str, threads: int | None, repeats: int
+    shape: ModelShape,
+    workload: Workload,
+    *,
+    device: str,
+    label: str,
+    threads: int | None,
+    repeats: int,
+    throttled: bool = False,
 ) -> LayerProfile:
     import torch
     import torch.utils.checkpoint
@@ -262,12 +272,16 @@ def _measure(
             if attempt >= 1 and warmup > 0.5:
                 break
         times, forwards = [], []
+        per_sample = passes_per_sample(warmup, throttled=throttled)
         began = time.perf_counter()
-        while True:  # at least `repeats` passes, then until the confidence target (shardpool.plan.confidence)
+        while (
+            True
+        ):  # at least `repeats` samples, then until the confidence target (shardpool.plan.confidence)
             start = time.perf_counter()
-            forwards.append(step())
+            forward_seconds = sum(step() for _ in range(per_sample))
             synchronize(device)
-            times.append(time.perf_counter() - start)
+            times.append((time.perf_counter() - start) / per_sample)
+            forwards.append(forward_seconds / per_sample)
             if warmup > 5.0 or (
                 len(times) >= repeats and measured_enough(times, spent_seconds=time.perf_counter() - began)
             ):
@@ -288,7 +302,7 @@ def _measure(
         device=device,
         label=label,
         threads=threads,
-        runs=len(times),
+        runs=runs * per_sample,
         forward_seconds=statistics.median(forwards),
         embed_seconds=ends[0],
         head_forward_seconds=ends[1],

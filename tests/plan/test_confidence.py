@@ -54,3 +54,13 @@ def test_concurrent_profile_writers_lose_no_entry(tmp_path: Path, monkeypatch: p
     assert all(writer.exitcode == 0 for writer in writers)
     cached = json.loads((tmp_path / "profiles.json").read_text())
     assert len(cached) == 80
+
+
+def test_a_throttled_profile_times_samples_of_passes_spanning_ten_quota_periods() -> None:
+    # A 47 ms pass under a 0.6-CPU quota fits in one 100 ms period's 60 ms of run time: timed alone
+    # it is fast or slow by where in the period it starts (0.047 vs 0.063 s per layer in two
+    # profiles of one host). Samples of 22 passes (1.03 s) span ten periods.
+    assert confidence.passes_per_sample(0.047, throttled=True) == 22
+    assert confidence.passes_per_sample(2.5, throttled=True) == 1  # a pass longer than the sample: alone
+    assert confidence.passes_per_sample(0.047, throttled=False) == 1  # no quota: every pass is a sample
+    assert confidence.passes_per_sample(0.0, throttled=True) == 1
