@@ -242,31 +242,35 @@ def worth_joining(current_step_s: float, candidate_step_s: float, *, gain: float
     return join_gain(current_step_s, candidate_step_s) >= needed - 1e-12
 
 
+_Value = TypeVar("_Value", int, float)
+
+
+def _hook(
+    name: str, parse: Callable[[str], _Value], default: _Value, environ: dict[str, str] | None
+) -> _Value:
+    """A test hook's value from the environment, parsed; ``default`` when unset or malformed."""
+    text = (os.environ if environ is None else environ).get(name, "")
+    try:
+        return parse(text) if text else default
+    except ValueError:
+        return default
+
+
 def join_gain_needed(environ: dict[str, str] | None = None) -> float:
     """The predicted gain a join needs: :data:`JOIN_GAIN`, or the test hook's value."""
-    text = (os.environ if environ is None else environ).get(_TEST_JOIN_GAIN, "")
-    try:
-        return float(text) if text else JOIN_GAIN
-    except ValueError:
-        return JOIN_GAIN
+    return _hook(_TEST_JOIN_GAIN, float, JOIN_GAIN, environ)
 
 
 def join_check_min_s(environ: dict[str, str] | None = None) -> float:
     """The fewest seconds between two join checks: :data:`REPLAN_CHECK_MIN_S`, or the test hook's value."""
-    text = (os.environ if environ is None else environ).get(_TEST_JOIN_CHECK_MIN_S, "")
-    try:
-        return max(0.0, float(text)) if text else REPLAN_CHECK_MIN_S
-    except ValueError:
-        return REPLAN_CHECK_MIN_S
+    return _hook(_TEST_JOIN_CHECK_MIN_S, lambda text: max(0.0, float(text)), REPLAN_CHECK_MIN_S, environ)
 
 
 def join_check_every_steps(environ: dict[str, str] | None = None) -> int:
     """The fewest steps between two join checks: :data:`REPLAN_CHECK_EVERY_STEPS`, or the test hook's value."""
-    text = (os.environ if environ is None else environ).get(_TEST_JOIN_CHECK_EVERY_STEPS, "")
-    try:
-        return max(1, int(text)) if text else REPLAN_CHECK_EVERY_STEPS
-    except ValueError:
-        return REPLAN_CHECK_EVERY_STEPS
+    return _hook(
+        _TEST_JOIN_CHECK_EVERY_STEPS, lambda text: max(1, int(text)), REPLAN_CHECK_EVERY_STEPS, environ
+    )
 
 
 @dataclass

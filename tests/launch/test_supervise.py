@@ -140,8 +140,8 @@ def test_a_neighbour_that_fails_first_is_not_blamed_for_the_member_lost_behind_i
     assert lost.value.member == "a"
 
 
-def test_a_stage_that_stopped_beating_is_a_lost_member_named_with_its_silence() -> None:
-    a, b = _members("a", "b")
+def _b_stops_beating(a: MeshMember, b: MeshMember) -> Any:
+    """Run a job of ``a`` (rank 0, beating) and ``b`` (rank 1, silent) under a beat watch; the MemberLost raised."""
     clock = iter(float(second) for second in range(0, 10_000, 2))
     beats = {0: 1, 1: 1}
 
@@ -155,6 +155,12 @@ def test_a_stage_that_stopped_beating_is_a_lost_member_named_with_its_silence() 
     )
     with pytest.raises(MemberLost) as lost:
         run_mesh_job(_job(), "j", {"a": (a, [0]), "b": (b, [1])}, on_event=lambda event: None, watch=watch)
+    return lost
+
+
+def test_a_stage_that_stopped_beating_is_a_lost_member_named_with_its_silence() -> None:
+    a, b = _members("a", "b")
+    lost = _b_stops_beating(a, b)
     assert lost.value.member == "b"
     assert "stopped beating for" in str(lost.value)
     assert lost.value.agent_answered, "b's agent answered the stop: b stalled, its machine is there"
@@ -172,20 +178,7 @@ def test_a_silent_beat_whose_agent_does_not_answer_the_stop_is_a_machine_gone_no
     """A kill -9 of a whole host is often found by its beat before its agent's silence: the stop
     the launcher sends then tells the two apart (a stalled member is held back, a gone one not)."""
     a = _members("a")[0]
-    b = MeshMember("b", "10.0.0.2", False, _Unreachable())
-    clock = iter(float(second) for second in range(0, 10_000, 2))
-    beats = {0: 1, 1: 1}
-
-    def read(rank: int) -> int:
-        if rank == 0:
-            beats[0] += 1
-        return beats[rank]
-
-    watch = BeatWatch(
-        beats=read, ranks={"a": [0], "b": [1]}, member_timeout_s=10.0, clock=lambda: next(clock)
-    )
-    with pytest.raises(MemberLost) as lost:
-        run_mesh_job(_job(), "j", {"a": (a, [0]), "b": (b, [1])}, on_event=lambda event: None, watch=watch)
+    lost = _b_stops_beating(a, MeshMember("b", "10.0.0.2", False, _Unreachable()))
     assert lost.value.member == "b" and "stopped beating for" in str(lost.value)
     assert not lost.value.agent_answered
 
