@@ -274,9 +274,8 @@ def _measure(
         times, forwards = [], []
         per_sample = passes_per_sample(warmup, throttled=throttled)
         began = time.perf_counter()
-        while (
-            True
-        ):  # at least `repeats` samples, then until the confidence target (shardpool.plan.confidence)
+        # At least `repeats` samples, then until the confidence target (shardpool.plan.confidence).
+        while True:
             start = time.perf_counter()
             forward_seconds = sum(step() for _ in range(per_sample))
             synchronize(device)

@@ -158,9 +158,8 @@ class StateCopier:
         for name, tensors in files.items():
             self.files.save_tensors(f"{live_dir(step)}/{name}", tensors)
             written += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-        written_at = (
-            time.perf_counter()
-        )  # all files on the launcher's disk: the launcher counts the copy complete
+        # Every file is on the launcher's disk: from here the launcher counts the copy complete.
+        written_at = time.perf_counter()
         if self._store is None:
             self._store = self._connect()
         self._store.add(live_key(step), 1)
