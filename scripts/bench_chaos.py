@@ -18,14 +18,18 @@ lab started stopped by pid, also on failure or Ctrl-C:
      (:meth:`mesh.lab.Lab.kill_host`: WireGuard, sync daemon, agent, stage). The run must finish
      by itself; afterwards the host is started again with ``mesh up`` for the next run.
 
-The JSON report: runs, how many finished by themselves (exit 0), the steps lost per loss (each
-``member_lost`` event's ``steps_lost``: a kill that lands after a step ended but before every
-stage's copy of it was written loses that step; the launcher loses a step only then. The
-report gives each run's median copy window (the slowest rank's ``stage_copy_s``) over its median
-step: the chance that a kill at a random moment lands in it), the worst max-abs difference of a finished run's adapter
-from the reference's, and the time from the kill to training again (the kill to the first step
-line of ``metrics.jsonl`` after the ``member_lost`` line appeared, polled every 0.1 s): median
-and max, with every run's record.
+The JSON report: runs, how many finished by themselves (exit 0); the steps lost per loss, twice:
+the ``member_lost`` event's ``steps_lost`` (reported steps the launcher trains again) and, counted
+here from the polled ``metrics.jsonl``, the newest step line seen before the loss minus the step
+the run went on from (a reported step trained again, which the launcher's commit gate must
+prevent); the steps trained again *unreported* (``unreported_steps_redone``: a kill that lands
+after a step ended but before every stage's copy of it was written; the launcher had held that
+step's line, and it is trained again with the interrupted one), with each run's median copy
+window (the slowest rank's ``stage_copy_s``) over its median step, the chance that a kill at a
+random moment lands in it; the worst max-abs difference of a finished run's adapter from the
+reference's; and the time from the kill to training again (the kill to the first step line of
+``metrics.jsonl`` after the ``member_lost`` line, polled every 0.1 s): median and max, with every
+run's record.
 """
 
 from __future__ import annotations
@@ -91,6 +95,8 @@ class RoundResult:
     step_s: float | None = None
     exit_code: int | None = None
     steps_lost: list[int] = field(default_factory=list)
+    reported_redone: list[int] = field(default_factory=list)
+    unreported_redone: list[int] = field(default_factory=list)
     training_again_s: float | None = None
     max_abs_diff: float | None = None
     seconds: float = 0.0
@@ -106,6 +112,8 @@ class RoundResult:
             "step_s": None if self.step_s is None else round(self.step_s, 3),
             "exit_code": self.exit_code,
             "steps_lost": self.steps_lost,
+            "reported_steps_redone": self.reported_redone,
+            "unreported_steps_redone": self.unreported_redone,
             "training_again_s": None if self.training_again_s is None else round(self.training_again_s, 1),
             "max_abs_diff": self.max_abs_diff,
             "seconds": round(self.seconds, 1),
@@ -212,18 +220,33 @@ class MetricsPoll:
 
     def training_again(self, since: float) -> float | None:
         """Seconds from ``since`` to the first step line seen after the first ``member_lost`` line."""
-        lost = next(((t, r) for t, r in self.seen if r.get("event") == "member_lost"), None)
+        lost = next(
+            (index for index, (_, r) in enumerate(self.seen) if r.get("event") == "member_lost"), None
+        )
         if lost is None:
             return None
-        again = next(
-            (
-                t
-                for t, r in self.seen
-                if t >= lost[0] and _is_step(r) and int(r["step"]) > int(lost[1]["step"])
-            ),
-            None,
-        )
+        again = next((t for t, r in self.seen[lost + 1 :] if _is_step(r)), None)
         return None if again is None else again - since
+
+    def reported_redone(self) -> list[int]:
+        """Per ``member_lost`` line: the newest step line seen before it minus the step the next
+        ``replan`` line goes on from (reported steps trained again; 0 when none)."""
+        counts: list[int] = []
+        newest = 0
+        for index, (_, record) in enumerate(self.seen):
+            if _is_step(record):
+                newest = max(newest, int(record["step"]))
+            elif record.get("event") == "member_lost":
+                replan = next((r for _, r in self.seen[index + 1 :] if r.get("event") == "replan"), None)
+                if replan is not None:
+                    counts.append(max(0, newest - int(replan["step"])))
+        return counts
+
+    def unreported_redone(self) -> list[int]:
+        """``unreported_steps_redone`` of every ``member_lost`` line (steps whose copy was in flight)."""
+        return [
+            int(r.get("unreported_steps_redone", 0)) for _, r in self.seen if r.get("event") == "member_lost"
+        ]
 
     def median_step_s(self) -> float:
         """The median ``step_seconds`` logged so far (1 s before any)."""
@@ -288,6 +311,8 @@ def chaos_round(
     result.exit_code = launcher.returncode
     result.seconds = time.monotonic() - started
     result.steps_lost = watch.steps_lost()
+    result.reported_redone = watch.reported_redone()
+    result.unreported_redone = watch.unreported_redone()
     if killed_at is None:
         result.error = "the run ended before the kill step was logged"
     else:
@@ -318,6 +343,8 @@ def summary(rounds: list[RoundResult]) -> dict[str, Any]:
         "finished_by_themselves": sum(1 for r in rounds if r.exit_code == 0),
         "steps_lost_per_loss": [lost for r in rounds for lost in r.steps_lost],
         "losses_that_lost_a_step": sum(1 for r in rounds for lost in r.steps_lost if lost > 0),
+        "reported_steps_redone_per_loss": [count for r in rounds for count in r.reported_redone],
+        "losses_in_a_copy_window": sum(1 for r in rounds for count in r.unreported_redone if count > 0),
         "copy_window_over_step_median": round(statistics.median(window_share), 4) if window_share else None,
         "worst_max_abs_diff": max(diffs) if diffs else None,
         "training_again_s": {

@@ -45,6 +45,7 @@ from shardpool.data.prepared_file import save_prepared
 from shardpool.data.rows import PreparedData
 from shardpool.data.steps import config_step_batches
 from shardpool.data.tokenizing import load_tokenizer, save_tokenizer
+from shardpool.launch.commit import CommitGate, passing
 from shardpool.launch.mesh_launcher import Interrupted, MemberLost, MeshLauncher
 from shardpool.launch.model_card import render_model_card, write_model_card
 from shardpool.launch.output_lock import locked_output_dir
@@ -242,6 +243,7 @@ def _attempt(
                 rebalance=rebalance,
                 record=record,
                 observe=supervisor.observe if supervisor is not None else None,
+                gate=supervisor.commit_gate() if supervisor is not None else None,
             )
         except (MemberLost, Interrupted) as stopped:
             if supervisor is None:
@@ -424,12 +426,16 @@ def _train(
     rebalance: RebalanceCheck | None = None,
     record: RunRecord | None = None,
     observe: OnEvent | None = None,
+    gate: CommitGate | None = None,
 ) -> RunRecord:
     """Start the stages with ``start`` and relay their events until all finish; return what was recorded.
 
     ``rebalance`` answers the stages' re-balance check (and records a re-shard); None: the job has none.
-    ``record`` goes on with an earlier attempt's record; ``observe`` sees every event first (the supervisor).
+    ``record`` goes on with an earlier attempt's record; ``observe`` sees every reported event
+    first (the supervisor). ``gate`` holds each step's reports until its step-boundary copy is
+    complete (a supervised run); the re-balance check is answered at once, the stages wait for it.
     """
+    gate = gate if gate is not None else passing()
     output_dir = Path(job.output_dir)
     record = record or RunRecord(
         output_dir, run.config.logging_steps, run.total_steps, run.first_step, eval_before=job.eval_before,
@@ -444,7 +450,21 @@ def _train(
         if rebalance is not None:
             rebalance.say = progress.say
 
+        def rebalanced(line: dict[str, Any]) -> None:
+            record.record_rebalance(line)
+            progress.say(_rebalance_message(line))
+            events.emit("rebalance", **_fields(line))
+
         def on_event(event: dict[str, Any]) -> None:
+            if event.get("event") != StageEvent.STEP:
+                gate.then(lambda: report(event))
+                return
+            line = rebalance.on_step(event) if rebalance is not None else None
+            gate.step(int(event["step"]), lambda: report(event))
+            if line is not None:
+                gate.then(lambda: rebalanced(line))
+
+        def report(event: dict[str, Any]) -> None:
             if observe is not None:
                 observe(event)
             record.record(event)
@@ -452,11 +472,6 @@ def _train(
             if kind == StageEvent.STEP:
                 progress.step(event)
                 events.emit("step", total_steps=run.total_steps, **_fields(event))
-                line = rebalance.on_step(event) if rebalance is not None else None
-                if line is not None:
-                    record.record_rebalance(line)
-                    progress.say(_rebalance_message(line))
-                    events.emit("rebalance", **_fields(line))
             elif kind == StageEvent.EVAL:
                 events.emit("eval", **_fields(event))
             elif kind == StageEvent.CHECKPOINT_WRITTEN:
@@ -485,6 +500,7 @@ def _train(
                 shutil.rmtree(final_dir, ignore_errors=True)
 
         record.timed(start, on_event)
+        gate.release_all()
     record.write_summary()
     return record
 

@@ -92,11 +92,13 @@ class MeshLauncher:
         self._planner = mesh_planner(members, say=say)
         self._say = say
         self._files_secret = files_secret or secrets.token_hex(32)
-        #: Set by the launcher's supervisor: the stall watch, the agent-silence bound, and a check
-        #: that asks for the job to stop on purpose (a joined member), each attempt.
+        #: Set by the launcher's supervisor: the stall watch, the agent-silence bound, a check
+        #: that asks for the job to stop on purpose (a joined member), and what to do on every
+        #: turn of the event loop (release the steps whose copies are complete), each attempt.
         self.watch: Callable[[Job], BeatWatch | None] | None = None
         self.lost_after_s: float = LOST_AFTER_S
         self.interrupt: Callable[[], bool] | None = None
+        self.tick: Callable[[], None] | None = None
         self.job_id: str | None = None
         self.previous_job_ids: list[str] = []
         #: The members online now, as this machine's agent lists them (None: not known here).
@@ -106,7 +108,7 @@ class MeshLauncher:
         """The next attempt's launcher over ``members`` (a lost one left out, or joined ones added),
         keeping this one's hooks and file secret and its job ids as the run's history."""
         successor = type(self)(members, say=say, files_secret=self._files_secret)
-        successor.watch, successor.interrupt = self.watch, self.interrupt
+        successor.watch, successor.interrupt, successor.tick = self.watch, self.interrupt, self.tick
         successor.lost_after_s, successor.list_members = self.lost_after_s, self.list_members
         successor.previous_job_ids = [*self.previous_job_ids, *([self.job_id] if self.job_id else [])]
         return successor
@@ -155,6 +157,7 @@ class MeshLauncher:
             files_secret=self._files_secret,
             watch=self.watch(job) if self.watch is not None else None,
             interrupt=self.interrupt,
+            tick=self.tick,
             previous=self.previous_job_ids[-1] if self.previous_job_ids else None,
         )
 
@@ -194,6 +197,7 @@ def run_mesh_job(
     files_secret: str | None = None,
     watch: BeatWatch | None = None,
     interrupt: Callable[[], bool] | None = None,
+    tick: Callable[[], None] | None = None,
     previous: str | None = None,
     neighbour_grace_s: float = _NEIGHBOUR_GRACE_S,
 ) -> None:
@@ -202,6 +206,7 @@ def run_mesh_job(
     ``files_secret`` is the launcher's file-server secret; each agent hands it to its stages.
     ``watch`` follows the stages' beats (a stage that stopped beating is a lost member);
     ``interrupt`` is asked after each event: True stops the job on purpose (:class:`Interrupted`).
+    ``tick`` is called on every turn of the event loop (at least five times a second).
     ``previous`` is the job this one continues (after a lost or joined member): the local agent
     keeps it for ``shardpool jobs show``. With a ``watch``, a stage error waits ``lost_after_s +
     neighbour_grace_s`` for a lost member behind it (a neighbour of a vanished member fails first).
@@ -242,6 +247,8 @@ def run_mesh_job(
                     on_event(event)
             except queue.Empty:
                 pass
+            if tick is not None:
+                tick()
             failure = _failure(job, follows, errors, last_step)
             if failure is None and watch is not None:
                 failure = _stall(job, follows, watch, last_step)

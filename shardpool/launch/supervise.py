@@ -17,7 +17,11 @@ decides from them, each part pure or given its side effects, so that it is teste
   fleet (:func:`join_gain` / :func:`worth_joining`), and why not in words; a member lost while
   its agent answered is held back (:data:`REJOIN_HOLD_OFF_S`) so that it does not flap;
 * :func:`supervision_line`: the ``metrics.jsonl`` (and ``finetune --json``) line of a loss,
-  re-plan or join.
+  re-plan or join;
+* :meth:`Supervisor.commit_gate`: each attempt's :class:`~shardpool.launch.commit.CommitGate`,
+  which reports a step only once every rank's copy of it is complete, so that a reported step is
+  never trained again (``steps_lost``); steps whose copies were in flight when a member went are
+  trained again unreported (``unreported_steps_redone``).
 
 Torch-free: the store is reached through the callables the launcher passes in.
 """
@@ -48,6 +52,7 @@ from shardpool.contract.liveness import (
 )
 from shardpool.errors import ShardpoolError
 from shardpool.launch.beats import BeatWatch
+from shardpool.launch.commit import CommitGate, passing
 from shardpool.launch.mesh_launcher import (
     LOST_AFTER_S,
     Interrupted,
@@ -302,15 +307,22 @@ def supervision_line(
     step: int,
     reason: str,
     steps_lost: int = 0,
+    unreported_steps_redone: int = 0,
     now: Callable[[], float] = time.time,
 ) -> dict[str, Any]:
-    """The ``metrics.jsonl`` line of a loss, re-plan or join (also a ``finetune --json`` event)."""
+    """The ``metrics.jsonl`` line of a loss, re-plan or join (also a ``finetune --json`` event).
+
+    ``steps_lost``: steps that had been reported and are trained again (0 unless a copy that
+    was complete is missing); ``unreported_steps_redone``: steps the stages had finished whose
+    copies were still in flight, trained again with the interrupted one (never reported).
+    """
     return {
         "event": event,
         "member": member,
         "step": step,
         "reason": reason,
         "steps_lost": steps_lost,
+        "unreported_steps_redone": unreported_steps_redone,
         "time": round(now(), 3),
     }
 
@@ -332,8 +344,9 @@ def placements_of(plan: Plan) -> list[StagePlacement]:
 class AttemptEnded(Exception):  # noqa: N818 - not an error: the supervisor goes on from it
     """One attempt of a run ended early: a member was lost, or one joined and the run re-plans.
 
-    ``newest_copy`` is the newest complete step-boundary copy when it ended (read while the
-    attempt's store was still there), None when there was none.
+    ``step`` is the newest step the stages finished, ``reported_step`` the newest one reported
+    (its copy complete; default ``step``). ``newest_copy`` is the newest complete step-boundary
+    copy when it ended (read while the attempt's store was still there), None when there was none.
     """
 
     def __init__(
@@ -345,6 +358,7 @@ class AttemptEnded(Exception):  # noqa: N818 - not an error: the supervisor goes
         step: int,
         newest_copy: int | None,
         agent_answered: bool = False,
+        reported_step: int | None = None,
     ):
         super().__init__(f"{kind}: {member} at step {step}: {reason}")
         self.kind, self.member, self.reason, self.step, self.newest_copy = (
@@ -356,6 +370,7 @@ class AttemptEnded(Exception):  # noqa: N818 - not an error: the supervisor goes
         )
         #: A lost member's agent still answered (see :attr:`MemberLost.agent_answered`).
         self.agent_answered = agent_answered
+        self.reported_step = step if reported_step is None else reported_step
 
 
 class Checkpoints(Protocol):
@@ -452,6 +467,8 @@ class Supervisor:
     _found: _JoinFound | None = None
     _lost: list[str] = field(default_factory=list)
     _held: dict[str, float] = field(default_factory=dict)
+    _keeps_state: bool = False
+    _gate: CommitGate | None = None
 
     @classmethod
     def wanted(cls, config: Config, launcher: object) -> bool:
@@ -466,6 +483,9 @@ class Supervisor:
         )
         self._world_size = job.world_size
         self._last_step = job.resume_step
+        self._keeps_state = job.keep_state
+        self._gate = None
+        launcher.tick = None
         self._eval_before = job.eval_before
         self._launcher = launcher
         self._current_step_s = run.planned.predicted_step_s if run.planned is not None else None
@@ -484,9 +504,26 @@ class Supervisor:
         else:
             launcher.watch = None
 
+    def commit_gate(self) -> CommitGate:
+        """This attempt's gate for its reports: a step is reported once every rank's copy of it is
+        complete (a gate that holds nothing when the job makes no copies). The launcher's event
+        loop releases it."""
+        if not self._keeps_state:
+            return passing()
+        gate = CommitGate(lambda step: self._count(step) >= self._world_size)
+        gate.newest_step = gate.reported_step = self._last_step
+        self._gate = gate
+        if self._launcher is not None:
+            self._launcher.tick = gate.release
+        return gate
+
+    def _newest_step(self) -> int:
+        """The newest step the stages finished (reported or not)."""
+        return self._gate.newest_step if self._gate is not None else self._last_step
+
     def observe(self, event: dict[str, Any]) -> None:
-        """See one stage event: a step prunes old copies and may start a join check; a checkpoint
-        tells the eval loss before training."""
+        """See one reported stage event: a step prunes old copies and may start a join check; a
+        checkpoint tells the eval loss before training."""
         kind = event.get("event")
         if kind == StageEvent.STEP:
             self._last_step = int(event["step"])
@@ -505,15 +542,16 @@ class Supervisor:
                 "member_lost",
                 member=stopped.member,
                 reason=reason,
-                step=stopped.step,
+                step=max(stopped.step, self._newest_step()),
                 newest_copy=newest,
                 agent_answered=stopped.agent_answered,
+                reported_step=self._last_step,
             )
         found = self._found
         names = ", ".join(found.members) if found else "?"
         return AttemptEnded(
             "member_joined", member=names, reason=found.reason if found else str(stopped),
-            step=self._last_step, newest_copy=newest,
+            step=self._newest_step(), newest_copy=newest, reported_step=self._last_step,
         )  # fmt: skip
 
     def interrupt(self) -> bool:
@@ -526,7 +564,7 @@ class Supervisor:
         complete = complete_live_steps(self.output_dir, self._count, self._world_size)
         if not complete or complete[-1] < found.step:
             return False
-        return complete[-1] >= self._last_step or self.clock() - found.found_at > JOIN_COPY_WAIT_S
+        return complete[-1] >= self._newest_step() or self.clock() - found.found_at > JOIN_COPY_WAIT_S
 
     def next_attempt(self, run: Run, launcher: MeshLauncher, ended: AttemptEnded) -> tuple[Run, MeshLauncher]:
         """Restore the newest complete copy and re-plan; return the next attempt's run and launcher.
@@ -536,7 +574,8 @@ class Supervisor:
         """
         checkpoint = self._restore(ended.newest_copy, run)
         first_step = self.checkpoints.step_of(checkpoint) if checkpoint is not None else 0
-        steps_lost = max(0, ended.step - first_step)
+        steps_lost = max(0, ended.reported_step - first_step)
+        unreported = max(0, ended.step - max(first_step, ended.reported_step))
         if ended.kind == "member_lost":
             self._visible(
                 "member_lost",
@@ -544,6 +583,7 @@ class Supervisor:
                 step=ended.step,
                 reason=ended.reason,
                 steps_lost=steps_lost,
+                unreported=unreported,
             )
             if ended.member not in self._lost:
                 self._lost.append(ended.member)
@@ -573,6 +613,7 @@ class Supervisor:
                 step=ended.step,
                 reason=ended.reason,
                 steps_lost=steps_lost,
+                unreported=unreported,
             )
             successor, plan, reason = found.launcher, found.plan, f"member {ended.member!r} joined"
         self.policy.note_replan()
@@ -612,14 +653,26 @@ class Supervisor:
         return restored
 
     def _visible(
-        self, kind: SupervisionEvent, *, member: str, step: int, reason: str, steps_lost: int
+        self,
+        kind: SupervisionEvent,
+        *,
+        member: str,
+        step: int,
+        reason: str,
+        steps_lost: int,
+        unreported: int = 0,
     ) -> None:
         """A loss, join or re-plan shown everywhere: metrics.jsonl, the console, ``finetune --json``."""
-        line = supervision_line(kind, member=member, step=step, reason=reason, steps_lost=steps_lost)
+        line = supervision_line(
+            kind, member=member, step=step, reason=reason, steps_lost=steps_lost,
+            unreported_steps_redone=unreported,
+        )  # fmt: skip
         self.record(line)
         self.emit(kind, **{key: value for key, value in line.items() if key != "event"})
         what = {"member_lost": "lost member", "member_joined": "member joined", "replan": "re-planned"}[kind]
         lost = f", {steps_lost} steps lost" if steps_lost else ""
+        if unreported:
+            lost += f", {unreported} unreported step{'s' if unreported > 1 else ''} (copy in flight) trained again"
         self.say(f"{what} {member!r} at step {step}: {reason}{lost}")
 
     def _maybe_look_for_joins(self, step: int) -> None:

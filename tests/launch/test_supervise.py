@@ -268,13 +268,17 @@ def test_the_test_hook_shortens_the_ten_steps_between_join_checks() -> None:
 
 
 def test_the_supervision_line_has_who_when_why_and_the_steps_lost() -> None:
-    line = supervision_line("member_lost", member="c", step=7, reason="killed", steps_lost=1, now=lambda: 5.0)
+    line = supervision_line(
+        "member_lost", member="c", step=7, reason="killed", steps_lost=1, unreported_steps_redone=2,
+        now=lambda: 5.0,
+    )  # fmt: skip
     assert line == {
         "event": "member_lost",
         "member": "c",
         "step": 7,
         "reason": "killed",
         "steps_lost": 1,
+        "unreported_steps_redone": 2,
         "time": 5.0,
     }
 
@@ -389,6 +393,31 @@ def test_after_a_loss_the_newest_complete_copy_becomes_the_checkpoint_and_the_re
     assert written["history"][0]["ended_at_step"] == 7
     assert [stage["host"] for stage in written["history"][0]["stages"]] == ["a", "b", "c"]
     assert any("lost member 'c' at step 7" in line for line in seen["say"])
+
+
+def test_a_step_whose_copy_was_in_flight_is_trained_again_unreported_not_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _config(tmp_path)
+    monkeypatch.setattr(MeshLauncher, "plan", lambda self, config: _plan([m.name for m in self.members], 1.5))
+    seen: dict[str, list[Any]] = {}
+    supervisor = _supervisor(tmp_path, config, seen)
+    _copies(tmp_path, 5, 6)
+    launcher = MeshLauncher(_members("a", "b", "c"), say=print)
+    run = _run(config, _plan(["a", "b", "c"]))
+    # step 7 finished, but its copy was in flight: the gate had reported up to step 6 only
+    ended = AttemptEnded(
+        "member_lost", member="c", reason="killed by signal 9", step=7, newest_copy=6, reported_step=6
+    )
+
+    following, _ = supervisor.next_attempt(run, launcher, ended)
+
+    assert following.first_step == 6
+    lost = seen["record"][0]
+    assert (lost["steps_lost"], lost["unreported_steps_redone"]) == (0, 1)
+    assert any("1 unreported step (copy in flight) trained again" in line for line in seen["say"]), seen[
+        "say"
+    ]
 
 
 def test_with_no_copy_the_newest_regular_checkpoint_is_the_restart(

@@ -51,6 +51,33 @@ def test_training_again_is_the_first_step_after_the_loss_line(
     watch.poll()  # t = 31.5: step 3 redone
     assert watch.training_again(since=10.5) == pytest.approx(21.0)
     assert watch.steps_lost() == [0]
+    assert watch.reported_redone() == []  # no replan line yet: the step it went on from is not known
+
+
+def test_a_reported_step_trained_again_is_counted_from_the_lines_themselves(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    watch = bench.MetricsPoll(metrics)
+    _lines(metrics, {"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.9}, {"step": 3, "loss": 1.8})
+    watch.poll()
+    lost = {"event": "member_lost", "member": "c", "step": 3, "steps_lost": 0, "unreported_steps_redone": 0}
+    replan = {"event": "replan", "member": "c", "step": 2, "steps_lost": 0}
+    # the launcher says nothing was lost, but step 3 had been logged and it goes on from step 2
+    _lines(metrics, {"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.9}, lost, replan)
+    watch.poll()
+    assert watch.steps_lost() == [0] and watch.reported_redone() == [1]
+    assert watch.unreported_redone() == [0]
+
+
+def test_a_step_whose_copy_was_in_flight_counts_as_unreported_not_lost(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    watch = bench.MetricsPoll(metrics)
+    lost = {"event": "member_lost", "member": "b", "step": 3, "steps_lost": 0, "unreported_steps_redone": 1}
+    replan = {"event": "replan", "member": "b", "step": 2, "steps_lost": 0}
+    _lines(
+        metrics, {"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.9}, lost, replan, {"step": 3, "loss": 1.8}
+    )
+    watch.poll()
+    assert watch.reported_redone() == [0] and watch.unreported_redone() == [1]
 
 
 def test_the_copy_window_is_the_median_of_the_slowest_rank_s_copy(tmp_path: Path) -> None:
@@ -74,7 +101,16 @@ def test_summary_counts_finished_runs_and_takes_the_worst_and_the_median() -> No
     window = {"copy_window_s": 0.1, "step_s": 2.0}
     rounds = [
         bench.RoundResult(
-            "b", 3, 1.5, **window, exit_code=0, steps_lost=[0], training_again_s=20.0, max_abs_diff=2e-7
+            "b",
+            3,
+            1.5,
+            **window,
+            exit_code=0,
+            steps_lost=[0],
+            reported_redone=[0],
+            unreported_redone=[1],
+            training_again_s=20.0,
+            max_abs_diff=2e-7,
         ),
         bench.RoundResult(
             "c", 5, 0.05, **window, exit_code=0, steps_lost=[1], training_again_s=30.0, max_abs_diff=5e-7
@@ -86,6 +122,8 @@ def test_summary_counts_finished_runs_and_takes_the_worst_and_the_median() -> No
         "finished_by_themselves": 2,
         "steps_lost_per_loss": [0, 1, 1],
         "losses_that_lost_a_step": 2,
+        "reported_steps_redone_per_loss": [0],
+        "losses_in_a_copy_window": 1,
         "copy_window_over_step_median": 0.05,
         "worst_max_abs_diff": 5e-7,
         "training_again_s": {"median": 25.0, "max": 30.0},
