@@ -3,6 +3,7 @@
     python scripts/bench_state_copy.py                 # 3 pairs, bench_pipeline's quick model, 8 steps
     python scripts/bench_state_copy.py --pairs 5 --steps 12
     python scripts/bench_state_copy.py --pairs 1 --steps 5 --no-warmup   # a short look (noisy)
+    python scripts/bench_state_copy.py --size full --pairs 2 --steps 6    # bench_pipeline's full model
 
 It prints one JSON object on stdout. Side A is a 2-stage LOCAL ``finetune`` with keep_state on
 (the stage processes beat on the rendezvous store and, after every step, write CPU clones of their
@@ -13,7 +14,13 @@ by ``shardpool.train.worker``), the only difference between the sides. Runs alte
 A ÷ B of the median step seconds (``bench_pipeline.summarize_steps``: steps after the warm-up)
 and of the whole run's seconds (the clones are taken between steps, outside ``step_seconds``),
 and the bytes one step's copy writes (all ranks). Target: a cost under 3 % (ratio < 1.03).
-On a shared machine the figures are noisy; read the spread.
+On a shared machine the paired figures are noisy; read the spread.
+
+The A runs also give the cost directly, step by step, from their ``metrics.jsonl`` lines:
+``blocked_over_step`` (the slowest rank's ``stage_copy_blocked_s``, the time it spent handing a
+copy over between steps, over the step) and ``copy_cpu_over_stage_cpu`` (the copy threads' CPU,
+``stage_copy_cpu_s`` summed over ranks, over the ranks' step time: what the copies can take from
+compute when every core is busy). Their sum bounds the cost without the run-to-run noise.
 """
 
 from __future__ import annotations
@@ -47,6 +54,24 @@ def copy_bytes_per_step(output_dir: Path) -> int:
     return int(statistics.median(sum(file.stat().st_size for file in step.iterdir()) for step in steps))
 
 
+def direct_cost(records: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+    """Medians over the steps after the warm-up of the copies' own cost figures (None: no copies)."""
+    steps = sorted(
+        (r for r in records if r.get("stage_copy_blocked_s") is not None), key=lambda r: r["step"]
+    )[bench.WARMUP_STEPS :]
+    if not steps:
+        return None
+    blocked = [max(r["stage_copy_blocked_s"]) / r["step_seconds"] for r in steps]
+    cpu = [sum(r["stage_copy_cpu_s"]) / (r["step_seconds"] * len(r["stage_copy_cpu_s"])) for r in steps]
+    return {
+        "blocked_over_step": round(statistics.median(blocked), 5),
+        "copy_cpu_over_stage_cpu": round(statistics.median(cpu), 5),
+        "window_over_step": round(
+            statistics.median(max(r["stage_copy_s"]) / r["step_seconds"] for r in steps), 5
+        ),
+    }
+
+
 def run_worker(spec_path: str) -> dict[str, Any]:
     """One run, in a fresh interpreter: ``finetune`` with two local stages; step medians and copy size."""
     from rich.console import Console
@@ -69,6 +94,7 @@ def run_worker(spec_path: str) -> dict[str, Any]:
         "run_seconds": float(summary["seconds"]),
         "final_loss": measured["final_loss"],
         "copy_bytes_per_step": copy_bytes_per_step(output_dir),
+        "direct_cost": direct_cost(records),
     }
 
 
@@ -97,7 +123,9 @@ def run_side(side: str, config: dict[str, Any], *, work: Path, label: str) -> di
     return measured
 
 
-def benchmark(*, pairs: int, steps: int, warmup: bool, keep: Path | None) -> dict[str, Any]:
+def benchmark(
+    *, pairs: int, steps: int, warmup: bool, keep: Path | None, size_name: str = "quick"
+) -> dict[str, Any]:
     """Build the quick model and data once, run an unrecorded warm-up pair (``warmup``) and ``pairs`` pairs.
 
     Without the warm-up the first run also profiles the devices (before its steps, so only its
@@ -105,7 +133,7 @@ def benchmark(*, pairs: int, steps: int, warmup: bool, keep: Path | None) -> dic
     """
     from shardpool.model.tinymodel import DEFAULT_CORPUS, make_tiny_llama, write_jsonl
 
-    size = {**bench.QUICK, "max_steps": steps}
+    size = {**(bench.FULL if size_name == "full" else bench.QUICK), "max_steps": steps}
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="shardpool-state-copy-")) if keep is None else keep
     work.mkdir(parents=True, exist_ok=True)
@@ -140,10 +168,17 @@ def benchmark(*, pairs: int, steps: int, warmup: bool, keep: Path | None) -> dic
 
         step_ratio = ratios(lambda run: run["step_seconds"])
         run_ratio = ratios(lambda run: run["run_seconds"])
+        direct = [run["direct_cost"] for run in runs["A"] if run.get("direct_cost")]
+
+        def direct_median(key: str) -> float | None:
+            return round(statistics.median(cost[key] for cost in direct), 5) if direct else None
+
+        blocked, cpu = direct_median("blocked_over_step"), direct_median("copy_cpu_over_stage_cpu")
         return {
             "benchmark": "state_copy",
-            "command": f"python scripts/bench_state_copy.py --pairs {pairs} --steps {steps}"
+            "command": f"python scripts/bench_state_copy.py --size {size_name} --pairs {pairs} --steps {steps}"
             + ("" if warmup else " --no-warmup"),
+            "size": size_name,
             "A": "finetune, 2 local stages, keep_state on (beat + step-boundary copies)",
             "B": "the same run, keep_state off",
             "pairs": pairs,
@@ -154,6 +189,12 @@ def benchmark(*, pairs: int, steps: int, warmup: bool, keep: Path | None) -> dic
             "step_seconds_ratio_per_pair": [round(ratio, 4) for ratio in step_ratio],
             "run_seconds_ratio_a_over_b": paired.ratio_summary(run_ratio),
             "copy_bytes_per_step": runs["A"][0]["copy_bytes_per_step"],
+            "direct_cost": {
+                "blocked_over_step": blocked,
+                "copy_cpu_over_stage_cpu": cpu,
+                "bound": None if blocked is None or cpu is None else round(blocked + cpu, 5),
+                "window_over_step": direct_median("window_over_step"),
+            },
             "same_final_loss": len({run["final_loss"] for side in runs.values() for run in side}) == 1,
             "runs": runs,
             "other_cpu_seconds_total": round(
@@ -179,6 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-warmup", action="store_true", help="skip the unrecorded warm-up pair (a short look only)"
     )
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it")
+    parser.add_argument(
+        "--size", choices=("quick", "full"), default="quick", help="bench_pipeline's model (default quick)"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -189,7 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.pairs < 1 or args.steps < 2:
         parser.error("--pairs must be at least 1 and --steps at least 2")
     with contextlib.redirect_stdout(sys.stderr):
-        report = benchmark(pairs=args.pairs, steps=args.steps, warmup=not args.no_warmup, keep=args.keep)
+        report = benchmark(
+            pairs=args.pairs, steps=args.steps, warmup=not args.no_warmup, keep=args.keep, size_name=args.size
+        )
     print(json.dumps(report, indent=2))
     return 0
 

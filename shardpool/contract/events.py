@@ -101,6 +101,10 @@ class StepEvent(_Event):
     #: With ``keep_state``: each rank's most recent step-boundary copy, seconds from the clones
     #: until its files were written (a member lost inside that window loses the step being copied).
     stage_copy_s: Timings | None = None
+    #: With ``keep_state``: each rank's time handing its last copy over between steps (clones,
+    #: waiting for the copy before), outside ``step_seconds``, and its copy thread's CPU seconds.
+    stage_copy_blocked_s: Timings | None = None
+    stage_copy_cpu_s: Timings | None = None
     loss_scale: float | None = None
     skipped_step: bool = False
 

@@ -257,8 +257,9 @@ def _step_metrics(event: dict[str, Any]) -> dict[str, Any]:
             "stage_bytes_sent": event["bytes_sent"],
         }
     )
-    if event.get("stage_copy_s") is not None:
-        record["stage_copy_s"] = event["stage_copy_s"]
+    for copy_figure in ("stage_copy_s", "stage_copy_blocked_s", "stage_copy_cpu_s"):
+        if event.get(copy_figure) is not None:
+            record[copy_figure] = event[copy_figure]
     if event.get("loss_scale") is not None:
         # fp16 runs: the scale after this step, and whether an overflow skipped it.
         record["loss_scale"] = event["loss_scale"]

@@ -97,7 +97,10 @@ class StateCopier:
     then adds 1 to ``live_key(step)`` on its own store client. ``bytes_copied`` counts what the
     last copy wrote; ``copy_seconds`` is how long it took from ``submit`` until its files were
     written (the window in which losing this member also loses the step just copied);
-    ``failures`` counts copies that failed.
+    ``cpu_seconds`` is the CPU time the thread spent on it (taken from the stage's compute when
+    the cores are busy); ``blocked_seconds`` is what the worker last spent handing a copy over
+    (its clones, and waiting for the copy before), between steps; ``failures`` counts copies
+    that failed.
     """
 
     def __init__(self, files: RunFiles, connect: StoreFactory, *, rank: int) -> None:
@@ -108,6 +111,8 @@ class StateCopier:
         self._queue: queue.Queue[tuple[int, float, dict[str, dict[str, torch.Tensor]]] | None] = queue.Queue()
         self.bytes_copied = 0
         self.copy_seconds = 0.0
+        self.cpu_seconds = 0.0
+        self.blocked_seconds = 0.0
         self.failures = 0
         self._thread = threading.Thread(target=self._serve, name=f"shardpool-copy-{rank}", daemon=True)
         self._thread.start()
@@ -154,6 +159,7 @@ class StateCopier:
                 self._queue.task_done()
 
     def _copy(self, step: int, started: float, files: dict[str, dict[str, torch.Tensor]]) -> None:
+        cpu_started = time.thread_time()
         written = 0
         for name, tensors in files.items():
             self.files.save_tensors(f"{live_dir(step)}/{name}", tensors)
@@ -165,3 +171,4 @@ class StateCopier:
         self._store.add(live_key(step), 1)
         self.bytes_copied = written
         self.copy_seconds = written_at - started
+        self.cpu_seconds = time.thread_time() - cpu_started

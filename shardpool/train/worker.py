@@ -403,7 +403,10 @@ class StageWorker:
         self.state.optimizer.zero_grad(set_to_none=True)
         if scale:
             scale.update(finite=finite)
-        copy_seconds = () if self.copier is None else (self.copier.copy_seconds,)
+        copier = self.copier
+        copy_seconds = (
+            () if copier is None else (copier.copy_seconds, copier.blocked_seconds, copier.cpu_seconds)
+        )
         timings = gather_timings(
             totals.compute_seconds, wire.wait_seconds, wire.bytes_sent, self.job.world_size, *copy_seconds
         )
@@ -425,7 +428,15 @@ class StageWorker:
                     "stage_wait_s": timings[1],
                     "bytes_sent": timings[2],
                 }
-                | ({"stage_copy_s": timings[3]} if copy_seconds else {})
+                | (
+                    {
+                        "stage_copy_s": timings[3],
+                        "stage_copy_blocked_s": timings[4],
+                        "stage_copy_cpu_s": timings[5],
+                    }
+                    if copy_seconds
+                    else {}
+                )
                 | ({"loss_scale": scale.scale, "skipped_step": not finite} if scale else {})
             )
 
@@ -531,6 +542,7 @@ class StageWorker:
         self.copier.submit(
             step, {name: cpu_clones(tensors) for name, tensors in files.items()}, since=started
         )
+        self.copier.blocked_seconds = time.perf_counter() - started
 
     def save_checkpoint(self, step: int, *, eval_before: float | None) -> None:
         """Send every stage's part of a checkpoint to the launcher, which then renames it into place."""

@@ -167,14 +167,23 @@ def test_a_copy_equals_the_checkpoint_of_its_step_tensor_for_tensor(runs: dict[s
             assert all(torch.equal(copied[name], saved[name]) for name in saved), path.name
 
 
-def test_each_step_line_says_how_long_every_rank_s_last_copy_took(runs: dict[str, Path]) -> None:
+def test_each_step_line_says_how_long_every_rank_s_last_copy_took_and_what_it_cost(
+    runs: dict[str, Path],
+) -> None:
     kept, plain = read_metrics(runs["kept"]), read_metrics(runs["plain"])
-    assert all("stage_copy_s" not in record for record in plain)
-    assert kept[0]["stage_copy_s"] == [0.0, 0.0]  # no copy has finished before the first step ends
+    figures = ("stage_copy_s", "stage_copy_blocked_s", "stage_copy_cpu_s")
+    assert all(figure not in record for record in plain for figure in figures)
+    for figure in figures:  # no copy has been handed over or finished before the first step ends
+        assert kept[0][figure] == [0.0, 0.0], figure
     for record in kept[1:]:  # the copy after the step before (or the one before that, if in flight)
-        assert len(record["stage_copy_s"]) == 2 and all(
-            0.0 < s < record["step_seconds"] * 50 for s in record["stage_copy_s"]
-        )
+        bound = record["step_seconds"] * 50
+        assert len(record["stage_copy_s"]) == 2 and all(0.0 < s < bound for s in record["stage_copy_s"])
+        # handing over (the clones) happens between steps; the thread's CPU is within its window
+        assert all(0.0 < s < bound for s in record["stage_copy_blocked_s"]), record
+        assert all(
+            0.0 < cpu <= window + 0.05
+            for cpu, window in zip(record["stage_copy_cpu_s"], record["stage_copy_s"], strict=True)
+        ), record
 
 
 def test_keep_state_changes_no_loss_and_no_adapter(runs: dict[str, Path]) -> None:
