@@ -44,8 +44,12 @@ __all__ = ["HEAD_VOCAB", "TorchProbe", "cache_path", "profile_key", "profile_lay
 
 #: Vocabulary rows of the ``lm_head`` slice the profiler times (then scales to the full vocabulary).
 HEAD_VOCAB = 8192
-#: Bumped when a profile gains measurements, so cached profiles without them are re-measured.
-_PROFILE_VERSION = 3
+#: Bumped when a profile gains measurements, so cached profiles without them are re-measured
+#: (4: under a CPU quota the optimizer and the ends are timed in quota-spanning samples too).
+_PROFILE_VERSION = 4
+#: Samples of the short parts of a step (optimizer, ends) under a CPU quota, each spanning
+#: QUOTA_SAMPLE_S: three seconds per part and profile instead of a few milliseconds.
+THROTTLED_PART_SAMPLES = 3
 
 _LAYER_CLASSES = {
     "llama": ("llama", "Llama"),
@@ -287,8 +291,8 @@ def _measure(
                 break
         runs = len(times)
         peak = _peak(device)
-        optimizer_s = _time_optimizer(model, device, runs)
-        ends = _time_ends(shape, workload, hidden, dtype, device, runs)
+        optimizer_s = _time_optimizer(model, device, runs, throttled=throttled)
+        ends = _time_ends(shape, workload, hidden, dtype, device, runs, throttled=throttled)
     except torch.OutOfMemoryError:
         raise ShardpoolError(
             f"one decoder layer does not fit on {device} at micro_batch_size={workload.micro_batch_size}, "
@@ -313,31 +317,59 @@ def _measure(
     )
 
 
-def _time_optimizer(model: Any, device: str, runs: int) -> float:
+def _time_optimizer(model: Any, device: str, runs: int, *, throttled: bool = False) -> float:
     """Median seconds of one AdamW step with gradient clipping over ``model``'s trainable parameters
-    (their gradients are left from the timed backward passes), as a stage runs it each step."""
+    (their gradients are left from the timed backward passes), as a stage runs it each step.
+
+    Under a CPU quota (``throttled``) each sample times enough steps to span
+    :data:`~shardpool.plan.confidence.QUOTA_SAMPLE_S`, like the layer's passes: a single step of
+    a millisecond is timed fast or slow by where in the quota period it falls.
+    """
     import torch
 
     params = [param for param in model.parameters() if param.requires_grad and param.grad is not None]
     if not params:
         return 0.0
     optimizer = torch.optim.AdamW(params, lr=1e-6)
-    times = []
-    for _ in range(runs + 1):  # the first step allocates the AdamW state
+
+    def steps(count: int) -> float:
         synchronize(device)
         start = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
+        for _ in range(count):
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
         synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+        return (time.perf_counter() - start) / count
+
+    first = max(steps(1), steps(1))  # the first step allocates the AdamW state
+    per_sample, samples = _sampling(first, runs, throttled=throttled)
+    return statistics.median(steps(per_sample) for _ in range(samples))
+
+
+def _sampling(pass_seconds: float, runs: int, *, throttled: bool) -> tuple[int, int]:
+    """Passes per sample and samples for a short part of a step (the optimizer, the ends): ``runs``
+    single passes, or under a CPU quota :data:`THROTTLED_PART_SAMPLES` samples spanning
+    :data:`~shardpool.plan.confidence.QUOTA_SAMPLE_S` each."""
+    per_sample = passes_per_sample(pass_seconds, throttled=throttled)
+    return per_sample, (min(runs, THROTTLED_PART_SAMPLES) if per_sample > 1 else runs)
 
 
 def _time_ends(
-    shape: ModelShape, workload: Workload, hidden: Any, dtype: Any, device: str, runs: int
+    shape: ModelShape,
+    workload: Workload,
+    hidden: Any,
+    dtype: Any,
+    device: str,
+    runs: int,
+    *,
+    throttled: bool = False,
 ) -> tuple[float, float, float]:
     """Median seconds of the embedding lookup, and of final norm + ``lm_head`` + summed cross-entropy
-    forward and backward (input gradient only: both are frozen), scaled to the full vocabulary."""
+    forward and backward (input gradient only: both are frozen), scaled to the full vocabulary.
+
+    Under a CPU quota (``throttled``) each sample sums the parts over enough passes to span
+    :data:`~shardpool.plan.confidence.QUOTA_SAMPLE_S` (see :func:`_time_optimizer`).
+    """
     import torch
 
     vocab = min(shape.vocab_size, HEAD_VOCAB)
@@ -349,8 +381,8 @@ def _time_ends(
     )
     size = (workload.micro_batch_size, workload.sequence_len)
     ids = torch.randint(vocab, size, generator=generator).to(device)
-    embeds, forwards, backwards = [], [], []
-    for _ in range(runs + 1):  # the first pass warms up
+
+    def one_pass() -> tuple[float, float, float]:
         synchronize(device)
         start = time.perf_counter()
         embed(ids)
@@ -365,14 +397,21 @@ def _time_ends(
         forward_end = time.perf_counter()
         loss.backward()
         synchronize(device)
-        embeds.append(middle - start)
-        forwards.append(forward_end - middle)
-        backwards.append(time.perf_counter() - forward_end)
+        return middle - start, forward_end - middle, time.perf_counter() - forward_end
+
+    one_pass()  # warms up
+    per_sample, samples = _sampling(sum(one_pass()), runs, throttled=throttled)
+    embeds, forwards, backwards = [], [], []
+    for _ in range(samples):
+        parts = [one_pass() for _ in range(per_sample)]
+        embeds.append(sum(part[0] for part in parts) / per_sample)
+        forwards.append(sum(part[1] for part in parts) / per_sample)
+        backwards.append(sum(part[2] for part in parts) / per_sample)
     scale = shape.vocab_size / vocab
     return (
-        statistics.median(embeds[1:]),
-        statistics.median(forwards[1:]) * scale,
-        statistics.median(backwards[1:]) * scale,
+        statistics.median(embeds),
+        statistics.median(forwards) * scale,
+        statistics.median(backwards) * scale,
     )
 
 

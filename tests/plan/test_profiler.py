@@ -80,3 +80,15 @@ def test_cuda_profile_reports_peak_memory() -> None:
 @pytest.mark.skipif(not torch.backends.mps.is_available(), reason="needs an Apple MPS device")
 def test_mps_profile() -> None:
     assert profile_layer(TINY, WORKLOAD, device="mps", use_cache=False).seconds_per_layer > 0
+
+
+def test_under_a_quota_the_short_parts_are_timed_in_samples_spanning_the_quota_periods() -> None:
+    from shardpool.plan.confidence import QUOTA_SAMPLE_S
+    from shardpool.plan.profiler import THROTTLED_PART_SAMPLES, _sampling
+
+    # a 2 ms optimizer step: alone it lands inside or across a 100 ms period by chance
+    per_sample, samples = _sampling(0.002, runs=9, throttled=True)
+    assert per_sample * 0.002 >= QUOTA_SAMPLE_S and samples == THROTTLED_PART_SAMPLES
+    assert _sampling(0.002, runs=9, throttled=False) == (1, 9)
+    assert _sampling(0.002, runs=2, throttled=True)[1] == 2  # never more samples than the layer had
+    assert _sampling(2.0, runs=9, throttled=True) == (1, 9)  # a pass longer than the sample: as before
