@@ -6,21 +6,52 @@ Helpers that tests call directly live in :mod:`tests.helpers.training`, imported
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.quiet import machine_lock
 from tests.helpers.training import completion_rows, write_jsonl
 
+#: The xdist group (``--dist loadgroup``, pyproject's addopts) of the tests one worker runs one
+#: after another: the ``timing`` tests first, then every ``netns`` test. The lab's names are
+#: per process (``sp<pid>-...``), so two workers' labs would not collide; they are kept apart
+#: because each trains or waits against time bounds (handshakes, detection, training again
+#: within 60 s) that two labs sharing the two cores would stretch.
+SERIAL_GROUP = "serial"
 
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run ``timing`` tests first, keeping every other test in its order.
+    """Run ``timing`` tests first, keeping every other test in its order, and put them and the
+    ``netns`` tests in :data:`SERIAL_GROUP`.
 
     They compare the planner's predicted times with a measured run; later in the suite the
     machine has been busy for minutes and runs measurably slower than the short profile taken
-    moments before, which is the suite's load, not the cost model's error.
+    moments before, which is the suite's load, not the cost model's error. Under xdist the group
+    is the largest, so it goes first, to one worker, with the timing tests at its head.
     """
     items.sort(key=lambda item: item.get_closest_marker("timing") is None)
+    for item in items:
+        if item.get_closest_marker("timing") or item.get_closest_marker("netns"):
+            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Under xdist, a ``timing`` test runs alone: the other workers wait between their tests.
+
+    Its setup, call and teardown (module and session fixtures included) hold the machine lock
+    exclusively, every other test holds it shared, so a timing test's profile and its measured
+    run see the same quiet machine, as in a serial run.
+    """
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None or item.config.option.basetemp is None:
+        return (yield)
+    directory = Path(item.config.option.basetemp).parent  # the session's: workers' basetemps are under it
+    with machine_lock(directory / f"machine-{run}", exclusive=item.get_closest_marker("timing") is not None):
+        return (yield)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -59,6 +59,7 @@ def _one_line_error(err: str, *fragments: str) -> None:
             ("expired", "mesh invite"),
         ),
     ],
+    ids=["not-a-token", "short-token", "truncated-token", "expired-token"],  # the same on every xdist worker
 )
 def test_join_refuses_bad_tokens_and_writes_nothing(
     capsys, tmp_path, token: str, fragments: tuple[str, ...]

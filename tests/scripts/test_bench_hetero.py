@@ -183,6 +183,7 @@ def test_recovery_from_swapped_profiles_is_the_first_step_that_stays_near_the_po
 
 @pytest.mark.netns
 @pytest.mark.slow
+@pytest.mark.timing  # b's 0.5 CPU quota must be all the squeeze: no other test's load beside it
 def test_quick_even_split_trains_on_both_hosts_and_the_quota_throttles() -> None:
     """The even split alone (``--modes even_split``): it forms the mesh, throttles both hosts,
     profiles each under its quota and trains on both, which only a real run can show; the other
