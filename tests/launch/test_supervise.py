@@ -364,19 +364,26 @@ def _run(config: Config, plan: Plan) -> PreparedRun:
     )  # fmt: skip
 
 
-def test_after_a_loss_the_newest_complete_copy_becomes_the_checkpoint_and_the_rest_replan(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _c_lost_with_copies_of_5_and_6(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ended: AttemptEnded
+) -> tuple[PreparedRun, MeshLauncher, dict[str, list[Any]]]:
+    """The supervisor's next attempt after ``ended`` (c lost), with complete copies of steps 5 and 6."""
     config = _config(tmp_path)
     monkeypatch.setattr(MeshLauncher, "plan", lambda self, config: _plan([m.name for m in self.members], 1.5))
     seen: dict[str, list[Any]] = {}
     supervisor = _supervisor(tmp_path, config, seen)
     _copies(tmp_path, 5, 6)
     launcher = MeshLauncher(_members("a", "b", "c"), say=print)
-    run = _run(config, _plan(["a", "b", "c"]))
+    following, successor = supervisor.next_attempt(_run(config, _plan(["a", "b", "c"])), launcher, ended)
+    return following, successor, seen
+
+
+def test_after_a_loss_the_newest_complete_copy_becomes_the_checkpoint_and_the_rest_replan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ended = AttemptEnded("member_lost", member="c", reason="killed by signal 9", step=7, newest_copy=6)
 
-    following, successor = supervisor.next_attempt(run, launcher, ended)
+    following, successor, seen = _c_lost_with_copies_of_5_and_6(tmp_path, monkeypatch, ended)
 
     assert [member.name for member in successor.members] == ["a", "b"]
     assert following.first_step == 6
@@ -398,19 +405,12 @@ def test_after_a_loss_the_newest_complete_copy_becomes_the_checkpoint_and_the_re
 def test_a_step_whose_copy_was_in_flight_is_trained_again_unreported_not_lost(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = _config(tmp_path)
-    monkeypatch.setattr(MeshLauncher, "plan", lambda self, config: _plan([m.name for m in self.members], 1.5))
-    seen: dict[str, list[Any]] = {}
-    supervisor = _supervisor(tmp_path, config, seen)
-    _copies(tmp_path, 5, 6)
-    launcher = MeshLauncher(_members("a", "b", "c"), say=print)
-    run = _run(config, _plan(["a", "b", "c"]))
     # step 7 finished, but its copy was in flight: the gate had reported up to step 6 only
     ended = AttemptEnded(
         "member_lost", member="c", reason="killed by signal 9", step=7, newest_copy=6, reported_step=6
     )
 
-    following, _ = supervisor.next_attempt(run, launcher, ended)
+    following, _, seen = _c_lost_with_copies_of_5_and_6(tmp_path, monkeypatch, ended)
 
     assert following.first_step == 6
     lost = seen["record"][0]
