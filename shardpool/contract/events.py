@@ -26,6 +26,7 @@ from shardpool.contract.names import ContractError, safe_relative_name
 
 __all__ = [
     "EVENT_PREFIX",
+    "STAGE_COPY_FIGURES",
     "StageEvent",
     "ReadyEvent",
     "StepEvent",
@@ -42,6 +43,9 @@ __all__ = [
 #: Stdout lines of a stage process that start with this carry one JSON event.
 EVENT_PREFIX = "@shardpool "
 MAX_MESSAGE_CHARS = 2000
+#: A keep_state step event's per-rank figures of the step-boundary copies (:class:`StepEvent`),
+#: in the order the stages gather them.
+STAGE_COPY_FIGURES = ("stage_copy_s", "stage_copy_blocked_s", "stage_copy_cpu_s")
 
 
 class StageEvent(str, enum.Enum):

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from mesh.files import atomic_write, write_json
 from shardpool.config import Config
-from shardpool.contract.events import StageEvent
+from shardpool.contract.events import STAGE_COPY_FIGURES, StageEvent
 from shardpool.contract.job import Job, StagePlacement
 from shardpool.launch.local_launcher import LocalLauncher
 from shardpool.launch.mesh_launcher import MeshLauncher
@@ -257,7 +257,7 @@ def _step_metrics(event: dict[str, Any]) -> dict[str, Any]:
             "stage_bytes_sent": event["bytes_sent"],
         }
     )
-    for copy_figure in ("stage_copy_s", "stage_copy_blocked_s", "stage_copy_cpu_s"):
+    for copy_figure in STAGE_COPY_FIGURES:
         if event.get(copy_figure) is not None:
             record[copy_figure] = event[copy_figure]
     if event.get("loss_scale") is not None:

@@ -341,8 +341,8 @@ def _time_optimizer(model: Any, device: str, runs: int, *, throttled: bool = Fal
         synchronize(device)
         return (time.perf_counter() - start) / count
 
-    first = max(steps(1), steps(1))  # the first step allocates the AdamW state
-    per_sample, samples = _sampling(first, runs, throttled=throttled)
+    steps(1)  # the first step allocates the AdamW state
+    per_sample, samples = _sampling(steps(1), runs, throttled=throttled)
     return statistics.median(steps(per_sample) for _ in range(samples))
 
 

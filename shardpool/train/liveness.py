@@ -121,10 +121,12 @@ class StateCopier:
         self, step: int, files: dict[str, dict[str, torch.Tensor]], *, since: float | None = None
     ) -> None:
         """Queue the copy after ``step`` once the previous one is written; ``since`` (a
-        ``time.perf_counter()``, default now) is when the step ended, for ``copy_seconds``."""
+        ``time.perf_counter()``, default now) is when the step ended, for ``copy_seconds`` and
+        ``blocked_seconds``."""
         started = time.perf_counter() if since is None else since
         self.wait()
         self._queue.put((step, started, files))
+        self.blocked_seconds = time.perf_counter() - started
 
     def wait(self) -> None:
         """Block until every queued copy is written (or has failed)."""

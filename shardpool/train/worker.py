@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardpool.contract.events import EVENT_PREFIX, StageEvent
+from shardpool.contract.events import EVENT_PREFIX, STAGE_COPY_FIGURES, StageEvent
 from shardpool.contract.job import Job
 from shardpool.contract.rebalance import decode_decision
 from shardpool.data.cadence import config_steps_per_epoch, epoch_at, eval_step_set, save_step_set
@@ -404,11 +404,11 @@ class StageWorker:
         if scale:
             scale.update(finite=finite)
         copier = self.copier
-        copy_seconds = (
+        copy_figures = (
             () if copier is None else (copier.copy_seconds, copier.blocked_seconds, copier.cpu_seconds)
         )
         timings = gather_timings(
-            totals.compute_seconds, wire.wait_seconds, wire.bytes_sent, self.job.world_size, *copy_seconds
+            totals.compute_seconds, wire.wait_seconds, wire.bytes_sent, self.job.world_size, *copy_figures
         )
         wire.bytes_sent = 0
         if self.rank == 0:
@@ -428,15 +428,7 @@ class StageWorker:
                     "stage_wait_s": timings[1],
                     "bytes_sent": timings[2],
                 }
-                | (
-                    {
-                        "stage_copy_s": timings[3],
-                        "stage_copy_blocked_s": timings[4],
-                        "stage_copy_cpu_s": timings[5],
-                    }
-                    if copy_seconds
-                    else {}
-                )
+                | (dict(zip(STAGE_COPY_FIGURES, timings[3:], strict=True)) if copy_figures else {})
                 | ({"loss_scale": scale.scale, "skipped_step": not finite} if scale else {})
             )
 
@@ -542,7 +534,6 @@ class StageWorker:
         self.copier.submit(
             step, {name: cpu_clones(tensors) for name, tensors in files.items()}, since=started
         )
-        self.copier.blocked_seconds = time.perf_counter() - started
 
     def save_checkpoint(self, step: int, *, eval_before: float | None) -> None:
         """Send every stage's part of a checkpoint to the launcher, which then renames it into place."""
