@@ -4,6 +4,7 @@ policy, the re-plan after a loss and the join decision (fakes for members, agent
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -644,27 +645,44 @@ class _Gone(_Agent):
         raise AgentUnreachable("timed out")
 
 
+def _watching_after(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    ended: AttemptEnded,
+    seen: dict[str, list[Any]],
+    *,
+    online: Callable[[], list[MeshMember]],
+    clock: Callable[[], float] | None = None,
+) -> tuple[Supervisor, MeshLauncher]:
+    """The supervisor's next attempt after ``ended`` (c lost) begun, its agent listing ``online``;
+    a plan over three members predicts half the step of one over two."""
+    config = _config(tmp_path)
+    monkeypatch.setattr(MeshLauncher, "plan", lambda self, config: _plan([m.name for m in self.members]))
+    monkeypatch.setattr(MeshLauncher, "plans_with_and_without", _plans_by_size({2: 1.0, 3: 0.5}))
+    supervisor = _supervisor(tmp_path, config, seen)
+    if clock is not None:
+        supervisor.clock = clock
+    following, launcher = supervisor.next_attempt(
+        _run(config, _plan(["a", "b", "c"])), MeshLauncher(_members("a", "b", "c"), say=print), ended
+    )
+    launcher.list_members = online
+    supervisor.begin(launcher, following, Job.model_validate(job_dict(stages=2)), None)
+    return supervisor, launcher
+
+
 def test_a_member_lost_while_its_agent_answered_is_taken_back_only_once_it_was_away_or_after_the_hold_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stalled member looks healthy once its stage is stopped: no flapping back into the run."""
-    config = _config(tmp_path)
-    monkeypatch.setattr(MeshLauncher, "plan", lambda self, config: _plan([m.name for m in self.members]))
-    monkeypatch.setattr(MeshLauncher, "plans_with_and_without", _plans_by_size({2: 1.0, 3: 0.5}))
     now = [100.0]
     seen: dict[str, list[Any]] = {}
-    supervisor = _supervisor(tmp_path, config, seen)
-    supervisor.clock = lambda: now[0]
-    run = _run(config, _plan(["a", "b", "c"]))
     stalled = AttemptEnded(
         "member_lost", member="c", reason="stopped beating", step=3, newest_copy=None, agent_answered=True
     )
-    following, launcher = supervisor.next_attempt(
-        run, MeshLauncher(_members("a", "b", "c"), say=print), stalled
-    )
     online = [_members("a", "b", "c")]
-    launcher.list_members = lambda: online[0]
-    supervisor.begin(launcher, following, Job.model_validate(job_dict(stages=2)), None)
+    supervisor, launcher = _watching_after(
+        tmp_path, monkeypatch, stalled, seen, clock=lambda: now[0], online=lambda: online[0]
+    )
 
     supervisor._look_for_joins(launcher, 10)
     assert supervisor._found is None
@@ -694,17 +712,11 @@ def test_a_member_lost_while_its_agent_answered_is_taken_back_only_once_it_was_a
 def test_a_member_lost_with_its_agent_is_taken_back_as_soon_as_it_answers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = _config(tmp_path)
-    monkeypatch.setattr(MeshLauncher, "plan", lambda self, config: _plan([m.name for m in self.members]))
-    monkeypatch.setattr(MeshLauncher, "plans_with_and_without", _plans_by_size({2: 1.0, 3: 0.5}))
-    supervisor = _supervisor(tmp_path, config, {})
     killed = AttemptEnded(
         "member_lost", member="c", reason="its agent stopped answering", step=3, newest_copy=None
     )
-    following, launcher = supervisor.next_attempt(
-        _run(config, _plan(["a", "b", "c"])), MeshLauncher(_members("a", "b", "c"), say=print), killed
+    supervisor, launcher = _watching_after(
+        tmp_path, monkeypatch, killed, {}, online=lambda: _members("a", "b", "c")
     )
-    launcher.list_members = lambda: _members("a", "b", "c")
-    supervisor.begin(launcher, following, Job.model_validate(job_dict(stages=2)), None)
     supervisor._look_for_joins(launcher, 10)
     assert supervisor._found is not None and supervisor._found.members == ["c"]
