@@ -45,9 +45,10 @@ LIVE_ROOT = "checkpoints/live"
 _LIVE_DIR = re.compile(r"step-([0-9]+)")
 
 
-def beat_key(rank: int) -> str:
-    """The rendezvous-store counter a rank's beat thread adds to."""
-    return f"shardpool/beat/{rank}"
+def beat_key(rank: int, generation: int = 0) -> str:
+    """The rendezvous-store counter a rank's beat thread adds to (a job grown in place,
+    :mod:`shardpool.contract.grow`, counts its ranks afresh under each generation)."""
+    return f"shardpool/beat/{rank}" if generation == 0 else f"shardpool/beat/{generation}/{rank}"
 
 
 def live_key(step: int) -> str:

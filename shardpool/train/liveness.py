@@ -53,30 +53,40 @@ def store_client(addr: str, port: int, *, timeout_s: float = STORE_TIMEOUT_S) ->
 
 
 def beat(
-    connect: StoreFactory, rank: int, stop: threading.Event, *, interval_s: float = BEAT_INTERVAL_S
+    connect: StoreFactory,
+    rank: int,
+    stop: threading.Event,
+    *,
+    interval_s: float = BEAT_INTERVAL_S,
+    key: Callable[[], str] | None = None,
 ) -> None:
-    """Add 1 to ``beat_key(rank)`` every ``interval_s`` until ``stop`` is set or the store is gone.
+    """Add 1 to ``beat_key(rank)`` (or to ``key()``, read afresh each beat: a job that grows in
+    place renumbers its ranks) every ``interval_s`` until ``stop`` is set or the store is gone.
 
     A failure (no store, launcher gone) ends the loop without raising: a missing beat is exactly
     what the launcher watches for, and the stage must not fail because of it.
     """
+    current_key = key if key is not None else (lambda: beat_key(rank))
     try:
         store = connect()
-        key = beat_key(rank)
         while not stop.is_set():
-            store.add(key, 1)
+            store.add(current_key(), 1)
             stop.wait(interval_s)
     except Exception as error:  # noqa: BLE001 - the beat just stops; see the docstring
         print(f"shardpool: rank {rank} stopped beating: {error}", file=sys.stderr, flush=True)
 
 
 def start_beat(
-    connect: StoreFactory, rank: int, *, interval_s: float = BEAT_INTERVAL_S
+    connect: StoreFactory,
+    rank: int,
+    *,
+    interval_s: float = BEAT_INTERVAL_S,
+    key: Callable[[], str] | None = None,
 ) -> tuple[threading.Thread, threading.Event]:
     """Start :func:`beat` in a daemon thread; return the thread and the event that stops it."""
     stop = threading.Event()
     thread = threading.Thread(
-        target=beat, args=(connect, rank, stop), kwargs={"interval_s": interval_s},
+        target=beat, args=(connect, rank, stop), kwargs={"interval_s": interval_s, "key": key},
         name=f"shardpool-beat-{rank}", daemon=True,
     )  # fmt: skip
     thread.start()

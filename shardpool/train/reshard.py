@@ -22,12 +22,15 @@ import torch.distributed as dist
 from safetensors.torch import load as load_tensor_bytes
 from safetensors.torch import save as save_tensor_bytes
 
+from shardpool.contract.grow import state_position
 from shardpool.contract.rebalance import decision_key, handovers, key_layer, kill_rank
 from shardpool.errors import ShardpoolError
 
 __all__ = [
     "HANDOVER_TAG",
     "await_decision",
+    "await_key",
+    "exchange_by_position",
     "exchange_state",
     "kept_state",
     "module_layer",
@@ -43,16 +46,23 @@ def await_decision(store: Any, step: int, *, timeout_s: float) -> bytes:
 
     Waits at most ``timeout_s``: a launcher that is gone must not leave its stages waiting.
     """
-    key = decision_key(step)
+    return await_key(
+        store,
+        decision_key(step),
+        timeout_s=timeout_s,
+        what=f"re-balance decision from the launcher after step {step}",
+    )
+
+
+def await_key(store: Any, key: str, *, timeout_s: float, what: str) -> bytes:
+    """The value of ``key`` on the rendezvous ``store`` once it is set; ShardpoolError naming
+    ``what`` after ``timeout_s`` (a launcher or a rank that is gone must not leave a stage waiting)."""
     try:
         store.wait([key], timedelta(seconds=timeout_s))
         return bytes(store.get(key))
     except (RuntimeError, dist.DistError) as error:
         detail = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ShardpoolError(
-            f"no re-balance decision from the launcher within {timeout_s:g} s after step {step} "
-            f"(is the launcher gone?): {detail}"
-        ) from None
+        raise ShardpoolError(f"no {what} within {timeout_s:g} s (is the launcher gone?): {detail}") from None
 
 
 def module_layer(path: str) -> int | None:
@@ -99,38 +109,73 @@ def exchange_state(
     """Send the state of the layers this stage loses, receive that of the layers it gains; return the received.
 
     Ranks are replica-major (rank = replica × stages + stage); each replica hands over within
-    itself, since replicas hold the same state. Sizes go first, then the bytes; sends are posted
-    before receives, so no order of pairs can deadlock.
+    itself, since replicas hold the same state.
     """
     num_stages = len(old)
     moves = handovers(old, new)
+    peer = {index: replica * num_stages + index for index in range(num_stages)}
     outgoing = {
-        target: save_tensor_bytes(state_for_layers(tensors, layers))
+        peer[target]: state_for_layers(tensors, layers)
         for (source, target), layers in moves.items()
         if source == stage
     }
-    sources = sorted(source for source, target in moves if target == stage)
-    peer = {index: replica * num_stages + index for index in range(num_stages)}
+    sources = sorted(peer[source] for source, target in moves if target == stage)
+    return _hand_over(outgoing, sources, rank=rank)
 
+
+def exchange_by_position(
+    tensors: dict[str, torch.Tensor],
+    moves: dict[tuple[int, int], list[int]],
+    *,
+    rank: int,
+    num_layers: int,
+) -> dict[str, torch.Tensor]:
+    """A job growing in place (:mod:`shardpool.contract.grow`): send the state of the positions
+    ``moves`` takes from this rank, receive what it brings here; return the received.
+
+    ``moves`` is ``{(from rank, to rank): [positions]}`` in the grown job's ranks.
+    """
+    outgoing = {
+        target: {
+            name: tensor.detach().to("cpu").contiguous()
+            for name, tensor in tensors.items()
+            if state_position(name, num_layers) in set(positions)
+        }
+        for (source, target), positions in moves.items()
+        if source == rank
+    }
+    sources = sorted(source for source, target in moves if target == rank)
+    return _hand_over(outgoing, sources, rank=rank)
+
+
+def _hand_over(
+    outgoing: dict[int, dict[str, torch.Tensor]], sources: Sequence[int], *, rank: int
+) -> dict[str, torch.Tensor]:
+    """Send each ``outgoing`` peer its tensors and receive from every rank in ``sources``.
+
+    Sizes go first, then the bytes; sends are posted before receives, so no order of pairs can
+    deadlock. The tensors cross as safetensors bytes over the world group (nothing is unpickled).
+    """
+    payloads = {target: save_tensor_bytes(tensors) for target, tensors in sorted(outgoing.items())}
     pending = [
-        dist.isend(torch.tensor([len(payload)], dtype=torch.int64), peer[target], tag=HANDOVER_TAG)
-        for target, payload in sorted(outgoing.items())
+        dist.isend(torch.tensor([len(payload)], dtype=torch.int64), target, tag=HANDOVER_TAG)
+        for target, payload in payloads.items()
     ]
     sizes = {}
     for source in sources:
         size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, peer[source], tag=HANDOVER_TAG)
+        dist.recv(size, source, tag=HANDOVER_TAG)
         sizes[source] = int(size.item())
     pending += [
-        dist.isend(torch.frombuffer(bytearray(payload), dtype=torch.uint8), peer[target], tag=HANDOVER_TAG)
-        for target, payload in sorted(outgoing.items())
+        dist.isend(torch.frombuffer(bytearray(payload), dtype=torch.uint8), target, tag=HANDOVER_TAG)
+        for target, payload in payloads.items()
     ]
     if kill_rank() == rank:
         os.kill(os.getpid(), signal.SIGKILL)  # the test hook: a stage lost in the middle of a hand-over
     received: dict[str, torch.Tensor] = {}
     for source in sources:
         buffer = torch.empty(sizes[source], dtype=torch.uint8)
-        dist.recv(buffer, peer[source], tag=HANDOVER_TAG)
+        dist.recv(buffer, source, tag=HANDOVER_TAG)
         received.update(load_tensor_bytes(buffer.numpy().tobytes()))
     for work in pending:
         work.wait()

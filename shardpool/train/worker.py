@@ -49,7 +49,17 @@ import torch
 import torch.distributed as dist
 
 from shardpool.contract.events import EVENT_PREFIX, STAGE_COPY_FIGURES, StageEvent
+from shardpool.contract.grow import (
+    decode_growth,
+    group_prefix,
+    grow_key,
+    job_growth_moves,
+    ready_key,
+    schedule_key,
+    step_key,
+)
 from shardpool.contract.job import Job
+from shardpool.contract.liveness import beat_key
 from shardpool.contract.rebalance import decode_decision
 from shardpool.data.cadence import config_steps_per_epoch, epoch_at, eval_step_set, save_step_set
 from shardpool.data.prepared_file import load_prepared
@@ -68,7 +78,15 @@ from shardpool.train.loss_scale import LossScale, inject_inf_at
 from shardpool.train.optim import build_optimizer, build_scheduler
 from shardpool.train.pipeline import StagePipe
 from shardpool.train.process_group import Groups, Wire, join_process_group, leave_process_group
-from shardpool.train.reshard import await_decision, exchange_state, kept_state, module_layer
+from shardpool.train.reshard import (
+    await_decision,
+    await_key,
+    exchange_by_position,
+    exchange_state,
+    kept_state,
+    module_layer,
+    state_position,
+)
 from shardpool.train.runfiles import DATA_INPUT, INIT_ADAPTER_PREFIX, RunFiles
 from shardpool.train.stage_state import (
     StageState,
@@ -197,6 +215,9 @@ class StageWorker:
         self.keeps_state = job.keep_state and job.world_size > 1
         self.copier: StateCopier | None = None
         self.stop_beat: Any = None
+        #: Set in a step whose timing all-gather said the launcher grew the job (contract.grow).
+        self.grow_due = False
+        self.eval_before: float | None = job.eval_before
 
     # ----- set-up -------------------------------------------------------------------------
     def setup(self) -> None:
@@ -210,26 +231,9 @@ class StageWorker:
                 self.job.master_addr, self.job.master_port, is_master=False, timeout=timeout
             )
         self.rendezvous = store
-        self.groups = join_process_group(
-            store=store,
-            rank=self.rank,
-            world_size=self.job.world_size,
-            num_stages=self.job.num_stages,
-            replicas=self.job.replicas,
-            device=self.device,
-            places=[self._place(rank) for rank in range(self.job.world_size)],
-            timeout=timeout,
-        )
+        if not self.job.joining:  # a joining rank meets the others once they move to its generation
+            self._join_group(store)
         self.files = RunFiles(self.job, job_dir=self.job_dir)
-        self.wire = Wire.for_rank(
-            self.groups,
-            rank=self.rank,
-            is_first=self.spec.is_first,
-            is_last=self.spec.is_last,
-            device=self.device,
-            wire_dtype=DTYPES[self.config.wire_dtype_name],
-            compute_dtype=self.compute_dtype,
-        )
         lora = lora_settings(self.config, check_init_adapter=False)
         self.base = BaseSettings(
             quantize=self.config.adapter == "qlora",
@@ -247,7 +251,35 @@ class StageWorker:
         self.data = load_prepared(self.files.path(DATA_INPUT))
         self.steps = config_step_batches(self.config, len(self.data.train), replicas=self.job.replicas)
         self._set_cadence()
+        if self.job.joining:
+            self._built = stage  # trained once the running ranks hand over its state (join_running)
+            return
         self._train_stage(stage, loss_scale=LossScale() if self.job.scales_loss else None)
+
+    def _join_group(self, store: Any) -> None:
+        """Join this job's process group (its generation's, under its store prefix) and make the wire."""
+        generation = self.job.generation
+        if generation and store is not None:
+            store = dist.PrefixStore(group_prefix(generation), store)
+        self.groups = join_process_group(
+            store=store,
+            rank=self.rank,
+            world_size=self.job.world_size,
+            num_stages=self.job.num_stages,
+            replicas=self.job.replicas,
+            device=self.device,
+            places=[self._place(rank) for rank in range(self.job.world_size)],
+            timeout=timedelta(seconds=self.job.timeout_s),
+        )
+        self.wire = Wire.for_rank(
+            self.groups,
+            rank=self.rank,
+            is_first=self.spec.is_first,
+            is_last=self.spec.is_last,
+            device=self.device,
+            wire_dtype=DTYPES[self.config.wire_dtype_name],
+            compute_dtype=self.compute_dtype,
+        )
 
     def _load_stage(
         self, spec: StageSpec, *, reuse: dict[str, torch.nn.Module] | None = None
@@ -312,23 +344,29 @@ class StageWorker:
         """Train from the start or from a checkpoint, evaluate, and write the adapter."""
         if self.keeps_state:  # before the model is built: a slow start must not look like a lost member
             _, self.stop_beat = start_beat(
-                store_client(self.job.master_addr, self.job.master_port), self.rank
+                store_client(self.job.master_addr, self.job.master_port),
+                self.rank,
+                key=lambda: beat_key(self.rank, self.job.generation),
             )
         self.setup()
         if self.keeps_state:
             self.copier = StateCopier(
                 self.files, store_client(self.job.master_addr, self.job.master_port), rank=self.rank
             )
-        first_step = (
-            restore_stage_state(self.files, self.job, self.state, rank=self.rank)
-            if self.job.resume_step
-            else 0
-        )
-        if self.rank == 0:
-            self.emit({"event": StageEvent.READY, "total_steps": len(self.steps), "first_step": first_step})
-        eval_before = self.job.eval_before
-        if first_step == 0:
-            eval_before = self.evaluate()
+        if self.job.joining:
+            first_step = self.join_running()
+        else:
+            first_step = (
+                restore_stage_state(self.files, self.job, self.state, rank=self.rank)
+                if self.job.resume_step
+                else 0
+            )
+            if self.rank == 0:
+                self.emit(
+                    {"event": StageEvent.READY, "total_steps": len(self.steps), "first_step": first_step}
+                )
+            if first_step == 0:
+                self.eval_before = self.evaluate()
         total_steps = len(self.steps)
         for step in range(first_step, total_steps):
             self.train_step(step)
@@ -336,9 +374,11 @@ class StageWorker:
             if done in self.eval_at and done < total_steps:
                 self.report_eval(done, self.evaluate())
             if done in self.save_at:
-                self.save_checkpoint(done, eval_before=eval_before)
+                self.save_checkpoint(done, eval_before=self.eval_before)
             if done == self.job.rebalance_at and done < total_steps:
                 self.check_rebalance(done)
+            if self.grow_due and done < total_steps:
+                self.grow(done)
             self.copy_state(done)
         if self.copier is not None:
             self.copier.close()
@@ -357,7 +397,7 @@ class StageWorker:
             }
         )
         if self.rank == 0:
-            self.emit({"event": StageEvent.DONE, "eval_before": eval_before, "eval_after": eval_after})
+            self.emit({"event": StageEvent.DONE, "eval_before": self.eval_before, "eval_after": eval_after})
         if self.stop_beat is not None:
             self.stop_beat.set()
         leave_process_group()
@@ -407,9 +447,13 @@ class StageWorker:
         copy_figures = (
             () if copier is None else (copier.copy_seconds, copier.blocked_seconds, copier.cpu_seconds)
         )
+        grow_flag = (self._grow_announced(),) if copier is not None else ()
         timings = gather_timings(
-            totals.compute_seconds, wire.wait_seconds, wire.bytes_sent, self.job.world_size, *copy_figures
-        )
+            totals.compute_seconds, wire.wait_seconds, wire.bytes_sent, self.job.world_size,
+            *copy_figures, *grow_flag,
+        )  # fmt: skip
+        if grow_flag:
+            self.grow_due = max(timings.pop()) > 0
         wire.bytes_sent = 0
         if self.rank == 0:
             step_seconds = time.perf_counter() - started
@@ -511,6 +555,153 @@ class StageWorker:
             file=sys.stderr,
             flush=True,
         )
+
+    # ----- growing in place (a member joined) ---------------------------------------------------
+    def _grow_announced(self) -> float:
+        """1.0 when rank 0 finds the launcher's grow decision for the next generation, else 0.0.
+
+        Only rank 0 asks the store; the step's timing all-gather tells every rank, so all of them
+        grow after the same step.
+        """
+        if self.rank != 0 or self.rendezvous is None:
+            return 0.0
+        return 1.0 if self.rendezvous.check([grow_key(self.job.generation + 1)]) else 0.0
+
+    def grow(self, step: int) -> None:
+        """Move to the grown job after ``step``, in place (:mod:`shardpool.contract.grow`).
+
+        Rank 0 tells the joining ranks the step and the schedule's position. Every rank then
+        leaves the process group, joins the grown one with its new rank, hands the state of the
+        layers it loses to their new owner, and rebuilds its stage around the base layers it keeps.
+        """
+        started = time.perf_counter()
+        generation = self.job.generation + 1
+        store = self.rendezvous
+        if self.rank == 0:
+            store.set(schedule_key(generation), json.dumps(self._schedule_state()))
+            store.set(step_key(generation), str(step))
+        growth = decode_growth(store.get(grow_key(generation)))
+        grown = Job.model_validate(growth.job).model_copy(update={"joining": False})
+        tensors = ckpt.stage_state_tensors(
+            named_parameters=self.state.named_params, optimizer=self.state.optimizer
+        )
+        tensors = {name: tensor.detach().clone() for name, tensor in tensors.items()}
+        schedule = self._schedule_state()
+        old_rank, old_layers, old_range = self.rank, self.layers, (self.spec.start, self.spec.stop)
+        if self.copier is not None:
+            self.copier.wait()
+        leave_process_group()
+        self._adopt(grown, growth.ranks[old_rank])
+        self._join_group(store)
+        received = exchange_by_position(
+            tensors,
+            job_growth_moves(old_layers, self.layers, replicas=grown.replicas, renumber=growth.ranks),
+            rank=self.rank,
+            num_layers=self.layers[-1][1],
+        )
+        mine = self._positions()
+        wanted = {name: tensor for name, tensor in tensors.items() if self._position(name) in mine} | received
+        del tensors, received
+        start, stop = self.spec.start, self.spec.stop
+        reuse = {
+            path: module
+            for path, module in reusable_modules(self.pipe.stage).items()
+            if (layer := module_layer(path)) is None or start <= layer < stop
+        }
+        loss_scale = self.state.loss_scale
+        self._drop_stage()
+        with _rng_kept(self.device):  # building a stage draws from the global RNG; dropout must not see it
+            stage = self._load_stage(self.spec, reuse=reuse)
+        del reuse
+        self._train_stage(stage, loss_scale=loss_scale)
+        self._restore_state(wanted, schedule)
+        dist.barrier()
+        print(
+            f"shardpool: grew in place after step {step}: rank {old_rank} -> {self.rank}, layers "
+            f"[{old_range[0]}, {old_range[1]}) -> [{start}, {stop}) "
+            f"in {time.perf_counter() - started:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def join_running(self) -> int:
+        """A joining rank: say it is ready, wait for the step the running ranks grow after, join
+        their grown process group and take its layers' state from them; return that step."""
+        generation = self.job.generation
+        store = self.rendezvous
+        store.add(ready_key(generation), 1)
+        timeout_s = self.job.timeout_s
+        step = int(await_key(store, step_key(generation), timeout_s=timeout_s, what="step to join after"))
+        schedule = json.loads(
+            await_key(store, schedule_key(generation), timeout_s=timeout_s, what="schedule")
+        )
+        growth = decode_growth(
+            await_key(store, grow_key(generation), timeout_s=timeout_s, what="grow decision")
+        )
+        self._join_group(store)
+        self._train_stage(self._built, loss_scale=LossScale() if self.job.scales_loss else None)
+        del self._built
+        received = exchange_by_position(
+            {},
+            job_growth_moves(
+                growth.old_layers, self.layers, replicas=self.job.replicas, renumber=growth.ranks
+            ),
+            rank=self.rank,
+            num_layers=self.layers[-1][1],
+        )
+        self._restore_state(received, schedule)
+        self.eval_before = schedule["eval_before"]
+        dist.barrier()
+        print(
+            f"shardpool: joined the running job after step {step} as rank {self.rank}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return step
+
+    def _adopt(self, job: Job, rank: int) -> None:
+        """Become rank ``rank`` of ``job`` (a grown job): its stage, replica, dtype and layers."""
+        self.job, self.rank = job, rank
+        self.spec = stage_spec(job, rank)
+        self.replica = job.replica_index(rank)
+        self.compute_dtype_name = job.stage_dtype(self.spec.index)
+        self.compute_dtype = DTYPES[self.compute_dtype_name]
+        self.layers = [(placement.start, placement.stop) for placement in job.stages]
+        if self.copier is not None:
+            self.copier.rank = rank
+
+    def _position(self, name: str) -> int:
+        return state_position(name, self.layers[-1][1])
+
+    def _positions(self) -> set[int]:
+        """The state positions this rank's stage holds (contract.grow): its layers, and the ends it has."""
+        positions = set(range(self.spec.start, self.spec.stop))
+        if self.spec.is_first:
+            positions.add(-1)
+        if self.spec.is_last:
+            positions.add(self.layers[-1][1])
+        return positions
+
+    def _schedule_state(self) -> dict[str, Any]:
+        """What a joining rank cannot know: the LR schedule's position and rates, the loss scale, the eval loss before."""
+        scale = self.state.loss_scale
+        return {
+            "scheduler_steps": int(self.state.scheduler.last_epoch),
+            "rates": [float(group["lr"]) for group in self.state.optimizer.param_groups],
+            "loss_scale": [float(value) for value in scale.state_tensor().tolist()] if scale else None,
+            "eval_before": self.eval_before,
+        }
+
+    def _restore_state(self, tensors: dict[str, torch.Tensor], schedule: dict[str, Any]) -> None:
+        """Load LoRA and optimizer state by key, and the schedule's position, rates and loss scale."""
+        keys = [key for key, _ in self.state.named_params]
+        load_lora_and_optimizer(self.state, *ckpt.lora_and_optimizer_from(tensors, keys))
+        for _ in range(int(schedule["scheduler_steps"]) - int(self.state.scheduler.last_epoch)):
+            self.state.scheduler.step()
+        for group, rate in zip(self.state.optimizer.param_groups, schedule["rates"], strict=True):
+            group["lr"] = rate
+        if self.state.loss_scale is not None and schedule["loss_scale"] is not None:
+            self.state.loss_scale.load_state_tensor(torch.tensor(schedule["loss_scale"], dtype=torch.float64))
 
     def _drop_stage(self) -> None:
         """Free the stage's layers, LoRA and optimizer state before the new ones are built."""

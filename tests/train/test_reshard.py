@@ -52,7 +52,7 @@ def test_the_decision_is_read_from_the_store_and_a_silent_launcher_is_one_line()
     assert await_decision(client, 3, timeout_s=5.0) == encode_decision(None).encode()
     started = time.monotonic()
     with pytest.raises(
-        ShardpoolError, match=r"no re-balance decision from the launcher within 0.3 s after step 4"
+        ShardpoolError, match=r"no re-balance decision from the launcher after step 4 within 0.3 s"
     ):
         await_decision(client, 4, timeout_s=0.3)
     assert time.monotonic() - started < 5.0

@@ -1,0 +1,86 @@
+"""Growing a job in place, stage side (issue 16): a local 2-stage run that a third stage process
+joins after step 4 trains exactly as a 3-stage run from the start, and the two running processes
+keep running (no restart). The launcher's side is played by :class:`tests.helpers.growing.GrowingLauncher`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+from safetensors.torch import load_file
+
+from shardpool import finetune as finetune_module
+from shardpool.config import parse_config
+from shardpool.contract.liveness import LIVE_ROOT
+from shardpool.contract.rebalance import FORCE_ENV
+from shardpool.finetune import finetune
+from shardpool.launch.run import RUN_DIR_NAME
+from shardpool.plan.profiler import TorchProbe
+from shardpool.train.worker import KEEP_STATE_HOOK
+from tests.helpers.growing import GrowingLauncher
+from tests.helpers.training import base_config, read_metrics
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+
+
+def _losses(output_dir: Path) -> dict[int, float]:
+    return {line["step"]: line["loss"] for line in read_metrics(output_dir) if "loss" in line}
+
+
+def _config(model: Path, data: Path, out: Path, layers: list[int], rebalance: str) -> Any:
+    return parse_config(
+        base_config(
+            model,
+            data,
+            out,
+            max_steps=STEPS,
+            val_set_size=0,
+            shardpool={"layers": layers, "rebalance": rebalance},
+        )  # fmt: skip
+    )
+
+
+def test_a_stage_that_joins_mid_run_trains_exactly_as_three_stages_from_the_start(
+    tmp_path: Path, tiny_model: Path, completion_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    three = finetune(
+        _config(tiny_model, completion_data, tmp_path / "three", [2, 2, 2], "off"),
+        console=Console(quiet=True),
+    )
+    launcher = GrowingLauncher(probe=TorchProbe(), after=3, layers=[2, 2, 2], joining_stage=1)
+    monkeypatch.setattr(finetune_module, "launcher_for", lambda *args, **kwargs: launcher)
+    monkeypatch.setenv(FORCE_ENV, "3:0-3,3-6")  # holds the ranks after step 3 while the joiner starts
+    monkeypatch.setenv(KEEP_STATE_HOOK, "1")
+    grown = finetune(
+        _config(tiny_model, completion_data, tmp_path / "grown", [3, 3], "auto"), console=Console(quiet=True)
+    )
+
+    assert launcher.renumber == {0: 0, 1: 2}
+    logs = grown / RUN_DIR_NAME / "logs"
+    assert (
+        "grew in place after step 4: rank 0 -> 0, layers [0, 3) -> [0, 2)"
+        in (logs / "rank-0.log").read_text()
+    )
+    assert (
+        "grew in place after step 4: rank 1 -> 2, layers [3, 6) -> [4, 6)"
+        in (logs / "rank-1.log").read_text()
+    )
+    assert "joined the running job after step 4 as rank 1" in (logs / "joining-rank-1.log").read_text()
+    assert launcher.joiner is not None and launcher.joiner.returncode == 0
+
+    expected, losses = _losses(three), _losses(grown)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert max(abs(losses[step] - expected[step]) for step in expected) < 1e-5
+    reference = load_file(str(three / "adapter_model.safetensors"))
+    adapter = load_file(str(grown / "adapter_model.safetensors"))
+    assert adapter.keys() == reference.keys()
+    assert max(float((adapter[key] - reference[key]).abs().max()) for key in reference) < 1e-4
+    # the step-boundary copies after the growth hold the grown job's three stages
+    copy = grown / LIVE_ROOT / f"step-{STEPS}"
+    assert sorted(path.name for path in copy.glob("stage-*")) == [
+        f"stage-{index}.safetensors" for index in range(3)
+    ]
