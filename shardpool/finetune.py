@@ -185,10 +185,12 @@ def _finetune_holding_output_dir(
         while True:
             try:
                 record = _attempt(run, run_dir, launcher, console, events, trackers, record, supervisor)
+                if supervisor is not None:
+                    run = supervisor.current(run)  # a member that joined in place changed the plan
                 break
             except AttemptEnded as ended:
                 assert supervisor is not None and isinstance(launcher, MeshLauncher)
-                run, launcher = supervisor.next_attempt(run, launcher, ended)
+                run, launcher = supervisor.next_attempt(supervisor.current(run), launcher, ended)
     finally:
         trackers.close()
     assert record is not None

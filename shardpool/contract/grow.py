@@ -121,10 +121,10 @@ def in_place_ranks(
 ) -> dict[int, int] | None:
     """Each running rank's rank in the grown job, or None when the job cannot grow in place.
 
-    ``old_hosts[rank]`` and ``new_hosts[rank]`` name the member of every rank. A job grows in
-    place when the replica count stays, it grows, and every member of the running job has as many
-    ranks in the grown one (a member's ranks keep their order); the grown job's other ranks are
-    on the members that join.
+    ``old_hosts[rank]`` and ``new_hosts[rank]`` name where every rank runs (its member, and its
+    device there). A job grows in place when the replica count stays, it grows, and every place of
+    the running job has as many ranks in the grown one (a place's ranks keep their order); the
+    grown job's other ranks are on the members that join.
     """
     if old_replicas != new_replicas or len(new_hosts) <= len(old_hosts):
         return None

@@ -42,7 +42,15 @@ from shardpool.launch.mesh_members import (
 )
 from shardpool.plan.result import Plan
 
-__all__ = ["Interrupted", "MemberLost", "MeshLauncher", "new_job_id", "ranks_by_member", "run_mesh_job"]
+__all__ = [
+    "GrowOrder",
+    "Interrupted",
+    "MemberLost",
+    "MeshLauncher",
+    "new_job_id",
+    "ranks_by_member",
+    "run_mesh_job",
+]
 
 LOST_AFTER_S = 10.0
 _POLL_WAIT_S = 1.0
@@ -75,6 +83,26 @@ class Interrupted(Exception):  # noqa: N818 - not an error: the launcher asked f
     """The launcher stopped the job on purpose (a member joined and the run re-plans with it)."""
 
 
+@dataclass
+class GrowOrder:
+    """A job growing in place (:mod:`shardpool.contract.grow`), between the supervisor and the event loop.
+
+    ``job`` is the grown job (its new ranks start it ``joining``), ``joined`` the ranks to start on
+    each joining member, ``renumber`` each running rank's rank in it. The event loop starts the
+    joining ranks (``started``, or ``failed`` with why); the supervisor sets ``grown`` and
+    ``watch`` once the stages moved; the loop then follows the grown job (``applied``).
+    """
+
+    job: Job
+    joined: dict[str, tuple[MeshMember, list[int]]]
+    renumber: dict[int, int]
+    started: bool = False
+    failed: str | None = None
+    grown: bool = False
+    watch: BeatWatch | None = None
+    applied: bool = False
+
+
 class MeshLauncher:
     """Stages on mesh members, started through this machine's agent; inputs served by a file server."""
 
@@ -99,6 +127,8 @@ class MeshLauncher:
         self.lost_after_s: float = LOST_AFTER_S
         self.interrupt: Callable[[], bool] | None = None
         self.tick: Callable[[], None] | None = None
+        #: Asked on every turn of the event loop: a growth in place to carry out (the supervisor's).
+        self.grow: Callable[[], GrowOrder | None] | None = None
         self.job_id: str | None = None
         self.previous_job_ids: list[str] = []
         #: The members online now, as this machine's agent lists them (None: not known here).
@@ -109,6 +139,7 @@ class MeshLauncher:
         keeping this one's hooks and file secret and its job ids as the run's history."""
         successor = type(self)(members, say=say, files_secret=self._files_secret)
         successor.watch, successor.interrupt, successor.tick = self.watch, self.interrupt, self.tick
+        successor.grow = self.grow
         successor.lost_after_s, successor.list_members = self.lost_after_s, self.list_members
         successor.previous_job_ids = [*self.previous_job_ids, *([self.job_id] if self.job_id else [])]
         return successor
@@ -159,6 +190,7 @@ class MeshLauncher:
             interrupt=self.interrupt,
             tick=self.tick,
             previous=self.previous_job_ids[-1] if self.previous_job_ids else None,
+            grow=self.grow,
         )
 
 
@@ -185,6 +217,8 @@ class _Follow:
     exited: dict[int, int] = field(default_factory=dict)
     running: bool = True
     lost: str | None = None
+    #: The agent's rank numbers -> the job's, once the job grew in place and renumbered its ranks.
+    renumber: dict[int, int] = field(default_factory=dict)
 
 
 def run_mesh_job(
@@ -200,6 +234,7 @@ def run_mesh_job(
     tick: Callable[[], None] | None = None,
     previous: str | None = None,
     neighbour_grace_s: float = _NEIGHBOUR_GRACE_S,
+    grow: Callable[[], GrowOrder | None] | None = None,
 ) -> None:
     """Run every rank on its member until all finish; raise StageFailed/MemberLost on the first failure.
 
@@ -208,12 +243,14 @@ def run_mesh_job(
     ``interrupt`` is asked after each event: True stops the job on purpose (:class:`Interrupted`).
     ``tick`` is called on every turn of the event loop (at least five times a second).
     ``previous`` is the job this one continues (after a lost or joined member): the local agent
-    keeps it for ``shardpool jobs show``. With a ``watch``, a stage error waits ``lost_after_s +
+    keeps it for ``shardpool jobs show``. ``grow`` is asked every turn for a :class:`GrowOrder`:
+    the loop starts its joining ranks, and follows the grown job once the order says it grew. With a ``watch``, a stage error waits ``lost_after_s +
     neighbour_grace_s`` for a lost member behind it (a neighbour of a vanished member fails first).
 
     Each member's agent derives its stages' environment (threads from its own cores over the ranks
     it runs, the mesh interface for gloo and NCCL) itself; nothing but the job crosses.
     """
+    ranks_by_member = dict(ranks_by_member)  # joining members are added to it
     follows = {name: _Follow(member, ranks) for name, (member, ranks) in ranks_by_member.items()}
     events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
     stop = threading.Event()
@@ -222,6 +259,7 @@ def run_mesh_job(
     failed_at: float | None = None
     started: list[str] = []
     lost: MemberLost | None = None
+    order: GrowOrder | None = None  # a growth in place under way, as ``grow`` last returned it
     try:
         payload = job.model_dump(mode="json")
         for name, (member, ranks) in ranks_by_member.items():
@@ -249,6 +287,10 @@ def run_mesh_job(
                 pass
             if tick is not None:
                 tick()
+            if order is not None and order.started and not order.grown and order.failed is None:
+                joiner_failed = _joiner_failure(order, follows, errors)
+                if joiner_failed is not None:  # the running stages never depended on it: they go on
+                    _abandon_growth(order, joiner_failed, job_id, ranks_by_member, follows, started)
             failure = _failure(job, follows, errors, last_step)
             if failure is None and watch is not None:
                 failure = _stall(job, follows, watch, last_step)
@@ -263,6 +305,33 @@ def run_mesh_job(
                 raise failure
             if interrupt is not None and interrupt():
                 raise Interrupted(f"stopped after step {last_step} to re-plan")
+            order = grow() if grow is not None else None
+            if order is not None and not order.started and order.failed is None:
+                _start_joining(order, job_id, files_secret, previous, ranks_by_member, follows, started)
+                for name in order.joined:
+                    if name in started:
+                        threading.Thread(
+                            target=_poll,
+                            args=(follows[name], job_id, events, stop, lost_after_s),
+                            daemon=True,
+                        ).start()
+            elif (
+                order is not None
+                and order.started
+                and order.failed is None
+                and not order.grown
+                and _only_joiners_run(order, follows)
+            ):
+                # the running ranks finished before they could grow: the joining ones have nothing to join
+                reason = "the run finished before its stages could grow"
+                _abandon_growth(order, reason, job_id, ranks_by_member, follows, started)
+            elif order is not None and order.grown and not order.applied:
+                job, watch = order.job, order.watch
+                for name, follow in follows.items():
+                    if name not in order.joined:
+                        follow.renumber = dict(order.renumber)
+                        follow.ranks = [order.renumber[rank] for rank in follow.ranks]
+                order.applied = True
             if all(not follow.running for follow in follows.values()) and events.empty():
                 return
     finally:
@@ -283,6 +352,75 @@ def run_mesh_job(
             # found by its silent beat first, but its agent does not answer the stop either: the
             # machine went (a kill -9, a power cut), it did not just stall
             lost.agent_answered = False
+
+
+def _joiner_failure(order: GrowOrder, follows: dict[str, _Follow], errors: dict[int, str]) -> str | None:
+    """Why a joining member's rank failed before the job grew (lost, or exited), or None."""
+    for name in order.joined:
+        follow = follows.get(name)
+        if follow is None:
+            continue
+        if follow.lost is not None:
+            return f"member {name!r} was lost while joining: {follow.lost}"
+        for rank, code in follow.exited.items():
+            if code != 0:
+                why = (
+                    f"killed by signal {-code}"
+                    if code < 0
+                    else errors.get(rank, f"exited with status {code}")
+                )
+                return f"member {name!r}'s joining stage (rank {rank}) failed: {why}"
+    return None
+
+
+def _abandon_growth(
+    order: GrowOrder,
+    reason: str,
+    job_id: str,
+    ranks_by_member: dict[str, tuple[MeshMember, list[int]]],
+    follows: dict[str, _Follow],
+    started: list[str],
+) -> None:
+    """Stop the joining ranks of ``order`` and forget them: the job goes on as it was."""
+    for name in order.joined:
+        if name in follows:
+            _stop_quietly(ranks_by_member.pop(name)[0], job_id, set())
+            del follows[name]
+            started.remove(name)
+    order.failed = reason
+
+
+def _only_joiners_run(order: GrowOrder, follows: dict[str, _Follow]) -> bool:
+    """Whether every member of the running job has finished while the joining ones wait."""
+    return all(not follow.running for name, follow in follows.items() if name not in order.joined)
+
+
+def _start_joining(
+    order: GrowOrder,
+    job_id: str,
+    files_secret: str | None,
+    previous: str | None,
+    ranks_by_member: dict[str, tuple[MeshMember, list[int]]],
+    follows: dict[str, _Follow],
+    started: list[str],
+) -> None:
+    """Start the joining ranks of ``order`` on their members, under the running job's id; a
+    member that refuses or does not answer fails the order (the run goes on as it is)."""
+    payload = order.job.model_dump(mode="json")
+    for name, (member, ranks) in order.joined.items():
+        try:
+            member.agent.start_job(job_id, payload, ranks, files_secret=files_secret, previous=previous)
+        except (AgentRefused, AgentUnreachable) as error:
+            order.failed = f"member {name!r} did not start its stages: {error}"
+            for other in [other for other in order.joined if other in follows]:  # those already started
+                _stop_quietly(ranks_by_member.pop(other)[0], job_id, set())
+                del follows[other]
+                started.remove(other)
+            return
+        started.append(name)
+        ranks_by_member[name] = (member, ranks)
+        follows[name] = _Follow(member, ranks)
+    order.started = True
 
 
 def _stop_quietly(member: MeshMember, job_id: str, answered: set[str]) -> None:
@@ -328,7 +466,10 @@ def _poll(
                 return
             event.setdefault("rank", item.get("rank"))
             events.put((follow.member.name, event))
-        follow.exited = {int(rank): int(code) for rank, code in reply.get("exited", {}).items()}
+        follow.exited = {
+            follow.renumber.get(int(rank), int(rank)): int(code)
+            for rank, code in reply.get("exited", {}).items()
+        }
         follow.running = bool(reply.get("running", True))
 
 

@@ -40,6 +40,7 @@ from typing import Any, Literal, Protocol, TypeVar
 from shardpool.agent.client import AgentRefused, AgentUnreachable
 from shardpool.config import Config
 from shardpool.contract.events import StageEvent
+from shardpool.contract.grow import encode_growth, grow_key, in_place_ranks, ready_key, step_key
 from shardpool.contract.job import Job, StagePlacement
 from shardpool.contract.liveness import (
     LIVE_ROOT,
@@ -55,11 +56,13 @@ from shardpool.launch.beats import BeatWatch
 from shardpool.launch.commit import CommitGate, passing
 from shardpool.launch.mesh_launcher import (
     LOST_AFTER_S,
+    GrowOrder,
     Interrupted,
     MemberLost,
     MeshLauncher,
     ranks_by_member,
 )
+from shardpool.launch.mesh_members import MeshMember
 from shardpool.launch.rebalancing import replanned_json
 from shardpool.plan.result import Plan
 
@@ -78,6 +81,7 @@ __all__ = [
     "clear_live_copies",
     "complete_live_steps",
     "copy_files_count",
+    "grown_job",
     "does_not_fit_line",
     "join_gain",
     "look_for_joins",
@@ -137,12 +141,21 @@ def copy_files_count(output_dir: Path, step: int, job: Job) -> int:
     return job.world_size if all((directory / name).is_file() for name in names) else 0
 
 
-def complete_live_steps(output_dir: Path, count: Callable[[int], int], world_size: int) -> list[int]:
+WorldSize = (
+    int | Callable[[int], int]
+)  # the ranks that copy a step: one number, or by step (a job grown in place)
+
+
+def _ranks_at(world_size: WorldSize, step: int) -> int:
+    return world_size(step) if callable(world_size) else world_size
+
+
+def complete_live_steps(output_dir: Path, count: Callable[[int], int], world_size: WorldSize) -> list[int]:
     """Steps whose copy every rank finished (``count(step)`` reads ``live_key(step)``), ascending."""
     complete = []
     for step in live_steps(output_dir):
         try:
-            if int(count(step)) >= world_size:
+            if int(count(step)) >= _ranks_at(world_size, step):
                 complete.append(step)
         except Exception:  # noqa: BLE001 - an unreadable counter: not known complete
             continue
@@ -150,7 +163,7 @@ def complete_live_steps(output_dir: Path, count: Callable[[int], int], world_siz
 
 
 def prune_live_copies(
-    output_dir: Path, count: Callable[[int], int], world_size: int, *, keep: int = KEEP_LIVE_COPIES
+    output_dir: Path, count: Callable[[int], int], world_size: WorldSize, *, keep: int = KEEP_LIVE_COPIES
 ) -> list[int]:
     """Delete the copies older than the ``keep`` newest complete ones; return the steps deleted.
 
@@ -341,6 +354,32 @@ def placements_of(plan: Plan) -> list[StagePlacement]:
     ]
 
 
+def grown_job(job: Job, plan: Plan) -> tuple[Job, dict[int, int]] | None:
+    """``job`` grown to ``plan`` (the next generation, its new ranks ``joining``) and each running
+    rank's rank in it; None when it cannot grow in place (:func:`~shardpool.contract.grow.in_place_ranks`)."""
+    grown = Job.model_validate(
+        job.model_dump(mode="json")
+        | {
+            "stages": [placement.model_dump(mode="json") for placement in placements_of(plan)],
+            "generation": job.generation + 1,
+            "joining": True,
+            "rebalance_at": None,
+        }
+    )
+    renumber = in_place_ranks(
+        _rank_hosts(job), _rank_hosts(grown), old_replicas=job.replicas, new_replicas=grown.replicas
+    )
+    return None if renumber is None else (grown, renumber)
+
+
+def _rank_hosts(job: Job) -> list[str]:
+    """Where each rank runs, member and device: a running process keeps both when the job grows."""
+    return [
+        f"{stage.host}/{stage.device}"
+        for stage in (job.stages[job.stage_index(r)] for r in range(job.world_size))
+    ]
+
+
 class AttemptEnded(Exception):  # noqa: N818 - not an error: the supervisor goes on from it
     """One attempt of a run ended early: a member was lost, or one joined and the run re-plans.
 
@@ -456,7 +495,14 @@ class Supervisor:
     join_clock: JoinCheckClock = field(default_factory=JoinCheckClock)
     clock: Callable[[], float] = time.monotonic
     _count: Callable[[int], int] = field(default=lambda step: 0)
-    _world_size: int = 1
+    #: The attempt's job, and from which step each grown job of it copies (``[(0, job), (S, grown)]``).
+    _jobs: list[tuple[int, Job]] = field(default_factory=list)
+    _store: Any = None
+    _growing: GrowOrder | None = None
+    _grow_published: bool = False
+    #: The plan the run has now (after a growth in place), and its plan.json.
+    _plan: Plan | None = None
+    _plan_json: dict[str, Any] | None = None
     _last_step: int = 0
     _eval_before: float | None = None
     _launcher: MeshLauncher | None = None
@@ -479,9 +525,13 @@ class Supervisor:
         """Hook one attempt: ``launcher`` about to start ``job``, its stages meeting at ``store``."""
         timeout_s = self.config.shardpool.member_timeout_s
         self._count = lambda step: max(
-            int(store.add(live_key(step), 0)), copy_files_count(self.output_dir, step, job)
+            int(store.add(live_key(step), 0)), copy_files_count(self.output_dir, step, self._job_at(step))
         )
-        self._world_size = job.world_size
+        self._jobs = [(0, job)]
+        self._store = store
+        self._growing, self._grow_published = None, False
+        self._plan, self._plan_json = run.planned, dict(run.plan)
+        launcher.grow = self.grow if job.keep_state else None
         self._last_step = job.resume_step
         self._keeps_state = job.keep_state
         self._gate = None
@@ -495,7 +545,7 @@ class Supervisor:
         launcher.interrupt = self.interrupt
         if job.keep_state:
             launcher.watch = lambda started: BeatWatch(
-                beats=lambda rank: int(store.add(beat_key(rank), 0)),
+                beats=lambda rank: int(store.add(beat_key(rank, started.generation), 0)),
                 ranks={
                     name: ranks for name, (_, ranks) in ranks_by_member(started, launcher.members).items()
                 },
@@ -510,12 +560,26 @@ class Supervisor:
         loop releases it."""
         if not self._keeps_state:
             return passing()
-        gate = CommitGate(lambda step: self._count(step) >= self._world_size)
+        gate = CommitGate(lambda step: self._count(step) >= self._ranks_at(step))
         gate.newest_step = gate.reported_step = self._last_step
         self._gate = gate
         if self._launcher is not None:
-            self._launcher.tick = gate.release
+            self._launcher.tick = self._tick
         return gate
+
+    def _job_at(self, step: int) -> Job:
+        """The job whose ranks copy step ``step``: the grown one from the step it grew after."""
+        return next(job for since, job in reversed(self._jobs) if step >= since)
+
+    def _ranks_at(self, step: int) -> int:
+        return self._job_at(step).world_size
+
+    def _tick(self) -> None:
+        """Every turn of the launcher's event loop: release the steps whose copies are complete,
+        and move a growth in place on (:meth:`grow`)."""
+        if self._gate is not None:
+            self._gate.release()
+        self._advance_growth()
 
     def _newest_step(self) -> int:
         """The newest step the stages finished (reported or not)."""
@@ -527,14 +591,14 @@ class Supervisor:
         kind = event.get("event")
         if kind == StageEvent.STEP:
             self._last_step = int(event["step"])
-            prune_live_copies(self.output_dir, self._count, self._world_size)
+            prune_live_copies(self.output_dir, self._count, self._ranks_at)
             self._maybe_look_for_joins(self._last_step)
         elif kind == StageEvent.CHECKPOINT_WRITTEN and event.get("eval_before") is not None:
             self._eval_before = float(event["eval_before"])
 
     def ended(self, stopped: MemberLost | Interrupted) -> AttemptEnded:
         """The attempt's end as :class:`AttemptEnded`, with the newest complete copy (read now, while the store answers)."""
-        complete = complete_live_steps(self.output_dir, self._count, self._world_size)
+        complete = complete_live_steps(self.output_dir, self._count, self._ranks_at)
         newest = complete[-1] if complete else None
         if isinstance(stopped, MemberLost):
             reason = str(stopped).split(": ", 1)[-1]
@@ -555,16 +619,132 @@ class Supervisor:
         )  # fmt: skip
 
     def interrupt(self) -> bool:
-        """Whether to stop the stages now for a join: a faster plan was found and the step-boundary
-        copy of the last completed step is complete (so no completed step is lost)."""
+        """Whether to stop the stages now for a join: a faster plan was found that the job cannot
+        grow into in place (:meth:`grow`), and the step-boundary copy of the last completed step is
+        complete (so no completed step is lost)."""
         with self._join_lock:
             found = self._found
-        if found is None:
+        if found is None or self._growing is not None or self._grows_in_place(found) is not None:
             return False
-        complete = complete_live_steps(self.output_dir, self._count, self._world_size)
+        complete = complete_live_steps(self.output_dir, self._count, self._ranks_at)
         if not complete or complete[-1] < found.step:
             return False
         return complete[-1] >= self._newest_step() or self.clock() - found.found_at > JOIN_COPY_WAIT_S
+
+    # ----- growing in place (issue 16: a member that joins, without a restart) -----------------------
+    def _grows_in_place(self, found: _JoinFound) -> tuple[Job, dict[int, int]] | None:
+        """The grown job and each running rank's new rank, when the found plan can be taken in place."""
+        job = self._jobs[-1][1] if self._jobs else None
+        if job is None or not job.keep_state or job.world_size < 2:
+            return None
+        return grown_job(job, found.plan)
+
+    def grow(self) -> GrowOrder | None:
+        """The launcher's event loop asks every turn: the growth in place to carry out, if any.
+
+        Once a join check found a plan worth taking that the running job can grow into
+        (:func:`grown_job`), and the job is past its re-balance check, this is the order to start
+        the joining ranks; the event loop starts them and sets ``started``; :meth:`_tick` publishes
+        the decision once they are ready and sets ``grown`` once the stages moved, when the loop
+        switches to the grown job and sets ``applied``.
+        """
+        order = self._growing
+        if order is not None:
+            return None if order.applied else order
+        with self._join_lock:
+            found = self._found
+        if found is None or self._launcher is None:
+            return None
+        grown = self._grows_in_place(found)
+        check_at = self._jobs[-1][1].rebalance_at
+        if grown is None or (check_at is not None and self._newest_step() <= check_at):
+            return None
+        job, renumber = grown
+        running = set(renumber.values())
+        joined: dict[str, tuple[MeshMember, list[int]]] = {}
+        for name, (member, ranks) in ranks_by_member(job, found.launcher.members).items():
+            fresh = [rank for rank in ranks if rank not in running]
+            if fresh:
+                joined[name] = (member, fresh)
+        self._growing, self._grow_published = GrowOrder(job, joined, renumber), False
+        self.say(f"growing the job in place: starting {', '.join(sorted(joined))}'s stages")
+        return self._growing
+
+    def _advance_growth(self) -> None:
+        """Publish the grow decision once every joining rank is ready; note the growth once the
+        stages moved (rank 0 wrote the step they grew after)."""
+        order, store = self._growing, self._store
+        if order is None or order.grown or store is None:
+            return
+        if order.failed is not None:
+            self.say(f"growing in place failed, the run goes on as it is: {order.failed}")
+            self._growing = None
+            with self._join_lock:
+                self._found = None
+            return
+        if not order.started:
+            return
+        generation = order.job.generation
+        if not self._grow_published:
+            if int(store.add(ready_key(generation), 0)) >= sum(
+                len(ranks) for _, ranks in order.joined.values()
+            ):
+                running = self._jobs[-1][1]
+                store.set(
+                    grow_key(generation),
+                    encode_growth(
+                        order.job.model_dump(mode="json") | {"joining": False},
+                        order.renumber,
+                        [(stage.start, stage.stop) for stage in running.stages],
+                    ),
+                )
+                self._grow_published = True
+            return
+        if store.check([step_key(generation)]):
+            self._grew(order, int(store.get(step_key(generation))))
+
+    def _grew(self, order: GrowOrder, step: int) -> None:
+        """The stages grew after ``step``: the run's job, members, plan and watch are now the grown ones."""
+        with self._join_lock:
+            found, self._found = self._found, None
+        assert found is not None and self._launcher is not None
+        launcher = self._launcher
+        grown = order.job.model_copy(update={"joining": False})
+        order.job = grown
+        self._jobs.append((step, grown))
+        launcher.members = list(found.launcher.members)
+        order.watch = launcher.watch(grown) if launcher.watch is not None else None
+        self._current_step_s = found.plan.predicted_step_s
+        self._plan = found.plan
+        self._plan_json = replanned_json(self._plan_json or {}, found.plan, ended_at_step=step) | {
+            "source": "join"
+        }
+        self.write_plan(self._plan_json)
+        self.policy.note_replan()
+        names = ", ".join(found.members)
+        self._visible(
+            "member_joined", member=names, step=step, reason=f"{found.reason}; in place", steps_lost=0
+        )
+        placed = " ".join(f"{stage.host}[{stage.start}, {stage.stop})" for stage in found.plan.stages)
+        self._visible(
+            "replan",
+            member=names,
+            step=step,
+            reason=f"member {names!r} joined; stages now {placed}, grown in place (no restart)",
+            steps_lost=0,
+        )
+        order.grown = True
+
+    def current(self, run: Run) -> Run:
+        """``run`` with the plan the run has now (a growth in place changes it within an attempt)."""
+        if self._plan is None or self._plan_json is None or self._plan is run.planned:
+            return run
+        return replace(
+            run,  # type: ignore[type-var]
+            placements=placements_of(self._plan),
+            plan=self._plan_json,
+            planned=self._plan,
+        )
 
     def next_attempt(self, run: Run, launcher: MeshLauncher, ended: AttemptEnded) -> tuple[Run, MeshLauncher]:
         """Restore the newest complete copy and re-plan; return the next attempt's run and launcher.

@@ -581,7 +581,7 @@ class StageWorker:
             store.set(schedule_key(generation), json.dumps(self._schedule_state()))
             store.set(step_key(generation), str(step))
         growth = decode_growth(store.get(grow_key(generation)))
-        grown = Job.model_validate(growth.job).model_copy(update={"joining": False})
+        grown = self._grown(growth.job, generation)
         tensors = ckpt.stage_state_tensors(
             named_parameters=self.state.named_params, optimizer=self.state.optimizer
         )
@@ -659,10 +659,24 @@ class StageWorker:
         )
         return step
 
+    def _grown(self, decided: dict[str, Any], generation: int) -> Job:
+        """This rank's job grown as the decision says: only the stages change (and the generation);
+        everything else (config, inputs, where files go) stays as the job this process was started with."""
+        try:
+            stages = decided["stages"]
+        except (KeyError, TypeError):
+            raise ShardpoolError("the grow decision holds no stages") from None
+        return Job.model_validate(
+            self.job.model_dump(mode="json")
+            | {"stages": stages, "generation": generation, "joining": False, "rebalance_at": None}
+        )
+
     def _adopt(self, job: Job, rank: int) -> None:
         """Become rank ``rank`` of ``job`` (a grown job): its stage, replica, dtype and layers."""
-        self.job, self.rank = job, rank
-        self.spec = stage_spec(job, rank)
+        spec = stage_spec(job, rank)
+        if torch.device(spec.device) != self.device:
+            raise ShardpoolError(f"the grown job moves rank {self.rank} from {self.device} to {spec.device}")
+        self.job, self.rank, self.spec = job, rank, spec
         self.replica = job.replica_index(rank)
         self.compute_dtype_name = job.stage_dtype(self.spec.index)
         self.compute_dtype = DTYPES[self.compute_dtype_name]

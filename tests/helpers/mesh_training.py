@@ -353,3 +353,29 @@ class Drained:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+def stage_pids_on(lab: Lab, *hosts: Host) -> set[int]:
+    """The stage processes (``shardpool.train.worker``) running in ``hosts`` now."""
+    found: set[int] = set()
+    for host in hosts:
+        for pid in lab.host_pids(host):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"shardpool.train.worker" in argv:
+                found.add(pid)
+    return found
+
+
+def stage_log_lines(host: Host, text: str) -> list[str]:
+    """The lines holding ``text`` in the stage logs (``jobs/ID/rank-N.log``) of ``host``'s agent,
+    whose work directory sits beside the host's ``SHARDPOOL_HOME`` (``<home>-work``)."""
+    work_dir = host.home.with_name(host.home.name + "-work")
+    return [
+        line
+        for log in sorted(work_dir.glob("jobs/*/rank-*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if text in line
+    ]

@@ -11,7 +11,8 @@ same).
 1. ``kill -9`` of every process of host c (its WireGuard, sync daemon, agent and stage) at a random
    step: the run goes on on a and b by itself (``member_lost``, training again within 45 s, a
    step trained on a and b); c is started again (``mesh up``) and the run takes it back at a step
-   boundary (``member_joined`` and ``replan``; the final plan has c, its history the plan on a
+   boundary, in place (``member_joined`` and ``replan``; the stage processes of a and b keep
+   running: the job grows, it is not restarted; the final plan has c, its history the plan on a
    and b); exit 0; the adapter equals the reference's within 1e-4 and every step's loss the
    reference's. No reported step is trained again (``steps_lost`` 0): the launcher reports a step
    only once every rank's copy of it is complete; a step that ended while c was being lost (its
@@ -58,6 +59,8 @@ from tests.helpers.mesh_training import (
     nat_training_lab,
     ok,
     restart_host,
+    stage_log_lines,
+    stage_pids_on,
     training_config,
     wait_for,
 )
@@ -221,7 +224,8 @@ def test_a_killed_member_is_survived_and_taken_back_when_it_returns(
             )
             MEASURED["loss_to_training_again_s"] = round(again_at - killed_at, 1)
             MEASURED["loss_detected_s"] = round(lost_seen - killed_at, 1)
-            stdout, stderr, joined = _rejoin(lab, watch, launcher, killed_at)
+            running = stage_pids_on(lab, lab.hosts["a"], lab.hosts["b"])
+            stdout, stderr, joined = _rejoin(lab, watch, launcher, killed_at, running)
         finally:
             launcher.kill()
             MEASURED["join_checks"] = [line for line in launcher.said().splitlines() if "join check" in line]
@@ -252,9 +256,12 @@ def test_a_killed_member_is_survived_and_taken_back_when_it_returns(
 
 
 def _rejoin(
-    lab: Lab, watch: MetricsWatch, launcher: Any, killed_at: float
+    lab: Lab, watch: MetricsWatch, launcher: Any, killed_at: float, running: set[int]
 ) -> tuple[str, str, dict[str, Any]]:
-    """Start host c again and wait until the run takes it back and trains a step with it; the run's output."""
+    """Start host c again and wait until the run takes it back and trains a step with it; the run's output.
+
+    ``running`` are the stage processes of a and b before: the run grows in place, so they still run.
+    """
     MEASURED["host_restart_s"] = round(restart_host(lab, lab.hosts["c"]), 1)
     back_at = time.monotonic()
     alive = lambda: launcher.poll() is None  # noqa: E731
@@ -262,9 +269,19 @@ def _rejoin(
         joined_seen, joined = watch.wait(lambda r: r.get("event") == "member_joined", 300, alive=alive)
     except pytest.fail.Exception:
         pytest.fail(f"c was not taken back; the launcher said:\n{launcher.said()[-4000:]}")
+    still = stage_pids_on(lab, lab.hosts["a"], lab.hosts["b"])
+    said = launcher.said()[-4000:]
+    assert joined["reason"].endswith("; in place"), (joined, said)
     trained_at, _ = watch.wait(
         lambda r: _is_step(r) and r["step"] > joined["step"], 180, after=joined_seen, alive=alive
     )
+    # a's and b's stage processes went on: those running before the join were running after it
+    # (unless the run had already finished: its last steps take a fraction of a second each), and
+    # each logged its move to the grown job
+    assert running and (running <= still or launcher.poll() is not None), (running, still, said)
+    for label in "ab":
+        grew = stage_log_lines(lab.hosts[label], f"grew in place after step {joined['step']}:")
+        assert len(grew) == 1, (label, grew)
     MEASURED["join_seen_after_restart_s"] = round(joined_seen - back_at, 1)
     MEASURED["rejoin_to_training_again_s"] = round(trained_at - joined_seen, 1)
     MEASURED["joined_after_step"] = joined["step"]

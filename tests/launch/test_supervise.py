@@ -12,13 +12,14 @@ import pytest
 
 from shardpool.agent.client import AgentUnreachable
 from shardpool.config import Config, parse_config
+from shardpool.contract.grow import decode_growth, grow_key, ready_key, step_key
 from shardpool.contract.job import Job
 from shardpool.contract.liveness import LIVE_ROOT, live_dir
 from shardpool.errors import ShardpoolError
 from shardpool.finetune import PreparedRun
 from shardpool.launch.beats import BeatWatch
 from shardpool.launch.local_launcher import StageFailed
-from shardpool.launch.mesh_launcher import Interrupted, MemberLost, MeshLauncher, run_mesh_job
+from shardpool.launch.mesh_launcher import GrowOrder, Interrupted, MemberLost, MeshLauncher, run_mesh_job
 from shardpool.launch.mesh_members import MeshMember
 from shardpool.launch.run import keeps_state, trim_metrics
 from shardpool.launch.supervise import (
@@ -29,6 +30,7 @@ from shardpool.launch.supervise import (
     complete_live_steps,
     copy_files_count,
     does_not_fit_line,
+    grown_job,
     join_gain_needed,
     look_for_joins,
     prune_live_copies,
@@ -720,3 +722,142 @@ def test_a_member_lost_with_its_agent_is_taken_back_as_soon_as_it_answers(
     )
     supervisor._look_for_joins(launcher, 10)
     assert supervisor._found is not None and supervisor._found.members == ["c"]
+
+
+def _job_on(hosts: list[str], **fields: Any) -> Job:
+    """A 6-layer job split evenly over ``hosts`` (one CPU stage each), as :func:`_plan` splits it."""
+    per = 6 // len(hosts)
+    stages = [
+        {"start": index * per, "stop": (index + 1) * per, "device": "cpu", "host": host}
+        for index, host in enumerate(hosts)
+    ]
+    return Job.model_validate(job_dict(stages=len(hosts), **fields) | {"stages": stages})
+
+
+def test_a_job_grows_in_place_when_every_running_member_keeps_its_stages() -> None:
+    grown = grown_job(_job_on(["a", "b"], keep_state=True, rebalance_at=3), _plan(["a", "c", "b"]))
+    assert grown is not None
+    job, renumber = grown
+    assert renumber == {0: 0, 1: 2}
+    assert [stage.host for stage in job.stages] == ["a", "c", "b"]
+    assert (job.generation, job.joining, job.rebalance_at, job.keep_state) == (1, True, None, True)
+    assert grown_job(_job_on(["a", "b"]), _plan(["a", "a", "c"])) is None, "b would lose its stage"
+
+
+class _DictStore:
+    """The rendezvous store's calls the supervisor makes, on a dict."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def add(self, key: str, amount: int) -> int:
+        value = int(self.values.get(key, b"0")) + amount
+        self.values[key] = str(value).encode()
+        return value
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.values[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.values for key in keys)
+
+
+def test_a_member_that_joins_is_grown_into_the_running_job_without_stopping_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _config(tmp_path)
+    monkeypatch.setattr(MeshLauncher, "plans_with_and_without", _plans_by_size({2: 1.0, 3: 0.5}))
+    seen: dict[str, list[Any]] = {}
+    supervisor = _supervisor(tmp_path, config, seen)
+    launcher = MeshLauncher(_members("a", "b"), say=print)
+    launcher.list_members = lambda: _members("a", "b", "c")
+    store = _DictStore()
+    run = _run(config, _plan(["a", "b"]))
+    supervisor.begin(launcher, run, _job_on(["a", "b"], keep_state=True, rebalance_at=3), store)
+    supervisor._look_for_joins(launcher, 10)  # what the join check's thread does
+    supervisor._last_step = 10
+    assert not supervisor.interrupt(), "a join the job can grow into does not stop the stages"
+
+    order = supervisor.grow()
+    assert order is not None and supervisor.grow() is order
+    assert {name: ranks for name, (_, ranks) in order.joined.items()} == {"c": [2]}
+    assert order.renumber == {0: 0, 1: 1} and order.job.joining
+    order.started = True  # the event loop started c's rank
+    supervisor._tick()
+    assert grow_key(1) not in store.values, "published only once the joining rank is ready"
+    store.add(ready_key(1), 1)
+    supervisor._tick()
+    growth = decode_growth(store.get(grow_key(1)))
+    assert growth.ranks == {0: 0, 1: 1} and growth.old_layers == [(0, 3), (3, 6)]
+    assert growth.job["joining"] is False and growth.job["generation"] == 1
+    assert not order.grown and not seen["record"]
+
+    store.set(step_key(1), "12")  # rank 0: the stages grew after step 12
+    supervisor._tick()
+    assert order.grown and order.watch is not None
+    assert [line["event"] for line in seen["record"]] == ["member_joined", "replan"]
+    assert seen["record"][0]["step"] == 12 and seen["record"][0]["steps_lost"] == 0
+    assert seen["record"][0]["reason"].endswith("; in place")
+    assert "grown in place (no restart)" in seen["record"][1]["reason"]
+    plan_json = seen["plan"][-1]
+    assert [stage["host"] for stage in plan_json["stages"]] == ["a", "b", "c"]
+    assert plan_json["history"][-1]["ended_at_step"] == 12
+    assert [member.name for member in launcher.members] == ["a", "b", "c"]
+    assert (supervisor._ranks_at(11), supervisor._ranks_at(12)) == (2, 3), "step 12's copy is the grown job's"
+    assert [placement.host for placement in supervisor.current(run).placements] == ["a", "b", "c"]
+    order.applied = True
+    assert supervisor.grow() is None
+
+
+def test_the_event_loop_starts_the_joining_ranks_and_follows_the_grown_job() -> None:
+    a, b, c = _members("a", "b", "c")
+    job = _job_on(["a", "b"], keep_state=True)
+    grown, renumber = grown_job(job, _plan(["a", "c", "b"]))  # type: ignore[misc]
+    order = GrowOrder(grown, {"c": (c, [1])}, renumber)
+    running = {"events": [], "exited": {}, "running": True}
+    # b's stage (its agent's rank 1) is killed once the job has grown
+    b.agent.events = lambda job_id, **kwargs: _exited(1, -9) if order.applied else running  # type: ignore[method-assign]
+
+    def grow() -> GrowOrder | None:
+        if order.started:
+            order.grown = True  # what the supervisor's tick does once the stages moved
+        return None if order.applied else order
+
+    with pytest.raises(MemberLost) as lost:
+        run_mesh_job(job, "j", {"a": (a, [0]), "b": (b, [1])}, on_event=lambda event: None, grow=grow)
+    assert order.applied
+    assert (lost.value.member, lost.value.rank, lost.value.stage) == ("b", 2, 2), "b's rank is renumbered"
+    assert c.agent.stopped == ["j"], "the joined member's stages are stopped with the rest"  # type: ignore[attr-defined]
+
+
+def test_a_run_that_ends_before_it_could_grow_stops_the_joining_ranks_and_succeeds() -> None:
+    a, b, c = _members("a", "b", "c")
+    job = _job_on(["a", "b"], keep_state=True)
+    grown, renumber = grown_job(job, _plan(["a", "c", "b"]))  # type: ignore[misc]
+    order = GrowOrder(grown, {"c": (c, [1])}, renumber)
+    for agent, rank in ((a.agent, 0), (b.agent, 1)):
+        agent.events = lambda job_id, rank=rank, **kwargs: _exited(rank, 0) if order.started else {  # type: ignore[method-assign]
+            "events": [], "exited": {}, "running": True,
+        }  # fmt: skip
+    run_mesh_job(job, "j", {"a": (a, [0]), "b": (b, [1])}, on_event=lambda event: None, grow=lambda: order)
+    assert order.failed == "the run finished before its stages could grow"
+    assert c.agent.stopped == ["j"]  # type: ignore[attr-defined]
+
+
+def test_a_joining_stage_that_fails_leaves_the_running_job_as_it_was() -> None:
+    a, b, c = _members("a", "b", "c")
+    job = _job_on(["a", "b"], keep_state=True)
+    grown, renumber = grown_job(job, _plan(["a", "c", "b"]))  # type: ignore[misc]
+    order = GrowOrder(grown, {"c": (c, [1])}, renumber)
+    error = {"event": "error", "rank": 1, "message": "OutOfMemoryError: building layers 2-4"}
+    c.agent.replies = [_exited(1, 1, [error])]  # type: ignore[attr-defined]
+    for agent, rank in ((a.agent, 0), (b.agent, 1)):
+        agent.events = lambda job_id, rank=rank, **kwargs: _exited(rank, 0) if order.failed else {  # type: ignore[method-assign]
+            "events": [], "exited": {}, "running": True,
+        }  # fmt: skip
+    run_mesh_job(job, "j", {"a": (a, [0]), "b": (b, [1])}, on_event=lambda event: None, grow=lambda: order)
+    assert order.failed == "member 'c''s joining stage (rank 1) failed: OutOfMemoryError: building layers 2-4"
+    assert not order.grown and c.agent.stopped == ["j"]  # type: ignore[attr-defined]
