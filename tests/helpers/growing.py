@@ -5,11 +5,13 @@ one machine, without network namespaces: after the step the job checks its plan 
 re-balance check of :data:`shardpool.contract.rebalance.FORCE_ENV`, which holds every rank until
 the launcher answers), it starts one more stage process with the grown job, waits until that
 process has built its stage, publishes the grow decision, and only then answers the check. The
-running ranks then grow after the next step.
+running ranks then grow after the next step. The joining process's events are relayed like the
+others' (it reports the steps once it is rank 0).
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
 import time
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardpool.contract.events import StageEvent
+from shardpool.contract.events import EVENT_PREFIX, StageEvent, parse_stage_event
 from shardpool.contract.grow import encode_growth, grow_key, ready_key
 from shardpool.contract.job import Job, StagePlacement
 from shardpool.launch.local_launcher import LocalLauncher, _start_rank, run_local_job
@@ -41,20 +43,32 @@ class GrowingLauncher(LocalLauncher):
         self.joining_stage = joining_stage
         self.joiner: subprocess.Popen[bytes] | None = None
         self.renumber: dict[int, int] = {}
+        self._relay_lock = (
+            threading.Lock()
+        )  # the joiner's events and the others' reach on_event one at a time
+        self._on_event: Callable[[dict[str, Any]], None] = lambda event: None
 
     def start(self, job: Job, job_file: Path, on_event: Callable[[dict[str, Any]], None]) -> None:
         log_dir = job_file.parent / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
 
+        def relayed(event: dict[str, Any]) -> None:
+            with self._relay_lock:
+                on_event(event)
+
         def held(event: dict[str, Any]) -> None:
             if event.get("event") == StageEvent.STEP and event["step"] == self.after and self.joiner is None:
                 self._grow(job, job_file, log_dir)
-            on_event(event)
+            relayed(event)
+
+        self._on_event = relayed
 
         try:
             run_local_job(job, job_file, log_dir=log_dir, on_event=held)
-            if self.joiner is not None and self.joiner.wait(timeout=60) != 0:
-                raise AssertionError(f"the joining stage exited {self.joiner.returncode}: see {log_dir}")
+            if self.joiner is not None:
+                if self.joiner.wait(timeout=60) != 0:
+                    raise AssertionError(f"the joining stage exited {self.joiner.returncode}: see {log_dir}")
+                self._relay.join(timeout=10)
         finally:
             if self.joiner is not None and self.joiner.poll() is None:
                 self.joiner.kill()
@@ -83,7 +97,8 @@ class GrowingLauncher(LocalLauncher):
         self.joiner = _start_rank(
             grown, grown_file, self.joining_stage, log_dir / f"joining-rank-{self.joining_stage}.log"
         )
-        threading.Thread(target=self._drain, daemon=True).start()
+        self._relay = threading.Thread(target=self._drain, daemon=True)
+        self._relay.start()
         store = dist.TCPStore(
             job.master_addr, job.master_port, is_master=False, timeout=timedelta(seconds=30)
         )
@@ -99,6 +114,11 @@ class GrowingLauncher(LocalLauncher):
         store.set(grow_key(grown.generation), encode_growth(decision, self.renumber, old_layers))
 
     def _drain(self) -> None:
+        """Relay the joining process's events; its other stdout lines are dropped (its log has stderr)."""
         assert self.joiner is not None and self.joiner.stdout is not None
-        for _ in self.joiner.stdout:
-            pass
+        for raw in self.joiner.stdout:
+            line = raw.decode("utf-8", errors="replace")
+            if line.startswith(EVENT_PREFIX):
+                self._on_event(
+                    parse_stage_event(json.loads(line[len(EVENT_PREFIX) :])).model_dump(mode="json")
+                )

@@ -1,6 +1,8 @@
 """Growing a job in place, stage side (issue 16): a local 2-stage run that a third stage process
-joins after step 4 trains exactly as a 3-stage run from the start, and the two running processes
-keep running (no restart). The launcher's side is played by :class:`tests.helpers.growing.GrowingLauncher`."""
+joins after step 4, as the first stage (it takes the embedding and two layers from rank 0, which
+takes one from rank 1, and it reports the steps from then on), trains exactly as a 3-stage run
+from the start, and the two running processes keep running (no restart). The launcher's side is
+played by :class:`tests.helpers.growing.GrowingLauncher`."""
 
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def test_a_stage_that_joins_mid_run_trains_exactly_as_three_stages_from_the_star
         _config(tiny_model, completion_data, tmp_path / "three", [2, 2, 2], "off"),
         console=Console(quiet=True),
     )
-    launcher = GrowingLauncher(probe=TorchProbe(), after=3, layers=[2, 2, 2], joining_stage=1)
+    launcher = GrowingLauncher(probe=TorchProbe(), after=3, layers=[2, 2, 2], joining_stage=0)
     monkeypatch.setattr(finetune_module, "launcher_for", lambda *args, **kwargs: launcher)
     monkeypatch.setenv(FORCE_ENV, "3:0-3,3-6")  # holds the ranks after step 3 while the joiner starts
     monkeypatch.setenv(KEEP_STATE_HOOK, "1")
@@ -59,17 +61,17 @@ def test_a_stage_that_joins_mid_run_trains_exactly_as_three_stages_from_the_star
         _config(tiny_model, completion_data, tmp_path / "grown", [3, 3], "auto"), console=Console(quiet=True)
     )
 
-    assert launcher.renumber == {0: 0, 1: 2}
+    assert launcher.renumber == {0: 1, 1: 2}
     logs = grown / RUN_DIR_NAME / "logs"
     assert (
-        "grew in place after step 4: rank 0 -> 0, layers [0, 3) -> [0, 2)"
+        "grew in place after step 4: rank 0 -> 1, layers [0, 3) -> [2, 4)"
         in (logs / "rank-0.log").read_text()
     )
     assert (
         "grew in place after step 4: rank 1 -> 2, layers [3, 6) -> [4, 6)"
         in (logs / "rank-1.log").read_text()
     )
-    assert "joined the running job after step 4 as rank 1" in (logs / "joining-rank-1.log").read_text()
+    assert "joined the running job after step 4 as rank 0" in (logs / "joining-rank-0.log").read_text()
     assert launcher.joiner is not None and launcher.joiner.returncode == 0
 
     expected, losses = _losses(three), _losses(grown)
