@@ -812,14 +812,23 @@ def test_a_member_that_joins_is_grown_into_the_running_job_without_stopping_it(
     assert supervisor.grow() is None
 
 
-def test_the_event_loop_starts_the_joining_ranks_and_follows_the_grown_job() -> None:
-    a, b, c = _members("a", "b", "c")
+def _growing_a_b_with_c() -> tuple[list[MeshMember], Job, GrowOrder]:
+    """Members a, b, c; a job on a and b; the order that grows it with c in the middle."""
+    a, b, c = members = _members("a", "b", "c")
     job = _job_on(["a", "b"], keep_state=True)
     grown, renumber = grown_job(job, _plan(["a", "c", "b"]))  # type: ignore[misc]
-    order = GrowOrder(grown, {"c": (c, [1])}, renumber)
+    return members, job, GrowOrder(grown, {"c": (c, [1])}, renumber)
+
+
+def _exits_once(agent: Any, rank: int, code: int, when: Callable[[], bool]) -> None:
+    """Make a fake agent report its stage ``rank`` running, and exited with ``code`` once ``when()``."""
     running = {"events": [], "exited": {}, "running": True}
-    # b's stage (its agent's rank 1) is killed once the job has grown
-    b.agent.events = lambda job_id, **kwargs: _exited(1, -9) if order.applied else running  # type: ignore[method-assign]
+    agent.events = lambda job_id, **kwargs: _exited(rank, code) if when() else running
+
+
+def test_the_event_loop_starts_the_joining_ranks_and_follows_the_grown_job() -> None:
+    (a, b, c), job, order = _growing_a_b_with_c()
+    _exits_once(b.agent, 1, -9, lambda: order.applied)  # b's stage is killed once the job has grown
 
     def grow() -> GrowOrder | None:
         if order.started:
@@ -834,30 +843,20 @@ def test_the_event_loop_starts_the_joining_ranks_and_follows_the_grown_job() -> 
 
 
 def test_a_run_that_ends_before_it_could_grow_stops_the_joining_ranks_and_succeeds() -> None:
-    a, b, c = _members("a", "b", "c")
-    job = _job_on(["a", "b"], keep_state=True)
-    grown, renumber = grown_job(job, _plan(["a", "c", "b"]))  # type: ignore[misc]
-    order = GrowOrder(grown, {"c": (c, [1])}, renumber)
+    (a, b, c), job, order = _growing_a_b_with_c()
     for agent, rank in ((a.agent, 0), (b.agent, 1)):
-        agent.events = lambda job_id, rank=rank, **kwargs: _exited(rank, 0) if order.started else {  # type: ignore[method-assign]
-            "events": [], "exited": {}, "running": True,
-        }  # fmt: skip
+        _exits_once(agent, rank, 0, lambda: order.started)
     run_mesh_job(job, "j", {"a": (a, [0]), "b": (b, [1])}, on_event=lambda event: None, grow=lambda: order)
     assert order.failed == "the run finished before its stages could grow"
     assert c.agent.stopped == ["j"]  # type: ignore[attr-defined]
 
 
 def test_a_joining_stage_that_fails_leaves_the_running_job_as_it_was() -> None:
-    a, b, c = _members("a", "b", "c")
-    job = _job_on(["a", "b"], keep_state=True)
-    grown, renumber = grown_job(job, _plan(["a", "c", "b"]))  # type: ignore[misc]
-    order = GrowOrder(grown, {"c": (c, [1])}, renumber)
+    (a, b, c), job, order = _growing_a_b_with_c()
     error = {"event": "error", "rank": 1, "message": "OutOfMemoryError: building layers 2-4"}
     c.agent.replies = [_exited(1, 1, [error])]  # type: ignore[attr-defined]
     for agent, rank in ((a.agent, 0), (b.agent, 1)):
-        agent.events = lambda job_id, rank=rank, **kwargs: _exited(rank, 0) if order.failed else {  # type: ignore[method-assign]
-            "events": [], "exited": {}, "running": True,
-        }  # fmt: skip
+        _exits_once(agent, rank, 0, lambda: order.failed is not None)
     run_mesh_job(job, "j", {"a": (a, [0]), "b": (b, [1])}, on_event=lambda event: None, grow=lambda: order)
     assert order.failed == "member 'c''s joining stage (rank 1) failed: OutOfMemoryError: building layers 2-4"
     assert not order.grown and c.agent.stopped == ["j"]  # type: ignore[attr-defined]
