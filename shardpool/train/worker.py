@@ -355,6 +355,7 @@ class StageWorker:
             )
         if self.job.joining:
             first_step = self.join_running()
+            self.copy_state(first_step)  # the grown job copies the step it grew after: this rank too
         else:
             first_step = (
                 restore_stage_state(self.files, self.job, self.state, rank=self.rank)

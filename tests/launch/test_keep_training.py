@@ -275,6 +275,9 @@ def _rejoin(
     trained_at, _ = watch.wait(
         lambda r: _is_step(r) and r["step"] > joined["step"], 180, after=joined_seen, alive=alive
     )
+    if joined["step"] < MAX_STEPS - 2:  # the steps after the growth are reported as they come, not at the end
+        reported = [r["step"] for t, r in watch.seen if t <= trained_at and _is_step(r)]
+        assert max(reported) < MAX_STEPS, f"every step after {joined['step']} was reported only at the end"
     # a's and b's stage processes went on: those running before the join were running after it
     # (unless the run had already finished: its last steps take a fraction of a second each), and
     # each logged its move to the grown job
@@ -282,6 +285,7 @@ def _rejoin(
     for label in "ab":
         grew = stage_log_lines(lab.hosts[label], f"grew in place after step {joined['step']}:")
         assert len(grew) == 1, (label, grew)
+        MEASURED[f"{label}_grew"] = grew[0]
     MEASURED["join_seen_after_restart_s"] = round(joined_seen - back_at, 1)
     MEASURED["rejoin_to_training_again_s"] = round(trained_at - joined_seen, 1)
     MEASURED["joined_after_step"] = joined["step"]

@@ -81,8 +81,10 @@ def test_a_stage_that_joins_mid_run_trains_exactly_as_three_stages_from_the_star
     adapter = load_file(str(grown / "adapter_model.safetensors"))
     assert adapter.keys() == reference.keys()
     assert max(float((adapter[key] - reference[key]).abs().max()) for key in reference) < 1e-4
-    # the step-boundary copies after the growth hold the grown job's three stages
-    copy = grown / LIVE_ROOT / f"step-{STEPS}"
-    assert sorted(path.name for path in copy.glob("stage-*")) == [
-        f"stage-{index}.safetensors" for index in range(3)
-    ]
+    # the step-boundary copies from the step it grew after on are the grown job's: three stages, three ranks
+    for step in (4, STEPS):
+        copy = grown / LIVE_ROOT / f"step-{step}"
+        assert sorted(path.name for path in copy.iterdir()) == sorted(
+            [f"stage-{index}.safetensors" for index in range(3)]
+            + [f"rng-rank-{rank}.safetensors" for rank in range(3)]
+        ), step
