@@ -6,7 +6,9 @@ at the step boundary (by global adapter key, as checkpoints hold them), sends th
 it loses to their new owner in the same replica, and receives those of the layers it gains. The
 tensors travel as safetensors bytes over the gloo world group (nothing is unpickled), so every
 optimizer's state fields travel as they are and the result is exact. The caller then rebuilds its
-stage for the new layers and restores the state by key.
+stage for the new layers and restores the state by key. A job that grows in place
+(:mod:`shardpool.contract.grow`) hands over the same way, in its new process group, by layer
+position from rank to rank (:func:`exchange_by_position`): ranks renumber and the stage count changes.
 """
 
 from __future__ import annotations
@@ -135,11 +137,12 @@ def exchange_by_position(
 
     ``moves`` is ``{(from rank, to rank): [positions]}`` in the grown job's ranks.
     """
+    position_of = {name: state_position(name, num_layers) for name in tensors}
     outgoing = {
         target: {
-            name: tensor.detach().to("cpu").contiguous()
-            for name, tensor in tensors.items()
-            if state_position(name, num_layers) in set(positions)
+            name: tensors[name].detach().to("cpu").contiguous()
+            for name in tensors
+            if position_of[name] in set(positions)
         }
         for (source, target), positions in moves.items()
         if source == rank

@@ -9,7 +9,11 @@ Then, per optimizer step:
   2. replicas sum their LoRA gradients; the gradients are clipped on the global norm over all
      stages (:mod:`shardpool.train.loss`); AdamW and the LR schedule step.
 After the job's re-balance check step every rank waits for the launcher's decision and, if it
-moves the layer boundaries, re-shards in place (:meth:`StageWorker.reshard`).
+moves the layer boundaries, re-shards in place (:meth:`StageWorker.reshard`). With
+``job.keep_state``, rank 0 also looks for the launcher's grow decision after every step (a member
+joined: :mod:`shardpool.contract.grow`), and every rank moves to the grown job in place after the
+same step (:meth:`StageWorker.grow`); a rank started ``joining`` builds its stage first and then
+takes its state from the running ones (:meth:`StageWorker.join_running`).
 It evaluates before, after, and every ``eval_steps`` (:mod:`shardpool.train.evaluate`; the cadence
 is :mod:`shardpool.data.cadence`), sends checkpoints and the final
 LoRA tensors to the launcher (:mod:`shardpool.train.stage_state`), and reports to it by JSON
