@@ -674,11 +674,14 @@ def command_label(name: str, cmdline: str, words: int = 4) -> str:
 
 @dataclass(frozen=True)
 class ProcessCpu:
-    """One process seen in a cgroup: its kind, command name and utime + stime (ticks) when seen."""
+    """One process seen in a cgroup: its kind, command name and utime + stime (ticks) when last seen,
+    and when (``time.monotonic``) it was first and last seen."""
 
     kind: str
     name: str
     ticks: int
+    first_seen_s: float = 0.0
+    last_seen_s: float = 0.0
 
 
 def merged_sample(last: Mapping[int, ProcessCpu], now: Mapping[int, ProcessCpu]) -> dict[int, ProcessCpu]:
@@ -688,8 +691,9 @@ def merged_sample(last: Mapping[int, ProcessCpu], now: Mapping[int, ProcessCpu])
     merged = dict(last)
     for pid, seen in now.items():
         before = last.get(pid)
-        if seen.kind == "other" and before is not None and before.kind != "other":
-            seen = ProcessCpu(before.kind, before.name, seen.ticks)
+        if before is not None:
+            kept = before if seen.kind == "other" and before.kind != "other" else seen
+            seen = ProcessCpu(kept.kind, kept.name, seen.ticks, before.first_seen_s, seen.last_seen_s)
         merged[pid] = seen
     return merged
 
@@ -699,17 +703,26 @@ def cpu_seconds_by_kind(
 ) -> dict[str, Any]:
     """CPU seconds each kind of process used between two samples of a cgroup: per pid, its ticks
     when last seen less its ticks at ``first`` (0 for a process started after it), summed by
-    :data:`PROCESS_KINDS`; ``other_by_name`` splits ``other`` by command name."""
+    :data:`PROCESS_KINDS`; ``other_by_name`` splits ``other`` by command name. ``stage_seen_s`` is
+    the seconds the stage processes were seen for (first to last sighting, summed), and
+    ``stage_cpus`` their CPU seconds over it: the CPUs a stage got while it lived (against its
+    quota), which the run's wall time, with the stage's start and the launcher's end in it, does
+    not give."""
     by_kind = dict.fromkeys(PROCESS_KINDS, 0.0)
     other: dict[str, float] = {}
+    stage_seen_s = 0.0
     for pid, seen in last.items():
         before = first[pid].ticks if pid in first else 0
         seconds = max(0, seen.ticks - before) / ticks_per_s
         by_kind[seen.kind] = by_kind.get(seen.kind, 0.0) + seconds
         if seen.kind == "other":
             other[seen.name] = other.get(seen.name, 0.0) + seconds
+        if seen.kind == "stage":
+            stage_seen_s += seen.last_seen_s - seen.first_seen_s
     result: dict[str, Any] = {kind: round(seconds, 3) for kind, seconds in by_kind.items()}
     result["other_by_name"] = {name: round(seconds, 3) for name, seconds in sorted(other.items())}
+    result["stage_seen_s"] = round(stage_seen_s, 1)
+    result["stage_cpus"] = ratio(by_kind["stage"], stage_seen_s)
     return result
 
 
@@ -1015,6 +1028,7 @@ class CgroupCpuSampler:
 
     def _sample(self) -> dict[str, dict[int, ProcessCpu]]:
         sample: dict[str, dict[int, ProcessCpu]] = {}
+        now = time.monotonic()
         for label in self.cgroups.quotas:
             seen: dict[int, ProcessCpu] = {}
             for pid in self.cgroups.pids(label):
@@ -1029,7 +1043,7 @@ class CgroupCpuSampler:
                 except (OSError, ValueError, IndexError):
                     continue  # gone meanwhile
                 kind = process_kind(pid, cmdline, self.agents.get(label))
-                seen[pid] = ProcessCpu(kind, command_label(name, cmdline), ticks)
+                seen[pid] = ProcessCpu(kind, command_label(name, cmdline), ticks, now, now)
             sample[label] = seen
         return sample
 

@@ -186,7 +186,9 @@ def test_cpu_seconds_by_kind_count_what_each_process_used_since_the_first_sample
     last = {
         1: cpu("agent", "python", 520),
         2: cpu("other", "wireguard-go", 130),
-        3: cpu("stage", "python", 900),  # started during the run: all its ticks count
+        3: cpu(
+            "stage", "python", 900, first_seen_s=10.0, last_seen_s=40.0
+        ),  # started during the run: all its ticks count
         4: cpu("profiler", "python", 50),
         5: cpu("other", "syncd", 10),
     }
@@ -197,16 +199,25 @@ def test_cpu_seconds_by_kind_count_what_each_process_used_since_the_first_sample
         "agent": 0.2,
         "other": 0.4,
         "other_by_name": {"syncd": 0.1, "wireguard-go": 0.3},
+        "stage_seen_s": 30.0,
+        "stage_cpus": 0.3,
     }
+    assert bench.cpu_seconds_by_kind({}, {}, ticks_per_s=100)["stage_cpus"] is None
 
 
 def test_a_process_keeps_its_kind_when_its_command_line_empties_at_exit() -> None:
     cpu = bench.ProcessCpu
-    last = {3: cpu("other", "python", 1), 4: cpu("stage", "python -m shardpool.train.worker", 50)}
-    now = {3: cpu("profiler", "python -m shardpool.plan.report", 20), 4: cpu("other", "python", 70)}
+    last = {
+        3: cpu("other", "python", 1, 1.0, 1.0),
+        4: cpu("stage", "python -m shardpool.train.worker", 50, 0.5, 1.0),
+    }
+    now = {
+        3: cpu("profiler", "python -m shardpool.plan.report", 20, 2.0, 2.0),
+        4: cpu("other", "python", 70, 2.0, 2.0),
+    }
     assert bench.merged_sample(last, now) == {
-        3: cpu("profiler", "python -m shardpool.plan.report", 20),  # exec'd since the last sample
-        4: cpu("stage", "python -m shardpool.train.worker", 70),  # a zombie: kind kept, ticks new
+        3: cpu("profiler", "python -m shardpool.plan.report", 20, 1.0, 2.0),  # exec'd since the last sample
+        4: cpu("stage", "python -m shardpool.train.worker", 70, 0.5, 2.0),  # a zombie: kind kept, ticks new
     }
     assert bench.merged_sample(last, {})[4].ticks == 50, "gone: its last ticks stay"
 
