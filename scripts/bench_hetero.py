@@ -726,6 +726,18 @@ def cpu_seconds_by_kind(
     return result
 
 
+def seen_windows(seen: Mapping[int, ProcessCpu], since: float) -> dict[str, list[list[float]]]:
+    """When each stage and profiler process was seen, as ``[first, last]`` seconds after ``since``
+    (the run's start), by kind, earliest first: shows whether a profiler ran beside a stage, on the
+    same quota."""
+    windows: dict[str, list[list[float]]] = {"stage": [], "profiler": []}
+    for process in seen.values():
+        if process.kind in windows:
+            window = [round(process.first_seen_s - since, 1), round(process.last_seen_s - since, 1)]
+            windows[process.kind].append(window)
+    return {kind: sorted(found) for kind, found in windows.items()}
+
+
 def cpu_stat_delta(before: str, after: str) -> dict[str, int]:
     """The growth of each counter of a cgroup's ``cpu.stat`` text (``name value`` lines) between two
     reads: v1's ``nr_periods``, ``nr_throttled``, ``throttled_time`` (ns); v2's also ``usage_usec``."""
@@ -1009,6 +1021,7 @@ class CgroupCpuSampler:
                 "quota_cpu_s": round(quota * wall, 1),
                 "total_over_quota": ratio(total, quota * wall),
                 "cpu_stat": cpu_stat_delta(self.cpu_stat.get(label, ""), self._cpu_stat(label)),
+                "seen_s": seen_windows(self.last.get(label, {}), self.started),
             }
         return result
 

@@ -186,9 +186,7 @@ def test_cpu_seconds_by_kind_count_what_each_process_used_since_the_first_sample
     last = {
         1: cpu("agent", "python", 520),
         2: cpu("other", "wireguard-go", 130),
-        3: cpu(
-            "stage", "python", 900, first_seen_s=10.0, last_seen_s=40.0
-        ),  # started during the run: all its ticks count
+        3: cpu("stage", "python", 900, first_seen_s=10.0, last_seen_s=40.0),  # started during the run
         4: cpu("profiler", "python", 50),
         5: cpu("other", "syncd", 10),
     }
@@ -203,6 +201,20 @@ def test_cpu_seconds_by_kind_count_what_each_process_used_since_the_first_sample
         "stage_cpus": 0.3,
     }
     assert bench.cpu_seconds_by_kind({}, {}, ticks_per_s=100)["stage_cpus"] is None
+
+
+def test_seen_windows_say_when_each_stage_and_profiler_ran_after_the_start() -> None:
+    cpu = bench.ProcessCpu
+    seen = {
+        1: cpu("stage", "s", 1, 140.0, 230.0),
+        2: cpu("profiler", "p", 1, 110.04, 130.0),
+        3: cpu("profiler", "p", 1, 150.0, 170.0),
+        4: cpu("agent", "a", 1, 100.0, 230.0),
+    }
+    assert bench.seen_windows(seen, since=100.0) == {
+        "stage": [[40.0, 130.0]],
+        "profiler": [[10.0, 30.0], [50.0, 70.0]],
+    }
 
 
 def test_a_process_keeps_its_kind_when_its_command_line_empties_at_exit() -> None:
