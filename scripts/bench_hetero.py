@@ -4,6 +4,7 @@
     sudo python scripts/bench_hetero.py --hosts 1.0,0.5,0.25  # the 3-host fleet
     sudo python scripts/bench_hetero.py --swap-profiles       # the pooled run starts from swapped profiles
     sudo python scripts/bench_hetero.py --quick               # a tiny model, few steps (the test's version)
+    sudo python scripts/bench_hetero.py --modes fastest_alone,pooled --repeats 2  # side by side, ABBA
 
 It needs what the mesh tests need (root, ``ip``, ``wireguard-go``, ``wg``, ``ping``,
 ``/dev/net/tun``) and a writable cgroup hierarchy with the ``cpu`` controller: cgroup v2's
@@ -33,6 +34,13 @@ failure or Ctrl-C:
      they forget the profiles they hold in memory, then runs *pooled_swapped*: the pooled run again,
      planned from the wrong profiles, which must re-balance to recover; the plain pooled run's
      tokens/s is "the best plan's" it is measured against.
+
+With ``--repeats N`` each chosen way runs N times on the same mesh, in ABBA order
+(:func:`abba_order`: fastest, pooled, pooled, fastest, ...), so that a slow drift of the machine's
+load favours neither; tokens/s is then each way's median, and pooled ÷ fastest the median of the
+ratios of the rounds (the i-th run of each way), with their min and max under ``repeats``.
+During every run, :class:`CgroupCpuSampler` counts the CPU seconds each kind of process used in
+each host's throttled cgroup (``cgroup_cpu_s``).
 
 The JSON holds tokens/s of each run, pooled ÷ fastest, plan.json's ``predicted_step_s`` ÷ the
 median measured step after ``warmup`` steps, per-stage compute and wait (``metrics.jsonl``), the
@@ -193,6 +201,80 @@ def parse_modes(text: str) -> tuple[str, ...]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"--modes {text!r}: choose among {', '.join(MODES)}")
     return tuple(mode for mode in MODES if mode in names)
+
+
+def parse_repeats(text: str) -> int:
+    """``"2"`` -> 2: how many times each way runs (at least 1)."""
+    try:
+        repeats = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--repeats {text!r}: give a whole number, 1 or more") from None
+    if repeats < 1:
+        raise argparse.ArgumentTypeError(f"--repeats {text!r}: give a whole number, 1 or more")
+    return repeats
+
+
+def abba_order(modes: Sequence[str], repeats: int) -> list[tuple[str, int]]:
+    """The runs as (way, repeat index from 0), in ABBA order: round 0 runs ``modes`` forwards, round 1
+    backwards, round 2 forwards again, ... (fastest, pooled, pooled, fastest, fastest, pooled).
+
+    Within a round the ways run back to back, so the i-th run of each way forms a side-by-side
+    group; reversing every other round puts each way first as often as last, so a load that drifts
+    slowly over the invocation favours neither."""
+    order: list[tuple[str, int]] = []
+    for repeat in range(repeats):
+        ways = list(modes) if repeat % 2 == 0 else list(reversed(modes))
+        order.extend((mode, repeat) for mode in ways)
+    return order
+
+
+def run_name(mode: str, repeat: int) -> str:
+    """The name of a run's files (``<name>.yaml``, ``<name>.log``, ``out-<name>``): the way's own
+    name for its first run (as without ``--repeats``), ``<way>-<n>`` for its n-th (``pooled-2``)."""
+    return mode if repeat == 0 else f"{mode}-{repeat + 1}"
+
+
+def paired_ratios(
+    tokens_by_run: Mapping[str, Sequence[float | None]], numerator: str, denominator: str
+) -> list[float | None]:
+    """Per round, ``numerator``'s tokens/s ÷ ``denominator``'s in that round (None where either is
+    missing); as many as the rounds both ways ran."""
+    tops, bottoms = tokens_by_run.get(numerator, ()), tokens_by_run.get(denominator, ())
+    return [ratio(top, bottom) for top, bottom in zip(tops, bottoms, strict=False)]
+
+
+def spread(values: Sequence[float | None], places: int = 3) -> dict[str, float | None]:
+    """``median``, ``min`` and ``max`` of the values that are not None (each None when none are)."""
+    present = [value for value in values if value is not None]
+    if not present:
+        return {"median": None, "min": None, "max": None}
+    return {
+        "median": round(statistics.median(present), places),
+        "min": round(min(present), places),
+        "max": round(max(present), places),
+    }
+
+
+def repeats_summary(
+    order: Sequence[tuple[str, int]], runs: Mapping[str, Sequence[dict[str, Any]]]
+) -> dict[str, Any]:
+    """The side-by-side figures of an invocation that ran each way ``repeats`` times in ``order``:
+    every run's tokens/s and the median per way, and per round the ratio of pooled (and of the even
+    split) to fastest alone, with their median, min and max. ``runs`` holds each way's summaries
+    in repeat order."""
+    by_run = {mode: [run.get("tokens_per_s") for run in summaries] for mode, summaries in runs.items()}
+    pooled = paired_ratios(by_run, "pooled", "fastest_alone")
+    even = paired_ratios(by_run, "even_split", "fastest_alone")
+    return {
+        "count": max((len(summaries) for summaries in runs.values()), default=0),
+        "order": [run_name(mode, repeat) for mode, repeat in order],
+        "tokens_per_s_by_run": by_run,
+        "tokens_per_s_median": {mode: spread(values, 1)["median"] for mode, values in by_run.items()},
+        "pooled_over_fastest_by_round": pooled,
+        "pooled_over_fastest": spread(pooled),
+        "even_over_fastest_by_round": even,
+        "even_over_fastest": spread(even),
+    }
 
 
 def cgroupfs_mounts(choice: CgroupChoice) -> str:
@@ -558,6 +640,116 @@ def parent_pids(proc: Path = Path("/proc")) -> dict[int, int]:
     return parents
 
 
+PROCESS_KINDS = ("stage", "profiler", "agent", "other")
+"""What :func:`process_kind` calls a process in a host's throttled cgroup."""
+
+
+def process_kind(pid: int, cmdline: str, agent: int | None) -> str:
+    """``agent`` (the host's agent, by pid), ``stage`` (``shardpool.train.worker``), ``profiler``
+    (``shardpool.plan.report``) or ``other``, from ``/proc/<pid>/cmdline`` (NULs as spaces)."""
+    if pid == agent:
+        return "agent"
+    if "shardpool.train.worker" in cmdline:
+        return "stage"
+    if "shardpool.plan.report" in cmdline:
+        return "profiler"
+    return "other"
+
+
+def stat_cpu_ticks(stat: str) -> tuple[str, int]:
+    """``(command name, utime + stime)`` from the text of ``/proc/<pid>/stat``, in clock ticks: the
+    CPU the process itself used (its reaped children's, cutime and cstime, left out)."""
+    name = stat[stat.index("(") + 1 : stat.rindex(")")]
+    fields = stat[stat.rindex(")") + 2 :].split()  # fields[0] is the state, field 3 of the file
+    return name, int(fields[11]) + int(fields[12])  # fields 14 and 15: utime, stime
+
+
+def command_label(name: str, cmdline: str, words: int = 4) -> str:
+    """A process's name for ``other_by_name``: the first ``words`` words of its command line without
+    paths (``python -m mesh.node.syncd``), or its command name where the line is empty (a kernel
+    thread, or a process gone meanwhile)."""
+    parts = [part.rsplit("/", 1)[-1] for part in cmdline.split()[:words]]
+    return " ".join(parts) or name
+
+
+@dataclass(frozen=True)
+class ProcessCpu:
+    """One process seen in a cgroup: its kind, command name and utime + stime (ticks) when last seen,
+    and when (``time.monotonic``) it was first and last seen."""
+
+    kind: str
+    name: str
+    ticks: int
+    first_seen_s: float = 0.0
+    last_seen_s: float = 0.0
+
+
+def merged_sample(last: Mapping[int, ProcessCpu], now: Mapping[int, ProcessCpu]) -> dict[int, ProcessCpu]:
+    """Each process's latest ticks, keeping the kind and name it was first given one by: an exited
+    process not yet reaped (a zombie) has an empty command line, and would turn ``other``, as
+    would one sampled between fork and exec."""
+    merged = dict(last)
+    for pid, seen in now.items():
+        before = last.get(pid)
+        if before is not None:
+            kept = before if seen.kind == "other" and before.kind != "other" else seen
+            seen = ProcessCpu(kept.kind, kept.name, seen.ticks, before.first_seen_s, seen.last_seen_s)
+        merged[pid] = seen
+    return merged
+
+
+def cpu_seconds_by_kind(
+    first: Mapping[int, ProcessCpu], last: Mapping[int, ProcessCpu], ticks_per_s: float
+) -> dict[str, Any]:
+    """CPU seconds each kind of process used between two samples of a cgroup: per pid, its ticks
+    when last seen less its ticks at ``first`` (0 for a process started after it), summed by
+    :data:`PROCESS_KINDS`; ``other_by_name`` splits ``other`` by command name. ``stage_seen_s`` is
+    the seconds the stage processes were seen for (first to last sighting, summed), and
+    ``stage_cpus`` their CPU seconds over it: the CPUs a stage got while it lived (against its
+    quota), which the run's wall time, with the stage's start and the launcher's end in it, does
+    not give."""
+    by_kind = dict.fromkeys(PROCESS_KINDS, 0.0)
+    other: dict[str, float] = {}
+    stage_seen_s = 0.0
+    for pid, seen in last.items():
+        before = first[pid].ticks if pid in first else 0
+        seconds = max(0, seen.ticks - before) / ticks_per_s
+        by_kind[seen.kind] = by_kind.get(seen.kind, 0.0) + seconds
+        if seen.kind == "other":
+            other[seen.name] = other.get(seen.name, 0.0) + seconds
+        if seen.kind == "stage":
+            stage_seen_s += seen.last_seen_s - seen.first_seen_s
+    result: dict[str, Any] = {kind: round(seconds, 3) for kind, seconds in by_kind.items()}
+    result["other_by_name"] = {name: round(seconds, 3) for name, seconds in sorted(other.items())}
+    result["stage_seen_s"] = round(stage_seen_s, 1)
+    result["stage_cpus"] = ratio(by_kind["stage"], stage_seen_s)
+    return result
+
+
+def seen_windows(seen: Mapping[int, ProcessCpu], since: float) -> dict[str, list[list[float]]]:
+    """When each stage and profiler process was seen, as ``[first, last]`` seconds after ``since``
+    (the run's start), by kind, earliest first: shows whether a profiler ran beside a stage, on the
+    same quota."""
+    windows: dict[str, list[list[float]]] = {"stage": [], "profiler": []}
+    for process in seen.values():
+        if process.kind in windows:
+            window = [round(process.first_seen_s - since, 1), round(process.last_seen_s - since, 1)]
+            windows[process.kind].append(window)
+    return {kind: sorted(found) for kind, found in windows.items()}
+
+
+def cpu_stat_delta(before: str, after: str) -> dict[str, int]:
+    """The growth of each counter of a cgroup's ``cpu.stat`` text (``name value`` lines) between two
+    reads: v1's ``nr_periods``, ``nr_throttled``, ``throttled_time`` (ns); v2's also ``usage_usec``."""
+
+    def counters(text: str) -> dict[str, int]:
+        pairs = (line.split() for line in text.splitlines())
+        return {pair[0]: int(pair[1]) for pair in pairs if len(pair) == 2 and pair[1].isdigit()}
+
+    start, end = counters(before), counters(after)
+    return {name: end[name] - start.get(name, 0) for name in end}
+
+
 def process_tree(root: int, parents: Mapping[int, int]) -> set[int]:
     """``root`` and all its descendants, given each process's parent."""
     children: dict[int, list[int]] = {}
@@ -784,6 +976,91 @@ class ChildMover:
                         self.moved.add(pid)
 
 
+class CgroupCpuSampler:
+    """CPU seconds per kind of process (:func:`process_kind`) in each host's throttled cgroup over a
+    run: ``/proc/<pid>/stat`` utime + stime of the cgroup's processes at :meth:`start`, every
+    ``period_s`` while it trains (a stage or profiler exits before the run ends; up to its last
+    ``period_s`` of CPU goes uncounted) and at :meth:`stop`; and the growth of the cgroup's
+    ``cpu.stat`` (its throttling counters). Tells whether the agent or anything beside the stage
+    uses a host's quota."""
+
+    def __init__(self, cgroups: HostCgroups, agents: Mapping[str, int | None], period_s: float = 0.5) -> None:
+        import threading
+
+        self.cgroups, self.agents, self.period_s = cgroups, dict(agents), period_s
+        self.first: dict[str, dict[int, ProcessCpu]] = {}
+        self.last: dict[str, dict[int, ProcessCpu]] = {}
+        self.cpu_stat: dict[str, str] = {}
+        self.started = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cgroup-cpu", daemon=True)
+
+    def start(self) -> None:
+        """Take the first sample and start sampling."""
+        self.started = time.monotonic()
+        self.cpu_stat = {label: self._cpu_stat(label) for label in self.cgroups.quotas}
+        self.first = self._sample()
+        self.last = {label: dict(seen) for label, seen in self.first.items()}
+        self._thread.start()
+
+    def stop(self) -> dict[str, dict[str, Any]]:
+        """Take the last sample; per host, CPU seconds by kind, the wall seconds sampled, the CPU
+        seconds its quota allowed over them, and the growth of its ``cpu.stat``."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._merge(self._sample())
+        wall = time.monotonic() - self.started
+        ticks_per_s = float(os.sysconf("SC_CLK_TCK"))
+        result: dict[str, dict[str, Any]] = {}
+        for label, quota in self.cgroups.quotas.items():
+            used = cpu_seconds_by_kind(self.first.get(label, {}), self.last.get(label, {}), ticks_per_s)
+            total = sum(used[kind] for kind in PROCESS_KINDS)
+            result[label] = used | {
+                "total": round(total, 3),
+                "wall_s": round(wall, 1),
+                "quota_cpu_s": round(quota * wall, 1),
+                "total_over_quota": ratio(total, quota * wall),
+                "cpu_stat": cpu_stat_delta(self.cpu_stat.get(label, ""), self._cpu_stat(label)),
+                "seen_s": seen_windows(self.last.get(label, {}), self.started),
+            }
+        return result
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._merge(self._sample())
+
+    def _merge(self, sample: dict[str, dict[int, ProcessCpu]]) -> None:
+        for label, seen in sample.items():
+            self.last[label] = merged_sample(self.last.get(label, {}), seen)
+
+    def _cpu_stat(self, label: str) -> str:
+        try:
+            return (self.cgroups.path(label) / "cpu.stat").read_text()
+        except OSError:
+            return ""
+
+    def _sample(self) -> dict[str, dict[int, ProcessCpu]]:
+        sample: dict[str, dict[int, ProcessCpu]] = {}
+        now = time.monotonic()
+        for label in self.cgroups.quotas:
+            seen: dict[int, ProcessCpu] = {}
+            for pid in self.cgroups.pids(label):
+                try:
+                    name, ticks = stat_cpu_ticks(Path(f"/proc/{pid}/stat").read_text())
+                    cmdline = (
+                        Path(f"/proc/{pid}/cmdline")
+                        .read_bytes()
+                        .replace(b"\0", b" ")
+                        .decode(errors="replace")
+                    )
+                except (OSError, ValueError, IndexError):
+                    continue  # gone meanwhile
+                kind = process_kind(pid, cmdline, self.agents.get(label))
+                seen[pid] = ProcessCpu(kind, command_label(name, cmdline), ticks, now, now)
+            sample[label] = seen
+        return sample
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The JSON objects of a ``.jsonl`` file."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -821,12 +1098,14 @@ def benchmark(
     choice: CgroupChoice,
     scope: str = "stage",
     only: Sequence[str] = MODES,
+    repeats: int = 1,
 ) -> dict[str, Any]:
-    """Build the model, the throttled lab and the mesh; train the three ways (or ``only`` those; and
-    from swapped profiles); the JSON report."""
+    """Build the model, the throttled lab and the mesh; train the three ways (or ``only`` those)
+    ``repeats`` times each in ABBA order (:func:`abba_order`), on the same mesh; then, with ``swap``,
+    once from swapped profiles; the JSON report."""
     size = QUICK if quick else FULL
     chosen = tuple(mode for mode in MODES if mode in only)
-    modes = (*chosen, SWAPPED) if swap else chosen
+    order = abba_order(chosen, repeats) + ([(SWAPPED, 0)] if swap else [])
     labels = LABELS[: len(quotas)]
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="shardpool-bench-hetero-")) if keep is None else keep
@@ -837,9 +1116,9 @@ def benchmark(
         hf_config = json.loads((model_dir / "config.json").read_text())
         num_layers = int(hf_config["num_hidden_layers"])
         (work / "lab").mkdir(exist_ok=True)
-        runs: dict[str, dict[str, Any]] = {}
-        plans: dict[str, dict[str, Any]] = {}
-        records: dict[str, list[dict[str, Any]]] = {}
+        runs: dict[str, list[dict[str, Any]]] = {}
+        plans: dict[str, list[dict[str, Any]]] = {}
+        records: dict[str, list[list[dict[str, Any]]]] = {}
         swapped = 0
         overhead = () if scope == "host" else tuple(overhead_cgroup(label, scope) for label in labels)
         host_quotas = dict(zip(labels, quotas, strict=True))
@@ -855,10 +1134,11 @@ def benchmark(
             say(
                 f"mesh of {len(labels)} hosts formed in {mesh_setup_s:.1f} s and throttled {dict(cgroups.quotas)}"
             )
-            for mode in modes:
+            for mode, repeat in order:
+                name = run_name(mode, repeat)
                 if mode == SWAPPED:
                     swapped = swap_profiles(lab, cgroups, labels[0], labels[-1], scope)
-                out = work / f"out-{mode}"
+                out = work / f"out-{name}"
                 config = training_config(
                     model_dir, data, out, size, mode_settings(mode, num_layers, len(labels))
                 )
@@ -867,21 +1147,32 @@ def benchmark(
                 config = rebalance_setting(config, "auto" if mode in ("pooled", SWAPPED) else "off")
                 if mode == "fastest_alone" and scope == "stage":
                     config["shardpool"]["threads_per_stage"] = quota_threads(quotas[0])
-                config_path = write_yaml(work / f"{mode}.yaml", config)
+                config_path = write_yaml(work / f"{name}.yaml", config)
                 run_started = time.monotonic()
-                run_finetune(lab, cgroups, config_path, work / f"{mode}.log", size["run_timeout_s"], scope)
-                plans[mode] = json.loads((out / "plan.json").read_text())
-                records[mode] = read_jsonl(out / "metrics.jsonl")
-                if mode == "fastest_alone":  # a local plan names the machine, not the lab host
-                    for stage in plans[mode]["stages"]:
-                        stage["host"] = labels[0]
-                runs[mode] = summarize_run(records[mode], plans[mode], size["warmup"])
-                if mode != "fastest_alone":
-                    runs[mode]["after_calibration"] = calibrated_figures(
-                        plans[mode], records[mode], config_path
+                sampler = CgroupCpuSampler(
+                    cgroups, {label: read_pid_of_agent(lab.hosts[label]) for label in labels}
+                )
+                sampler.start()
+                try:
+                    run_finetune(
+                        lab, cgroups, config_path, work / f"{name}.log", size["run_timeout_s"], scope
                     )
-                runs[mode]["run_s"] = round(time.monotonic() - run_started, 1)
-                say(f"{mode}: {runs[mode]['tokens_per_s']} tokens/s, run took {runs[mode]['run_s']} s")
+                finally:
+                    cgroup_cpu_s = sampler.stop()
+                plan = json.loads((out / "plan.json").read_text())
+                run_records = read_jsonl(out / "metrics.jsonl")
+                if mode == "fastest_alone":  # a local plan names the machine, not the lab host
+                    for stage in plan["stages"]:
+                        stage["host"] = labels[0]
+                summary = summarize_run(run_records, plan, size["warmup"])
+                if mode != "fastest_alone":
+                    summary["after_calibration"] = calibrated_figures(plan, run_records, config_path)
+                summary["run_s"] = round(time.monotonic() - run_started, 1)
+                summary["cgroup_cpu_s"] = cgroup_cpu_s
+                runs.setdefault(mode, []).append(summary)
+                plans.setdefault(mode, []).append(plan)
+                records.setdefault(mode, []).append(run_records)
+                say(f"{name}: {summary['tokens_per_s']} tokens/s, run took {summary['run_s']} s")
         return report(
             quick=quick,
             size=size,
@@ -891,6 +1182,7 @@ def benchmark(
             runs=runs,
             plans=plans,
             records=records,
+            order=order,
             swapped=swapped if swap else None,
             moved=moved,
             hf_config=hf_config,
@@ -904,7 +1196,67 @@ def benchmark(
             shutil.rmtree(work, ignore_errors=True)
 
 
+def read_pid_of_agent(host: Host) -> int | None:
+    """The pid of ``host``'s agent now (None when it runs none)."""
+    from mesh.daemon import read_pid
+
+    return read_pid(agent_pid_file(host))
+
+
 def report(
+    *,
+    quick: bool,
+    size: dict[str, Any],
+    quotas: dict[str, float],
+    choice: CgroupChoice,
+    scope: str,
+    runs: dict[str, list[dict[str, Any]]],
+    plans: dict[str, list[dict[str, Any]]],
+    records: dict[str, list[list[dict[str, Any]]]],
+    order: Sequence[tuple[str, int]],
+    swapped: int | None,
+    moved: dict[str, int],
+    hf_config: dict[str, Any],
+    mesh_setup_s: float,
+    seconds: float,
+) -> dict[str, Any]:
+    """Assemble the JSON report. ``runs``, ``plans`` and ``records`` hold each way's runs in repeat
+    order. ``tokens_per_s`` is each way's median over its runs, ``pooled_over_fastest`` and
+    ``even_over_fastest`` the median of the per-round ratios (:func:`repeats_summary`); the
+    per-run figures (``runs``, ``stage_compute_s``, ``rebalances``, ...) are each way's first run's,
+    and ``repeats.runs`` holds every run's."""
+    first_runs = {mode: summaries[0] for mode, summaries in runs.items()}
+    first_plans = {mode: found[0] for mode, found in plans.items()}
+    repeated = {mode: summaries for mode, summaries in runs.items() if mode != SWAPPED}
+    side_by_side = repeats_summary([(mode, repeat) for mode, repeat in order if mode != SWAPPED], repeated)
+    first = first_runs_report(
+        quick=quick,
+        size=size,
+        quotas=quotas,
+        choice=choice,
+        scope=scope,
+        runs=first_runs,
+        plans=first_plans,
+        records={mode: found[0] for mode, found in records.items()},
+        swapped=swapped,
+        moved=moved,
+        hf_config=hf_config,
+        mesh_setup_s=mesh_setup_s,
+        seconds=seconds,
+        repeats=side_by_side["count"],
+    )
+    return first | {
+        "tokens_per_s": first["tokens_per_s"] | side_by_side["tokens_per_s_median"],
+        "pooled_over_fastest": side_by_side["pooled_over_fastest"]["median"],
+        "pooled_over_fastest_min": side_by_side["pooled_over_fastest"]["min"],
+        "pooled_over_fastest_max": side_by_side["pooled_over_fastest"]["max"],
+        "even_over_fastest": side_by_side["even_over_fastest"]["median"],
+        "cgroup_cpu_s": first_runs.get("pooled", {}).get("cgroup_cpu_s"),
+        "repeats": side_by_side | {"runs": runs},
+    }
+
+
+def first_runs_report(
     *,
     quick: bool,
     size: dict[str, Any],
@@ -919,8 +1271,9 @@ def report(
     hf_config: dict[str, Any],
     mesh_setup_s: float,
     seconds: float,
+    repeats: int,
 ) -> dict[str, Any]:
-    """Assemble the JSON report."""
+    """The report of one run per way (the first of each, under ``--repeats``)."""
     modes = list(runs)
     tokens = {mode: runs[mode]["tokens_per_s"] for mode in modes}
     events = rebalance_events(records.get("pooled", []))
@@ -935,6 +1288,7 @@ def report(
     command += (
         "" if set(modes) >= set(MODES) else " --modes " + ",".join(mode for mode in MODES if mode in runs)
     )
+    command += f" --repeats {repeats}" if repeats > 1 else ""
     return {
         "benchmark": "hetero",
         "quick": quick,
@@ -1036,6 +1390,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=MODES,
         help="run only these ways, comma-separated (default all: " + ",".join(MODES) + ")",
     )
+    parser.add_argument(
+        "--repeats",
+        type=parse_repeats,
+        default=1,
+        help="run each way this many times in ABBA order (fastest, pooled, pooled, fastest, ...) on the"
+        " same mesh; the ratios are the median of each round's (default 1)",
+    )
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it (model, outputs, logs)")
     args = parser.parse_args(argv)
     reason = skip_reason()
@@ -1060,6 +1421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 choice=choice,
                 scope=args.quota_scope,
                 only=args.modes,
+                repeats=args.repeats,
             )
     except (BenchError, LabError) as error:
         print(f"bench_hetero: error: {error}", file=sys.stderr)

@@ -108,6 +108,144 @@ def test_profile_swap_exchanges_the_same_model_and_workload_and_keeps_each_key()
     assert new_first["other|x|y|z"] == {"s": 9}
 
 
+def test_repeats_are_a_whole_number_of_one_or_more() -> None:
+    assert bench.parse_repeats("1") == 1 and bench.parse_repeats("3") == 3
+    for bad in ("0", "-1", "1.5", "two"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_repeats(bad)
+
+
+def test_repeated_runs_go_in_abba_order_and_are_named_after_their_round() -> None:
+    ways = ("fastest_alone", "pooled")
+    assert bench.abba_order(ways, 1) == [("fastest_alone", 0), ("pooled", 0)], "as without --repeats"
+    assert [mode for mode, _ in bench.abba_order(ways, 3)] == [
+        "fastest_alone", "pooled", "pooled", "fastest_alone", "fastest_alone", "pooled"
+    ]  # fmt: skip
+    assert bench.abba_order(ways, 2)[2:] == [("pooled", 1), ("fastest_alone", 1)]
+    assert [mode for mode, _ in bench.abba_order(bench.MODES, 2)] == [*bench.MODES, *reversed(bench.MODES)]
+    assert bench.run_name("pooled", 0) == "pooled", "the first run keeps today's file names"
+    assert bench.run_name("pooled", 1) == "pooled-2"
+
+
+def test_the_side_by_side_ratio_is_the_median_of_each_rounds_ratio() -> None:
+    runs = {
+        "fastest_alone": [{"tokens_per_s": 100.0}, {"tokens_per_s": 160.0}, {"tokens_per_s": 120.0}],
+        "pooled": [{"tokens_per_s": 130.0}, {"tokens_per_s": 200.0}, {"tokens_per_s": 150.0}],
+    }
+    order = bench.abba_order(("fastest_alone", "pooled"), 3)
+    summary = bench.repeats_summary(order, runs)
+    assert summary["count"] == 3
+    assert summary["order"] == [
+        "fastest_alone",
+        "pooled",
+        "pooled-2",
+        "fastest_alone-2",
+        "fastest_alone-3",
+        "pooled-3",
+    ]
+    assert summary["tokens_per_s_by_run"]["pooled"] == [130.0, 200.0, 150.0]
+    assert summary["tokens_per_s_median"] == {"fastest_alone": 120.0, "pooled": 150.0}
+    assert summary["pooled_over_fastest_by_round"] == [1.3, 1.25, 1.25]
+    assert summary["pooled_over_fastest"] == {"median": 1.25, "min": 1.25, "max": 1.3}
+    # the ratio of the medians (150 / 120 = 1.25) need not be the median ratio: each round is its own pair
+    assert summary["even_over_fastest"] == {"median": None, "min": None, "max": None}
+    assert summary["even_over_fastest_by_round"] == []
+
+
+def test_a_round_with_a_missing_figure_has_no_ratio_and_is_left_out_of_the_spread() -> None:
+    tokens = {"fastest_alone": [100.0, None], "pooled": [150.0, 140.0]}
+    assert bench.paired_ratios(tokens, "pooled", "fastest_alone") == [1.5, None]
+    assert bench.paired_ratios(tokens, "even_split", "fastest_alone") == []
+    assert bench.spread([1.5, None, 1.1]) == {"median": 1.3, "min": 1.1, "max": 1.5}
+
+
+def test_a_process_in_a_throttled_cgroup_is_told_apart_by_pid_and_command() -> None:
+    assert bench.process_kind(7, "python -m shardpool mesh up", agent=7) == "agent"
+    assert bench.process_kind(8, "/usr/bin/python3 -m shardpool.train.worker job.json 1", agent=7) == "stage"
+    assert bench.process_kind(9, "python -m shardpool.plan.report", agent=7) == "profiler"
+    assert bench.process_kind(10, "wireguard-go wg0", agent=None) == "other"
+
+
+def test_an_other_process_is_named_by_the_start_of_its_command_line() -> None:
+    assert bench.command_label("python3", "/usr/bin/python3 -m mesh.node.syncd --state-dir /x/y") == (
+        "python3 -m mesh.node.syncd --state-dir"
+    )
+    assert bench.command_label("kworker/0", "") == "kworker/0"
+
+
+def test_cpu_ticks_come_from_utime_and_stime_of_proc_stat() -> None:
+    stat = "123 (gloo (x) y) S 1 2 3 4 5 6 7 8 9 10 40 2 30 30 20 0 4 0 100 0 0"
+    assert bench.stat_cpu_ticks(stat) == ("gloo (x) y", 42), "utime 40 + stime 2; cutime, cstime left out"
+    name, ticks = bench.stat_cpu_ticks(Path(f"/proc/{os.getpid()}/stat").read_text())
+    assert name and ticks >= 0
+
+
+def test_cpu_seconds_by_kind_count_what_each_process_used_since_the_first_sample() -> None:
+    cpu = bench.ProcessCpu
+    first = {1: cpu("agent", "python", 500), 2: cpu("other", "wireguard-go", 100)}
+    last = {
+        1: cpu("agent", "python", 520),
+        2: cpu("other", "wireguard-go", 130),
+        3: cpu("stage", "python", 900, first_seen_s=10.0, last_seen_s=40.0),  # started during the run
+        4: cpu("profiler", "python", 50),
+        5: cpu("other", "syncd", 10),
+    }
+    used = bench.cpu_seconds_by_kind(first, last, ticks_per_s=100)
+    assert used == {
+        "stage": 9.0,
+        "profiler": 0.5,
+        "agent": 0.2,
+        "other": 0.4,
+        "other_by_name": {"syncd": 0.1, "wireguard-go": 0.3},
+        "stage_seen_s": 30.0,
+        "stage_cpus": 0.3,
+    }
+    assert bench.cpu_seconds_by_kind({}, {}, ticks_per_s=100)["stage_cpus"] is None
+
+
+def test_seen_windows_say_when_each_stage_and_profiler_ran_after_the_start() -> None:
+    cpu = bench.ProcessCpu
+    seen = {
+        1: cpu("stage", "s", 1, 140.0, 230.0),
+        2: cpu("profiler", "p", 1, 110.04, 130.0),
+        3: cpu("profiler", "p", 1, 150.0, 170.0),
+        4: cpu("agent", "a", 1, 100.0, 230.0),
+    }
+    assert bench.seen_windows(seen, since=100.0) == {
+        "stage": [[40.0, 130.0]],
+        "profiler": [[10.0, 30.0], [50.0, 70.0]],
+    }
+
+
+def test_a_process_keeps_its_kind_when_its_command_line_empties_at_exit() -> None:
+    cpu = bench.ProcessCpu
+    last = {
+        3: cpu("other", "python", 1, 1.0, 1.0),
+        4: cpu("stage", "python -m shardpool.train.worker", 50, 0.5, 1.0),
+    }
+    now = {
+        3: cpu("profiler", "python -m shardpool.plan.report", 20, 2.0, 2.0),
+        4: cpu("other", "python", 70, 2.0, 2.0),
+    }
+    assert bench.merged_sample(last, now) == {
+        3: cpu("profiler", "python -m shardpool.plan.report", 20, 1.0, 2.0),  # exec'd since the last sample
+        4: cpu("stage", "python -m shardpool.train.worker", 70, 0.5, 2.0),  # a zombie: kind kept, ticks new
+    }
+    assert bench.merged_sample(last, {})[4].ticks == 50, "gone: its last ticks stay"
+
+
+def test_cpu_stat_delta_is_each_counters_growth() -> None:
+    before = "nr_periods 10\nnr_throttled 4\nthrottled_time 1000\n"
+    after = "nr_periods 110\nnr_throttled 54\nthrottled_time 91000\nusage_usec 7\n"
+    assert bench.cpu_stat_delta(before, after) == {
+        "nr_periods": 100,
+        "nr_throttled": 50,
+        "throttled_time": 90000,
+        "usage_usec": 7,
+    }
+    assert bench.cpu_stat_delta("", "") == {}
+
+
 def _step(step: int, seconds: float, compute: list[float], wait: list[float]) -> dict:
     return {
         "step": step,
