@@ -513,6 +513,8 @@ class Supervisor:
     _found: _JoinFound | None = None
     _lost: list[str] = field(default_factory=list)
     _held: dict[str, float] = field(default_factory=dict)
+    #: Members whose stages failed to join in place: since when, and why (held back like ``_held``).
+    _join_failed: dict[str, tuple[float, str]] = field(default_factory=dict)
     _keeps_state: bool = False
     _gate: CommitGate | None = None
 
@@ -678,6 +680,9 @@ class Supervisor:
             return
         if order.failed is not None:
             self.say(f"growing in place failed, the run goes on as it is: {order.failed}")
+            with self._join_lock:
+                for name in order.joined:  # not tried again at the next check, every few steps
+                    self._join_failed[name] = (self.clock(), order.failed)
             self._growing = None
             with self._join_lock:
                 self._found = None
@@ -887,6 +892,7 @@ class Supervisor:
             self._join_thread = None
             for name in check.away:
                 self._held.pop(name, None)  # seen away: taken back once it answers again
+                self._join_failed.pop(name, None)
             why = check.why
             if check.found is not None:
                 if took > JOIN_CHECK_TIMEOUT_S:
@@ -909,16 +915,28 @@ class Supervisor:
         self.say(f"join check after step {step} ({took:.0f} s): {why}")
 
     def _held_back(self, now: float) -> dict[str, str]:
-        """The members lost in this run while their agent answered that may not come back yet, and why."""
+        """The members that may not (re)join yet, and why: lost in this run while their agent
+        answered, or their stages failed to join in place."""
         for name in [name for name, since in self._held.items() if now - since >= REJOIN_HOLD_OFF_S]:
             del self._held[name]
-        return {
+        for name in [
+            name for name, (since, _) in self._join_failed.items() if now - since >= REJOIN_HOLD_OFF_S
+        ]:
+            del self._join_failed[name]
+        held = {
             name: (
                 f"lost {now - since:.0f} s ago while its agent answered: taken back once it has been away "
                 f"(restarted) or {REJOIN_HOLD_OFF_S / 60:.0f} min after it was lost"
             )
             for name, since in self._held.items()
         }
+        for name, (since, why) in self._join_failed.items():
+            held.setdefault(
+                name,
+                f"its stages failed to join {now - since:.0f} s ago ({why}): tried again once it has been "
+                f"away (restarted) or {REJOIN_HOLD_OFF_S / 60:.0f} min after",
+            )
+        return held
 
     def _away(self) -> list[str]:
         """Members this run lost that are not in the current plan (a join check says when they stay away)."""

@@ -765,12 +765,12 @@ class _DictStore:
         return all(key in self.values for key in keys)
 
 
-def test_a_member_that_joins_is_grown_into_the_running_job_without_stopping_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _c_found_while_a_b_train(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seen: dict[str, list[Any]]
+) -> tuple[Supervisor, MeshLauncher, _DictStore, PreparedRun]:
+    """A supervised job on a and b at step 10 whose join check found c (the plan with it twice as fast)."""
     config = _config(tmp_path)
     monkeypatch.setattr(MeshLauncher, "plans_with_and_without", _plans_by_size({2: 1.0, 3: 0.5}))
-    seen: dict[str, list[Any]] = {}
     supervisor = _supervisor(tmp_path, config, seen)
     launcher = MeshLauncher(_members("a", "b"), say=print)
     launcher.list_members = lambda: _members("a", "b", "c")
@@ -779,6 +779,14 @@ def test_a_member_that_joins_is_grown_into_the_running_job_without_stopping_it(
     supervisor.begin(launcher, run, _job_on(["a", "b"], keep_state=True, rebalance_at=3), store)
     supervisor._look_for_joins(launcher, 10)  # what the join check's thread does
     supervisor._last_step = 10
+    return supervisor, launcher, store, run
+
+
+def test_a_member_that_joins_is_grown_into_the_running_job_without_stopping_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, list[Any]] = {}
+    supervisor, launcher, store, run = _c_found_while_a_b_train(tmp_path, monkeypatch, seen)
     assert not supervisor.interrupt(), "a join the job can grow into does not stop the stages"
 
     order = supervisor.grow()
@@ -860,3 +868,27 @@ def test_a_joining_stage_that_fails_leaves_the_running_job_as_it_was() -> None:
     run_mesh_job(job, "j", {"a": (a, [0]), "b": (b, [1])}, on_event=lambda event: None, grow=lambda: order)
     assert order.failed == "member 'c''s joining stage (rank 1) failed: OutOfMemoryError: building layers 2-4"
     assert not order.grown and c.agent.stopped == ["j"]  # type: ignore[attr-defined]
+
+
+def test_a_member_whose_stages_failed_to_join_is_held_back_before_it_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, list[Any]] = {}
+    supervisor, launcher, _, _ = _c_found_while_a_b_train(tmp_path, monkeypatch, seen)
+    now = [1000.0]
+    supervisor.clock = lambda: now[0]
+    order = supervisor.grow()
+    assert order is not None
+    order.failed = "member 'c''s joining stage (rank 2) failed: OutOfMemoryError"  # what the event loop found
+    supervisor._tick()
+    assert supervisor.grow() is None and supervisor._found is None
+    assert seen["say"][-1] == (
+        "growing in place failed, the run goes on as it is: member 'c''s joining stage (rank 2) failed: "
+        "OutOfMemoryError"
+    )
+    supervisor._look_for_joins(launcher, 12)
+    assert supervisor._found is None, "not tried again at once"
+    assert "'c' held back: its stages failed to join 0 s ago" in seen["say"][-1]
+    now[0] += 601.0
+    supervisor._look_for_joins(launcher, 30)
+    assert supervisor._found is not None, "tried again after the hold-off"
