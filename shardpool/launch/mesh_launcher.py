@@ -244,8 +244,9 @@ def run_mesh_job(
     ``tick`` is called on every turn of the event loop (at least five times a second).
     ``previous`` is the job this one continues (after a lost or joined member): the local agent
     keeps it for ``shardpool jobs show``. ``grow`` is asked every turn for a :class:`GrowOrder`:
-    the loop starts its joining ranks, and follows the grown job once the order says it grew. With a ``watch``, a stage error waits ``lost_after_s +
-    neighbour_grace_s`` for a lost member behind it (a neighbour of a vanished member fails first).
+    the loop starts its joining ranks, and follows the grown job once the order says it grew.
+    With a ``watch``, a stage error waits ``lost_after_s + neighbour_grace_s`` for a lost member
+    behind it (a neighbour of a vanished member fails first).
 
     Each member's agent derives its stages' environment (threads from its own cores over the ranks
     it runs, the mesh interface for gloo and NCCL) itself; nothing but the job crosses.
@@ -364,13 +365,13 @@ def _joiner_failure(order: GrowOrder, follows: dict[str, _Follow], errors: dict[
             return f"member {name!r} was lost while joining: {follow.lost}"
         for rank, code in follow.exited.items():
             if code != 0:
-                why = (
-                    f"killed by signal {-code}"
-                    if code < 0
-                    else errors.get(rank, f"exited with status {code}")
-                )
-                return f"member {name!r}'s joining stage (rank {rank}) failed: {why}"
+                return f"member {name!r}'s joining stage (rank {rank}) failed: {_exit_reason(rank, code, errors)}"
     return None
+
+
+def _exit_reason(rank: int, code: int, errors: dict[int, str]) -> str:
+    """Why a stage exited with non-zero ``code``: the signal, its reported error, or the status."""
+    return f"killed by signal {-code}" if code < 0 else errors.get(rank, f"exited with status {code}")
 
 
 def _abandon_growth(
@@ -410,12 +411,9 @@ def _start_joining(
     for name, (member, ranks) in order.joined.items():
         try:
             member.agent.start_job(job_id, payload, ranks, files_secret=files_secret, previous=previous)
-        except (AgentRefused, AgentUnreachable) as error:
-            order.failed = f"member {name!r} did not start its stages: {error}"
-            for other in [other for other in order.joined if other in follows]:  # those already started
-                _stop_quietly(ranks_by_member.pop(other)[0], job_id, set())
-                del follows[other]
-                started.remove(other)
+        except (AgentRefused, AgentUnreachable) as error:  # those already started are stopped
+            reason = f"member {name!r} did not start its stages: {error}"
+            _abandon_growth(order, reason, job_id, ranks_by_member, follows, started)
             return
         started.append(name)
         ranks_by_member[name] = (member, ranks)
@@ -498,7 +496,7 @@ def _failure(
     reporting = [item for item in failed if item[1] in errors]
     name, rank, code = (killed or reporting or failed)[0]
     stage = job.stage_index(rank)
-    message = f"killed by signal {-code}" if code < 0 else errors.get(rank, f"exited with status {code}")
+    message = _exit_reason(rank, code, errors)
     text = f"stage {stage} (rank {rank}) on member {name!r} failed at step {last_step}: {message}"
     if code < 0:
         return MemberLost(text, rank=rank, stage=stage, member=name, step=last_step, agent_answered=True)

@@ -82,6 +82,7 @@ __all__ = [
     "complete_live_steps",
     "copy_files_count",
     "grown_job",
+    "placed_stages",
     "does_not_fit_line",
     "join_gain",
     "look_for_joins",
@@ -354,6 +355,11 @@ def placements_of(plan: Plan) -> list[StagePlacement]:
     ]
 
 
+def placed_stages(plan: Plan) -> str:
+    """Where a plan puts its stages, for a console line: ``a[0, 4) b[4, 6)``."""
+    return " ".join(f"{stage.host}[{stage.start}, {stage.stop})" for stage in plan.stages)
+
+
 def grown_job(job: Job, plan: Plan) -> tuple[Job, dict[int, int]] | None:
     """``job`` grown to ``plan`` (the next generation, its new ranks ``joining``) and each running
     rank's rank in it; None when it cannot grow in place (:func:`~shardpool.contract.grow.in_place_ranks`)."""
@@ -467,6 +473,8 @@ class _JoinFound:
     step: int
     reason: str
     found_at: float
+    #: The grown job and each running rank's new rank, when the job can grow into ``plan`` in place.
+    in_place: tuple[Job, dict[int, int]] | None = None
 
 
 @dataclass
@@ -626,7 +634,7 @@ class Supervisor:
         complete (so no completed step is lost)."""
         with self._join_lock:
             found = self._found
-        if found is None or self._growing is not None or self._grows_in_place(found) is not None:
+        if found is None or self._growing is not None or found.in_place is not None:
             return False
         complete = complete_live_steps(self.output_dir, self._count, self._ranks_at)
         if not complete or complete[-1] < found.step:
@@ -634,12 +642,12 @@ class Supervisor:
         return complete[-1] >= self._newest_step() or self.clock() - found.found_at > JOIN_COPY_WAIT_S
 
     # ----- growing in place (issue 16: a member that joins, without a restart) -----------------------
-    def _grows_in_place(self, found: _JoinFound) -> tuple[Job, dict[int, int]] | None:
-        """The grown job and each running rank's new rank, when the found plan can be taken in place."""
+    def _grows_in_place(self, plan: Plan) -> tuple[Job, dict[int, int]] | None:
+        """The grown job and each running rank's new rank, when the running job can grow into ``plan``."""
         job = self._jobs[-1][1] if self._jobs else None
         if job is None or not job.keep_state or job.world_size < 2:
             return None
-        return grown_job(job, found.plan)
+        return grown_job(job, plan)
 
     def grow(self) -> GrowOrder | None:
         """The launcher's event loop asks every turn: the growth in place to carry out, if any.
@@ -657,11 +665,10 @@ class Supervisor:
             found = self._found
         if found is None or self._launcher is None:
             return None
-        grown = self._grows_in_place(found)
         check_at = self._jobs[-1][1].rebalance_at
-        if grown is None or (check_at is not None and self._newest_step() <= check_at):
+        if found.in_place is None or (check_at is not None and self._newest_step() <= check_at):
             return None
-        job, renumber = grown
+        job, renumber = found.in_place
         running = set(renumber.values())
         joined: dict[str, tuple[MeshMember, list[int]]] = {}
         for name, (member, ranks) in ranks_by_member(job, found.launcher.members).items():
@@ -680,12 +687,11 @@ class Supervisor:
             return
         if order.failed is not None:
             self.say(f"growing in place failed, the run goes on as it is: {order.failed}")
-            with self._join_lock:
-                for name in order.joined:  # not tried again at the next check, every few steps
-                    self._join_failed[name] = (self.clock(), order.failed)
             self._growing = None
             with self._join_lock:
                 self._found = None
+                for name in order.joined:  # not tried again at the next check, every few steps
+                    self._join_failed[name] = (self.clock(), order.failed)
             return
         if not order.started:
             return
@@ -730,7 +736,7 @@ class Supervisor:
         self._visible(
             "member_joined", member=names, step=step, reason=f"{found.reason}; in place", steps_lost=0
         )
-        placed = " ".join(f"{stage.host}[{stage.start}, {stage.stop})" for stage in found.plan.stages)
+        placed = placed_stages(found.plan)
         self._visible(
             "replan",
             member=names,
@@ -804,7 +810,7 @@ class Supervisor:
         self.policy.note_replan()
         plan_json = replanned_json(run.plan, plan, ended_at_step=ended.step) | {"source": "replan"}
         self.write_plan(plan_json)
-        placed = " ".join(f"{stage.host}[{stage.start}, {stage.stop})" for stage in plan.stages)
+        placed = placed_stages(plan)
         self._visible(
             "replan",
             member=ended.member,
@@ -903,7 +909,8 @@ class Supervisor:
                     why = f"{why}; not taken: {refusal}"
                 else:
                     successor, plan, joined, reason = check.found
-                    self._found = _JoinFound(successor, plan, joined, step, reason, self.clock())
+                    in_place = self._grows_in_place(plan)
+                    self._found = _JoinFound(successor, plan, joined, step, reason, self.clock(), in_place)
                     self.say(f"join check after step {step} ({took:.0f} s): {why}; taking it")
                     return
             elif not check.candidates:
@@ -1023,7 +1030,7 @@ def look_for_joins(
     plan, without = candidate.plans_with_and_without(config, set(candidates))
     skipped = f" ({'; '.join(notes)})" if notes else ""
     used = sorted({stage.host for stage in plan.stages} - current)
-    placed = " ".join(f"{stage.host}[{stage.start}, {stage.stop})" for stage in plan.stages)
+    placed = placed_stages(plan)
     if not used:
         return JoinCheck(
             told(f"{named} online, but the plan with it leaves it out ({placed}){skipped}"),

@@ -80,11 +80,12 @@ def state_key_layer(name: str) -> int | None:
 def state_for_layers(tensors: dict[str, torch.Tensor], layers: Sequence[int]) -> dict[str, torch.Tensor]:
     """The state tensors of ``layers``, on the host and contiguous (as safetensors writes them)."""
     wanted = set(layers)
-    return {
-        name: tensor.detach().to("cpu").contiguous()
-        for name, tensor in tensors.items()
-        if state_key_layer(name) in wanted
-    }
+    return _host_copies(tensors, [name for name in tensors if state_key_layer(name) in wanted])
+
+
+def _host_copies(tensors: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """``names`` of ``tensors`` on the host and contiguous, as safetensors writes them."""
+    return {name: tensors[name].detach().to("cpu").contiguous() for name in names}
 
 
 def kept_state(
@@ -138,15 +139,13 @@ def exchange_by_position(
     ``moves`` is ``{(from rank, to rank): [positions]}`` in the grown job's ranks.
     """
     position_of = {name: state_position(name, num_layers) for name in tensors}
-    outgoing = {
-        target: {
-            name: tensors[name].detach().to("cpu").contiguous()
-            for name in tensors
-            if position_of[name] in set(positions)
-        }
-        for (source, target), positions in moves.items()
-        if source == rank
-    }
+    outgoing: dict[int, dict[str, torch.Tensor]] = {}
+    for (source, target), positions in moves.items():
+        if source == rank:
+            wanted = set(positions)
+            outgoing[target] = _host_copies(
+                tensors, [name for name in tensors if position_of[name] in wanted]
+            )
     sources = sorted(source for source, target in moves if target == rank)
     return _hand_over(outgoing, sources, rank=rank)
 

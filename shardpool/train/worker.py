@@ -533,21 +533,11 @@ class StageWorker:
         wanted = {name: tensor.detach().clone() for name, tensor in wanted.items()}
         schedule = self.state.scheduler.state_dict()
         rates = [group["lr"] for group in self.state.optimizer.param_groups]
-        loss_scale = self.state.loss_scale
         del tensors, received
         start, stop = new[index]
-        reuse = {
-            path: module
-            for path, module in reusable_modules(self.pipe.stage).items()
-            if (layer := module_layer(path)) is None or start <= layer < stop
-        }
-        self._drop_stage()
         self.spec = replace(self.spec, start=start, stop=stop)
         self.layers = list(new)
-        with _rng_kept(self.device):  # building a stage draws from the global RNG; dropout must not see it
-            stage = self._load_stage(self.spec, reuse=reuse)
-        del reuse
-        self._train_stage(stage, loss_scale=loss_scale)
+        self._rebuild_stage()
         keys = [key for key, _ in self.state.named_params]
         load_lora_and_optimizer(self.state, *ckpt.lora_and_optimizer_from(wanted, keys))
         self.state.scheduler.load_state_dict(schedule)
@@ -582,16 +572,15 @@ class StageWorker:
         started = time.perf_counter()
         generation = self.job.generation + 1
         store = self.rendezvous
+        schedule = self._schedule_state()
         if self.rank == 0:
-            store.set(schedule_key(generation), json.dumps(self._schedule_state()))
+            store.set(schedule_key(generation), json.dumps(schedule))
             store.set(step_key(generation), str(step))
         growth = decode_growth(store.get(grow_key(generation)))
         grown = self._grown(growth.job, generation)
         tensors = ckpt.stage_state_tensors(
             named_parameters=self.state.named_params, optimizer=self.state.optimizer
         )
-        tensors = {name: tensor.detach().clone() for name, tensor in tensors.items()}
-        schedule = self._schedule_state()
         old_rank, old_layers, old_range = self.rank, self.layers, (self.spec.start, self.spec.stop)
         if self.copier is not None:
             self.copier.wait()
@@ -606,24 +595,14 @@ class StageWorker:
         )
         mine = self._positions()
         wanted = {name: tensor for name, tensor in tensors.items() if self._position(name) in mine} | received
+        wanted = {name: tensor.detach().clone() for name, tensor in wanted.items()}
         del tensors, received
-        start, stop = self.spec.start, self.spec.stop
-        reuse = {
-            path: module
-            for path, module in reusable_modules(self.pipe.stage).items()
-            if (layer := module_layer(path)) is None or start <= layer < stop
-        }
-        loss_scale = self.state.loss_scale
-        self._drop_stage()
-        with _rng_kept(self.device):  # building a stage draws from the global RNG; dropout must not see it
-            stage = self._load_stage(self.spec, reuse=reuse)
-        del reuse
-        self._train_stage(stage, loss_scale=loss_scale)
+        self._rebuild_stage()
         self._restore_state(wanted, schedule)
         dist.barrier()
         print(
             f"shardpool: grew in place after step {step}: rank {old_rank} -> {self.rank}, layers "
-            f"[{old_range[0]}, {old_range[1]}) -> [{start}, {stop}) "
+            f"[{old_range[0]}, {old_range[1]}) -> [{self.spec.start}, {self.spec.stop}) "
             f"in {time.perf_counter() - started:.2f} s",
             file=sys.stderr,
             flush=True,
@@ -721,6 +700,23 @@ class StageWorker:
             group["lr"] = rate
         if self.state.loss_scale is not None and schedule["loss_scale"] is not None:
             self.state.loss_scale.load_state_tensor(torch.tensor(schedule["loss_scale"], dtype=torch.float64))
+
+    def _rebuild_stage(self) -> None:
+        """Rebuild this rank's stage for ``self.spec``'s layers (a re-shard or a growth): keep the
+        base modules it still owns, drop the rest with the old LoRA and optimizer, build the layers it
+        gains, and give its LoRA a fresh AdamW (the caller restores the state), same loss scale."""
+        start, stop = self.spec.start, self.spec.stop
+        reuse = {
+            path: module
+            for path, module in reusable_modules(self.pipe.stage).items()
+            if (layer := module_layer(path)) is None or start <= layer < stop
+        }
+        loss_scale = self.state.loss_scale
+        self._drop_stage()
+        with _rng_kept(self.device):  # building a stage draws from the global RNG; dropout must not see it
+            stage = self._load_stage(self.spec, reuse=reuse)
+        del reuse
+        self._train_stage(stage, loss_scale=loss_scale)
 
     def _drop_stage(self) -> None:
         """Free the stage's layers, LoRA and optimizer state before the new ones are built."""
