@@ -209,7 +209,15 @@ class Wire:
         )
 
     def send(self, tensor: torch.Tensor, link: Link, *, tag: int) -> None:
-        """Start sending without blocking; the buffer is kept alive until :meth:`flush`."""
+        """Start sending without blocking; the buffer is kept alive until the send has completed.
+
+        Sends that report completion are let go at every send, so a stage on a native (NCCL)
+        link holds the buffers of the sends still on the wire, not every micro-batch's until
+        :meth:`flush` at the step's end (at M = 32 on a large model, gigabytes of a GPU's memory).
+        gloo reports a send complete only once it is waited for, so gloo buffers (host memory)
+        are still let go at :meth:`flush`.
+        """
+        self.pending = [(work, kept) for work, kept in self.pending if not work.is_completed()]
         payload = tensor.detach().to(self.wire_dtype).contiguous()
         if link.staged and payload.device.type != "cpu":
             host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=link.pinned)
