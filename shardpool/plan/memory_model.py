@@ -18,6 +18,7 @@ __all__ = [
     "NF4_BLOCKSIZE",
     "activation_bytes_per_layer",
     "boundary_bytes",
+    "held_boundary_bytes",
     "in_flight_microbatches",
     "lora_params_per_layer",
     "nf4_bytes",
@@ -85,6 +86,35 @@ def activation_bytes_per_layer(shape: ModelShape, workload: Workload) -> float:
 def boundary_bytes(shape: ModelShape, workload: Workload) -> int:
     """Bytes crossing a stage boundary per micro-batch in one direction (activation or its gradient)."""
     return workload.tokens * shape.hidden_size * workload.wire_bytes
+
+
+def held_boundary_bytes(
+    shape: ModelShape, workload: Workload, *, kind: str, first: bool, last: bool, in_flight: int
+) -> dict[str, float]:
+    """Bytes a stage holds at its boundaries beyond its layers' saved activations, by part.
+
+    ``stage_outputs`` (every stage but the last): the output each micro-batch's backward starts
+    from, kept from its forward to its backward, and the buffer its send reads. On a native link
+    (NCCL) the send is let go once it has completed, so only the micro-batches in flight count.
+    A CPU stage talks gloo, which holds every send until the step's end: all *M* outputs, plus a
+    wire-dtype copy of each where the wire dtype differs. ``sent_gradients`` (a CPU stage with a
+    previous one): its input's gradient for every micro-batch, held by gloo the same way. A GPU
+    stage's gloo sends are host copies, outside its device memory.
+    """
+    elements = workload.tokens * shape.hidden_size
+    microbatches = workload.gradient_accumulation_steps
+    gloo = kind == "cpu"
+    held: dict[str, float] = {}
+    if not last:
+        wire_copy = workload.wire_bytes if workload.wire_bytes != workload.compute_bytes else 0
+        held["stage_outputs"] = (
+            elements * (workload.compute_bytes + wire_copy) * microbatches
+            if gloo
+            else elements * workload.compute_bytes * in_flight
+        )
+    if gloo and not first:
+        held["sent_gradients"] = elements * workload.wire_bytes * microbatches
+    return held
 
 
 def reserve_base_bytes(kind: str) -> float:

@@ -21,6 +21,7 @@ from shardpool.plan.memory_model import (
     FRAGMENTATION,
     LORA_BYTES_PER_PARAM,
     activation_bytes_per_layer,
+    held_boundary_bytes,
     in_flight_microbatches,
     lora_params_per_layer,
     nf4_bytes,
@@ -228,7 +229,7 @@ def stage_costs(
         # and gradients, and one dequantized weight matrix.
         "workspace": full_act + largest_linear * cb,
         "boundary_buffers": 2 * tokens * shape.hidden_size * max(cb, workload.wire_bytes),
-    }
+    } | held_boundary_bytes(shape, workload, kind=kind, first=first, last=last, in_flight=in_flight)
     forward_fixed = backward_fixed = 0.0
     if first:
         fixed["embeddings"] = shape.embedding_params() * cb

@@ -130,6 +130,29 @@ def _saved_bytes_per_microbatch(stage: PipelineStage, dtype: torch.dtype, *, fir
     return sum(storages.values())
 
 
+def _boundary_bytes(stage: PipelineStage, dtype: torch.dtype, *, first: bool) -> dict[str, int]:
+    """What one micro-batch leaves at the stage's boundaries beyond autograd's saved tensors: its
+    output (kept for backward and read by the send) and its input's gradient (sent back)."""
+    saved: set[int] = set()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = _forward(stage, dtype, first=first)
+    assert output.untyped_storage().data_ptr() not in saved, "the output is not among the saved activations"
+    parts = {"output": output.untyped_storage().nbytes()}
+    if not first:
+        inputs = torch.randn(output.shape, dtype=dtype, requires_grad=True)
+        stage(
+            inputs, attention_mask=None, position_ids=torch.arange(SEQUENCE).expand(BATCH, SEQUENCE)
+        ).sum().backward()
+        assert inputs.grad is not None
+        parts["input_gradient"] = inputs.grad.untyped_storage().nbytes()
+    return parts
+
+
 def _most_in_flight(index: int) -> int:
     """The most micro-batches stage ``index`` has run forward and not yet backward, in the real schedule."""
     held, most = 0, 0
@@ -165,6 +188,10 @@ def test_each_part_of_the_plans_stage_memory_is_what_the_code_allocates(
                 predicted,
             )
             report[index] = {"activations_held": held}
+            # A CPU stage talks gloo, which holds every send to the step's end: all M outputs.
+            boundary = _boundary_bytes(stage, getattr(torch, dtype), first=index == 0)
+            assert predicted["stage_outputs"] == MICROBATCHES * boundary["output"], (index, boundary)
+            assert predicted.get("sent_gradients", 0) == MICROBATCHES * boundary.get("input_gradient", 0)
         report[index] = report.get(index, {}) | {
             "frozen": frozen,
             "lora_and_optimizer": lora,
