@@ -10,6 +10,16 @@ last action has run and its last send has arrived (the runtime flushes its sends
 its adapter gradients across replicas and steps its optimizer (``after_s``). The step is the
 latest stage's finish plus its ``after_s``. Every start time is the longest path to that action
 in the schedule's dependency graph, so the step is monotone in every duration.
+
+Several stages may share one device (``devices``: a V-shaped placement, where the first device
+also holds the last stage). Such a device runs one action at a time, the one of its stages' next
+actions that can start first; among actions that can start at once, a backward before a forward
+and a later stage before an earlier one (freeing activations first). That is the order a rank
+holding those stages runs them in when it takes whichever action has its input. Its stages'
+``after_s`` run one after another once all of them have finished. Links stay one resource per
+stage and direction, so two stages of one device sending the same way do not queue for the wire. A
+shared device's choices depend on the durations, so there (as in any list schedule) adding time
+can, rarely, shorten the step; with a device per stage the step is monotone as above.
 """
 
 from __future__ import annotations
@@ -61,13 +71,25 @@ class StepSimulation:
     step_s: float
     finish_s: tuple[float, ...]
     compute_s: tuple[float, ...]
+    #: The device of each stage where the simulation was given them (stages on one device share it).
+    devices: tuple[int, ...] = ()
+
+    @property
+    def device_compute_s(self) -> tuple[float, ...]:
+        """Compute seconds of each device (each stage's alone without ``devices``)."""
+        if not self.devices:
+            return self.compute_s
+        totals: dict[int, float] = {}
+        for device, seconds in zip(self.devices, self.compute_s, strict=True):
+            totals[device] = totals.get(device, 0.0) + seconds
+        return tuple(totals.values())
 
     @property
     def bubble_fraction(self) -> float:
         """Fraction of the step the busiest device does not compute (fill, drain, waits, after-step work)."""
         if self.step_s <= 0:
             return 0.0
-        return max(0.0, 1.0 - max(self.compute_s) / self.step_s)
+        return max(0.0, 1.0 - max(self.device_compute_s) / self.step_s)
 
 
 @lru_cache(maxsize=256)
@@ -87,16 +109,27 @@ def _orders(schedule: str, num_stages: int, microbatches: int) -> tuple[tuple[tu
         raise ShardpoolError(f"schedule {schedule!r} is unknown; use '1f1b' or 'gpipe'") from None
 
 
-def simulate_step(stages: Sequence[StageTimes], *, microbatches: int, schedule: str) -> StepSimulation:
+def simulate_step(
+    stages: Sequence[StageTimes],
+    *,
+    microbatches: int,
+    schedule: str,
+    devices: Sequence[int] | None = None,
+) -> StepSimulation:
     """Simulate one optimizer step of ``stages`` (in pipeline order) over ``microbatches`` micro-batches.
 
     Deterministic and exact for the model described in the module docstring: every action starts
-    at the later of its device becoming free and its input arriving.
+    at the later of its device becoming free and its input arriving. ``devices`` names each stage's
+    device where some stages share one (default: every stage has its own).
     """
     count = len(stages)
     if count == 0 or microbatches < 1:
         raise ShardpoolError(f"cannot simulate {count} stages over {microbatches} micro-batches")
     orders = _orders(schedule, count, microbatches)
+    if devices is not None:
+        if len(devices) != count:
+            raise ShardpoolError(f"{len(devices)} devices given for {count} stages; give one per stage")
+        return _simulate_shared(stages, tuple(devices), microbatches, orders, schedule)
     unknown = -1.0
     # arrivals[s][i]: when stage s has activation i (forward) or gradient i (backward).
     forward_in = [[unknown] * microbatches for _ in range(count)]
@@ -152,3 +185,59 @@ def simulate_step(stages: Sequence[StageTimes], *, microbatches: int, schedule: 
     step = max(finish[s] + stages[s].after_s for s in range(count))
     compute = tuple(microbatches * (t.forward_s + t.backward_s) for t in stages)
     return StepSimulation(step_s=step, finish_s=finish, compute_s=compute)
+
+
+def _simulate_shared(
+    stages: Sequence[StageTimes],
+    devices: tuple[int, ...],
+    microbatches: int,
+    orders: tuple[tuple[tuple[bool, int], ...], ...],
+    schedule: str,
+) -> StepSimulation:
+    """:func:`simulate_step` where stages may share a device: each turn commits, over all stages, the
+    next action that can start first (ties: backward, then the later stage). Every action whose
+    input is not known yet depends on one not committed, which starts no earlier, so committing the
+    earliest is exact."""
+    count, last = len(stages), len(stages) - 1
+    forward_in = [[0.0 if s == 0 else -1.0] * microbatches for s in range(count)]
+    backward_in = [[-1.0] * microbatches for _ in range(count)]
+    device_free = dict.fromkeys(devices, 0.0)
+    link_next_free, link_previous_free = [0.0] * count, [0.0] * count
+    last_arrival, stage_end, position = [0.0] * count, [0.0] * count, [0] * count
+    for _ in range(count * 2 * microbatches):
+        best: tuple[float, bool, int] | None = None
+        for s in range(count):
+            if position[s] == len(orders[s]):
+                continue
+            is_forward, index = orders[s][position[s]]
+            ready = forward_in[s][index] if is_forward else 0.0 if s == last else backward_in[s][index]
+            if ready < 0.0:
+                continue
+            candidate = (max(device_free[devices[s]], ready), is_forward, -s)
+            if best is None or candidate < best:
+                best = candidate
+        if best is None:
+            raise ShardpoolError(f"the {schedule} schedule deadlocked in simulation; this is a bug")
+        start, is_forward, s = best[0], best[1], -best[2]
+        index = orders[s][position[s]][1]
+        times = stages[s]
+        end = start + (times.forward_s if is_forward else times.backward_s)
+        device_free[devices[s]] = stage_end[s] = end
+        position[s] += 1
+        if is_forward and s < last:
+            sent = max(end, link_next_free[s])
+            link_next_free[s] = sent + times.to_next.busy_s
+            forward_in[s + 1][index] = arrival = link_next_free[s] + times.to_next.latency_s
+            last_arrival[s] = max(last_arrival[s], arrival)
+        elif not is_forward and s > 0:
+            sent = max(end, link_previous_free[s])
+            link_previous_free[s] = sent + times.to_previous.busy_s
+            backward_in[s - 1][index] = arrival = link_previous_free[s] + times.to_previous.latency_s
+            last_arrival[s] = max(last_arrival[s], arrival)
+    finish = tuple(max(stage_end[s], last_arrival[s]) for s in range(count))
+    step = 0.0
+    for device in device_free:
+        mine = [s for s in range(count) if devices[s] == device]
+        step = max(step, max(finish[s] for s in mine) + sum(stages[s].after_s for s in mine))
+    compute = tuple(microbatches * (t.forward_s + t.backward_s) for t in stages)
+    return StepSimulation(step_s=step, finish_s=finish, compute_s=compute, devices=devices)

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardpool.errors import ShardpoolError
 from shardpool.plan.pipeline_sim import NO_TRANSFER, StageTimes, Transfer, simulate_step
 from shardpool.plan.time_model import ring_allreduce_seconds, step_seconds
 
@@ -182,6 +183,79 @@ def test_adding_time_never_makes_a_step_faster(
     assert simulate_step(slower, microbatches=microbatches, schedule=schedule).step_s >= base - 1e-9
     slower[s] = replace(slower[s], forward_s=slower[s].forward_s + extra, after_s=extra)
     assert simulate_step(slower, microbatches=microbatches, schedule=schedule).step_s >= base - 1e-9
+
+
+@settings(max_examples=150, deadline=None)
+@given(stage_lists, st.integers(1, 12), st.sampled_from(SCHEDULES), st.lists(st.floats(0.0, 1.0), min_size=5))
+def test_one_device_per_stage_named_explicitly_is_the_same_simulation(
+    raw: list[tuple[float, ...]], microbatches: int, schedule: str, after: list[float]
+) -> None:
+    """The shared-device simulation, given a device per stage, reproduces the proven one exactly."""
+    stages = [replace(times, after_s=after[s]) for s, times in enumerate(build(raw))]
+    alone = simulate_step(stages, microbatches=microbatches, schedule=schedule)
+    named = simulate_step(stages, microbatches=microbatches, schedule=schedule, devices=range(len(stages)))
+    assert named.step_s == pytest.approx(alone.step_s, abs=1e-9)
+    assert named.finish_s == pytest.approx(alone.finish_s, abs=1e-9)
+    assert named.device_compute_s == pytest.approx(alone.compute_s)
+
+
+def test_a_shared_device_runs_one_action_at_a_time_and_its_after_step_work_in_turn() -> None:
+    # Three stages, the first and the last on device 0, one micro-batch, no links: F0 on s0 [0,1],
+    # on s1 [1,3], on s2 [3,4]; B0 on s2 [4,6], s1 [6,10], s0 [10,12]; then device 0's two
+    # optimizer steps one after the other (0.5 + 0.25), device 1's (2.0) from 10.
+    stages = [
+        StageTimes(1.0, 2.0, after_s=0.5),
+        StageTimes(2.0, 4.0, after_s=2.0),
+        StageTimes(1.0, 2.0, after_s=0.25),
+    ]
+    shared = simulate_step(stages, microbatches=1, schedule="1f1b", devices=[0, 1, 0])
+    assert shared.finish_s == pytest.approx((12.0, 10.0, 6.0))
+    assert shared.step_s == pytest.approx(12.75)
+    assert shared.device_compute_s == pytest.approx((6.0, 6.0))
+    # Two micro-batches: device 0 can never be in two places, so its 12 s of compute plus the
+    # wait for device 1's first forward bound the step from below.
+    two = simulate_step(stages, microbatches=2, schedule="1f1b", devices=[0, 1, 0])
+    assert two.step_s >= 2 * 6.0 + 2.0 + 0.75
+    with pytest.raises(ShardpoolError, match="one per stage"):
+        simulate_step(stages, microbatches=1, schedule="1f1b", devices=[0, 1])
+
+
+def test_a_v_shaped_placement_of_the_bench_beats_its_two_stages_but_not_by_the_margin_it_needs() -> None:
+    """docs/performance.md, "A V-shaped placement, simulated": bench_hetero's measured costs per
+    micro-batch (a 0.536 s, b 1.164 s a layer per step of 16; lm_head 0.35 s on b, 0.16 s on a;
+    forward a third of forward + backward; 5 ms links; 0.05 s after-step work)."""
+    microbatches, fastest_alone_s = 16, 8.26
+    a_layer, b_layer, b_head = 0.536 / 16, 1.164 / 16, 0.35 / 16
+    a_head = b_head * a_layer / b_layer
+    link = Transfer(latency_s=0.005)
+
+    def stage(seconds: float, *, first: bool = False, last: bool = False) -> StageTimes:
+        return StageTimes(
+            seconds / 3, 2 * seconds / 3, to_next=NO_TRANSFER if last else link,
+            to_previous=NO_TRANSFER if first else link, after_s=0.05,
+        )  # fmt: skip
+
+    two = simulate_step(
+        [stage(11 * a_layer, first=True), stage(5 * b_layer + b_head, last=True)],
+        microbatches=microbatches, schedule="1f1b",
+    )  # fmt: skip
+    assert fastest_alone_s / two.step_s == pytest.approx(1.252, abs=0.001)  # measured: 1.248
+    v_shaped = {
+        first: simulate_step(
+            [
+                stage(first * a_layer, first=True),
+                stage(5 * b_layer),
+                stage((11 - first) * a_layer + a_head, last=True),
+            ],
+            microbatches=microbatches,
+            schedule="1f1b",
+            devices=[0, 1, 0],
+        ).step_s  # fmt: skip
+        for first in range(2, 11)
+    }
+    best = min(v_shaped, key=v_shaped.__getitem__)
+    assert best == 8
+    assert fastest_alone_s / v_shaped[best] == pytest.approx(1.293, abs=0.001)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
