@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.scripts import run_script
+
 _SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_hetero.py"
 _spec = importlib.util.spec_from_file_location("bench_hetero", _SCRIPT)
 bench = importlib.util.module_from_spec(_spec)
@@ -333,20 +335,9 @@ def test_quick_even_split_trains_on_both_hosts_and_the_quota_throttles() -> None
     reason = bench.skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    process = subprocess.Popen(
-        [sys.executable, str(_SCRIPT), "--quick", "--modes", "even_split", "--hosts", "1.0,0.5"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=600)
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            process.communicate(timeout=60)
-    assert process.returncode == 0, stderr[-2000:]
-    report = json.loads(stdout)
+    script = run_script(_SCRIPT, "--quick", "--modes", "even_split", "--hosts", "1.0,0.5")
+    assert script.returncode == 0, script.stderr[-2000:]
+    report = json.loads(script.stdout)
     assert "skipped" not in report, report
     assert list(report["runs"]) == ["even_split"] and report["pooled_over_fastest"] is None
     run = report["runs"]["even_split"]
@@ -358,8 +349,8 @@ def test_quick_even_split_trains_on_both_hosts_and_the_quota_throttles() -> None
     assert report["seconds_per_layer_by_host"]["profile_cpu_quota"] == {"a": 1.0, "b": 0.5}
     measured = report["seconds_per_layer_by_host"]["even_split_compute"]
     assert measured["b"] > measured["a"], f"b has half a's quota, yet trained as fast per layer: {measured}"
-    assert not list(bench.detect_cgroup().mount.glob(f"shardpool-bench-{process.pid}")), "cgroups removed"
+    assert not list(bench.detect_cgroup().mount.glob(f"shardpool-bench-{script.pid}")), "cgroups removed"
     assert (
-        f"sp{process.pid}-"
+        f"sp{script.pid}-"
         not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     )

@@ -1,0 +1,368 @@
+"""CPU seconds a step of bench_hetero's model costs whole and split into stages, under the bench's quotas.
+
+    sudo python scripts/split_cpu.py                    # 16 | 11,5 | 6,5,5 at 0.6 + 0.3 CPU, 8 steps, ABBA x 2
+    sudo python scripts/split_cpu.py --splits 16@a 11,5@a,b --repeats 3
+    sudo python scripts/split_cpu.py --quick            # a tiny model, a few steps (the test's version)
+
+bench_hetero compares the pool with the fastest host alone over the mesh; this script takes the
+mesh away to show what splitting the layers itself costs. Each split is a local ``finetune``
+(``placement: local``, ``shardpool.layers``, one thread per stage) of bench_hetero's model and
+config. A split is written ``LAYERS@HOSTS``: ``11,5@a,b`` runs 11 layers (and the embedding) under
+host a's quota and 5 (and ``lm_head``) under b's; ``6,5,5@a,b,a`` puts the first and the last
+stage under a's quota together (two stage processes sharing one host's CPU). Each host is a cgroup
+with bench_hetero's quota and 10 ms period (``--hosts``, default 0.6,0.3); a stage process is moved
+into its host's cgroup by its rank as soon as it starts. ``--repeats N`` runs the splits in ABBA
+order (the list, then the list reversed, ...).
+
+The JSON gives, per run, between the end of step 2 and the end of step ``--steps`` (a run trains
+one step more, so that no stage has ended when the window closes): wall seconds per step,
+each stage process's CPU seconds per step (user and system), the CPU seconds per step of every
+host (its stages together), and ``metrics.jsonl``'s compute and wait; per split, the median step
+and CPU over its runs; and each split's ratios to the first one's (``step_over_first``,
+``cpu_over_first``). Needs root and a writable cgroup ``cpu`` controller (v1 or v2); where it has
+neither it prints ``{"skipped": reason}`` and exits 0. Every cgroup and process it starts is
+removed at the end, also on failure or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.bench_hetero import (  # noqa: E402 - needs ROOT on sys.path
+    FULL,
+    LABELS,
+    QUICK,
+    HostCgroups,
+    cgroup_skip_reason,
+    detect_cgroup,
+    parse_hosts,
+    read_jsonl,
+    write_yaml,
+)
+from scripts.bench_mesh import build_inputs  # noqa: E402
+from scripts.bench_pipeline import training_config  # noqa: E402
+
+FIRST_STEP = 2
+"""The window starts when this many steps have ended (the first ones warm up)."""
+SAMPLE_EVERY_S = 0.1
+DEFAULT_SPLITS = ("16@a", "11,5@a,b", "6,5,5@a,b,a")
+QUICK_SPLITS = ("4@a", "3,1@a,b")
+
+
+class SplitError(Exception):
+    """A run that failed; the message says which and how."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """Decoder layers per stage, in order, and the host (cgroup label) each stage runs under."""
+
+    layers: tuple[int, ...]
+    hosts: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        """How the split was written: ``11,5@a,b``."""
+        return ",".join(map(str, self.layers)) + "@" + ",".join(self.hosts)
+
+
+def parse_split(text: str, hosts: int, num_layers: int) -> Split:
+    """A ``LAYERS@HOSTS`` split (see the module docstring), checked against the hosts and the model."""
+    layers_text, _, hosts_text = text.partition("@")
+    try:
+        layers = tuple(int(count) for count in layers_text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"split {text!r}: layers must be whole numbers, as in 11,5@a,b"
+        ) from None
+    labels = tuple(hosts_text.split(",")) if hosts_text else ("a",) * len(layers)
+    known = LABELS[:hosts]
+    if len(labels) != len(layers):
+        raise argparse.ArgumentTypeError(f"split {text!r}: give one host per stage, as in 11,5@a,b")
+    if any(label not in known for label in labels):
+        raise argparse.ArgumentTypeError(
+            f"split {text!r}: hosts are {', '.join(known)} (one per --hosts quota)"
+        )
+    if any(count < 1 for count in layers) or sum(layers) != num_layers:
+        raise argparse.ArgumentTypeError(
+            f"split {text!r}: needs at least 1 layer a stage, {num_layers} in all"
+        )
+    return Split(layers, labels)
+
+
+def abba(names: Sequence[str], repeats: int) -> list[str]:
+    """The runs in order: the splits, then reversed, and so on, ``repeats`` times each."""
+    order: list[str] = []
+    for round_index in range(repeats):
+        order += list(names) if round_index % 2 == 0 else list(reversed(names))
+    return order
+
+
+def stage_rank(cmdline: Sequence[str]) -> int | None:
+    """The rank of a stage process from its command line (``python -m shardpool.train.worker JOB RANK``)."""
+    if "shardpool.train.worker" not in cmdline:
+        return None
+    try:
+        return int(cmdline[-1])
+    except (ValueError, IndexError):
+        return None
+
+
+def proc_cpu(pid: int) -> tuple[float, float] | None:
+    """User and system CPU seconds of process ``pid`` (its threads together), or None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / ticks, int(fields[12]) / ticks
+
+
+def window_figures(
+    before: Mapping[int, tuple[float, float]],
+    after: Mapping[int, tuple[float, float]],
+    ranks: Mapping[int, int],
+    hosts: Sequence[str],
+    steps: int,
+) -> dict[str, Any]:
+    """Per stage and per host, CPU seconds a step between two samples of the stage processes."""
+    stages = []
+    for pid, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        user0, system0 = before.get(pid, (0.0, 0.0))
+        user1, system1 = after[pid]
+        stages.append(
+            {
+                "rank": rank,
+                "host": hosts[rank],
+                "cpu_s_per_step": round((user1 + system1 - user0 - system0) / steps, 4),
+                "system_s_per_step": round((system1 - system0) / steps, 4),
+            }
+        )
+    by_host: dict[str, float] = {}
+    for stage in stages:
+        by_host[stage["host"]] = round(by_host.get(stage["host"], 0.0) + stage["cpu_s_per_step"], 4)
+    return {
+        "stages": stages,
+        "host_cpu_s_per_step": by_host,
+        "cpu_s_per_step": round(sum(by_host.values()), 4),
+    }
+
+
+def children(parent: int) -> list[int]:
+    """The processes ``parent`` started (the launcher's are its stage processes; a process a stage
+    forks carries the stage's command line until it execs, so it is not looked for deeper)."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for thread in os.listdir(f"/proc/{parent}/task"):
+            found += [
+                int(child) for child in Path(f"/proc/{parent}/task/{thread}/children").read_text().split()
+            ]
+    return found
+
+
+def cmdline(pid: int) -> list[str]:
+    """The command line of ``pid`` (empty once it is gone)."""
+    try:
+        return [part.decode() for part in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if part]
+    except OSError:
+        return []
+
+
+def steps_done(metrics: Path) -> int:
+    """Steps ``metrics.jsonl`` has reported so far."""
+    if not metrics.exists():
+        return 0
+    return sum(1 for line in metrics.read_text().splitlines() if '"step_seconds"' in line)
+
+
+def run_split(
+    split: Split, cgroups: HostCgroups, config_path: Path, out: Path, steps: int, timeout_s: float
+) -> dict[str, Any]:
+    """One local ``finetune`` of ``split``, its stages moved into their hosts' cgroups; its figures."""
+    log = out.with_suffix(".log")
+    with open(log, "w") as sink:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "shardpool", "finetune", str(config_path)],
+            stdout=sink, stderr=subprocess.STDOUT, cwd=str(ROOT), env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        )  # fmt: skip
+    ranks: dict[int, int] = {}
+    window: dict[str, tuple[float, dict[int, tuple[float, float]]]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while launcher.poll() is None:
+            if time.monotonic() > deadline:
+                raise SplitError(f"{split.name} took over {timeout_s:.0f} s; log {log}")
+            for pid in children(launcher.pid):
+                rank = None if pid in ranks else stage_rank(cmdline(pid))
+                if rank is not None:
+                    cgroups.add(split.hosts[rank], pid)
+                    ranks[pid] = rank
+            done = steps_done(out / "metrics.jsonl")
+            for mark, reached in (("first", done >= FIRST_STEP), ("last", done >= steps)):
+                if reached and mark not in window:
+                    sample = {pid: cpu for pid in ranks if (cpu := proc_cpu(pid)) is not None}
+                    window[mark] = (time.monotonic(), sample)
+            time.sleep(SAMPLE_EVERY_S)
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGINT)
+            try:
+                launcher.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+                launcher.wait()
+    failed = launcher.returncode != 0 or "last" not in window or set(window["last"][1]) != set(ranks)
+    if failed or len(ranks) != len(split.layers):
+        if launcher.returncode == 0:
+            raise SplitError(
+                f"{split.name}: saw {len(ranks)} of {len(split.layers)} stages, and"
+                f" {sorted(window)} of the window's ends with {sorted(window.get('last', (0, {}))[1])} of {sorted(ranks)}"
+            )
+        tail = log.read_text().splitlines()[-5:]
+        raise SplitError(f"{split.name} failed (exit {launcher.returncode}): " + " | ".join(tail))
+    (started, before), (ended, after) = window["first"], window["last"]
+    counted = steps - FIRST_STEP
+    records = [record for record in read_jsonl(out / "metrics.jsonl") if "step_seconds" in record]
+    tail_records = records[FIRST_STEP:steps]
+    return {
+        "split": split.name,
+        "wall_s_per_step": round((ended - started) / counted, 3),
+        **window_figures(before, after, ranks, split.hosts, counted),
+        "stage_compute_s": [round(statistics.median(r["stage_compute_s"][i] for r in tail_records), 3) for i in range(len(split.layers))],
+        "stage_wait_s": [round(statistics.median(r["stage_wait_s"][i] for r in tail_records), 3) for i in range(len(split.layers))],
+    }  # fmt: skip
+
+
+def summarize(runs: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per split: the median wall step and CPU over its runs, and both as ratios to the first split's."""
+    medians = {}
+    for name in names:
+        mine = [run for run in runs if run["split"] == name]
+        medians[name] = {
+            "runs": len(mine),
+            "wall_s_per_step": round(statistics.median(run["wall_s_per_step"] for run in mine), 3),
+            "cpu_s_per_step": round(statistics.median(run["cpu_s_per_step"] for run in mine), 4),
+        }
+    first = medians[names[0]]
+    for figures in medians.values():
+        figures["step_over_first"] = round(figures["wall_s_per_step"] / first["wall_s_per_step"], 3)
+        figures["cpu_over_first"] = round(figures["cpu_s_per_step"] / first["cpu_s_per_step"], 3)
+    return medians
+
+
+def measure(
+    splits: Sequence[Split], quotas: tuple[float, ...], *, quick: bool, repeats: int, steps: int
+) -> dict[str, Any]:
+    """Build the model, run every split ``repeats`` times in ABBA order, and assemble the report."""
+    # One step more than the window: every stage is still training when the window closes.
+    size = dict(QUICK if quick else FULL, max_steps=steps + 1)
+    choice = detect_cgroup()
+    assert choice is not None  # cgroup_skip_reason checked it
+    work = Path(tempfile.mkdtemp(prefix="shardpool-split-cpu-"))
+    work.chmod(0o755)
+    by_name = {split.name: split for split in splits}
+    runs = []
+    try:
+        model_dir, data = build_inputs(work, size)
+        host_quotas = dict(zip(LABELS, quotas, strict=False))
+        with HostCgroups(choice, host_quotas) as cgroups:
+            for index, name in enumerate(abba(list(by_name), repeats)):
+                split = by_name[name]
+                out = work / f"out-{index}"
+                settings = {"placement": "local", "layers": list(split.layers), "threads_per_stage": 1}
+                config_path = write_yaml(
+                    work / f"run-{index}.yaml", training_config(model_dir, data, out, size, settings)
+                )
+                runs.append(run_split(split, cgroups, config_path, out, steps, size["run_timeout_s"]))
+                print(
+                    f"split_cpu: {name}: {runs[-1]['wall_s_per_step']} s a step", file=sys.stderr, flush=True
+                )
+    finally:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    return {
+        "benchmark": "split_cpu",
+        "quick": quick,
+        "hosts_cpu_quota": dict(zip(LABELS, quotas, strict=False)),
+        "cgroup": choice.version,
+        "steps": steps,
+        "window_steps": steps - FIRST_STEP,
+        "splits": summarize(runs, list(by_name)),
+        "runs": runs,
+        "loadavg_1m_end": round(os.getloadavg()[0], 2),
+    }
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the arguments, skip where the machine cannot run it, run it, print the JSON report."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny model and few steps (hosts 1.0,0.5)")
+    parser.add_argument(
+        "--hosts", type=parse_hosts, help="CPU quota of each host (default 0.6,0.3; 1.0,0.5 with --quick)"
+    )
+    parser.add_argument(
+        "--splits", nargs="+", help="LAYERS@HOSTS each (default " + " ".join(DEFAULT_SPLITS) + ")"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="runs of each split, in ABBA order (default 2)"
+    )
+    parser.add_argument("--steps", type=int, help="optimizer steps a run (default 8; 4 with --quick)")
+    args = parser.parse_args(argv)
+    size = QUICK if args.quick else FULL
+    quotas = args.hosts or size["hosts"]
+    steps = args.steps or (4 if args.quick else 8)
+    if steps <= FIRST_STEP or args.repeats < 1:
+        parser.error(f"--steps must be over {FIRST_STEP} and --repeats at least 1")
+    texts = args.splits or (QUICK_SPLITS if args.quick else DEFAULT_SPLITS)
+    try:
+        splits = [parse_split(text, len(quotas), size["model"]["num_layers"]) for text in texts]
+    except argparse.ArgumentTypeError as error:
+        parser.error(str(error))
+    if os.geteuid() != 0:
+        reason = "needs root (cgroup quotas)"
+    else:
+        reason = cgroup_skip_reason()
+    if reason is not None:
+        print(f"split_cpu: skipped: {reason}", file=sys.stderr)
+        print(json.dumps({"skipped": reason}))
+        return 0
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, _interrupt)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            report = measure(splits, quotas, quick=args.quick, repeats=args.repeats, steps=steps)
+    except SplitError as error:
+        print(f"split_cpu: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("split_cpu: interrupted; the cgroups were removed", file=sys.stderr)
+        return 130
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
