@@ -94,26 +94,20 @@ def held_boundary_bytes(
     """Bytes a stage holds at its boundaries beyond its layers' saved activations, by part.
 
     ``stage_outputs`` (every stage but the last): the output each micro-batch's backward starts
-    from, kept from its forward to its backward, and the buffer its send reads. On a native link
-    (NCCL) the send is let go once it has completed, so only the micro-batches in flight count.
-    A CPU stage talks gloo, which holds every send until the step's end: all *M* outputs, plus a
-    wire-dtype copy of each where the wire dtype differs. ``sent_gradients`` (a CPU stage with a
-    previous one): its input's gradient for every micro-batch, held by gloo the same way. A GPU
-    stage's gloo sends are host copies, outside its device memory.
+    from, kept from its forward to its backward, for the micro-batches in flight; its send's buffer
+    goes at the same time (a native link reports the send complete, and on gloo the gradient
+    coming back proves the neighbour has it), plus a wire-dtype copy of each where the wire dtype
+    differs. ``sent_gradients`` (a CPU stage with a previous one): its input's gradient for every
+    micro-batch, which gloo holds until the step's end; a GPU stage's gloo sends are host copies,
+    outside its device memory, and a native link lets them go once complete.
     """
     elements = workload.tokens * shape.hidden_size
-    microbatches = workload.gradient_accumulation_steps
-    gloo = kind == "cpu"
     held: dict[str, float] = {}
     if not last:
         wire_copy = workload.wire_bytes if workload.wire_bytes != workload.compute_bytes else 0
-        held["stage_outputs"] = (
-            elements * (workload.compute_bytes + wire_copy) * microbatches
-            if gloo
-            else elements * workload.compute_bytes * in_flight
-        )
-    if gloo and not first:
-        held["sent_gradients"] = elements * workload.wire_bytes * microbatches
+        held["stage_outputs"] = elements * (workload.compute_bytes + wire_copy) * in_flight
+    if kind == "cpu" and not first:
+        held["sent_gradients"] = elements * workload.wire_bytes * workload.gradient_accumulation_steps
     return held
 
 

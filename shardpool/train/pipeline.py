@@ -9,8 +9,9 @@ gradients accumulate exactly as in a single-device loop.
 
 Receives are posted one ahead (:class:`Inbox`): as soon as a stage has the tensor it waits for,
 it posts the receive for its next one in the same direction, then computes. The neighbour's send
-can then land while this stage computes instead of while it waits. Sends never wait (they are
-flushed at the step's end).
+can then land while this stage computes instead of while it waits. Sends never wait; an
+activation's buffer is let go when its gradient comes back (the neighbour has it), the rest at
+the step's end.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ class StagePipe:
                 saved[index] = self.forward(microbatches[index], step_label_tokens, totals, received=received)
             else:
                 gradient = gradients.take(index) if gradients else None
+                if gradient is not None:  # the next stage ran this backward on our activation
+                    self.wire.delivered(self.wire.next, FORWARD_TAG, through=index)
                 self.backward(*saved.pop(index), totals, gradient=gradient)
         return totals
 

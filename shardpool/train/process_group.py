@@ -165,6 +165,18 @@ class PostedRecv:
         return self.wire._arrived(self)
 
 
+@dataclass(frozen=True)
+class Sent:
+    """A send on the wire: its work handle, the buffer it reads, and its place on its channel
+    (the ``seq``-th send to ``peer`` with ``tag`` since the last flush)."""
+
+    work: Any
+    payload: torch.Tensor
+    peer: int
+    tag: int
+    seq: int
+
+
 @dataclass
 class Wire:
     """Point-to-point transfers of activations and their gradients between neighbouring stages.
@@ -177,7 +189,8 @@ class Wire:
     compute_dtype: torch.dtype
     previous: Link | None
     next: Link | None
-    pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    pending: list[Sent] = field(default_factory=list)
+    sent_on: dict[tuple[int, int], int] = field(default_factory=dict)  # (peer, tag) -> sends since flush
     wait_seconds: float = 0.0
     bytes_sent: int = 0
 
@@ -214,10 +227,10 @@ class Wire:
         Sends that report completion are let go at every send, so a stage on a native (NCCL)
         link holds the buffers of the sends still on the wire, not every micro-batch's until
         :meth:`flush` at the step's end (at M = 32 on a large model, gigabytes of a GPU's memory).
-        gloo reports a send complete only once it is waited for, so gloo buffers (host memory)
-        are still let go at :meth:`flush`.
+        gloo reports a send complete only once it is waited for: its buffers go when the stage
+        knows the neighbour has them (:meth:`delivered`), or at :meth:`flush`.
         """
-        self.pending = [(work, kept) for work, kept in self.pending if not work.is_completed()]
+        self.pending = [sent for sent in self.pending if not sent.work.is_completed()]
         payload = tensor.detach().to(self.wire_dtype).contiguous()
         if link.staged and payload.device.type != "cpu":
             host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=link.pinned)
@@ -226,7 +239,10 @@ class Wire:
                 # gloo reads host memory from its own thread: the copy must have landed first.
                 torch.get_device_module(payload.device).current_stream(payload.device).synchronize()
             payload = host
-        self.pending.append((dist.isend(payload, dst=link.peer, group=link.group, tag=tag), payload))
+        seq = self.sent_on.get((link.peer, tag), 0)
+        self.sent_on[(link.peer, tag)] = seq + 1
+        work = dist.isend(payload, dst=link.peer, group=link.group, tag=tag)
+        self.pending.append(Sent(work, payload, link.peer, tag, seq))
         self.bytes_sent += payload.numel() * payload.element_size()
 
     def recv(self, shape: tuple[int, ...], link: Link, *, tag: int) -> torch.Tensor:
@@ -257,10 +273,25 @@ class Wire:
         self.wait_seconds += time.perf_counter() - started
         return posted.buffer.to(device=self.device, dtype=self.compute_dtype, non_blocking=posted.link.pinned)
 
+    def delivered(self, link: Link, tag: int, *, through: int) -> None:
+        """The neighbour has received sends 0..``through`` with ``tag`` over ``link`` since the last
+        flush (a backward's gradient proves its forward's activation arrived): let their buffers go.
+
+        Their waits return at once; a gloo send is complete only once waited for.
+        """
+        kept = []
+        for sent in self.pending:
+            if sent.peer == link.peer and sent.tag == tag and sent.seq <= through:
+                sent.work.wait()
+            else:
+                kept.append(sent)
+        self.pending = kept
+
     def flush(self) -> None:
         """Wait for every send started since the last flush."""
         started = time.perf_counter()
-        for work, _ in self.pending:
-            work.wait()
+        for sent in self.pending:
+            sent.work.wait()
         self.pending.clear()
+        self.sent_on.clear()
         self.wait_seconds += time.perf_counter() - started

@@ -91,22 +91,21 @@ def test_stage_memory_parts_and_checkpointing() -> None:
     assert first.memory(first.max_layers()) <= 2**30 < first.memory(first.max_layers() + 1)
 
 
-def test_a_gpu_stage_holds_outputs_in_flight_and_a_cpu_stage_every_send_to_the_steps_end() -> None:
+def test_a_stage_holds_its_outputs_in_flight_and_a_cpu_stage_every_gradient_it_sent() -> None:
     workload = Workload(
         micro_batch_size=2, sequence_len=64, gradient_accumulation_steps=16, compute_bytes=2, wire_bytes=2
     )
     per_tensor = 2 * 64 * TINY.hidden_size * 2
-    # NCCL lets completed sends go: the outputs of the 3 micro-batches in flight.
     middle = held_boundary_bytes(TINY, workload, kind="cuda", first=False, last=False, in_flight=3)
     assert middle == {"stage_outputs": 3 * per_tensor}
     assert held_boundary_bytes(TINY, workload, kind="cuda", first=False, last=True, in_flight=1) == {}
-    # gloo holds all 16 sends each way; an fp32 wire adds an fp32 copy of each bf16 output.
+    # gloo holds the 16 gradients sent back to the step's end; an fp32 wire copies each bf16 output.
     cpu = held_boundary_bytes(TINY, workload, kind="cpu", first=False, last=False, in_flight=3)
-    assert cpu == {"stage_outputs": 16 * per_tensor, "sent_gradients": 16 * per_tensor}
+    assert cpu == {"stage_outputs": 3 * per_tensor, "sent_gradients": 16 * per_tensor}
     wide = held_boundary_bytes(
         TINY, replace(workload, wire_bytes=4), kind="cpu", first=True, last=False, in_flight=3
     )
-    assert wide == {"stage_outputs": 16 * per_tensor * 3}
+    assert wide == {"stage_outputs": 3 * per_tensor * 3}
 
 
 def test_device_times_measured_or_modeled() -> None:

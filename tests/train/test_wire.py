@@ -40,11 +40,38 @@ def test_sends_that_completed_are_let_go_at_the_next_send_and_the_rest_at_flush(
     wire = Wire(torch.device("cpu"), torch.float32, torch.float32, previous=None, next=link)
     wire.send(torch.zeros(2), link, tag=1)
     wire.send(torch.ones(2), link, tag=1)
-    assert [torch.equal(kept, torch.ones(2)) for _, kept in wire.pending] == [False, True]
+    assert [torch.equal(sent.payload, torch.ones(2)) for sent in wire.pending] == [False, True]
     sends[0].done = True
     wire.send(torch.full((2,), 2.0), link, tag=1)
     # The first send's buffer is no longer held; the second is still on the wire, the third new.
-    assert [work for work, _ in wire.pending] == sends[1:]
+    assert [sent.work for sent in wire.pending] == sends[1:]
     assert wire.bytes_sent == 3 * 2 * 4
     wire.flush()
     assert wire.pending == [] and [send.waited for send in sends] == [False, True, True]
+
+
+def test_a_delivered_send_is_let_go_by_its_place_on_its_channel_whatever_was_let_go_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gloo: a send is complete only once waited for, so the pipeline says when the neighbour has it."""
+    sends: list[_Send] = []
+
+    def isend(tensor: torch.Tensor, *, dst: int, group: Any, tag: int) -> _Send:
+        sends.append(_Send())
+        return sends[-1]
+
+    monkeypatch.setattr(process_group.dist, "isend", isend)
+    after, before = Link(peer=2, group=None, staged=False, pinned=False), Link(0, None, False, False)
+    wire = Wire(torch.device("cpu"), torch.float32, torch.float32, previous=before, next=after)
+    for index in range(3):
+        wire.send(torch.full((2,), float(index)), after, tag=1)  # activations 0, 1, 2
+    wire.send(torch.zeros(2), before, tag=2)  # a gradient, another channel
+    sends[0].done = True  # completed by itself (NCCL) and let go at the next send
+    wire.send(torch.full((2,), 3.0), after, tag=1)
+    assert [sent.seq for sent in wire.pending if sent.peer == 2] == [1, 2, 3]
+    wire.delivered(after, 1, through=1)  # the gradient of micro-batch 1 came back
+    assert [(sent.peer, sent.seq) for sent in wire.pending] == [(2, 2), (0, 0), (2, 3)]
+    assert sends[1].waited and not sends[2].waited
+    wire.flush()
+    wire.send(torch.zeros(2), after, tag=1)
+    assert [sent.seq for sent in wire.pending] == [0], "a step's sends count from 0 again"
