@@ -52,6 +52,7 @@ from scripts.bench_hetero import (  # noqa: E402 - needs ROOT on sys.path
     HostCgroups,
     cgroup_skip_reason,
     detect_cgroup,
+    parent_pids,
     parse_hosts,
     read_jsonl,
     write_yaml,
@@ -166,16 +167,10 @@ def window_figures(
     }
 
 
-def children(parent: int) -> list[int]:
-    """The processes ``parent`` started (the launcher's are its stage processes; a process a stage
-    forks carries the stage's command line until it execs, so it is not looked for deeper)."""
-    found: list[int] = []
-    with contextlib.suppress(OSError):
-        for thread in os.listdir(f"/proc/{parent}/task"):
-            found += [
-                int(child) for child in Path(f"/proc/{parent}/task/{thread}/children").read_text().split()
-            ]
-    return found
+def started_by(parent: int) -> list[int]:
+    """The processes ``parent`` started itself (the launcher's are its stage processes; a process
+    a stage forks carries the stage's command line until it execs, so none deeper is looked at)."""
+    return [pid for pid, its_parent in parent_pids().items() if its_parent == parent]
 
 
 def cmdline(pid: int) -> list[str]:
@@ -210,7 +205,7 @@ def run_split(
         while launcher.poll() is None:
             if time.monotonic() > deadline:
                 raise SplitError(f"{split.name} took over {timeout_s:.0f} s; log {log}")
-            for pid in children(launcher.pid):
+            for pid in started_by(launcher.pid):
                 rank = None if pid in ranks else stage_rank(cmdline(pid))
                 if rank is not None:
                     cgroups.add(split.hosts[rank], pid)

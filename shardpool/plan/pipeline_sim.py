@@ -204,6 +204,14 @@ def _simulate_shared(
     device_free = dict.fromkeys(devices, 0.0)
     link_next_free, link_previous_free = [0.0] * count, [0.0] * count
     last_arrival, stage_end, position = [0.0] * count, [0.0] * count, [0] * count
+
+    def send(s: int, link: Transfer, link_free: list[float], done: float) -> float:
+        """Put stage ``s``'s transfer on its link when both are free; when it arrives."""
+        link_free[s] = max(done, link_free[s]) + link.busy_s
+        arrival = link_free[s] + link.latency_s
+        last_arrival[s] = max(last_arrival[s], arrival)
+        return arrival
+
     for _ in range(count * 2 * microbatches):
         best: tuple[float, bool, int] | None = None
         for s in range(count):
@@ -225,15 +233,9 @@ def _simulate_shared(
         device_free[devices[s]] = stage_end[s] = end
         position[s] += 1
         if is_forward and s < last:
-            sent = max(end, link_next_free[s])
-            link_next_free[s] = sent + times.to_next.busy_s
-            forward_in[s + 1][index] = arrival = link_next_free[s] + times.to_next.latency_s
-            last_arrival[s] = max(last_arrival[s], arrival)
+            forward_in[s + 1][index] = send(s, times.to_next, link_next_free, end)
         elif not is_forward and s > 0:
-            sent = max(end, link_previous_free[s])
-            link_previous_free[s] = sent + times.to_previous.busy_s
-            backward_in[s - 1][index] = arrival = link_previous_free[s] + times.to_previous.latency_s
-            last_arrival[s] = max(last_arrival[s], arrival)
+            backward_in[s - 1][index] = send(s, times.to_previous, link_previous_free, end)
     finish = tuple(max(stage_end[s], last_arrival[s]) for s in range(count))
     step = 0.0
     for device in device_free:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from shardpool.train import process_group
 from shardpool.train.loss import gather_timings, reduce_and_clip_gradients
-from shardpool.train.process_group import Wire, join_process_group
+from shardpool.train.process_group import Link, Wire, join_process_group
 from shardpool.train.transport import RankDevice
 from tests.helpers.training import REPO_ROOT
 
@@ -166,21 +166,30 @@ def test_subgroups_are_made_by_their_members_only_and_the_wire_casts_on_arrival(
         assert report["timings"][0] == [0.0, 1.0, 2.0, 3.0]
 
 
+def _pair_wire(
+    store_path: str, rank: int, device: torch.device, places: list[str], wire_dtype: torch.dtype
+) -> tuple[Wire, Link]:
+    """Rank ``rank`` of a two-stage pipeline joined over ``store_path``: its wire (fp32 compute)
+    and its link to the other rank."""
+    store = dist.FileStore(store_path, 2)
+    groups = join_process_group(
+        store=store, rank=rank, world_size=2, num_stages=2, replicas=1,
+        device=device, places=places, timeout=TIMEOUT,
+    )  # fmt: skip
+    wire = Wire.for_rank(
+        groups, rank=rank, is_first=rank == 0, is_last=rank == 1, device=device,
+        wire_dtype=wire_dtype, compute_dtype=torch.float32,
+    )  # fmt: skip
+    link = wire.next if rank == 0 else wire.previous
+    assert link is not None
+    return wire, link
+
+
 def _pipeline_pair_rank(store_path: str, rank: int, results: Any) -> None:
     """Rank 0 sends four activations, each answered by a gradient before the next, and says each
     was delivered when its gradient came: it reports the sends it holds after each send."""
     try:
-        store = dist.FileStore(store_path, 2)
-        groups = join_process_group(
-            store=store, rank=rank, world_size=2, num_stages=2, replicas=1,
-            device=torch.device("cpu"), places=["h/cpu", "g/cpu"], timeout=TIMEOUT,
-        )  # fmt: skip
-        wire = Wire.for_rank(
-            groups, rank=rank, is_first=rank == 0, is_last=rank == 1, device=torch.device("cpu"),
-            wire_dtype=torch.float32, compute_dtype=torch.float32,
-        )  # fmt: skip
-        link = wire.next if rank == 0 else wire.previous
-        assert link is not None
+        wire, link = _pair_wire(store_path, rank, torch.device("cpu"), ["h/cpu", "g/cpu"], torch.float32)
         report: dict[str, Any] = {"held": [], "arrived": []}
         for index in range(4):
             if rank == 0:
@@ -213,18 +222,7 @@ def _cuda_cpu_rank(store_path: str, rank: int, results: Any) -> None:
     """One rank of the GPU test: rank 0 on cuda:0, rank 1 on the CPU, as a real run places them."""
     try:
         device = torch.device("cuda:0" if rank == 0 else "cpu")
-        store = dist.FileStore(store_path, 2)
-        places = ["h/cuda:0", "h/cpu"]
-        groups = join_process_group(
-            store=store, rank=rank, world_size=2, num_stages=2, replicas=1,
-            device=device, places=places, timeout=TIMEOUT,
-        )  # fmt: skip
-        wire = Wire.for_rank(
-            groups, rank=rank, is_first=rank == 0, is_last=rank == 1, device=device,
-            wire_dtype=torch.bfloat16, compute_dtype=torch.float32,
-        )  # fmt: skip
-        link = wire.next if rank == 0 else wire.previous
-        assert link is not None
+        wire, link = _pair_wire(store_path, rank, device, ["h/cuda:0", "h/cpu"], torch.bfloat16)
         report: dict[str, Any] = {"staged": link.staged, "pinned": link.pinned}
         if rank == 0:
             wire.send(SENT.to(device), link, tag=1)

@@ -26,16 +26,20 @@ class _Send:
         return True
 
 
-def test_sends_that_completed_are_let_go_at_the_next_send_and_the_rest_at_flush(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    sends: list[_Send] = []
+@pytest.fixture
+def sends(monkeypatch: pytest.MonkeyPatch) -> list[_Send]:
+    """Every send the wire starts, in order (torch.distributed's isend replaced)."""
+    started: list[_Send] = []
 
     def isend(tensor: torch.Tensor, *, dst: int, group: Any, tag: int) -> _Send:
-        sends.append(_Send())
-        return sends[-1]
+        started.append(_Send())
+        return started[-1]
 
     monkeypatch.setattr(process_group.dist, "isend", isend)
+    return started
+
+
+def test_sends_that_completed_are_let_go_at_the_next_send_and_the_rest_at_flush(sends: list[_Send]) -> None:
     link = Link(peer=1, group=None, staged=False, pinned=False)
     wire = Wire(torch.device("cpu"), torch.float32, torch.float32, previous=None, next=link)
     wire.send(torch.zeros(2), link, tag=1)
@@ -51,16 +55,9 @@ def test_sends_that_completed_are_let_go_at_the_next_send_and_the_rest_at_flush(
 
 
 def test_a_delivered_send_is_let_go_by_its_place_on_its_channel_whatever_was_let_go_before(
-    monkeypatch: pytest.MonkeyPatch,
+    sends: list[_Send],
 ) -> None:
     """gloo: a send is complete only once waited for, so the pipeline says when the neighbour has it."""
-    sends: list[_Send] = []
-
-    def isend(tensor: torch.Tensor, *, dst: int, group: Any, tag: int) -> _Send:
-        sends.append(_Send())
-        return sends[-1]
-
-    monkeypatch.setattr(process_group.dist, "isend", isend)
     after, before = Link(peer=2, group=None, staged=False, pinned=False), Link(0, None, False, False)
     wire = Wire(torch.device("cpu"), torch.float32, torch.float32, previous=before, next=after)
     for index in range(3):
