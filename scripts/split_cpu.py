@@ -10,7 +10,7 @@ mesh away to show what splitting the layers itself costs. Each split is a local 
 config. A split is written ``LAYERS@HOSTS``: ``11,5@a,b`` runs 11 layers (and the embedding) under
 host a's quota and 5 (and ``lm_head``) under b's; ``6,5,5@a,b,a`` puts the first and the last
 stage under a's quota together (two stage processes sharing one host's CPU). Each host is a cgroup
-with bench_hetero's quota and 10 ms period (``--hosts``, default 0.6,0.3); a stage process is moved
+with bench_hetero's quota and period (``--hosts``, default 0.6,0.3; ``--period-ms``, default 10); a stage process is moved
 into its host's cgroup by its rank as soon as it starts. ``--repeats N`` runs the splits in ABBA
 order (the list, then the list reversed, ...).
 
@@ -48,12 +48,14 @@ sys.path.insert(0, str(ROOT))
 from scripts.bench_hetero import (  # noqa: E402 - needs ROOT on sys.path
     FULL,
     LABELS,
+    PERIOD_US,
     QUICK,
     HostCgroups,
     cgroup_skip_reason,
     detect_cgroup,
     parent_pids,
     parse_hosts,
+    parse_period_ms,
     read_jsonl,
     write_yaml,
 )
@@ -264,7 +266,13 @@ def summarize(runs: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str,
 
 
 def measure(
-    splits: Sequence[Split], quotas: tuple[float, ...], *, quick: bool, repeats: int, steps: int
+    splits: Sequence[Split],
+    quotas: tuple[float, ...],
+    *,
+    quick: bool,
+    repeats: int,
+    steps: int,
+    period_us: int = PERIOD_US,
 ) -> dict[str, Any]:
     """Build the model, run every split ``repeats`` times in ABBA order, and assemble the report."""
     # One step more than the window: every stage is still training when the window closes.
@@ -278,7 +286,7 @@ def measure(
     try:
         model_dir, data = build_inputs(work, size)
         host_quotas = dict(zip(LABELS, quotas, strict=False))
-        with HostCgroups(choice, host_quotas) as cgroups:
+        with HostCgroups(choice, host_quotas, period_us=period_us) as cgroups:
             for index, name in enumerate(abba(list(by_name), repeats)):
                 split = by_name[name]
                 out = work / f"out-{index}"
@@ -299,6 +307,7 @@ def measure(
         "quick": quick,
         "hosts_cpu_quota": dict(zip(LABELS, quotas, strict=False)),
         "cgroup": choice.version,
+        "cfs_period_ms": period_us / 1000,
         "steps": steps,
         "window_steps": steps - FIRST_STEP,
         "splits": summarize(runs, list(by_name)),
@@ -325,6 +334,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--repeats", type=int, default=2, help="runs of each split, in ABBA order (default 2)"
     )
     parser.add_argument("--steps", type=int, help="optimizer steps a run (default 8; 4 with --quick)")
+    parser.add_argument(
+        "--period-ms",
+        type=parse_period_ms,
+        default=PERIOD_US,
+        help=f"the CFS period of every quota, in ms (default {PERIOD_US // 1000}, as bench_hetero's)",
+    )
     args = parser.parse_args(argv)
     size = QUICK if args.quick else FULL
     quotas = args.hosts or size["hosts"]
@@ -348,7 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(stop, _interrupt)
     try:
         with contextlib.redirect_stdout(sys.stderr):
-            report = measure(splits, quotas, quick=args.quick, repeats=args.repeats, steps=steps)
+            report = measure(
+                splits, quotas, quick=args.quick, repeats=args.repeats, steps=steps, period_us=args.period_ms
+            )
     except SplitError as error:
         print(f"split_cpu: error: {error}", file=sys.stderr)
         return 1

@@ -50,6 +50,29 @@ def test_quota_files_cap_at_the_given_cpus() -> None:
     assert bench.quota_files("v2", 0.01)["cpu.max"] == "1000 10000", "the kernel's 1 ms floor"
 
 
+def test_the_period_is_whole_milliseconds_from_10_to_the_kernels_1000() -> None:
+    assert bench.parse_period_ms("100") == 100_000
+    assert bench.parse_period_ms("10") == bench.PERIOD_US == 10_000
+    for bad in ("9", "1001", "0", "2.5", "ms"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--period-ms"):
+            bench.parse_period_ms(bad)
+
+
+def test_every_host_cgroup_gets_the_chosen_period(tmp_path: Path) -> None:
+    """Written where a v1 hierarchy would be mounted: a plain directory takes the same files (but,
+    unlike cgroupfs, keeps them, so its directories are not removed on exit)."""
+    choice = bench.CgroupChoice("v1", tmp_path)
+    with bench.HostCgroups(choice, {"a": 0.6, "b": 0.3}, period_us=100_000) as cgroups:
+        quotas = {
+            label: (
+                (cgroups.path(label) / "cpu.cfs_quota_us").read_text(),
+                (cgroups.path(label) / "cpu.cfs_period_us").read_text(),
+            )
+            for label in ("a", "b")
+        }
+    assert quotas == {"a": ("60000", "100000"), "b": ("30000", "100000")}
+
+
 def test_hosts_are_two_or_three_quotas_fastest_first() -> None:
     assert bench.parse_hosts("0.6,0.3") == (0.6, 0.3)
     assert bench.parse_hosts("1.0,0.5,0.25") == (1.0, 0.5, 0.25)
@@ -344,7 +367,7 @@ def test_quick_even_split_trains_on_both_hosts_and_the_quota_throttles() -> None
     assert run["steps_trained"] == bench.QUICK["max_steps"], run
     assert run["tokens_per_s"] > 0 and run["step_s"] > 0 and run["predicted_step_s"] > 0
     assert all(seconds > 0 for seconds in run["stage_compute_s"]), run
-    assert report["quota_scope"] == "stage"
+    assert report["quota_scope"] == "stage" and report["cfs_period_ms"] == 10
     assert len(report["runs"]["even_split"]["plan"]) == 2
     assert report["seconds_per_layer_by_host"]["profile_cpu_quota"] == {"a": 1.0, "b": 0.5}
     measured = report["seconds_per_layer_by_host"]["even_split_compute"]

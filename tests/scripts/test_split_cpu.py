@@ -75,6 +75,7 @@ def test_quick_run_measures_each_stage_under_its_hosts_quota() -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout)
     assert list(report["splits"]) == list(split_cpu.QUICK_SPLITS)
+    assert report["cfs_period_ms"] == 10
     whole, split = report["runs"]
     assert [stage["host"] for stage in whole["stages"]] == ["a"]
     assert [stage["host"] for stage in split["stages"]] == ["a", "b"]
