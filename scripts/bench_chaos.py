@@ -35,12 +35,10 @@ run's record.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -49,7 +47,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +64,7 @@ from scripts.bench_mesh import (  # noqa: E402 - needs ROOT on sys.path
     wait_for_agents,
     write_yaml,
 )
+from scripts.report_run import run_and_report  # noqa: E402
 
 LABELS = "abc"
 #: The run every chaos round trains: the tiny model of the mesh tests, a few seconds a step here.
@@ -388,11 +386,6 @@ def benchmark(*, runs: int, seed: int, keep: Path | None) -> dict[str, Any]:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    """Turn SIGTERM into KeyboardInterrupt so the lab's cleanup runs."""
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the arguments, run the rounds (or say why not), print the JSON report."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -406,18 +399,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reason is not None:
         print(json.dumps({"skipped": reason}))
         return 0
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        with contextlib.redirect_stdout(sys.stderr):  # only the JSON report goes to stdout
-            result = benchmark(runs=args.runs, seed=args.seed, keep=args.keep)
-    except (BenchError, LabError) as error:
-        print(f"bench_chaos: error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bench_chaos: interrupted; the lab was removed", file=sys.stderr)
-        return 130
-    print(json.dumps(result, indent=2))
-    return 0
+    return run_and_report(
+        "bench_chaos",
+        lambda: benchmark(runs=args.runs, seed=args.seed, keep=args.keep),
+        errors=(BenchError, LabError),
+        cleaned="the lab was removed",
+    )
 
 
 if __name__ == "__main__":

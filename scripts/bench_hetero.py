@@ -64,7 +64,6 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any, Literal
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +82,7 @@ from scripts.bench_mesh import (  # noqa: E402 - needs ROOT on sys.path
     write_yaml,
 )
 from scripts.bench_pipeline import training_config  # noqa: E402
+from scripts.report_run import run_and_report  # noqa: E402
 
 LABELS = "abc"
 PERIOD_US = 10_000
@@ -1385,11 +1385,6 @@ def say(line: str) -> None:
     print(f"bench_hetero: {line}", file=sys.stderr, flush=True)
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    """Turn SIGTERM into KeyboardInterrupt so the lab's and the cgroups' cleanup runs."""
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the arguments, skip where the machine cannot run it, run it, print the JSON report."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -1441,29 +1436,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     quotas = args.hosts or (QUICK if args.quick else FULL)["hosts"]
     if args.swap_profiles and "pooled" not in args.modes:
         parser.error("--swap-profiles compares with the pooled run: keep pooled in --modes")
-    for stop in (signal.SIGTERM, signal.SIGINT):  # SIGINT too: a background job starts with it ignored
-        signal.signal(stop, _interrupt)
-    try:
-        with contextlib.redirect_stdout(sys.stderr):  # only the JSON report goes to stdout
-            result = benchmark(
-                quick=args.quick,
-                quotas=quotas,
-                swap=args.swap_profiles,
-                keep=args.keep,
-                choice=choice,
-                scope=args.quota_scope,
-                only=args.modes,
-                repeats=args.repeats,
-                period_us=args.period_ms,
-            )
-    except (BenchError, LabError) as error:
-        print(f"bench_hetero: error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bench_hetero: interrupted; the lab and the cgroups were removed", file=sys.stderr)
-        return 130
-    print(json.dumps(result, indent=2))
-    return 0
+    return run_and_report(
+        "bench_hetero",
+        lambda: benchmark(
+            quick=args.quick,
+            quotas=quotas,
+            swap=args.swap_profiles,
+            keep=args.keep,
+            choice=choice,
+            scope=args.quota_scope,
+            only=args.modes,
+            repeats=args.repeats,
+            period_us=args.period_ms,
+        ),
+        errors=(BenchError, LabError),
+        cleaned="the lab and the cgroups were removed",
+    )
 
 
 if __name__ == "__main__":

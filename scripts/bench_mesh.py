@@ -35,7 +35,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -44,7 +43,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +60,7 @@ from scripts.bench_pipeline import (  # noqa: E402 - needs ROOT on sys.path
     ring_allreduce_bytes_per_worker,
     training_config,
 )
+from scripts.report_run import run_and_report  # noqa: E402
 from shardpool.plan.device_facts import cpu_model_name  # noqa: E402
 
 FP32_BYTES = 4
@@ -808,11 +807,6 @@ def report(
     }
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    """Turn SIGTERM into KeyboardInterrupt so the lab's cleanup runs."""
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the arguments, check for root and the tools, run the benchmark, print its JSON report."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -833,18 +827,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = "; run it as `sudo python scripts/bench_mesh.py`" if os.geteuid() != 0 else ""
         print(f"bench_mesh: error: {reason}{hint}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        with contextlib.redirect_stdout(sys.stderr):  # only the JSON report goes to stdout
-            result = benchmark(quick=args.quick, keep=args.keep, max_wait_idle_s=args.max_wait_idle)
-    except (BenchError, LabError) as error:
-        print(f"bench_mesh: error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bench_mesh: interrupted; the lab was removed", file=sys.stderr)
-        return 130
-    print(json.dumps(result, indent=2))
-    return 0
+    return run_and_report(
+        "bench_mesh",
+        lambda: benchmark(quick=args.quick, keep=args.keep, max_wait_idle_s=args.max_wait_idle),
+        errors=(BenchError, LabError),
+        cleaned="the lab was removed",
+    )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import platform
-import signal
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,6 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +54,7 @@ from mesh.lab.grid import (  # noqa: E402
     pairs,
 )
 from scripts.bench_mesh import BenchError, tcp_throughput, wait_until  # noqa: E402
+from scripts.report_run import run_and_report  # noqa: E402
 
 CONNECT_LIMIT_S = 60.0
 UPGRADE_LIMIT_S = 90.0
@@ -288,10 +287,6 @@ def benchmark(repeats: int) -> dict[str, Any]:
     }
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse options, run the benchmark, print its JSON (exit 2 when the grid cannot run here)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -301,14 +296,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reason is not None:
         print(f"bench_nat: {reason}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        report = benchmark(args.repeats)
-    except BenchError as error:
-        print(f"bench_nat: {error}", file=sys.stderr)
-        return 1
-    print(json.dumps(report, indent=1))
-    return 0
+    return run_and_report(
+        "bench_nat",
+        lambda: benchmark(args.repeats),
+        errors=(BenchError,),
+        cleaned="the lab was removed",
+        indent=1,
+    )
 
 
 if __name__ == "__main__":

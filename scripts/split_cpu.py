@@ -27,7 +27,6 @@ removed at the end, also on failure or Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -39,7 +38,6 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +59,7 @@ from scripts.bench_hetero import (  # noqa: E402 - needs ROOT on sys.path
 )
 from scripts.bench_mesh import build_inputs  # noqa: E402
 from scripts.bench_pipeline import training_config  # noqa: E402
+from scripts.report_run import run_and_report  # noqa: E402
 
 FIRST_STEP = 2
 """The window starts when this many steps have ended (the first ones warm up)."""
@@ -316,10 +315,6 @@ def measure(
     }
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the arguments, skip where the machine cannot run it, run it, print the JSON report."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -359,21 +354,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"split_cpu: skipped: {reason}", file=sys.stderr)
         print(json.dumps({"skipped": reason}))
         return 0
-    for stop in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(stop, _interrupt)
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            report = measure(
-                splits, quotas, quick=args.quick, repeats=args.repeats, steps=steps, period_us=args.period_ms
-            )
-    except SplitError as error:
-        print(f"split_cpu: error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("split_cpu: interrupted; the cgroups were removed", file=sys.stderr)
-        return 130
-    print(json.dumps(report, indent=2))
-    return 0
+    return run_and_report(
+        "split_cpu",
+        lambda: measure(
+            splits, quotas, quick=args.quick, repeats=args.repeats, steps=steps, period_us=args.period_ms
+        ),
+        errors=(SplitError,),
+        cleaned="the cgroups were removed",
+    )
 
 
 if __name__ == "__main__":
