@@ -23,6 +23,7 @@ The story of a run, top to bottom:
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -49,7 +50,7 @@ from shardpool.launch.commit import CommitGate, passing
 from shardpool.launch.mesh_launcher import Interrupted, MemberLost, MeshLauncher
 from shardpool.launch.model_card import render_model_card, write_model_card
 from shardpool.launch.output_lock import locked_output_dir
-from shardpool.launch.rebalancing import RebalanceCheck
+from shardpool.launch.rebalancing import RebalanceCheck, resumed_json
 from shardpool.launch.run import (
     METRICS_FILE,
     RUN_DIR_NAME,
@@ -376,6 +377,10 @@ def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Pla
     source = "manual" if config.shardpool.layers else "planner"
     plan_json = plan.to_json() | {"replicas": config.shardpool.replicas, "source": source}
     first_step = ckpt.checkpoint_step(resume_from) if resume_from else 0
+    if resume_from:
+        plan_json = resumed_json(
+            _read_plan_json(Path(config.output_dir)), plan_json, resumed_from_step=first_step
+        )
     eval_before = ckpt.checkpoint_eval_before(resume_from) if resume_from else None
     return PreparedRun(
         config,
@@ -391,6 +396,15 @@ def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Pla
         tokenizer,
         planned=plan,
     )
+
+
+def _read_plan_json(output_dir: Path) -> Any:
+    """What ``output_dir/plan.json`` holds, or None when it is missing or unreadable (a resume
+    goes on without the interrupted run's plans rather than stop for them)."""
+    try:
+        return json.loads((output_dir / "plan.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def _write_run_inputs(run: PreparedRun, console: Console) -> Path:

@@ -132,6 +132,14 @@ def test_stage_killed_during_the_handover_stops_the_run_and_resume_matches_unint
     assert [line["step"] for line in read_metrics(out) if "loss" in line] == [1, 2, 3, 4, 5], (
         "metrics continue from the checkpoint without gaps or repeats"
     )
+    resumed = [
+        entry
+        for entry in json.loads((out / "plan.json").read_text())["history"]
+        if "resumed_from_step" in entry
+    ]
+    assert [entry["resumed_from_step"] for entry in resumed] == [2], (
+        "the interrupted run's plan stays in the history"
+    )
 
     resumed_adapter = load_file(str(out / "adapter_model.safetensors"))
     clean_adapter = load_file(str(kept / "adapter_model.safetensors"))  # the uninterrupted run

@@ -31,7 +31,7 @@ from shardpool.contract.rebalance import (
 from shardpool.plan.calibrate import Rebalance, StepMeasurement, rebalance_decision
 from shardpool.plan.result import Plan
 
-__all__ = ["RebalanceCheck", "forced_rebalance", "rebalance_line", "replanned_json"]
+__all__ = ["RebalanceCheck", "forced_rebalance", "rebalance_line", "replanned_json", "resumed_json"]
 
 Publish = Callable[[str, str], None]  # (store key, value): the rendezvous store's set
 
@@ -122,6 +122,19 @@ def rebalance_line(step: int, old: Plan, decision: Rebalance) -> dict[str, Any]:
         "current_step_s": round(decision.current_step_s, 6),
         "reason": decision.reason,
     }
+
+
+def resumed_json(interrupted: Any, new_json: dict[str, Any], *, resumed_from_step: int) -> dict[str, Any]:
+    """``plan.json`` of a resumed run: its new plan, with the interrupted run's plans under
+    ``history``: that run's own history, then the plan it last trained with, marked
+    ``resumed_from_step`` (the checkpoint the new plan goes on from; the interrupted run may have
+    trained past it). ``interrupted`` is what ``plan.json`` held (anything but a plan: no history)."""
+    if not isinstance(interrupted, dict) or not isinstance(interrupted.get("stages"), list):
+        return new_json
+    earlier = {key: value for key, value in interrupted.items() if key != "history"}
+    history = interrupted.get("history")
+    kept = history if isinstance(history, list) else []
+    return new_json | {"history": [*kept, earlier | {"resumed_from_step": resumed_from_step}]}
 
 
 def replanned_json(current: dict[str, Any], new_plan: Plan, *, ended_at_step: int) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import pytest
 
 from shardpool.config import parse_config
 from shardpool.contract.rebalance import FORCE_ENV, decision_key, decode_decision
-from shardpool.launch.rebalancing import RebalanceCheck, replanned_json
+from shardpool.launch.rebalancing import RebalanceCheck, replanned_json, resumed_json
 from shardpool.plan.calibrate import Rebalance, StepMeasurement
 from shardpool.plan.result import Plan, PlannedStage
 
@@ -129,6 +129,25 @@ def test_the_forced_hook_overrides_the_decision(tmp_path: Path, monkeypatch: pyt
     line = check.on_step(_step(3, 2.0))
     assert line is not None and line["to"] == [[0, 1], [1, 3], [3, 6]]
     assert line["current_step_s"] == 1.5 and line["reason"] == f"forced by {FORCE_ENV}"
+
+
+def test_a_resumed_run_keeps_the_interrupted_runs_plans_in_its_history() -> None:
+    started = _plan(LAYERS).to_json() | {"replicas": 2, "source": "planner"}
+    rebalanced = replanned_json(started, _plan([(0, 3), (3, 5), (5, 6)]), ended_at_step=3)
+    fresh = _plan(LAYERS).to_json() | {"replicas": 2, "source": "planner"}
+    resumed = resumed_json(rebalanced, fresh, resumed_from_step=4)
+    assert {key: value for key, value in resumed.items() if key != "history"} == fresh
+    assert [entry.get("ended_at_step") for entry in resumed["history"]] == [3, None]
+    last = resumed["history"][-1]
+    assert last["resumed_from_step"] == 4 and last["source"] == "rebalance"
+    assert [stage["layers"] for stage in last["stages"]] == [[0, 3], [3, 5], [5, 6]]
+    assert all("history" not in entry for entry in resumed["history"])
+
+
+@pytest.mark.parametrize("interrupted", [None, [], "garbage", {"stages": "none"}, {"source": "planner"}])
+def test_a_resume_without_a_readable_plan_starts_the_history_afresh(interrupted: object) -> None:
+    fresh = _plan(LAYERS).to_json() | {"source": "planner"}
+    assert resumed_json(interrupted, fresh, resumed_from_step=2) == fresh
 
 
 def test_history_grows_with_each_replan() -> None:
