@@ -131,15 +131,19 @@ def resumed_json(interrupted: Any, new_json: dict[str, Any], *, resumed_from_ste
     trained past it). ``interrupted`` is what ``plan.json`` held (anything but a plan: no history)."""
     if not isinstance(interrupted, dict) or not isinstance(interrupted.get("stages"), list):
         return new_json
-    earlier = {key: value for key, value in interrupted.items() if key != "history"}
-    history = interrupted.get("history")
-    kept = history if isinstance(history, list) else []
-    return new_json | {"history": [*kept, earlier | {"resumed_from_step": resumed_from_step}]}
+    return new_json | {"history": _history_after(interrupted, {"resumed_from_step": resumed_from_step})}
 
 
 def replanned_json(current: dict[str, Any], new_plan: Plan, *, ended_at_step: int) -> dict[str, Any]:
     """``plan.json`` after a re-shard: the new plan, the run's keys kept, the current one in ``history``."""
-    earlier = {key: value for key, value in current.items() if key != "history"}
-    history = [*current.get("history", []), earlier | {"ended_at_step": ended_at_step}]
+    history = _history_after(current, {"ended_at_step": ended_at_step})
     kept = {key: current[key] for key in ("replicas",) if key in current}
     return new_plan.to_json() | kept | {"source": "rebalance", "history": history}
+
+
+def _history_after(current: dict[str, Any], ended: dict[str, int]) -> list[Any]:
+    """``current``'s history with ``current`` itself appended (without its own history), marked
+    with how it ended (``ended``)."""
+    earlier = {key: value for key, value in current.items() if key != "history"}
+    history = current.get("history")
+    return [*(history if isinstance(history, list) else []), earlier | ended]
