@@ -47,67 +47,62 @@ SENT = torch.tensor([[[1.0 + 2**-10, -3.14159, 1000.3, 2**-20]]])
 TIMEOUT = timedelta(seconds=60)
 
 
-def _claimed_rank(store_path: str, rank: int, results: Any) -> None:
+def _claimed_rank(store_path: str, rank: int) -> dict[str, Any]:
     """One rank of the CPU test: join, record subgroup calls, move a tensor, reduce gradients."""
-    try:
-        calls: list[tuple[str, tuple[int, ...], bool]] = []
-        real_new_group = dist.new_group
+    calls: list[tuple[str, tuple[int, ...], bool]] = []
+    real_new_group = dist.new_group
 
-        def recording_new_group(ranks: list[int], *, backend: str, **kwargs: Any) -> Any:
-            group = real_new_group(ranks, backend="gloo", **kwargs)  # no NCCL on this machine
-            calls.append((backend, tuple(ranks), group is not dist.GroupMember.NON_GROUP_MEMBER))
-            return group
+    def recording_new_group(ranks: list[int], *, backend: str, **kwargs: Any) -> Any:
+        group = real_new_group(ranks, backend="gloo", **kwargs)  # no NCCL on this machine
+        calls.append((backend, tuple(ranks), group is not dist.GroupMember.NON_GROUP_MEMBER))
+        return group
 
-        dist.new_group = recording_new_group  # type: ignore[assignment]
-        process_group.local_rank_device = lambda device, place: CLAIMED[rank]  # type: ignore[assignment]
-        store = dist.FileStore(store_path, len(CLAIMED))
-        groups = join_process_group(
-            store=store,
-            rank=rank,
-            world_size=4,
-            num_stages=2,
-            replicas=2,
-            device=torch.device("cpu"),
-            places=[claimed.place for claimed in CLAIMED],
-            timeout=TIMEOUT,
-        )
-        report: dict[str, Any] = {"calls": calls}
-        stage, replica = rank % 2, rank // 2
-        compute = RECEIVER_DTYPE if rank == 3 else torch.float32
-        wire = Wire.for_rank(
-            groups,
-            rank=rank,
-            is_first=stage == 0,
-            is_last=stage == 1,
-            device=torch.device("cpu"),
-            wire_dtype=WIRE_DTYPE,
-            compute_dtype=compute,
-        )
-        link = wire.next if stage == 0 else wire.previous
-        assert link is not None
-        report["staged"] = link.staged
-        if stage == 0:
-            wire.send(SENT, link, tag=1)
-            wire.flush()
-            report["gradient"] = _plain(wire.recv(tuple(SENT.shape), link, tag=2))
-            report["bytes_sent"] = wire.bytes_sent
-        else:
-            arrived = wire.recv(tuple(SENT.shape), link, tag=1)
-            report["arrived"] = _plain(arrived)
-            wire.send(arrived * 2, link, tag=2)
-            wire.flush()
-        # Gradients: replica r's are all (r + 1); the replica group sums them, the world adds norms.
-        grads = [torch.full((3,), float(replica + 1)), torch.full((2, 2), float(replica + 1))]
-        norm, loss, finite = reduce_and_clip_gradients(
-            grads, groups.replicas(stage), loss=float(rank), replicas=2, max_grad_norm=0.0
-        )
-        report |= {"grads": [grad.tolist() for grad in grads], "norm": norm, "loss": loss, "finite": finite}
-        report["timings"] = gather_timings(float(rank), 0.0, 0, 4)
-        dist.barrier()
-        dist.destroy_process_group()
-        results.put((rank, report))
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        results.put((rank, {"error": traceback.format_exc()}))
+    dist.new_group = recording_new_group  # type: ignore[assignment]
+    process_group.local_rank_device = lambda device, place: CLAIMED[rank]  # type: ignore[assignment]
+    store = dist.FileStore(store_path, len(CLAIMED))
+    groups = join_process_group(
+        store=store,
+        rank=rank,
+        world_size=4,
+        num_stages=2,
+        replicas=2,
+        device=torch.device("cpu"),
+        places=[claimed.place for claimed in CLAIMED],
+        timeout=TIMEOUT,
+    )
+    report: dict[str, Any] = {"calls": calls}
+    stage, replica = rank % 2, rank // 2
+    compute = RECEIVER_DTYPE if rank == 3 else torch.float32
+    wire = Wire.for_rank(
+        groups,
+        rank=rank,
+        is_first=stage == 0,
+        is_last=stage == 1,
+        device=torch.device("cpu"),
+        wire_dtype=WIRE_DTYPE,
+        compute_dtype=compute,
+    )
+    link = wire.next if stage == 0 else wire.previous
+    assert link is not None
+    report["staged"] = link.staged
+    if stage == 0:
+        wire.send(SENT, link, tag=1)
+        wire.flush()
+        report["gradient"] = _plain(wire.recv(tuple(SENT.shape), link, tag=2))
+        report["bytes_sent"] = wire.bytes_sent
+    else:
+        arrived = wire.recv(tuple(SENT.shape), link, tag=1)
+        report["arrived"] = _plain(arrived)
+        wire.send(arrived * 2, link, tag=2)
+        wire.flush()
+    # Gradients: replica r's are all (r + 1); the replica group sums them, the world adds norms.
+    grads = [torch.full((3,), float(replica + 1)), torch.full((2, 2), float(replica + 1))]
+    norm, loss, finite = reduce_and_clip_gradients(
+        grads, groups.replicas(stage), loss=float(rank), replicas=2, max_grad_norm=0.0
+    )
+    report |= {"grads": [grad.tolist() for grad in grads], "norm": norm, "loss": loss, "finite": finite}
+    report["timings"] = gather_timings(float(rank), 0.0, 0, 4)
+    return report
 
 
 def _plain(tensor: torch.Tensor) -> tuple[str, list[Any]]:
@@ -120,11 +115,25 @@ def _tensor(plain: tuple[str, list[Any]]) -> torch.Tensor:
     return torch.tensor(values, dtype=getattr(torch, name))
 
 
-def _run_ranks(target: Any, world: int, tmp_path: Path) -> dict[int, dict[str, Any]]:
+def _rank_main(body: Any, store_path: str, rank: int, results: Any) -> None:
+    """A rank's process: run ``body`` (it joins the group and returns the rank's report), leave the
+    group together, and put the report (or the traceback) on ``results`` for the parent."""
+    try:
+        report = body(store_path, rank)
+        dist.barrier()
+        dist.destroy_process_group()
+        results.put((rank, report))
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        results.put((rank, {"error": traceback.format_exc()}))
+
+
+def _run_ranks(body: Any, world: int, tmp_path: Path) -> dict[int, dict[str, Any]]:
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     store_path = str(tmp_path / "store")
-    processes = [context.Process(target=target, args=(store_path, rank, results)) for rank in range(world)]
+    processes = [
+        context.Process(target=_rank_main, args=(body, store_path, rank, results)) for rank in range(world)
+    ]
     for process in processes:
         process.start()
     reports = dict(results.get(timeout=180) for _ in processes)
@@ -185,28 +194,23 @@ def _pair_wire(
     return wire, link
 
 
-def _pipeline_pair_rank(store_path: str, rank: int, results: Any) -> None:
+def _pipeline_pair_rank(store_path: str, rank: int) -> dict[str, Any]:
     """Rank 0 sends four activations, each answered by a gradient before the next, and says each
     was delivered when its gradient came: it reports the sends it holds after each send."""
-    try:
-        wire, link = _pair_wire(store_path, rank, torch.device("cpu"), ["h/cpu", "g/cpu"], torch.float32)
-        report: dict[str, Any] = {"held": [], "arrived": []}
-        for index in range(4):
-            if rank == 0:
-                wire.send(torch.full((2, 3), float(index)), link, tag=1)
-                report["held"].append(len(wire.pending))
-                wire.recv((1,), link, tag=2)
-                wire.delivered(link, 1, through=index)
-            else:
-                report["arrived"].append(wire.recv((2, 3), link, tag=1).tolist())
-                wire.send(torch.ones(1), link, tag=2)
-        report["held_at_flush"] = len(wire.pending)
-        wire.flush()
-        dist.barrier()
-        dist.destroy_process_group()
-        results.put((rank, report))
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        results.put((rank, {"error": traceback.format_exc()}))
+    wire, link = _pair_wire(store_path, rank, torch.device("cpu"), ["h/cpu", "g/cpu"], torch.float32)
+    report: dict[str, Any] = {"held": [], "arrived": []}
+    for index in range(4):
+        if rank == 0:
+            wire.send(torch.full((2, 3), float(index)), link, tag=1)
+            report["held"].append(len(wire.pending))
+            wire.recv((1,), link, tag=2)
+            wire.delivered(link, 1, through=index)
+        else:
+            report["arrived"].append(wire.recv((2, 3), link, tag=1).tolist())
+            wire.send(torch.ones(1), link, tag=2)
+    report["held_at_flush"] = len(wire.pending)
+    wire.flush()
+    return report
 
 
 @pytest.mark.slow
@@ -218,30 +222,25 @@ def test_over_gloo_an_activation_is_let_go_when_its_gradient_comes_back(tmp_path
     assert reports[1]["arrived"] == [[[float(index)] * 3] * 2 for index in range(4)]
 
 
-def _cuda_cpu_rank(store_path: str, rank: int, results: Any) -> None:
+def _cuda_cpu_rank(store_path: str, rank: int) -> dict[str, Any]:
     """One rank of the GPU test: rank 0 on cuda:0, rank 1 on the CPU, as a real run places them."""
-    try:
-        device = torch.device("cuda:0" if rank == 0 else "cpu")
-        wire, link = _pair_wire(store_path, rank, device, ["h/cuda:0", "h/cpu"], torch.bfloat16)
-        report: dict[str, Any] = {"staged": link.staged, "pinned": link.pinned}
-        if rank == 0:
-            wire.send(SENT.to(device), link, tag=1)
-            wire.flush()
-            back = wire.recv(tuple(SENT.shape), link, tag=2)
-            report["back"] = (back.device.type, _plain(back))
-        else:
-            arrived = wire.recv(tuple(SENT.shape), link, tag=1)
-            wire.send(arrived, link, tag=2)
-            wire.flush()
-        _, _, finite = reduce_and_clip_gradients(
-            [torch.ones(3, device=device)], None, loss=1.0, replicas=1, max_grad_norm=1.0
-        )
-        report["finite"] = finite
-        dist.barrier()
-        dist.destroy_process_group()
-        results.put((rank, report))
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        results.put((rank, {"error": traceback.format_exc()}))
+    device = torch.device("cuda:0" if rank == 0 else "cpu")
+    wire, link = _pair_wire(store_path, rank, device, ["h/cuda:0", "h/cpu"], torch.bfloat16)
+    report: dict[str, Any] = {"staged": link.staged, "pinned": link.pinned}
+    if rank == 0:
+        wire.send(SENT.to(device), link, tag=1)
+        wire.flush()
+        back = wire.recv(tuple(SENT.shape), link, tag=2)
+        report["back"] = (back.device.type, _plain(back))
+    else:
+        arrived = wire.recv(tuple(SENT.shape), link, tag=1)
+        wire.send(arrived, link, tag=2)
+        wire.flush()
+    _, _, finite = reduce_and_clip_gradients(
+        [torch.ones(3, device=device)], None, loss=1.0, replicas=1, max_grad_norm=1.0
+    )
+    report["finite"] = finite
+    return report
 
 
 @pytest.mark.slow
