@@ -50,7 +50,7 @@ from shardpool.launch.commit import CommitGate, passing
 from shardpool.launch.mesh_launcher import Interrupted, MemberLost, MeshLauncher
 from shardpool.launch.model_card import render_model_card, write_model_card
 from shardpool.launch.output_lock import locked_output_dir
-from shardpool.launch.rebalancing import RebalanceCheck, resumed_json
+from shardpool.launch.rebalancing import RebalanceCheck, carried_plan, resumed_json
 from shardpool.launch.run import (
     METRICS_FILE,
     RUN_DIR_NAME,
@@ -68,6 +68,7 @@ from shardpool.launch.supervise import (
     ReplanPolicy,
     Supervisor,
     clear_live_copies,
+    placed_stages,
     placements_of,
 )
 from shardpool.model.footprint import stage_footprints
@@ -168,6 +169,13 @@ def _finetune_holding_output_dir(
     """Train ``config`` (hub ids resolved to local paths; ``as_written`` is the user's) in the held output_dir."""
     run = replace(prepare_run(config, resume=resume, planner=launcher.plan), base_model_reference=reference)
     run_dir = _write_run_inputs(run, console)
+    if run.plan.get("source") == "resume" and run.planned is not None:
+        console.print(
+            f"resuming with the interrupted run's re-balanced split: {placed_stages(run.planned)}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     events.emit(
         "plan",
         output_dir=config.output_dir,
@@ -373,14 +381,18 @@ def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Pla
         auto=config.auto_resume_from_checkpoints,
     )
     plan = planner(config)
-    placements = placements_of(plan)
     source = "manual" if config.shardpool.layers else "planner"
+    interrupted = _read_plan_json(Path(config.output_dir)) if resume_from else None
+    carried = carried_plan(
+        interrupted, plan, replicas=config.shardpool.replicas, rebalance=config.shardpool.rebalance
+    )
+    if carried is not None:
+        plan, source = carried, "resume"
+    placements = placements_of(plan)
     plan_json = plan.to_json() | {"replicas": config.shardpool.replicas, "source": source}
     first_step = ckpt.checkpoint_step(resume_from) if resume_from else 0
     if resume_from:
-        plan_json = resumed_json(
-            _read_plan_json(Path(config.output_dir)), plan_json, resumed_from_step=first_step
-        )
+        plan_json = resumed_json(interrupted, plan_json, resumed_from_step=first_step)
     eval_before = ckpt.checkpoint_eval_before(resume_from) if resume_from else None
     return PreparedRun(
         config,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +53,14 @@ def kept(tiny_model: Path, completion_data: Path, tmp_path_factory: pytest.TempP
     )
 
 
-def _finetune_in_process(capfd: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+def _finetune_in_process(capfd: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     """``shardpool finetune ARGS`` through the CLI's ``main`` in this process, which has torch
     imported already (a fresh interpreter would only add its imports): its exit status and what
-    reached descriptor 2 meanwhile, the stage processes' output included (they inherit it)."""
+    reached descriptors 2 and 1 meanwhile, the stage processes' output included (they inherit it)."""
     capfd.readouterr()
     code = main(["finetune", *args])
-    return code, capfd.readouterr().err
+    captured = capfd.readouterr()
+    return code, captured.err, captured.out
 
 
 def test_forced_reshard_trains_exactly_as_the_kept_plan(
@@ -118,7 +120,7 @@ def test_stage_killed_during_the_handover_stops_the_run_and_resume_matches_unint
     )
     monkeypatch.setenv(FORCE_ENV, "3:0-1,1-3,3-6")
     monkeypatch.setenv(KILL_ENV, "1")
-    code, stderr = _finetune_in_process(capfd, str(config))
+    code, stderr, _ = _finetune_in_process(capfd, str(config))
     assert code == 2
     error = stderr.strip().splitlines()[-1]
     assert error.startswith("shardpool: error: stage 1 (rank 1) failed: killed by signal 9"), error
@@ -127,7 +129,7 @@ def test_stage_killed_during_the_handover_stops_the_run_and_resume_matches_unint
     assert not (out / "adapter_model.safetensors").exists()
 
     monkeypatch.delenv(KILL_ENV)
-    code, stderr = _finetune_in_process(capfd, str(config), "--resume")
+    code, stderr, stdout = _finetune_in_process(capfd, str(config), "--resume")
     assert code == 0, stderr
     assert [line["step"] for line in read_metrics(out) if "loss" in line] == [1, 2, 3, 4, 5], (
         "metrics continue from the checkpoint without gaps or repeats"
@@ -140,6 +142,16 @@ def test_stage_killed_during_the_handover_stops_the_run_and_resume_matches_unint
     assert [entry["resumed_from_step"] for entry in resumed] == [2], (
         "the interrupted run's plan stays in the history"
     )
+    assert resumed[0]["source"] == "rebalance", "the run was interrupted after its decision was recorded"
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["source"] == "resume" and [stage["layers"] for stage in plan["stages"]] == [
+        [0, 1],
+        [1, 3],
+        [3, 6],
+    ], "the resumed run goes on with the re-balanced split, not the config's 2/2/2"
+    assert re.search(
+        r"resuming with the interrupted run's re-balanced split: \S+\[0, 1\) \S+\[1, 3\) \S+\[3, 6\)", stdout
+    ), stdout
 
     resumed_adapter = load_file(str(out / "adapter_model.safetensors"))
     clean_adapter = load_file(str(kept / "adapter_model.safetensors"))  # the uninterrupted run

@@ -28,12 +28,25 @@ from shardpool.contract.rebalance import (
     encode_decision,
     forced_reshard,
 )
+from shardpool.errors import ShardpoolError
 from shardpool.plan.calibrate import Rebalance, StepMeasurement, rebalance_decision
 from shardpool.plan.result import Plan
 
-__all__ = ["RebalanceCheck", "forced_rebalance", "rebalance_line", "replanned_json", "resumed_json"]
+__all__ = [
+    "CARRIED_SOURCES",
+    "RebalanceCheck",
+    "carried_plan",
+    "forced_rebalance",
+    "rebalance_line",
+    "replanned_json",
+    "resumed_json",
+]
 
 Publish = Callable[[str, str], None]  # (store key, value): the rendezvous store's set
+
+#: ``plan.json`` sources whose split a resumed run goes on with: a re-balance's, and one that a
+#: resume already carried over (a run resumed twice).
+CARRIED_SOURCES = ("rebalance", "resume")
 
 
 @dataclass
@@ -132,6 +145,42 @@ def resumed_json(interrupted: Any, new_json: dict[str, Any], *, resumed_from_ste
     if not isinstance(interrupted, dict) or not isinstance(interrupted.get("stages"), list):
         return new_json
     return new_json | {"history": _history_after(interrupted, {"resumed_from_step": resumed_from_step})}
+
+
+def carried_plan(interrupted: Any, fresh: Plan, *, replicas: int, rebalance: str = "auto") -> Plan | None:
+    """The plan the interrupted run last trained with, when a re-balance made it and the resumed
+    run's own plan (``fresh``) puts the same stages on the same slots; None otherwise, and always
+    with ``rebalance: off`` (the split is then the planner's or the config's, as asked).
+
+    A re-balanced split is the one the run's measurements chose; without this a resumed run would
+    start again from the profiles' split and find the measured one only at its own check, after
+    its warm-up steps. The split is carried only where nothing it was chosen for has changed: the
+    same model depth, micro-batches, schedule and ``replicas``, and each stage on the same host,
+    slot, device and dtype; and every carried range must fit its slot under the fresh plan's
+    memory model. ``interrupted`` is what ``plan.json`` held.
+    """
+    if rebalance != "auto" or not isinstance(interrupted, dict):
+        return None
+    if interrupted.get("source") not in CARRIED_SOURCES or interrupted.get("replicas", 1) != replicas:
+        return None
+    try:
+        kept = Plan.from_json(interrupted)
+    except ShardpoolError:
+        return None
+    same_run = (kept.num_layers, kept.microbatches, kept.schedule, len(kept.stages)) == (
+        fresh.num_layers,
+        fresh.microbatches,
+        fresh.schedule,
+        len(fresh.stages),
+    )
+    if not same_run:
+        return None
+    for old, new in zip(kept.stages, fresh.stages, strict=True):
+        if (old.host, old.slot, old.device, old.dtype) != (new.host, new.slot, new.device, new.dtype):
+            return None
+        if new.costs is None or new.costs.memory(old.num_layers) > new.costs.capacity_bytes:
+            return None
+    return kept
 
 
 def replanned_json(current: dict[str, Any], new_plan: Plan, *, ended_at_step: int) -> dict[str, Any]:

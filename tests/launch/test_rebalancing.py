@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -10,9 +11,10 @@ import pytest
 
 from shardpool.config import parse_config
 from shardpool.contract.rebalance import FORCE_ENV, decision_key, decode_decision
-from shardpool.launch.rebalancing import RebalanceCheck, replanned_json, resumed_json
+from shardpool.launch.rebalancing import RebalanceCheck, carried_plan, replanned_json, resumed_json
 from shardpool.plan.calibrate import Rebalance, StepMeasurement
 from shardpool.plan.result import Plan, PlannedStage
+from shardpool.plan.stage_costs import StageCosts
 
 LAYERS = [(0, 2), (2, 4), (4, 6)]
 
@@ -157,3 +159,75 @@ def test_history_grows_with_each_replan() -> None:
     assert [entry["ended_at_step"] for entry in third["history"]] == [3, 9]
     assert all("history" not in entry for entry in third["history"])
     assert third["replicas"] == 2
+
+
+def _stage_costs(capacity: float) -> StageCosts:
+    """1 MB a layer on a CPU slot of ``capacity`` bytes."""
+    return StageCosts(forward_fixed_s=0.0, forward_per_layer_s=0.01, backward_fixed_s=0.0,
+                      backward_per_layer_s=0.02, fixed_bytes=0.0, per_layer_bytes=1e6,
+                      capacity_bytes=capacity, kind="cpu", in_flight=1)  # fmt: skip
+
+
+#: Room for two layers a slot, not three (the framework's reserve included).
+TWO_LAYERS = _stage_costs(0.0).memory(2) + 1
+
+
+def _costed(layers: list[tuple[int, int]], *, capacity: float = 1e12) -> Plan:
+    """A fresh plan whose stages carry costs."""
+    plan = _plan(layers)
+    return replace(plan, stages=[replace(stage, costs=_stage_costs(capacity)) for stage in plan.stages])
+
+
+def _interrupted(layers: list[tuple[int, int]], **keys: Any) -> dict[str, Any]:
+    """``plan.json`` of a run that re-balanced from :data:`LAYERS` to ``layers``."""
+    started = _plan(LAYERS).to_json() | {"replicas": 1, "source": "planner"}
+    return replanned_json(started, _plan(layers, predicted=0.8), ended_at_step=3) | keys
+
+
+REBALANCED = [(0, 1), (1, 3), (3, 6)]
+
+
+def test_a_resumed_run_goes_on_with_the_split_its_interrupted_run_rebalanced_to() -> None:
+    carried = carried_plan(_interrupted(REBALANCED), _costed(LAYERS), replicas=1)
+    assert carried is not None and carried.layer_ranges() == REBALANCED
+    assert carried.predicted_step_s == 0.8, "the re-balanced plan as it was recorded"
+    twice = _interrupted(REBALANCED, source="resume")  # resumed once already, interrupted again
+    assert (again := carried_plan(twice, _costed(LAYERS), replicas=1)) is not None
+    assert again.layer_ranges() == REBALANCED
+
+
+def _other_slot(plan: dict[str, Any]) -> dict[str, Any]:
+    stages = [dict(stage) for stage in plan["stages"]]
+    stages[1]["slot"] = "cpu#9"
+    return plan | {"stages": stages}
+
+
+@pytest.mark.parametrize(
+    ("interrupted", "fresh", "replicas", "rebalance"),
+    [
+        pytest.param(
+            _plan(REBALANCED).to_json() | {"source": "planner"},
+            _costed(LAYERS),
+            1,
+            "auto",
+            id="not-rebalanced",
+        ),
+        pytest.param(None, _costed(LAYERS), 1, "auto", id="no-plan-json"),
+        pytest.param(_interrupted(REBALANCED), _costed(LAYERS), 1, "off", id="rebalance-off"),
+        pytest.param({"source": "rebalance", "stages": "none"}, _costed(LAYERS), 1, "auto", id="unreadable"),
+        pytest.param(_interrupted(REBALANCED), _costed(LAYERS), 2, "auto", id="other-replicas"),
+        pytest.param(_interrupted(REBALANCED), _costed([(0, 3), (3, 6)]), 1, "auto", id="other-stage-count"),
+        pytest.param(
+            _interrupted(REBALANCED, microbatches=6), _costed(LAYERS), 1, "auto", id="other-microbatches"
+        ),
+        pytest.param(_other_slot(_interrupted(REBALANCED)), _costed(LAYERS), 1, "auto", id="other-slot"),
+        pytest.param(
+            _interrupted(REBALANCED), _costed(LAYERS, capacity=TWO_LAYERS), 1, "auto", id="does-not-fit"
+        ),
+        pytest.param(_interrupted(REBALANCED), _plan(LAYERS), 1, "auto", id="fresh-plan-without-costs"),
+    ],
+)
+def test_a_resumed_run_plans_afresh_unless_the_rebalanced_split_still_applies(
+    interrupted: Any, fresh: Plan, replicas: int, rebalance: str
+) -> None:
+    assert carried_plan(interrupted, fresh, replicas=replicas, rebalance=rebalance) is None
