@@ -46,9 +46,10 @@ from shardpool.data.prepared_file import save_prepared
 from shardpool.data.rows import PreparedData
 from shardpool.data.steps import config_step_batches
 from shardpool.data.tokenizing import load_tokenizer, save_tokenizer
+from shardpool.errors import ShardpoolError
 from shardpool.launch.commit import CommitGate, passing
 from shardpool.launch.mesh_launcher import Interrupted, MemberLost, MeshLauncher
-from shardpool.launch.model_card import render_model_card, write_model_card
+from shardpool.launch.model_card import earlier_splits, render_model_card, write_model_card
 from shardpool.launch.output_lock import locked_output_dir
 from shardpool.launch.rebalancing import RebalanceCheck, carried_plan, resumed_json
 from shardpool.launch.run import (
@@ -340,13 +341,19 @@ def finish_run(
     console: Console,
     events: RunEvents | None = None,
 ) -> None:
-    """After the stages finished: write the model card (of the config as written) and report the result."""
+    """After the stages finished: write the model card (of the config as written) and report the result.
+
+    The card shows the split the run ended with and the ones before it: ``plan.json`` as a
+    re-balance or a re-plan last rewrote it (the run's own placements where it cannot be read).
+    """
+    placements, earlier = _trained_splits(run)
     card = render_model_card(
         as_written,
         base_model=run.base_model_reference or base_model_reference(as_written.base_model),
         target_modules=run.lora.target_modules,
-        placements=run.placements,
+        placements=placements,
         outcome=record.outcome(run.total_steps),
+        earlier=earlier,
     )
     write_model_card(config.output_dir, card)
     print_result(console, config, record)
@@ -408,6 +415,16 @@ def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Pla
         tokenizer,
         planned=plan,
     )
+
+
+def _trained_splits(run: PreparedRun) -> tuple[list[StagePlacement], list[str]]:
+    """The placements the run ended with and a line per split before them, from ``plan.json``."""
+    written = _read_plan_json(Path(run.config.output_dir))
+    try:
+        final = Plan.from_json(written)
+    except ShardpoolError:
+        return run.placements, []
+    return placements_of(final), earlier_splits(written.get("history"))
 
 
 def _read_plan_json(output_dir: Path) -> Any:

@@ -100,6 +100,14 @@ def test_forced_reshard_trains_exactly_as_the_kept_plan(
     assert [entry["ended_at_step"] for entry in plan["history"]] == [3]
     assert [stage["layers"] for stage in plan["history"][0]["stages"]] == [[0, 2], [2, 4], [4, 6]]
     assert not any(line.get("event") == "rebalance" for line in read_metrics(kept))
+    card = (moved / "README.md").read_text()
+    assert "3 pipeline stages × 1 replica, schedule 1f1b, at the end of training:" in card
+    assert re.search(
+        r"\| 0 \| cpu \| \S+ \| \[0, 1\) \| 1 \|\n\| 1 \| cpu \| \S+ \| \[1, 3\) \| 2 \|", card
+    ), card
+    assert re.search(r"- \[0, 2\) on \S+, \[2, 4\) on \S+, \[4, 6\) on \S+ \(manual\), until step 3", card), (
+        card
+    )
     logs = moved / RUN_DIR_NAME / "logs"
     assert "re-sharded layers [2, 4) -> [1, 3)" in (logs / "rank-1.log").read_text()
     assert "re-sharded layers [4, 6) -> [3, 6)" in (logs / "rank-2.log").read_text()

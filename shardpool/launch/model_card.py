@@ -8,7 +8,7 @@ Torch-free: it renders plain values the launcher already holds.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from mesh.files import atomic_write
 from shardpool.config import Config
 from shardpool.contract.job import StagePlacement
 
-__all__ = ["MODEL_CARD_FILE", "TrainingOutcome", "render_model_card", "write_model_card"]
+__all__ = ["MODEL_CARD_FILE", "TrainingOutcome", "earlier_splits", "render_model_card", "write_model_card"]
 
 MODEL_CARD_FILE = "README.md"
 
@@ -40,8 +40,13 @@ def render_model_card(
     target_modules: Sequence[str],
     placements: Sequence[StagePlacement],
     outcome: TrainingOutcome,
+    earlier: Sequence[str] = (),
 ) -> str:
-    """The card's text. ``base_model`` is the reference the adapter stores (an absolute path or hub id)."""
+    """The card's text. ``base_model`` is the reference the adapter stores (an absolute path or hub id).
+
+    ``placements`` is the split the run ended with; ``earlier`` the splits it trained with before a
+    re-balance or a re-plan changed it, one line each (:func:`earlier_splits`).
+    """
     tags = ["shardpool", "lora"] + (["qlora"] if config.adapter == "qlora" else [])
     front_matter = yaml.safe_dump(
         {"base_model": base_model, "library_name": "peft", "tags": tags},
@@ -58,7 +63,7 @@ def render_model_card(
         "## Hyperparameters\n\n"
         + _table(("hyperparameter", "value"), _hyperparameters(config, target_modules, outcome.steps)),
         "## Results\n\n" + _table(("metric", "value"), _results(outcome)),
-        "## Plan\n\n" + _plan_summary(config, placements),
+        "## Plan\n\n" + _plan_summary(config, placements, earlier),
         "## Usage\n\n```python\nfrom peft import AutoPeftModelForCausalLM\n"
         "from transformers import AutoTokenizer\n\n"
         f"model = AutoPeftModelForCausalLM.from_pretrained({json.dumps(adapter_dir)})\n"
@@ -114,16 +119,48 @@ def _table(header: tuple[str, str], rows: list[tuple[str, str]]) -> str:
     return "\n".join(lines + [f"| {name} | {value} |" for name, value in rows])
 
 
-def _plan_summary(config: Config, placements: Sequence[StagePlacement]) -> str:
+def _plan_summary(config: Config, placements: Sequence[StagePlacement], earlier: Sequence[str]) -> str:
     replicas = config.shardpool.replicas
     header = (
         f"{len(placements)} pipeline stage{'s' if len(placements) != 1 else ''}"
-        f" × {replicas} replica{'s' if replicas != 1 else ''}, schedule {config.shardpool.schedule}:"
+        f" × {replicas} replica{'s' if replicas != 1 else ''}, schedule {config.shardpool.schedule}"
+        f"{', at the end of training' if earlier else ''}:"
     )
     rows = [
         f"| {index} | {stage.device} | {stage.host} | [{stage.start}, {stage.stop}) | {stage.stop - stage.start} |"
         for index, stage in enumerate(placements)
     ]
-    return "\n".join(
-        [header, "", "| stage | device | host | layers | layer count |", "|---|---|---|---|---|", *rows]
-    )
+    table = [header, "", "| stage | device | host | layers | layer count |", "|---|---|---|---|---|", *rows]
+    if earlier:
+        table += ["", "Earlier splits of this run:", "", *(f"- {line}" for line in earlier)]
+    return "\n".join(table)
+
+
+def earlier_splits(history: object) -> list[str]:
+    """One line per plan a run trained with before its last, from ``plan.json``'s ``history``:
+    its split, what made it and how it ended (``[0, 5) on b, [5, 16) on a (planner), until step 3``).
+    Entries that are not plans are skipped; anything but a list gives none."""
+    if not isinstance(history, list):
+        return []
+    lines = []
+    for entry in history:
+        if not isinstance(entry, Mapping) or not isinstance(stages := entry.get("stages"), list):
+            continue
+        ranges = ", ".join(_stage_range(stage) for stage in stages if isinstance(stage, Mapping))
+        ended = _how_it_ended(entry)
+        lines.append(f"{ranges} ({entry.get('source', 'planner')}){ended}")
+    return lines
+
+
+def _stage_range(stage: Mapping[str, object]) -> str:
+    layers = stage.get("layers")
+    start, stop = layers if isinstance(layers, list) and len(layers) == 2 else ("?", "?")
+    return f"[{start}, {stop}) on {stage.get('host', '?')}"
+
+
+def _how_it_ended(entry: Mapping[str, object]) -> str:
+    if "ended_at_step" in entry:
+        return f", until step {entry['ended_at_step']}"
+    if "resumed_from_step" in entry:
+        return f", interrupted; resumed from step {entry['resumed_from_step']}"
+    return ""

@@ -192,7 +192,17 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Plan:
-        """Read a plan written by :meth:`to_json` (or a hand-written one with just stages)."""
+        """Read a plan written by :meth:`to_json` (or a hand-written one with just stages); a
+        :class:`ShardpoolError` for anything that is not one."""
+        try:
+            return cls._from_json(data)
+        except (TypeError, ValueError, AttributeError) as error:
+            raise ShardpoolError(
+                f"plan.json is malformed ({type(error).__name__}: {error}); re-plan to rewrite it"
+            ) from None
+
+    @classmethod
+    def _from_json(cls, data: Mapping[str, Any]) -> Plan:
         raw_stages = data.get("stages") if isinstance(data, Mapping) else None
         if not raw_stages or not isinstance(raw_stages, list):
             raise ShardpoolError("plan.json has no 'stages' list; write at least one stage")

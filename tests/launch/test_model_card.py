@@ -8,7 +8,7 @@ import yaml
 
 from shardpool.config import parse_config
 from shardpool.contract.job import StagePlacement
-from shardpool.launch.model_card import TrainingOutcome, render_model_card, write_model_card
+from shardpool.launch.model_card import TrainingOutcome, earlier_splits, render_model_card, write_model_card
 
 CONFIG = {
     "base_model": "models/tiny",
@@ -26,17 +26,18 @@ CONFIG = {
 }
 PLACEMENTS = [
     StagePlacement(start=0, stop=4, device="cuda:0"),
-    StagePlacement(start=4, stop=6, device="cpu", host="10.44.0.2"),
+    StagePlacement(start=4, stop=6, device="cpu", host="192.0.2.2"),
 ]
 
 
-def _card(outcome: TrainingOutcome, **overrides: object) -> str:
+def _card(outcome: TrainingOutcome, earlier: tuple[str, ...] | list[str] = (), **overrides: object) -> str:
     return render_model_card(
         parse_config({**CONFIG, **overrides}),
         base_model="/abs/models/tiny",
         target_modules=("q_proj", "v_proj"),
         placements=PLACEMENTS,
         outcome=outcome,
+        earlier=earlier,
     )
 
 
@@ -71,7 +72,7 @@ def test_the_card_has_hf_front_matter_and_says_what_was_trained_how_and_how_well
         "| eval loss after training | 2.5890 |",
         "2 pipeline stages × 1 replica, schedule 1f1b:",
         "| 0 | cuda:0 | localhost | [0, 4) | 4 |",
-        "| 1 | cpu | 10.44.0.2 | [4, 6) | 2 |",
+        "| 1 | cpu | 192.0.2.2 | [4, 6) | 2 |",
         'model = AutoPeftModelForCausalLM.from_pretrained("/runs/tiny-adapter")',
         'tokenizer = AutoTokenizer.from_pretrained("/runs/tiny-adapter")',
     ]
@@ -93,3 +94,29 @@ def test_a_lora_run_without_eval_is_tagged_lora_and_shows_no_eval_loss(tmp_path:
     assert "| eval loss after training | - |" in text.splitlines()
     path = write_model_card(tmp_path, text)
     assert path == tmp_path / "README.md" and path.read_text(encoding="utf-8") == text
+
+
+def test_a_run_whose_split_changed_shows_the_last_one_and_the_ones_before() -> None:
+    history = [
+        {"stages": [{"layers": [0, 5], "host": "b"}, {"layers": [5, 16], "host": "a"}], "source": "planner",
+         "ended_at_step": 3},
+        "not a plan",
+        {"stages": [{"layers": [0, 11], "host": "a"}, {"layers": [11, 16], "host": "b"}], "source": "rebalance",
+         "resumed_from_step": 8},
+    ]  # fmt: skip
+    earlier = earlier_splits(history)
+    assert earlier == [
+        "[0, 5) on b, [5, 16) on a (planner), until step 3",
+        "[0, 11) on a, [11, 16) on b (rebalance), interrupted; resumed from step 8",
+    ]
+    text = _card(TrainingOutcome(steps=20, final_train_loss=None, eval_loss_before=None, eval_loss_after=None),
+                 earlier=earlier)  # fmt: skip
+    plan = text.split("## Plan\n\n", 1)[1].split("\n\n## Usage", 1)[0]
+    assert plan.splitlines()[0] == "2 pipeline stages × 1 replica, schedule 1f1b, at the end of training:"
+    assert "| 1 | cpu | 192.0.2.2 | [4, 6) | 2 |" in plan
+    assert plan.endswith(
+        "Earlier splits of this run:\n\n"
+        "- [0, 5) on b, [5, 16) on a (planner), until step 3\n"
+        "- [0, 11) on a, [11, 16) on b (rebalance), interrupted; resumed from step 8"
+    )
+    assert earlier_splits(None) == [] and earlier_splits({"stages": []}) == []

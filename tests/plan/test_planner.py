@@ -443,6 +443,15 @@ def test_plan_json_round_trip_and_validation() -> None:
     assert minimal.num_layers == 4
     with pytest.raises(ShardpoolError, match="contiguous"):
         Plan.from_json({"stages": [{"device": "cpu", "layers": [0, 2]}, {"device": "cpu", "layers": [3, 4]}]})
+    for malformed in (
+        {"stages": [{"device": "cpu", "layers": [0, 2], "memory_bytes": "many"}]},
+        {"stages": ["cpu"]},
+        {"stages": [{"device": "cpu", "layers": [0, 2]}], "microbatches": [4]},
+    ):
+        with pytest.raises(
+            ShardpoolError, match=r"^plan.json is malformed \(\w+Error: .*\); re-plan to rewrite it$"
+        ):
+            Plan.from_json(malformed)
 
 
 class FixedProbe:
