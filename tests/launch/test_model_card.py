@@ -26,7 +26,7 @@ CONFIG = {
 }
 PLACEMENTS = [
     StagePlacement(start=0, stop=4, device="cuda:0"),
-    StagePlacement(start=4, stop=6, device="cpu", host="10.44.0.2"),
+    StagePlacement(start=4, stop=6, device="cpu", host="198.51.100.2"),
 ]
 
 
@@ -71,7 +71,7 @@ def test_the_card_has_hf_front_matter_and_says_what_was_trained_how_and_how_well
         "| eval loss after training | 2.5890 |",
         "2 pipeline stages × 1 replica, schedule 1f1b:",
         "| 0 | cuda:0 | localhost | [0, 4) | 4 |",
-        "| 1 | cpu | 10.44.0.2 | [4, 6) | 2 |",
+        "| 1 | cpu | 198.51.100.2 | [4, 6) | 2 |",
         'model = AutoPeftModelForCausalLM.from_pretrained("/runs/tiny-adapter")',
         'tokenizer = AutoTokenizer.from_pretrained("/runs/tiny-adapter")',
     ]

@@ -136,7 +136,7 @@ def test_real_wireguard_go_refuses_bad_settings(wggo: WireGuardGoInNetns) -> Non
     with pytest.raises(MeshError, match="errno="):
         client.set(b"set=1\nlisten_port=notaport\n\n")
     with pytest.raises(MeshError, match="errno="):
-        client.set(b"set=1\nallowed_ip=10.0.0.0/8\n\n")
+        client.set(b"set=1\nallowed_ip=198.51.100.0/28\n\n")
 
 
 def test_missing_socket_is_explained(tmp_path) -> None:
