@@ -11,8 +11,9 @@ removed at the end, with every process the lab started stopped by pid, also on f
   2. builds three hosts a, b, c (``mesh.lab.Lab``: namespaces + veth + bridge on
      192.0.2.0/24) and forms the mesh with the real CLI (``mesh init`` on a, ``mesh join`` on b, c),
      then waits for pings and for every agent's ``/v1/health``;
-  3. measures the raw TCP throughput a -> b over the mesh (10.77.0.1 -> 10.77.0.2) and over the
-     underlay (192.0.2.1 -> 192.0.2.2) with a stdlib socket sender/receiver, and the ping RTT;
+  3. measures the raw TCP throughput a -> b over the mesh (198.51.100.1 -> 198.51.100.2, in the
+     lab's mesh CIDR ``mesh.lab.MESH_CIDR``) and over the underlay (192.0.2.1 -> 192.0.2.2) with a
+     stdlib socket sender/receiver, and the ping RTT;
   4. runs ``shardpool finetune`` on host a with ``shardpool: {placement: mesh, stages: 3}`` (and
      ``threads_per_stage`` = CPUs // 3, since the three hosts share this machine's cores); while
      it trains, snapshots the WireGuard transfer counters of every host after each step, so the
@@ -50,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from mesh.constants import AGENT_PORT  # noqa: E402
 from mesh.lab import Host, Lab, LabError, netns_skip_reason  # noqa: E402
+from mesh.lab import mesh_address as lab_mesh_address  # noqa: E402
 from scripts.bench_pipeline import (  # noqa: E402 - needs ROOT on sys.path
     boundary_bytes_per_step,
     completion_rows,
@@ -70,7 +72,9 @@ WARMUP_STEPS = 2
 WORKERS = 3
 TCP_PORT = 5201
 ONE_GBIT_BYTES_PER_S = 1e9 / 8
-MESH_ADDRESSES = {"a": "10.77.0.1", "b": "10.77.0.2", "c": "10.77.0.3"}  # mesh_address of a, b, c
+MESH_ADDRESSES = {
+    label: lab_mesh_address(number) for number, label in enumerate("abc", start=1)
+}  # of a, b, c
 
 FULL: dict[str, Any] = {
     "model": {
@@ -326,8 +330,8 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, step_
 
 
 def mesh_address(index: int) -> str:
-    """The mesh address of the ``index``-th host (0-based): the coordinator takes .1, joiners follow."""
-    return f"10.77.0.{index + 1}"
+    """The mesh address of the ``index``-th host (0-based): the coordinator takes the first, joiners follow."""
+    return lab_mesh_address(index + 1)
 
 
 def form_mesh(lab: Lab, labels: str = "abc") -> float:

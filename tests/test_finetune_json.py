@@ -79,7 +79,7 @@ def _state_dir(tmp_path: Path, ready: dict[str, Any] | None) -> Path:
 
 
 def test_the_agent_socket_is_read_from_the_state_dir(tmp_path: Path) -> None:
-    state = _state_dir(tmp_path, {"pid": 1, "url": "http://10.0.0.1:7412", "socket": "/run/x/agent.sock"})
+    state = _state_dir(tmp_path, {"pid": 1, "url": "http://198.51.100.1:7412", "socket": "/run/x/agent.sock"})
     assert agent_socket_of_state_dir(state) == "/run/x/agent.sock"
 
 
@@ -94,7 +94,7 @@ def test_the_agent_socket_is_read_from_the_state_dir(tmp_path: Path) -> None:
             "`shardpool mesh up --state-dir {state}`",
         ),
         (
-            {"pid": 1, "url": "http://10.0.0.1:7412"},
+            {"pid": 1, "url": "http://198.51.100.1:7412"},
             True,
             "the agent for {state} does not say where its socket is (started by an older shardpool); "
             "restart it with `shardpool mesh down --state-dir {state}` and `mesh up`",
@@ -120,8 +120,8 @@ def test_finetune_launches_through_the_agent_of_the_state_dir(
     sockets = shared_socket_dir()
     socket_path = sockets / "agent.sock"
     monkeypatch.setenv("SHARDPOOL_AGENT_SOCKET", str(sockets / "not-this-one.sock"))
-    state = _state_dir(tmp_path, {"pid": 1, "url": "http://10.0.0.1:7412", "socket": str(socket_path)})
-    members = [{"name": "other", "address": "10.0.0.2", "online": True, "is_self": False}]
+    state = _state_dir(tmp_path, {"pid": 1, "url": "http://198.51.100.1:7412", "socket": str(socket_path)})
+    members = [{"name": "other", "address": "198.51.100.2", "online": True, "is_self": False}]
     config = write_config(
         tmp_path / "run.yaml",
         {**QUICKSTART, "output_dir": str(tmp_path / "out"), "shardpool": {"placement": "mesh"}},

@@ -4,7 +4,9 @@ Each host is a network namespace ``sp<pid>-<label>`` with ``eth0`` on a shared b
 a namespace of its own), an address in TEST-NET-1 (192.0.2.0/24), its own ``SHARDPOOL_HOME``, its
 own agent socket (``SHARDPOOL_AGENT_SOCKET``) and its own WireGuard interface name. Nothing
 touches the machine's own namespace, and :meth:`Lab.close` stops every process the lab started,
-by pid, and deletes every namespace and the lab's directory under /tmp.
+by pid, and deletes every namespace and the lab's directory under /tmp. The meshes it forms
+take their addresses from :data:`MESH_CIDR` (198.51.100.0/28), which no host network of the lab
+overlaps.
 
 The lab can instead be a *NAT grid* (:meth:`Lab.add_internet`, :meth:`Lab.add_router`): a public
 segment 203.0.113.0/24 and routers that masquerade LANs behind it, full cone or symmetric
@@ -20,6 +22,7 @@ run this source tree (:data:`SOURCE_ROOT` on ``PYTHONPATH``). It needs root, ``i
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import pwd
 import shutil
@@ -35,12 +38,14 @@ from mesh.constants import AGENT_PORT, WIREGUARD_PORT
 from mesh.lab.nat import INTERNET, lan_address, lan_gateway, lan_subnet, router_nat_rules, udp_block_rules
 
 __all__ = [
+    "MESH_CIDR",
     "SOURCE_ROOT",
     "UNDERLAY",
     "Host",
     "Lab",
     "LabError",
     "Router",
+    "mesh_address",
     "nat_skip_reason",
     "netns_skip_reason",
 ]
@@ -49,6 +54,19 @@ SOURCE_ROOT = Path(__file__).resolve().parents[2]
 """The directory holding the ``mesh`` package (and ``shardpool`` beside it in a checkout)."""
 UNDERLAY = "192.0.2"
 """The first three octets of every host's underlay address (TEST-NET-1)."""
+MESH_CIDR = "198.51.100.0/28"
+"""The mesh CIDR of the lab's meshes: the sixteenth of TEST-NET-2 that no router LAN uses (router
+``k`` takes 198.51.100.(16k)/28 for k = 1..15, :mod:`mesh.lab.nat`), so it overlaps none of the
+hosts' own networks. Its host addresses .1 to .14 hold a coordinator and 13 members."""
+
+
+def mesh_address(number: int) -> str:
+    """Host address ``number`` (1..14) of :data:`MESH_CIDR`: 1 is the coordinator's, and joiners
+    get 2, 3, ... in the order they join (no address is ever handed out twice)."""
+    network = ipaddress.IPv4Network(MESH_CIDR)
+    if not 1 <= number < network.num_addresses - 1:
+        raise ValueError(f"mesh address number {number} is outside 1..{network.num_addresses - 2}")
+    return str(network[number])
 
 
 def netns_skip_reason() -> str | None:
@@ -377,10 +395,20 @@ class Lab:
             self.join_mesh(self.hosts[label], token)
         return token
 
-    def init_mesh(self, host: Host, *, uses: int, agent: bool = True, extra: tuple[str, ...] = ()) -> str:
-        """``mesh init`` on ``host`` with its endpoint (and ``extra`` options); returns the join token."""
+    def init_mesh(
+        self,
+        host: Host,
+        *,
+        uses: int,
+        agent: bool = True,
+        cidr: str = MESH_CIDR,
+        extra: tuple[str, ...] = (),
+    ) -> str:
+        """``mesh init`` on ``host`` with its endpoint, ``--cidr cidr`` (:data:`MESH_CIDR` unless the
+        caller passes its own) and ``extra`` options; returns the join token."""
         init = ["init", "--endpoint", host.endpoint, "--name", host.label, "--interface", host.interface]
-        init += [*self._port_option(host), "--uses", str(uses), *([] if agent else ["--no-agent"]), *extra]
+        init += ["--cidr", cidr, *self._port_option(host), "--uses", str(uses)]
+        init += [*([] if agent else ["--no-agent"]), *extra]
         out = self._checked(self.mesh(host, *init), f"mesh init on {host.label}")
         return out.strip().splitlines()[-1]
 

@@ -19,9 +19,9 @@ from tests.helpers.local_agent import StubLocalAgent, shared_socket_dir
 
 REPO = Path(__file__).resolve().parents[2]
 MEMBERS = [
-    {"name": "a", "address": "10.77.0.1", "online": True, "is_self": True},
-    {"name": "b", "address": "10.77.0.2", "online": True, "is_self": False},
-    {"name": "c", "address": "10.77.0.3", "online": False, "is_self": False},
+    {"name": "a", "address": "198.51.100.1", "online": True, "is_self": True},
+    {"name": "b", "address": "198.51.100.2", "online": True, "is_self": False},
+    {"name": "c", "address": "198.51.100.3", "online": False, "is_self": False},
 ]
 
 
@@ -62,10 +62,10 @@ def test_online_members_lists_only_those_that_answer_with_clients_forwarding_to_
     with StubLocalAgent(path, members=MEMBERS, forward_replies=replies) as agent:
         members = online_members(LocalAgentClient(str(path)))
         assert [(m.name, m.address, m.is_self) for m in members] == [
-            ("a", "10.77.0.1", True),
-            ("b", "10.77.0.2", False),
+            ("a", "198.51.100.1", True),
+            ("b", "198.51.100.2", False),
         ]
-        assert members[1].agent.url == "http://10.77.0.2:7710"
+        assert members[1].agent.url == "http://198.51.100.2:7710"
         secret = "ab" * 32
         reply = members[1].agent.start_job("j1", {"world": 2}, [1], files_secret=secret)
     assert reply == {"job_id": "j1", "pids": {"1": 4242}}
@@ -83,7 +83,9 @@ def test_a_restart_forwards_the_job_it_continues_beside_the_start_body(socket_di
     path = socket_dir / "agent.sock"
     replies = {"/v1/jobs": (201, {"job_id": "j2", "pids": {"0": 1}})}
     with StubLocalAgent(path, members=MEMBERS, forward_replies=replies) as agent:
-        LocalAgentClient(str(path)).member("b", "10.77.0.2").start_job("j2", {"world": 1}, [0], previous="j1")
+        LocalAgentClient(str(path)).member("b", "198.51.100.2").start_job(
+            "j2", {"world": 1}, [0], previous="j1"
+        )
     assert agent.forwarded[0]["previous"] == "j1"
     assert "previous" not in agent.forwarded[0]["body"], "the member's agent never sees it"
 
@@ -96,9 +98,9 @@ def test_a_member_agents_refusal_names_the_member_and_an_unreachable_member_is_t
     with StubLocalAgent(path, members=MEMBERS, forward_replies=replies, unreachable={"c"}):
         local = LocalAgentClient(str(path))
         with pytest.raises(AgentRefused) as refused:
-            local.member("b", "10.77.0.2").stop_job("j1")
+            local.member("b", "198.51.100.2").stop_job("j1")
         with pytest.raises(AgentUnreachable) as unreachable:
-            local.member("c", "10.77.0.3").events("j1", after=0)
+            local.member("c", "198.51.100.3").events("j1", after=0)
     assert not isinstance(refused.value, (AgentUnreachable, LaunchNotAllowed))
     assert str(refused.value) == (
         "agent of member 'b' refused DELETE /v1/jobs/j1: 403 only the member that started job j1 may stop it"
@@ -120,7 +122,7 @@ def test_a_refusal_sent_before_a_large_body_was_read_is_still_the_answer(socket_
     reason = "user 'shardpool' runs job stages and may not launch jobs itself"
     big_job = {"inputs": {f"model/shard-{index:05d}": "x" * 200 for index in range(40_000)}}
     with StubLocalAgent(path, members=MEMBERS, refuse=reason):
-        agent = LocalAgentClient(str(path)).member("b", "10.77.0.2")
+        agent = LocalAgentClient(str(path)).member("b", "198.51.100.2")
         with pytest.raises(AgentRefused) as caught:
             agent.start_job("j1", big_job, [0])
     assert not isinstance(caught.value, AgentUnreachable)

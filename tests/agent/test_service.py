@@ -390,7 +390,7 @@ def test_unsigned_strangers_and_misplaced_members_are_refused(shared: Path, work
         MESH_ID,
         FixedDirectory(
             [
-                Member("a", "10.77.0.1", public_key(LAUNCHER_KEY), True),
+                Member("a", "198.51.100.1", public_key(LAUNCHER_KEY), True),
                 Member("b", "127.0.0.1", public_key(AGENT_KEY), True),
             ]
         ),

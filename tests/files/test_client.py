@@ -248,7 +248,7 @@ def test_changed_file_on_the_launcher_and_unreachable_server_are_one_line_errors
         RemoteFiles(url, timeout=2, secret=SECRET).read_range("f", 0, 10, use_cache=False)
     assert "\n" not in str(caught.value)
     with pytest.raises(ShardpoolError, match="not like http"):
-        RemoteFiles("ftp://10.0.0.1/x", secret=SECRET)
+        RemoteFiles("ftp://198.51.100.1/x", secret=SECRET)
 
 
 def test_the_file_server_and_its_client_import_no_torch() -> None:

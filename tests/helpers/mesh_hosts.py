@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mesh.lab import Host, Lab
+from mesh.lab import MESH_CIDR, Host, Lab
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,6 +24,9 @@ def agent_serves(lab: Lab, source: Host, member: str) -> bool:
 class InProcessCoordinator:
     """A real coordinator service (SQLite store + HTTP server) on 127.0.0.1, for protocol tests.
 
+    Its mesh takes addresses from ``cidr``, by default the lab's :data:`~mesh.lab.MESH_CIDR`
+    (the coordinator at 198.51.100.1, joiners from .2 on).
+
     By default one server on :attr:`port` carries the join and the roster routes, so a member can
     use one port for everything. With ``split=True`` it runs the two production servers instead
     (as `mesh.node.syncd` does): joins and membership checks on :attr:`port` (:attr:`server`), rosters
@@ -31,7 +34,7 @@ class InProcessCoordinator:
     """
 
     def __init__(
-        self, directory: Path, cidr: str = "10.77.0.0/24", nonce_cap: int | None = None, split: bool = False
+        self, directory: Path, cidr: str = MESH_CIDR, nonce_cap: int | None = None, split: bool = False
     ) -> None:
         from mesh.addresses import first_address, parse_cidr
         from mesh.control.coordinator import (

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from mesh.constants import AGENT_PORT
-from mesh.lab import Host, Lab
+from mesh.lab import Host, Lab, mesh_address
 from tests.helpers.training import base_config, completion_rows
 
 __all__ = [
@@ -42,7 +42,8 @@ __all__ = [
     "wait_for",
 ]
 
-ADDRESSES = {"a": "10.77.0.1", "b": "10.77.0.2", "c": "10.77.0.3"}
+ADDRESSES = {label: mesh_address(number) for number, label in enumerate("abc", start=1)}
+"""The mesh address of each member of :func:`mesh_of_three` (a, the coordinator, first; b and c join in order)."""
 
 _MAKE_PRIVATE_FILES = """
 import json, sys

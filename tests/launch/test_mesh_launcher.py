@@ -32,7 +32,7 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from mesh.lab import Lab, netns_skip_reason
+from mesh.lab import MESH_CIDR, Lab, netns_skip_reason
 from tests.helpers.mesh_hosts import agent_serves
 from tests.helpers.mesh_training import (
     AGENT_PORT,
@@ -145,7 +145,7 @@ def test_mesh_run_equals_local_run_and_loads_with_peft(
 
 def test_agent_refuses_requests_from_outside_the_mesh(lab: Lab, mesh3: dict[str, str]) -> None:
     outsider, a = lab.hosts["x"], lab.hosts["a"]
-    ok(lab.run(outsider, "ip", "route", "add", "10.77.0.0/24", "via", a.underlay))
+    ok(lab.run(outsider, "ip", "route", "add", MESH_CIDR, "via", a.underlay))
     probe = (
         "import urllib.request, urllib.error\n"
         "try:\n"

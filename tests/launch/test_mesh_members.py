@@ -57,7 +57,7 @@ class FakeAgent:
 
 
 def _fleet(new: FakeAgent, old: FakeAgent) -> Any:
-    members = [MeshMember("new", "10.0.0.1", True, new), MeshMember("old", "10.0.0.2", False, old)]  # type: ignore[arg-type]
+    members = [MeshMember("new", "198.51.100.1", True, new), MeshMember("old", "198.51.100.2", False, old)]  # type: ignore[arg-type]
     return mesh_fleet(members, model_config={}, workload=WORKLOAD, say=lambda line: None)
 
 
@@ -98,7 +98,10 @@ def test_shardpool_layers_on_the_mesh_keeps_the_split_and_puts_the_big_stage_on_
 ) -> None:
     (tmp_path / "config.json").write_text(json.dumps(SHAPE_CONFIG))
     fast, slow = FakeAgent("fast", [{**OLD_ROW, "seconds_per_layer": 0.1}]), FakeAgent("slow", [OLD_ROW])
-    members = [MeshMember("fast", "10.0.0.1", True, fast), MeshMember("slow", "10.0.0.2", False, slow)]  # type: ignore[arg-type]
+    members = [
+        MeshMember("fast", "198.51.100.1", True, fast),  # type: ignore[arg-type]
+        MeshMember("slow", "198.51.100.2", False, slow),  # type: ignore[arg-type]
+    ]
     config = parse_config(
         {"base_model": str(tmp_path), "datasets": [{"path": "x.jsonl", "type": "completion"}],
          "sequence_len": 16, "lora_r": 4, "lora_target_linear": True,
@@ -113,7 +116,10 @@ def test_a_member_that_fails_its_health_check_is_skipped_before_any_profile_requ
     here, gone = FakeAgent("here", [OLD_ROW]), FakeAgent("gone", [OLD_ROW])
     gone.gone = True
     said: list[str] = []
-    members = [MeshMember("here", "10.0.0.1", True, here), MeshMember("gone", "10.0.0.3", False, gone)]  # type: ignore[arg-type]
+    members = [
+        MeshMember("here", "198.51.100.1", True, here),  # type: ignore[arg-type]
+        MeshMember("gone", "198.51.100.3", False, gone),  # type: ignore[arg-type]
+    ]
     fleet = mesh_fleet(members, model_config={}, workload=WORKLOAD, say=said.append)
     assert [device.host for device in fleet.devices] == ["here"]
     assert any("skipping member 'gone'" in line for line in said), said
@@ -126,7 +132,7 @@ def test_a_members_device_that_cannot_run_nf4_is_left_out_with_one_line() -> Non
     lab = FakeAgent("lab", [refused, OLD_ROW])
     said: list[str] = []
     fleet = mesh_fleet(
-        [MeshMember("lab", "10.0.0.1", True, lab)], model_config={}, workload=WORKLOAD, say=said.append
+        [MeshMember("lab", "198.51.100.1", True, lab)], model_config={}, workload=WORKLOAD, say=said.append
     )  # type: ignore[arg-type]
     assert [device.torch_device for device in fleet.devices] == ["cpu"]
     assert said == [

@@ -26,7 +26,7 @@ CONFIG = {
 }
 PLACEMENTS = [
     StagePlacement(start=0, stop=4, device="cuda:0"),
-    StagePlacement(start=4, stop=6, device="cpu", host="192.0.2.2"),
+    StagePlacement(start=4, stop=6, device="cpu", host="198.51.100.2"),
 ]
 
 
@@ -72,7 +72,7 @@ def test_the_card_has_hf_front_matter_and_says_what_was_trained_how_and_how_well
         "| eval loss after training | 2.5890 |",
         "2 pipeline stages × 1 replica, schedule 1f1b:",
         "| 0 | cuda:0 | localhost | [0, 4) | 4 |",
-        "| 1 | cpu | 192.0.2.2 | [4, 6) | 2 |",
+        "| 1 | cpu | 198.51.100.2 | [4, 6) | 2 |",
         'model = AutoPeftModelForCausalLM.from_pretrained("/runs/tiny-adapter")',
         'tokenizer = AutoTokenizer.from_pretrained("/runs/tiny-adapter")',
     ]
@@ -113,7 +113,7 @@ def test_a_run_whose_split_changed_shows_the_last_one_and_the_ones_before() -> N
                  earlier=earlier)  # fmt: skip
     plan = text.split("## Plan\n\n", 1)[1].split("\n\n## Usage", 1)[0]
     assert plan.splitlines()[0] == "2 pipeline stages × 1 replica, schedule 1f1b, at the end of training:"
-    assert "| 1 | cpu | 192.0.2.2 | [4, 6) | 2 |" in plan
+    assert "| 1 | cpu | 198.51.100.2 | [4, 6) | 2 |" in plan
     assert plan.endswith(
         "Earlier splits of this run:\n\n"
         "- [0, 5) on b, [5, 16) on a (planner), until step 3\n"

@@ -75,7 +75,9 @@ class _Agent:
 
 
 def _members(*names: str) -> list[MeshMember]:
-    return [MeshMember(name, f"10.0.0.{index + 1}", index == 0, _Agent()) for index, name in enumerate(names)]
+    return [
+        MeshMember(name, f"198.51.100.{index + 1}", index == 0, _Agent()) for index, name in enumerate(names)
+    ]
 
 
 def _job(stages: int = 2, **fields: Any) -> Job:
@@ -181,7 +183,7 @@ def test_a_silent_beat_whose_agent_does_not_answer_the_stop_is_a_machine_gone_no
     """A kill -9 of a whole host is often found by its beat before its agent's silence: the stop
     the launcher sends then tells the two apart (a stalled member is held back, a gone one not)."""
     a = _members("a")[0]
-    lost = _b_stops_beating(a, MeshMember("b", "10.0.0.2", False, _Unreachable()))
+    lost = _b_stops_beating(a, MeshMember("b", "198.51.100.2", False, _Unreachable()))
     assert lost.value.member == "b" and "stopped beating for" in str(lost.value)
     assert not lost.value.agent_answered
 
@@ -690,7 +692,7 @@ def test_a_member_lost_while_its_agent_answered_is_taken_back_only_once_it_was_a
     assert supervisor._found is None
     assert "'c' held back: lost 0 s ago while its agent answered" in seen["say"][-1]
 
-    online[0] = [*_members("a", "b"), MeshMember("c", "10.0.0.3", False, _Gone())]
+    online[0] = [*_members("a", "b"), MeshMember("c", "198.51.100.3", False, _Gone())]
     supervisor._look_for_joins(launcher, 12)
     assert supervisor._found is None, "away now: not taken while it does not answer"
     assert seen["say"][-1].endswith(

@@ -21,32 +21,32 @@ from mesh.errors import MeshError
 
 
 def test_first_address_is_the_first_host() -> None:
-    assert first_address(parse_cidr("10.77.0.0/24")) == "10.77.0.1"
+    assert first_address(parse_cidr("192.0.2.0/24")) == "192.0.2.1"
 
 
 def test_allocation_takes_the_lowest_never_used_address() -> None:
-    network = parse_cidr("10.77.0.0/24")
-    assert allocate_address(network, ["10.77.0.1"]) == "10.77.0.2"
-    assert allocate_address(network, ["10.77.0.1", "10.77.0.2", "10.77.0.4"]) == "10.77.0.3"
+    network = parse_cidr("192.0.2.0/24")
+    assert allocate_address(network, ["192.0.2.1"]) == "192.0.2.2"
+    assert allocate_address(network, ["192.0.2.1", "192.0.2.2", "192.0.2.4"]) == "192.0.2.3"
 
 
 def test_every_host_address_is_handed_out_once_then_exhausted() -> None:
-    network = parse_cidr("10.77.0.0/28")
+    network = parse_cidr("198.51.100.0/28")
     used: list[str] = []
     for _ in range(14):
         used.append(allocate_address(network, used))
     assert len(set(used)) == 14
     assert all(ipaddress.IPv4Address(a) in network for a in used)
-    assert "10.77.0.0" not in used and "10.77.0.15" not in used
-    with pytest.raises(MeshError, match="no free address left in 10.77.0.0/28.*larger --cidr"):
+    assert "198.51.100.0" not in used and "198.51.100.15" not in used
+    with pytest.raises(MeshError, match="no free address left in 198.51.100.0/28.*larger --cidr"):
         allocate_address(network, used)
 
 
 @settings(max_examples=100, deadline=None)
 @given(st.sets(st.integers(min_value=1, max_value=254), max_size=253))
 def test_allocation_never_collides(taken: set[int]) -> None:
-    network = parse_cidr("10.77.0.0/24")
-    used = [f"10.77.0.{i}" for i in taken]
+    network = parse_cidr("192.0.2.0/24")
+    used = [f"192.0.2.{i}" for i in taken]
     address = allocate_address(network, used)
     assert address not in used
     assert int(address.rsplit(".", 1)[1]) == min(set(range(1, 255)) - taken)
@@ -55,10 +55,10 @@ def test_allocation_never_collides(taken: set[int]) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("10.77.0.1/24", "not a network"),
+        ("192.0.2.1/24", "not a network"),
         ("banana", "not a network"),
-        ("fd00::/64", "IPv6"),
-        ("10.77.0.0/31", "fewer than two"),
+        ("2001:db8::/64", "IPv6"),
+        ("192.0.2.0/31", "fewer than two"),
     ],
 )
 def test_bad_cidrs_are_refused(text: str, message: str) -> None:

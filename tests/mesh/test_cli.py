@@ -87,7 +87,7 @@ def test_join_with_unreachable_coordinator_leaves_no_key_or_state(capsys, tmp_pa
     ("argv", "fragments"),
     [
         (["init", "--endpoint", "192.0.2.1"], ("--endpoint", "HOST:PORT")),
-        (["init", "--endpoint", "192.0.2.1:51820", "--cidr", "10.77.0.5/24"], ("--cidr", "not a network")),
+        (["init", "--endpoint", "192.0.2.1:51820", "--cidr", "198.51.100.5/28"], ("--cidr", "not a network")),
         (["init", "--endpoint", "192.0.2.1:51820", "--interface", "much-too-long-name"], ("--interface",)),
         (["init", "--endpoint", "192.0.2.1:51820", "--name", "Bad Name"], ("member name",)),
         (["init", "--endpoint", "192.0.2.1:51820", "--mtu", "100"], ("--mtu",)),
@@ -358,7 +358,7 @@ def test_revoking_twice_says_so_and_changes_nothing(capsys, coordinator_state) -
         ),
         (["invite", "--json"], ("--json only goes with --list",)),
         (["invite", "--name", "Bad"], ("member name 'Bad' is invalid",)),
-        (["invite", "--name", "coord"], ("member 'coord' already exists at 10.77.0.1",)),
+        (["invite", "--name", "coord"], ("member 'coord' already exists at 198.51.100.1",)),
         (["invite", "--uses", "0"], ("--uses must be at least 1",)),
         (["remove", "ghost"], ("no active member and no pending invite is called 'ghost'",)),
         (["remove", "coord"], ("coordinator itself",)),

@@ -13,6 +13,7 @@ Scenario, in order (the tests share one lab and run top to bottom):
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import shutil
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh.lab import Host, Lab, netns_skip_reason
+from mesh.lab import MESH_CIDR, Host, Lab, mesh_address, netns_skip_reason
 from mesh.wireguard.wgquick import parse_wgquick
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -97,7 +98,7 @@ def mesh3(lab: Lab) -> dict[str, str]:
 
 def test_every_host_reaches_every_other_through_wireguard(lab: Lab, mesh3: dict[str, str]) -> None:
     hosts = [lab.hosts[x] for x in "abc"]
-    assert sorted(mesh3.values()) == ["10.77.0.1", "10.77.0.2", "10.77.0.3"]
+    assert sorted(mesh3.values()) == [mesh_address(1), mesh_address(2), mesh_address(3)]
     assert _ping_matrix(lab, hosts, mesh3) == (6, 6), SILENT
     for host in hosts:
         dump = _wg_dump(lab, host)
@@ -143,7 +144,7 @@ def test_a_fourth_host_joins_later_appears_everywhere_within_10s_and_reaches_all
     MEASURED["new_member_visible_everywhere_s"] = time.monotonic() - joined
     assert MEASURED["new_member_visible_everywhere_s"] < 10
     addresses = {**mesh3, "d": _address(lab, d)}
-    assert addresses["d"] == "10.77.0.4"
+    assert addresses["d"] == mesh_address(4)
     assert _ping_matrix(lab, [a, b, c, d], addresses) == (12, 12), SILENT
     learned = _wg_dump(lab, a)[key][2]
     assert learned == f"{d.underlay}:51820", "a learned d's endpoint from d's handshake"
@@ -151,7 +152,7 @@ def test_a_fourth_host_joins_later_appears_everywhere_within_10s_and_reaches_all
 
 def test_remove_cuts_a_member_off(lab: Lab, mesh3: dict[str, str]) -> None:
     a, b, c, d = (lab.hosts[x] for x in "abcd")
-    addresses = {**mesh3, "d": "10.77.0.4"}
+    addresses = {**mesh3, "d": mesh_address(4)}
     _ok(lab.mesh(a, "remove", "c"))
     removed = time.monotonic()
     key = _public_key(c)
@@ -185,8 +186,12 @@ def test_export_config_and_leave(lab: Lab, tmp_path: Path) -> None:
     target = b.home / "exported.conf"
     _ok(lab.mesh(b, "export-config", "--output", str(target)))
     config = parse_wgquick(target.read_text())
-    assert config.addresses == ("10.77.0.2/24",) and config.mtu == 1420
-    assert sorted(p.allowed_ips[0] for p in config.peers) == ["10.77.0.1/32", "10.77.0.4/32"]
+    prefix = ipaddress.ip_network(MESH_CIDR).prefixlen
+    assert config.addresses == (f"{mesh_address(2)}/{prefix}",) and config.mtu == 1420
+    assert sorted(p.allowed_ips[0] for p in config.peers) == [
+        f"{mesh_address(1)}/32",
+        f"{mesh_address(4)}/32",
+    ]
     assert oct(target.stat().st_mode & 0o777) == "0o600"
 
     _ok(lab.mesh(b, "leave"))
@@ -210,8 +215,7 @@ def test_two_members_without_endpoints_punch_a_direct_path_within_10s(lab: Lab) 
     second join, over a path that ``mesh status`` calls ``direct``.
     """
     p, q, r = (lab.add_host(label, octet) for label, octet in (("p", 16), ("q", 17), ("r", 18)))
-    init = ["init", "--endpoint", p.endpoint, "--name", "p", "--interface", p.interface, "--uses", "2"]
-    token = _ok(lab.mesh(p, *init)).strip().splitlines()[-1]
+    token = lab.init_mesh(p, uses=2)
     for host in (q, r):
         _ok(
             lab.mesh(
@@ -251,19 +255,7 @@ def test_a_member_started_with_relay_carries_a_pair_when_the_coordinator_does_no
     w, x, y, z = (lab.add_host(label, octet) for label, octet in (("w", 20), ("x", 21), ("y", 22), ("z", 23)))
     for chain, flag in (("OUTPUT", "-d"), ("INPUT", "-s")):
         _ok(lab.run(z, "iptables", "-A", chain, "-p", "udp", flag, y.underlay, "-j", "DROP"))
-    init = [
-        "init",
-        "--endpoint",
-        w.endpoint,
-        "--name",
-        "w",
-        "--interface",
-        w.interface,
-        "--uses",
-        "3",
-        "--no-relay",
-    ]
-    token = _ok(lab.mesh(w, *init)).strip().splitlines()[-1]
+    token = lab.init_mesh(w, uses=3, extra=("--no-relay",))
     relay = ["--endpoint", x.endpoint, "--relay"]
     for host, extra in ((x, relay), (y, []), (z, [])):
         join = ["join", "-", "--name", host.label, "--interface", host.interface, *extra]

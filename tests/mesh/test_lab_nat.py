@@ -1,9 +1,13 @@
-"""The NAT grid's addressing, iptables rules and expected paths as plain data (mesh.lab.nat, mesh.lab.grid; no namespaces)."""
+"""The lab's addressing, the NAT grid's iptables rules and expected paths as plain data (mesh.lab.nat,
+mesh.lab.grid, the mesh CIDR of mesh.lab.base; no namespaces)."""
 
 from __future__ import annotations
 
+import ipaddress
+
 import pytest
 
+from mesh.lab.base import MESH_CIDR, UNDERLAY, mesh_address
 from mesh.lab.grid import (
     STANDARD_GRID,
     STANDARD_ROUTERS,
@@ -12,7 +16,15 @@ from mesh.lab.grid import (
     pairs,
     received_sequences,
 )
-from mesh.lab.nat import lan_address, lan_gateway, lan_subnet, router_nat_rules, udp_block_rules
+from mesh.lab.nat import (
+    INTERNET,
+    MAX_ROUTERS,
+    lan_address,
+    lan_gateway,
+    lan_subnet,
+    router_nat_rules,
+    udp_block_rules,
+)
 
 
 def test_each_router_gets_a_slash_28_of_test_net_2_with_itself_first() -> None:
@@ -27,6 +39,23 @@ def test_each_router_gets_a_slash_28_of_test_net_2_with_itself_first() -> None:
     ):
         with pytest.raises(ValueError):
             bad()
+
+
+def test_the_mesh_cidr_is_the_sixteenth_of_test_net_2_no_host_network_overlaps() -> None:
+    mesh = ipaddress.IPv4Network(MESH_CIDR)
+    assert mesh == ipaddress.IPv4Network("198.51.100.0/28")
+    hosts = [ipaddress.IPv4Network(f"{prefix}.0/24") for prefix in (UNDERLAY, INTERNET)]
+    hosts += [ipaddress.IPv4Network(lan_subnet(index)) for index in range(1, MAX_ROUTERS + 1)]
+    assert [network for network in hosts if network.overlaps(mesh)] == []
+    assert [mesh_address(number) for number in (1, 2, 14)] == [
+        "198.51.100.1",
+        "198.51.100.2",
+        "198.51.100.14",
+    ]
+    assert len(STANDARD_GRID) <= len(list(mesh.hosts())) == 14, "the standard grid fits in one mesh"
+    for number in (0, 15):
+        with pytest.raises(ValueError, match="outside 1..14"):
+            mesh_address(number)
 
 
 def test_a_cone_router_keeps_ports_and_forwards_each_members_port_to_it() -> None:
@@ -81,10 +110,10 @@ def test_the_standard_grid_has_21_pairs_each_once() -> None:
 
 def test_ping_output_gives_answered_sequences_and_the_longest_loss() -> None:
     output = (
-        "64 bytes from 10.77.0.6: icmp_seq=1 ttl=64 time=0.5 ms\n"
-        "64 bytes from 10.77.0.6: icmp_seq=2 ttl=64 time=0.5 ms\n"
-        "64 bytes from 10.77.0.6: icmp_seq=9 ttl=64 time=0.5 ms\n"
-        "\n--- 10.77.0.6 ping statistics ---\n10 packets transmitted, 3 received, 70% packet loss\n"
+        "64 bytes from 198.51.100.6: icmp_seq=1 ttl=64 time=0.5 ms\n"
+        "64 bytes from 198.51.100.6: icmp_seq=2 ttl=64 time=0.5 ms\n"
+        "64 bytes from 198.51.100.6: icmp_seq=9 ttl=64 time=0.5 ms\n"
+        "\n--- 198.51.100.6 ping statistics ---\n10 packets transmitted, 3 received, 70% packet loss\n"
     )
     answered, transmitted = received_sequences(output)
     assert (answered, transmitted) == ([1, 2, 9], 10)

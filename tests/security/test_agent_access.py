@@ -213,7 +213,7 @@ def test_the_socket_forwards_only_the_agent_routes(setup) -> None:
         ("GET", "/v1/jobs/../../etc/passwd"),
         ("GET", "/v1/local/members"),
         ("PUT", "/v1/jobs"),
-        ("GET", "http://10.0.0.1/v1/health"),
+        ("GET", "http://198.51.100.1/v1/health"),
         ("DELETE", "/v1/jobs/x/../y"),
     ):
         status, reply = local_call(

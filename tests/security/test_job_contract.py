@@ -17,7 +17,7 @@ from shardpool.contract.start import NotAMember, parse_job_start
 from tests.helpers.jobs import job_dict
 
 REPO = Path(__file__).resolve().parents[2]
-MEMBERS = {"10.77.0.1", "10.77.0.2"}
+MEMBERS = {"198.51.100.1", "198.51.100.2"}
 
 
 def _start(job: dict, ranks: list[int] | None = None, **extra: object) -> object:
@@ -39,12 +39,12 @@ def test_the_contract_modules_import_neither_torch_transformers_nor_the_http_sta
 
 
 def test_a_request_carrying_env_or_any_unknown_field_is_refused() -> None:
-    job = job_dict(launcher="10.77.0.1")
+    job = job_dict(launcher="198.51.100.1")
     with pytest.raises(ContractError, match="unknown field `env`"):
         _start(job, env={"NCCL_NET_PLUGIN": "/tmp/evil.so"})
     with pytest.raises(ContractError, match="unknown field `job.run_as`"):
         _start({**job, "run_as": "root"})
-    assert _start(job).job.files_url == "http://10.77.0.1:41000"
+    assert _start(job).job.files_url == "http://198.51.100.1:41000"
 
 
 @pytest.mark.parametrize(
@@ -52,36 +52,36 @@ def test_a_request_carrying_env_or_any_unknown_field_is_refused() -> None:
 )
 def test_input_names_that_could_leave_a_directory_are_refused(name: str) -> None:
     with pytest.raises(ContractError, match="input name"):
-        _start(job_dict(launcher="10.77.0.1", inputs={name: "/x"}))
+        _start(job_dict(launcher="198.51.100.1", inputs={name: "/x"}))
 
 
 def test_counts_and_sizes_are_capped() -> None:
     one_layer_each = [{"start": i, "stop": i + 1, "device": "cpu"} for i in range(513)]
     with pytest.raises(ContractError, match="at most 512"):
-        _start({**job_dict(launcher="10.77.0.1"), "stages": one_layer_each})
+        _start({**job_dict(launcher="198.51.100.1"), "stages": one_layer_each})
     with pytest.raises(ContractError, match="at most 256"):
-        _start({**job_dict(launcher="10.77.0.1", stages=512), "replicas": 1}, ranks=list(range(257)))
+        _start({**job_dict(launcher="198.51.100.1", stages=512), "replicas": 1}, ranks=list(range(257)))
     many = {f"f{i}": "/x" for i in range(10_001)}
     with pytest.raises(ContractError, match="at most 10000"):
-        _start(job_dict(launcher="10.77.0.1", inputs=many))
+        _start(job_dict(launcher="198.51.100.1", inputs=many))
     with pytest.raises(ContractError, match="4096"):
-        _start({**job_dict(launcher="10.77.0.1"), "output_dir": "/" + "a" * 5000})
+        _start({**job_dict(launcher="198.51.100.1"), "output_dir": "/" + "a" * 5000})
 
 
 def test_addresses_must_be_current_members() -> None:
     with pytest.raises(NotAMember, match="master_addr 192.0.2.99 is not a current mesh member"):
-        _start(job_dict(launcher="10.77.0.1", master_addr="192.0.2.99"))
+        _start(job_dict(launcher="198.51.100.1", master_addr="192.0.2.99"))
     with pytest.raises(NotAMember, match="files_url 192.0.2.99"):
-        _start(job_dict(launcher="10.77.0.1", files_url="http://192.0.2.99:8000"))
+        _start(job_dict(launcher="198.51.100.1", files_url="http://192.0.2.99:8000"))
     with pytest.raises(ContractError, match="not like http://"):
-        _start(job_dict(launcher="10.77.0.1", files_url="http://10.77.0.1:8000/../x"))
+        _start(job_dict(launcher="198.51.100.1", files_url="http://198.51.100.1:8000/../x"))
     with pytest.raises(ContractError, match="not an IP address"):
-        _start(job_dict(launcher="10.77.0.1", master_addr="evil.example"))
+        _start(job_dict(launcher="198.51.100.1", master_addr="evil.example"))
 
 
 def test_a_job_started_through_an_agent_must_use_the_file_server() -> None:
     with pytest.raises(ContractError, match="needs files_url"):
-        _start(job_dict(launcher="10.77.0.1", files_url=None))
+        _start(job_dict(launcher="198.51.100.1", files_url=None))
 
 
 @pytest.mark.parametrize("digest", ["../../etc/x", "A" * 64, "a" * 63, "a" * 64 + "\n", "g" * 64, 7])
@@ -129,11 +129,11 @@ def test_eval_events_carry_hf_names_and_step_events_no_lr() -> None:
 
 
 def test_job_files_round_trip_and_oversize_files_are_refused(tmp_path: Path) -> None:
-    job = Job.model_validate(job_dict(launcher="10.77.0.1"))
+    job = Job.model_validate(job_dict(launcher="198.51.100.1"))
     job.write(tmp_path / "job.json")
     assert Job.read(tmp_path / "job.json") == job
     assert Job.model_validate(job.model_dump(mode="json")) == Job.model_validate(
-        job_dict(launcher="10.77.0.1")
+        job_dict(launcher="198.51.100.1")
     )
     (tmp_path / "big.json").write_bytes(b" " * (16 * 2**20 + 1))
     with pytest.raises(ContractError, match="at most 16777216 bytes"):

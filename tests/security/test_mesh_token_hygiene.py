@@ -58,7 +58,7 @@ def test_member_name_with_a_newline_is_refused_by_every_check(name: str) -> None
     with pytest.raises(MeshError, match="member name"):
         check_name(name)
     with pytest.raises(MeshError, match="member name"):
-        RosterEntry.from_json({"name": name, "address": "10.77.0.2", "public_key": _new_key()})
+        RosterEntry.from_json({"name": name, "address": "198.51.100.2", "public_key": _new_key()})
 
 
 def test_join_request_for_a_name_with_a_newline_is_refused_and_admits_nobody(coordinator) -> None:
@@ -202,7 +202,7 @@ def test_an_invite_made_for_a_name_admits_only_that_name(capsys, coordinator) ->
     with pytest.raises(MeshError, match="made for member 'gpu-b', not 'intruder'.*--name gpu-b"):
         request_join(token, "intruder", _new_key(), None)
     assert _snapshot(coordinator) == before
-    assert request_join(token, "gpu-b", _new_key(), None).member.address == "10.77.0.2"
+    assert request_join(token, "gpu-b", _new_key(), None).member.address == "198.51.100.2"
 
 
 def test_revoke_refusal_happens_in_the_admission_transaction(coordinator) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh.lab import UNDERLAY, Lab, netns_skip_reason
+from mesh.lab import UNDERLAY, Lab, mesh_address, netns_skip_reason
 from tests.helpers.mesh_hosts import REPO
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -49,12 +49,7 @@ def test_an_honest_join_completes_while_a_lan_host_holds_two_thousand_connection
             subprocess.run(
                 ["ip", "-n", attacker.netns, "addr", "add", f"{address}/24", "dev", "eth0"], check=True
             )
-        init = lab.mesh(
-            coordinator, "init", "--endpoint", coordinator.endpoint, "--name", "a",
-            "--interface", coordinator.interface, "--no-agent",
-        )  # fmt: skip
-        assert init.returncode == 0, init.stderr
-        token = init.stdout.strip().splitlines()[-1]
+        token = lab.init_mesh(coordinator, uses=1, agent=False)
         attack = subprocess.Popen(
             ["ip", "netns", "exec", attacker.netns, sys.executable, "-c", ATTACK,
              f"http://{coordinator.endpoint}", str(ATTACKERS), ",".join(sources)],
@@ -72,7 +67,7 @@ def test_an_honest_join_completes_while_a_lan_host_holds_two_thousand_connection
             elapsed = time.monotonic() - started
             assert join.returncode == 0, join.stderr
             assert elapsed < HONEST_LIMIT_S, f"the join took {elapsed:.1f} s under attack"
-            assert lab.ping(joiner, "10.77.0.1", count=6), lab.last_ping
+            assert lab.ping(joiner, mesh_address(1), count=6), lab.last_ping
             attack.stdin.close()
             still = attack.stdout.readline().split()
             assert still[:1] == ["still"], attack.stderr.read()

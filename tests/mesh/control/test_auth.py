@@ -43,7 +43,7 @@ PATH = "/v1/jobs?limit=5"
 
 
 def _verifier(*members: Member, nonce_cap: int = 64) -> RequestVerifier:
-    listed = members or (Member("a", "10.77.0.2", SENDER, True), Member("c", "10.77.0.3", OTHER, True))
+    listed = members or (Member("a", "198.51.100.2", SENDER, True), Member("c", "198.51.100.3", OTHER, True))
     return RequestVerifier(RECEIVER_PRIVATE, MESH, FixedDirectory(listed), nonce_cap=nonce_cap)
 
 
@@ -78,7 +78,7 @@ def test_both_sides_derive_the_same_key_and_it_differs_per_purpose_and_mesh() ->
 
 def test_a_signed_request_round_trips_to_its_member() -> None:
     member = _verifier().verify("POST", PATH, _signed(), BODY)
-    assert (member.name, member.address, member.public_key) == ("a", "10.77.0.2", SENDER)
+    assert (member.name, member.address, member.public_key) == ("a", "198.51.100.2", SENDER)
 
 
 def test_header_names_are_case_insensitive() -> None:
@@ -206,7 +206,7 @@ def test_a_header_sent_twice_is_refused() -> None:
 def test_unknown_and_removed_keys_touch_no_nonce_cache() -> None:
     stranger = generate_private_key()
     verifier = _verifier(
-        Member("a", "10.77.0.2", SENDER, current=False), Member("c", "10.77.0.3", OTHER, True)
+        Member("a", "198.51.100.2", SENDER, current=False), Member("c", "198.51.100.3", OTHER, True)
     )
     with pytest.raises(AuthError, match="not in this mesh") as unknown:
         verifier.verify("POST", PATH, _signed(private=stranger), BODY)
@@ -277,11 +277,11 @@ def test_roster_store_directory_knows_removed_members(tmp_path: Path) -> None:
     store = RosterStore.create(
         tmp_path / "coordinator.db",
         MESH,
-        "10.77.0.0/24",
-        RosterEntry("coord", "10.77.0.1", RECEIVER, None, True),
+        "198.51.100.0/28",
+        RosterEntry("coord", "198.51.100.1", RECEIVER, None, True),
     )
     directory = RosterStoreDirectory(store)
-    assert directory.lookup(RECEIVER) == Member("coord", "10.77.0.1", RECEIVER, True)
+    assert directory.lookup(RECEIVER) == Member("coord", "198.51.100.1", RECEIVER, True)
     assert directory.lookup(SENDER) is None
     (tmp_path / "coordinator.db").write_bytes(b"not a database")
     with pytest.raises(Exception, match="cannot read the coordinator database"):
@@ -295,15 +295,15 @@ def test_cached_roster_directory_follows_the_file_and_fails_closed(tmp_path: Pat
     with pytest.raises(AuthError, match="cannot read the roster"):
         verifier.verify("POST", PATH, _signed(), BODY)
     members = (
-        RosterEntry("coord", "10.77.0.1", RECEIVER, None, True),
-        RosterEntry("a", "10.77.0.2", SENDER, None),
+        RosterEntry("coord", "198.51.100.1", RECEIVER, None, True),
+        RosterEntry("a", "198.51.100.2", SENDER, None),
     )
-    write_json(path, Roster(MESH, "10.77.0.0/24", 1, members).to_json())
+    write_json(path, Roster(MESH, "198.51.100.0/28", 1, members).to_json())
     assert verifier.verify("POST", PATH, _signed(), BODY).name == "a"
-    write_json(path, Roster(MESH, "10.77.0.0/24", 2, members[:1]).to_json())
+    write_json(path, Roster(MESH, "198.51.100.0/28", 2, members[:1]).to_json())
     with pytest.raises(AuthError, match="not in this mesh"):
         verifier.verify("POST", PATH, _signed(), BODY)
-    write_json(path, Roster("othermesh", "10.77.0.0/24", 3, members).to_json())
+    write_json(path, Roster("othermesh", "198.51.100.0/28", 3, members).to_json())
     with pytest.raises(AuthError, match="is for mesh othermesh"):
         verifier.verify("POST", PATH, _signed(), BODY)
     path.write_text(json.dumps({"members": "broken"}))

@@ -37,9 +37,9 @@ def _fetch(coordinator: InProcessCoordinator, private: str):  # noqa: ANN202
 def test_join_result_carries_address_roster_and_settings(coordinator) -> None:
     private = generate_private_key()
     result = request_join(coordinator.invite(), "b", public_key(private), "192.0.2.2:51820")
-    assert result.member.address == "10.77.0.2" and result.member.endpoint == "192.0.2.2:51820"
+    assert result.member.address == "198.51.100.2" and result.member.endpoint == "192.0.2.2:51820"
     assert [m.name for m in result.roster.members] == ["coord", "b"]
-    assert (result.mtu, result.keepalive, result.coordinator_address) == (1420, 25, "10.77.0.1")
+    assert (result.mtu, result.keepalive, result.coordinator_address) == (1420, 25, "198.51.100.1")
 
 
 def test_members_fetch_the_roster_with_their_key(coordinator) -> None:

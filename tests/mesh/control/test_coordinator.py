@@ -52,7 +52,7 @@ def test_join_succeeds_and_changes_the_roster(coordinator) -> None:
     result = request_join(
         coordinator.invite(), "gpu-2", public_key(generate_private_key()), "192.0.2.2:51820"
     )
-    assert result.member.address == "10.77.0.2"
+    assert result.member.address == "198.51.100.2"
     assert [m.name for m in coordinator.store.roster().members] == ["coord", "gpu-2"]
 
 
@@ -81,12 +81,12 @@ def test_token_for_another_coordinator_key_is_refused(coordinator) -> None:
 
 
 def test_name_collision_and_exhaustion_are_refused(tmp_path) -> None:
-    small = InProcessCoordinator(tmp_path, cidr="10.77.0.0/30")
+    small = InProcessCoordinator(tmp_path, cidr="198.51.100.0/30")
     try:
         token = small.invite(uses=3)
         _refused(small, token, "name 'coord' is already taken", name="coord")
         request_join(token, "b", public_key(generate_private_key()), None)
-        _refused(small, token, "no free address left in 10.77.0.0/30")
+        _refused(small, token, "no free address left in 198.51.100.0/30")
         assert small.store.counts()["tokens_usable"] == 2
     finally:
         small.close()

@@ -14,17 +14,17 @@ KEYS = [public_key(generate_private_key()) for _ in range(3)]
 def _data(**changes) -> dict:
     data = {
         "mesh_id": "m",
-        "cidr": "10.77.0.0/24",
+        "cidr": "198.51.100.0/28",
         "revision": 3,
         "members": [
             {
                 "name": "a",
-                "address": "10.77.0.1",
+                "address": "198.51.100.1",
                 "public_key": KEYS[0],
                 "endpoint": "192.0.2.1:51820",
                 "coordinator": True,
             },
-            {"name": "b", "address": "10.77.0.2", "public_key": KEYS[1], "endpoint": None},
+            {"name": "b", "address": "198.51.100.2", "public_key": KEYS[1], "endpoint": None},
         ],
     }
     data.update(changes)
@@ -34,19 +34,19 @@ def _data(**changes) -> dict:
 def test_round_trip() -> None:
     roster = Roster.from_json(_data())
     assert Roster.from_json(roster.to_json()) == roster
-    assert roster.by_name("b") == RosterEntry("b", "10.77.0.2", KEYS[1], None, False)
+    assert roster.by_name("b") == RosterEntry("b", "198.51.100.2", KEYS[1], None, False)
     assert roster.by_key(KEYS[0]).coordinator
 
 
 @pytest.mark.parametrize(
     ("members", "message"),
     [
-        ([{"name": "a", "address": "10.77.0.1", "public_key": KEYS[0]}] * 2, "twice"),
-        ([{"name": "a", "address": "10.99.0.1", "public_key": KEYS[0]}], "outside"),
+        ([{"name": "a", "address": "198.51.100.1", "public_key": KEYS[0]}] * 2, "twice"),
+        ([{"name": "a", "address": "198.51.100.16", "public_key": KEYS[0]}], "outside"),
         ([{"name": "a", "address": "nope", "public_key": KEYS[0]}], "malformed"),
-        ([{"name": "A B", "address": "10.77.0.1", "public_key": KEYS[0]}], "invalid"),
-        ([{"name": "a", "address": "10.77.0.1", "public_key": "short"}], "key"),
-        ([{"name": "a", "address": "10.77.0.1", "public_key": KEYS[0], "endpoint": "nope"}], "endpoint"),
+        ([{"name": "A B", "address": "198.51.100.1", "public_key": KEYS[0]}], "invalid"),
+        ([{"name": "a", "address": "198.51.100.1", "public_key": "short"}], "key"),
+        ([{"name": "a", "address": "198.51.100.1", "public_key": KEYS[0], "endpoint": "nope"}], "endpoint"),
         (["x"], "not an object"),
     ],
 )
@@ -78,7 +78,7 @@ def test_relay_allocations_parse_strictly() -> None:
     from mesh.wireguard.keys import generate_private_key, public_key
 
     a, b = sorted(public_key(generate_private_key()) for _ in range(2))
-    good = {"pair": f"{a}|{b}", "key_a": a, "ip_a": "198.51.100.2", "key_b": b, "ip_b": "198.51.100.3"}
+    good = {"pair": f"{a}|{b}", "key_a": a, "ip_a": "198.51.100.18", "key_b": b, "ip_b": "198.51.100.19"}
     assert parse_relay_allocations(None) == []
     assert parse_relay_allocations([good]) == [AllocationRequest(**good)]
     bad = [

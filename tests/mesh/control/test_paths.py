@@ -10,9 +10,9 @@ from mesh.wireguard.keys import generate_private_key, public_key
 A, B, C, COORD, FIXED = (public_key(generate_private_key()) for _ in range(5))
 OBSERVED = {A: "203.0.113.10:40001", B: "203.0.113.20:40002", C: "203.0.113.30:40003"}
 MEMBERS = [
-    RosterEntry("coord", "10.77.0.1", COORD, "203.0.113.1:51820", True),
-    RosterEntry("a", "10.77.0.2", A),
-    RosterEntry("b", "10.77.0.3", B),
+    RosterEntry("coord", "198.51.100.1", COORD, "203.0.113.1:51820", True),
+    RosterEntry("a", "198.51.100.2", A),
+    RosterEntry("b", "198.51.100.3", B),
 ]
 PAIR = pair_id(A, B)
 PORTS = {PAIR: (51821, 51822)}
@@ -63,12 +63,12 @@ def test_a_new_pair_is_relayed_at_once_and_gets_a_direct_try() -> None:
 
 
 def test_pairs_with_a_roster_endpoint_or_the_coordinator_get_no_instruction() -> None:
-    members = [*MEMBERS, RosterEntry("fixed", "10.77.0.9", FIXED, "198.51.100.9:51820")]
+    members = [*MEMBERS, RosterEntry("fixed", "198.51.100.9", FIXED, "198.51.100.25:51820")]
     planner = PathPlanner()
     _step(
         planner,
         T0,
-        observed={**OBSERVED, FIXED: "198.51.100.9:51820", COORD: "203.0.113.1:51820"},
+        observed={**OBSERVED, FIXED: "198.51.100.25:51820", COORD: "203.0.113.1:51820"},
         members=members,
     )
     plan = _plan(planner)
@@ -171,7 +171,7 @@ def test_both_sides_without_a_handshake_for_180s_repunch() -> None:
 
 def test_a_removed_member_drops_its_pairs_and_allocations_at_once() -> None:
     planner = PathPlanner()
-    members = [*MEMBERS, RosterEntry("c", "10.77.0.4", C)]
+    members = [*MEMBERS, RosterEntry("c", "198.51.100.4", C)]
     assert len(_step(planner, T0, members=members)) == 3
     wants = _step(planner, T0 + 1, members=MEMBERS)
     assert [w.pair for w in wants] == [PAIR]

@@ -46,8 +46,8 @@ def test_join_round_trip() -> None:
         token.secret,
     )
     assert coordinator_context == joiner_context
-    reply = seal_join_response(coordinator_context, {"address": "10.77.0.2"})
-    assert open_join_response(joiner_context, reply) == {"address": "10.77.0.2"}
+    reply = seal_join_response(coordinator_context, {"address": "198.51.100.2"})
+    assert open_join_response(joiner_context, reply) == {"address": "198.51.100.2"}
 
 
 def test_wrong_secret_fails_authentication() -> None:
@@ -125,7 +125,7 @@ def test_reply_from_an_impostor_is_refused() -> None:
     _, joiner_context = seal_join_request(token, "b", MEMBER_KEY, None)
     impostor = JoinContext(reply_key=bytes(32), request_nonce=joiner_context.request_nonce)
     with pytest.raises(ProtocolError, match="does not hold the coordinator key"):
-        open_join_response(joiner_context, seal_join_response(impostor, {"address": "10.77.0.66"}))
+        open_join_response(joiner_context, seal_join_response(impostor, {"address": "198.51.100.14"}))
     with pytest.raises(ProtocolError, match="does not hold the coordinator key"):
         open_join_response(joiner_context, {"garbage": True})
 

@@ -177,7 +177,7 @@ def test_roster_replies_carry_only_the_callers_paths(coordinator) -> None:
     punch = PunchTry(3, "203.0.113.9:4000", "direct", 1e9, 3.0)
     instruction = PathInstruction("relay", "203.0.113.1:51821", punch)
     first, second = sorted((public_key(b), public_key(c)))
-    request = AllocationRequest(f"{first}|{second}", first, "198.51.100.2", second, "198.51.100.3")
+    request = AllocationRequest(f"{first}|{second}", first, "198.51.100.18", second, "198.51.100.19")
     coordinator.service.board.publish(
         {public_key(b): {public_key(c): instruction}}, {public_key(c): [request]}
     )

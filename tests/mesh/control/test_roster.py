@@ -21,7 +21,7 @@ from mesh.wireguard.keys import generate_private_key, public_key
 COORD_KEY = public_key(generate_private_key())
 
 
-def _store(tmp_path, cidr: str = "10.77.0.0/24") -> RosterStore:
+def _store(tmp_path, cidr: str = "198.51.100.0/28") -> RosterStore:
     address = first_address(parse_cidr(cidr))
     return RosterStore.create(
         tmp_path / "c.db", "mesh1", cidr, RosterEntry("coord", address, COORD_KEY, "192.0.2.1:51820", True)
@@ -49,8 +49,8 @@ def _request(token: tuple[bytes, bytes], name: str, key: str | None = None) -> A
 def test_new_store_has_the_coordinator_and_is_private(tmp_path) -> None:
     store = _store(tmp_path)
     roster = store.roster()
-    assert [(m.name, m.address, m.coordinator) for m in roster.members] == [("coord", "10.77.0.1", True)]
-    assert roster.revision == 1 and roster.cidr == "10.77.0.0/24"
+    assert [(m.name, m.address, m.coordinator) for m in roster.members] == [("coord", "198.51.100.1", True)]
+    assert roster.revision == 1 and roster.cidr == "198.51.100.0/28"
     assert stat.S_IMODE(os.stat(tmp_path / "c.db").st_mode) == 0o600
     with pytest.raises(MeshError, match="already exists"):
         _store(tmp_path)
@@ -59,8 +59,8 @@ def test_new_store_has_the_coordinator_and_is_private(tmp_path) -> None:
 def test_admit_allocates_addresses_in_order_and_bumps_revision(tmp_path) -> None:
     store = _store(tmp_path)
     token = _token(store, uses=3)
-    assert store.admit(_request(token, "b")).address == "10.77.0.2"
-    assert store.admit(_request(token, "c")).address == "10.77.0.3"
+    assert store.admit(_request(token, "b")).address == "198.51.100.2"
+    assert store.admit(_request(token, "c")).address == "198.51.100.3"
     roster = store.roster()
     assert [m.name for m in roster.members] == ["coord", "b", "c"]
     assert roster.revision == 3
@@ -105,17 +105,17 @@ def test_name_and_key_collisions_are_refused_without_using_the_token(tmp_path) -
     token = _token(store, uses=2)
     key = public_key(generate_private_key())
     store.admit(_request(token, "b", key))
-    _refused(store, _request(token, "b"), "name 'b' is already taken by 10.77.0.2.*--name")
+    _refused(store, _request(token, "b"), "name 'b' is already taken by 198.51.100.2.*--name")
     _refused(store, _request(token, "c", key), "already belongs to member 'b'")
     assert store.counts()["tokens_usable"] == 1
 
 
 def test_exhausted_cidr_is_refused_without_using_the_token(tmp_path) -> None:
-    store = _store(tmp_path, "10.77.0.0/29")  # 6 hosts: coordinator + 5
+    store = _store(tmp_path, "198.51.100.0/29")  # 6 hosts: coordinator + 5
     token = _token(store, uses=10)
     for i in range(5):
         store.admit(_request(token, f"m{i}"))
-    _refused(store, _request(token, "late"), "no free address left in 10.77.0.0/29")
+    _refused(store, _request(token, "late"), "no free address left in 198.51.100.0/29")
     assert store.counts()["tokens_usable"] == 5
 
 
@@ -125,11 +125,11 @@ def test_revoked_address_is_never_reused_and_name_is_free_again(tmp_path) -> Non
     key = public_key(generate_private_key())
     store.admit(_request(token, "b", key))
     revoked = store.revoke("b")
-    assert revoked.address == "10.77.0.2"
+    assert revoked.address == "198.51.100.2"
     assert store.roster().by_name("b") is None
-    assert store.lookup_key(key) == (RosterEntry("b", "10.77.0.2", key, None), True)
+    assert store.lookup_key(key) == (RosterEntry("b", "198.51.100.2", key, None), True)
     again = store.admit(_request(token, "b"))
-    assert again.address == "10.77.0.3"
+    assert again.address == "198.51.100.3"
 
 
 def test_revoking_unknown_or_coordinator_is_refused(tmp_path) -> None:
@@ -204,15 +204,15 @@ def _old_database(path, token_id: bytes, secret: bytes) -> None:
     db.executescript(_SCHEMA_V0)
     db.executemany(
         "INSERT INTO meta(key, value) VALUES (?, ?)",
-        [("mesh_id", "old"), ("cidr", "10.77.0.0/24"), ("revision", "2"), ("created_at", "1")],
+        [("mesh_id", "old"), ("cidr", "198.51.100.0/28"), ("revision", "2"), ("created_at", "1")],
     )
     db.execute(
         "INSERT INTO members(name, address, public_key, endpoint, coordinator, joined_at) VALUES (?, ?, ?, ?, 1, 1)",
-        ("coord", "10.77.0.1", COORD_KEY, "192.0.2.1:51820"),
+        ("coord", "198.51.100.1", COORD_KEY, "192.0.2.1:51820"),
     )
     db.execute(
         "INSERT INTO members(name, address, public_key, joined_at) VALUES (?, ?, ?, 2)",
-        ("b", "10.77.0.2", public_key(generate_private_key())),
+        ("b", "198.51.100.2", public_key(generate_private_key())),
     )
     db.execute(
         "INSERT INTO tokens VALUES (?, ?, 1, ?, 2)", (token_id, secret_hash(secret), time.time() + 3600)
@@ -235,7 +235,7 @@ def test_database_from_before_invite_revocation_is_migrated_on_open(tmp_path) ->
         None,
         (),
     )
-    assert store.admit(_request(token, "c")).address == "10.77.0.3"
+    assert store.admit(_request(token, "c")).address == "198.51.100.3"
     assert store.invites()[0].joined == ("c",)
     # Opening it again finds it current and changes nothing.
     assert RosterStore(tmp_path / "old.db").roster() == store.roster()

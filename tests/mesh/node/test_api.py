@@ -22,20 +22,20 @@ def _member_state(home) -> StatePaths:
     paths.ensure()
     write_private_key(paths.private_key, PRIVATE)
     config = MeshConfig(
-        role="member", mesh_id="m", name="b", interface="spapitest0", backend="userspace", cidr="10.77.0.0/24",
-        address="10.77.0.2", public_key=SELF, endpoint=None, listen_port=51820, mtu=1420, keepalive=25,
-        coordinator_key=COORD, coordinator_endpoint="192.0.2.1:51820", coordinator_address="10.77.0.1", api_port=51820,
+        role="member", mesh_id="m", name="b", interface="spapitest0", backend="userspace", cidr="198.51.100.0/28",
+        address="198.51.100.2", public_key=SELF, endpoint=None, listen_port=51820, mtu=1420, keepalive=25,
+        coordinator_key=COORD, coordinator_endpoint="192.0.2.1:51820", coordinator_address="198.51.100.1", api_port=51820,
     )  # fmt: skip
     save_config(paths, config)
     save_cached_roster(
         paths,
         Roster(
             "m",
-            "10.77.0.0/24",
+            "198.51.100.0/28",
             2,
             (
-                RosterEntry("a", "10.77.0.1", COORD, "192.0.2.1:51820", True),
-                RosterEntry("b", "10.77.0.2", SELF),
+                RosterEntry("a", "198.51.100.1", COORD, "192.0.2.1:51820", True),
+                RosterEntry("b", "198.51.100.2", SELF),
             ),
         ),
     )
@@ -46,8 +46,8 @@ def test_members_from_cached_roster_with_interface_down(tmp_path) -> None:
     _member_state(tmp_path)
     found = members(tmp_path, probe=False)
     assert found == [
-        Member("a", "10.77.0.1", COORD, "192.0.2.1:51820", False, False, True, None, 0, 0),
-        Member("b", "10.77.0.2", SELF, None, False, True, False, None, 0, 0),
+        Member("a", "198.51.100.1", COORD, "192.0.2.1:51820", False, False, True, None, 0, 0),
+        Member("b", "198.51.100.2", SELF, None, False, True, False, None, 0, 0),
     ]
     # probing is skipped while the interface is down: nothing can be reachable through it
     assert [m.online for m in members(tmp_path, probe=True)] == [False, False]
@@ -55,7 +55,7 @@ def test_members_from_cached_roster_with_interface_down(tmp_path) -> None:
 
 def test_member_by_name(tmp_path) -> None:
     _member_state(tmp_path)
-    assert member("a", tmp_path, probe=False).address == "10.77.0.1"
+    assert member("a", tmp_path, probe=False).address == "198.51.100.1"
     with pytest.raises(MeshError, match="no member called 'zz'; the mesh has: a, b"):
         member("zz", tmp_path, probe=False)
 

@@ -15,9 +15,9 @@ from mesh.state import StatePaths
 
 def _config() -> MeshConfig:
     return MeshConfig(
-        role="member", mesh_id="m", name="b", interface="sp0", backend="userspace", cidr="10.77.0.0/24",
-        address="10.77.0.2", public_key="k", endpoint=None, listen_port=51820, mtu=1420, keepalive=25,
-        coordinator_key="c", coordinator_endpoint="192.0.2.1:51820", coordinator_address="10.77.0.1", api_port=51820,
+        role="member", mesh_id="m", name="b", interface="sp0", backend="userspace", cidr="198.51.100.0/28",
+        address="198.51.100.2", public_key="k", endpoint=None, listen_port=51820, mtu=1420, keepalive=25,
+        coordinator_key="c", coordinator_endpoint="192.0.2.1:51820", coordinator_address="198.51.100.1", api_port=51820,
     )  # fmt: skip
 
 
@@ -26,7 +26,7 @@ def test_round_trip_is_private(tmp_path) -> None:
     save_config(paths, _config())
     assert load_config(paths) == _config()
     assert stat.S_IMODE(os.stat(paths.config).st_mode) == 0o600
-    assert _config().prefixlen == 24 and not _config().is_coordinator
+    assert _config().prefixlen == 28 and not _config().is_coordinator
 
 
 def test_missing_state_is_explained(tmp_path) -> None:

@@ -15,7 +15,7 @@ DIRECT = "203.0.113.20:40002"
 ROAMED = "203.0.113.20:55555"
 AT = 1_000_000.0
 PUNCH = PunchTry(5, DIRECT, "direct", AT, 3.0)
-ALLOWED = ("10.77.0.3/32",)
+ALLOWED = ("198.51.100.3/32",)
 
 
 def _status(endpoint: str | None, rx: int = 100, handshake: float | None = AT - 50) -> PeerStatus:

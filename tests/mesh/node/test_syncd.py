@@ -109,7 +109,7 @@ def test_two_members_are_relayed_then_punch_direct_through_report_and_roster(
     b, device_b = member_daemon(tmp_path / "b", coordinator, monkeypatch, name="b", device=CountingDevice())
     c, device_c = member_daemon(tmp_path / "c", coordinator, monkeypatch, name="c", device=CountingDevice())
     key_b, key_c = b.config.public_key, c.config.public_key
-    observed = {key_b: "198.51.100.2:40000", key_c: "198.51.100.3:40000"}
+    observed = {key_b: "198.51.100.18:40000", key_c: "198.51.100.19:40000"}
     clock = [time.time()]
     relay = FakeRelay()
     planning = CoordinatorPaths(coordinator.service.board, 2.0, relay, clock=lambda: clock[0])
@@ -181,13 +181,13 @@ def test_pairs_go_to_a_relaying_member_when_the_coordinator_does_not_relay() -> 
     coord, a, b, relay = (public_key(generate_private_key()) for _ in range(4))
     roster = Roster(
         "m",
-        "10.77.0.0/24",
+        "198.51.100.0/28",
         1,
         (
-            RosterEntry("coord", "10.77.0.1", coord, "127.0.0.1:51820", True),
-            RosterEntry("a", "10.77.0.2", a),
-            RosterEntry("b", "10.77.0.3", b),
-            RosterEntry("relay", "10.77.0.4", relay, "127.0.0.1:51820"),
+            RosterEntry("coord", "198.51.100.1", coord, "127.0.0.1:51820", True),
+            RosterEntry("a", "198.51.100.2", a),
+            RosterEntry("b", "198.51.100.3", b),
+            RosterEntry("relay", "198.51.100.4", relay, "127.0.0.1:51820"),
         ),
     )
     board = PathBoard()

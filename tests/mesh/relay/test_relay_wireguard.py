@@ -3,6 +3,7 @@ endpoints for each other are relay ports, with the relay in a third namespace.""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import subprocess
 import sys
@@ -10,12 +11,15 @@ import time
 
 import pytest
 
-from mesh.lab import Host, Lab, netns_skip_reason
+from mesh.lab import MESH_CIDR, Host, Lab, mesh_address, netns_skip_reason
 from mesh.wireguard.keys import generate_private_key, public_key
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 SKIP = netns_skip_reason()
+ADDRESS_A, ADDRESS_B = mesh_address(2), mesh_address(3)
+"""The tunnel addresses of a and b, in the lab's mesh CIDR (of prefix length ``PREFIX``)."""
+PREFIX = ipaddress.ip_network(MESH_CIDR).prefixlen
 
 RELAY_SCRIPT = """
 import json, sys
@@ -47,7 +51,7 @@ def _wireguard(lab: Lab, host: Host, tmp_path, private: str, address: str) -> su
     key_file.chmod(0o600)
     for argv in (
         ["wg", "set", host.interface, "private-key", str(key_file), "listen-port", "51820"],
-        ["ip", "addr", "add", f"{address}/24", "dev", host.interface],
+        ["ip", "addr", "add", f"{address}/{PREFIX}", "dev", host.interface],
         ["ip", "link", "set", host.interface, "up"],
     ):
         result = lab.run(host, *argv)
@@ -60,8 +64,8 @@ def test_wireguard_handshakes_and_pings_through_the_relay(tmp_path) -> None:
     with Lab(tmp_path) as lab:
         relay, a, b = lab.add_host("r", 1), lab.add_host("a", 2), lab.add_host("b", 3)
         key_a, key_b = generate_private_key(), generate_private_key()
-        _wireguard(lab, a, tmp_path, key_a, "10.99.0.2")
-        _wireguard(lab, b, tmp_path, key_b, "10.99.0.3")
+        _wireguard(lab, a, tmp_path, key_a, ADDRESS_A)
+        _wireguard(lab, b, tmp_path, key_b, ADDRESS_B)
         server = subprocess.Popen(
             lab.command(relay, sys.executable, "-c", RELAY_SCRIPT, relay.underlay),
             stdin=subprocess.PIPE,
@@ -75,8 +79,8 @@ def test_wireguard_handshakes_and_pings_through_the_relay(tmp_path) -> None:
         server.stdin.flush()
         port_a, port_b = json.loads(server.stdout.readline())["a|b"]
         for host, peer_key, peer_address, port in (
-            (a, key_b, "10.99.0.3", port_a),
-            (b, key_a, "10.99.0.2", port_b),
+            (a, key_b, ADDRESS_B, port_a),
+            (b, key_a, ADDRESS_A, port_b),
         ):
             set_peer = [
                 "wg", "set", host.interface, "peer", public_key(peer_key), "allowed-ips", f"{peer_address}/32",
@@ -85,9 +89,9 @@ def test_wireguard_handshakes_and_pings_through_the_relay(tmp_path) -> None:
             assert lab.run(host, *set_peer).returncode == 0
 
         deadline = time.monotonic() + 10
-        while not lab.ping(a, "10.99.0.3", timeout=1, count=2):
+        while not lab.ping(a, ADDRESS_B, timeout=1, count=2):
             assert time.monotonic() < deadline, lab.last_ping
-        assert lab.ping(b, "10.99.0.2", timeout=1, count=2), lab.last_ping
+        assert lab.ping(b, ADDRESS_A, timeout=1, count=2), lab.last_ping
         handshake = lab.run(a, "wg", "show", a.interface, "latest-handshakes").stdout.split()
         assert int(handshake[1]) > 0
         # Each side still sends to its relay port: nothing roamed to a direct address.

@@ -16,9 +16,9 @@ from mesh.wireguard.keys import generate_private_key, public_key
 
 def _config(role: str = "coordinator", **changes) -> MeshConfig:
     return MeshConfig(
-        role=role, mesh_id="m", name="a", interface="sp0", backend="userspace", cidr="10.77.0.0/24",
-        address="10.77.0.1", public_key="k", endpoint="192.0.2.1:51820", listen_port=51820, mtu=1420,
-        keepalive=25, coordinator_key="k", coordinator_endpoint="192.0.2.1:51820", coordinator_address="10.77.0.1",
+        role=role, mesh_id="m", name="a", interface="sp0", backend="userspace", cidr="198.51.100.0/28",
+        address="198.51.100.1", public_key="k", endpoint="192.0.2.1:51820", listen_port=51820, mtu=1420,
+        keepalive=25, coordinator_key="k", coordinator_endpoint="192.0.2.1:51820", coordinator_address="198.51.100.1",
         api_port=51820, **changes,
     )  # fmt: skip
 

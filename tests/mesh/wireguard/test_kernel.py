@@ -67,9 +67,12 @@ def test_dump_split_over_several_messages_is_merged() -> None:
                 "WGDEVICE_A_PEERS",
                 [
                     _peer(
-                        KEYS[0], [_allowed("10.77.0.2", 32)], {"addr": "192.0.2.2", "port": 51820}, 1700000000
+                        KEYS[0],
+                        [_allowed("198.51.100.2", 32)],
+                        {"addr": "192.0.2.2", "port": 51820},
+                        1700000000,
                     ),
-                    _peer(KEYS[1], [_allowed("10.77.0.3", 32)]),
+                    _peer(KEYS[1], [_allowed("198.51.100.3", 32)]),
                 ],
             ],
         ]
@@ -79,7 +82,10 @@ def test_dump_split_over_several_messages_is_merged() -> None:
         [
             [
                 "WGDEVICE_A_PEERS",
-                [_peer(KEYS[1], [_allowed("10.77.5.0", 24)]), _peer(KEYS[2], [_allowed("10.77.0.4", 32)])],
+                [
+                    _peer(KEYS[1], [_allowed("203.0.113.0", 24)]),
+                    _peer(KEYS[2], [_allowed("198.51.100.4", 32)]),
+                ],
             ]
         ]
     )
@@ -89,7 +95,7 @@ def test_dump_split_over_several_messages_is_merged() -> None:
     assert [peer.public_key for peer in device.peers] == KEYS
     assert device.peers[0].endpoint == "192.0.2.2:51820"
     assert device.peers[0].last_handshake == 1700000000
-    assert device.peers[1].allowed_ips == ("10.77.0.3/32", "10.77.5.0/24")
+    assert device.peers[1].allowed_ips == ("198.51.100.3/32", "203.0.113.0/24")
     assert device.peers[1].last_handshake is None and device.peers[1].endpoint is None
     assert (device.peers[2].rx_bytes, device.peers[2].tx_bytes, device.peers[2].persistent_keepalive) == (
         111,
@@ -99,17 +105,17 @@ def test_dump_split_over_several_messages_is_merged() -> None:
 
 
 def test_peer_request_for_add_and_remove() -> None:
-    add = peer_request(PeerConfig(KEYS[0], ("10.77.0.2/32",), "192.0.2.2:51820", 25))
+    add = peer_request(PeerConfig(KEYS[0], ("198.51.100.2/32",), "192.0.2.2:51820", 25))
     assert add == {
         "public_key": KEYS[0],
         "endpoint_addr": "192.0.2.2",
         "endpoint_port": 51820,
         "persistent_keepalive": 25,
         "replace_allowed_ips": True,
-        "allowed_ips": ["10.77.0.2/32"],
+        "allowed_ips": ["198.51.100.2/32"],
     }
     assert peer_request(PeerConfig(KEYS[0], remove=True)) == {"public_key": KEYS[0], "remove": True}
-    assert "endpoint_addr" not in peer_request(PeerConfig(KEYS[0], ("10.77.0.2/32",)))
+    assert "endpoint_addr" not in peer_request(PeerConfig(KEYS[0], ("198.51.100.2/32",)))
 
 
 def test_peer_request_encodes_into_a_genetlink_message() -> None:
@@ -118,7 +124,7 @@ def test_peer_request_encodes_into_a_genetlink_message() -> None:
     message = wgmsg()
     message["attrs"].append(["WGDEVICE_A_IFNAME", "wg0"])
     AsyncWireGuard.__new__(AsyncWireGuard)._wg_set_peer(
-        message, peer_request(PeerConfig(KEYS[0], ("10.77.0.2/32",), "192.0.2.2:51820", 25))
+        message, peer_request(PeerConfig(KEYS[0], ("198.51.100.2/32",), "192.0.2.2:51820", 25))
     )
     message["cmd"] = 1
     message["version"] = 1
@@ -128,7 +134,7 @@ def test_peer_request_encodes_into_a_genetlink_message() -> None:
     peer = decoded.get_attr("WGDEVICE_A_PEERS")[0]
     assert peer.get_attr("WGPEER_A_PUBLIC_KEY").decode() == KEYS[0]
     assert peer.get_attr("WGPEER_A_ENDPOINT")["port"] == 51820
-    assert peer.get_attr("WGPEER_A_ALLOWEDIPS")[0]["addr"] == "10.77.0.2/32"
+    assert peer.get_attr("WGPEER_A_ALLOWEDIPS")[0]["addr"] == "198.51.100.2/32"
 
 
 @pytest.mark.skipif(
@@ -145,7 +151,7 @@ def test_live_kernel_interface() -> None:  # pragma: no cover - runs only where 
             "from mesh.wireguard.kernel import KernelBackend\n"
             "from mesh.wireguard.backend import PeerConfig\n"
             f"b = KernelBackend(); b.create('spk0'); b.configure('spk0', {PRIVATE!r}, 41820)\n"
-            f"b.update_peers('spk0', [PeerConfig({KEYS[0]!r}, ('10.77.0.2/32',), '192.0.2.2:51820', 25)])\n"
+            f"b.update_peers('spk0', [PeerConfig({KEYS[0]!r}, ('198.51.100.2/32',), '192.0.2.2:51820', 25)])\n"
             "d = b.show('spk0'); print(d.listen_port, len(d.peers)); b.destroy('spk0')\n"
         )
         out = subprocess.run(

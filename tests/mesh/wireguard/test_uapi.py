@@ -25,7 +25,7 @@ def test_encode_set_device_and_peers() -> None:
         listen_port=51820,
         replace_peers=True,
         peers=[
-            PeerConfig(PEER_A, ("10.77.0.2/32",), "192.0.2.2:51820", 25),
+            PeerConfig(PEER_A, ("198.51.100.2/32",), "192.0.2.2:51820", 25),
             PeerConfig(PEER_B, remove=True),
         ],
     ).decode()
@@ -38,7 +38,7 @@ def test_encode_set_device_and_peers() -> None:
         "endpoint=192.0.2.2:51820\n"
         "persistent_keepalive_interval=25\n"
         "replace_allowed_ips=true\n"
-        "allowed_ip=10.77.0.2/32\n"
+        "allowed_ip=198.51.100.2/32\n"
         f"public_key={key_to_hex(PEER_B)}\n"
         "remove=true\n"
         "\n"
@@ -46,7 +46,7 @@ def test_encode_set_device_and_peers() -> None:
 
 
 def test_peer_without_endpoint_leaves_it_alone() -> None:
-    assert "endpoint=" not in encode_set(peers=[PeerConfig(PEER_A, ("10.77.0.2/32",))]).decode()
+    assert "endpoint=" not in encode_set(peers=[PeerConfig(PEER_A, ("198.51.100.2/32",))]).decode()
 
 
 def test_parse_get_reply() -> None:
@@ -54,7 +54,7 @@ def test_parse_get_reply() -> None:
         f"private_key={key_to_hex(PRIVATE)}\nlisten_port=51820\n"
         f"public_key={key_to_hex(PEER_A)}\npreshared_key={'0' * 64}\nprotocol_version=1\n"
         "endpoint=192.0.2.2:51820\nlast_handshake_time_sec=1700000000\nlast_handshake_time_nsec=500000000\n"
-        "tx_bytes=100\nrx_bytes=200\npersistent_keepalive_interval=25\nallowed_ip=10.77.0.2/32\nallowed_ip=10.77.1.0/24\n"
+        "tx_bytes=100\nrx_bytes=200\npersistent_keepalive_interval=25\nallowed_ip=198.51.100.2/32\nallowed_ip=203.0.113.0/24\n"
         f"public_key={key_to_hex(PEER_B)}\nlast_handshake_time_sec=0\nlast_handshake_time_nsec=0\n"
         "tx_bytes=0\nrx_bytes=0\npersistent_keepalive_interval=0\n"
         "errno=0\n\n"
@@ -65,7 +65,7 @@ def test_parse_get_reply() -> None:
     assert len(device.peers) == 2
     first, second = device.peers
     assert first.public_key == PEER_A and first.endpoint == "192.0.2.2:51820"
-    assert first.allowed_ips == ("10.77.0.2/32", "10.77.1.0/24")
+    assert first.allowed_ips == ("198.51.100.2/32", "203.0.113.0/24")
     assert first.last_handshake == pytest.approx(1700000000.5)
     assert (first.rx_bytes, first.tx_bytes, first.persistent_keepalive) == (200, 100, 25)
     assert second.endpoint is None and second.last_handshake is None and second.allowed_ips == ()
@@ -104,8 +104,8 @@ def test_against_real_wireguard_go(wggo: WireGuardGoInNetns) -> None:
     client.set(
         encode_set(
             peers=[
-                PeerConfig(PEER_A, ("10.77.0.2/32",), "192.0.2.2:51820", 25),
-                PeerConfig(PEER_B, ("10.77.0.3/32", "10.77.9.0/24"), None, 0),
+                PeerConfig(PEER_A, ("198.51.100.2/32",), "192.0.2.2:51820", 25),
+                PeerConfig(PEER_B, ("198.51.100.3/32", "203.0.113.0/24"), None, 0),
             ]
         )
     )
@@ -116,8 +116,8 @@ def test_against_real_wireguard_go(wggo: WireGuardGoInNetns) -> None:
     assert set(by_key) == {PEER_A, PEER_B}
     assert by_key[PEER_A].endpoint == "192.0.2.2:51820"
     assert by_key[PEER_A].persistent_keepalive == 25
-    assert by_key[PEER_A].allowed_ips == ("10.77.0.2/32",)
-    assert sorted(by_key[PEER_B].allowed_ips) == ["10.77.0.3/32", "10.77.9.0/24"]
+    assert by_key[PEER_A].allowed_ips == ("198.51.100.2/32",)
+    assert sorted(by_key[PEER_B].allowed_ips) == ["198.51.100.3/32", "203.0.113.0/24"]
     assert by_key[PEER_B].last_handshake is None
 
     # wg, reading the same socket, agrees with what we parsed
@@ -136,7 +136,7 @@ def test_real_wireguard_go_refuses_bad_settings(wggo: WireGuardGoInNetns) -> Non
     with pytest.raises(MeshError, match="errno="):
         client.set(b"set=1\nlisten_port=notaport\n\n")
     with pytest.raises(MeshError, match="errno="):
-        client.set(b"set=1\nallowed_ip=10.0.0.0/8\n\n")
+        client.set(b"set=1\nallowed_ip=198.51.100.0/28\n\n")
 
 
 def test_missing_socket_is_explained(tmp_path) -> None:

@@ -47,10 +47,10 @@ DRIVER = textwrap.dedent(
         except MeshError as error:
             out["second_create"] = str(error)
         backend.configure(ifname, private, 41820)
-        set_address(ifname, "10.77.0.2", 24)
-        set_address(ifname, "10.77.0.2", 24)
+        set_address(ifname, "198.51.100.2", 28)
+        set_address(ifname, "198.51.100.2", 28)
         set_link_up(ifname, 1400)
-        backend.update_peers(ifname, [PeerConfig(k, (f"10.77.0.{10 + i}/32",), "192.0.2.9:51820", 25) for i, k in enumerate(peers)])
+        backend.update_peers(ifname, [PeerConfig(k, (f"198.51.100.{10 + i}/32",), "192.0.2.9:51820", 25) for i, k in enumerate(peers)])
         backend.update_peers(ifname, [PeerConfig(peers[0], remove=True)])
         device = backend.show(ifname)
         out["public_key_ok"] = device.public_key == public_key(private)
@@ -99,7 +99,7 @@ def test_full_interface_lifecycle(netns: str, tmp_path) -> None:
     assert "already exists" in out["second_create"]
     assert out["public_key_ok"] is True and out["listen_port"] == 41820
     assert out["peers"] is True and out["endpoints"] == ["192.0.2.9:51820"]
-    assert "inet 10.77.0.2/24" in out["ip"]
+    assert "inet 198.51.100.2/28" in out["ip"]
     assert out["mtu"] == "1400"
     assert out["after_destroy"] == [False, False, None]
 

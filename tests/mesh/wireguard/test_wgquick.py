@@ -19,13 +19,13 @@ from mesh.wireguard.wgquick import WgQuickConfig, WgQuickPeer, parse_wgquick, re
 def _config(peers: int = 2) -> WgQuickConfig:
     return WgQuickConfig(
         private_key=generate_private_key(),
-        addresses=("10.77.0.2/24",),
+        addresses=("198.51.100.2/28",),
         listen_port=51820,
         mtu=1420,
         peers=tuple(
             WgQuickPeer(
                 public_key=public_key(generate_private_key()),
-                allowed_ips=(f"10.77.0.{10 + i}/32",),
+                allowed_ips=(f"198.51.100.{10 + i}/32",),
                 endpoint=f"192.0.2.{10 + i}:51820" if i % 2 == 0 else None,
                 persistent_keepalive=25,
                 comment=f"peer-{i}",
@@ -57,7 +57,7 @@ def test_rendered_text_has_the_wg_quick_keys() -> None:
     for key in (
         "[Interface]",
         "PrivateKey = ",
-        "Address = 10.77.0.2/24",
+        "Address = 198.51.100.2/28",
         "ListenPort = 51820",
         "MTU = 1420",
         "[Peer]",
