@@ -393,3 +393,11 @@ def test_status_path_is_the_coordinators_word_or_direct_on_a_fresh_handshake() -
     assert path_of("pending", 1.0) is None
     assert path_of(None, 10.0) == "direct"
     assert path_of(None, 400.0) is None and path_of(None, None) is None
+
+
+def test_mesh_init_without_cidr_takes_the_documented_default() -> None:
+    """Tests and the lab pass TEST-NET ranges; a user's `mesh init` without --cidr gets 10.77.0.0/24."""
+    from mesh.cli.parser import build_parser
+
+    args = build_parser().parse_args(["init", "--endpoint", "192.0.2.1:51820"])
+    assert args.cidr == "10.77.0.0/24"
