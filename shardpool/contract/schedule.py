@@ -14,7 +14,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["LINK_SLACK_FORWARDS", "Action", "gpipe", "one_f_one_b", "peak_in_flight", "schedule_for"]
+__all__ = [
+    "LINK_SLACK_FORWARDS",
+    "Action",
+    "gpipe",
+    "gradients_delivered_by_forwards",
+    "held_gradient_sends",
+    "one_f_one_b",
+    "peak_in_flight",
+    "schedule_for",
+]
 
 Action = tuple[Literal["F", "B"], int]
 
@@ -69,6 +78,55 @@ def peak_in_flight(actions: list[Action]) -> int:
     for kind, _ in actions:
         held += 1 if kind == "F" else -1
         peak = max(peak, held)
+    return peak
+
+
+def gradients_delivered_by_forwards(own: list[Action], previous: list[Action]) -> dict[int, int]:
+    """What each activation from the previous stage proves about this stage's gradient sends.
+
+    ``own`` and ``previous`` are the action lists of a stage and of the stage before it. The
+    previous stage sends the activation of micro-batch j only after its earlier actions, and
+    each of its backwards first waited for this stage's gradient. So once activation j has
+    arrived, the gradient sends that its backwards before ``("F", j)`` needed were received.
+    Returns, for each such j, the last send position (0-based, in ``own``'s backward order)
+    up to which every gradient send is proven received. Forwards that prove nothing are left out.
+
+    Without this proof a gloo send counts as complete only when the step ends. A stage then
+    keeps every micro-batch's input-gradient buffer for the whole step, where the schedule
+    needs only a few in flight.
+    """
+    send_order = [index for kind, index in own if kind == "B"]
+    received: set[int] = set()
+    proven: dict[int, int] = {}
+    for kind, index in previous:
+        if kind == "B":
+            received.add(index)
+            continue
+        prefix = 0
+        while prefix < len(send_order) and send_order[prefix] in received:
+            prefix += 1
+        if prefix:
+            proven[index] = prefix - 1
+    return proven
+
+
+def held_gradient_sends(name: str, *, stage: int, num_stages: int, num_microbatches: int) -> int:
+    """The most input-gradient sends stage ``stage`` holds at once under the named schedule, letting
+    each go once an activation proves it received (:func:`gradients_delivered_by_forwards`); 0 on
+    stage 0, which sends none. Under 1F1B at most what the stage before it holds in flight, whatever
+    M; under GPipe all M, until the step's end."""
+    if stage == 0:
+        return 0
+    own = schedule_for(name, stage=stage, num_stages=num_stages, num_microbatches=num_microbatches)
+    previous = schedule_for(name, stage=stage - 1, num_stages=num_stages, num_microbatches=num_microbatches)
+    proven = gradients_delivered_by_forwards(own, previous)
+    sent = released = peak = 0
+    for kind, index in own:
+        if kind == "F" and index in proven:
+            released = max(released, proven[index] + 1)
+        elif kind == "B":
+            sent += 1
+            peak = max(peak, sent - released)
     return peak
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from shardpool.contract.schedule import peak_in_flight, schedule_for
+from shardpool.contract.schedule import held_gradient_sends, peak_in_flight, schedule_for
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
 
@@ -89,7 +89,13 @@ def boundary_bytes(shape: ModelShape, workload: Workload) -> int:
 
 
 def held_boundary_bytes(
-    shape: ModelShape, workload: Workload, *, kind: str, first: bool, last: bool, in_flight: int
+    shape: ModelShape,
+    workload: Workload,
+    *,
+    kind: str,
+    index: int,
+    num_stages: int,
+    in_flight: int,
 ) -> dict[str, float]:
     """Bytes a stage holds at its boundaries beyond its layers' saved activations, by part.
 
@@ -97,17 +103,23 @@ def held_boundary_bytes(
     from, kept from its forward to its backward, for the micro-batches in flight; its send's buffer
     goes at the same time (a native link reports the send complete, and on gloo the gradient
     coming back proves the neighbour has it), plus a wire-dtype copy of each where the wire dtype
-    differs. ``sent_gradients`` (a CPU stage with a previous one): its input's gradient for every
-    micro-batch, which gloo holds until the step's end; a GPU stage's gloo sends are host copies,
-    outside its device memory, and a native link lets them go once complete.
+    differs. ``sent_gradients`` (a CPU stage with a previous one): its input's gradients that gloo
+    still holds, each until an activation proves the previous stage received it
+    (:func:`~shardpool.contract.schedule.held_gradient_sends`: a few under 1F1B, all M under GPipe);
+    a GPU stage's gloo sends are host copies, outside its device memory, and a native link lets
+    them go once complete.
     """
     elements = workload.tokens * shape.hidden_size
+    first, last = index == 0, index == num_stages - 1
     held: dict[str, float] = {}
     if not last:
         wire_copy = workload.wire_bytes if workload.wire_bytes != workload.compute_bytes else 0
         held["stage_outputs"] = elements * (workload.compute_bytes + wire_copy) * in_flight
     if kind == "cpu" and not first:
-        held["sent_gradients"] = elements * workload.wire_bytes * workload.gradient_accumulation_steps
+        held["sent_gradients"] = elements * workload.wire_bytes * held_gradient_sends(
+            workload.schedule, stage=index, num_stages=num_stages,
+            num_microbatches=workload.gradient_accumulation_steps,
+        )  # fmt: skip
     return held
 
 

@@ -229,7 +229,9 @@ def stage_costs(
         # and gradients, and one dequantized weight matrix.
         "workspace": full_act + largest_linear * cb,
         "boundary_buffers": 2 * tokens * shape.hidden_size * max(cb, workload.wire_bytes),
-    } | held_boundary_bytes(shape, workload, kind=kind, first=first, last=last, in_flight=in_flight)
+    } | held_boundary_bytes(
+        shape, workload, kind=kind, index=index, num_stages=num_stages, in_flight=in_flight
+    )
     forward_fixed = backward_fixed = 0.0
     if first:
         fixed["embeddings"] = shape.embedding_params() * cb

@@ -9,8 +9,10 @@ gradients accumulate exactly as in a single-device loop.
 
 Receives are posted one ahead (:class:`Inbox`): as soon as a stage has the tensor it waits for,
 it posts the receive for its next one in the same direction, then computes. The neighbour's send
-can then land while this stage computes instead of while it waits. Sends never wait; an
-activation's buffer is let go when its gradient comes back (the neighbour has it), the rest at
+can then land while this stage computes instead of while it waits. Sends never wait. An
+activation's buffer is let go when its gradient comes back (the neighbour has it). A gradient's
+buffer goes when an activation arrives that the previous stage sent after running that gradient's
+backward (:func:`~shardpool.contract.schedule.gradients_delivered_by_forwards`). The rest go at
 the step's end.
 """
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardpool.contract.schedule import schedule_for
+from shardpool.contract.schedule import Action, gradients_delivered_by_forwards, schedule_for
 from shardpool.data.rows import TokenRows
 from shardpool.model.stage import PipelineStage, StageSpec
 from shardpool.train.loss import StepTotals, token_loss_sum
@@ -86,9 +88,12 @@ class StagePipe:
         )
         activations = self._inbox(actions, microbatches, "F", self.wire.previous, FORWARD_TAG)
         gradients = self._inbox(actions, microbatches, "B", self.wire.next, BACKWARD_TAG)
+        gradients_delivered = self._gradients_delivered(schedule, actions, len(microbatches))
         for kind, index in actions:
             if kind == "F":
                 received = activations.take(index) if activations else None
+                if index in gradients_delivered:  # the previous stage ran the backwards before it
+                    self.wire.delivered(self.wire.previous, BACKWARD_TAG, through=gradients_delivered[index])
                 saved[index] = self.forward(microbatches[index], step_label_tokens, totals, received=received)
             else:
                 gradient = gradients.take(index) if gradients else None
@@ -96,6 +101,19 @@ class StagePipe:
                     self.wire.delivered(self.wire.next, FORWARD_TAG, through=index)
                 self.backward(*saved.pop(index), totals, gradient=gradient)
         return totals
+
+    def _gradients_delivered(self, schedule: str, actions: list[Action], microbatches: int) -> dict[int, int]:
+        """For each activation from the previous stage, the gradient sends it proves received
+        (:func:`~shardpool.contract.schedule.gradients_delivered_by_forwards`); none on stage 0."""
+        if self.spec.is_first:
+            return {}
+        previous = schedule_for(
+            schedule,
+            stage=self.spec.index - 1,
+            num_stages=self.spec.num_stages,
+            num_microbatches=microbatches,
+        )
+        return gradients_delivered_by_forwards(actions, previous)
 
     def _inbox(
         self,

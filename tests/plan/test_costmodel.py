@@ -91,19 +91,25 @@ def test_stage_memory_parts_and_checkpointing() -> None:
     assert first.memory(first.max_layers()) <= 2**30 < first.memory(first.max_layers() + 1)
 
 
-def test_a_stage_holds_its_outputs_in_flight_and_a_cpu_stage_every_gradient_it_sent() -> None:
+def test_a_stage_holds_its_outputs_in_flight_and_a_cpu_stage_the_gradients_not_yet_proven_received() -> None:
     workload = Workload(
         micro_batch_size=2, sequence_len=64, gradient_accumulation_steps=16, compute_bytes=2, wire_bytes=2
     )
     per_tensor = 2 * 64 * TINY.hidden_size * 2
-    middle = held_boundary_bytes(TINY, workload, kind="cuda", first=False, last=False, in_flight=3)
+    middle = held_boundary_bytes(TINY, workload, kind="cuda", index=1, num_stages=3, in_flight=3)
     assert middle == {"stage_outputs": 3 * per_tensor}
-    assert held_boundary_bytes(TINY, workload, kind="cuda", first=False, last=True, in_flight=1) == {}
-    # gloo holds the 16 gradients sent back to the step's end; an fp32 wire copies each bf16 output.
-    cpu = held_boundary_bytes(TINY, workload, kind="cpu", first=False, last=False, in_flight=3)
-    assert cpu == {"stage_outputs": 3 * per_tensor, "sent_gradients": 16 * per_tensor}
+    assert held_boundary_bytes(TINY, workload, kind="cuda", index=2, num_stages=3, in_flight=1) == {}
+    # Under 1F1B gloo holds a gradient sent back until an activation proves it arrived: 4 at most
+    # here (stage 0's warm-up is 3 forwards), not all 16 until the step's end as under GPipe.
+    cpu = held_boundary_bytes(TINY, workload, kind="cpu", index=1, num_stages=3, in_flight=3)
+    assert cpu == {"stage_outputs": 3 * per_tensor, "sent_gradients": 4 * per_tensor}
+    gpipe = held_boundary_bytes(
+        TINY, replace(workload, schedule="gpipe"), kind="cpu", index=1, num_stages=3, in_flight=16
+    )
+    assert gpipe == {"stage_outputs": 16 * per_tensor, "sent_gradients": 16 * per_tensor}
+    # An fp32 wire copies each bf16 output; the first stage sends no gradient.
     wide = held_boundary_bytes(
-        TINY, replace(workload, wire_bytes=4), kind="cpu", first=True, last=False, in_flight=3
+        TINY, replace(workload, wire_bytes=4), kind="cpu", index=0, num_stages=3, in_flight=3
     )
     assert wide == {"stage_outputs": 3 * per_tensor * 3}
 

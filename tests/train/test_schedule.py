@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardpool.contract.schedule import gpipe, one_f_one_b, peak_in_flight, schedule_for
+from shardpool.contract.schedule import (
+    gpipe,
+    gradients_delivered_by_forwards,
+    held_gradient_sends,
+    one_f_one_b,
+    peak_in_flight,
+    schedule_for,
+)
 
 
 def _simulate(schedules: list[list[tuple[str, int]]]) -> int:
@@ -94,3 +101,39 @@ def test_bad_arguments_are_refused() -> None:
         one_f_one_b(stage=4, num_stages=4, num_microbatches=2)
     with pytest.raises(ValueError):
         gpipe(stage=0, num_stages=1, num_microbatches=0)
+
+
+def test_each_activation_proves_which_gradients_the_stage_before_has_received() -> None:
+    # Stage 1 of 2 under 1F1B, M = 6: stage 0 warms up with F0 F1 F2, then runs B0 before F3, B1
+    # before F4, B2 before F5. Activations 0-2 prove nothing.
+    own = one_f_one_b(stage=1, num_stages=2, num_microbatches=6)
+    previous = one_f_one_b(stage=0, num_stages=2, num_microbatches=6)
+    assert gradients_delivered_by_forwards(own, previous) == {3: 0, 4: 1, 5: 2}
+    middle = one_f_one_b(stage=1, num_stages=3, num_microbatches=6)
+    first = one_f_one_b(stage=0, num_stages=3, num_microbatches=6)
+    assert gradients_delivered_by_forwards(middle, first) == {4: 0, 5: 1}
+    # GPipe sends every activation before any backward: nothing is proven before the step's end.
+    assert gradients_delivered_by_forwards(gpipe(stage=1, num_stages=2, num_microbatches=4),
+                                           gpipe(stage=0, num_stages=2, num_microbatches=4)) == {}  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 5), st.integers(1, 40), st.data())
+def test_under_1f1b_a_stage_holds_a_bounded_number_of_gradient_sends_whatever_m(
+    num_stages: int, microbatches: int, data: st.DataObject
+) -> None:
+    stage = data.draw(st.integers(1, num_stages - 1))
+    own = one_f_one_b(stage=stage, num_stages=num_stages, num_microbatches=microbatches)
+    previous = one_f_one_b(stage=stage - 1, num_stages=num_stages, num_microbatches=microbatches)
+    proven = gradients_delivered_by_forwards(own, previous)
+    for forward, through in proven.items():  # sound: each proven gradient was taken before that forward
+        before = previous[: previous.index(("F", forward))]
+        assert all(("B", index) in before for index in range(through + 1))
+    # Without the proofs a stage holds all M until the step's end; with them, what the stage
+    # before it holds in flight, whatever M.
+    held = held_gradient_sends("1f1b", stage=stage, num_stages=num_stages, num_microbatches=microbatches)
+    assert 1 <= held <= peak_in_flight(previous)
+    assert (
+        held_gradient_sends("gpipe", stage=stage, num_stages=num_stages, num_microbatches=microbatches)
+        == microbatches
+    )
