@@ -390,14 +390,18 @@ def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Pla
     plan = planner(config)
     source = "manual" if config.shardpool.layers else "planner"
     interrupted = _read_plan_json(Path(config.output_dir)) if resume_from else None
+    first_step = ckpt.checkpoint_step(resume_from) if resume_from else 0
     carried = carried_plan(
-        interrupted, plan, replicas=config.shardpool.replicas, rebalance=config.shardpool.rebalance
+        interrupted,
+        plan,
+        replicas=config.shardpool.replicas,
+        resumed_from_step=first_step,
+        rebalance=config.shardpool.rebalance,
     )
     if carried is not None:
         plan, source = carried, "resume"
     placements = placements_of(plan)
     plan_json = plan.to_json() | {"replicas": config.shardpool.replicas, "source": source}
-    first_step = ckpt.checkpoint_step(resume_from) if resume_from else 0
     if resume_from:
         plan_json = resumed_json(interrupted, plan_json, resumed_from_step=first_step)
     eval_before = ckpt.checkpoint_eval_before(resume_from) if resume_from else None

@@ -68,10 +68,10 @@ def test_forced_reshard_trains_exactly_as_the_kept_plan(
 ) -> None:
     monkeypatch.setenv(FORCE_ENV, "3:0-1,1-3,3-6")
     shown = io.StringIO()
-    moved = finetune(
-        parse_config(base_config(tiny_model, completion_data, tmp_path / "moved", **_overrides())),
-        console=Console(file=shown, width=200),
+    config = parse_config(
+        base_config(tiny_model, completion_data, tmp_path / "moved", **_overrides(save_steps=2))
     )
+    moved = finetune(config, console=Console(file=shown, width=200))
     assert "re-balanced after step 3: layers now [0, 1) [1, 3) [3, 6) (forced by" in shown.getvalue()
 
     kept_losses, moved_losses = _step_losses(kept), _step_losses(moved)
@@ -112,6 +112,25 @@ def test_forced_reshard_trains_exactly_as_the_kept_plan(
     assert "re-sharded layers [2, 4) -> [1, 3)" in (logs / "rank-1.log").read_text()
     assert "re-sharded layers [4, 6) -> [3, 6)" in (logs / "rank-2.log").read_text()
 
+    # Resumed from checkpoint-4, which the re-balanced split trained: the resume goes on with that
+    # split rather than the config's 2/2/2, and trains step 5 to the same adapter.
+    monkeypatch.delenv(FORCE_ENV)
+    shown = io.StringIO()
+    finetune(config, resume=True, console=Console(file=shown, width=200))
+    assert re.search(
+        r"resuming with the interrupted run's re-balanced split: \S+\[0, 1\) \S+\[1, 3\) \S+\[3, 6\)",
+        shown.getvalue(),
+    )
+    plan = json.loads((moved / "plan.json").read_text())
+    assert plan["source"] == "resume" and [stage["layers"] for stage in plan["stages"]] == [
+        [0, 1],
+        [1, 3],
+        [3, 6],
+    ]
+    assert [entry.get("resumed_from_step") for entry in plan["history"]] == [None, 4]
+    resumed_adapter = load_file(str(moved / "adapter_model.safetensors"))
+    assert max(float((resumed_adapter[k] - kept_adapter[k]).abs().max()) for k in kept_adapter) < 1e-4
+
 
 @pytest.mark.slow
 def test_stage_killed_during_the_handover_stops_the_run_and_resume_matches_uninterrupted(
@@ -151,15 +170,14 @@ def test_stage_killed_during_the_handover_stops_the_run_and_resume_matches_unint
         "the interrupted run's plan stays in the history"
     )
     assert resumed[0]["source"] == "rebalance", "the run was interrupted after its decision was recorded"
-    plan = json.loads((out / "plan.json").read_text())
-    assert plan["source"] == "resume" and [stage["layers"] for stage in plan["stages"]] == [
-        [0, 1],
-        [1, 3],
-        [3, 6],
-    ], "the resumed run goes on with the re-balanced split, not the config's 2/2/2"
-    assert re.search(
-        r"resuming with the interrupted run's re-balanced split: \S+\[0, 1\) \S+\[1, 3\) \S+\[3, 6\)", stdout
-    ), stdout
+    history = json.loads((out / "plan.json").read_text())["history"]
+    started = history[history.index(resumed[0]) + 1]  # the resumed run's own first plan
+    assert started["source"] == "manual" and [stage["layers"] for stage in started["stages"]] == [
+        [0, 2],
+        [2, 4],
+        [4, 6],
+    ], "a split that never trained a step (stopped in its hand-over) is not carried into the resume"
+    assert "re-balanced split" not in stdout
 
     resumed_adapter = load_file(str(out / "adapter_model.safetensors"))
     clean_adapter = load_file(str(kept / "adapter_model.safetensors"))  # the uninterrupted run

@@ -147,21 +147,34 @@ def resumed_json(interrupted: Any, new_json: dict[str, Any], *, resumed_from_ste
     return new_json | {"history": _history_after(interrupted, {"resumed_from_step": resumed_from_step})}
 
 
-def carried_plan(interrupted: Any, fresh: Plan, *, replicas: int, rebalance: str = "auto") -> Plan | None:
-    """The plan the interrupted run last trained with, when a re-balance made it and the resumed
-    run's own plan (``fresh``) puts the same stages on the same slots; None otherwise, and always
-    with ``rebalance: off`` (the split is then the planner's or the config's, as asked).
+def carried_plan(
+    interrupted: Any, fresh: Plan, *, replicas: int, resumed_from_step: int, rebalance: str = "auto"
+) -> Plan | None:
+    """The plan the interrupted run last trained with, when a re-balance made it, the checkpoint
+    the run resumes from was trained with it, and the resumed run's own plan (``fresh``) puts
+    the same stages on the same slots; None otherwise, and always with ``rebalance: off`` (the
+    split is then the planner's or the config's, as asked).
 
-    A re-balanced split is the one the run's measurements chose; without this a resumed run would
-    start again from the profiles' split and find the measured one only at its own check, after
-    its warm-up steps. The split is carried only where nothing it was chosen for has changed: the
-    same model depth, micro-batches, schedule and ``replicas``, and each stage on the same host,
-    slot, device and dtype; and every carried range must fit its slot under the fresh plan's
-    memory model. ``interrupted`` is what ``plan.json`` held.
+    A re-balanced split is the one the run's measurements chose. Without this, a resumed run
+    would start again from the profiles' split and find the measured one only at its own check,
+    after its warm-up steps. The split is carried only where it is proven and nothing it was
+    chosen for has changed:
+
+    - the checkpoint (``resumed_from_step``) is newer than the step the split began after, so
+      the split trained at least one step. A run stopped in its hand-over, or by a split that
+      did not fit, plans afresh rather than meet the same failure again;
+    - the same model depth, micro-batches, schedule and ``replicas``;
+    - each stage on the same host, slot, device and dtype;
+    - every carried range fits its slot under the fresh plan's memory model.
+
+    ``interrupted`` is what ``plan.json`` held.
     """
     if rebalance != "auto" or not isinstance(interrupted, dict):
         return None
     if interrupted.get("source") not in CARRIED_SOURCES or interrupted.get("replicas", 1) != replicas:
+        return None
+    began = _split_began_after(interrupted)
+    if began is None or resumed_from_step <= began:
         return None
     try:
         kept = Plan.from_json(interrupted)
@@ -181,6 +194,16 @@ def carried_plan(interrupted: Any, fresh: Plan, *, replicas: int, rebalance: str
         if new.costs is None or new.costs.memory(old.num_layers) > new.costs.capacity_bytes:
             return None
     return kept
+
+
+def _split_began_after(current: dict[str, Any]) -> int | None:
+    """The step after which ``plan.json``'s current split began: the step its re-balance
+    followed, or the checkpoint a resume carried it from; None when the history does not say."""
+    history = current.get("history")
+    last = history[-1] if isinstance(history, list) and history else None
+    key = "ended_at_step" if current.get("source") == "rebalance" else "resumed_from_step"
+    step = last.get(key) if isinstance(last, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def replanned_json(current: dict[str, Any], new_plan: Plan, *, ended_at_step: int) -> dict[str, Any]:

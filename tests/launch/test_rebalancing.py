@@ -188,12 +188,18 @@ REBALANCED = [(0, 1), (1, 3), (3, 6)]
 
 
 def test_a_resumed_run_goes_on_with_the_split_its_interrupted_run_rebalanced_to() -> None:
-    carried = carried_plan(_interrupted(REBALANCED), _costed(LAYERS), replicas=1)
+    interrupted = _interrupted(REBALANCED)  # re-balanced after step 3
+    carried = carried_plan(interrupted, _costed(LAYERS), replicas=1, resumed_from_step=4)
     assert carried is not None and carried.layer_ranges() == REBALANCED
     assert carried.predicted_step_s == 0.8, "the re-balanced plan as it was recorded"
-    twice = _interrupted(REBALANCED, source="resume")  # resumed once already, interrupted again
-    assert (again := carried_plan(twice, _costed(LAYERS), replicas=1)) is not None
-    assert again.layer_ranges() == REBALANCED
+    # Resumed from step 4 with that split, then interrupted again: carried again once a newer
+    # checkpoint shows it trained on, not from step 4 itself.
+    resumed = resumed_json(
+        interrupted, carried.to_json() | {"replicas": 1, "source": "resume"}, resumed_from_step=4
+    )
+    again = carried_plan(resumed, _costed(LAYERS), replicas=1, resumed_from_step=6)
+    assert again is not None and again.layer_ranges() == REBALANCED
+    assert carried_plan(resumed, _costed(LAYERS), replicas=1, resumed_from_step=4) is None
 
 
 def _other_slot(plan: dict[str, Any]) -> dict[str, Any]:
@@ -203,31 +209,49 @@ def _other_slot(plan: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("interrupted", "fresh", "replicas", "rebalance"),
+    ("interrupted", "fresh", "replicas", "rebalance", "resumed_from_step"),
     [
+        pytest.param(_interrupted(REBALANCED), _costed(LAYERS), 1, "auto", 3, id="stopped-in-the-handover"),
+        pytest.param(_interrupted(REBALANCED), _costed(LAYERS), 1, "auto", 2, id="checkpoint-before-it"),
+        pytest.param(
+            {key: value for key, value in _interrupted(REBALANCED).items() if key != "history"},
+            _costed(LAYERS),
+            1,
+            "auto",
+            9,
+            id="no-history",
+        ),
         pytest.param(
             _plan(REBALANCED).to_json() | {"source": "planner"},
             _costed(LAYERS),
             1,
             "auto",
+            4,
             id="not-rebalanced",
         ),
-        pytest.param(None, _costed(LAYERS), 1, "auto", id="no-plan-json"),
-        pytest.param(_interrupted(REBALANCED), _costed(LAYERS), 1, "off", id="rebalance-off"),
-        pytest.param({"source": "rebalance", "stages": "none"}, _costed(LAYERS), 1, "auto", id="unreadable"),
-        pytest.param(_interrupted(REBALANCED), _costed(LAYERS), 2, "auto", id="other-replicas"),
-        pytest.param(_interrupted(REBALANCED), _costed([(0, 3), (3, 6)]), 1, "auto", id="other-stage-count"),
+        pytest.param(None, _costed(LAYERS), 1, "auto", 4, id="no-plan-json"),
+        pytest.param(_interrupted(REBALANCED), _costed(LAYERS), 1, "off", 4, id="rebalance-off"),
         pytest.param(
-            _interrupted(REBALANCED, microbatches=6), _costed(LAYERS), 1, "auto", id="other-microbatches"
+            {"source": "rebalance", "stages": "none"}, _costed(LAYERS), 1, "auto", 4, id="unreadable"
         ),
-        pytest.param(_other_slot(_interrupted(REBALANCED)), _costed(LAYERS), 1, "auto", id="other-slot"),
+        pytest.param(_interrupted(REBALANCED), _costed(LAYERS), 2, "auto", 4, id="other-replicas"),
         pytest.param(
-            _interrupted(REBALANCED), _costed(LAYERS, capacity=TWO_LAYERS), 1, "auto", id="does-not-fit"
+            _interrupted(REBALANCED), _costed([(0, 3), (3, 6)]), 1, "auto", 4, id="other-stage-count"
         ),
-        pytest.param(_interrupted(REBALANCED), _plan(LAYERS), 1, "auto", id="fresh-plan-without-costs"),
+        pytest.param(
+            _interrupted(REBALANCED, microbatches=6), _costed(LAYERS), 1, "auto", 4, id="other-microbatches"
+        ),
+        pytest.param(_other_slot(_interrupted(REBALANCED)), _costed(LAYERS), 1, "auto", 4, id="other-slot"),
+        pytest.param(
+            _interrupted(REBALANCED), _costed(LAYERS, capacity=TWO_LAYERS), 1, "auto", 4, id="does-not-fit"
+        ),
+        pytest.param(_interrupted(REBALANCED), _plan(LAYERS), 1, "auto", 4, id="fresh-plan-without-costs"),
     ],
 )
 def test_a_resumed_run_plans_afresh_unless_the_rebalanced_split_still_applies(
-    interrupted: Any, fresh: Plan, replicas: int, rebalance: str
+    interrupted: Any, fresh: Plan, replicas: int, rebalance: str, resumed_from_step: int
 ) -> None:
-    assert carried_plan(interrupted, fresh, replicas=replicas, rebalance=rebalance) is None
+    carried = carried_plan(
+        interrupted, fresh, replicas=replicas, resumed_from_step=resumed_from_step, rebalance=rebalance
+    )
+    assert carried is None
