@@ -18,6 +18,7 @@ __all__ = [
     "LINK_SLACK_FORWARDS",
     "Action",
     "gpipe",
+    "gradient_sends_proven",
     "gradients_delivered_by_forwards",
     "held_gradient_sends",
     "one_f_one_b",
@@ -98,11 +99,11 @@ def gradients_delivered_by_forwards(own: list[Action], previous: list[Action]) -
     send_order = [index for kind, index in own if kind == "B"]
     received: set[int] = set()
     proven: dict[int, int] = {}
+    prefix = 0  # sends 0..prefix-1 proven received; only grows, as ``received`` does
     for kind, index in previous:
         if kind == "B":
             received.add(index)
             continue
-        prefix = 0
         while prefix < len(send_order) and send_order[prefix] in received:
             prefix += 1
         if prefix:
@@ -110,18 +111,28 @@ def gradients_delivered_by_forwards(own: list[Action], previous: list[Action]) -
     return proven
 
 
+def gradient_sends_proven(name: str, *, stage: int, num_stages: int, num_microbatches: int) -> dict[int, int]:
+    """:func:`gradients_delivered_by_forwards` for stage ``stage`` under the named schedule: its
+    own actions against its previous stage's; empty on stage 0, which sends no gradient."""
+    if stage == 0:
+        return {}
+    own = schedule_for(name, stage=stage, num_stages=num_stages, num_microbatches=num_microbatches)
+    previous = schedule_for(name, stage=stage - 1, num_stages=num_stages, num_microbatches=num_microbatches)
+    return gradients_delivered_by_forwards(own, previous)
+
+
 def held_gradient_sends(name: str, *, stage: int, num_stages: int, num_microbatches: int) -> int:
     """The most input-gradient sends stage ``stage`` holds at once under the named schedule, letting
     each go once an activation proves it received (:func:`gradients_delivered_by_forwards`); 0 on
     stage 0, which sends none. Under 1F1B at most what the stage before it holds in flight, whatever
     M; under GPipe all M, until the step's end."""
-    if stage == 0:
-        return 0
-    own = schedule_for(name, stage=stage, num_stages=num_stages, num_microbatches=num_microbatches)
-    previous = schedule_for(name, stage=stage - 1, num_stages=num_stages, num_microbatches=num_microbatches)
-    proven = gradients_delivered_by_forwards(own, previous)
+    proven = gradient_sends_proven(
+        name, stage=stage, num_stages=num_stages, num_microbatches=num_microbatches
+    )
     sent = released = peak = 0
-    for kind, index in own:
+    for kind, index in schedule_for(
+        name, stage=stage, num_stages=num_stages, num_microbatches=num_microbatches
+    ):
         if kind == "F" and index in proven:
             released = max(released, proven[index] + 1)
         elif kind == "B":

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardpool.contract.schedule import Action, gradients_delivered_by_forwards, schedule_for
+from shardpool.contract.schedule import gradient_sends_proven, schedule_for
 from shardpool.data.rows import TokenRows
 from shardpool.model.stage import PipelineStage, StageSpec
 from shardpool.train.loss import StepTotals, token_loss_sum
@@ -88,7 +88,12 @@ class StagePipe:
         )
         activations = self._inbox(actions, microbatches, "F", self.wire.previous, FORWARD_TAG)
         gradients = self._inbox(actions, microbatches, "B", self.wire.next, BACKWARD_TAG)
-        gradients_delivered = self._gradients_delivered(schedule, actions, len(microbatches))
+        gradients_delivered = gradient_sends_proven(
+            schedule,
+            stage=self.spec.index,
+            num_stages=self.spec.num_stages,
+            num_microbatches=len(microbatches),
+        )
         for kind, index in actions:
             if kind == "F":
                 received = activations.take(index) if activations else None
@@ -101,19 +106,6 @@ class StagePipe:
                     self.wire.delivered(self.wire.next, FORWARD_TAG, through=index)
                 self.backward(*saved.pop(index), totals, gradient=gradient)
         return totals
-
-    def _gradients_delivered(self, schedule: str, actions: list[Action], microbatches: int) -> dict[int, int]:
-        """For each activation from the previous stage, the gradient sends it proves received
-        (:func:`~shardpool.contract.schedule.gradients_delivered_by_forwards`); none on stage 0."""
-        if self.spec.is_first:
-            return {}
-        previous = schedule_for(
-            schedule,
-            stage=self.spec.index - 1,
-            num_stages=self.spec.num_stages,
-            num_microbatches=microbatches,
-        )
-        return gradients_delivered_by_forwards(actions, previous)
 
     def _inbox(
         self,
