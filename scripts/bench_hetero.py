@@ -300,7 +300,7 @@ def cgroupfs_mounts(choice: CgroupChoice) -> str:
 
     ``ip netns exec`` mounts a fresh ``/sys`` (in a mount namespace of its own, whose mounts do not
     reach the machine's) that lacks the cgroup filesystems, so a process in a lab host could not
-    read its own CPU quota, which a profile records (``shardpool.plan.cpu_quota``); a real host can.
+    read its own CPU quota, which a profile records (``shardpool.host.cpu_quota``); a real host can.
     """
     if choice.version == "v2":
         return "mount -t cgroup2 cgroup2 /sys/fs/cgroup"
@@ -902,9 +902,9 @@ def swap_profiles(lab: Lab, cgroups: HostCgroups, first: str, second: str, scope
 
 
 def quota_threads(cpus: float) -> int:
-    """The threads a stage under ``cpus`` CPUs runs (``plan.cpu_quota.usable_cpus`` on this machine's
+    """The threads a stage under ``cpus`` CPUs runs (``host.cpu_quota.usable_cpus`` on this machine's
     cores): what the launcher would give its local stage had it run under that quota itself."""
-    from shardpool.plan.cpu_quota import usable_cpus
+    from shardpool.host.cpu_quota import usable_cpus
 
     return usable_cpus(len(os.sched_getaffinity(0)), cpus)
 

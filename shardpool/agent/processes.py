@@ -31,7 +31,7 @@ from typing import IO, Any, TypeVar
 from shardpool.agent.accounts import RunAs
 from shardpool.agent.confine import restrict_writes
 from shardpool.errors import ShardpoolError
-from shardpool.plan.cpu_quota import available_cpus
+from shardpool.host.cpu_quota import available_cpus
 
 __all__ = ["Spawner", "StageSettings", "check_reachable", "popen_as", "signal_group", "stage_environment"]
 

@@ -35,10 +35,10 @@ from typing import IO, Any
 
 from mesh.http.server import HTTPError
 from shardpool.agent.processes import Spawner, StageSettings, popen_as, signal_group, stage_environment
+from shardpool.host.cpu_quota import cpu_quota
+from shardpool.host.memory_limit import cgroup_memory
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
-from shardpool.plan.cpu_quota import cpu_quota
-from shardpool.plan.memory_limit import cgroup_memory
 
 __all__ = [
     "MAX_CAPABILITY_CHARS",

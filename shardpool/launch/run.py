@@ -23,10 +23,10 @@ from mesh.files import atomic_write, write_json
 from shardpool.config import Config
 from shardpool.contract.events import STAGE_COPY_FIGURES, StageEvent
 from shardpool.contract.job import Job, StagePlacement
+from shardpool.host.cpu_quota import available_cpus
 from shardpool.launch.local_launcher import LocalLauncher
 from shardpool.launch.mesh_launcher import MeshLauncher
 from shardpool.launch.model_card import TrainingOutcome
-from shardpool.plan.cpu_quota import available_cpus
 from shardpool.plan.local_fleet import DeviceProbe
 from shardpool.plan.result import Plan
 

@@ -2,7 +2,7 @@
 
 The CPU is a device like the others; its memory is the RAM this process may use: what
 ``/proc/meminfo`` reports, capped by the memory limit of this process's cgroup or an ancestor's
-(:mod:`shardpool.plan.memory_limit`). Device names and the
+(:mod:`shardpool.host.memory_limit`). Device names and the
 :class:`DeviceInfo` record are torch-free and live in ``plan.device_facts``.
 """
 
@@ -16,7 +16,8 @@ import psutil
 import torch
 
 from shardpool.errors import ShardpoolError
-from shardpool.plan.cpu_quota import available_cpus
+from shardpool.host.cpu_quota import available_cpus
+from shardpool.host.memory_limit import capped_memory, cgroup_memory
 from shardpool.plan.device_facts import (
     DeviceInfo,
     cpu_model_name,
@@ -25,7 +26,6 @@ from shardpool.plan.device_facts import (
     normalize_device,
     rocm_architecture,
 )
-from shardpool.plan.memory_limit import capped_memory, cgroup_memory
 
 __all__ = ["device_info", "list_devices", "probe_nf4", "synchronize"]
 

@@ -127,7 +127,7 @@ def _cpu_slowdown(share: int, threads: int, cores: int, quota: float | None) -> 
     """How much slower each of ``share`` CPU slots runs together than its profile, taken alone.
 
     Alone, a slot's ``threads`` get ``min(threads, quota)`` CPUs; together, the slots share the
-    host's ``min(cores, quota)``. The cgroup CPU quota (``plan.cpu_quota``, recorded with the
+    host's ``min(cores, quota)``. The cgroup CPU quota (``host.cpu_quota``, recorded with the
     profile) matters here: on a host throttled to one CPU, two slots of 8 threads each profile at
     one CPU but run at half of one, which the core count alone does not show.
     """

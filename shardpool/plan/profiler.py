@@ -31,10 +31,10 @@ from mesh.constants import cache_root
 from mesh.files import atomic_write
 from shardpool.config import load_config
 from shardpool.errors import ShardpoolError
+from shardpool.host.cpu_quota import cpu_quota
 from shardpool.model.shape import ModelShape
 from shardpool.plan.confidence import ci95_relative, measured_enough, passes_per_sample
 from shardpool.plan.costmodel import Workload
-from shardpool.plan.cpu_quota import cpu_quota
 from shardpool.plan.device_facts import DeviceInfo, LayerProfile, normalize_device
 from shardpool.plan.devices import device_info, list_devices, synchronize
 from shardpool.plan.fleet import LinkSpec

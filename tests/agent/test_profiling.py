@@ -258,7 +258,7 @@ def test_a_host_capped_anew_is_profiled_again(monkeypatch: pytest.MonkeyPatch) -
     from types import SimpleNamespace
 
     from shardpool.agent import profiling
-    from shardpool.plan.memory_limit import CgroupMemory
+    from shardpool.host.memory_limit import CgroupMemory
 
     limit: list[CgroupMemory | None] = [None]
     monkeypatch.setattr(profiling, "cgroup_memory", lambda: limit[0])

@@ -34,7 +34,7 @@ from shardpool.agent import jobs as agent_jobs
 from shardpool.agent.members import MeshPeer
 from shardpool.agent.service import Agent
 from shardpool.contract.job import Job
-from shardpool.plan.cpu_quota import available_cpus
+from shardpool.host.cpu_quota import available_cpus
 from tests.helpers.agents import (
     AGENT_KEY,
     LAUNCHER_KEY,

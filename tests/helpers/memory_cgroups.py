@@ -5,7 +5,7 @@ give a host less, its agent (and so every profiler and stage it starts: children
 cgroup) runs in a memory cgroup of its own, and sees that cgroup's filesystem, which ``ip netns
 exec`` would otherwise hide behind a fresh ``/sys`` (see ``scripts/bench_hetero.py``, which does
 the same with CPU quotas). The agent's device report then says ``free = limit - usage``
-(:mod:`shardpool.plan.memory_limit`), as on a container or a Slurm job.
+(:mod:`shardpool.host.memory_limit`), as on a container or a Slurm job.
 """
 
 from __future__ import annotations

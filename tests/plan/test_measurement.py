@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from shardpool.host.cpu_quota import cgroup_paths, cpu_quota, parse_cfs_quota, parse_cpu_max, usable_cpus
 from shardpool.model.shape import ModelShape
 from shardpool.plan import report
 from shardpool.plan.costmodel import Workload
-from shardpool.plan.cpu_quota import cgroup_paths, cpu_quota, parse_cfs_quota, parse_cpu_max, usable_cpus
 from shardpool.plan.device_facts import DeviceInfo, LayerProfile, Measurement
 from shardpool.plan.fleet import Device, Fleet
 from shardpool.plan.local_fleet import local_fleet

@@ -14,9 +14,9 @@ from shardpool.agent.client import SignedAgentClient
 from shardpool.agent.service import Agent
 from shardpool.contract.job import Job
 from shardpool.errors import ShardpoolError
+from shardpool.host.cpu_quota import available_cpus
 from shardpool.launch.mesh_launcher import run_mesh_job
 from shardpool.launch.mesh_members import MeshMember
-from shardpool.plan.cpu_quota import available_cpus
 from tests.helpers.agents import (
     AGENT_KEY,
     LAUNCHER_KEY,

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
-from shardpool.plan.cpu_quota import controller_cgroup_paths
+from shardpool.host.cpu_quota import controller_cgroup_paths
 
 __all__ = [
     "CgroupMemory",

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shardpool.plan import devices
-from shardpool.plan.memory_limit import (
+from shardpool.host.memory_limit import (
     CgroupMemory,
     capped_memory,
     cgroup_memory,
@@ -16,6 +15,7 @@ from shardpool.plan.memory_limit import (
     memory_stat,
     parse_memory_limit,
 )
+from shardpool.plan import devices
 
 GIB = 1 << 30
 V1_CGROUP = """12:pids:/user.slice
