@@ -250,7 +250,7 @@ class RunEvents:
     """A run's events as JSON lines on ``stream``: one object a line, flushed at once; None writes nothing.
 
     Every object has ``event`` (``plan``, ``step``, ``eval``, ``checkpoint``, ``rebalance``,
-    ``member_lost``, ``member_joined``, ``replan``, ``done`` or ``error``)
+    ``rebalance_held``, ``member_lost``, ``member_joined``, ``replan``, ``done`` or ``error``)
     and plain JSON values: a loss that is NaN or infinite (a diverging run) is written as null.
     """
 

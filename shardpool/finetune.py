@@ -502,7 +502,7 @@ def _train(
         def rebalanced(line: dict[str, Any]) -> None:
             record.record_rebalance(line)
             progress.say(_rebalance_message(line))
-            events.emit("rebalance", **_fields(line))
+            events.emit(line["event"], **_fields(line))
 
         def on_event(event: dict[str, Any]) -> None:
             if event.get("event") != StageEvent.STEP:
@@ -555,8 +555,14 @@ def _train(
 
 
 def _rebalance_message(line: dict[str, Any]) -> str:
-    """The console line of a re-shard."""
+    """The console line of a re-shard, or of a check whose better split the stages' room rules out."""
     moved = " ".join(f"[{start}, {stop})" for start, stop in line["to"])
+    if line["event"] == "rebalance_held":
+        return (
+            f"re-balance after step {line['step']} held back, keeping the plan: layers {moved} would "
+            f"predict {line['predicted_step_s']:.3f} s/step (measured {line['current_step_s']:.3f}), "
+            f"but {line['reason']}"
+        )
     return (
         f"re-balanced after step {line['step']}: layers now {moved} ({line['reason']}; "
         f"predicted {line['predicted_step_s']:.3f} s/step, measured {line['current_step_s']:.3f} s/step)"

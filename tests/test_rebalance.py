@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from shardpool.cli import main
 from shardpool.config import parse_config
-from shardpool.contract.rebalance import FORCE_ENV, KILL_ENV
+from shardpool.contract.rebalance import FORCE_ENV, KILL_ENV, ROOM_ENV
 from shardpool.finetune import finetune
 from shardpool.launch.run import RUN_DIR_NAME
 from tests.helpers.training import base_config, read_metrics, stage_pids, write_config
@@ -42,7 +42,7 @@ def _step_losses(output_dir: Path) -> dict[int, float]:
 def kept(tiny_model: Path, completion_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The baseline: the same 3 stages and 5 steps, keeping its plan whatever calibration would make
     of its steps, with neither test hook set. Both tests compare with it and neither writes to it."""
-    assert FORCE_ENV not in os.environ and KILL_ENV not in os.environ
+    assert not {FORCE_ENV, KILL_ENV, ROOM_ENV} & set(os.environ)
     return finetune(
         parse_config(
             base_config(
@@ -130,6 +130,35 @@ def test_forced_reshard_trains_exactly_as_the_kept_plan(
     assert [entry.get("resumed_from_step") for entry in plan["history"]] == [None, 4]
     resumed_adapter = load_file(str(moved / "adapter_model.safetensors"))
     assert max(float((resumed_adapter[k] - kept_adapter[k]).abs().max()) for k in kept_adapter) < 1e-4
+
+
+def test_a_split_beyond_a_stages_measured_room_is_held_back_and_the_run_trains_on(
+    tmp_path: Path, kept: Path, tiny_model: Path, completion_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stage 2 would gain layer 3, but its rank reports 1000 bytes of room at the check: the plan
+    is kept, said once on the console and in metrics.jsonl, and the run trains as the kept run."""
+    monkeypatch.setenv(FORCE_ENV, "3:0-1,1-3,3-6")
+    monkeypatch.setenv(ROOM_ENV, "2:1000")
+    shown = io.StringIO()
+    config = parse_config(base_config(tiny_model, completion_data, tmp_path / "held", **_overrides()))
+    held = finetune(config, console=Console(file=shown, width=300))
+    assert re.search(
+        r"re-balance after step 3 held back, keeping the plan: layers \[0, 1\) \[1, 3\) \[3, 6\) would "
+        r"predict [0-9.]+ s/step \(measured [0-9.]+\), but stage 2 \(\S+\) needs [0-9.]+ MiB more for "
+        r"3 layers and has 0\.0 MiB of room",
+        shown.getvalue(),
+    ), shown.getvalue()
+    lines = read_metrics(held)
+    assert [line["event"] for line in lines if "event" in line] == ["rebalance_held"]
+    rooms = {line["step"]: line.get("stage_room_bytes") for line in lines if "loss" in line}
+    assert [step for step, room in rooms.items() if room is not None] == [3], "measured at the check only"
+    assert rooms[3][2] == 1000 and all(0 < room < 2**50 for room in rooms[3][:2]), rooms[3]
+    kept_losses, held_losses = _step_losses(kept), _step_losses(held)
+    assert max(abs(kept_losses[step] - held_losses[step]) for step in kept_losses) < 1e-6
+    plan = json.loads((held / "plan.json").read_text())
+    assert [stage["layers"] for stage in plan["stages"]] == [[0, 2], [2, 4], [4, 6]] and "history" not in plan
+    logs = held / RUN_DIR_NAME / "logs"
+    assert "re-sharded" not in (logs / "rank-2.log").read_text()
 
 
 @pytest.mark.slow

@@ -109,6 +109,9 @@ class StepEvent(_Event):
     #: waiting for the copy before), outside ``step_seconds``, and its copy thread's CPU seconds.
     stage_copy_blocked_s: Timings | None = None
     stage_copy_cpu_s: Timings | None = None
+    #: At the re-balance check step only: each rank's room, the bytes it can still take on (what
+    #: is free on its device less what its step peaks already take), which caps what a re-shard gives it.
+    stage_room_bytes: Timings | None = None
     loss_scale: float | None = None
     skipped_step: bool = False
 

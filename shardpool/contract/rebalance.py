@@ -8,9 +8,14 @@ collective. A re-shard keeps the stages, their ranks and devices; only the layer
 and :func:`handovers` says which stage hands which layers to which. Pure and torch-free: the
 launcher (:mod:`shardpool.launch.rebalancing`) and the stages (:mod:`shardpool.train.reshard`) share it.
 
+Every rank measures, at the end of the check step, how much memory it can still take on (its
+room: what is free, less what its own step peaks already take), and the check step's ``step``
+event carries those figures (``stage_room_bytes``), so the launcher's decision never gives a
+stage more layers than its device has room for now, whatever the plan assumed.
+
 Test hooks (tests only): :data:`FORCE_ENV` makes the launcher decide a given re-shard at a given
 step, whatever the measurements say; :data:`KILL_ENV` makes one rank kill itself in the middle of
-the hand-over.
+the hand-over; :data:`ROOM_ENV` makes ranks report a given room instead of measuring it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ __all__ = [
     "FORCE_ENV",
     "KILL_ENV",
     "WARMUP_STEPS",
+    "ROOM_ENV",
     "LayerRanges",
     "check_step",
     "decision_key",
@@ -36,6 +42,7 @@ __all__ = [
     "key_layer",
     "kill_rank",
     "owner_of",
+    "room_override",
 ]
 
 #: Steps a run trains before its check: the first is warm-up, the rest are measured.
@@ -44,9 +51,12 @@ WARMUP_STEPS = 3
 FORCE_ENV = "SHARDPOOL_TEST_RESHARD"
 #: Test hook: the global rank that kills itself (SIGKILL) in the middle of a re-shard's hand-over.
 KILL_ENV = "SHARDPOOL_TEST_RESHARD_KILL_RANK"
+#: Test hook: ``RANK:BYTES,RANK:BYTES,...``: those global ranks report BYTES of room at the check.
+ROOM_ENV = "SHARDPOOL_TEST_RESHARD_ROOM"
 
 LayerRanges = list[tuple[int, int]]  # each stage's [start, stop), in pipeline order
 
+_ROOM = re.compile(r"[0-9]+:[0-9]+(?:,[0-9]+:[0-9]+)*")
 _FORCED = re.compile(r"([0-9]+):([0-9]+-[0-9]+(?:,[0-9]+-[0-9]+)*)")
 _LAYER_IN_KEY = re.compile(r"(?:^|\.)layers\.([0-9]+)\.")
 
@@ -86,6 +96,17 @@ def kill_rank() -> int | None:
     """The rank the test hook :data:`KILL_ENV` kills during the hand-over, or None."""
     value = os.environ.get(KILL_ENV, "")
     return int(value) if value.isdigit() else None
+
+
+def room_override(rank: int) -> int | None:
+    """The room the test hook :data:`ROOM_ENV` makes ``rank`` report, or None (measure it)."""
+    value = os.environ.get(ROOM_ENV, "").strip()
+    if not value:
+        return None
+    if _ROOM.fullmatch(value) is None:
+        raise ContractError(f"{ROOM_ENV}={value!r}: expected RANK:BYTES,RANK:BYTES,... e.g. 2:1000")
+    rooms = dict(part.split(":") for part in value.split(","))
+    return int(rooms[str(rank)]) if str(rank) in rooms else None
 
 
 def encode_decision(layers: Sequence[tuple[int, int]] | None) -> str:

@@ -13,6 +13,10 @@ children, so every cgroup from the process's own up to the root counts: what is 
 smallest ``limit - usage`` among them. A container that sees its own cgroup as the root has it at
 the mount point itself. The parsers are pure functions of the files' text; :func:`cgroup_memory`
 reads the files.
+
+A running stage also asks what it can still take on (:func:`cpu_room_bytes`, before a re-shard
+adds layers to it): the free memory now, less what its own peak already used above what it holds
+between steps, since each step needs that again.
 """
 
 from __future__ import annotations
@@ -20,18 +24,27 @@ from __future__ import annotations
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
+import psutil
+
 from shardpool.host.cpu_quota import controller_cgroup_paths
 
 __all__ = [
     "CgroupMemory",
+    "ResidentMemory",
     "capped_memory",
     "cgroup_memory",
+    "cpu_memory",
+    "cpu_room_bytes",
     "memory_cgroup_paths",
     "memory_stat",
     "parse_memory_limit",
+    "parse_resident_memory",
+    "resident_memory",
+    "room_after_peak",
 ]
 
 _PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+_PROC_SELF_STATUS = Path("/proc/self/status")
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: cgroup v1 writes "no limit" as the largest page-aligned signed 64-bit number; anything this
 #: large is no limit on any machine.
@@ -47,6 +60,13 @@ class CgroupMemory(NamedTuple):
 
     limit_bytes: int
     free_bytes: int
+
+
+class ResidentMemory(NamedTuple):
+    """This process's resident memory now (``VmRSS``) and at its highest so far (``VmHWM``)."""
+
+    current_bytes: int
+    peak_bytes: int
 
 
 class _Paths(NamedTuple):
@@ -116,6 +136,48 @@ def capped_memory(total: int, available: int, cap: CgroupMemory | None) -> tuple
     if cap is None:
         return total, available
     return min(total, cap.limit_bytes), max(0, min(available, cap.free_bytes))
+
+
+def cpu_memory() -> tuple[int, int]:
+    """(total, free) bytes of this machine's memory as this process may use it: psutil's figures
+    within its cgroup's cap (:func:`capped_memory`)."""
+    memory = psutil.virtual_memory()
+    return capped_memory(int(memory.total), int(memory.available), cgroup_memory())
+
+
+def parse_resident_memory(status_text: str) -> ResidentMemory | None:
+    """``VmRSS`` and ``VmHWM`` of a ``/proc/PID/status`` text; None when either is missing."""
+    kib: dict[str, int] = {}
+    for line in status_text.splitlines():
+        name, _, value = line.partition(":")
+        fields = value.split()
+        if name in ("VmRSS", "VmHWM") and fields and fields[0].isdigit():
+            kib[name] = int(fields[0])
+    if len(kib) != 2:
+        return None
+    return ResidentMemory(current_bytes=kib["VmRSS"] * 1024, peak_bytes=kib["VmHWM"] * 1024)
+
+
+def resident_memory(*, status: Path = _PROC_SELF_STATUS) -> ResidentMemory | None:
+    """This process's resident memory now and at its peak; None where /proc does not say (not Linux)."""
+    text = _read(status)
+    return parse_resident_memory(text) if text is not None else None
+
+
+def room_after_peak(free_bytes: int, peak_bytes: int, in_use_bytes: int) -> int:
+    """What a process can add to its peak without running out: ``free_bytes`` now, less what its
+    peak took above what it holds now (between steps; every step takes that again). Never below 0."""
+    return max(0, free_bytes - max(0, peak_bytes - in_use_bytes))
+
+
+def cpu_room_bytes() -> int:
+    """What this process can still add to its CPU memory peak (:func:`room_after_peak` of
+    :func:`cpu_memory`'s free bytes and :func:`resident_memory`)."""
+    _, free = cpu_memory()
+    resident = resident_memory()
+    if resident is None:
+        return free
+    return room_after_peak(free, resident.peak_bytes, resident.current_bytes)
 
 
 def _ancestors(mount: Path, path: str) -> list[Path]:

@@ -2,12 +2,14 @@
 
 :class:`RebalanceCheck` follows the run's ``step`` events. At the job's check step
 (``Job.rebalance_at``) it asks :func:`shardpool.plan.calibrate.rebalance_decision` (or takes the
-test hook's forced split, :data:`shardpool.contract.rebalance.FORCE_ENV`) and publishes the answer
+test hook's forced split, :data:`shardpool.contract.rebalance.FORCE_ENV`), within the room each
+rank measured at that step (the event's ``stage_room_bytes``), and publishes the answer
 at the rendezvous-store key every rank waits on. It always publishes, keep included, so the stages
 never wait longer than the launcher takes to decide; a check that fails (a bug in calibration)
 says one line and keeps the plan rather than stopping the run. A re-shard rewrites ``plan.json`` with the new
-plan and the earlier ones under ``history``, and returns the ``rebalance`` line for ``metrics.jsonl``.
-Torch-free.
+plan and the earlier ones under ``history``, and returns the ``rebalance`` line for ``metrics.jsonl``;
+a better split that the room rules out, with nothing else worth a re-shard, returns a
+``rebalance_held`` line instead and keeps the plan. Torch-free.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from shardpool.contract.rebalance import (
     forced_reshard,
 )
 from shardpool.errors import ShardpoolError
-from shardpool.plan.calibrate import Rebalance, StepMeasurement, rebalance_decision
+from shardpool.plan.calibrate import Rebalance, StepMeasurement, memory_shortfalls, rebalance_decision
 from shardpool.plan.result import Plan
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "RebalanceCheck",
     "carried_plan",
     "forced_rebalance",
+    "held_line",
     "rebalance_line",
     "replanned_json",
     "resumed_json",
@@ -61,7 +64,8 @@ class RebalanceCheck:
     publish: Publish
     plan_path: Path
     measured: list[StepMeasurement] = field(default_factory=list)
-    decide: Callable[[Plan, list[StepMeasurement], Config], Rebalance | None] = rebalance_decision
+    #: ``(plan, measured, config, room_bytes=...)`` -> the re-shard, or None to keep the plan.
+    decide: Callable[..., Rebalance | None] = rebalance_decision
     say: Callable[[str], None] = print  # where a failed check's one line goes (the run's console)
 
     def on_step(self, event: dict[str, Any]) -> dict[str, Any] | None:
@@ -81,26 +85,45 @@ class RebalanceCheck:
         if step != self.check_at:
             return None
         decision: Rebalance | None = None
+        held: Rebalance | None = None
         try:
-            decision = self._decision()
+            decision, held = self._decision(event.get("stage_room_bytes"))
         except Exception as error:  # noqa: BLE001 - a failed check keeps the plan; it must not stop the run
             self.say(f"re-balance check after step {step} failed, keeping the plan: {_first_line(error)}")
         if decision is not None and decision.layers == self.plan.layer_ranges():
             decision = None
         self.publish(decision_key(step), encode_decision(decision.layers if decision else None))
         if decision is None:
-            return None
+            return held_line(step, self.plan, held) if held is not None else None
         self.plan_json = replanned_json(self.plan_json, decision.plan, ended_at_step=step)
         write_json(self.plan_path, self.plan_json)
         line = rebalance_line(step, self.plan, decision)
         self.plan = decision.plan
         return line
 
-    def _decision(self) -> Rebalance | None:
+    def _decision(self, room_bytes: list[float] | None) -> tuple[Rebalance | None, Rebalance | None]:
+        """(the re-shard to make or None, the better split that the room rules out or None).
+
+        The forced split of the test hook is made only if it fits the room; otherwise the best
+        split within the room is made, and the best one without it is named when it differs.
+        """
         forced = forced_reshard()
         if forced is not None:
-            return forced_rebalance(self.plan, forced[1], self.measured)
-        return self.decide(self.plan, list(self.measured), self.config)
+            best = forced_rebalance(self.plan, forced[1], self.measured)
+            chosen: Rebalance | None = best
+        else:
+            chosen = self.decide(self.plan, list(self.measured), self.config, room_bytes=room_bytes)
+            best = chosen if room_bytes is None else self.decide(self.plan, list(self.measured), self.config)
+        if room_bytes is None or best is None:
+            return chosen, None
+        shortfalls = memory_shortfalls(self.plan, best.layers, room_bytes)
+        if not shortfalls:
+            return chosen, None
+        held = replace(best, reason="; ".join(shortfalls))
+        if forced is not None or chosen is None:
+            return None, held
+        ruled_out = f"{_ranges(best.layers)} would predict {best.predicted_step_s:.3f} s but {held.reason}"
+        return replace(chosen, reason=f"{chosen.reason}; {ruled_out}"), None
 
 
 def _first_line(error: BaseException) -> str:
@@ -135,6 +158,16 @@ def rebalance_line(step: int, old: Plan, decision: Rebalance) -> dict[str, Any]:
         "current_step_s": round(decision.current_step_s, 6),
         "reason": decision.reason,
     }
+
+
+def held_line(step: int, old: Plan, held: Rebalance) -> dict[str, Any]:
+    """The ``metrics.jsonl`` line of a check after ``step`` that keeps the plan because the better
+    split ``held`` needs more memory than its stages have room for (``reason`` says which, how much)."""
+    return rebalance_line(step, old, held) | {"event": "rebalance_held"}
+
+
+def _ranges(layers: list[tuple[int, int]]) -> str:
+    return " ".join(f"[{start}, {stop})" for start, stop in layers)
 
 
 def resumed_json(interrupted: Any, new_json: dict[str, Any], *, resumed_from_step: int) -> dict[str, Any]:

@@ -17,6 +17,12 @@ stay as planned. The exact split search (``plan.split_search.best_split``) then 
 split of the same device sequence under the calibrated model, within each stage's memory, and
 :func:`rebalance_decision` returns it when it shortens the calibrated step by at least
 :data:`MIN_GAIN` of the current split's calibrated step.
+
+Memory, as measured: the plan's memory model caps each stage at what its device held when it was
+planned. At the check each rank also reports its *room* (the bytes it can still take on now), and
+a stage may then gain only as many layers as its modelled peak can grow within the least room of
+its replicas (:func:`layers_within_room`): another program that took memory since, or a model
+that under-counts, shrinks the choice instead of failing the hand-over.
 """
 
 from __future__ import annotations
@@ -41,12 +47,16 @@ __all__ = [
     "StepMeasurement",
     "calibrate",
     "calibrated_plan",
+    "layers_within_room",
+    "memory_shortfalls",
     "predicted_over_measured",
     "rebalance_decision",
+    "stage_rooms",
 ]
 
 #: Re-shard only when the calibrated model predicts a step at least this much faster.
 MIN_GAIN = 0.10
+_MIB, _GIB = 2**20, 2**30
 
 
 @dataclass(frozen=True)
@@ -162,23 +172,36 @@ def calibrated_plan(plan: Plan, measured: Sequence[StepMeasurement], config: Con
 
 
 def rebalance_decision(
-    plan: Plan, measured: Sequence[StepMeasurement], config: Config, *, min_gain: float = MIN_GAIN
+    plan: Plan,
+    measured: Sequence[StepMeasurement],
+    config: Config,
+    *,
+    min_gain: float = MIN_GAIN,
+    room_bytes: Sequence[float] | None = None,
 ) -> Rebalance | None:
     """The re-shard that the measured steps justify, or None to keep the running plan.
 
     Calibrates the plan's stages on ``measured`` (the warm-up steps), searches the exact best split
     of the same stages under the calibrated model within each stage's memory, and returns it when
     its predicted step is at least ``min_gain`` (a fraction) shorter than the current split's under
-    that same model. None too for a plan without stage costs (older ``plan.json``) or no steps.
-    Pure and deterministic.
+    that same model. ``room_bytes`` (per rank, as the check step measured them) caps each stage's
+    gain further (:func:`layers_within_room`). None too for a plan without stage costs (older
+    ``plan.json``) or no steps. Pure and deterministic.
     """
     if not measured or any(stage.costs is None for stage in plan.stages):
         return None
     calibration = calibrate(plan, measured, config)
     current = [stage.num_layers for stage in plan.stages]
+    caps = [c.max_layers() for c in calibration.costs]
+    if room_bytes is not None:
+        rooms = stage_rooms(room_bytes, len(plan.stages))
+        caps = [
+            min(cap, layers_within_room(c, n, room, most=plan.num_layers))
+            for cap, c, n, room in zip(caps, calibration.costs, current, rooms, strict=True)
+        ]
     problem = SplitProblem(
         costs=calibration.costs,
-        caps=[c.max_layers() for c in calibration.costs],
+        caps=caps,
         layers=sum(current),
         microbatches=calibration.microbatches,
         schedule=calibration.schedule,
@@ -197,6 +220,49 @@ def rebalance_decision(
         current_step_s=current_step,
         reason=_reason(plan, calibration, counts, current_step, best_step),
     )
+
+
+def stage_rooms(room_by_rank: Sequence[float], num_stages: int) -> list[float]:
+    """Each stage's room: the least that any of its replicas reported (rank ``r`` runs stage ``r % S``)."""
+    if not room_by_rank or len(room_by_rank) % num_stages:
+        raise ShardpoolError(
+            f"the check reports room for {len(room_by_rank)} ranks, not a multiple of the plan's {num_stages} stages"
+        )
+    return [min(room_by_rank[index::num_stages]) for index in range(num_stages)]
+
+
+def layers_within_room(costs: StageCosts, layers: int, room: float, *, most: int) -> int:
+    """The most layers, up to ``most``, that a stage holding ``layers`` can go to when its modelled
+    peak (:meth:`StageCosts.memory`) may grow by at most ``room`` bytes. Never fewer than ``layers``:
+    giving layers away needs no room."""
+    held = costs.memory(layers)
+    count = layers
+    while count < most and costs.memory(count + 1) - held <= room:
+        count += 1
+    return count
+
+
+def memory_shortfalls(
+    plan: Plan, layers: Sequence[tuple[int, int]], room_by_rank: Sequence[float]
+) -> list[str]:
+    """One phrase per stage to which ``layers`` give more than its room: how much more its modelled
+    peak needs and how much room it has. Empty when the split fits (or the plan has no costs)."""
+    phrases = []
+    rooms = stage_rooms(room_by_rank, len(plan.stages))
+    for index, (stage, (start, stop), room) in enumerate(zip(plan.stages, layers, rooms, strict=True)):
+        if stage.costs is None:
+            continue
+        need = stage.costs.memory(stop - start) - stage.costs.memory(stage.num_layers)
+        if need > room:
+            phrases.append(
+                f"stage {index} ({stage.slot or stage.device}) needs {_size(need)} more for "
+                f"{stop - start} layers and has {_size(room)} of room"
+            )
+    return phrases
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / _GIB:.2f} GiB" if nbytes >= _GIB else f"{nbytes / _MIB:.1f} MiB"
 
 
 def predicted_over_measured(plan: Plan, measured: Sequence[StepMeasurement]) -> float:

@@ -12,12 +12,11 @@ import functools
 import platform
 from dataclasses import replace
 
-import psutil
 import torch
 
 from shardpool.errors import ShardpoolError
 from shardpool.host.cpu_quota import available_cpus
-from shardpool.host.memory_limit import capped_memory, cgroup_memory
+from shardpool.host.memory_limit import cpu_memory
 from shardpool.plan.device_facts import (
     DeviceInfo,
     cpu_model_name,
@@ -133,8 +132,7 @@ def synchronize(name: str) -> None:
 
 
 def _cpu_info() -> DeviceInfo:
-    memory = psutil.virtual_memory()
-    total, free = capped_memory(int(memory.total), int(memory.available), cgroup_memory())
+    total, free = cpu_memory()
     return DeviceInfo(
         "cpu",
         "cpu",

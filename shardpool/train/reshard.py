@@ -9,6 +9,9 @@ optimizer's state fields travel as they are and the result is exact. The caller 
 stage for the new layers and restores the state by key. A job that grows in place
 (:mod:`shardpool.contract.grow`) hands over the same way, in its new process group, by layer
 position from rank to rank (:func:`exchange_by_position`): ranks renumber and the stage count changes.
+
+Before any of that, at the end of the check step, each rank measures its room
+(:func:`room_bytes`), which the launcher's decision respects (:mod:`shardpool.contract.rebalance`).
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from safetensors.torch import load as load_tensor_bytes
 from safetensors.torch import save as save_tensor_bytes
 
 from shardpool.contract.grow import state_position
-from shardpool.contract.rebalance import decision_key, handovers, key_layer, kill_rank
+from shardpool.contract.rebalance import decision_key, handovers, key_layer, kill_rank, room_override
 from shardpool.errors import ShardpoolError
+from shardpool.host.memory_limit import cpu_room_bytes, room_after_peak
 
 __all__ = [
     "HANDOVER_TAG",
@@ -36,11 +40,39 @@ __all__ = [
     "exchange_state",
     "kept_state",
     "module_layer",
+    "room_bytes",
     "state_for_layers",
 ]
 
 #: The tag of hand-over messages (the pipeline's are 1 and 2, and quiet at a step boundary).
 HANDOVER_TAG = 7
+
+
+def room_bytes(device: torch.device, *, rank: int) -> int:
+    """The bytes this rank can still take on: its device's free memory, less what its step peaks
+    already take above what it holds between steps (:func:`shardpool.host.memory_limit.room_after_peak`).
+
+    CUDA counts the caching allocator's unused blocks as free and its peak since the stage started
+    (loading included, so the figure errs low); CPU the machine's available memory within the
+    process's cgroup and its resident peak; MPS Metal's recommended working set less what the
+    driver holds. The test hook :data:`shardpool.contract.rebalance.ROOM_ENV` replaces the
+    measurement for the ranks it names.
+    """
+    override = room_override(rank)
+    if override is not None:
+        return override
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        allocated = int(torch.cuda.memory_allocated(device))
+        cached = int(torch.cuda.memory_reserved(device)) - allocated
+        return room_after_peak(int(free) + cached, int(torch.cuda.max_memory_allocated(device)), allocated)
+    if device.type == "mps":
+        return max(0, int(torch.mps.recommended_max_memory()) - int(torch.mps.driver_allocated_memory()))
+    if device.type == "xpu":
+        total = int(torch.xpu.get_device_properties(device).total_memory)
+        allocated = int(torch.xpu.memory_allocated(device))  # what is not allocated is free or cached here
+        return room_after_peak(total - allocated, int(torch.xpu.max_memory_allocated(device)), allocated)
+    return cpu_room_bytes()
 
 
 def await_decision(store: Any, step: int, *, timeout_s: float) -> bytes:

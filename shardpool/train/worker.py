@@ -70,6 +70,7 @@ from shardpool.data.prepared_file import load_prepared
 from shardpool.data.rows import PreparedData
 from shardpool.data.steps import config_step_batches
 from shardpool.errors import ShardpoolError
+from shardpool.host.memory_limit import resident_memory
 from shardpool.model.lora import lora_settings
 from shardpool.model.nf4 import DTYPES
 from shardpool.model.stage import BaseSettings, PipelineStage, StageSpec, build_stage, reusable_modules
@@ -89,6 +90,7 @@ from shardpool.train.reshard import (
     exchange_state,
     kept_state,
     module_layer,
+    room_bytes,
     state_position,
 )
 from shardpool.train.runfiles import DATA_INPUT, INIT_ADAPTER_PREFIX, RunFiles
@@ -156,13 +158,9 @@ def emit(event: dict[str, Any]) -> None:
 
 def peak_rss_bytes() -> int:
     """This process's peak resident memory (VmHWM; unlike ru_maxrss it excludes the parent's)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    resident = resident_memory()
+    if resident is not None:
+        return resident.peak_bytes
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -453,12 +451,15 @@ class StageWorker:
             () if copier is None else (copier.copy_seconds, copier.blocked_seconds, copier.cpu_seconds)
         )
         grow_flag = (self._grow_announced(),) if copier is not None else ()
+        checks = step + 1 == self.job.rebalance_at
+        room = (float(room_bytes(self.device, rank=self.rank)),) if checks else ()
         timings = gather_timings(
             totals.compute_seconds, wire.wait_seconds, wire.bytes_sent, self.job.world_size,
-            *copy_figures, *grow_flag,
+            *copy_figures, *room, *grow_flag,
         )  # fmt: skip
         if grow_flag:
             self.grow_due = max(timings.pop()) > 0
+        rooms = [int(value) for value in timings.pop()] if room else None
         wire.bytes_sent = 0
         if self.rank == 0:
             step_seconds = time.perf_counter() - started
@@ -479,6 +480,7 @@ class StageWorker:
                 }
                 | (dict(zip(STAGE_COPY_FIGURES, timings[3:], strict=True)) if copy_figures else {})
                 | ({"loss_scale": scale.scale, "skipped_step": not finite} if scale else {})
+                | ({"stage_room_bytes": rooms} if rooms is not None else {})
             )
 
     def evaluate(self, *, save_logits: bool = False) -> float | None:

@@ -7,13 +7,18 @@ from pathlib import Path
 
 import pytest
 
+from shardpool.host import memory_limit
 from shardpool.host.memory_limit import (
     CgroupMemory,
     capped_memory,
     cgroup_memory,
+    cpu_room_bytes,
     memory_cgroup_paths,
     memory_stat,
     parse_memory_limit,
+    parse_resident_memory,
+    resident_memory,
+    room_after_peak,
 )
 from shardpool.plan import devices
 
@@ -98,12 +103,12 @@ def test_the_cpu_device_reports_the_cgroup_cap(monkeypatch: pytest.MonkeyPatch) 
     from types import SimpleNamespace
 
     monkeypatch.setattr(
-        devices.psutil, "virtual_memory", lambda: SimpleNamespace(total=32 * GIB, available=20 * GIB)
+        memory_limit.psutil, "virtual_memory", lambda: SimpleNamespace(total=32 * GIB, available=20 * GIB)
     )
-    monkeypatch.setattr(devices, "cgroup_memory", lambda: CgroupMemory(3 * GIB, GIB))
+    monkeypatch.setattr(memory_limit, "cgroup_memory", lambda: CgroupMemory(3 * GIB, GIB))
     info = devices.device_info("cpu", nf4=False)
     assert (info.total_bytes, info.free_bytes) == (3 * GIB, GIB)
-    monkeypatch.setattr(devices, "cgroup_memory", lambda: None)
+    monkeypatch.setattr(memory_limit, "cgroup_memory", lambda: None)
     info = devices.device_info("cpu", nf4=False)
     assert (info.total_bytes, info.free_bytes) == (32 * GIB, 20 * GIB)
 
@@ -126,3 +131,40 @@ def test_the_inactive_file_cache_is_not_counted_as_used(tmp_path: Path) -> None:
     _write(service / "memory.stat", f"anon {GIB}\ninactive_file {GIB // 2}\n")
     assert cgroup_memory(proc_self_cgroup=v2, root=tmp_path / "fs2") == CgroupMemory(2 * GIB, GIB // 2)
     assert memory_stat("a 1\nb x\nc 2 3\n") == {"a": 1}
+
+
+STATUS = """Name:\tpython3
+VmPeak:\t 4000000 kB
+VmHWM:\t  900000 kB
+VmRSS:\t  600000 kB
+Threads:\t4
+"""
+
+
+def test_resident_memory_is_read_from_proc_status() -> None:
+    assert parse_resident_memory(STATUS) == (600000 * 1024, 900000 * 1024)
+    assert parse_resident_memory("Name:\tpython3\nVmRSS:\t 10 kB\n") is None, "no VmHWM: not guessed"
+    here = resident_memory()
+    assert here is not None and 0 < here.current_bytes <= here.peak_bytes
+
+
+def test_the_room_is_what_is_free_less_the_peak_above_what_is_held_now() -> None:
+    # 4 GiB free; the peak of each step took 1 GiB above what the process holds between steps.
+    assert room_after_peak(4 * GIB, peak_bytes=3 * GIB, in_use_bytes=2 * GIB) == 3 * GIB
+    assert room_after_peak(4 * GIB, peak_bytes=2 * GIB, in_use_bytes=2 * GIB) == 4 * GIB
+    assert room_after_peak(GIB, peak_bytes=5 * GIB, in_use_bytes=2 * GIB) == 0, "never below 0"
+
+
+def test_the_cpu_room_is_cut_by_the_cgroup_cap_and_the_processs_own_peak(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(
+        memory_limit.psutil, "virtual_memory", lambda: SimpleNamespace(total=32 * GIB, available=20 * GIB)
+    )
+    monkeypatch.setattr(memory_limit, "cgroup_memory", lambda: CgroupMemory(8 * GIB, 3 * GIB))
+    monkeypatch.setattr(memory_limit, "resident_memory", lambda: parse_resident_memory(STATUS))
+    assert cpu_room_bytes() == 3 * GIB - 300000 * 1024
+    monkeypatch.setattr(memory_limit, "cgroup_memory", lambda: None)
+    assert cpu_room_bytes() == 20 * GIB - 300000 * 1024

@@ -65,7 +65,9 @@ def test_the_check_measures_steps_after_the_first_and_answers_keep(
     monkeypatch.delenv(FORCE_ENV, raising=False)
     seen: list[list[StepMeasurement]] = []
     published: dict[str, str] = {}
-    check = _check(tmp_path, lambda plan, measured, config: seen.append(measured), published, first_step=4)
+    check = _check(
+        tmp_path, lambda plan, measured, config, **_: seen.append(measured), published, first_step=4
+    )
     assert [check.on_step(_step(step, 2.0)) for step in (5, 6)] == [None, None]
     assert published == {}, "nothing is published before the check step"
     assert check.on_step(_step(7, 3.0)) is None
@@ -85,7 +87,7 @@ def test_a_decision_is_published_recorded_and_kept_in_plan_history(
         plan=_plan(new, 0.8), predicted_step_s=0.8, current_step_s=1.1, reason="stage 0 is fast"
     )
     published: dict[str, str] = {}
-    check = _check(tmp_path, lambda plan, measured, config: decision, published)
+    check = _check(tmp_path, lambda plan, measured, config, **_: decision, published)
     for step in (1, 2):
         check.on_step(_step(step, 1.1))
     line = check.on_step(_step(3, 1.1))
@@ -110,7 +112,7 @@ def test_a_decision_is_published_recorded_and_kept_in_plan_history(
 def test_a_failing_check_says_so_and_answers_keep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(FORCE_ENV, raising=False)
 
-    def broken(plan: Plan, measured: list[StepMeasurement], config: Any) -> Rebalance | None:
+    def broken(plan: Plan, measured: list[StepMeasurement], config: Any, **_: Any) -> Rebalance | None:
         raise ValueError("calibration bug")
 
     published: dict[str, str] = {}
@@ -125,7 +127,7 @@ def test_a_failing_check_says_so_and_answers_keep(tmp_path: Path, monkeypatch: p
 def test_the_forced_hook_overrides_the_decision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(FORCE_ENV, "3:0-1,1-3,3-6")
     published: dict[str, str] = {}
-    check = _check(tmp_path, lambda plan, measured, config: None, published)
+    check = _check(tmp_path, lambda plan, measured, config, **_: None, published)
     for step in (1, 2):
         check.on_step(_step(step, 1.0))
     line = check.on_step(_step(3, 2.0))
@@ -255,3 +257,80 @@ def test_a_resumed_run_plans_afresh_unless_the_rebalanced_split_still_applies(
         interrupted, fresh, replicas=replicas, resumed_from_step=resumed_from_step, rebalance=rebalance
     )
     assert carried is None
+
+
+def _check_of(tmp_path: Path, plan: Plan, decide: Any, published: dict[str, str]) -> RebalanceCheck:
+    check = _check(tmp_path, decide, published)
+    check.plan = plan
+    check.plan_json = plan.to_json() | {"replicas": 1, "source": "planner"}
+    return check
+
+
+def _room_step(step: int, room: list[float]) -> dict[str, Any]:
+    return _step(step, 1.0) | {"stage_room_bytes": room}
+
+
+def test_a_forced_split_beyond_a_stages_room_is_held_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FORCE_ENV, "3:0-1,1-3,3-6")
+    one_layer = _stage_costs(1e12).memory(3) - _stage_costs(1e12).memory(2)  # stage 2 gains one layer
+    published: dict[str, str] = {}
+    check = _check_of(tmp_path, _costed(LAYERS), lambda *args, **kwargs: None, published)
+    for step in (1, 2):
+        check.on_step(_step(step, 1.0))
+    line = check.on_step(_room_step(3, [1e9, 1e9, one_layer - 1]))
+    assert line == {
+        "event": "rebalance_held",
+        "step": 3,
+        "from": [[0, 2], [2, 4], [4, 6]],
+        "to": [[0, 1], [1, 3], [3, 6]],
+        "predicted_step_s": 1.0,
+        "current_step_s": 1.0,
+        "reason": f"stage 2 (cpu#2) needs {one_layer / 2**20:.1f} MiB more for 3 layers and has "
+        f"{(one_layer - 1) / 2**20:.1f} MiB of room",
+    }
+    assert decode_decision(published[decision_key(3)], current=LAYERS) is None, "the stages keep their layers"
+    assert not (tmp_path / "plan.json").exists()
+    assert check.plan.layer_ranges() == LAYERS
+
+    published.clear()
+    check = _check_of(tmp_path, _costed(LAYERS), lambda *args, **kwargs: None, published)
+    for step in (1, 2):
+        check.on_step(_step(step, 1.0))
+    line = check.on_step(_room_step(3, [1e9, 1e9, one_layer]))
+    assert line is not None and line["event"] == "rebalance" and line["to"] == [[0, 1], [1, 3], [3, 6]]
+    assert decode_decision(published[decision_key(3)], current=LAYERS) == [(0, 1), (1, 3), (3, 6)]
+
+
+def test_the_check_passes_the_room_on_and_names_the_better_split_it_rules_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(FORCE_ENV, raising=False)
+    best = Rebalance(
+        plan=_costed([(0, 1), (1, 2), (2, 6)]), predicted_step_s=0.5, current_step_s=1.0, reason="b"
+    )
+    fitting = Rebalance(
+        plan=_costed([(0, 1), (1, 3), (3, 6)]), predicted_step_s=0.8, current_step_s=1.0, reason="f"
+    )
+    rooms: list[Any] = []
+
+    def decide(plan: Plan, measured: list[StepMeasurement], config: Any, room_bytes: Any = None) -> Rebalance:
+        rooms.append(room_bytes)
+        return best if room_bytes is None else fitting
+
+    published: dict[str, str] = {}
+    check = _check_of(tmp_path, _costed(LAYERS), decide, published)
+    for step in (1, 2):
+        check.on_step(_step(step, 1.0))
+    one_layer = _stage_costs(1e12).memory(3) - _stage_costs(1e12).memory(2)
+    line = check.on_step(_room_step(3, [1e9, 1e9, one_layer]))
+    assert rooms == [[1e9, 1e9, one_layer], None], "within the room first, then without it"
+    assert line is not None and line["event"] == "rebalance" and line["to"] == [[0, 1], [1, 3], [3, 6]]
+    assert line["reason"] == (
+        f"f; [0, 1) [1, 2) [2, 6) would predict 0.500 s but stage 2 (cpu#2) needs "
+        f"{(_stage_costs(1e12).memory(4) - _stage_costs(1e12).memory(2)) / 2**20:.1f} MiB more for 4 layers "
+        f"and has {one_layer / 2**20:.1f} MiB of room"
+    )
+    written = json.loads((tmp_path / "plan.json").read_text())
+    assert [stage["layers"] for stage in written["stages"]] == [[0, 1], [1, 3], [3, 6]]

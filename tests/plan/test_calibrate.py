@@ -19,8 +19,11 @@ from shardpool.plan.calibrate import (
     StepMeasurement,
     calibrate,
     calibrated_plan,
+    layers_within_room,
+    memory_shortfalls,
     predicted_over_measured,
     rebalance_decision,
+    stage_rooms,
 )
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.fleet import Device, Fleet
@@ -175,6 +178,37 @@ def test_memory_caps_are_respected() -> None:
     capped = rebalance_decision(plan, measured_as(plan, [1.0, 4.0]), CONFIG)
     assert capped is not None and capped.layers == [(0, 5), (5, 8)]
     assert capped.plan.fits and capped.plan.stages[0].free_bytes >= 0
+
+
+def test_the_room_the_ranks_measured_caps_what_a_stage_gains() -> None:
+    """The plan's memory would let stage 0 take 7 layers; the room its rank measured at the check
+    holds it to what its modelled peak can grow into, and a stage with no room gains nothing."""
+    plan = plan_pipeline(SHAPE, WORKLOAD, two_hosts(0.1, 0.1))
+    first = plan.stages[0].costs
+    assert first is not None and [stage.num_layers for stage in plan.stages] == [4, 4]
+    measured = measured_as(plan, [1.0, 4.0])
+    roomy = rebalance_decision(plan, measured, CONFIG, room_bytes=[64 * GIB, 64 * GIB])
+    assert roomy is not None and roomy.layers == [(0, 7), (7, 8)]
+    two_more = first.memory(6) - first.memory(4)
+    assert layers_within_room(first, 4, two_more, most=8) == 6
+    assert layers_within_room(first, 4, two_more - 1, most=8) == 5
+    assert layers_within_room(first, 4, 0, most=8) == 4, "giving layers away needs no room"
+    held = rebalance_decision(plan, measured, CONFIG, room_bytes=[two_more, 64 * GIB])
+    assert held is not None and held.layers == [(0, 6), (6, 8)]
+    assert held.predicted_step_s > roomy.predicted_step_s
+    assert rebalance_decision(plan, measured, CONFIG, room_bytes=[0, 64 * GIB]) is None
+    assert memory_shortfalls(plan, roomy.layers, [two_more, 64 * GIB]) == [
+        f"stage 0 (a) needs {(first.memory(7) - first.memory(4)) / 2**20:.1f} MiB more for 7 layers "
+        f"and has {two_more / 2**20:.1f} MiB of room"
+    ]
+    assert memory_shortfalls(plan, held.layers, [two_more, 64 * GIB]) == []
+
+
+def test_a_stages_room_is_the_least_of_its_replicas() -> None:
+    # Ranks run stage r % S: ranks 0 and 2 hold stage 0, ranks 1 and 3 stage 1.
+    assert stage_rooms([5.0, 7.0, 3.0, 9.0], 2) == [3.0, 7.0]
+    with pytest.raises(ShardpoolError, match="room for 3 ranks, not a multiple of the plan's 2 stages"):
+        stage_rooms([1.0, 2.0, 3.0], 2)
 
 
 def test_the_decision_is_deterministic() -> None:

@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardpool.contract.rebalance import decision_key, encode_decision
+from shardpool.contract.rebalance import ROOM_ENV, decision_key, encode_decision
 from shardpool.errors import ShardpoolError
+from shardpool.train import reshard
 from shardpool.train.rendezvous import rendezvous_store
-from shardpool.train.reshard import await_decision, exchange_state, kept_state, state_for_layers
+from shardpool.train.reshard import await_decision, exchange_state, kept_state, room_bytes, state_for_layers
 
 
 def _key(layer: int) -> str:
@@ -43,6 +44,39 @@ def test_kept_state_holds_the_overlap_and_what_is_no_layer() -> None:
     layers = sorted({name.split(".layers.")[1].split(".")[0] for name in kept if ".layers." in name})
     assert layers == ["3", "4"]
     assert "lora.base_model.model.lm_head.lora_A.weight" in kept
+
+
+def test_a_cuda_ranks_room_counts_the_allocators_cache_and_its_step_peaks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """2 GiB free on the card and 1 GiB cached by this process; its steps peaked 3 GiB above the
+    4 GiB it holds between them: 0 GiB of room, and 1 GiB once the peak was only 2 GiB above."""
+    gib = 2**30
+    peak = [7 * gib]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: peak[0])
+    monkeypatch.delenv(ROOM_ENV, raising=False)
+    assert room_bytes(torch.device("cuda", 0), rank=0) == 0
+    peak[0] = 6 * gib
+    assert room_bytes(torch.device("cuda", 0), rank=0) == gib
+
+
+def test_a_cpu_ranks_room_is_measured_and_the_hook_replaces_it_for_the_ranks_it_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(ROOM_ENV, raising=False)
+    measured = room_bytes(torch.device("cpu"), rank=1)
+    assert 0 < measured < reshard.cpu_room_bytes() + 2**30
+    monkeypatch.setenv(ROOM_ENV, "0:5,2:7")
+    assert [room_bytes(torch.device("cpu"), rank=rank) == value for rank, value in ((0, 5), (2, 7))] == [
+        True
+    ] * 2
+    assert room_bytes(torch.device("cpu"), rank=1) > 1000, "a rank the hook does not name measures"
+    monkeypatch.setenv(ROOM_ENV, "2=7")
+    with pytest.raises(ShardpoolError, match="expected RANK:BYTES"):
+        room_bytes(torch.device("cpu"), rank=1)
 
 
 def test_the_decision_is_read_from_the_store_and_a_silent_launcher_is_one_line() -> None:
