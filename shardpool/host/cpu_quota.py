@@ -19,10 +19,12 @@ __all__ = [
     "controller_cgroup_paths",
     "CgroupPaths",
     "available_cpus",
+    "cgroup_ancestors",
     "cgroup_paths",
     "cpu_quota",
     "parse_cfs_quota",
     "parse_cpu_max",
+    "read_or_none",
     "usable_cpus",
 ]
 
@@ -95,16 +97,16 @@ def cpu_quota(*, proc_self_cgroup: Path = _PROC_SELF_CGROUP, root: Path = _CGROU
         return None
     quotas: list[float] = []
     if paths.v2 is not None:
-        for directory in _ancestors(root, paths.v2):
-            quota = parse_cpu_max(_read(directory / "cpu.max") or "max")
+        for directory in cgroup_ancestors(root, paths.v2):
+            quota = parse_cpu_max(read_or_none(directory / "cpu.max") or "max")
             if quota is not None:
                 quotas.append(quota)
     if paths.v1_cpu is not None:
         for mount in (root / "cpu", root / "cpu,cpuacct"):
-            for directory in _ancestors(mount, paths.v1_cpu):
+            for directory in cgroup_ancestors(mount, paths.v1_cpu):
                 quota_text, period_text = (
-                    _read(directory / "cpu.cfs_quota_us"),
-                    _read(directory / "cpu.cfs_period_us"),
+                    read_or_none(directory / "cpu.cfs_quota_us"),
+                    read_or_none(directory / "cpu.cfs_period_us"),
                 )
                 if quota_text is not None and period_text is not None:
                     quota = parse_cfs_quota(quota_text, period_text)
@@ -113,13 +115,14 @@ def cpu_quota(*, proc_self_cgroup: Path = _PROC_SELF_CGROUP, root: Path = _CGROU
     return min(quotas) if quotas else None
 
 
-def _ancestors(mount: Path, path: str) -> list[Path]:
+def cgroup_ancestors(mount: Path, path: str) -> list[Path]:
     """``mount/path`` and each parent up to ``mount`` (a container sees its own cgroup as the root)."""
     relative = PurePosixPath(path).relative_to("/")
     return [mount / part for part in (relative, *relative.parents)]
 
 
-def _read(path: Path) -> str | None:
+def read_or_none(path: Path) -> str | None:
+    """A cgroup or /proc file's text; None where it cannot be read (no such controller, another OS)."""
     try:
         return path.read_text()
     except OSError:

@@ -21,12 +21,12 @@ between steps, since each step needs that again.
 
 from __future__ import annotations
 
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import NamedTuple
 
 import psutil
 
-from shardpool.host.cpu_quota import controller_cgroup_paths
+from shardpool.host.cpu_quota import cgroup_ancestors, controller_cgroup_paths, read_or_none
 
 __all__ = [
     "CgroupMemory",
@@ -99,19 +99,21 @@ def cgroup_memory(
         return None
     levels: list[tuple[Path, str, str, str]] = []  # (directory, limit, usage, inactive cache key)
     if paths[1] is not None:
-        levels += [(d, "memory.max", "memory.current", "inactive_file") for d in _ancestors(root, paths[1])]
+        levels += [
+            (d, "memory.max", "memory.current", "inactive_file") for d in cgroup_ancestors(root, paths[1])
+        ]
     if paths[0] is not None:
         levels += [
             (d, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
-            for d in _ancestors(root / "memory", paths[0])
+            for d in cgroup_ancestors(root / "memory", paths[0])
         ]
     tightest: CgroupMemory | None = None
     for directory, limit_file, usage_file, inactive_key in levels:
-        limit = parse_memory_limit(_read(directory / limit_file) or "max")
+        limit = parse_memory_limit(read_or_none(directory / limit_file) or "max")
         if limit is None:
             continue
-        usage = parse_memory_limit(_read(directory / usage_file) or "") or 0
-        inactive = memory_stat(_read(directory / "memory.stat") or "").get(inactive_key, 0)
+        usage = parse_memory_limit(read_or_none(directory / usage_file) or "") or 0
+        inactive = memory_stat(read_or_none(directory / "memory.stat") or "").get(inactive_key, 0)
         level = CgroupMemory(limit, max(0, limit - max(0, usage - inactive)))
         if tightest is None or level.free_bytes < tightest.free_bytes:
             tightest = level
@@ -160,7 +162,7 @@ def parse_resident_memory(status_text: str) -> ResidentMemory | None:
 
 def resident_memory(*, status: Path = _PROC_SELF_STATUS) -> ResidentMemory | None:
     """This process's resident memory now and at its peak; None where /proc does not say (not Linux)."""
-    text = _read(status)
+    text = read_or_none(status)
     return parse_resident_memory(text) if text is not None else None
 
 
@@ -178,16 +180,3 @@ def cpu_room_bytes() -> int:
     if resident is None:
         return free
     return room_after_peak(free, resident.peak_bytes, resident.current_bytes)
-
-
-def _ancestors(mount: Path, path: str) -> list[Path]:
-    """``mount/path`` and each parent up to ``mount`` (a container sees its own cgroup as the root)."""
-    relative = PurePosixPath(path).relative_to("/")
-    return [mount / part for part in (relative, *relative.parents)]
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except OSError:
-        return None
