@@ -10,9 +10,13 @@ It trains a small random Llama (6 layers, hidden size 256, NF4 + LoRA, 3 optimiz
   - two CUDA stages on one GPU, two processes       (``cuda+cuda``),
   - a CUDA stage and a CPU stage                    (``cuda+cpu``),
 
-each in fp32, bf16 and fp16 (bf16 only where ``torch.cuda.is_bf16_supported()``), and compares
-every run with one CPU stage in fp32 (the reference) within the tolerances of
-:data:`TOLERANCES`. For each CUDA stage it also sets ``torch.cuda.max_memory_allocated`` and
+each in fp32, bf16 and fp16 (bf16 only where ``torch.cuda.is_bf16_supported()``), and the two
+layouts of two stages once more in fp32 with their split moved in place after step 2
+(``cuda+cuda/fp32 re-shard``, ``cuda+cpu/fp32 re-shard``: :data:`RESHARDS`; each rank measures
+its room on its device first, then the LoRA and AdamW state cross between the devices). It
+compares every run with one CPU stage in fp32 (the reference) within the tolerances of
+:data:`TOLERANCES`, and a re-shard run must also have re-sharded to its split with every rank
+reporting room above 0. For each CUDA stage it also sets ``torch.cuda.max_memory_allocated`` and
 ``max_memory_reserved`` (from ``run_summary.json``) against the plan's predicted stage memory
 (``plan.json``), as ratios, so the planner's reserve constants can be set from measurement.
 
@@ -36,6 +40,9 @@ from typing import Any
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+#: The test hook that forces a re-shard (``shardpool.contract.rebalance.FORCE_ENV``; this script
+#: imports nothing of shardpool before it knows there is a GPU).
+FORCE_ENV = "SHARDPOOL_TEST_RESHARD"
 
 #: Largest relative difference from the CPU fp32 reference, per compute dtype, of the eval loss
 #: after training and of each logged step's train loss. fp32 differs only by kernel order (cuBLAS
@@ -56,6 +63,10 @@ LAYOUTS: dict[str, tuple[list[str], list[int]]] = {
     "cuda+cuda": (["cuda:0", "cuda:0"], [3, 3]),
     "cuda+cpu": (["cuda:0", "cpu"], [3, 3]),
 }
+#: Layouts run once more in fp32 with a forced in-place re-shard after step 2 (the test hook
+#: ``SHARDPOOL_TEST_RESHARD``, :mod:`shardpool.contract.rebalance`): stage 1 takes two layers from
+#: stage 0 on one GPU; the CUDA stage takes one from the CPU stage.
+RESHARDS: dict[str, str] = {"cuda+cuda": "2:0-1,1-6", "cuda+cpu": "2:0-4,4-6"}
 _WORDS = (
     "alpha beta gamma delta stage layer pipeline adapter token gradient loss model tiny fast slow".split()
 )
@@ -67,17 +78,34 @@ class Case:
 
     layout: str
     dtype: str
+    reshard: str | None = None  # STEP:START-STOP,... of a forced re-shard (:data:`RESHARDS`)
 
     @property
     def name(self) -> str:
-        """How the table names it: ``cuda+cpu/bf16``."""
-        return f"{self.layout}/{self.dtype}"
+        """How the table names it: ``cuda+cpu/bf16``, ``cuda+cpu/fp32 re-shard``."""
+        return f"{self.layout}/{self.dtype}" + (" re-shard" if self.reshard else "")
 
 
 def cases(*, bf16: bool, fp16: bool = True) -> list[Case]:
-    """The runs to make on a device with (or without) bf16 and fp16: every CUDA layout in every dtype it has."""
+    """The runs to make on a device with (or without) bf16 and fp16: every CUDA layout in every
+    dtype it has, then the re-shard runs in fp32."""
     dtypes = ["fp32"] + (["bf16"] if bf16 else []) + (["fp16"] if fp16 else [])
-    return [Case(layout, dtype) for layout in ("cuda", "cuda+cuda", "cuda+cpu") for dtype in dtypes]
+    plain = [Case(layout, dtype) for layout in ("cuda", "cuda+cuda", "cuda+cpu") for dtype in dtypes]
+    return plain + [Case(layout, "fp32", split) for layout, split in RESHARDS.items()]
+
+
+def reshard_outcome(case: Case, metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """For a re-shard case: the split the run moved to, each rank's room at the check, and whether
+    it moved to the forced split with every rank reporting room above 0 (empty for other cases)."""
+    if case.reshard is None:
+        return {}
+    ranges = case.reshard.partition(":")[2]
+    expected = [[int(bound) for bound in part.split("-")] for part in ranges.split(",")]
+    moved = [line["to"] for line in metrics if line.get("event") == "rebalance"]
+    rooms = [line["stage_room_bytes"] for line in metrics if line.get("stage_room_bytes") is not None]
+    to, room = (moved[0] if moved else None), (rooms[0] if rooms else None)
+    ok = to == expected and room is not None and min(room) > 0
+    return {"resharded_to": to, "room_bytes": room, "reshard_ok": ok}
 
 
 def run_config(case: Case, *, model: Path, data: Path, output_dir: Path) -> dict[str, Any]:
@@ -105,7 +133,7 @@ def run_config(case: Case, *, model: Path, data: Path, output_dir: Path) -> dict
         "output_dir": str(output_dir),
         "logging_steps": 1,
         **DTYPE_KEYS[case.dtype],
-        "shardpool": {"devices": devices, "layers": layers, "rebalance": "off"},
+        "shardpool": {"devices": devices, "layers": layers, "rebalance": "auto" if case.reshard else "off"},
     }
 
 
@@ -165,18 +193,18 @@ def memory_ratios(plan: dict[str, Any], summary: dict[str, Any]) -> list[dict[st
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The report as a fixed-width table: one line per run, memory ratios per CUDA stage."""
-    header = f"{'run':<16} {'ok':<4} {'eval loss':>10} {'eval rel':>9} {'step rel':>9} {'tol':>7}  memory (stage: alloc/pred, reserved/pred)"
+    header = f"{'run':<24} {'ok':<4} {'eval loss':>10} {'eval rel':>9} {'step rel':>9} {'tol':>7}  memory (stage: alloc/pred, reserved/pred)"
     lines = [header, "-" * len(header)]
     for row in rows:
         if row.get("error"):
-            lines.append(f"{row['run']:<16} {'FAIL':<4} {row['error']}")
+            lines.append(f"{row['run']:<24} {'FAIL':<4} {row['error']}")
             continue
         memory = ", ".join(
             f"{m['stage']}: {_ratio(m['allocated_ratio'])}/{_ratio(m['reserved_ratio'])}"
             for m in row.get("memory", [])
         )
         lines.append(
-            f"{row['run']:<16} {'yes' if row['ok'] else 'NO':<4} {_number(row.get('eval_loss'), '.4f'):>10} "
+            f"{row['run']:<24} {'yes' if row['ok'] else 'NO':<4} {_number(row.get('eval_loss'), '.4f'):>10} "
             f"{_number(row.get('eval_loss_rel'), '.1e'):>9} {_number(row.get('step_loss_rel'), '.1e'):>9} "
             f"{_number(row.get('tolerance'), '.0e'):>7}  {memory or '-'}"
         )
@@ -217,6 +245,9 @@ def _train(case: Case, work: Path, model: Path, data: Path) -> dict[str, Any]:
     config = work / f"{output_dir.name}.yaml"
     config.write_text(yaml.safe_dump(run_config(case, model=model, data=data, output_dir=output_dir)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop(FORCE_ENV, None)
+    if case.reshard is not None:
+        env[FORCE_ENV] = case.reshard
     done = subprocess.run(
         [sys.executable, "-m", "shardpool", "finetune", str(config)],
         capture_output=True, text=True, env=env, timeout=1800, check=False,
@@ -233,6 +264,7 @@ def _train(case: Case, work: Path, model: Path, data: Path) -> dict[str, Any]:
         "plan": plan,
         "summary": summary,
         "ran": what_ran(plan, metrics),
+        "reshard": reshard_outcome(case, metrics),
     }
 
 
@@ -269,11 +301,15 @@ def main(argv: list[str] | None = None) -> int:
             if "error" in result:
                 rows.append(row | {"error": result["error"], "ok": False})
                 continue
+            compared = compare(result, reference, case.dtype)
+            moved = result["reshard"]
             rows.append(
                 row
                 | {"eval_loss": result["eval_loss"]}
                 | result["ran"]
-                | compare(result, reference, case.dtype)
+                | compared
+                | moved
+                | {"ok": compared["ok"] and moved.get("reshard_ok", True)}
                 | {"memory": memory_ratios(result["plan"], result["summary"])}
             )
     report = {

@@ -21,7 +21,7 @@ def test_every_cuda_layout_runs_in_every_dtype_the_device_has() -> None:
         f"{layout}/{dtype}"
         for layout in ("cuda", "cuda+cuda", "cuda+cpu")
         for dtype in ("fp32", "bf16", "fp16")
-    ]
+    ] + ["cuda+cuda/fp32 re-shard", "cuda+cpu/fp32 re-shard"]
     assert not any(case.dtype == "bf16" for case in gpu_check.cases(bf16=False))  # a V100 has no bf16
 
 
@@ -35,6 +35,34 @@ def test_the_config_of_a_case_names_its_devices_split_and_dtype(tmp_path: Path) 
         gpu_check.Case("cuda+cuda", "fp32"), model=tmp_path, data=tmp_path, output_dir=tmp_path
     )
     assert two_on_one["shardpool"]["devices"] == ["cuda:0", "cuda:0"] and not two_on_one["bf16"]
+
+
+def test_a_reshard_case_forces_its_split_and_passes_only_if_it_moved_with_room_measured(
+    tmp_path: Path,
+) -> None:
+    from shardpool.contract.rebalance import FORCE_ENV, forced_reshard
+
+    assert gpu_check.FORCE_ENV == FORCE_ENV
+    case = gpu_check.Case("cuda+cpu", "fp32", gpu_check.RESHARDS["cuda+cpu"])
+    config = gpu_check.run_config(case, model=tmp_path, data=tmp_path, output_dir=tmp_path)
+    assert config["shardpool"]["rebalance"] == "auto" and config["max_steps"] == 3
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(FORCE_ENV, case.reshard)
+        step, layers = forced_reshard()
+    assert step == 2 < config["max_steps"] and layers == [(0, 4), (4, 6)]
+    metrics = [
+        {"step": 2, "loss": 5.0, "stage_room_bytes": [3e9, 2e10]},
+        {"event": "rebalance", "step": 2, "to": [[0, 4], [4, 6]]},
+    ]
+    assert gpu_check.reshard_outcome(case, metrics) == {
+        "resharded_to": [[0, 4], [4, 6]],
+        "room_bytes": [3e9, 2e10],
+        "reshard_ok": True,
+    }
+    assert not gpu_check.reshard_outcome(case, metrics[:1])["reshard_ok"], "no re-shard happened"
+    no_room = [{"step": 2, "loss": 5.0, "stage_room_bytes": [0, 2e10]}, metrics[1]]
+    assert not gpu_check.reshard_outcome(case, no_room)["reshard_ok"]
+    assert gpu_check.reshard_outcome(gpu_check.Case("cuda", "fp32"), metrics) == {}
 
 
 def test_a_run_is_compared_with_the_reference_within_its_dtypes_tolerance() -> None:
