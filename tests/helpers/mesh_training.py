@@ -21,7 +21,7 @@ import pytest
 
 from mesh.constants import AGENT_PORT
 from mesh.lab import Host, Lab, mesh_address
-from tests.helpers.training import base_config, completion_rows
+from tests.helpers.training import base_config, completion_rows, write_jsonl
 
 __all__ = [
     "AGENT_PORT",
@@ -36,6 +36,8 @@ __all__ = [
     "nat_mesh_of_three",
     "nat_training_lab",
     "ok",
+    "private_files",
+    "reachable",
     "restart_host",
     "training_config",
     "training_lab",
@@ -44,16 +46,6 @@ __all__ = [
 
 ADDRESSES = {label: mesh_address(number) for number, label in enumerate("abc", start=1)}
 """The mesh address of each member of :func:`mesh_of_three` (a, the coordinator, first; b and c join in order)."""
-
-_MAKE_PRIVATE_FILES = """
-import json, sys
-from shardpool.model.tinymodel import make_tiny_llama
-from tests.helpers.training import completion_rows, write_jsonl
-from pathlib import Path
-root = Path(sys.argv[1])
-make_tiny_llama(root / "model", num_layers=6, hidden_size=64, seed=3)
-write_jsonl(root / "data.jsonl", completion_rows(64))
-"""
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> str:
@@ -100,11 +92,12 @@ def nat_mesh_of_three(lab: Lab) -> dict[str, str]:
     token = lab.init_mesh(lab.hosts["a"], uses=2)
     for label in "bc":
         lab.join_mesh(lab.hosts[label], token)
-    return _reachable(lab)
+    return reachable(lab)
 
 
-def _reachable(lab: Lab) -> dict[str, str]:
-    """Wait until every member pings every other and every agent answers a; the mesh addresses."""
+def reachable(lab: Lab) -> dict[str, str]:
+    """Wait until every member of :func:`nat_mesh_of_three` pings every other and every agent
+    answers a; the mesh addresses."""
     a = lab.hosts["a"]
     for source in (lab.hosts[name] for name in "abc"):
         for target, address in ADDRESSES.items():
@@ -140,6 +133,25 @@ def training_config(out: Path, private: Path, **overrides: Any) -> dict[str, Any
     return base_config(private / "model", private / "data.jsonl", out, **settings)
 
 
+def private_files(lab: Lab) -> Path:
+    """The model and data every launch in ``lab`` copies into its private tmpfs, made on first use.
+
+    Built once per lab (the same seed gives the same bytes every time) in a directory only root can
+    read, so the stages, which run as the unprivileged run-as account, still see the files only
+    through the launcher, over the mesh.
+    """
+    made = lab.workdir / "private-files"
+    if not made.is_dir():
+        from shardpool.model.tinymodel import make_tiny_llama
+
+        building = lab.workdir / "private-files.building"
+        building.mkdir(mode=0o700)
+        make_tiny_llama(building / "model", num_layers=6, hidden_size=64, seed=3)
+        write_jsonl(building / "data.jsonl", completion_rows(64))
+        building.rename(made)
+    return made
+
+
 def launch(
     lab: Lab,
     host: Host,
@@ -152,9 +164,11 @@ def launch(
 ) -> Any:
     """Run ``shardpool finetune`` on ``host`` with the model and data on a tmpfs only it can see.
 
-    Root mounts the tmpfs and writes the files; with ``user`` the launcher itself then runs as
-    that account; ``env`` adds variables. Returns the CompletedProcess, or the Popen with ``background``.
+    Root mounts the tmpfs and copies the files (:func:`private_files`) into it; with ``user`` the
+    launcher itself then runs as that account; ``env`` adds variables. Returns the CompletedProcess,
+    or the Popen with ``background``.
     """
+    made = private_files(lab)
     finetune = [sys.executable, "-m", "shardpool", "finetune", str(config_path), *extra]
     if user is not None:
         entry = pwd.getpwnam(user)
@@ -163,8 +177,7 @@ def launch(
     script = " && ".join(
         [
             f"mount -t tmpfs shardpool-private {shlex.quote(str(private))}",
-            # its progress bars go to stdout, so stderr holds the launcher's own lines only
-            f"{shlex.quote(sys.executable)} -c {shlex.quote(_MAKE_PRIVATE_FILES)} {shlex.quote(str(private))} 2>&1",
+            f"cp -R {shlex.quote(str(made / 'model'))} {shlex.quote(str(made / 'data.jsonl'))} {shlex.quote(str(private))}",
             "exec " + shlex.join(finetune),
         ]
     )
@@ -191,7 +204,6 @@ def local_reference(tmp: Path, layers: list[int], **overrides: Any) -> Path:
     from shardpool.config import parse_config
     from shardpool.finetune import finetune
     from shardpool.model.tinymodel import make_tiny_llama
-    from tests.helpers.training import write_jsonl
 
     make_tiny_llama(tmp / "model", num_layers=6, hidden_size=64, seed=3)
     write_jsonl(tmp / "data.jsonl", completion_rows(64))

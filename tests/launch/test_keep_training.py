@@ -1,12 +1,13 @@
 """End to end: a mesh run keeps training when a member is lost, takes it back when it returns, and
 stops with one line when the rest cannot hold the model (issue 16).
 
-Three namespace hosts joined by the real CLI over real wireguard-go, on the NAT lab of
-test_mesh_launcher (a on the emulated internet, b and c behind symmetric NATs, b-c through a's
-relay); the launcher is the real ``shardpool finetune`` on host a with ``on_member_loss:
-continue`` (the default). Each run's final adapter is compared with an uninterrupted local run of
-the same config (split 2/2/2: a re-plan may split the layers differently, the arithmetic is the
-same).
+Three namespace hosts joined by the real CLI over real wireguard-go, on the NAT lab it shares with
+test_mesh_launcher (tests/launch/conftest.py; a on the emulated internet, b and c behind symmetric
+NATs, b-c through a's relay); the launcher is the real ``shardpool finetune`` on host a with
+``on_member_loss: continue`` (the default). Each run's final adapter is compared with an
+uninterrupted local run of the same config in one local stage (the mesh run's stages and re-plans
+split the layers differently; the arithmetic is the same, and one stage process is the cheapest
+to run).
 
 1. ``kill -9`` of every process of host c (its WireGuard, sync daemon, agent and stage) at a random
    step: the run goes on on a and b by itself (``member_lost``, training again within 45 s, a
@@ -55,9 +56,8 @@ from tests.helpers.mesh_training import (
     adapter_difference,
     launch,
     local_reference,
-    nat_mesh_of_three,
-    nat_training_lab,
     ok,
+    reachable,
     restart_host,
     stage_log_lines,
     stage_pids_on,
@@ -107,26 +107,28 @@ TEARDOWN_SLACK_S = 10.0
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    yield from nat_training_lab(tmp_path_factory, "keep-training")
+def lab(nat_lab: Lab) -> Iterator[Lab]:
+    """The NAT lab of tests/launch/conftest.py; this module's measurements are printed after it."""
+    yield nat_lab
     print("\nmeasured:", json.dumps(MEASURED, indent=1))
 
 
 @pytest.fixture(scope="module")
-def mesh3(lab: Lab) -> dict[str, str]:
-    return nat_mesh_of_three(lab)
+def mesh3(lab: Lab, nat_mesh3: dict[str, str]) -> dict[str, str]:
+    """The package's mesh, every member reachable and its agent answering (again, after an earlier module)."""
+    return reachable(lab)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The uninterrupted local run of :data:`SETTINGS` with ``max_steps`` (split 2/2/2), made once per step count."""
+    """The uninterrupted local run of :data:`SETTINGS` with ``max_steps`` (one stage), made once per step count."""
     made: dict[int, Path] = {}
 
     def of(max_steps: int) -> Path:
         if max_steps not in made:
             started = time.monotonic()
             settings = SETTINGS | {"max_steps": max_steps}
-            made[max_steps] = local_reference(tmp_path_factory.mktemp("reference"), [2, 2, 2], **settings)
+            made[max_steps] = local_reference(tmp_path_factory.mktemp("reference"), [6], **settings)
             MEASURED[f"reference_{max_steps}_steps_s"] = round(time.monotonic() - started, 1)
         return made[max_steps]
 

@@ -38,9 +38,8 @@ from tests.helpers.mesh_training import (
     AGENT_PORT,
     launch,
     local_twin,
-    nat_mesh_of_three,
-    nat_training_lab,
     ok,
+    reachable,
     training_config,
 )
 from tests.helpers.training import write_config
@@ -57,14 +56,16 @@ LAUNCH_GROUP = "shardpool"
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    yield from nat_training_lab(tmp_path_factory, "mesh-train")
+def lab(nat_lab: Lab) -> Iterator[Lab]:
+    """The NAT lab of tests/launch/conftest.py; this module's measurements are printed after it."""
+    yield nat_lab
     print("\nmeasured:", json.dumps(MEASURED, indent=1))
 
 
 @pytest.fixture(scope="module")
-def mesh3(lab: Lab) -> dict[str, str]:
-    return nat_mesh_of_three(lab)
+def mesh3(lab: Lab, nat_mesh3: dict[str, str]) -> dict[str, str]:
+    """The package's mesh, every member reachable and its agent answering (again, after an earlier module)."""
+    return reachable(lab)
 
 
 @pytest.fixture(scope="module")
