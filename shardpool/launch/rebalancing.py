@@ -105,7 +105,8 @@ class RebalanceCheck:
         """(the re-shard to make or None, the better split that the room rules out or None).
 
         The forced split of the test hook is made only if it fits the room; otherwise the best
-        split within the room is made, and the best one without it is named when it differs.
+        split within each stage's room is made, unless stages sharing a device outgrow its room
+        together, and the best one without the room is named when it differs.
         """
         forced = forced_reshard()
         if forced is not None:
@@ -116,11 +117,13 @@ class RebalanceCheck:
             best = chosen if room_bytes is None else self.decide(self.plan, list(self.measured), self.config)
         if room_bytes is None or best is None:
             return chosen, None
+        if chosen is not None and (short := memory_shortfalls(self.plan, chosen.layers, room_bytes)):
+            return None, replace(chosen, reason="; ".join(short))  # forced, or stages sharing a device
         shortfalls = memory_shortfalls(self.plan, best.layers, room_bytes)
         if not shortfalls:
             return chosen, None
         held = replace(best, reason="; ".join(shortfalls))
-        if forced is not None or chosen is None:
+        if chosen is None:
             return None, held
         ruled_out = f"{_ranges(best.layers)} would predict {best.predicted_step_s:.3f} s but {held.reason}"
         return replace(chosen, reason=f"{chosen.reason}; {ruled_out}"), None

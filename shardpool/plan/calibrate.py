@@ -245,10 +245,14 @@ def layers_within_room(costs: StageCosts, layers: int, room: float, *, most: int
 def memory_shortfalls(
     plan: Plan, layers: Sequence[tuple[int, int]], room_by_rank: Sequence[float]
 ) -> list[str]:
-    """One phrase per stage to which ``layers`` give more than its room: how much more its modelled
-    peak needs and how much room it has. Empty when the split fits (or the plan has no costs)."""
+    """One phrase per stage to which ``layers`` give more than its room (how much more its modelled
+    peak needs, and how much room it has), then one per device whose stages grow by more together
+    than the least room any of them measured (stages on one host's CPU or one GPU share its free
+    memory, and a stage that gives layers away may free them only after another has built its
+    own). Empty when the split fits (or the plan has no costs)."""
     phrases = []
     rooms = stage_rooms(room_by_rank, len(plan.stages))
+    growth: dict[tuple[str, str], list[tuple[int, float, float]]] = {}
     for index, (stage, (start, stop), room) in enumerate(zip(plan.stages, layers, rooms, strict=True)):
         if stage.costs is None:
             continue
@@ -257,6 +261,16 @@ def memory_shortfalls(
             phrases.append(
                 f"stage {index} ({stage.slot or stage.device}) needs {_size(need)} more for "
                 f"{stop - start} layers and has {_size(room)} of room"
+            )
+        elif need > 0:
+            growth.setdefault((stage.host, stage.device), []).append((index, need, room))
+    for (host, device), growing in growth.items():
+        need, room = sum(need for _, need, _ in growing), min(room for _, _, room in growing)
+        if len(growing) > 1 and need > room:
+            indexes = " and ".join(str(index) for index, _, _ in growing)
+            phrases.append(
+                f"stages {indexes} ({device} on {host}) need {_size(need)} more together and have "
+                f"{_size(room)} of room"
             )
     return phrases
 

@@ -334,3 +334,36 @@ def test_the_check_passes_the_room_on_and_names_the_better_split_it_rules_out(
     )
     written = json.loads((tmp_path / "plan.json").read_text())
     assert [stage["layers"] for stage in written["stages"]] == [[0, 1], [1, 3], [3, 6]]
+
+
+def test_stages_sharing_a_device_are_held_to_its_room_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stages 1 and 2 each gain a layer on the same host's CPU: each has room for one, not for both."""
+    monkeypatch.setenv(FORCE_ENV, "3:0-2,2-4,4-6")
+    one_layer = _stage_costs(1e12).memory(2) - _stage_costs(1e12).memory(1)
+    published: dict[str, str] = {}
+    started = [(0, 4), (4, 5), (5, 6)]
+    check = _check_of(tmp_path, _costed(started), lambda *args, **kwargs: None, published)
+    for step in (1, 2):
+        check.on_step(_step(step, 1.0))
+    line = check.on_step(_room_step(3, [one_layer] * 3))
+    assert line is not None and line["event"] == "rebalance_held", line
+    assert line["reason"] == (
+        f"stages 1 and 2 (cpu on local) need {2 * one_layer / 2**20:.1f} MiB more together and have "
+        f"{one_layer / 2**20:.1f} MiB of room"
+    )
+    assert decode_decision(published[decision_key(3)], current=started) is None
+
+    # The same growth on two hosts: each stage has its own memory, and the split is made.
+    apart = _costed(started)
+    apart = replace(
+        apart, stages=[replace(stage, host=f"h{index}") for index, stage in enumerate(apart.stages)]
+    )
+    published.clear()
+    check = _check_of(tmp_path, apart, lambda *args, **kwargs: None, published)
+    for step in (1, 2):
+        check.on_step(_step(step, 1.0))
+    line = check.on_step(_room_step(3, [one_layer] * 3))
+    assert line is not None and line["event"] == "rebalance", line
+    assert decode_decision(published[decision_key(3)], current=started) == [(0, 2), (2, 4), (4, 6)]
