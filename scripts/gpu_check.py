@@ -99,8 +99,9 @@ def reshard_outcome(case: Case, metrics: list[dict[str, Any]]) -> dict[str, Any]
     it moved to the forced split with every rank reporting room above 0 (empty for other cases)."""
     if case.reshard is None:
         return {}
-    ranges = case.reshard.partition(":")[2]
-    expected = [[int(bound) for bound in part.split("-")] for part in ranges.split(",")]
+    from shardpool.contract.rebalance import parse_forced_reshard
+
+    expected = [list(pair) for pair in parse_forced_reshard(case.reshard)[1]]
     moved = [line["to"] for line in metrics if line.get("event") == "rebalance"]
     rooms = [line["stage_room_bytes"] for line in metrics if line.get("stage_room_bytes") is not None]
     to, room = (moved[0] if moved else None), (rooms[0] if rooms else None)

@@ -42,6 +42,7 @@ __all__ = [
     "key_layer",
     "kill_rank",
     "owner_of",
+    "parse_forced_reshard",
     "room_override",
 ]
 
@@ -83,8 +84,11 @@ def check_step(mode: str, *, first_step: int, total_steps: int, num_stages: int)
 def forced_reshard() -> tuple[int, LayerRanges] | None:
     """The (step, layers) the test hook :data:`FORCE_ENV` forces, or None when it is unset."""
     value = os.environ.get(FORCE_ENV, "").strip()
-    if not value:
-        return None
+    return parse_forced_reshard(value) if value else None
+
+
+def parse_forced_reshard(value: str) -> tuple[int, LayerRanges]:
+    """The (step, layers) of a :data:`FORCE_ENV` value ``STEP:START-STOP,START-STOP,...``."""
     match = _FORCED.fullmatch(value)
     if match is None:
         raise ContractError(f"{FORCE_ENV}={value!r}: expected STEP:START-STOP,START-STOP,... e.g. 3:0-4,4-6")

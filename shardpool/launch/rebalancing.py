@@ -104,27 +104,29 @@ class RebalanceCheck:
     def _decision(self, room_bytes: list[float] | None) -> tuple[Rebalance | None, Rebalance | None]:
         """(the re-shard to make or None, the better split that the room rules out or None).
 
-        The forced split of the test hook is made only if it fits the room; otherwise the best
-        split within each stage's room is made, unless stages sharing a device outgrow its room
-        together, and the best one without the room is named when it differs.
+        The best split is made when it fits the room. Otherwise the forced split of the test hook
+        is held back, and the decision searches again within each stage's room: its split is made
+        (naming the better one it could not make) unless stages sharing a device outgrow its room
+        together.
         """
         forced = forced_reshard()
         if forced is not None:
-            best = forced_rebalance(self.plan, forced[1], self.measured)
-            chosen: Rebalance | None = best
+            best: Rebalance | None = forced_rebalance(self.plan, forced[1], self.measured)
         else:
-            chosen = self.decide(self.plan, list(self.measured), self.config, room_bytes=room_bytes)
-            best = chosen if room_bytes is None else self.decide(self.plan, list(self.measured), self.config)
+            best = self.decide(self.plan, list(self.measured), self.config)
         if room_bytes is None or best is None:
-            return chosen, None
-        if chosen is not None and (short := memory_shortfalls(self.plan, chosen.layers, room_bytes)):
-            return None, replace(chosen, reason="; ".join(short))  # forced, or stages sharing a device
+            return best, None
         shortfalls = memory_shortfalls(self.plan, best.layers, room_bytes)
         if not shortfalls:
-            return chosen, None
+            return best, None
         held = replace(best, reason="; ".join(shortfalls))
+        if forced is not None:
+            return None, held
+        chosen = self.decide(self.plan, list(self.measured), self.config, room_bytes=room_bytes)
         if chosen is None:
             return None, held
+        if short := memory_shortfalls(self.plan, chosen.layers, room_bytes):
+            return None, replace(chosen, reason="; ".join(short))  # stages sharing a device
         ruled_out = f"{_ranges(best.layers)} would predict {best.predicted_step_s:.3f} s but {held.reason}"
         return replace(chosen, reason=f"{chosen.reason}; {ruled_out}"), None
 

@@ -325,7 +325,9 @@ def test_the_check_passes_the_room_on_and_names_the_better_split_it_rules_out(
         check.on_step(_step(step, 1.0))
     one_layer = _stage_costs(1e12).memory(3) - _stage_costs(1e12).memory(2)
     line = check.on_step(_room_step(3, [1e9, 1e9, one_layer]))
-    assert rooms == [[1e9, 1e9, one_layer], None], "within the room first, then without it"
+    assert rooms == [None, [1e9, 1e9, one_layer]], (
+        "without the room first, then within it, since the best split does not fit"
+    )
     assert line is not None and line["event"] == "rebalance" and line["to"] == [[0, 1], [1, 3], [3, 6]]
     assert line["reason"] == (
         f"f; [0, 1) [1, 2) [2, 6) would predict 0.500 s but stage 2 (cpu#2) needs "
