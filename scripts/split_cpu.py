@@ -16,7 +16,7 @@ order (the list, then the list reversed, ...).
 
 The JSON gives, per run, between the end of step 2 and the end of step ``--steps`` (a run trains
 one step more, so that no stage has ended when the window closes): wall seconds per step,
-each stage process's CPU seconds per step (user and system), the CPU seconds per step of every
+each stage process's CPU seconds per step (user and system) and minor page faults per step, the CPU seconds per step of every
 host (its stages together), and ``metrics.jsonl``'s compute and wait; per split, the median step
 and CPU over its runs; and each split's ratios to the first one's (``step_over_first``,
 ``cpu_over_first``). Needs root and a writable cgroup ``cpu`` controller (v1 or v2); where it has
@@ -127,35 +127,38 @@ def stage_rank(cmdline: Sequence[str]) -> int | None:
         return None
 
 
-def proc_cpu(pid: int) -> tuple[float, float] | None:
-    """User and system CPU seconds of process ``pid`` (its threads together), or None once it is gone."""
+def proc_cpu(pid: int) -> tuple[float, float, int] | None:
+    """User and system CPU seconds and minor page faults of process ``pid`` (its threads together),
+    or None once it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2 :].split()
     ticks = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / ticks, int(fields[12]) / ticks
+    return int(fields[11]) / ticks, int(fields[12]) / ticks, int(fields[7])
 
 
 def window_figures(
-    before: Mapping[int, tuple[float, float]],
-    after: Mapping[int, tuple[float, float]],
+    before: Mapping[int, tuple[float, float, int]],
+    after: Mapping[int, tuple[float, float, int]],
     ranks: Mapping[int, int],
     hosts: Sequence[str],
     steps: int,
 ) -> dict[str, Any]:
-    """Per stage and per host, CPU seconds a step between two samples of the stage processes."""
+    """Per stage and per host, CPU seconds a step between two samples of the stage processes;
+    per stage also its minor page faults a step."""
     stages = []
     for pid, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        user0, system0 = before.get(pid, (0.0, 0.0))
-        user1, system1 = after[pid]
+        user0, system0, faults0 = before.get(pid, (0.0, 0.0, 0))
+        user1, system1, faults1 = after[pid]
         stages.append(
             {
                 "rank": rank,
                 "host": hosts[rank],
                 "cpu_s_per_step": round((user1 + system1 - user0 - system0) / steps, 4),
                 "system_s_per_step": round((system1 - system0) / steps, 4),
+                "minor_faults_per_step": round((faults1 - faults0) / steps),
             }
         )
     by_host: dict[str, float] = {}

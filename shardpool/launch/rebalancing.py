@@ -105,9 +105,10 @@ class RebalanceCheck:
         """(the re-shard to make or None, the better split that the room rules out or None).
 
         The best split is made when it fits the room. Otherwise the forced split of the test hook
-        is held back, and the decision searches again within each stage's room: its split is made
-        (naming the better one it could not make) unless stages sharing a device outgrow its room
-        together.
+        is held back, and the decision searches again within the room (each stage's, and that of
+        stages sharing a device together): its split is made, naming the better one it could not
+        make. It is held back only where the search could not bound a shared device (over
+        ``plan.calibrate.MAX_SHARED_CAP_CHOICES`` cap vectors) and its stages outgrow it.
         """
         forced = forced_reshard()
         if forced is not None:

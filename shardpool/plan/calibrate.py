@@ -22,13 +22,19 @@ Memory, as measured: the plan's memory model caps each stage at what its device 
 planned. At the check each rank also reports its *room* (the bytes it can still take on now), and
 a stage may then gain only as many layers as its modelled peak can grow within the least room of
 its replicas (:func:`layers_within_room`): another program that took memory since, or a model
-that under-counts, shrinks the choice instead of failing the hand-over.
+that under-counts, shrinks the choice instead of failing the hand-over. Stages on one device (one
+host's CPU, one GPU) share its room: their growths together must fit the least room any of them
+measured. The search stays exact under that joint bound (:func:`shared_room_caps`): the splits that
+respect it are the union of the boxes under its maximal per-stage caps, so the best of the exact
+searches within each box is the best split that fits.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +47,7 @@ from shardpool.plan.split_search import SplitProblem, best_split
 from shardpool.plan.stage_costs import StageCosts
 
 __all__ = [
+    "MAX_SHARED_CAP_CHOICES",
     "MIN_GAIN",
     "Calibration",
     "Rebalance",
@@ -51,11 +58,16 @@ __all__ = [
     "memory_shortfalls",
     "predicted_over_measured",
     "rebalance_decision",
+    "shared_room_caps",
     "stage_rooms",
 ]
 
 #: Re-shard only when the calibrated model predicts a step at least this much faster.
 MIN_GAIN = 0.10
+#: The most per-stage cap vectors that stages sharing a device are searched under; a fleet with
+#: more (many growing stages on one device) is searched under each stage's own room alone, and
+#: the launcher holds a split back whose stages outgrow their device together.
+MAX_SHARED_CAP_CHOICES = 256
 _MIB, _GIB = 2**20, 2**30
 
 
@@ -193,21 +205,30 @@ def rebalance_decision(
     calibration = calibrate(plan, measured, config)
     current = [stage.num_layers for stage in plan.stages]
     caps = [c.max_layers() for c in calibration.costs]
+    cap_choices = [caps]
     if room_bytes is not None:
         rooms = stage_rooms(room_bytes, len(plan.stages))
         caps = [
             min(cap, layers_within_room(c, n, room, most=plan.num_layers))
             for cap, c, n, room in zip(caps, calibration.costs, current, rooms, strict=True)
         ]
-    problem = SplitProblem(
-        costs=calibration.costs,
-        caps=caps,
-        layers=sum(current),
-        microbatches=calibration.microbatches,
-        schedule=calibration.schedule,
-    )
-    current_step = problem.simulate(current)
-    found = best_split(problem)
+        cap_choices = shared_room_caps(plan, calibration.costs, caps, rooms) or [caps]
+
+    def problem_within(stage_caps: list[int]) -> SplitProblem:
+        return SplitProblem(
+            costs=calibration.costs,
+            caps=stage_caps,
+            layers=sum(current),
+            microbatches=calibration.microbatches,
+            schedule=calibration.schedule,
+        )
+
+    current_step = problem_within(caps).simulate(current)
+    found = None
+    for stage_caps in cap_choices:
+        candidate = best_split(problem_within(stage_caps))
+        if candidate is not None and (found is None or candidate[0] < found[0]):
+            found = candidate
     if found is None:
         return None
     best_step, counts = found
@@ -229,6 +250,82 @@ def stage_rooms(room_by_rank: Sequence[float], num_stages: int) -> list[float]:
             f"the check reports room for {len(room_by_rank)} ranks, not a multiple of the plan's {num_stages} stages"
         )
     return [min(room_by_rank[index::num_stages]) for index in range(num_stages)]
+
+
+def shared_room_caps(
+    plan: Plan,
+    costs: Sequence[StageCosts],
+    caps: Sequence[int],
+    rooms: Sequence[float],
+    *,
+    limit: int = MAX_SHARED_CAP_CHOICES,
+) -> list[list[int]]:
+    """Per-stage layer caps under which stages sharing a device grow within its room together.
+
+    Stages are grouped by ``(host, device)``; a group's stages may together grow their modelled
+    peaks (``costs``, from the layers they hold now) by at most the least room among them. Every
+    split that respects that is within one of the returned cap vectors (each at most ``caps``), so
+    the best split under the joint bound is the best of the searches under each. ``[caps]`` when
+    no two stages share a device; empty when the groups give more than ``limit`` vectors (the
+    caller then searches under ``caps`` alone).
+    """
+    groups: dict[tuple[str, str], list[int]] = {}
+    for index, stage in enumerate(plan.stages):
+        groups.setdefault((stage.host, stage.device), []).append(index)
+    shared = [members for members in groups.values() if len(members) > 1]
+    per_group = []
+    for members in shared:
+        room = min(rooms[index] for index in members)
+        held = [plan.stages[index].num_layers for index in members]
+        options = _maximal(
+            list(
+                _caps_within(
+                    [costs[index] for index in members], held, [caps[index] for index in members], room
+                )
+            )
+        )
+        per_group.append((members, options))
+    if math.prod(len(options) for _, options in per_group) > limit:
+        return []
+    choices = []
+    for picks in itertools.product(*(options for _, options in per_group)):
+        stage_caps = list(caps)
+        for (members, _), pick in zip(per_group, picks, strict=True):
+            for index, cap in zip(members, pick, strict=True):
+                stage_caps[index] = cap
+        choices.append(stage_caps)
+    return choices
+
+
+def _caps_within(
+    costs: Sequence[StageCosts], held: Sequence[int], caps: Sequence[int], room: float
+) -> Iterator[tuple[int, ...]]:
+    """Cap vectors for stages on one device whose growths above ``held`` sum to at most ``room``:
+    each earlier stage at every count it can reach, the last one at the most the rest leaves.
+    A count at or below what a stage holds needs no room."""
+    reachable = []
+    for count in range(min(held[0], caps[0]), caps[0] + 1):
+        growth = max(0.0, costs[0].memory(count) - costs[0].memory(held[0]))
+        if count > held[0] and growth > room:
+            break
+        reachable.append((count, growth))
+    if len(costs) == 1:
+        yield (reachable[-1][0],)
+        return
+    for count, growth in reachable:
+        for rest in _caps_within(costs[1:], held[1:], caps[1:], room - growth):
+            yield (count, *rest)
+
+
+def _maximal(vectors: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The vectors no other one is at least as large as in every place (order kept)."""
+    return [
+        vector
+        for vector in vectors
+        if not any(
+            other != vector and all(o >= v for o, v in zip(other, vector, strict=True)) for other in vectors
+        )
+    ]
 
 
 def layers_within_room(costs: StageCosts, layers: int, room: float, *, most: int) -> int:

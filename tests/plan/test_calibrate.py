@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from shardpool.plan.calibrate import (
     memory_shortfalls,
     predicted_over_measured,
     rebalance_decision,
+    shared_room_caps,
     stage_rooms,
 )
 from shardpool.plan.costmodel import Workload
@@ -282,6 +284,109 @@ def three_hosts(seconds: list[float]) -> Fleet:
             for name, s in zip("abc", seconds, strict=True)
         )
     )
+
+
+def _sharing_host_b(plan: Plan) -> Plan:
+    """``plan`` with its stages 1 and 2 on one host's CPU (the order and the costs unchanged)."""
+    stages = [
+        replace(stage, host="b", device="b") if index in (1, 2) else stage
+        for index, stage in enumerate(plan.stages)
+    ]
+    return replace(plan, stages=stages)
+
+
+SHARED_CONFIG = config_with(shardpool={"stages": 3})
+
+
+def _shared_case(
+    speeds: list[float], room_layers: float
+) -> tuple[Plan, list[StepMeasurement], list[float], float]:
+    """A 3-stage plan whose stages 1 and 2 share host b's CPU and whose stages measured ``speeds``;
+    the rooms (stage 0 plenty; stages 1 and 2 ``room_layers`` of stage 1's layers); and the best
+    calibrated step of all splits whose growths fit each stage's room and host b's together, by
+    brute force."""
+    workload = Workload.from_config(SHARED_CONFIG)
+    plan = _sharing_host_b(plan_pipeline(SHAPE, workload, three_hosts([0.1, 0.1, 0.1])))
+    held = [stage.num_layers for stage in plan.stages]
+    measured = measured_as(plan, speeds)
+    costs = calibrate(plan, measured, SHARED_CONFIG).costs
+    middle = plan.stages[1].costs
+    assert middle is not None
+    room = (middle.memory(held[1] + 1) - middle.memory(held[1])) * room_layers
+    rooms = [64 * GIB, room, room]
+
+    def growth(index: int, count: int) -> float:
+        return max(0.0, costs[index].memory(count) - costs[index].memory(held[index]))
+
+    problem = SplitProblem(
+        costs=costs,
+        caps=[c.max_layers() for c in costs],
+        layers=SHAPE.num_layers,
+        microbatches=plan.microbatches,
+        schedule="1f1b",
+    )
+    steps = [
+        problem.simulate(counts)
+        for cut in itertools.combinations(range(1, SHAPE.num_layers), 2)
+        if (counts := [b - a for a, b in itertools.pairwise([0, *cut, SHAPE.num_layers])])
+        and all(n <= c.max_layers() for n, c in zip(counts, costs, strict=True))
+        and growth(0, counts[0]) <= rooms[0]
+        and growth(1, counts[1]) + growth(2, counts[2]) <= room
+    ]
+    return plan, measured, rooms, min(steps)
+
+
+@pytest.mark.parametrize(
+    ("speeds", "room_layers"),
+    [([3, 1, 1], 0.5), ([3, 1, 1], 1), ([3, 1, 1], 2), ([6, 1, 1], 1), ([4, 1, 2], 1), ([3, 2, 1], 2)],
+)
+def test_stages_sharing_a_device_get_the_best_split_whose_growth_fits_its_room_together(
+    speeds: list[float], room_layers: float
+) -> None:
+    """Against brute force: stage 0 measures slow and gives layers to stages 1 and 2, which share
+    host b's CPU; the decision is the best split of all those whose growths fit its room together."""
+    plan, measured, rooms, best = _shared_case(speeds, room_layers)
+    decision = rebalance_decision(plan, measured, SHARED_CONFIG, room_bytes=rooms)
+    assert decision is not None
+    assert decision.predicted_step_s == pytest.approx(best, rel=1e-9)
+    assert memory_shortfalls(plan, decision.layers, rooms) == []
+
+
+@pytest.mark.parametrize(("speeds", "room_layers"), [([3, 1, 1], 1), ([4, 1, 2], 1)])
+def test_a_shared_device_gets_a_smaller_growth_instead_of_none(
+    speeds: list[float], room_layers: float
+) -> None:
+    """Here each stage's own room would let both grow, and that split outgrows host b's CPU: the
+    decision grows them less (a slower split than the one ruled out, but a re-shard)."""
+    plan, measured, rooms, _ = _shared_case(speeds, room_layers)
+    apart = replace(plan, stages=[replace(s, host=f"h{i}") for i, s in enumerate(plan.stages)])
+    each_alone = rebalance_decision(apart, measured, SHARED_CONFIG, room_bytes=rooms)
+    assert each_alone is not None and memory_shortfalls(plan, each_alone.layers, rooms) != []
+    decision = rebalance_decision(plan, measured, SHARED_CONFIG, room_bytes=rooms)
+    assert decision is not None and decision.layers != plan.layer_ranges()
+    assert each_alone.predicted_step_s < decision.predicted_step_s < decision.current_step_s * (1 - MIN_GAIN)
+
+
+def test_shared_room_caps_are_the_largest_that_fit_together_and_give_up_past_the_limit() -> None:
+    plan = _sharing_host_b(
+        plan_pipeline(SHAPE, Workload.from_config(SHARED_CONFIG), three_hosts([0.1, 0.1, 0.1]))
+    )
+    costs = [stage.costs for stage in plan.stages]
+    assert all(c is not None for c in costs) and [s.num_layers for s in plan.stages] == [3, 3, 2]
+    middle = costs[1]
+    assert middle is not None
+    two = middle.memory(5) - middle.memory(3)
+    # Stages 1 and 2 may grow by two of stage 1's layers together (69.6 MiB each; stage 2, the
+    # last, holds one micro-batch: 25.3 MiB a layer): 3+0 / 2+5, 3+1 / 2+2, 3+2 / 2+0.
+    choices = shared_room_caps(plan, costs, [8, 8, 8], [64 * GIB, two, two])  # type: ignore[arg-type]
+    assert [(c[1], c[2]) for c in choices] == [(3, 7), (4, 4), (5, 2)]
+    assert all(c[0] == 8 for c in choices), "a stage on its own device keeps its cap"
+    assert shared_room_caps(plan, costs, [8, 8, 8], [64 * GIB, 0.0, 0.0]) == [[8, 3, 2]]  # type: ignore[arg-type]
+    # No two stages share a device: the caps as they are.
+    apart = replace(plan, stages=[replace(s, host=f"h{i}") for i, s in enumerate(plan.stages)])
+    assert shared_room_caps(apart, costs, [8, 8, 8], [1.0, 1.0, 1.0]) == [[8, 8, 8]]  # type: ignore[arg-type]
+    # Too many vectors to search: none, and the caller searches under each stage's room alone.
+    assert shared_room_caps(plan, costs, [8, 8, 8], [64 * GIB, two, two], limit=2) == []  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -41,12 +41,13 @@ def test_a_stage_is_told_by_its_command_line_and_its_rank_is_the_last_argument()
     assert split_cpu.stage_rank([]) is None
 
 
-def test_cpu_per_step_is_counted_per_stage_and_added_up_per_host() -> None:
-    before = {10: (1.0, 0.1), 11: (2.0, 0.0), 12: (0.0, 0.0)}
-    after = {10: (5.0, 0.5), 11: (4.0, 0.2), 12: (3.0, 0.2)}
+def test_cpu_and_page_faults_per_step_are_counted_per_stage_and_cpu_added_up_per_host() -> None:
+    before = {10: (1.0, 0.1, 100), 11: (2.0, 0.0, 0), 12: (0.0, 0.0, 7)}
+    after = {10: (5.0, 0.5, 4100), 11: (4.0, 0.2, 10), 12: (3.0, 0.2, 7)}
     figures = split_cpu.window_figures(before, after, {10: 0, 11: 1, 12: 2}, ("a", "b", "a"), steps=2)
     assert [stage["cpu_s_per_step"] for stage in figures["stages"]] == [2.2, 1.1, 1.6]
     assert [stage["system_s_per_step"] for stage in figures["stages"]] == [0.2, 0.1, 0.1]
+    assert [stage["minor_faults_per_step"] for stage in figures["stages"]] == [2000, 5, 0]
     assert figures["host_cpu_s_per_step"] == {"a": 3.8, "b": 1.1}
     assert figures["cpu_s_per_step"] == 4.9
 
