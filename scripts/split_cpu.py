@@ -16,8 +16,8 @@ order (the list, then the list reversed, ...).
 
 The JSON gives, per run, between the end of step 2 and the end of step ``--steps`` (a run trains
 one step more, so that no stage has ended when the window closes): wall seconds per step,
-each stage process's CPU seconds per step (user and system) and minor page faults per step, the CPU seconds per step of every
-host (its stages together), and ``metrics.jsonl``'s compute and wait; per split, the median step
+each stage process's CPU seconds per step (user and system) and minor page faults per step, the
+CPU seconds per step of every host (its stages together), and ``metrics.jsonl``'s compute and wait; per split, the median step
 and CPU over its runs; and each split's ratios to the first one's (``step_over_first``,
 ``cpu_over_first``). Needs root and a writable cgroup ``cpu`` controller (v1 or v2); where it has
 neither it prints ``{"skipped": reason}`` and exits 0. Every cgroup and process it starts is

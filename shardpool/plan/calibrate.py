@@ -269,10 +269,7 @@ def shared_room_caps(
     no two stages share a device; empty when the groups give more than ``limit`` vectors (the
     caller then searches under ``caps`` alone).
     """
-    groups: dict[tuple[str, str], list[int]] = {}
-    for index, stage in enumerate(plan.stages):
-        groups.setdefault((stage.host, stage.device), []).append(index)
-    shared = [members for members in groups.values() if len(members) > 1]
+    shared = [members for members in _device_groups(plan).values() if len(members) > 1]
     per_group = []
     for members in shared:
         room = min(rooms[index] for index in members)
@@ -304,8 +301,9 @@ def _caps_within(
     each earlier stage at every count it can reach, the last one at the most the rest leaves.
     A count at or below what a stage holds needs no room."""
     reachable = []
+    held_memory = costs[0].memory(held[0])
     for count in range(min(held[0], caps[0]), caps[0] + 1):
-        growth = max(0.0, costs[0].memory(count) - costs[0].memory(held[0]))
+        growth = max(0.0, costs[0].memory(count) - held_memory)
         if count > held[0] and growth > room:
             break
         reachable.append((count, growth))
@@ -315,6 +313,14 @@ def _caps_within(
     for count, growth in reachable:
         for rest in _caps_within(costs[1:], held[1:], caps[1:], room - growth):
             yield (count, *rest)
+
+
+def _device_groups(plan: Plan) -> dict[tuple[str, str], list[int]]:
+    """The indexes of the stages on each device, by ``(host, device)``: stages that share its memory."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for index, stage in enumerate(plan.stages):
+        groups.setdefault((stage.host, stage.device), []).append(index)
+    return groups
 
 
 def _maximal(vectors: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -349,7 +355,7 @@ def memory_shortfalls(
     own). Empty when the split fits (or the plan has no costs)."""
     phrases = []
     rooms = stage_rooms(room_by_rank, len(plan.stages))
-    growth: dict[tuple[str, str], list[tuple[int, float, float]]] = {}
+    needs: dict[int, float] = {}
     for index, (stage, (start, stop), room) in enumerate(zip(plan.stages, layers, rooms, strict=True)):
         if stage.costs is None:
             continue
@@ -360,10 +366,13 @@ def memory_shortfalls(
                 f"{stop - start} layers and has {_size(room)} of room"
             )
         elif need > 0:
-            growth.setdefault((stage.host, stage.device), []).append((index, need, room))
-    for (host, device), growing in growth.items():
+            needs[index] = need
+    for (host, device), members in _device_groups(plan).items():
+        growing = [(index, needs[index], rooms[index]) for index in members if index in needs]
+        if len(growing) < 2:
+            continue
         need, room = sum(need for _, need, _ in growing), min(room for _, _, room in growing)
-        if len(growing) > 1 and need > room:
+        if need > room:
             indexes = " and ".join(str(index) for index, _, _ in growing)
             phrases.append(
                 f"stages {indexes} ({device} on {host}) need {_size(need)} more together and have "

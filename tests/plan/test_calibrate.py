@@ -295,6 +295,11 @@ def _sharing_host_b(plan: Plan) -> Plan:
     return replace(plan, stages=stages)
 
 
+def _each_on_its_own_host(plan: Plan) -> Plan:
+    """``plan`` with every stage on a host of its own: no stage shares a device's memory."""
+    return replace(plan, stages=[replace(stage, host=f"h{index}") for index, stage in enumerate(plan.stages)])
+
+
 SHARED_CONFIG = config_with(shardpool={"stages": 3})
 
 
@@ -359,7 +364,7 @@ def test_a_shared_device_gets_a_smaller_growth_instead_of_none(
     """Here each stage's own room would let both grow, and that split outgrows host b's CPU: the
     decision grows them less (a slower split than the one ruled out, but a re-shard)."""
     plan, measured, rooms, _ = _shared_case(speeds, room_layers)
-    apart = replace(plan, stages=[replace(s, host=f"h{i}") for i, s in enumerate(plan.stages)])
+    apart = _each_on_its_own_host(plan)
     each_alone = rebalance_decision(apart, measured, SHARED_CONFIG, room_bytes=rooms)
     assert each_alone is not None and memory_shortfalls(plan, each_alone.layers, rooms) != []
     decision = rebalance_decision(plan, measured, SHARED_CONFIG, room_bytes=rooms)
@@ -383,7 +388,7 @@ def test_shared_room_caps_are_the_largest_that_fit_together_and_give_up_past_the
     assert all(c[0] == 8 for c in choices), "a stage on its own device keeps its cap"
     assert shared_room_caps(plan, costs, [8, 8, 8], [64 * GIB, 0.0, 0.0]) == [[8, 3, 2]]  # type: ignore[arg-type]
     # No two stages share a device: the caps as they are.
-    apart = replace(plan, stages=[replace(s, host=f"h{i}") for i, s in enumerate(plan.stages)])
+    apart = _each_on_its_own_host(plan)
     assert shared_room_caps(apart, costs, [8, 8, 8], [1.0, 1.0, 1.0]) == [[8, 8, 8]]  # type: ignore[arg-type]
     # Too many vectors to search: none, and the caller searches under each stage's room alone.
     assert shared_room_caps(plan, costs, [8, 8, 8], [64 * GIB, two, two], limit=2) == []  # type: ignore[arg-type]
