@@ -244,6 +244,8 @@ def _attempt(
         rebalance = _rebalance_check(run, check_at, store)
         if supervisor is not None and isinstance(launcher, MeshLauncher):
             supervisor.begin(launcher, run, job, store)
+            if rebalance is not None:
+                rebalance.resharded = supervisor.resharded
         try:
             return _train(
                 console,

@@ -67,6 +67,8 @@ class RebalanceCheck:
     #: ``(plan, measured, config, room_bytes=...)`` -> the re-shard, or None to keep the plan.
     decide: Callable[..., Rebalance | None] = rebalance_decision
     say: Callable[[str], None] = print  # where a failed check's one line goes (the run's console)
+    #: Told ``(plan, plan_json)`` after a re-shard is decided (the supervisor: a growth starts from it).
+    resharded: Callable[[Plan, dict[str, Any]], None] | None = None
 
     def on_step(self, event: dict[str, Any]) -> dict[str, Any] | None:
         """Note a ``step`` event; at the check step decide and answer. Returns the re-balance line, if any."""
@@ -99,6 +101,8 @@ class RebalanceCheck:
         write_json(self.plan_path, self.plan_json)
         line = rebalance_line(step, self.plan, decision)
         self.plan = decision.plan
+        if self.resharded is not None:
+            self.resharded(self.plan, self.plan_json)
         return line
 
     def _decision(self, room_bytes: list[float] | None) -> tuple[Rebalance | None, Rebalance | None]:

@@ -64,6 +64,7 @@ from shardpool.launch.mesh_launcher import (
 )
 from shardpool.launch.mesh_members import MeshMember
 from shardpool.launch.rebalancing import replanned_json
+from shardpool.plan.calibrate import growth_shortfalls
 from shardpool.plan.result import Plan
 
 __all__ = [
@@ -525,6 +526,8 @@ class Supervisor:
     _join_failed: dict[str, tuple[float, str]] = field(default_factory=dict)
     _keeps_state: bool = False
     _gate: CommitGate | None = None
+    #: The room each rank of the current job measured after its newest reported step (a growth in place respects it).
+    _rooms: list[float] | None = None
 
     @classmethod
     def wanted(cls, config: Config, launcher: object) -> bool:
@@ -541,6 +544,7 @@ class Supervisor:
         self._store = store
         self._growing, self._grow_published = None, False
         self._plan, self._plan_json = run.planned, dict(run.plan)
+        self._rooms = None
         launcher.grow = self.grow if job.keep_state else None
         self._last_step = job.resume_step
         self._keeps_state = job.keep_state
@@ -601,6 +605,9 @@ class Supervisor:
         kind = event.get("event")
         if kind == StageEvent.STEP:
             self._last_step = int(event["step"])
+            rooms = event.get("stage_room_bytes")
+            if rooms is not None and self._jobs and self._job_at(self._last_step) is self._jobs[-1][1]:
+                self._rooms = [float(room) for room in rooms]
             prune_live_copies(self.output_dir, self._count, self._ranks_at)
             self._maybe_look_for_joins(self._last_step)
         elif kind == StageEvent.CHECKPOINT_WRITTEN and event.get("eval_before") is not None:
@@ -641,6 +648,21 @@ class Supervisor:
             return False
         return complete[-1] >= self._newest_step() or self.clock() - found.found_at > JOIN_COPY_WAIT_S
 
+    def resharded(self, plan: Plan, plan_json: dict[str, Any]) -> None:
+        """The re-balance check moved the running stages' layer boundaries to ``plan``'s (its
+        ``plan_json`` has the plan they started with in its history): a growth in place starts from
+        those layers, and a re-plan keeps that history."""
+        if not self._jobs:
+            return
+        since, job = self._jobs[-1]
+        stages = [
+            placement.model_copy(update={"start": stage.start, "stop": stage.stop})
+            for placement, stage in zip(job.stages, plan.stages, strict=True)
+        ]
+        self._jobs[-1] = (since, job.model_copy(update={"stages": stages}))
+        self._plan, self._plan_json = plan, dict(plan_json)
+        self._current_step_s = plan.predicted_step_s
+
     # ----- growing in place (issue 16: a member that joins, without a restart) -----------------------
     def _grows_in_place(self, plan: Plan) -> tuple[Job, dict[int, int]] | None:
         """The grown job and each running rank's new rank, when the running job can grow into ``plan``."""
@@ -656,7 +678,8 @@ class Supervisor:
         (:func:`grown_job`), and the job is past its re-balance check, this is the order to start
         the joining ranks; the event loop starts them and sets ``started``; :meth:`_tick` publishes
         the decision once they are ready and sets ``grown`` once the stages moved, when the loop
-        switches to the grown job and sets ``applied``.
+        switches to the grown job and sets ``applied``. When a running rank lacks the room the
+        grown plan gives it (:meth:`_outgrown`), the join becomes a restart (:meth:`interrupt`).
         """
         order = self._growing
         if order is not None:
@@ -669,6 +692,16 @@ class Supervisor:
         if found.in_place is None or (check_at is not None and self._newest_step() <= check_at):
             return None
         job, renumber = found.in_place
+        if short := self._outgrown(found.plan, renumber):
+            with self._join_lock:
+                if self._found is found:
+                    self._found = replace(found, in_place=None)  # :meth:`interrupt` restarts with it instead
+            names = ", ".join(found.members)
+            self.say(
+                f"growing the job in place would need more memory than its stages have ({'; '.join(short)}): "
+                f"restarting it with {names} from the newest step copy instead"
+            )
+            return None
         running = set(renumber.values())
         joined: dict[str, tuple[MeshMember, list[int]]] = {}
         for name, (member, ranks) in ranks_by_member(job, found.launcher.members).items():
@@ -678,6 +711,13 @@ class Supervisor:
         self._growing, self._grow_published = GrowOrder(job, joined, renumber), False
         self.say(f"growing the job in place: starting {', '.join(sorted(joined))}'s stages")
         return self._growing
+
+    def _outgrown(self, plan: Plan, renumber: dict[int, int]) -> list[str]:
+        """Why the running ranks cannot grow in place into ``plan`` for lack of memory (empty when
+        they can, or when no room or memory model is known)."""
+        if self._rooms is None or self._plan is None or len(self._rooms) != len(renumber):
+            return []
+        return growth_shortfalls(self._plan, plan, renumber, self._rooms)
 
     def _advance_growth(self) -> None:
         """Publish the grow decision once every joining rank is ready; note the growth once the
@@ -723,6 +763,7 @@ class Supervisor:
         grown = order.job.model_copy(update={"joining": False})
         order.job = grown
         self._jobs.append((step, grown))
+        self._rooms = None  # measured by the old ranks; the grown job's come with its next step
         launcher.members = list(found.launcher.members)
         order.watch = launcher.watch(grown) if launcher.watch is not None else None
         self._current_step_s = found.plan.predicted_step_s

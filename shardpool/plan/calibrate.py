@@ -26,7 +26,8 @@ that under-counts, shrinks the choice instead of failing the hand-over. Stages o
 host's CPU, one GPU) share its room: their growths together must fit the least room any of them
 measured. The search stays exact under that joint bound (:func:`shared_room_caps`): the splits that
 respect it are the union of the boxes under its maximal per-stage caps, so the best of the exact
-searches within each box is the best split that fits.
+searches within each box is the best split that fits. A job that grows in place when a member
+joins is checked against its running ranks' rooms the same way (:func:`growth_shortfalls`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ __all__ = [
     "StepMeasurement",
     "calibrate",
     "calibrated_plan",
+    "growth_shortfalls",
     "layers_within_room",
     "memory_shortfalls",
     "predicted_over_measured",
@@ -301,9 +303,8 @@ def _caps_within(
     each earlier stage at every count it can reach, the last one at the most the rest leaves.
     A count at or below what a stage holds needs no room."""
     reachable = []
-    held_memory = costs[0].memory(held[0])
     for count in range(min(held[0], caps[0]), caps[0] + 1):
-        growth = max(0.0, costs[0].memory(count) - held_memory)
+        growth = max(0.0, costs[0].growth(held[0], count))
         if count > held[0] and growth > room:
             break
         reachable.append((count, growth))
@@ -338,9 +339,8 @@ def layers_within_room(costs: StageCosts, layers: int, room: float, *, most: int
     """The most layers, up to ``most``, that a stage holding ``layers`` can go to when its modelled
     peak (:meth:`StageCosts.memory`) may grow by at most ``room`` bytes. Never fewer than ``layers``:
     giving layers away needs no room."""
-    held = costs.memory(layers)
     count = layers
-    while count < most and costs.memory(count + 1) - held <= room:
+    while count < most and costs.growth(layers, count + 1) <= room:
         count += 1
     return count
 
@@ -353,29 +353,94 @@ def memory_shortfalls(
     than the least room any of them measured (stages on one host's CPU or one GPU share its free
     memory, and a stage that gives layers away may free them only after another has built its
     own). Empty when the split fits (or the plan has no costs)."""
-    phrases = []
     rooms = stage_rooms(room_by_rank, len(plan.stages))
-    needs: dict[int, float] = {}
-    for index, (stage, (start, stop), room) in enumerate(zip(plan.stages, layers, rooms, strict=True)):
-        if stage.costs is None:
+    growths = [
+        _Growth(
+            noun="stage",
+            number=index,
+            slot=stage.slot or stage.device,
+            host=stage.host,
+            device=stage.device,
+            need=stage.costs.growth(stage.num_layers, stop - start),
+            layers=stop - start,
+            room=room,
+        )
+        for index, (stage, (start, stop), room) in enumerate(zip(plan.stages, layers, rooms, strict=True))
+        if stage.costs is not None
+    ]
+    return _shortfall_phrases(growths)
+
+
+def growth_shortfalls(
+    running: Plan, grown: Plan, renumber: dict[int, int], room_by_rank: Sequence[float]
+) -> list[str]:
+    """:func:`memory_shortfalls` for a job that grows in place from ``running`` to ``grown``
+    (a member joined): one phrase per running rank whose stage in ``grown`` needs more than the room
+    it measured, then one per device whose running ranks outgrow it together. ``renumber`` maps each
+    running rank to its rank in the grown job (rank ``r`` runs stage ``r % S`` of its plan). A rank
+    gains memory where its new stage holds more layers, or the same layers at a position with more
+    micro-batches in flight. Empty when every running rank fits (or a plan has no costs)."""
+    if len(room_by_rank) != len(renumber):
+        raise ShardpoolError(
+            f"the job's ranks reported room for {len(room_by_rank)} ranks, not its {len(renumber)}"
+        )
+    growths = []
+    for rank, new_rank in sorted(renumber.items()):
+        old = running.stages[rank % len(running.stages)]
+        new = grown.stages[new_rank % len(grown.stages)]
+        if old.costs is None or new.costs is None:
             continue
-        need = stage.costs.memory(stop - start) - stage.costs.memory(stage.num_layers)
-        if need > room:
-            phrases.append(
-                f"stage {index} ({stage.slot or stage.device}) needs {_size(need)} more for "
-                f"{stop - start} layers and has {_size(room)} of room"
+        need = new.costs.memory(new.num_layers) - old.costs.memory(old.num_layers)
+        growths.append(
+            _Growth(
+                noun="rank",
+                number=rank,
+                slot=new.slot or new.device,
+                host=old.host,
+                device=old.device,
+                need=need,
+                layers=new.num_layers,
+                room=room_by_rank[rank],
             )
-        elif need > 0:
-            needs[index] = need
-    for (host, device), members in _device_groups(plan).items():
-        growing = [(index, needs[index], rooms[index]) for index in members if index in needs]
+        )
+    return _shortfall_phrases(growths)
+
+
+@dataclass(frozen=True)
+class _Growth:
+    """What one stage (or rank) would add to its modelled peak, against the room it measured."""
+
+    noun: str  # "stage" or "rank"
+    number: int
+    slot: str
+    host: str
+    device: str
+    need: float
+    layers: int
+    room: float
+
+
+def _shortfall_phrases(growths: Sequence[_Growth]) -> list[str]:
+    """One phrase per growth above its own room, then one per device whose other growths exceed,
+    together, the least room among them."""
+    phrases = [
+        f"{growth.noun} {growth.number} ({growth.slot}) needs {_size(growth.need)} more for {growth.layers} layers and "
+        f"has {_size(growth.room)} of room"
+        for growth in growths
+        if growth.need > growth.room
+    ]
+    by_device: dict[tuple[str, str], list[_Growth]] = {}
+    for growth in growths:
+        if 0 < growth.need <= growth.room:
+            by_device.setdefault((growth.host, growth.device), []).append(growth)
+    for (host, device), growing in by_device.items():
         if len(growing) < 2:
             continue
-        need, room = sum(need for _, need, _ in growing), min(room for _, _, room in growing)
+        need, room = sum(growth.need for growth in growing), min(growth.room for growth in growing)
         if need > room:
-            indexes = " and ".join(str(index) for index, _, _ in growing)
+            numbers = " and ".join(str(growth.number) for growth in growing)
             phrases.append(
-                f"stages {indexes} ({device} on {host}) need {_size(need)} more together and have "
+                f"{growing[0].noun}s {numbers} ({device} on {host}) need {_size(need)} more together and have "
                 f"{_size(room)} of room"
             )
     return phrases

@@ -118,6 +118,10 @@ class StageCosts:
         tensors = self.fixed_bytes + layers * self.per_layer_bytes
         return tensors + reserve_bytes(self.kind, tensors)
 
+    def growth(self, held: int, layers: int) -> float:
+        """How many bytes the predicted peak grows from ``held`` layers to ``layers`` (negative when it shrinks)."""
+        return self.memory(layers) - self.memory(held)
+
     def scaled(self, speed: float) -> StageCosts:
         """These costs on a device ``speed`` times slower at compute (forward and backward, ends
         included); memory, transfers and the after-step work are unchanged."""

@@ -451,8 +451,9 @@ class StageWorker:
             () if copier is None else (copier.copy_seconds, copier.blocked_seconds, copier.cpu_seconds)
         )
         grow_flag = (self._grow_announced(),) if copier is not None else ()
-        checks = step + 1 == self.job.rebalance_at
-        room = (float(room_bytes(self.device, rank=self.rank)),) if checks else ()
+        # the re-balance check's split, and a growth in place (a job that copies its state), respect each rank's room
+        measures_room = step + 1 == self.job.rebalance_at or copier is not None
+        room = (float(room_bytes(self.device, rank=self.rank)),) if measures_room else ()
         timings = gather_timings(
             totals.compute_seconds, wire.wait_seconds, wire.bytes_sent, self.job.world_size,
             *copy_figures, *room, *grow_flag,

@@ -5,12 +5,13 @@ one machine, without network namespaces: after the step the job checks its plan 
 re-balance check of :data:`shardpool.contract.rebalance.FORCE_ENV`, which holds every rank until
 the launcher answers), it starts one more stage process with the grown job, waits until that
 process has built its stage, publishes the grow decision, and only then answers the check. The
-running ranks then grow after the next step. The joining process's events are relayed like the
+running ranks then re-shard if the forced split moves their layers, and grow after the next step. The joining process's events are relayed like the
 others' (it reports the steps once it is rank 0).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import threading
@@ -34,12 +35,22 @@ READY_WITHIN_S = 240.0
 
 class GrowingLauncher(LocalLauncher):
     """:class:`LocalLauncher` that grows the job to ``layers`` (layers per stage) after step ``after``,
-    the new stage process taking stage ``joining_stage``."""
+    the new stage process taking stage ``joining_stage``. ``running_layers`` are the layers per
+    stage the running ranks hold when they grow: the forced re-shard's (default: the job's)."""
 
-    def __init__(self, *, probe: Any, after: int, layers: list[int], joining_stage: int) -> None:
+    def __init__(
+        self,
+        *,
+        probe: Any,
+        after: int,
+        layers: list[int],
+        joining_stage: int,
+        running_layers: list[int] | None = None,
+    ) -> None:
         super().__init__(probe=probe)
         self.after = after
         self.layers = layers
+        self.running_layers = running_layers
         self.joining_stage = joining_stage
         self.joiner: subprocess.Popen[bytes] | None = None
         self.renumber: dict[int, int] = {}
@@ -110,6 +121,9 @@ class GrowingLauncher(LocalLauncher):
                 )
             time.sleep(0.1)
         old_layers = [(placement.start, placement.stop) for placement in job.stages]
+        if self.running_layers is not None:
+            bounds = list(itertools.accumulate(self.running_layers, initial=0))
+            old_layers = list(itertools.pairwise(bounds))
         decision = grown.model_dump(mode="json") | {"joining": False}
         store.set(grow_key(grown.generation), encode_growth(decision, self.renumber, old_layers))
 

@@ -68,6 +68,7 @@ def test_the_check_measures_steps_after_the_first_and_answers_keep(
     check = _check(
         tmp_path, lambda plan, measured, config, **_: seen.append(measured), published, first_step=4
     )
+    check.resharded = lambda plan, plan_json: pytest.fail("a kept plan is no re-shard")
     assert [check.on_step(_step(step, 2.0)) for step in (5, 6)] == [None, None]
     assert published == {}, "nothing is published before the check step"
     assert check.on_step(_step(7, 3.0)) is None
@@ -88,6 +89,8 @@ def test_a_decision_is_published_recorded_and_kept_in_plan_history(
     )
     published: dict[str, str] = {}
     check = _check(tmp_path, lambda plan, measured, config, **_: decision, published)
+    told: list[tuple[Plan, dict[str, Any]]] = []
+    check.resharded = lambda plan, plan_json: told.append((plan, plan_json))
     for step in (1, 2):
         check.on_step(_step(step, 1.1))
     line = check.on_step(_step(3, 1.1))
@@ -107,6 +110,8 @@ def test_a_decision_is_published_recorded_and_kept_in_plan_history(
     assert [entry["ended_at_step"] for entry in written["history"]] == [3]
     assert written["history"][0]["source"] == "planner"
     assert check.plan.layer_ranges() == new
+    assert len(told) == 1 and told[0][0] is decision.plan, "the supervisor is told the stages' new layers"
+    assert told[0][1] == written, "... and the plan.json that records them"
 
 
 def test_a_failing_check_says_so_and_answers_keep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

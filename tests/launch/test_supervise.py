@@ -3,6 +3,7 @@ policy, the re-plan after a loss and the join decision (fakes for members, agent
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -14,13 +15,14 @@ from shardpool.agent.client import AgentUnreachable
 from shardpool.config import Config, parse_config
 from shardpool.contract.grow import decode_growth, grow_key, ready_key, step_key
 from shardpool.contract.job import Job
-from shardpool.contract.liveness import LIVE_ROOT, live_dir
+from shardpool.contract.liveness import LIVE_ROOT, live_dir, live_key
 from shardpool.errors import ShardpoolError
 from shardpool.finetune import PreparedRun
 from shardpool.launch.beats import BeatWatch
 from shardpool.launch.local_launcher import StageFailed
 from shardpool.launch.mesh_launcher import GrowOrder, Interrupted, MemberLost, MeshLauncher, run_mesh_job
 from shardpool.launch.mesh_members import MeshMember
+from shardpool.launch.rebalancing import replanned_json
 from shardpool.launch.run import keeps_state, trim_metrics
 from shardpool.launch.supervise import (
     AttemptEnded,
@@ -38,6 +40,7 @@ from shardpool.launch.supervise import (
     worth_joining,
 )
 from shardpool.plan.result import Plan, PlannedStage
+from shardpool.plan.stage_costs import StageCosts
 from tests.helpers.jobs import job_dict
 
 
@@ -72,6 +75,9 @@ class _Agent:
     def stop_job(self, job_id: str, *, timeout: float = 10.0) -> dict[str, Any]:
         self.stopped.append(job_id)
         return {}
+
+
+MIB = 2**20
 
 
 def _members(*names: str) -> list[MeshMember]:
@@ -299,15 +305,32 @@ def test_trim_keeps_the_history_events(tmp_path: Path) -> None:
 # --- the re-plan after a loss -------------------------------------------------------------
 
 
-def _plan(hosts: list[str], predicted: float = 1.0) -> Plan:
-    per = 6 // len(hosts)
+def _plan(
+    hosts: list[str],
+    predicted: float = 1.0,
+    *,
+    counts: list[int] | None = None,
+    layer_mib: float | None = None,
+) -> Plan:
+    """A plan of 6 layers on ``hosts`` (one CPU stage each): split evenly, or by ``counts``; with
+    stage costs of ``layer_mib`` MiB a layer when given (no memory model otherwise)."""
+    counts = counts or [6 // len(hosts)] * len(hosts)
+    bounds = [0, *itertools.accumulate(counts)]
     stages = [
-        PlannedStage(device="cpu", host=host, start=index * per, stop=(index + 1) * per,
-                     predicted_ms_per_microbatch=1.0, memory_bytes=0, free_bytes=0, slot=f"{host}/cpu")
-        for index, host in enumerate(hosts)
+        PlannedStage(device="cpu", host=host, start=start, stop=stop,
+                     predicted_ms_per_microbatch=1.0, memory_bytes=0, free_bytes=0, slot=f"{host}/cpu",
+                     costs=None if layer_mib is None else _costs(layer_mib))
+        for host, start, stop in zip(hosts, bounds, bounds[1:], strict=False)
     ]  # fmt: skip
     return Plan(stages=stages, predicted_step_s=predicted, bubble_fraction=0.0, microbatches=3,
                 recommended_microbatches=12, num_layers=6)  # fmt: skip
+
+
+def _costs(layer_mib: float) -> StageCosts:
+    """Stage costs whose modelled peak grows by ``layer_mib`` MiB a layer (and 5 % of it, the reserve)."""
+    return StageCosts(forward_fixed_s=0.0, forward_per_layer_s=0.01, backward_fixed_s=0.0,
+                      backward_per_layer_s=0.02, fixed_bytes=0.0, per_layer_bytes=layer_mib * MIB,
+                      capacity_bytes=64 * 2**30, kind="cpu", in_flight=1)  # fmt: skip
 
 
 def _config(tmp_path: Path, **shardpool: Any) -> Config:
@@ -768,17 +791,31 @@ class _DictStore:
 
 
 def _c_found_while_a_b_train(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seen: dict[str, list[Any]]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    seen: dict[str, list[Any]],
+    *,
+    started: Plan | None = None,
+    with_c: Plan | None = None,
+    resharded: Plan | None = None,
 ) -> tuple[Supervisor, MeshLauncher, _DictStore, PreparedRun]:
-    """A supervised job on a and b at step 10 whose join check found c (the plan with it twice as fast)."""
+    """A supervised job on a and b at step 10 whose join check found c: the job starts with
+    ``started`` (default: 3 + 3 layers), re-shards to ``resharded`` after step 3 when given, and the
+    plan with c is ``with_c`` (default: 2 + 2 + 2 layers, twice as fast)."""
     config = _config(tmp_path)
-    monkeypatch.setattr(MeshLauncher, "plans_with_and_without", _plans_by_size({2: 1.0, 3: 0.5}))
+    if with_c is None:
+        monkeypatch.setattr(MeshLauncher, "plans_with_and_without", _plans_by_size({2: 1.0, 3: 0.5}))
+    else:
+        plans = (with_c, started or _plan(["a", "b"]))
+        monkeypatch.setattr(MeshLauncher, "plans_with_and_without", lambda self, config, left_out: plans)
     supervisor = _supervisor(tmp_path, config, seen)
     launcher = MeshLauncher(_members("a", "b"), say=print)
     launcher.list_members = lambda: _members("a", "b", "c")
     store = _DictStore()
-    run = _run(config, _plan(["a", "b"]))
+    run = _run(config, started or _plan(["a", "b"]))
     supervisor.begin(launcher, run, _job_on(["a", "b"], keep_state=True, rebalance_at=3), store)
+    if resharded is not None:  # what the re-balance check tells it (RebalanceCheck.resharded)
+        supervisor.resharded(resharded, replanned_json(run.plan, resharded, ended_at_step=3))
     supervisor._look_for_joins(launcher, 10)  # what the join check's thread does
     supervisor._last_step = 10
     return supervisor, launcher, store, run
@@ -820,6 +857,72 @@ def test_a_member_that_joins_is_grown_into_the_running_job_without_stopping_it(
     assert [placement.host for placement in supervisor.current(run).placements] == ["a", "b", "c"]
     order.applied = True
     assert supervisor.grow() is None
+
+
+def test_a_job_re_sharded_by_its_check_grows_from_the_layers_its_stages_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The re-balance check moved a and b to 4 + 2 layers: the grow decision tells the joining rank
+    that (it takes its layers' state by them), and plan.json keeps both earlier plans."""
+    seen: dict[str, list[Any]] = {}
+    resharded = _plan(["a", "b"], 0.8, counts=[4, 2])
+    supervisor, _, store, run = _c_found_while_a_b_train(tmp_path, monkeypatch, seen, resharded=resharded)
+    assert supervisor.current(run).planned is resharded
+    order = supervisor.grow()
+    assert order is not None
+    order.started = True
+    store.add(ready_key(1), 1)
+    supervisor._tick()
+    assert decode_growth(store.get(grow_key(1))).old_layers == [(0, 4), (4, 6)]
+    store.set(step_key(1), "12")
+    supervisor._tick()
+    history = seen["plan"][-1]["history"]
+    assert [
+        (entry["ended_at_step"], [stage["layers"] for stage in entry["stages"]]) for entry in history
+    ] == [
+        (3, [[0, 3], [3, 6]]),
+        (12, [[0, 4], [4, 6]]),
+    ]
+
+
+def test_a_growth_beyond_a_running_ranks_room_restarts_the_job_instead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan with c gives a 4 layers instead of 3 (105 MiB more: a layer and its reserve), and
+    a's rank measured 50 MiB of room after its newest step: the job is not grown in place but
+    restarted with c once the copy of the last step is complete, as when it cannot grow in place."""
+    seen: dict[str, list[Any]] = {}
+    started = _plan(["a", "b"], layer_mib=100)
+    with_c = _plan(["a", "c", "b"], 0.5, counts=[4, 1, 1], layer_mib=100)
+    supervisor, _, store, _ = _c_found_while_a_b_train(
+        tmp_path, monkeypatch, seen, started=started, with_c=with_c
+    )
+    supervisor.observe({"event": "step", "step": 10, "stage_room_bytes": [50 * MIB, 2**30]})
+    assert supervisor.grow() is None
+    assert seen["say"][-1] == (
+        "growing the job in place would need more memory than its stages have (rank 0 (a/cpu) needs "
+        "105.0 MiB more for 4 layers and has 50.0 MiB of room): restarting it with c from the newest "
+        "step copy instead"
+    )
+    assert supervisor.grow() is None, "said once"
+    assert len([line for line in seen["say"] if "would need more memory" in line]) == 1
+    _copies(tmp_path, 10)
+    store.add(live_key(10), 2)
+    assert supervisor.interrupt(), "restarted with c once step 10's copy is complete"
+
+
+def test_a_growth_within_the_rooms_measured_goes_ahead_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, list[Any]] = {}
+    started = _plan(["a", "b"], layer_mib=100)
+    with_c = _plan(["a", "c", "b"], 0.5, counts=[4, 1, 1], layer_mib=100)
+    supervisor, _, _, _ = _c_found_while_a_b_train(
+        tmp_path, monkeypatch, seen, started=started, with_c=with_c
+    )
+    supervisor.observe({"event": "step", "step": 10, "stage_room_bytes": [105 * MIB, 0]})
+    order = supervisor.grow()
+    assert order is not None and not supervisor.interrupt(), "b gives layers away and needs no room"
 
 
 def _growing_a_b_with_c() -> tuple[list[MeshMember], Job, GrowOrder]:

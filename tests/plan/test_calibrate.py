@@ -20,6 +20,7 @@ from shardpool.plan.calibrate import (
     StepMeasurement,
     calibrate,
     calibrated_plan,
+    growth_shortfalls,
     layers_within_room,
     memory_shortfalls,
     predicted_over_measured,
@@ -204,6 +205,74 @@ def test_the_room_the_ranks_measured_caps_what_a_stage_gains() -> None:
         f"and has {two_more / 2**20:.1f} MiB of room"
     ]
     assert memory_shortfalls(plan, held.layers, [two_more, 64 * GIB]) == []
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def test_a_growth_in_place_is_checked_against_each_running_ranks_room() -> None:
+    """a and b run 4 + 4 layers; c joins in the middle. A grown split that gives a more layers
+    needs room on a's rank; b, which gives layers away, needs none; a rank that keeps its layers
+    at a position with more micro-batches in flight needs room too."""
+    running = evaluate_split(SHAPE, WORKLOAD, three_hosts([0.1, 0.1, 0.1]), devices=["a", "b"], layers=[4, 4])
+    fleet = three_hosts([0.1, 0.1, 0.1])
+    grown = evaluate_split(SHAPE, WORKLOAD, fleet, devices=["a", "c", "b"], layers=[6, 1, 1])
+    a_then, a_now = running.stages[0].costs, grown.stages[0].costs
+    assert a_then is not None and a_now is not None
+    need = a_now.memory(6) - a_then.memory(4)
+    renumber = {0: 0, 1: 2}
+    assert growth_shortfalls(running, grown, renumber, [need, 0.0]) == [], (
+        "b gives layers away: no room needed"
+    )
+    assert growth_shortfalls(running, grown, renumber, [need - 1, 0.0]) == [
+        f"rank 0 (a) needs {_mib(need)} more for 6 layers and has {_mib(need - 1)} of room"
+    ]
+    # c joins first: b keeps its 4 layers but moves from the last stage to the middle one, where
+    # 1F1B holds more micro-batches (and their activations) in flight
+    first = evaluate_split(SHAPE, WORKLOAD, fleet, devices=["c", "a", "b"], layers=[2, 2, 4])
+    b_then, b_now = running.stages[1].costs, first.stages[2].costs
+    middle = evaluate_split(SHAPE, WORKLOAD, fleet, devices=["a", "b", "c"], layers=[2, 4, 2])
+    b_middle = middle.stages[1].costs
+    assert b_then is not None and b_now is not None and b_middle is not None
+    assert b_now.memory(4) == b_then.memory(4), "the last stage stays the last"
+    moved = b_middle.memory(4) - b_then.memory(4)
+    assert b_middle.in_flight > b_then.in_flight and moved > 0
+    assert growth_shortfalls(running, middle, {0: 0, 1: 1}, [GIB, moved / 2]) == [
+        f"rank 1 (b) needs {_mib(moved)} more for 4 layers and has {_mib(moved / 2)} of room"
+    ]
+    with pytest.raises(ShardpoolError, match="reported room for 3 ranks, not its 2"):
+        growth_shortfalls(running, grown, renumber, [1.0, 2.0, 3.0])
+
+
+def test_running_ranks_on_one_device_must_grow_within_its_room_together() -> None:
+    """Two running stages on host a's CPU, each growing within the room it measured, but not both:
+    with c joining last, the first keeps 4 layers with one more micro-batch in flight, and the
+    second goes from the last stage (4 layers) to the middle one (3)."""
+    fleet = three_hosts([0.1, 0.1, 0.1])
+    running = _on_host_a(evaluate_split(SHAPE, WORKLOAD, fleet, devices=["a", "b"], layers=[4, 4]))
+    grown = _on_host_a(evaluate_split(SHAPE, WORKLOAD, fleet, devices=["a", "b", "c"], layers=[4, 3, 1]))
+    needs = [
+        grown.stages[index].costs.memory(count) - running.stages[index].costs.memory(4)  # type: ignore[union-attr]
+        for index, count in ((0, 4), (1, 3))
+    ]
+    assert all(need > 0 for need in needs)
+    room = max(needs)
+    assert growth_shortfalls(running, grown, {0: 0, 1: 1}, [room, room]) == [
+        f"ranks 0 and 1 (a on a) need {_mib(sum(needs))} more together and have {_mib(room)} of room"
+    ]
+    assert growth_shortfalls(running, grown, {0: 0, 1: 1}, [sum(needs), sum(needs)]) == []
+
+
+def _on_host_a(plan: Plan) -> Plan:
+    """``plan`` with its stages 0 and 1 on host a's CPU (one device: they share its memory)."""
+    return replace(
+        plan,
+        stages=[
+            replace(stage, host="a", device="a") if index < 2 else stage
+            for index, stage in enumerate(plan.stages)
+        ],
+    )
 
 
 def test_a_stages_room_is_the_least_of_its_replicas() -> None:

@@ -1,7 +1,9 @@
-"""Growing a job in place, stage side (issue 16): a local 2-stage run that a third stage process
-joins after step 4, as the first stage (it takes the embedding and two layers from rank 0, which
-takes one from rank 1, and it reports the steps from then on), trains exactly as a 3-stage run
-from the start, and the two running processes keep running (no restart). The launcher's side is
+"""Growing a job in place, stage side (issue 16): a local 2-stage run (3 + 3 layers) that
+re-shards to 1 + 5 after step 3 and that a third stage process joins after step 4, as the first
+stage, trains exactly as a 3-stage run from the start, and the two running processes keep running
+(no restart). The joiner takes the embedding and layer 0 from rank 0 and layer 1, which the
+re-shard moved, from rank 1; rank 0 takes layers 2 and 3 from rank 1; the new rank 0 reports the
+steps from then on. The launcher's side is
 played by :class:`tests.helpers.growing.GrowingLauncher`."""
 
 from __future__ import annotations
@@ -53,9 +55,13 @@ def test_a_stage_that_joins_mid_run_trains_exactly_as_three_stages_from_the_star
         _config(tiny_model, completion_data, tmp_path / "three", [2, 2, 2], "off"),
         console=Console(quiet=True),
     )
-    launcher = GrowingLauncher(probe=TorchProbe(), after=3, layers=[2, 2, 2], joining_stage=0)
+    launcher = GrowingLauncher(
+        probe=TorchProbe(), after=3, layers=[2, 2, 2], joining_stage=0, running_layers=[1, 5]
+    )
     monkeypatch.setattr(finetune_module, "launcher_for", lambda *args, **kwargs: launcher)
-    monkeypatch.setenv(FORCE_ENV, "3:0-3,3-6")  # holds the ranks after step 3 while the joiner starts
+    # holds the ranks after step 3 while the joiner starts, then re-shards them: the growth after
+    # step 4 starts from the layers they hold then, not from those they started with
+    monkeypatch.setenv(FORCE_ENV, "3:0-1,1-6")
     monkeypatch.setenv(KEEP_STATE_HOOK, "1")
     grown = finetune(
         _config(tiny_model, completion_data, tmp_path / "grown", [3, 3], "auto"), console=Console(quiet=True)
@@ -64,11 +70,11 @@ def test_a_stage_that_joins_mid_run_trains_exactly_as_three_stages_from_the_star
     assert launcher.renumber == {0: 1, 1: 2}
     logs = grown / RUN_DIR_NAME / "logs"
     assert (
-        "grew in place after step 4: rank 0 -> 1, layers [0, 3) -> [2, 4)"
+        "grew in place after step 4: rank 0 -> 1, layers [0, 1) -> [2, 4)"
         in (logs / "rank-0.log").read_text()
     )
     assert (
-        "grew in place after step 4: rank 1 -> 2, layers [3, 6) -> [4, 6)"
+        "grew in place after step 4: rank 1 -> 2, layers [1, 6) -> [4, 6)"
         in (logs / "rank-1.log").read_text()
     )
     assert "joined the running job after step 4 as rank 0" in (logs / "joining-rank-0.log").read_text()
