@@ -5,6 +5,7 @@
     sudo python scripts/bench_hetero.py --swap-profiles       # the pooled run starts from swapped profiles
     sudo python scripts/bench_hetero.py --quick               # a tiny model, few steps (the test's version)
     sudo python scripts/bench_hetero.py --modes fastest_alone,pooled --repeats 2  # side by side, ABBA
+    sudo python scripts/bench_hetero.py --modes fastest_alone,all_alone,pooled --repeats 2  # + the others busy beside a
 
 It needs what the mesh tests need (root, ``ip``, ``wireguard-go``, ``wg``, ``ping``,
 ``/dev/net/tun``) and a writable cgroup hierarchy with the ``cpu`` controller: cgroup v2's
@@ -28,7 +29,15 @@ failure or Ctrl-C:
      ``shardpool.layers`` as even as the layers allow over every host; the planner picks only the
      order) and *pooled* (``placement: mesh``: the planner's split and stage count); the launcher
      always runs on host a. Fastest-alone and even runs have ``rebalance: off``, so they stay
-     the baselines, and the pooled ones ``rebalance: auto``; ``--modes`` runs only some ways;
+     the baselines, and the pooled ones ``rebalance: auto``; ``--modes`` runs only some ways, or
+     adds *all alone*: the fastest-alone run again while every other host trains the same model
+     alone beside it (its own ``shardpool finetune``, its stage under its quota, started first and
+     stopped when host a's run ends). On one VM two busy hosts slow each other (shared caches,
+     memory bandwidth, the hypervisor); separate machines do not. This run gives host a a
+     neighbour as busy as in the pooled run, so pooled ÷ it (``pooled_over_fastest_beside``)
+     compares the two at the same contention, and pooled ÷ every host's tokens/s alone at once
+     (``pooled_over_every_host_alone``) says how much of the hosts' separate throughput the pool
+     keeps;
   4. with ``--swap-profiles``, before the pooled run, swaps the fastest and the slowest host's
      cached layer profiles (``<agent work dir>/profile/profiles.json``) and restarts both agents so
      they forget the profiles they hold in memory, then runs *pooled_swapped*: the pooled run again,
@@ -102,7 +111,11 @@ in for; the host's agent (their parent, so that they inherit the quota and the t
 their first instruction) stays with them. The launcher, WireGuard (``wireguard-go`` encrypts every
 activation in user space) and the sync daemon run on the host's CPU, unthrottled, as they would
 beside a GPU. ``host``: every process of the host, as on a smaller machine (last session's figures)."""
-MODES = ("fastest_alone", "even_split", "pooled")
+MODES = ("fastest_alone", "all_alone", "even_split", "pooled")
+"""Every way the bench can run (``--modes``). ``all_alone``: the fastest host's run alone again, with
+every other host training the same model alone beside it (:func:`beside_runs`), so host a shares
+the VM with as busy a neighbour as in the pooled run; not run unless asked for."""
+DEFAULT_MODES = ("fastest_alone", "even_split", "pooled")
 SWAPPED = "pooled_swapped"
 """With ``--swap-profiles``: the pooled run again, planned from the swapped profiles."""
 
@@ -278,11 +291,17 @@ def repeats_summary(
 ) -> dict[str, Any]:
     """The side-by-side figures of an invocation that ran each way ``repeats`` times in ``order``:
     every run's tokens/s and the median per way, and per round the ratio of pooled (and of the even
-    split) to fastest alone, with their median, min and max. ``runs`` holds each way's summaries
-    in repeat order."""
+    split) to fastest alone, with their median, min and max; with ``all_alone`` runs also pooled ÷
+    the fastest alone beside the others, and pooled ÷ every host alone at once
+    (:func:`every_host_tokens`). ``runs`` holds each way's summaries in repeat order."""
     by_run = {mode: [run.get("tokens_per_s") for run in summaries] for mode, summaries in runs.items()}
     pooled = paired_ratios(by_run, "pooled", "fastest_alone")
     even = paired_ratios(by_run, "even_split", "fastest_alone")
+    beside = paired_ratios(by_run, "pooled", "all_alone")
+    every_host = [every_host_tokens(run) for run in runs.get("all_alone", [])]
+    together = paired_ratios(
+        {"pooled": by_run.get("pooled", []), "every_host": every_host}, "pooled", "every_host"
+    )
     return {
         "count": max((len(summaries) for summaries in runs.values()), default=0),
         "order": [run_name(mode, repeat) for mode, repeat in order],
@@ -292,7 +311,22 @@ def repeats_summary(
         "pooled_over_fastest": spread(pooled),
         "even_over_fastest_by_round": even,
         "even_over_fastest": spread(even),
+        "every_host_alone_tokens_per_s_by_round": every_host,
+        "pooled_over_fastest_beside_by_round": beside,
+        "pooled_over_fastest_beside": spread(beside),
+        "pooled_over_every_host_alone_by_round": together,
+        "pooled_over_every_host_alone": spread(together),
     }
+
+
+def every_host_tokens(all_alone: Mapping[str, Any]) -> float | None:
+    """The tokens/s of every host alone at once (an ``all_alone`` run: the fastest host's, plus each
+    host's beside it); None when any is missing."""
+    beside = [run.get("tokens_per_s") for run in (all_alone.get("beside") or {}).values()]
+    figures = [all_alone.get("tokens_per_s"), *beside]
+    if not beside or any(figure is None for figure in figures):
+        return None
+    return round(sum(figures), 1)
 
 
 def cgroupfs_mounts(choice: CgroupChoice) -> str:
@@ -919,8 +953,8 @@ def rebalance_setting(config: dict[str, Any], value: str) -> dict[str, Any]:
 
 
 def mode_settings(mode: str, num_layers: int, hosts: int) -> dict[str, Any]:
-    """The ``shardpool`` block of each way of running."""
-    if mode == "fastest_alone":
+    """The ``shardpool`` block of each way of running (``all_alone``: each host's own run)."""
+    if mode in ("fastest_alone", "all_alone"):
         return {"placement": "local", "layers": [num_layers]}
     if mode == "even_split":
         return {"placement": "mesh", "layers": even_counts(num_layers, hosts)}
@@ -960,6 +994,97 @@ def run_finetune(
             stop_launcher(launcher)
     if launcher.returncode != 0:
         raise BenchError(f"{config_path.stem} failed (exit {launcher.returncode}):\n{log_tail(log)}")
+
+
+BESIDE_STEPS_FACTOR = 10
+"""An ``all_alone`` run's other hosts train this many times the fastest's steps: they are stopped
+when its run ends, and must still be training then."""
+
+
+def beside_config(config: dict[str, Any], output_dir: Path, quota: float, scope: str) -> dict[str, Any]:
+    """The config a host trains alone beside the fastest one (``all_alone``): the same model, data
+    and workload in its own output directory, its thread count from its quota, with steps enough to
+    outlast the fastest host's run."""
+    beside = json.loads(json.dumps(config)) | {
+        "output_dir": str(output_dir),
+        "max_steps": int(config["max_steps"]) * BESIDE_STEPS_FACTOR,
+    }
+    if scope == "stage":
+        beside["shardpool"]["threads_per_stage"] = quota_threads(quota)
+    return beside
+
+
+@contextlib.contextmanager
+def beside_runs(
+    lab: Lab,
+    cgroups: HostCgroups,
+    configs: Mapping[str, Path],
+    work: Path,
+    name: str,
+    timeout_s: float,
+    scope: str,
+) -> Any:
+    """Train ``configs`` (host label -> config) alone on their hosts, each stage under its host's
+    quota, while the body runs (nothing without configs). The body starts once every one of them
+    has logged its first step, so the fastest host's whole run has them computing beside it; they
+    are stopped when it ends. Yields the seconds their start took."""
+    started = time.monotonic()
+    launchers: list[tuple[subprocess.Popen[Any], ChildMover | None]] = []
+    try:
+        for label, config_path in configs.items():
+            log = work / f"{name}-{label}.log"
+            with open(log, "w") as sink:
+                launcher = start_in_cgroup(
+                    lab,
+                    lab.hosts[label],
+                    cgroups,
+                    [sys.executable, "-m", "shardpool", "finetune", str(config_path)],
+                    overhead_cgroup(label, scope),
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                )
+            mover = None if scope == "host" else ChildMover(cgroups, label, launcher.pid)
+            if mover is not None:
+                mover.start()
+            launchers.append((launcher, mover))
+        for (launcher, _), label in zip(launchers, configs, strict=True):
+            wait_for_first_step(
+                launcher,
+                work / f"out-{name}-{label}" / "metrics.jsonl",
+                work / f"{name}-{label}.log",
+                timeout_s,
+            )
+        yield round(time.monotonic() - started, 1)
+    finally:
+        for launcher, mover in launchers:
+            if mover is not None:
+                mover.stop()
+            stop_launcher(launcher)
+
+
+def wait_for_first_step(launcher: subprocess.Popen[Any], metrics: Path, log: Path, timeout_s: float) -> None:
+    """Wait until ``launcher``'s run has logged a step in ``metrics``; BenchError if it ends first or
+    takes over ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not (metrics.is_file() and step_records(read_jsonl(metrics))):
+        if launcher.poll() is not None:
+            raise BenchError(
+                f"the run of {log.stem} ended (exit {launcher.returncode}) before its first step:\n{log_tail(log)}"
+            )
+        if time.monotonic() > deadline:
+            raise BenchError(f"the run of {log.stem} logged no step within {timeout_s:.0f} s; log {log}")
+        time.sleep(0.5)
+
+
+def beside_summary(output_dir: Path) -> dict[str, Any]:
+    """A host's run beside the fastest one: its steps after the first (the body started after that
+    one), their median tokens/s and step."""
+    steps = step_records(read_jsonl(output_dir / "metrics.jsonl"))[1:]
+    return {
+        "steps_measured": len(steps),
+        "tokens_per_s": _rounded(median_of([float(r["tokens_per_s"]) for r in steps]), 1),
+        "step_s": _rounded(median_of([float(r["step_seconds"]) for r in steps])),
+    }
 
 
 class ChildMover:
@@ -1081,8 +1206,9 @@ class CgroupCpuSampler:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a ``.jsonl`` file."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The JSON objects of a ``.jsonl`` file, up to its last whole line (one still being written is left out)."""
+    text = path.read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
 
 
 def profiled_seconds_per_layer(plans: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -1116,7 +1242,7 @@ def benchmark(
     keep: Path | None,
     choice: CgroupChoice,
     scope: str = "stage",
-    only: Sequence[str] = MODES,
+    only: Sequence[str] = DEFAULT_MODES,
     repeats: int = 1,
     period_us: int = PERIOD_US,
 ) -> dict[str, Any]:
@@ -1165,27 +1291,46 @@ def benchmark(
                 # training_config turns re-balancing off for every benchmark; the pooled runs are
                 # the ones that must re-balance, at the default.
                 config = rebalance_setting(config, "auto" if mode in ("pooled", SWAPPED) else "off")
-                if mode == "fastest_alone" and scope == "stage":
+                if mode in ("fastest_alone", "all_alone") and scope == "stage":
                     config["shardpool"]["threads_per_stage"] = quota_threads(quotas[0])
                 config_path = write_yaml(work / f"{name}.yaml", config)
+                beside_configs = (
+                    {
+                        label: write_yaml(
+                            work / f"{name}-{label}.yaml",
+                            beside_config(config, work / f"out-{name}-{label}", quota, scope),
+                        )
+                        for label, quota in list(host_quotas.items())[1:]
+                    }
+                    if mode == "all_alone"
+                    else {}
+                )
                 run_started = time.monotonic()
                 sampler = CgroupCpuSampler(
                     cgroups, {label: read_pid_of_agent(lab.hosts[label]) for label in labels}
                 )
                 sampler.start()
                 try:
-                    run_finetune(
-                        lab, cgroups, config_path, work / f"{name}.log", size["run_timeout_s"], scope
-                    )
+                    with beside_runs(
+                        lab, cgroups, beside_configs, work, name, size["run_timeout_s"], scope
+                    ) as beside:
+                        run_finetune(
+                            lab, cgroups, config_path, work / f"{name}.log", size["run_timeout_s"], scope
+                        )
                 finally:
                     cgroup_cpu_s = sampler.stop()
                 plan = json.loads((out / "plan.json").read_text())
                 run_records = read_jsonl(out / "metrics.jsonl")
-                if mode == "fastest_alone":  # a local plan names the machine, not the lab host
+                if mode in ("fastest_alone", "all_alone"):  # a local plan names the machine, not the lab host
                     for stage in plan["stages"]:
                         stage["host"] = labels[0]
                 summary = summarize_run(run_records, plan, size["warmup"])
-                if mode != "fastest_alone":
+                if beside_configs:
+                    summary["beside"] = {
+                        label: beside_summary(work / f"out-{name}-{label}") for label in beside_configs
+                    }
+                    summary["beside_started_s"] = beside
+                if mode not in ("fastest_alone", "all_alone"):
                     summary["after_calibration"] = calibrated_figures(plan, run_records, config_path)
                 summary["run_s"] = round(time.monotonic() - run_started, 1)
                 summary["cgroup_cpu_s"] = cgroup_cpu_s
@@ -1274,6 +1419,8 @@ def report(
         "pooled_over_fastest_min": side_by_side["pooled_over_fastest"]["min"],
         "pooled_over_fastest_max": side_by_side["pooled_over_fastest"]["max"],
         "even_over_fastest": side_by_side["even_over_fastest"]["median"],
+        "pooled_over_fastest_beside": side_by_side["pooled_over_fastest_beside"]["median"],
+        "pooled_over_every_host_alone": side_by_side["pooled_over_every_host_alone"]["median"],
         "cgroup_cpu_s": first_runs.get("pooled", {}).get("cgroup_cpu_s"),
         "repeats": side_by_side | {"runs": runs},
     }
@@ -1302,7 +1449,7 @@ def first_runs_report(
     tokens = {mode: runs[mode]["tokens_per_s"] for mode in modes}
     events = rebalance_events(records.get("pooled", []))
     pooled = runs.get("pooled", {})
-    tokens.update({mode: None for mode in MODES if mode not in tokens})  # runs left out by --modes
+    tokens.update({mode: None for mode in DEFAULT_MODES if mode not in tokens})  # runs left out by --modes
     measured_plans = [plans[mode] for mode in ("even_split", "pooled") if mode in plans]
     command = "sudo python scripts/bench_hetero.py"
     if tuple(quotas.values()) != size["hosts"]:
@@ -1310,9 +1457,8 @@ def first_runs_report(
     command += (" --swap-profiles" if swapped is not None else "") + (" --quick" if quick else "")
     command += " --quota-scope host" if scope == "host" else ""
     command += f" --period-ms {period_us // 1000}" if period_us != PERIOD_US else ""
-    command += (
-        "" if set(modes) >= set(MODES) else " --modes " + ",".join(mode for mode in MODES if mode in runs)
-    )
+    chosen = [mode for mode in MODES if mode in runs]
+    command += "" if chosen == list(DEFAULT_MODES) else " --modes " + ",".join(chosen)
     command += f" --repeats {repeats}" if repeats > 1 else ""
     return {
         "benchmark": "hetero",
@@ -1408,8 +1554,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--modes",
         type=parse_modes,
-        default=MODES,
-        help="run only these ways, comma-separated (default all: " + ",".join(MODES) + ")",
+        default=DEFAULT_MODES,
+        help="the ways to run, comma-separated, among "
+        + ",".join(MODES)
+        + " (default "
+        + ",".join(DEFAULT_MODES)
+        + "; all_alone: the fastest alone while every other host trains alone beside it)",
     )
     parser.add_argument(
         "--repeats",

@@ -177,6 +177,55 @@ def test_the_side_by_side_ratio_is_the_median_of_each_rounds_ratio() -> None:
     assert summary["even_over_fastest_by_round"] == []
 
 
+def test_all_alone_rounds_compare_pooled_with_a_beside_busy_hosts_and_with_every_host_alone() -> None:
+    """Round by round: pooled ÷ host a's tokens/s while b trained alone beside it, and pooled ÷ a + b
+    alone at once (the hosts' separate throughput); a round without b's figure has neither sum."""
+    runs = {
+        "fastest_alone": [{"tokens_per_s": 120.0}, {"tokens_per_s": 125.0}],
+        "all_alone": [
+            {"tokens_per_s": 100.0, "beside": {"b": {"tokens_per_s": 50.0, "steps_measured": 5}}},
+            {"tokens_per_s": 110.0, "beside": {"b": {"tokens_per_s": None, "steps_measured": 0}}},
+        ],
+        "pooled": [{"tokens_per_s": 135.0}, {"tokens_per_s": 143.0}],
+    }
+    order = bench.abba_order(("fastest_alone", "all_alone", "pooled"), 2)
+    assert [bench.run_name(mode, repeat) for mode, repeat in order] == [
+        "fastest_alone", "all_alone", "pooled", "pooled-2", "all_alone-2", "fastest_alone-2"
+    ]  # fmt: skip
+    summary = bench.repeats_summary(order, runs)
+    assert summary["pooled_over_fastest_by_round"] == [1.125, 1.144]
+    assert summary["pooled_over_fastest_beside_by_round"] == [1.35, 1.3]
+    assert summary["pooled_over_fastest_beside"] == {"median": 1.325, "min": 1.3, "max": 1.35}
+    assert summary["every_host_alone_tokens_per_s_by_round"] == [150.0, None]
+    assert summary["pooled_over_every_host_alone_by_round"] == [0.9, None]
+    assert summary["pooled_over_every_host_alone"] == {"median": 0.9, "min": 0.9, "max": 0.9}
+    assert bench.every_host_tokens({"tokens_per_s": 100.0}) is None, "no host beside it: no sum"
+
+
+def test_a_host_beside_trains_the_same_run_longer_with_its_quotas_threads(tmp_path: Path) -> None:
+    config = {"max_steps": 14, "output_dir": "/x/out", "shardpool": {"placement": "local", "layers": [16]}}
+    beside = bench.beside_config(config, tmp_path / "out-b", 0.3, "stage")
+    assert beside["max_steps"] == 14 * bench.BESIDE_STEPS_FACTOR and beside["output_dir"] == str(
+        tmp_path / "out-b"
+    )
+    assert beside["shardpool"] == {"placement": "local", "layers": [16], "threads_per_stage": 1}
+    assert config["shardpool"] == {"placement": "local", "layers": [16]}, (
+        "the fastest host's config is untouched"
+    )
+    assert "threads_per_stage" not in bench.beside_config(config, tmp_path, 0.3, "host")["shardpool"]
+
+
+def test_a_metrics_line_still_being_written_is_not_read(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert bench.read_jsonl(metrics) == [{"step": 1, "loss": 2.0}]
+
+
+def test_all_alone_runs_only_when_asked_for() -> None:
+    assert "all_alone" in bench.MODES and "all_alone" not in bench.DEFAULT_MODES
+    assert bench.parse_modes("all_alone,fastest_alone,pooled") == ("fastest_alone", "all_alone", "pooled")
+
+
 def test_a_round_with_a_missing_figure_has_no_ratio_and_is_left_out_of_the_spread() -> None:
     tokens = {"fastest_alone": [100.0, None], "pooled": [150.0, 140.0]}
     assert bench.paired_ratios(tokens, "pooled", "fastest_alone") == [1.5, None]
