@@ -395,7 +395,6 @@ def test_recovery_from_swapped_profiles_is_the_first_step_that_stays_near_the_po
 
 @pytest.mark.netns
 @pytest.mark.slow
-@pytest.mark.timing  # b's 0.5 CPU quota must be all the squeeze: no other test's load beside it
 def test_quick_even_split_trains_on_both_hosts_and_the_quota_throttles() -> None:
     """The even split alone (``--modes even_split``): it forms the mesh, throttles both hosts,
     profiles each under its quota and trains on both, which only a real run can show; the other
@@ -403,7 +402,11 @@ def test_quick_even_split_trains_on_both_hosts_and_the_quota_throttles() -> None
     full bench's figures. All three ways took 119 s of the suite; the even split alone 65 s at
     1.0 + 0.5 CPU, most of it host b's imports (its profiler's and its stage's). At 0.75 (57 s) b
     trained faster per layer than a in one CI run (0.027 against 0.034 s): a stage that waits on
-    its neighbour does not use all of a 1.0 quota, so 1.0 and 0.75 are too close; b stays at 0.5."""
+    its neighbour does not use all of a 1.0 quota, so 1.0 and 0.75 are too close; b stays at 0.5.
+    Until 2026-11-25 the test also compared b's compute per layer with a's and ran alone
+    (``timing``: the other tests waited 81-85 s); what the quota does is now read where it shows
+    whatever else loads the machine: b's stage never got more CPU than its quota, and the kernel
+    throttled b's cgroup."""
     reason = bench.skip_reason()
     if reason is not None:
         pytest.skip(reason)
@@ -419,8 +422,10 @@ def test_quick_even_split_trains_on_both_hosts_and_the_quota_throttles() -> None
     assert report["quota_scope"] == "stage" and report["cfs_period_ms"] == 10
     assert len(report["runs"]["even_split"]["plan"]) == 2
     assert report["seconds_per_layer_by_host"]["profile_cpu_quota"] == {"a": 1.0, "b": 0.5}
-    measured = report["seconds_per_layer_by_host"]["even_split_compute"]
-    assert measured["b"] > measured["a"], f"b has half a's quota, yet trained as fast per layer: {measured}"
+    b = run["cgroup_cpu_s"]["b"]
+    assert 0 < b["stage_cpus"] <= 0.5 * 1.1, b  # 10 %: the 0.5 s sampling's edges
+    assert b["cpu_stat"]["nr_throttled"] > 0, b
+    assert all(seconds > 0 for seconds in report["seconds_per_layer_by_host"]["even_split_compute"].values())
     assert not list(bench.detect_cgroup().mount.glob(f"shardpool-bench-{script.pid}")), "cgroups removed"
     assert (
         f"sp{script.pid}-"

@@ -67,8 +67,7 @@ def test_each_split_is_the_median_of_its_runs_and_a_ratio_to_the_first() -> None
     assert medians["s"]["cpu_over_first"] == round(5.4 / 5.1, 3)
 
 
-@pytest.mark.slow
-@pytest.mark.timing  # its stages run under CPU quotas: no other test's load beside them
+@pytest.mark.slow  # not ``timing``: what it asserts (each stage measured, b held to its quota) holds under load
 def test_quick_run_measures_each_stage_under_its_hosts_quota() -> None:
     if os.geteuid() != 0 or split_cpu.cgroup_skip_reason() is not None:
         pytest.skip("needs root and a writable cgroup cpu controller")
