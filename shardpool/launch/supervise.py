@@ -606,8 +606,8 @@ class Supervisor:
         if kind == StageEvent.STEP:
             self._last_step = int(event["step"])
             rooms = event.get("stage_room_bytes")
-            if rooms is not None and self._jobs and self._job_at(self._last_step) is self._jobs[-1][1]:
-                self._rooms = [float(room) for room in rooms]
+            if rooms is not None and self._jobs and len(rooms) == self._jobs[-1][1].world_size:
+                self._rooms = [float(room) for room in rooms]  # the current job's, not the one it grew from
             prune_live_copies(self.output_dir, self._count, self._ranks_at)
             self._maybe_look_for_joins(self._last_step)
         elif kind == StageEvent.CHECKPOINT_WRITTEN and event.get("eval_before") is not None:

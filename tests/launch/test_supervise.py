@@ -898,6 +898,7 @@ def test_a_growth_beyond_a_running_ranks_room_restarts_the_job_instead(
         tmp_path, monkeypatch, seen, started=started, with_c=with_c
     )
     supervisor.observe({"event": "step", "step": 10, "stage_room_bytes": [50 * MIB, 2**30]})
+    supervisor.observe({"event": "step", "step": 10, "stage_room_bytes": [2**30] * 3})  # not this job's ranks
     assert supervisor.grow() is None
     assert seen["say"][-1] == (
         "growing the job in place would need more memory than its stages have (rank 0 (a/cpu) needs "
