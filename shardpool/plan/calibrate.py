@@ -43,7 +43,7 @@ from shardpool.config import Config
 from shardpool.errors import ShardpoolError
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.planner import resplit_plan
-from shardpool.plan.result import Plan
+from shardpool.plan.result import Plan, PlannedStage
 from shardpool.plan.split_search import SplitProblem, best_split
 from shardpool.plan.stage_costs import StageCosts
 
@@ -271,7 +271,7 @@ def shared_room_caps(
     no two stages share a device; empty when the groups give more than ``limit`` vectors (the
     caller then searches under ``caps`` alone).
     """
-    shared = [members for members in _device_groups(plan).values() if len(members) > 1]
+    shared = [members for members in _device_groups(plan.stages).values() if len(members) > 1]
     per_group = []
     for members in shared:
         room = min(rooms[index] for index in members)
@@ -316,11 +316,12 @@ def _caps_within(
             yield (count, *rest)
 
 
-def _device_groups(plan: Plan) -> dict[tuple[str, str], list[int]]:
-    """The indexes of the stages on each device, by ``(host, device)``: stages that share its memory."""
+def _device_groups(placed: Sequence[PlannedStage | _Growth]) -> dict[tuple[str, str], list[int]]:
+    """The indexes of the stages (or growths) on each device, by ``(host, device)``: those that
+    share its memory. The split search and the check after it group alike."""
     groups: dict[tuple[str, str], list[int]] = {}
-    for index, stage in enumerate(plan.stages):
-        groups.setdefault((stage.host, stage.device), []).append(index)
+    for index, item in enumerate(placed):
+        groups.setdefault((item.host, item.device), []).append(index)
     return groups
 
 
@@ -429,11 +430,9 @@ def _shortfall_phrases(growths: Sequence[_Growth]) -> list[str]:
         for growth in growths
         if growth.need > growth.room
     ]
-    by_device: dict[tuple[str, str], list[_Growth]] = {}
-    for growth in growths:
-        if 0 < growth.need <= growth.room:
-            by_device.setdefault((growth.host, growth.device), []).append(growth)
-    for (host, device), growing in by_device.items():
+    fitting = [growth for growth in growths if 0 < growth.need <= growth.room]
+    for (host, device), indexes in _device_groups(fitting).items():
+        growing = [fitting[index] for index in indexes]
         if len(growing) < 2:
             continue
         need, room = sum(growth.need for growth in growing), min(growth.room for growth in growing)
