@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import platform
@@ -116,6 +117,8 @@ MODES = ("fastest_alone", "all_alone", "even_split", "pooled")
 every other host training the same model alone beside it (:func:`beside_runs`), so host a shares
 the VM with as busy a neighbour as in the pooled run; not run unless asked for."""
 DEFAULT_MODES = ("fastest_alone", "even_split", "pooled")
+LOCAL_MODES = ("fastest_alone", "all_alone")
+"""The ways whose host-a run is one local stage process (``placement: local``) under a's quota."""
 SWAPPED = "pooled_swapped"
 """With ``--swap-profiles``: the pooled run again, planned from the swapped profiles."""
 
@@ -954,7 +957,7 @@ def rebalance_setting(config: dict[str, Any], value: str) -> dict[str, Any]:
 
 def mode_settings(mode: str, num_layers: int, hosts: int) -> dict[str, Any]:
     """The ``shardpool`` block of each way of running (``all_alone``: each host's own run)."""
-    if mode in ("fastest_alone", "all_alone"):
+    if mode in LOCAL_MODES:
         return {"placement": "local", "layers": [num_layers]}
     if mode == "even_split":
         return {"placement": "mesh", "layers": even_counts(num_layers, hosts)}
@@ -1005,13 +1008,23 @@ def beside_config(config: dict[str, Any], output_dir: Path, quota: float, scope:
     """The config a host trains alone beside the fastest one (``all_alone``): the same model, data
     and workload in its own output directory, its thread count from its quota, with steps enough to
     outlast the fastest host's run."""
-    beside = json.loads(json.dumps(config)) | {
+    beside = copy.deepcopy(config) | {
         "output_dir": str(output_dir),
         "max_steps": int(config["max_steps"]) * BESIDE_STEPS_FACTOR,
     }
     if scope == "stage":
         beside["shardpool"]["threads_per_stage"] = quota_threads(quota)
     return beside
+
+
+def beside_output(work: Path, name: str, label: str) -> Path:
+    """The output directory of host ``label``'s run beside the fastest one in run ``name``."""
+    return work / f"out-{name}-{label}"
+
+
+def beside_log(work: Path, name: str, label: str) -> Path:
+    """The log of host ``label``'s run beside the fastest one in run ``name``."""
+    return work / f"{name}-{label}.log"
 
 
 @contextlib.contextmanager
@@ -1032,8 +1045,7 @@ def beside_runs(
     launchers: list[tuple[subprocess.Popen[Any], ChildMover | None]] = []
     try:
         for label, config_path in configs.items():
-            log = work / f"{name}-{label}.log"
-            with open(log, "w") as sink:
+            with open(beside_log(work, name, label), "w") as sink:
                 launcher = start_in_cgroup(
                     lab,
                     lab.hosts[label],
@@ -1050,8 +1062,8 @@ def beside_runs(
         for (launcher, _), label in zip(launchers, configs, strict=True):
             wait_for_first_step(
                 launcher,
-                work / f"out-{name}-{label}" / "metrics.jsonl",
-                work / f"{name}-{label}.log",
+                beside_output(work, name, label) / "metrics.jsonl",
+                beside_log(work, name, label),
                 timeout_s,
             )
         yield round(time.monotonic() - started, 1)
@@ -1291,14 +1303,14 @@ def benchmark(
                 # training_config turns re-balancing off for every benchmark; the pooled runs are
                 # the ones that must re-balance, at the default.
                 config = rebalance_setting(config, "auto" if mode in ("pooled", SWAPPED) else "off")
-                if mode in ("fastest_alone", "all_alone") and scope == "stage":
+                if mode in LOCAL_MODES and scope == "stage":
                     config["shardpool"]["threads_per_stage"] = quota_threads(quotas[0])
                 config_path = write_yaml(work / f"{name}.yaml", config)
                 beside_configs = (
                     {
                         label: write_yaml(
                             work / f"{name}-{label}.yaml",
-                            beside_config(config, work / f"out-{name}-{label}", quota, scope),
+                            beside_config(config, beside_output(work, name, label), quota, scope),
                         )
                         for label, quota in list(host_quotas.items())[1:]
                     }
@@ -1321,16 +1333,16 @@ def benchmark(
                     cgroup_cpu_s = sampler.stop()
                 plan = json.loads((out / "plan.json").read_text())
                 run_records = read_jsonl(out / "metrics.jsonl")
-                if mode in ("fastest_alone", "all_alone"):  # a local plan names the machine, not the lab host
+                if mode in LOCAL_MODES:  # a local plan names the machine, not the lab host
                     for stage in plan["stages"]:
                         stage["host"] = labels[0]
                 summary = summarize_run(run_records, plan, size["warmup"])
                 if beside_configs:
                     summary["beside"] = {
-                        label: beside_summary(work / f"out-{name}-{label}") for label in beside_configs
+                        label: beside_summary(beside_output(work, name, label)) for label in beside_configs
                     }
                     summary["beside_started_s"] = beside
-                if mode not in ("fastest_alone", "all_alone"):
+                if mode not in LOCAL_MODES:
                     summary["after_calibration"] = calibrated_figures(plan, run_records, config_path)
                 summary["run_s"] = round(time.monotonic() - run_started, 1)
                 summary["cgroup_cpu_s"] = cgroup_cpu_s
