@@ -9,7 +9,8 @@ which alone can read the WireGuard key). It asks each online member's agent for 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +28,7 @@ from shardpool.plan.precision import parse_capability
 from shardpool.plan.result import Plan
 
 __all__ = [
+    "PROFILE_CONCURRENCY",
     "MemberAgent",
     "MeshMember",
     "launcher_member",
@@ -34,6 +36,7 @@ __all__ = [
     "member_device",
     "mesh_fleet",
     "mesh_planner",
+    "member_profiles",
     "online_members",
     "plans_with_and_without",
 ]
@@ -146,18 +149,15 @@ def _plan_on(shape: ModelShape, workload: Workload, fleet: Fleet, *, say: Callab
 def mesh_fleet(
     members: list[MeshMember], *, model_config: dict[str, Any], workload: Workload, say: Callable[[str], None]
 ) -> Fleet:
-    """Devices of every member whose agent answers, profiled there, and the measured links between them."""
+    """Devices of every member whose agent answers, profiled there, and the measured links between them.
+
+    The members profile at once (:func:`member_profiles`); their devices keep the members' order.
+    """
     devices: list[Device] = []
     answering: list[MeshMember] = []
-    for member in members:
-        try:
-            # A member that went away in the last minutes still counts as online (its last WireGuard
-            # handshake is recent); a quick health call finds it in seconds, where the profile
-            # request would wait for TCP to give up on it (about two minutes).
-            member.agent.health()
-            reported = member.agent.devices(model_config, workload.profile_request())
-        except (AgentUnreachable, AgentRefused) as error:
-            say(f"skipping member {member.name!r}: {error}")
+    for member, reported in zip(members, member_profiles(members, model_config, workload), strict=True):
+        if isinstance(reported, (AgentUnreachable, AgentRefused)):
+            say(f"skipping member {member.name!r}: {reported}")
             continue
         answering.append(member)
         for info in reported:
@@ -177,6 +177,51 @@ def mesh_fleet(
             "no mesh member's agent answered; start `shardpool agent` on the members (see docs/agent.md)"
         )
     return Fleet(devices=tuple(devices), links=measure_links(answering, say=say))
+
+
+#: Members whose agents profile at the same time. Each profiles on its own machine, so planning
+#: waits for the slowest member rather than for the sum of them, and each member is measured while
+#: the others are busy too, as its stage will train. Each request holds one of the local agent's
+#: handler threads for as long as its profile takes, hence the bound.
+PROFILE_CONCURRENCY = 4
+
+
+def member_profiles(
+    members: Sequence[MeshMember], model_config: dict[str, Any], workload: Workload
+) -> list[list[dict[str, Any]] | AgentUnreachable | AgentRefused]:
+    """Each member's device rows for this model (``POST /v1/devices``), or the error that skips it,
+    in the members' order; up to :data:`PROFILE_CONCURRENCY` members are asked at once.
+
+    Any other error is raised here, the first member's first. The requests run in daemon threads,
+    so a launcher stopped while members profile (Ctrl-C) exits without waiting for their answers.
+    """
+    request = workload.profile_request()
+    answers: list[Any] = [None] * len(members)
+    slots = threading.BoundedSemaphore(PROFILE_CONCURRENCY)
+
+    def ask(index: int, member: MeshMember) -> None:
+        with slots:
+            try:
+                # A member that went away in the last minutes still counts as online (its last
+                # WireGuard handshake is recent); a quick health call finds it in seconds, where the
+                # profile request would wait for TCP to give up on it (about two minutes).
+                member.agent.health()
+                answers[index] = member.agent.devices(model_config, request)
+            except BaseException as error:  # handed to the caller's thread below
+                answers[index] = error
+
+    threads = [
+        threading.Thread(target=ask, args=(index, member), name=f"profile-{member.name}", daemon=True)
+        for index, member in enumerate(members)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for answer in answers:
+        if isinstance(answer, BaseException) and not isinstance(answer, (AgentUnreachable, AgentRefused)):
+            raise answer
+    return answers
 
 
 def member_device(member: str, info: dict[str, Any]) -> Device:

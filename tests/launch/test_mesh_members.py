@@ -6,6 +6,8 @@ fields a profile depends on, so an agent from before a planner field was added s
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import pytest
 
 from shardpool.agent.client import AgentUnreachable
 from shardpool.config import parse_config
-from shardpool.launch.mesh_members import MeshMember, mesh_fleet, mesh_planner
+from shardpool.launch.mesh_members import PROFILE_CONCURRENCY, MeshMember, mesh_fleet, mesh_planner
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.planner import plan_pipeline
@@ -138,3 +140,77 @@ def test_a_members_device_that_cannot_run_nf4_is_left_out_with_one_line() -> Non
     assert said == [
         "lab/cuda:1 (Tesla M40, 5.2) cannot run bitsandbytes 4-bit: Error named symbol not found; it gets no layers"
     ]
+
+
+class MeetingAgent(FakeAgent):
+    """An agent whose profile returns only once ``meeting`` has every party, so that members asked
+    one after the other never return; ``after`` (if any) must be set before it answers."""
+
+    def __init__(self, name: str, meeting: threading.Barrier, after: threading.Event | None = None) -> None:
+        super().__init__(name, [OLD_ROW])
+        self.meeting, self.after, self.answered = meeting, after, threading.Event()
+
+    def devices(
+        self, model_config: dict[str, Any], workload: dict[str, Any], *, timeout: float = 0
+    ) -> list[dict[str, Any]]:
+        self.meeting.wait()
+        if self.after is not None:
+            assert self.after.wait(timeout=10), "the other member never answered"
+        self.answered.set()
+        return super().devices(model_config, workload, timeout=timeout)
+
+
+def test_members_profile_at_the_same_time_and_their_devices_keep_the_members_order() -> None:
+    meeting = threading.Barrier(2, timeout=10)  # asked one after the other, the first waits in vain
+    second = MeetingAgent("second", meeting)
+    first = MeetingAgent("first", meeting, after=second.answered)  # answers last
+    members = [
+        MeshMember("first", "198.51.100.1", True, first),  # type: ignore[arg-type]
+        MeshMember("second", "198.51.100.2", False, second),  # type: ignore[arg-type]
+    ]
+    said: list[str] = []
+    fleet = mesh_fleet(members, model_config={}, workload=WORKLOAD, say=said.append)
+    assert [device.host for device in fleet.devices] == ["first", "second"]
+    assert not [line for line in said if "skipping" in line]
+
+
+class CountingAgent(FakeAgent):
+    """An agent that records how many profiles run at once across every agent sharing ``counter``."""
+
+    def __init__(self, name: str, counter: dict[str, Any]) -> None:
+        super().__init__(name, [OLD_ROW])
+        self.counter = counter
+
+    def devices(
+        self, model_config: dict[str, Any], workload: dict[str, Any], *, timeout: float = 0
+    ) -> list[dict[str, Any]]:
+        with self.counter["lock"]:
+            self.counter["now"] += 1
+            self.counter["most"] = max(self.counter["most"], self.counter["now"])
+        time.sleep(0.05)
+        with self.counter["lock"]:
+            self.counter["now"] -= 1
+        return super().devices(model_config, workload, timeout=timeout)
+
+
+def test_at_most_profile_concurrency_members_profile_at_once() -> None:
+    counter: dict[str, Any] = {"lock": threading.Lock(), "now": 0, "most": 0}
+    names = [f"m{index}" for index in range(PROFILE_CONCURRENCY + 3)]
+    members = [
+        MeshMember(name, f"198.51.100.{index + 1}", index == 0, CountingAgent(name, counter))  # type: ignore[arg-type]
+        for index, name in enumerate(names)
+    ]
+    fleet = mesh_fleet(members, model_config={}, workload=WORKLOAD, say=lambda line: None)
+    assert [device.host for device in fleet.devices] == names
+    assert 1 <= counter["most"] <= PROFILE_CONCURRENCY
+
+
+def test_an_unexpected_error_of_one_members_profile_reaches_the_launcher() -> None:
+    broken = FakeAgent("broken", [OLD_ROW])
+    broken.devices = lambda *args, **kwargs: {}["devices"]  # type: ignore[method-assign]
+    members = [
+        MeshMember("here", "198.51.100.1", True, FakeAgent("here", [OLD_ROW])),  # type: ignore[arg-type]
+        MeshMember("broken", "198.51.100.2", False, broken),  # type: ignore[arg-type]
+    ]
+    with pytest.raises(KeyError, match="devices"):
+        mesh_fleet(members, model_config={}, workload=WORKLOAD, say=lambda line: None)
