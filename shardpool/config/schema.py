@@ -251,6 +251,17 @@ class ShardpoolSection(_Strict):
         default=None,
         description="manual split: decoder layers per stage, e.g. [1, 3, 2] (mesh: the planner picks the devices)",
     )
+    data_parallel: Literal["auto", "off"] = Field(
+        default="auto",
+        description="auto: where several devices each hold the whole model and that predicts a shorter "
+        "step than any pipeline, train whole-model replicas on them, each on a share of the step's "
+        "micro-batches by its speed; off: always a pipeline",
+    )
+    shares: list[int] | None = Field(
+        default=None,
+        description="manual data-parallel split: micro-batches per replica, e.g. [11, 5], adding up to "
+        "gradient_accumulation_steps (local: one replica per `devices` entry; mesh: the planner picks them)",
+    )
     threads_per_stage: int | None = Field(
         default=None, ge=1, description="torch intra-op threads per CPU stage (default: cores / processes)"
     )
@@ -277,7 +288,35 @@ class ShardpoolSection(_Strict):
             found.append(
                 "`shardpool.devices` is for `placement: local`; on the mesh the planner picks devices"
             )
+        found += self._share_problems()
         return [Check(("shardpool",), message) for message in found]
+
+    def _share_problems(self) -> list[str]:
+        """What a manual data-parallel split (``shares``) conflicts with."""
+        if self.shares is None:
+            return []
+        found: list[str] = []
+        if len(self.shares) < 2 or min(self.shares) < 1:
+            found.append("`shardpool.shares` needs at least 2 replicas of at least 1 micro-batch each")
+        clashes = [
+            f"shardpool.{key}"
+            for key, given in (
+                ("layers", self.layers),
+                ("stages", self.stages),
+                ("replicas", self.replicas > 1),
+            )
+            if given
+        ]
+        if clashes:
+            found.append(f"`shardpool.shares` trains whole-model replicas; remove {', '.join(clashes)}")
+        if self.data_parallel == "off":
+            found.append("`shardpool.shares` asks for data parallelism but `data_parallel` is off; keep one")
+        if self.placement == "local" and self.devices is not None and len(self.devices) != len(self.shares):
+            found.append(
+                f"`shardpool.shares` names {len(self.shares)} replicas but `devices` {len(self.devices)}; "
+                "give one device per replica"
+            )
+        return found
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> ShardpoolSection:
@@ -286,15 +325,20 @@ class ShardpoolSection(_Strict):
 
     @property
     def num_stages(self) -> int:
-        """The number of pipeline stages this section asks for (2 when nothing says)."""
+        """The number of pipeline stages this section asks for (2 when nothing says; 1 with ``shares``)."""
+        if self.shares:
+            return 1
         for count in (self.stages, self.devices and len(self.devices), self.layers and len(self.layers)):
             if count:
                 return int(count)
         return 2
 
     def stage_devices(self) -> list[str]:
-        """The torch device of each stage (all ``cpu`` unless ``devices`` says otherwise)."""
-        return list(self.devices) if self.devices else ["cpu"] * self.num_stages
+        """The torch device of each stage, or of each replica with ``shares`` (all ``cpu`` unless
+        ``devices`` says otherwise)."""
+        if self.devices:
+            return list(self.devices)
+        return ["cpu"] * (len(self.shares) if self.shares else self.num_stages)
 
 
 def _device_problem(device: str) -> str | None:
@@ -479,6 +523,14 @@ class Config(_Strict):
                 and not float(self.eval_steps).is_integer(),
                 ("eval_steps",),
                 "`eval_steps` is a whole step count or a fraction below 1 of all steps; fix its value",
+            ),
+            (
+                self.shardpool.shares is not None
+                and sum(self.shardpool.shares) != self.gradient_accumulation_steps,
+                ("shardpool", "gradient_accumulation_steps"),
+                f"`shardpool.shares` {self.shardpool.shares} add up to {sum(self.shardpool.shares or [])} but a "
+                f"step has {self.gradient_accumulation_steps} micro-batches (`gradient_accumulation_steps`); "
+                "make them add up",
             ),
             (
                 self.cosine_min_lr_ratio is not None and self.lr_scheduler != "cosine",

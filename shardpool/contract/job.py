@@ -96,6 +96,11 @@ class Job(Closed):
     #: Set on the ranks started to join a running job: they build their stage, wait for the step
     #: the running ranks move to this generation after, and take their state from them.
     joining: bool = False
+    #: A data-parallel job's replicas on their own devices: where each replica's one stage runs
+    #: (``replica_places[r]``, the whole model) and how many of the step's micro-batches it trains
+    #: (``shares[r]``, in order). None: every replica runs ``stages`` and takes ``M`` micro-batches.
+    replica_places: list[StagePlacement] | None = Field(default=None, max_length=MAX_REPLICAS)
+    shares: list[int] | None = Field(default=None, max_length=MAX_REPLICAS)
 
     @field_validator("config")
     @classmethod
@@ -115,7 +120,32 @@ class Job(Closed):
             expected = stage.stop
         if self.world_size > MAX_WORLD_SIZE:
             raise ValueError(f"{self.world_size} stage processes in all; at most {MAX_WORLD_SIZE}")
+        self._check_shares()
         return self
+
+    def _check_shares(self) -> None:
+        if (self.replica_places is None) != (self.shares is None):
+            raise ValueError("replica_places and shares go together; give both or neither")
+        if self.replica_places is None or self.shares is None:
+            return
+        if self.num_stages != 1:
+            raise ValueError(f"a data-parallel job has one stage per replica, not {self.num_stages}")
+        if len(self.replica_places) != self.replicas or len(self.shares) != self.replicas:
+            raise ValueError(
+                f"{len(self.replica_places)} replica places and {len(self.shares)} shares for "
+                f"{self.replicas} replicas; give one each"
+            )
+        if min(self.shares) < 1:
+            raise ValueError(f"shares {self.shares} give a replica no micro-batch; at least 1 each")
+        whole = (self.stages[0].start, self.stages[0].stop)
+        if any((place.start, place.stop) != whole for place in self.replica_places):
+            raise ValueError("every replica of a data-parallel job holds the stage's layers")
+        config = self.parsed_config()
+        step = config.gradient_accumulation_steps * config.shardpool.replicas
+        if sum(self.shares) != step:
+            raise ValueError(
+                f"shares {self.shares} add up to {sum(self.shares)}, not the step's {step} micro-batches"
+            )
 
     @property
     def num_stages(self) -> int:
@@ -144,14 +174,33 @@ class Job(Closed):
         """The replica (pipeline copy) a global rank belongs to."""
         return rank // self.num_stages
 
+    def placement(self, rank: int) -> StagePlacement:
+        """Where a global rank runs and which layers it holds: its replica's place in a
+        data-parallel job, else its stage's (replicas of a stage share its device)."""
+        if self.replica_places is not None:
+            return self.replica_places[self.replica_index(rank)]
+        return self.stages[self.stage_index(rank)]
+
+    def rank_dtype(self, rank: int) -> str:
+        """The dtype a global rank computes in: its placement's, else the config's."""
+        return self.placement(rank).dtype or self.parsed_config().compute_dtype_name
+
     def stage_dtype(self, index: int) -> str:
         """The dtype stage ``index`` computes in: its placement's, else the config's."""
         return self.stages[index].dtype or self.parsed_config().compute_dtype_name
 
     @property
     def scales_loss(self) -> bool:
-        """Whether any stage computes in fp16, so every rank shares a dynamic loss scale."""
-        return any(self.stage_dtype(index) == "float16" for index in range(self.num_stages))
+        """Whether any rank computes in fp16, so every rank shares a dynamic loss scale."""
+        return any(self.rank_dtype(rank) == "float16" for rank in range(self.world_size))
+
+    def microbatch_range(self, replica: int, per_replica: int) -> tuple[int, int]:
+        """Which of a step's micro-batches ``[start, stop)`` a replica trains: its share, after the
+        shares of the replicas before it, else its ``per_replica`` block."""
+        if self.shares is None:
+            return replica * per_replica, (replica + 1) * per_replica
+        start = sum(self.shares[:replica])
+        return start, start + self.shares[replica]
 
     def rank_of(self, *, replica: int, stage: int) -> int:
         """The global rank of a stage in a replica."""

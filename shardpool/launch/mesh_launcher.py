@@ -199,7 +199,7 @@ def ranks_by_member(job: Job, members: list[MeshMember]) -> dict[str, tuple[Mesh
     by_name = {member.name: member for member in members}
     assignments: dict[str, tuple[MeshMember, list[int]]] = {}
     for rank in range(job.world_size):
-        host = job.stages[job.stage_index(rank)].host
+        host = job.placement(rank).host
         assignments.setdefault(host, (by_name[host], []))[1].append(rank)
     return assignments
 

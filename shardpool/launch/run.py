@@ -40,6 +40,7 @@ __all__ = [
     "append_metrics_line",
     "build_job",
     "is_logged_step",
+    "replica_places_of",
     "keeps_state",
     "launcher_for",
     "trim_metrics",
@@ -126,22 +127,44 @@ def build_job(
     the step after which the stages wait for the launcher's re-balance decision (None: they never do).
     """
     config = run.config
+    replica_places = replica_places_of(getattr(run, "planned", None))
+    replicas = len(replica_places) if replica_places else config.shardpool.replicas
+    processes = len(run.placements) * replicas
+    planned = getattr(run, "planned", None)
     return Job(
         config=config.model_dump(mode="json"),
         stages=run.placements,
-        replicas=config.shardpool.replicas,
+        replicas=replicas,
         inputs=inputs,
         output_dir=str(Path(config.output_dir).resolve()),
         master_addr=master_addr,
         master_port=master_port,
         total_steps=run.total_steps,
-        threads_per_process=_threads_per_process(config, len(run.placements) * config.shardpool.replicas),
+        threads_per_process=_threads_per_process(config, processes),
         resume_step=run.first_step,
         eval_before=run.eval_before,
         files_url=files_url,
         rebalance_at=rebalance_at,
-        keep_state=keeps_state(config, len(run.placements) * config.shardpool.replicas),
+        keep_state=keeps_state(config, processes),
+        replica_places=replica_places,
+        shares=list(planned.shares) if replica_places and planned is not None else None,
     )
+
+
+def replica_places_of(plan: Plan | None) -> list[StagePlacement] | None:
+    """Where each replica of a data-parallel plan runs (None for a pipeline plan, or no plan)."""
+    if plan is None or not plan.is_data_parallel:
+        return None
+    return [
+        StagePlacement(
+            start=stage.start,
+            stop=stage.stop,
+            device=stage.device,
+            host=stage.host,
+            dtype=stage.dtype or None,
+        )
+        for stage in plan.data_parallel
+    ]
 
 
 def keeps_state(config: Config, world_size: int) -> bool:

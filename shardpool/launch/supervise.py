@@ -381,10 +381,7 @@ def grown_job(job: Job, plan: Plan) -> tuple[Job, dict[int, int]] | None:
 
 def _rank_hosts(job: Job) -> list[str]:
     """Where each rank runs, member and device: a running process keeps both when the job grows."""
-    return [
-        f"{stage.host}/{stage.device}"
-        for stage in (job.stages[job.stage_index(r)] for r in range(job.world_size))
-    ]
+    return [f"{place.host}/{place.device}" for place in (job.placement(r) for r in range(job.world_size))]
 
 
 class AttemptEnded(Exception):  # noqa: N818 - not an error: the supervisor goes on from it

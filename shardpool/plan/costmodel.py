@@ -57,6 +57,11 @@ class Workload:
     precision: Cap | None = None
     quantize: bool = True
     layers: tuple[int, ...] | None = None
+    #: Whether the planner may split the step's micro-batches over whole-model replicas on several
+    #: devices (``plan.data_parallel``) where that predicts a shorter step than any pipeline.
+    data_parallel: bool = False
+    #: A fixed split of the step's micro-batches over that many replicas (``shardpool.shares``).
+    shares: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -85,6 +90,18 @@ class Workload:
                 raise ShardpoolError(f"shardpool.{name} is {value}; it must be positive")
         if self.layers is not None and (not self.layers or min(self.layers) < 1):
             raise ShardpoolError(f"shardpool.layers is {list(self.layers)}; give at least 1 layer per stage")
+        if self.shares is not None and (
+            len(self.shares) < 2 or min(self.shares) < 1 or sum(self.shares) != self.step_microbatches
+        ):
+            raise ShardpoolError(
+                f"shardpool.shares is {list(self.shares)}; give at least 2 replicas, each at least 1 "
+                f"micro-batch, adding up to the step's {self.step_microbatches}"
+            )
+
+    @property
+    def step_microbatches(self) -> int:
+        """Micro-batches in one optimizer step, over all replicas."""
+        return self.gradient_accumulation_steps * self.replicas
 
     @property
     def tokens(self) -> int:
@@ -142,4 +159,6 @@ class Workload:
             precision=config_cap(config.bf16, config.fp16),
             quantize=config.adapter == "qlora",
             layers=tuple(config.shardpool.layers) if config.shardpool.layers else None,
+            data_parallel=config.shardpool.data_parallel == "auto",
+            shares=tuple(config.shardpool.shares) if config.shardpool.shares else None,
         )

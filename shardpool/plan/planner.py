@@ -25,6 +25,7 @@ from typing import Any
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
+from shardpool.plan.data_parallel import DataParallelCandidate, beats_pipeline, data_parallel_candidate
 from shardpool.plan.exact_search import distinct_sequences, exact_search
 from shardpool.plan.fleet import Fleet
 from shardpool.plan.heuristic_search import heuristic_search
@@ -82,6 +83,8 @@ def plan_pipeline(
             raise ShardpoolError(next(iter(refused.values())))
         fleet = replace(fleet, devices=usable)
     ctx = SearchContext(shape, workload, fleet)
+    if workload.shares is not None:
+        return _given_shares(ctx, workload.shares, refused)
     if workload.layers is not None:
         return _given_split(ctx, list(workload.layers), refused)
     allowed = allowed_stage_counts(ctx)
@@ -94,7 +97,81 @@ def plan_pipeline(
         best = heuristic_search(ctx, allowed, evaluations, start=best)
     if best is None:
         raise ShardpoolError(_explain_no_fit(ctx))
+    if _may_split_batch(workload):
+        replicas = data_parallel_candidate(ctx)
+        if replicas is not None and beats_pipeline(replicas, best.objective):
+            return _data_parallel_plan(ctx, replicas, search=search, refused=refused)
     return _build_plan(ctx, best.seq, best.counts, search=search, refused=refused)
+
+
+def _may_split_batch(workload: Workload) -> bool:
+    """Whether the planner may choose whole-model replicas: asked for (``data_parallel: auto``), and
+    nothing in the config fixes the pipeline (its stages, its split, or pipeline replicas)."""
+    return (
+        workload.data_parallel
+        and workload.stages is None
+        and workload.layers is None
+        and workload.replicas == 1
+    )
+
+
+def _given_shares(ctx: SearchContext, shares: Sequence[int], refused: dict[str, str]) -> Plan:
+    """The fixed data-parallel split ``shares`` (``shardpool.shares``) on the fastest devices that hold the model."""
+    found = data_parallel_candidate(ctx, shares=shares)
+    if found is None:
+        raise ShardpoolError(
+            f"shardpool.shares names {len(shares)} replicas but fewer devices can hold the whole "
+            f"{ctx.shape.name or 'model'}; give fewer shares, or remove them and let the planner split the layers"
+        )
+    return _data_parallel_plan(ctx, found, search="given", refused=refused)
+
+
+def _data_parallel_plan(
+    ctx: SearchContext, found: DataParallelCandidate, *, search: str, refused: dict[str, str]
+) -> Plan:
+    """The plan of whole-model replicas on ``found.devices`` training ``found.shares`` micro-batches each."""
+    replicas = []
+    for d, costs in zip(found.devices, found.costs, strict=True):
+        device = ctx.devices[d]
+        choice = ctx.precision[d]
+        replicas.append(
+            PlannedStage(
+                device=device.torch_device or device.name,
+                host=device.host,
+                start=0,
+                stop=ctx.layers,
+                slot=device.name,
+                measured=device.measurement.to_json() if device.measurement else {},
+                dtype=choice.dtype if choice else "",
+                dtype_reason=choice.reason if choice else "",
+                **_predictions(costs, ctx.layers, device.memory_bytes),
+            )
+        )
+    busiest = max(
+        share * costs.seconds(ctx.layers) for share, costs in zip(found.shares, found.costs, strict=True)
+    )
+    slowest = max(
+        range(len(replicas)),
+        key=lambda i: found.shares[i] * found.costs[i].seconds(ctx.layers) + found.costs[i].after(ctx.layers),
+    )
+    replicas[slowest].bottleneck = True
+    plan = Plan(
+        stages=[replicas[0]],
+        predicted_step_s=found.step_s,
+        bubble_fraction=max(0.0, 1.0 - busiest / found.step_s) if found.step_s > 0 else 0.0,
+        microbatches=ctx.workload.gradient_accumulation_steps,
+        recommended_microbatches=ctx.workload.gradient_accumulation_steps,
+        schedule=ctx.workload.schedule,
+        num_layers=ctx.layers,
+        model=ctx.shape.name,
+        left_out=[device.name for i, device in enumerate(ctx.devices) if i not in found.devices],
+        search=search,
+        fits=True,
+        refused=dict(refused),
+        data_parallel=replicas,
+        shares=list(found.shares),
+    )
+    return plan
 
 
 def evaluate_split(

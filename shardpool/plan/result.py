@@ -155,6 +155,15 @@ class Plan:
     fits: bool = True
     refused: dict[str, str] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)
+    #: A data-parallel plan's replicas, in rank order, each holding the whole model
+    #: (``stages`` is then the first of them), and the step's micro-batches each trains.
+    data_parallel: list[PlannedStage] = field(default_factory=list)
+    shares: list[int] = field(default_factory=list)
+
+    @property
+    def is_data_parallel(self) -> bool:
+        """Whether this plan trains whole-model replicas on shares of the step instead of a pipeline."""
+        return bool(self.shares)
 
     @property
     def bottleneck_ms(self) -> float:
@@ -173,22 +182,33 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         """The plan in ``plan.json`` format (stages in pipeline order)."""
-        return {
-            "stages": [stage.to_json() for stage in self.stages],
-            "predicted_step_s": round(self.predicted_step_s, 6),
-            "bottleneck_ms": round(self.bottleneck_ms, 3),
-            "bottleneck_stage": self.bottleneck_index,
-            "bubble_fraction": round(self.bubble_fraction, 6),
-            "microbatches": self.microbatches,
-            "recommended_microbatches": self.recommended_microbatches,
-            "schedule": self.schedule,
-            "num_layers": self.num_layers,
-            "model": self.model,
-            "left_out": list(self.left_out),
-            "search": self.search,
-            "fits": self.fits,
-            "refused": dict(self.refused),
-        } | ({"calibration": dict(self.calibration)} if self.calibration else {})
+        return (
+            {
+                "stages": [stage.to_json() for stage in self.stages],
+                "predicted_step_s": round(self.predicted_step_s, 6),
+                "bottleneck_ms": round(self.bottleneck_ms, 3),
+                "bottleneck_stage": self.bottleneck_index,
+                "bubble_fraction": round(self.bubble_fraction, 6),
+                "microbatches": self.microbatches,
+                "recommended_microbatches": self.recommended_microbatches,
+                "schedule": self.schedule,
+                "num_layers": self.num_layers,
+                "model": self.model,
+                "left_out": list(self.left_out),
+                "search": self.search,
+                "fits": self.fits,
+                "refused": dict(self.refused),
+            }
+            | ({"calibration": dict(self.calibration)} if self.calibration else {})
+            | (
+                {
+                    "shares": list(self.shares),
+                    "data_parallel": [stage.to_json() for stage in self.data_parallel],
+                }
+                if self.shares
+                else {}
+            )
+        )
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Plan:
@@ -217,6 +237,13 @@ class Plan:
             expected = stage.stop
         num_stages = len(stages)
         microbatches = int(data.get("microbatches", 1))
+        replicas = [PlannedStage.from_json(stage) for stage in data.get("data_parallel") or []]
+        shares = [int(share) for share in data.get("shares") or []]
+        if len(replicas) != len(shares) or (shares and (num_stages != 1 or min(shares) < 1)):
+            raise ShardpoolError(
+                "plan.json's data_parallel replicas and shares do not match one stage and a share of "
+                "at least 1 per replica; re-plan to rewrite it"
+            )
         return cls(
             stages=stages,
             predicted_step_s=float(data.get("predicted_step_s", 0.0)),
@@ -235,6 +262,8 @@ class Plan:
             calibration=dict(calibration)
             if isinstance(calibration := data.get("calibration"), Mapping)
             else {},
+            data_parallel=replicas,
+            shares=shares,
         )
 
 
@@ -247,6 +276,13 @@ def plan_table(plan: Plan) -> Any:
         f"with {plan.microbatches} micro-batches ({plan.schedule}), "
         f"bubble {plan.bubble_fraction:.1%}; recommended micro-batches: {plan.recommended_microbatches}"
     )
+    if plan.shares:
+        caption = (
+            f"ms/mb: predicted forward + backward per micro-batch. Data parallel: {len(plan.shares)} "
+            f"replicas of the whole model split the {plan.microbatches} micro-batches "
+            f"{' / '.join(map(str, plan.shares))} and all-reduce their LoRA gradients; predicted step "
+            f"{plan.predicted_step_s:.3f} s, the busiest replica idle {plan.bubble_fraction:.1%} of it"
+        )
     if plan.left_out:
         caption += f"; left out: {', '.join(plan.left_out)}"
     if not plan.fits:
@@ -255,6 +291,7 @@ def plan_table(plan: Plan) -> Any:
         caption += f"; refused: {reason}"
     title = f"plan for {plan.model or 'the model'} ({plan.num_layers} layers, {plan.search} search)"
     table = Table(title=title, caption=caption, show_edge=False)
+    rows = plan.data_parallel or plan.stages
     for column in ("#", "host", "device", "layers", "dtype", "used GiB", "free GiB", "ms/mb", ""):
         table.add_column(
             column,
@@ -262,12 +299,12 @@ def plan_table(plan: Plan) -> Any:
             no_wrap=True,
             min_width=len(column),  # a narrow terminal shortens the values, never a heading
         )
-    for index, stage in enumerate(plan.stages):
+    for index, stage in enumerate(rows):
         table.add_row(
-            str(index),
+            f"r{index}" if plan.shares else str(index),
             stage.host,
             stage.slot or stage.device,
-            f"[{stage.start}, {stage.stop})",
+            f"[{stage.start}, {stage.stop})" + (f" × {plan.shares[index]} mb" if plan.shares else ""),
             DTYPE_SHORT.get(stage.dtype, "config"),
             f"{stage.memory_bytes / GIB:.2f}",
             f"{stage.free_bytes / GIB:.2f}",

@@ -169,7 +169,7 @@ def peak_rss_bytes() -> int:
 def stage_spec(job: Job, rank: int) -> StageSpec:
     """The StageSpec a global rank builds: its stage's layers and device, from the job's placement."""
     index = job.stage_index(rank)
-    placement = job.stages[index]
+    placement = job.placement(rank)
     return StageSpec(
         index=index,
         num_stages=job.num_stages,
@@ -201,7 +201,7 @@ class StageWorker:
         self.replica = job.replica_index(rank)
         self.device = torch.device(self.spec.device)
         # This stage's dtype: the planner's choice for its device, else the config's.
-        self.compute_dtype_name = job.stage_dtype(self.spec.index)
+        self.compute_dtype_name = job.rank_dtype(rank)
         self.compute_dtype = DTYPES[self.compute_dtype_name]
         self.data: PreparedData
         self.steps: list[list[list[int]]] = []
@@ -251,7 +251,9 @@ class StageWorker:
         self.lora = lora
         stage = self._load_stage(self.spec)
         self.data = load_prepared(self.files.path(DATA_INPUT))
-        self.steps = config_step_batches(self.config, len(self.data.train), replicas=self.job.replicas)
+        self.steps = config_step_batches(
+            self.config, len(self.data.train), replicas=self.config.shardpool.replicas
+        )
         self._set_cadence()
         if self.job.joining:
             self._built = stage  # trained once the running ranks hand over its state (join_running)
@@ -320,7 +322,7 @@ class StageWorker:
         """Which steps evaluate and save, and how many steps an epoch takes (for ``epoch``)."""
         total = len(self.steps)
         self.epoch_steps = config_steps_per_epoch(
-            self.config, len(self.data.train), replicas=self.job.replicas
+            self.config, len(self.data.train), replicas=self.config.shardpool.replicas
         )
         self.eval_at = eval_step_set(
             self.config, total_steps=total, epoch_steps=self.epoch_steps, num_eval_rows=len(self.data.eval)
@@ -338,7 +340,7 @@ class StageWorker:
 
     def _place(self, rank: int) -> str:
         """The physical device of ``rank``: its host and torch device, as the job places it."""
-        placement = self.job.stages[self.job.stage_index(rank)]
+        placement = self.job.placement(rank)
         return f"{placement.host}/{torch.device(placement.device)}"
 
     # ----- the run ------------------------------------------------------------------------
@@ -423,8 +425,8 @@ class StageWorker:
         wire.wait_seconds = 0.0
         all_microbatches = [self.data.train.select(rows) for rows in self.steps[step]]
         step_label_tokens = sum(label_tokens(batch.labels) for batch in all_microbatches)
-        per_replica = self.config.gradient_accumulation_steps
-        mine = all_microbatches[self.replica * per_replica : (self.replica + 1) * per_replica]
+        first, stop = self.job.microbatch_range(self.replica, self.config.gradient_accumulation_steps)
+        mine = all_microbatches[first:stop]
         scale = self.state.loss_scale
         self.pipe.loss_scale = scale.scale if scale else None
         totals = self.pipe.run_schedule(self.config.shardpool.schedule, mine, step_label_tokens)
@@ -665,7 +667,7 @@ class StageWorker:
             raise ShardpoolError(f"the grown job moves rank {self.rank} from {self.device} to {spec.device}")
         self.job, self.rank, self.spec = job, rank, spec
         self.replica = job.replica_index(rank)
-        self.compute_dtype_name = job.stage_dtype(self.spec.index)
+        self.compute_dtype_name = job.rank_dtype(rank)
         self.compute_dtype = DTYPES[self.compute_dtype_name]
         self.layers = [(placement.start, placement.stop) for placement in job.stages]
         if self.copier is not None:

@@ -7,6 +7,7 @@ loop written out below, on the same NF4 base, the same starting adapter and the 
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,30 @@ def test_one_stage_and_three_uneven_stages_train_identically(runs: dict[str, Pat
     adapter_three = load_file(str(runs["three"] / "adapter_model.safetensors"))
     assert _max_adapter_diff(adapter_three, adapter_one) < 1e-4
     assert len(three[0]["stage_compute_s"]) == 3
+
+
+def test_replicas_on_shares_of_the_step_train_as_one_stage(
+    runs: dict[str, Path], tiny_model: Path, completion_data: Path, start_adapter: Path, tmp_path: Path
+) -> None:
+    """Data parallelism with shares: two whole-model replicas train 2 and 1 of the step's 3
+    micro-batches and sum their gradients, which is one stage training all 3."""
+    shares = _train(
+        base_config(
+            tiny_model, completion_data, tmp_path / "shares", lora_model_dir=str(start_adapter),
+            shardpool={"devices": ["cpu", "cpu"], "shares": [2, 1]},
+        )
+    )  # fmt: skip
+    one, split = read_metrics(runs["one"]), read_metrics(shares)
+    _assert_losses_close([r["loss"] for r in split], [r["loss"] for r in one], rel=1e-5)
+    steps = [r for r in split if "loss" in r]
+    assert [len(r["stage_compute_s"]) for r in steps] == [2] * len(steps)  # one rank per replica
+    adapter_one = load_file(str(runs["one"] / "adapter_model.safetensors"))
+    adapter_shares = load_file(str(shares / "adapter_model.safetensors"))
+    assert _max_adapter_diff(adapter_shares, adapter_one) < 1e-4
+    plan = json.loads((shares / "plan.json").read_text())
+    assert plan["shares"] == [2, 1] and [s["layers"] for s in plan["data_parallel"]] == [[0, 6], [0, 6]]
+    evals = [r["eval_loss"] for r in split if "eval_loss" in r]
+    assert evals == pytest.approx([r["eval_loss"] for r in one if "eval_loss" in r], rel=1e-5)
 
 
 def test_pipeline_equals_plain_peft_bitsandbytes_loop(
