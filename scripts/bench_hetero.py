@@ -112,7 +112,7 @@ in for; the host's agent (their parent, so that they inherit the quota and the t
 their first instruction) stays with them. The launcher, WireGuard (``wireguard-go`` encrypts every
 activation in user space) and the sync daemon run on the host's CPU, unthrottled, as they would
 beside a GPU. ``host``: every process of the host, as on a smaller machine (last session's figures)."""
-MODES = ("fastest_alone", "all_alone", "even_split", "pooled")
+MODES = ("fastest_alone", "all_alone", "even_split", "pooled", "pooled_pipeline")
 """Every way the bench can run (``--modes``). ``all_alone``: the fastest host's run alone again, with
 every other host training the same model alone beside it (:func:`beside_runs`), so host a shares
 the VM with as busy a neighbour as in the pooled run; not run unless asked for."""
@@ -299,6 +299,7 @@ def repeats_summary(
     (:func:`every_host_tokens`). ``runs`` holds each way's summaries in repeat order."""
     by_run = {mode: [run.get("tokens_per_s") for run in summaries] for mode, summaries in runs.items()}
     pooled = paired_ratios(by_run, "pooled", "fastest_alone")
+    pipeline = paired_ratios(by_run, "pooled_pipeline", "fastest_alone")
     even = paired_ratios(by_run, "even_split", "fastest_alone")
     beside = paired_ratios(by_run, "pooled", "all_alone")
     every_host = [every_host_tokens(run) for run in runs.get("all_alone", [])]
@@ -314,6 +315,8 @@ def repeats_summary(
         "pooled_over_fastest": spread(pooled),
         "even_over_fastest_by_round": even,
         "even_over_fastest": spread(even),
+        "pipeline_over_fastest_by_round": pipeline,
+        "pipeline_over_fastest": spread(pipeline),
         "every_host_alone_tokens_per_s_by_round": every_host,
         "pooled_over_fastest_beside_by_round": beside,
         "pooled_over_fastest_beside": spread(beside),
@@ -402,15 +405,20 @@ def summarize_run(records: Sequence[dict[str, Any]], plan: dict[str, Any], warmu
     step_s = median_of([float(r["step_seconds"]) for r in kept])
     compute = [median_of([float(r["stage_compute_s"][i]) for r in staged]) or 0.0 for i in range(stages)]
     wait = [median_of([float(r["stage_wait_s"][i]) for r in staged]) or 0.0 for i in range(stages)]
-    layers = [int(stop) - int(start) for start, stop in (stage["layers"] for stage in plan["stages"])]
+    placed = plan.get("data_parallel") or plan["stages"]  # a data-parallel plan: one entry per replica
+    shares = plan.get("shares")
+    layers = [int(stop) - int(start) for start, stop in (stage["layers"] for stage in placed)]
+    if shares:  # a replica computes its share of the step: per layer of a whole step, as a stage does
+        step_micro = sum(shares)
+        layers = [count * share / step_micro for count, share in zip(layers, shares, strict=True)]
     predicted = initial_prediction(plan)
     summary: dict[str, Any] = {
         "steps_trained": len(steps),
         "steps_measured": len(kept),
         "plan": [
-            {"host": stage["host"], "layers": stage["layers"], "device": stage["device"]}
-            for stage in plan["stages"]
+            {"host": stage["host"], "layers": stage["layers"], "device": stage["device"]} for stage in placed
         ],
+        "shares": shares,
         "predicted_step_s": predicted,
         "step_s": _rounded(step_s),
         "tokens_per_s": _rounded(median_of([float(r["tokens_per_s"]) for r in kept]), 1),
@@ -428,7 +436,7 @@ def summarize_run(records: Sequence[dict[str, Any]], plan: dict[str, Any], warmu
     else:
         summary["compute_s_per_layer_by_host"] = {
             stage["host"]: round(seconds / count, 5)
-            for stage, seconds, count in zip(plan["stages"], compute, layers, strict=True)
+            for stage, seconds, count in zip(placed, compute, layers, strict=True)
         }
     if events:
         last = events[-1]
@@ -458,7 +466,7 @@ def calibrated_figures(
     (before any re-shard). None for a plan without stage costs or too few steps."""
     from shardpool.config import load_config
     from shardpool.errors import ShardpoolError
-    from shardpool.plan.calibrate import StepMeasurement, calibrated_plan
+    from shardpool.plan.calibrate import StepMeasurement, calibrated_plan, calibrated_shares_step
     from shardpool.plan.result import Plan
 
     steps = step_records(records)
@@ -479,9 +487,17 @@ def calibrated_figures(
         for r in window
     ]
     try:
-        calibrated = calibrated_plan(
-            Plan.from_json(initial_plan_json(plan)), measured, load_config(config_path)
-        )
+        started = Plan.from_json(initial_plan_json(plan))
+        if started.is_data_parallel:  # replicas: their shares at the measured seconds per micro-batch
+            predicted = calibrated_shares_step(started, measured)
+            return {
+                "calibrated_on_steps": [m.step for m in measured],
+                "speed": None,
+                "predicted_step_s": round(predicted, 4),
+                "measured_step_s": _rounded(median_of(later)),
+                "predicted_over_measured_step": ratio(predicted, median_of(later)),
+            }
+        calibrated = calibrated_plan(started, measured, load_config(config_path))
     except ShardpoolError:
         return None
     return {
@@ -961,6 +977,8 @@ def mode_settings(mode: str, num_layers: int, hosts: int) -> dict[str, Any]:
         return {"placement": "local", "layers": [num_layers]}
     if mode == "even_split":
         return {"placement": "mesh", "layers": even_counts(num_layers, hosts)}
+    if mode == "pooled_pipeline":  # the planner's best pipeline, even where replicas would be faster
+        return {"placement": "mesh", "data_parallel": "off"}
     return {"placement": "mesh"}
 
 
@@ -1227,7 +1245,7 @@ def profiled_seconds_per_layer(plans: Sequence[dict[str, Any]]) -> dict[str, flo
     """Each host's profiled seconds per layer, from the ``measured`` block of the plans' stages."""
     found: dict[str, float] = {}
     for plan in plans:
-        for stage in plan["stages"]:
+        for stage in plan.get("data_parallel") or plan["stages"]:
             median = (stage.get("measured") or {}).get("seconds_median")
             if median is not None:
                 found.setdefault(stage["host"], round(float(median), 5))
@@ -1238,7 +1256,7 @@ def profiled_quotas(plans: Sequence[dict[str, Any]]) -> dict[str, float | None]:
     """The CPU quota each host's profile says it was measured under (None: unlimited or unseen)."""
     found: dict[str, float | None] = {}
     for plan in plans:
-        for stage in plan["stages"]:
+        for stage in plan.get("data_parallel") or plan["stages"]:
             found.setdefault(stage["host"], (stage.get("measured") or {}).get("cpu_quota"))
     return dict(sorted(found.items()))
 
@@ -1302,7 +1320,9 @@ def benchmark(
                 )
                 # training_config turns re-balancing off for every benchmark; the pooled runs are
                 # the ones that must re-balance, at the default.
-                config = rebalance_setting(config, "auto" if mode in ("pooled", SWAPPED) else "off")
+                config = rebalance_setting(
+                    config, "auto" if mode in ("pooled", "pooled_pipeline", SWAPPED) else "off"
+                )
                 if mode in LOCAL_MODES and scope == "stage":
                     config["shardpool"]["threads_per_stage"] = quota_threads(quotas[0])
                 config_path = write_yaml(work / f"{name}.yaml", config)

@@ -231,6 +231,7 @@ def _attempt(
             first_step=run.first_step,
             total_steps=run.total_steps,
             num_stages=len(run.placements),
+            data_parallel=run.planned is not None and run.planned.is_data_parallel,
         )
         job = build_job(
             run,

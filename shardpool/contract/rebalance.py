@@ -29,6 +29,7 @@ from shardpool.contract.names import ContractError
 
 __all__ = [
     "FORCE_ENV",
+    "FORCE_SHARES_ENV",
     "KILL_ENV",
     "WARMUP_STEPS",
     "ROOM_ENV",
@@ -36,8 +37,11 @@ __all__ = [
     "check_step",
     "decision_key",
     "decode_decision",
+    "decode_shares",
     "encode_decision",
+    "encode_shares",
     "forced_reshard",
+    "forced_shares",
     "handovers",
     "key_layer",
     "kill_rank",
@@ -50,6 +54,8 @@ __all__ = [
 WARMUP_STEPS = 3
 #: Test hook: ``STEP:START-STOP,START-STOP,...`` makes the launcher re-shard to those layers after STEP.
 FORCE_ENV = "SHARDPOOL_TEST_RESHARD"
+#: Test hook: ``STEP:SHARE,SHARE,...`` makes the launcher of a data-parallel run move to those shares after STEP.
+FORCE_SHARES_ENV = "SHARDPOOL_TEST_RESHARE"
 #: Test hook: the global rank that kills itself (SIGKILL) in the middle of a re-shard's hand-over.
 KILL_ENV = "SHARDPOOL_TEST_RESHARD_KILL_RANK"
 #: Test hook: ``RANK:BYTES,RANK:BYTES,...``: those global ranks report BYTES of room at the check.
@@ -59,6 +65,7 @@ LayerRanges = list[tuple[int, int]]  # each stage's [start, stop), in pipeline o
 
 _ROOM = re.compile(r"[0-9]+:[0-9]+(?:,[0-9]+:[0-9]+)*")
 _FORCED = re.compile(r"([0-9]+):([0-9]+-[0-9]+(?:,[0-9]+-[0-9]+)*)")
+_FORCED_SHARES = re.compile(r"([0-9]+):([0-9]+(?:,[0-9]+)+)")
 _LAYER_IN_KEY = re.compile(r"(?:^|\.)layers\.([0-9]+)\.")
 
 
@@ -67,16 +74,19 @@ def decision_key(step: int) -> str:
     return f"shardpool/rebalance/{step}"
 
 
-def check_step(mode: str, *, first_step: int, total_steps: int, num_stages: int) -> int | None:
-    """The step after which a run checks its plan, or None (``rebalance: off``, one stage, or too short to gain).
+def check_step(
+    mode: str, *, first_step: int, total_steps: int, num_stages: int, data_parallel: bool = False
+) -> int | None:
+    """The step after which a run checks its plan, or None (``rebalance: off``, one stage and no
+    replicas on shares of the step, or too short to gain).
 
     The forced re-shard of :data:`FORCE_ENV` sets the step where it is given. Otherwise the check
     comes :data:`WARMUP_STEPS` after the run's first step (a resumed run measures itself afresh),
     and only when at least one step follows it.
     """
-    if mode == "off" or num_stages < 2:
+    if mode == "off" or (num_stages < 2 and not data_parallel):
         return None
-    forced = forced_reshard()
+    forced = forced_shares() if data_parallel else forced_reshard()
     step = forced[0] if forced else first_step + WARMUP_STEPS
     return step if first_step < step < total_steps else None
 
@@ -94,6 +104,45 @@ def parse_forced_reshard(value: str) -> tuple[int, LayerRanges]:
         raise ContractError(f"{FORCE_ENV}={value!r}: expected STEP:START-STOP,START-STOP,... e.g. 3:0-4,4-6")
     ranges = [tuple(int(bound) for bound in part.split("-")) for part in match.group(2).split(",")]
     return int(match.group(1)), [(start, stop) for start, stop in ranges]
+
+
+def forced_shares() -> tuple[int, list[int]] | None:
+    """The (step, shares) the test hook :data:`FORCE_SHARES_ENV` forces, or None when it is unset."""
+    value = os.environ.get(FORCE_SHARES_ENV, "").strip()
+    if not value:
+        return None
+    match = _FORCED_SHARES.fullmatch(value)
+    if match is None:
+        raise ContractError(f"{FORCE_SHARES_ENV}={value!r}: expected STEP:SHARE,SHARE,... e.g. 3:2,1")
+    return int(match.group(1)), [int(share) for share in match.group(2).split(",")]
+
+
+def encode_shares(shares: Sequence[int] | None) -> str:
+    """The store value of a data-parallel check's answer: keep the shares (None), or the new ones."""
+    if shares is None:
+        return json.dumps({"keep": True})
+    return json.dumps({"shares": [int(share) for share in shares]})
+
+
+def decode_shares(text: str | bytes, *, current: Sequence[int]) -> list[int] | None:
+    """The new shares a data-parallel check's answer asks for, or None to keep ``current``;
+    ContractError when malformed, or when they change the replica count or the step's micro-batches."""
+    try:
+        raw = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ContractError(f"re-balance decision is not JSON ({error})") from None
+    if isinstance(raw, dict) and raw.get("keep") is True:
+        return None
+    try:
+        shares = [int(share) for share in raw["shares"]]
+    except (KeyError, TypeError, ValueError):
+        raise ContractError(f"re-balance decision {str(raw)[:200]!r} is neither keep nor shares") from None
+    if len(shares) != len(current) or sum(shares) != sum(current) or min(shares) < 1:
+        raise ContractError(
+            f"re-balance shares {shares} must give each of {len(current)} replicas at least 1 of the "
+            f"step's {sum(current)} micro-batches"
+        )
+    return None if shares == list(current) else shares
 
 
 def kill_rank() -> int | None:

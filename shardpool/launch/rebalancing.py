@@ -25,13 +25,22 @@ from shardpool.config import Config
 from shardpool.contract.events import StageEvent
 from shardpool.contract.rebalance import (
     FORCE_ENV,
+    FORCE_SHARES_ENV,
     check_same_stages,
     decision_key,
     encode_decision,
+    encode_shares,
     forced_reshard,
+    forced_shares,
 )
 from shardpool.errors import ShardpoolError
-from shardpool.plan.calibrate import Rebalance, StepMeasurement, memory_shortfalls, rebalance_decision
+from shardpool.plan.calibrate import (
+    Rebalance,
+    StepMeasurement,
+    memory_shortfalls,
+    rebalance_decision,
+    shares_decision,
+)
 from shardpool.plan.result import Plan
 
 __all__ = [
@@ -86,6 +95,8 @@ class RebalanceCheck:
             )
         if step != self.check_at:
             return None
+        if self.plan.is_data_parallel:
+            return self._reshare(step)
         decision: Rebalance | None = None
         held: Rebalance | None = None
         try:
@@ -100,6 +111,37 @@ class RebalanceCheck:
         self.plan_json = replanned_json(self.plan_json, decision.plan, ended_at_step=step)
         write_json(self.plan_path, self.plan_json)
         line = rebalance_line(step, self.plan, decision)
+        self.plan = decision.plan
+        if self.resharded is not None:
+            self.resharded(self.plan, self.plan_json)
+        return line
+
+    def _reshare(self, step: int) -> dict[str, Any] | None:
+        """The check of a data-parallel plan: answer with new shares (or keep), and record them.
+
+        Nothing changes hands, so no room is checked: every replica already holds the whole model.
+        """
+        decision: Rebalance | None = None
+        try:
+            forced = forced_shares()
+            decision = (
+                _forced_shares(self.plan, forced[1], self.measured)
+                if forced is not None
+                else shares_decision(self.plan, list(self.measured))
+            )
+        except Exception as error:  # noqa: BLE001 - a failed check keeps the plan; it must not stop the run
+            self.say(f"re-balance check after step {step} failed, keeping the plan: {_first_line(error)}")
+        if decision is not None and decision.plan.shares == self.plan.shares:
+            decision = None
+        self.publish(decision_key(step), encode_shares(decision.plan.shares if decision else None))
+        if decision is None:
+            return None
+        self.plan_json = replanned_json(self.plan_json, decision.plan, ended_at_step=step)
+        write_json(self.plan_path, self.plan_json)
+        line = rebalance_line(step, self.plan, decision) | {
+            "shares_from": list(self.plan.shares),
+            "shares_to": list(decision.plan.shares),
+        }
         self.plan = decision.plan
         if self.resharded is not None:
             self.resharded(self.plan, self.plan_json)
@@ -154,6 +196,19 @@ def forced_rebalance(plan: Plan, layers: list[tuple[int, int]], measured: list[S
         predicted_step_s=plan.predicted_step_s,
         current_step_s=current,
         reason=f"forced by {FORCE_ENV}",
+    )
+
+
+def _forced_shares(plan: Plan, shares: list[int], measured: list[StepMeasurement]) -> Rebalance:
+    """The new shares the test hook asks for: ``plan`` with ``shares``, predicting nothing new."""
+    if len(shares) != len(plan.shares) or sum(shares) != sum(plan.shares):
+        raise ShardpoolError(f"{FORCE_SHARES_ENV} shares {shares} do not split the plan's {plan.shares}")
+    current = mean(step.step_seconds for step in measured) if measured else 0.0
+    return Rebalance(
+        plan=replace(plan, shares=list(shares)),
+        predicted_step_s=plan.predicted_step_s,
+        current_step_s=current,
+        reason=f"forced by {FORCE_SHARES_ENV}",
     )
 
 

@@ -363,7 +363,10 @@ def placed_stages(plan: Plan) -> str:
 
 def grown_job(job: Job, plan: Plan) -> tuple[Job, dict[int, int]] | None:
     """``job`` grown to ``plan`` (the next generation, its new ranks ``joining``) and each running
-    rank's rank in it; None when it cannot grow in place (:func:`~shardpool.contract.grow.in_place_ranks`)."""
+    rank's rank in it; None when it cannot grow in place (:func:`~shardpool.contract.grow.in_place_ranks`),
+    or when either is data-parallel (replicas on shares of the step restart from the step copy)."""
+    if job.shares is not None or plan.is_data_parallel:
+        return None
     grown = Job.model_validate(
         job.model_dump(mode="json")
         | {
@@ -656,7 +659,8 @@ class Supervisor:
             placement.model_copy(update={"start": stage.start, "stop": stage.stop})
             for placement, stage in zip(job.stages, plan.stages, strict=True)
         ]
-        self._jobs[-1] = (since, job.model_copy(update={"stages": stages}))
+        shares = {"shares": list(plan.shares)} if job.shares is not None else {}
+        self._jobs[-1] = (since, job.model_copy(update={"stages": stages} | shares))
         self._plan, self._plan_json = plan, dict(plan_json)
         self._current_step_s = plan.predicted_step_s
 

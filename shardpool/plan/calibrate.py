@@ -36,12 +36,13 @@ import itertools
 import math
 import statistics
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from shardpool.config import Config
 from shardpool.errors import ShardpoolError
 from shardpool.plan.costmodel import Workload
+from shardpool.plan.data_parallel import best_shares, shares_step_seconds
 from shardpool.plan.planner import resplit_plan
 from shardpool.plan.result import Plan, PlannedStage
 from shardpool.plan.split_search import SplitProblem, best_split
@@ -55,12 +56,14 @@ __all__ = [
     "StepMeasurement",
     "calibrate",
     "calibrated_plan",
+    "calibrated_shares_step",
     "growth_shortfalls",
     "layers_within_room",
     "memory_shortfalls",
     "predicted_over_measured",
     "rebalance_decision",
     "shared_room_caps",
+    "shares_decision",
     "stage_rooms",
 ]
 
@@ -243,6 +246,85 @@ def rebalance_decision(
         current_step_s=current_step,
         reason=_reason(plan, calibration, counts, current_step, best_step),
     )
+
+
+def shares_decision(
+    plan: Plan, measured: Sequence[StepMeasurement], *, min_gain: float = MIN_GAIN
+) -> Rebalance | None:
+    """The shares that the measured steps justify for a data-parallel plan, or None to keep its own.
+
+    Each replica's measured seconds per micro-batch is the median over ``measured`` of its compute
+    (rank ``r`` is replica ``r``) over its share. With those, and the plan's optimizer and
+    all-reduce times, :func:`~shardpool.plan.data_parallel.best_shares` splits the step again; the
+    new shares are returned when they predict a step at least ``min_gain`` shorter than the current
+    shares under the same measured times. Nothing moves but the shares: every replica holds the
+    whole model and the same state.
+    """
+    if not plan.is_data_parallel or not measured:
+        return None
+    shares = list(plan.shares)
+    seconds, after, allreduce = _measured_replicas(plan, measured)
+    planned = [stage.predicted_ms_per_microbatch / 1e3 for stage in plan.data_parallel]
+    current = shares_step_seconds(seconds, after, shares, allreduce)
+    chosen = best_shares(seconds, after, sum(shares))
+    best = shares_step_seconds(seconds, after, chosen, allreduce)
+    if chosen == shares or best > current * (1 - min_gain):
+        return None
+    speeds = ", ".join(
+        f"{stage.slot or stage.device} {measured_s / planned_s:.2f}x"
+        for stage, measured_s, planned_s in zip(plan.data_parallel, seconds, planned, strict=True)
+        if planned_s > 0
+    )
+    reason = (
+        f"measured compute vs plan: {speeds}; shares {'/'.join(map(str, shares))} -> "
+        f"{'/'.join(map(str, chosen))} predicts {best:.3f} s per step instead of {current:.3f} s "
+        f"({1 - best / current:.0%} faster)"
+    )
+    replicas = [
+        replace(stage, predicted_ms_per_microbatch=s * 1e3, compute_ms=s * 1e3, bottleneck=False)
+        for stage, s in zip(plan.data_parallel, seconds, strict=True)
+    ]
+    slowest = max(range(len(replicas)), key=lambda i: chosen[i] * seconds[i] + after[i])
+    replicas[slowest] = replace(replicas[slowest], bottleneck=True)
+    calibration = {
+        "steps": [step.step for step in measured],
+        "measured_ms_per_microbatch": [round(s * 1e3, 3) for s in seconds],
+        "speed": [round(m / p, 4) if p > 0 else None for m, p in zip(seconds, planned, strict=True)],
+    }
+    new_plan = replace(
+        plan,
+        stages=[replicas[0]],
+        data_parallel=replicas,
+        shares=chosen,
+        predicted_step_s=best,
+        search="calibrated",
+        calibration=calibration,
+    )
+    return Rebalance(plan=new_plan, predicted_step_s=best, current_step_s=current, reason=reason)
+
+
+def calibrated_shares_step(plan: Plan, measured: Sequence[StepMeasurement]) -> float:
+    """A data-parallel plan's step with its own shares, each replica at its measured seconds per
+    micro-batch (the optimizer and all-reduce as planned): what :func:`shares_decision` compares with."""
+    if not plan.is_data_parallel or not measured:
+        raise ShardpoolError("calibrating shares needs a data-parallel plan and at least one measured step")
+    seconds, after, allreduce = _measured_replicas(plan, measured)
+    return shares_step_seconds(seconds, after, plan.shares, allreduce)
+
+
+def _measured_replicas(
+    plan: Plan, measured: Sequence[StepMeasurement]
+) -> tuple[list[float], list[float], float]:
+    """Each replica's measured seconds per micro-batch (median compute over its share), its planned
+    after-step seconds, and the plan's all-reduce (its step less the slowest replica's part)."""
+    seconds = [
+        statistics.median(step.stage_compute_s[replica] for step in measured) / share
+        for replica, share in enumerate(plan.shares)
+    ]
+    after = [stage.after_step_ms / 1e3 for stage in plan.data_parallel]
+    planned = [stage.predicted_ms_per_microbatch / 1e3 for stage in plan.data_parallel]
+    slowest = max(n * s + a for n, s, a in zip(plan.shares, planned, after, strict=True))
+    return seconds, after, max(0.0, plan.predicted_step_s - slowest)
 
 
 def stage_rooms(room_by_rank: Sequence[float], num_stages: int) -> list[float]:

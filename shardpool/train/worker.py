@@ -64,7 +64,7 @@ from shardpool.contract.grow import (
 )
 from shardpool.contract.job import Job
 from shardpool.contract.liveness import beat_key
-from shardpool.contract.rebalance import decode_decision
+from shardpool.contract.rebalance import decode_decision, decode_shares
 from shardpool.data.cadence import config_steps_per_epoch, epoch_at, eval_step_set, save_step_set
 from shardpool.data.prepared_file import load_prepared
 from shardpool.data.rows import PreparedData
@@ -512,6 +512,11 @@ class StageWorker:
     def check_rebalance(self, step: int) -> None:
         """Wait for the launcher's decision after ``step`` (every rank reads the same key); re-shard if asked."""
         answer = await_decision(self.rendezvous, step, timeout_s=self.job.timeout_s)
+        if self.job.shares is not None:  # replicas on shares of the step: nothing moves but the shares
+            shares = decode_shares(answer, current=self.job.shares)
+            if shares is not None:
+                self.job = self.job.model_copy(update={"shares": shares})
+            return
         new = decode_decision(answer, current=self.layers)
         if new is not None:
             self.reshard(new)

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, get_scheduler
 
 from shardpool.config import parse_config
+from shardpool.contract.rebalance import FORCE_SHARES_ENV
 from shardpool.data.prepared_file import load_prepared
 from shardpool.finetune import finetune
 from shardpool.launch.run import RUN_DIR_NAME
@@ -155,8 +156,37 @@ def test_replicas_on_shares_of_the_step_train_as_one_stage(
     assert _max_adapter_diff(adapter_shares, adapter_one) < 1e-4
     plan = json.loads((shares / "plan.json").read_text())
     assert plan["shares"] == [2, 1] and [s["layers"] for s in plan["data_parallel"]] == [[0, 6], [0, 6]]
-    evals = [r["eval_loss"] for r in split if "eval_loss" in r]
-    assert evals == pytest.approx([r["eval_loss"] for r in one if "eval_loss" in r], rel=1e-5)
+    summaries = [json.loads((run / "run_summary.json").read_text()) for run in (shares, runs["one"])]
+    assert summaries[0]["eval_loss_after"] == pytest.approx(summaries[1]["eval_loss_after"], rel=1e-5)
+
+
+def test_a_run_that_moves_its_shares_trains_as_one_that_did_not(
+    runs: dict[str, Path],
+    tiny_model: Path,
+    completion_data: Path,
+    start_adapter: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Re-balancing replicas moves only their shares: after step 1 the split goes from 2/1 to 1/2,
+    and the run still equals one stage training every micro-batch."""
+    monkeypatch.setenv(FORCE_SHARES_ENV, "1:1,2")
+    moved = _train(
+        base_config(
+            tiny_model, completion_data, tmp_path / "moved", lora_model_dir=str(start_adapter),
+            shardpool={"devices": ["cpu", "cpu"], "shares": [2, 1], "rebalance": "auto"},
+        )
+    )  # fmt: skip
+    records = read_metrics(moved)
+    events = [r for r in records if r.get("event") == "rebalance"]
+    assert [(e["step"], e["shares_from"], e["shares_to"]) for e in events] == [(1, [2, 1], [1, 2])]
+    one = read_metrics(runs["one"])
+    steps = [r for r in records if "loss" in r]
+    _assert_losses_close([r["loss"] for r in steps], [r["loss"] for r in one], rel=1e-5)
+    adapter_one = load_file(str(runs["one"] / "adapter_model.safetensors"))
+    assert _max_adapter_diff(load_file(str(moved / "adapter_model.safetensors")), adapter_one) < 1e-4
+    plan = json.loads((moved / "plan.json").read_text())
+    assert plan["shares"] == [1, 2] and plan["history"][0]["shares"] == [2, 1]
 
 
 def test_pipeline_equals_plain_peft_bitsandbytes_loop(
