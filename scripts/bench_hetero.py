@@ -112,15 +112,20 @@ in for; the host's agent (their parent, so that they inherit the quota and the t
 their first instruction) stays with them. The launcher, WireGuard (``wireguard-go`` encrypts every
 activation in user space) and the sync daemon run on the host's CPU, unthrottled, as they would
 beside a GPU. ``host``: every process of the host, as on a smaller machine (last session's figures)."""
-MODES = ("fastest_alone", "all_alone", "even_split", "pooled", "pooled_pipeline")
+MODES = ("fastest_alone", "all_alone", "even_split", "pooled", "pooled_pipeline", "pooled_data_parallel")
 """Every way the bench can run (``--modes``). ``all_alone``: the fastest host's run alone again, with
 every other host training the same model alone beside it (:func:`beside_runs`), so host a shares
-the VM with as busy a neighbour as in the pooled run; not run unless asked for."""
+the VM with as busy a neighbour as in the pooled run; not run unless asked for.
+``pooled_pipeline`` (``data_parallel: off``) and ``pooled_data_parallel`` (``data_parallel: on``):
+the planner's best pipeline and its best whole-model replicas, each whatever the other predicts,
+beside ``pooled``, which is the planner's choice between them."""
 DEFAULT_MODES = ("fastest_alone", "even_split", "pooled")
 LOCAL_MODES = ("fastest_alone", "all_alone")
 """The ways whose host-a run is one local stage process (``placement: local``) under a's quota."""
 SWAPPED = "pooled_swapped"
 """With ``--swap-profiles``: the pooled run again, planned from the swapped profiles."""
+POOLED_MODES = ("pooled", "pooled_pipeline", "pooled_data_parallel", SWAPPED)
+"""The ways the planner places, with re-balancing on as a user's run has it."""
 
 FULL: dict[str, Any] = {
     "model": {
@@ -300,6 +305,7 @@ def repeats_summary(
     by_run = {mode: [run.get("tokens_per_s") for run in summaries] for mode, summaries in runs.items()}
     pooled = paired_ratios(by_run, "pooled", "fastest_alone")
     pipeline = paired_ratios(by_run, "pooled_pipeline", "fastest_alone")
+    replicas = paired_ratios(by_run, "pooled_data_parallel", "fastest_alone")
     even = paired_ratios(by_run, "even_split", "fastest_alone")
     beside = paired_ratios(by_run, "pooled", "all_alone")
     every_host = [every_host_tokens(run) for run in runs.get("all_alone", [])]
@@ -317,6 +323,8 @@ def repeats_summary(
         "even_over_fastest": spread(even),
         "pipeline_over_fastest_by_round": pipeline,
         "pipeline_over_fastest": spread(pipeline),
+        "data_parallel_over_fastest_by_round": replicas,
+        "data_parallel_over_fastest": spread(replicas),
         "every_host_alone_tokens_per_s_by_round": every_host,
         "pooled_over_fastest_beside_by_round": beside,
         "pooled_over_fastest_beside": spread(beside),
@@ -979,6 +987,10 @@ def mode_settings(mode: str, num_layers: int, hosts: int) -> dict[str, Any]:
         return {"placement": "mesh", "layers": even_counts(num_layers, hosts)}
     if mode == "pooled_pipeline":  # the planner's best pipeline, even where replicas would be faster
         return {"placement": "mesh", "data_parallel": "off"}
+    if (
+        mode == "pooled_data_parallel"
+    ):  # whole-model replicas on shares, even where a pipeline is predicted faster
+        return {"placement": "mesh", "data_parallel": "on"}
     return {"placement": "mesh"}
 
 

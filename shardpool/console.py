@@ -36,7 +36,7 @@ __all__ = [
     "wants_progress_bar",
 ]
 
-_LEFT_COLUMNS = {"stage", "device", "host", "layers"}
+_LEFT_COLUMNS = {"stage", "replica", "device", "host", "layers"}
 
 
 def print_placement(
@@ -50,30 +50,43 @@ def print_placement(
     predicted_ms: list[float | None],
     total_steps: int,
     rows: tuple[int, int],
+    shares: list[int] | None = None,
 ) -> None:
     """The placement table (each stage's device, layers, size and predicted time) and the step shape.
 
     ``footprints`` holds each stage's (parameters, NF4 MiB); ``rows`` the train and eval row counts.
+    With ``shares`` the placements are a data-parallel run's replicas, each holding the whole model
+    and training its share of the step's micro-batches.
     """
     table = Table(title=f"placement of {model_name} ({num_layers} layers)")
-    for column in ("stage", "device", "host", "layers", "parameters", "NF4 MiB", "predicted ms/mb"):
+    first = "replica" if shares else "stage"
+    for column in (first, "device", "host", "layers", "parameters", "NF4 MiB", "predicted ms/mb"):
         table.add_column(column, justify="left" if column in _LEFT_COLUMNS else "right")
     last = len(placements) - 1
     for index, (placement, (params, mib), predicted) in enumerate(
         zip(placements, footprints, predicted_ms, strict=True)
     ):
-        extras = (["embed"] if index == 0 else []) + (["norm+lm_head"] if index == last else [])
+        whole = bool(shares)  # a replica holds both ends
+        extras = (["embed"] if whole or index == 0 else []) + (
+            ["norm+lm_head"] if whole or index == last else []
+        )
         layers = f"[{placement.start}, {placement.stop})" + (f" +{'+'.join(extras)}" if extras else "")
+        if shares:
+            layers += f" × {shares[index]} mb"
         shown = "-" if predicted is None else f"{predicted:.1f}"
         table.add_row(
             str(index), placement.device, placement.host, layers, f"{params:,}", f"{mib:.2f}", shown
         )
     console.print(table)
     replicas = config.shardpool.replicas
+    shape = (
+        f"data parallel: {len(shares)} replicas on shares {' / '.join(map(str, shares))}"
+        if shares
+        else f"{replicas} replica{'s' if replicas > 1 else ''}, schedule {config.shardpool.schedule}"
+    )
     console.print(
         f"{total_steps} steps × {config.gradient_accumulation_steps} micro-batches of "
-        f"{config.micro_batch_size} × {replicas} replica{'s' if replicas > 1 else ''}, "
-        f"schedule {config.shardpool.schedule}, {rows[0]} train rows, {rows[1]} eval rows"
+        f"{config.micro_batch_size} × {shape}, {rows[0]} train rows, {rows[1]} eval rows"
     )
 
 

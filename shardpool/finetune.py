@@ -61,6 +61,7 @@ from shardpool.launch.run import (
     append_metrics_line,
     build_job,
     launcher_for,
+    replica_places_of,
     trim_metrics,
     write_job,
 )
@@ -349,7 +350,7 @@ def finish_run(
     The card shows the split the run ended with and the ones before it: ``plan.json`` as a
     re-balance or a re-plan last rewrote it (the run's own placements where it cannot be read).
     """
-    placements, earlier = _trained_splits(run)
+    placements, earlier, shares = _trained_splits(run)
     card = render_model_card(
         as_written,
         base_model=run.base_model_reference or base_model_reference(as_written.base_model),
@@ -357,6 +358,7 @@ def finish_run(
         placements=placements,
         outcome=record.outcome(run.total_steps),
         earlier=earlier,
+        shares=shares,
     )
     write_model_card(config.output_dir, card)
     print_result(console, config, record)
@@ -424,14 +426,16 @@ def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Pla
     )
 
 
-def _trained_splits(run: PreparedRun) -> tuple[list[StagePlacement], list[str]]:
-    """The placements the run ended with and a line per split before them, from ``plan.json``."""
+def _trained_splits(run: PreparedRun) -> tuple[list[StagePlacement], list[str], list[int]]:
+    """The placements the run ended with (a data-parallel run's replicas), a line per split before
+    them, and the replicas' shares (empty for a pipeline), from ``plan.json``."""
     written = _read_plan_json(Path(run.config.output_dir))
     try:
         final = Plan.from_json(written)
     except ShardpoolError:
-        return run.placements, []
-    return placements_of(final), earlier_splits(written.get("history"))
+        return run.placements, [], []
+    earlier = earlier_splits(written.get("history"))
+    return replica_places_of(final) or placements_of(final), earlier, list(final.shares)
 
 
 def _read_plan_json(output_dir: Path) -> Any:
@@ -453,16 +457,26 @@ def _write_run_inputs(run: PreparedRun, console: Console) -> Path:
     save_prepared(run.data, run_dir / DATA_INPUT)
     write_json(output_dir / "plan.json", run.plan)
     trim_metrics(output_dir / METRICS_FILE, keep_through_step=run.first_step)
+    replicas = replica_places_of(run.planned)
+    shown = replicas or run.placements
     print_placement(
         console,
         run.config,
         model_name=run.model.base_name,
         num_layers=run.model.num_layers,
-        placements=run.placements,
-        footprints=stage_footprints(run.model, run.placements),
-        predicted_ms=[stage.get("predicted_ms_per_microbatch") for stage in run.plan["stages"]],
+        placements=shown,
+        footprints=(
+            stage_footprints(run.model, replicas[:1]) * len(replicas)  # each holds the whole model
+            if replicas
+            else stage_footprints(run.model, run.placements)
+        ),
+        predicted_ms=[
+            stage.get("predicted_ms_per_microbatch")
+            for stage in (run.plan.get("data_parallel") if replicas else None) or run.plan["stages"]
+        ],
         total_steps=run.total_steps,
         rows=(len(run.data.train), len(run.data.eval)),
+        shares=list(run.planned.shares) if replicas and run.planned is not None else None,
     )
     return run_dir
 

@@ -64,6 +64,28 @@ def test_numbers_written_the_axolotl_way_are_accepted() -> None:
         ({"eval_steps": 2.5}, "a whole step count or a fraction below 1"),
         ({"eval_steps": 0}, "`eval_steps`"),
         ({"save_total_limit": 0}, "`save_total_limit`"),
+        (
+            {"gradient_accumulation_steps": 3, "shardpool": {"shares": [2, 1], "layers": [1, 2]}},
+            "trains whole-model replicas; remove shardpool.layers",
+        ),
+        (
+            {"gradient_accumulation_steps": 3, "shardpool": {"shares": [2, 1], "replicas": 2}},
+            "remove shardpool.replicas",
+        ),
+        (
+            {"gradient_accumulation_steps": 3, "shardpool": {"shares": [3]}},
+            "at least 2 replicas of at least 1 micro-batch",
+        ),
+        (
+            {"gradient_accumulation_steps": 3, "shardpool": {"shares": [2, 1], "data_parallel": "off"}},
+            "`data_parallel` is off; keep one",
+        ),
+        (
+            {"gradient_accumulation_steps": 3, "shardpool": {"shares": [2, 1], "devices": ["cpu"] * 3}},
+            "give one device per replica",
+        ),
+        ({"gradient_accumulation_steps": 4, "shardpool": {"shares": [2, 1]}}, "add up to 3 but a step has 4"),
+        ({"shardpool": {"data_parallel": "always"}}, "`shardpool.data_parallel`"),
     ],
 )
 def test_bad_configs_name_the_key_and_the_fix(changes: dict[str, Any], expected: str) -> None:

@@ -251,11 +251,11 @@ class ShardpoolSection(_Strict):
         default=None,
         description="manual split: decoder layers per stage, e.g. [1, 3, 2] (mesh: the planner picks the devices)",
     )
-    data_parallel: Literal["auto", "off"] = Field(
+    data_parallel: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="auto: where several devices each hold the whole model and that predicts a shorter "
         "step than any pipeline, train whole-model replicas on them, each on a share of the step's "
-        "micro-batches by its speed; off: always a pipeline",
+        "micro-batches by its speed; on: replicas wherever two devices hold the model; off: always a pipeline",
     )
     shares: list[int] | None = Field(
         default=None,

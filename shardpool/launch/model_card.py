@@ -41,11 +41,13 @@ def render_model_card(
     placements: Sequence[StagePlacement],
     outcome: TrainingOutcome,
     earlier: Sequence[str] = (),
+    shares: Sequence[int] = (),
 ) -> str:
     """The card's text. ``base_model`` is the reference the adapter stores (an absolute path or hub id).
 
     ``placements`` is the split the run ended with; ``earlier`` the splits it trained with before a
-    re-balance or a re-plan changed it, one line each (:func:`earlier_splits`).
+    re-balance or a re-plan changed it, one line each (:func:`earlier_splits`). With ``shares`` the
+    placements are data-parallel replicas, each training that share of the step's micro-batches.
     """
     tags = ["shardpool", "lora"] + (["qlora"] if config.adapter == "qlora" else [])
     front_matter = yaml.safe_dump(
@@ -63,7 +65,7 @@ def render_model_card(
         "## Hyperparameters\n\n"
         + _table(("hyperparameter", "value"), _hyperparameters(config, target_modules, outcome.steps)),
         "## Results\n\n" + _table(("metric", "value"), _results(outcome)),
-        "## Plan\n\n" + _plan_summary(config, placements, earlier),
+        "## Plan\n\n" + _plan_summary(config, placements, earlier, shares),
         "## Usage\n\n```python\nfrom peft import AutoPeftModelForCausalLM\n"
         "from transformers import AutoTokenizer\n\n"
         f"model = AutoPeftModelForCausalLM.from_pretrained({json.dumps(adapter_dir)})\n"
@@ -119,18 +121,32 @@ def _table(header: tuple[str, str], rows: list[tuple[str, str]]) -> str:
     return "\n".join(lines + [f"| {name} | {value} |" for name, value in rows])
 
 
-def _plan_summary(config: Config, placements: Sequence[StagePlacement], earlier: Sequence[str]) -> str:
+def _plan_summary(
+    config: Config, placements: Sequence[StagePlacement], earlier: Sequence[str], shares: Sequence[int] = ()
+) -> str:
     replicas = config.shardpool.replicas
-    header = (
-        f"{len(placements)} pipeline stage{'s' if len(placements) != 1 else ''}"
-        f" × {replicas} replica{'s' if replicas != 1 else ''}, schedule {config.shardpool.schedule}"
-        f"{', at the end of training' if earlier else ''}:"
-    )
-    rows = [
-        f"| {index} | {stage.device} | {stage.host} | [{stage.start}, {stage.stop}) | {stage.stop - stage.start} |"
-        for index, stage in enumerate(placements)
-    ]
-    table = [header, "", "| stage | device | host | layers | layer count |", "|---|---|---|---|---|", *rows]
+    ended = ", at the end of training" if earlier else ""
+    if shares:
+        header = (
+            f"data parallel: {len(shares)} replicas of the whole model, each training its share of the "
+            f"step's {sum(shares)} micro-batches{ended}:"
+        )
+        rows = [
+            f"| {index} | {place.device} | {place.host} | [{place.start}, {place.stop}) | {share} |"
+            for index, (place, share) in enumerate(zip(placements, shares, strict=True))
+        ]
+        columns = "| replica | device | host | layers | micro-batches a step |"
+    else:
+        header = (
+            f"{len(placements)} pipeline stage{'s' if len(placements) != 1 else ''}"
+            f" × {replicas} replica{'s' if replicas != 1 else ''}, schedule {config.shardpool.schedule}{ended}:"
+        )
+        rows = [
+            f"| {index} | {stage.device} | {stage.host} | [{stage.start}, {stage.stop}) | {stage.stop - stage.start} |"
+            for index, stage in enumerate(placements)
+        ]
+        columns = "| stage | device | host | layers | layer count |"
+    table = [header, "", columns, "|---|---|---|---|---|", *rows]
     if earlier:
         table += ["", "Earlier splits of this run:", "", *(f"- {line}" for line in earlier)]
     return "\n".join(table)
@@ -146,7 +162,15 @@ def earlier_splits(history: object) -> list[str]:
     for entry in history:
         if not isinstance(entry, Mapping) or not isinstance(stages := entry.get("stages"), list):
             continue
-        ranges = ", ".join(_stage_range(stage) for stage in stages if isinstance(stage, Mapping))
+        replicas, shares = entry.get("data_parallel"), entry.get("shares")
+        if isinstance(replicas, list) and isinstance(shares, list) and len(replicas) == len(shares):
+            ranges = ", ".join(
+                f"{share} micro-batches on {replica.get('host', '?')}"
+                for replica, share in zip(replicas, shares, strict=True)
+                if isinstance(replica, Mapping)
+            )
+        else:
+            ranges = ", ".join(_stage_range(stage) for stage in stages if isinstance(stage, Mapping))
         ended = _how_it_ended(entry)
         lines.append(f"{ranges} ({entry.get('source', 'planner')}){ended}")
     return lines

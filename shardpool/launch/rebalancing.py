@@ -262,7 +262,8 @@ def carried_plan(
       the split trained at least one step. A run stopped in its hand-over, or by a split that
       did not fit, plans afresh rather than meet the same failure again;
     - the same model depth, micro-batches, schedule and ``replicas``;
-    - each stage on the same host, slot, device and dtype;
+    - each stage on the same host, slot, device and dtype (a data-parallel plan: each replica; its
+      re-balanced shares are carried, and a plan of the other kind never is);
     - every carried range fits its slot under the fresh plan's memory model.
 
     ``interrupted`` is what ``plan.json`` held.
@@ -286,6 +287,13 @@ def carried_plan(
     )
     if not same_run:
         return None
+    if kept.is_data_parallel or fresh.is_data_parallel:  # re-balanced shares: the same replicas, each whole
+
+        def places(plan: Plan) -> list[tuple[str, str, str, str]]:
+            return [(r.host, r.slot, r.device, r.dtype) for r in plan.data_parallel]
+
+        same = kept.is_data_parallel and fresh.is_data_parallel and places(kept) == places(fresh)
+        return kept if same else None
     for old, new in zip(kept.stages, fresh.stages, strict=True):
         if (old.host, old.slot, old.device, old.dtype) != (new.host, new.slot, new.device, new.dtype):
             return None

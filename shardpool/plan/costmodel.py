@@ -57,9 +57,10 @@ class Workload:
     precision: Cap | None = None
     quantize: bool = True
     layers: tuple[int, ...] | None = None
-    #: Whether the planner may split the step's micro-batches over whole-model replicas on several
-    #: devices (``plan.data_parallel``) where that predicts a shorter step than any pipeline.
-    data_parallel: bool = False
+    #: Whole-model replicas on several devices, each on a share of the step (``plan.data_parallel``):
+    #: ``auto`` where they predict a shorter step than any pipeline, ``on`` wherever two devices
+    #: hold the model, ``off`` never (``shardpool.data_parallel``; off unless a config says).
+    data_parallel: Literal["auto", "on", "off"] = "off"
     #: A fixed split of the step's micro-batches over that many replicas (``shardpool.shares``).
     shares: tuple[int, ...] | None = None
 
@@ -159,6 +160,6 @@ class Workload:
             precision=config_cap(config.bf16, config.fp16),
             quantize=config.adapter == "qlora",
             layers=tuple(config.shardpool.layers) if config.shardpool.layers else None,
-            data_parallel=config.shardpool.data_parallel == "auto",
+            data_parallel=config.shardpool.data_parallel,
             shares=tuple(config.shardpool.shares) if config.shardpool.shares else None,
         )

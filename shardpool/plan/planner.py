@@ -99,16 +99,23 @@ def plan_pipeline(
         raise ShardpoolError(_explain_no_fit(ctx))
     if _may_split_batch(workload):
         replicas = data_parallel_candidate(ctx)
-        if replicas is not None and beats_pipeline(replicas, best.objective):
+        if workload.data_parallel == "on" and replicas is None:
+            raise ShardpoolError(
+                "shardpool.data_parallel is on but fewer than two devices can each hold the whole "
+                f"{shape.name or 'model'}; set it to auto or off to pipeline the layers instead"
+            )
+        if replicas is not None and (
+            workload.data_parallel == "on" or beats_pipeline(replicas, best.objective)
+        ):
             return _data_parallel_plan(ctx, replicas, search=search, refused=refused)
     return _build_plan(ctx, best.seq, best.counts, search=search, refused=refused)
 
 
 def _may_split_batch(workload: Workload) -> bool:
-    """Whether the planner may choose whole-model replicas: asked for (``data_parallel: auto``), and
-    nothing in the config fixes the pipeline (its stages, its split, or pipeline replicas)."""
+    """Whether the planner may choose whole-model replicas: asked for (``data_parallel: auto | on``),
+    and nothing in the config fixes the pipeline (its stages, its split, or pipeline replicas)."""
     return (
-        workload.data_parallel
+        workload.data_parallel != "off"
         and workload.stages is None
         and workload.layers is None
         and workload.replicas == 1

@@ -7,10 +7,14 @@ import pytest
 from shardpool.contract.names import ContractError
 from shardpool.contract.rebalance import (
     FORCE_ENV,
+    FORCE_SHARES_ENV,
     check_step,
     decode_decision,
+    decode_shares,
     encode_decision,
+    encode_shares,
     forced_reshard,
+    forced_shares,
     handovers,
     key_layer,
 )
@@ -84,3 +88,26 @@ def test_handovers_name_each_moving_layer_once() -> None:
 def test_key_layer_finds_decoder_layers_only() -> None:
     assert key_layer("base_model.model.model.layers.12.self_attn.q_proj.lora_A.weight") == 12
     assert key_layer("base_model.model.lm_head.lora_B.weight") is None
+
+
+def test_a_share_decision_keeps_the_replicas_and_the_step() -> None:
+    assert decode_shares(encode_shares([12, 4]), current=[11, 5]) == [12, 4]
+    assert decode_shares(encode_shares(None), current=[11, 5]) is None
+    assert decode_shares(encode_shares([11, 5]), current=[11, 5]) is None  # nothing moves
+    for shares, message in (([16], "each of 2 replicas"), ([10, 5], "step's 16"), ([16, 0], "at least 1")):
+        with pytest.raises(ContractError, match=message):
+            decode_shares(encode_shares(shares), current=[11, 5])
+    with pytest.raises(ContractError, match="neither keep nor shares"):
+        decode_shares('{"layers": [[0, 6]]}', current=[11, 5])
+
+
+def test_the_forced_shares_hook_parses_or_says_the_format(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FORCE_SHARES_ENV, "3:10,6")
+    assert forced_shares() == (3, [10, 6])
+    assert check_step("auto", first_step=0, total_steps=9, num_stages=1, data_parallel=True) == 3
+    monkeypatch.setenv(FORCE_SHARES_ENV, "3:16")
+    with pytest.raises(ContractError, match="expected STEP:SHARE,SHARE"):
+        forced_shares()
+    monkeypatch.delenv(FORCE_SHARES_ENV)
+    assert check_step("auto", first_step=0, total_steps=9, num_stages=1) is None
+    assert check_step("auto", first_step=0, total_steps=9, num_stages=1, data_parallel=True) == 3

@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 
 from shardpool.config import parse_config
-from shardpool.contract.rebalance import FORCE_ENV, decision_key, decode_decision
+from shardpool.contract.rebalance import (
+    FORCE_ENV,
+    FORCE_SHARES_ENV,
+    decision_key,
+    decode_decision,
+    decode_shares,
+)
 from shardpool.launch.rebalancing import RebalanceCheck, carried_plan, replanned_json, resumed_json
 from shardpool.plan.calibrate import Rebalance, StepMeasurement
 from shardpool.plan.result import Plan, PlannedStage
@@ -374,3 +380,76 @@ def test_stages_sharing_a_device_are_held_to_its_room_together(
     line = check.on_step(_room_step(3, [one_layer] * 3))
     assert line is not None and line["event"] == "rebalance", line
     assert decode_decision(published[decision_key(3)], current=started) == [(0, 2), (2, 4), (4, 6)]
+
+
+# ------------------------------------------------------------------- data-parallel shares
+
+
+def _replicas(shares: list[int], *, ms: tuple[float, float] = (600.0, 1200.0)) -> Plan:
+    """Two whole-model replicas (a, then b) planned at ``ms`` per micro-batch, with ``shares`` of 16."""
+    replicas = [
+        PlannedStage(device="cpu", host=host, start=0, stop=6, predicted_ms_per_microbatch=per_mb,
+                     memory_bytes=0, free_bytes=0, slot=f"{host}/cpu", after_step_ms=50.0)
+        for host, per_mb in zip("ab", ms, strict=True)
+    ]  # fmt: skip
+    slowest = max(n * per_mb / 1e3 + 0.05 for n, per_mb in zip(shares, ms, strict=True))
+    return Plan(stages=[replicas[0]], predicted_step_s=slowest + 0.05, bubble_fraction=0.0, microbatches=16,
+                recommended_microbatches=16, num_layers=6, data_parallel=replicas, shares=shares)  # fmt: skip
+
+
+def _replica_step(step: int, compute: list[float]) -> dict[str, Any]:
+    return {"event": "step", "step": step, "step_seconds": max(compute) + 0.1,
+            "stage_compute_s": compute, "stage_wait_s": [0.0, 0.0]}  # fmt: skip
+
+
+def test_the_check_of_replicas_moves_their_shares_by_the_measured_speeds(tmp_path: Path) -> None:
+    """Planned 2 : 1 (11 / 5), measured 3 : 1: b's 5 micro-batches take 9 s against a's 6.6 s, and
+    12 / 4 predicts 7.2 + 0.1 s against 9.05 + 0.05 s: 20 % shorter, so the shares move."""
+    published: dict[str, str] = {}
+    plan = _replicas([11, 5])
+    check = _check_of(tmp_path, plan, lambda *args, **kwargs: None, published)
+    for step in (1, 2):
+        assert check.on_step(_replica_step(step, [6.6, 9.0])) is None
+    line = check.on_step(_replica_step(3, [6.6, 9.0]))
+    assert line is not None and line["event"] == "rebalance"
+    assert (line["shares_from"], line["shares_to"]) == ([11, 5], [12, 4])
+    assert line["current_step_s"] == pytest.approx(9.1) and line["predicted_step_s"] == pytest.approx(7.3)
+    assert decode_shares(published[decision_key(3)], current=[11, 5]) == [12, 4]
+    written = json.loads((tmp_path / "plan.json").read_text())
+    assert written["shares"] == [12, 4] and written["history"][0]["shares"] == [11, 5]
+    assert written["data_parallel"][1]["predicted_ms_per_microbatch"] == pytest.approx(1800.0)
+    assert check.plan.shares == [12, 4]
+
+
+def test_the_check_of_replicas_keeps_shares_that_the_measured_speeds_confirm(tmp_path: Path) -> None:
+    published: dict[str, str] = {}
+    check = _check_of(tmp_path, _replicas([11, 5]), lambda *args, **kwargs: None, published)
+    for step in (1, 2, 3):
+        line = check.on_step(_replica_step(step, [6.6, 6.3]))
+    assert line is None
+    assert decode_shares(published[decision_key(3)], current=[11, 5]) is None
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_forced_move_of_shares_is_answered_as_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FORCE_SHARES_ENV, "3:10,6")
+    published: dict[str, str] = {}
+    check = _check_of(tmp_path, _replicas([11, 5]), lambda *args, **kwargs: None, published)
+    for step in (1, 2, 3):
+        line = check.on_step(_replica_step(step, [6.6, 6.3]))
+    assert line is not None and line["shares_to"] == [10, 6]
+    assert json.loads(published[decision_key(3)]) == {"shares": [10, 6]}
+
+
+def test_a_resumed_run_goes_on_with_its_rebalanced_shares_only_on_the_same_replicas() -> None:
+    started = _replicas([11, 5]).to_json() | {"replicas": 1, "source": "planner"}
+    interrupted = replanned_json(started, _replicas([12, 4]), ended_at_step=3)
+    carried = carried_plan(interrupted, _replicas([11, 5]), replicas=1, resumed_from_step=4)
+    assert carried is not None and carried.shares == [12, 4]
+    other = replace(
+        _replicas([11, 5]), data_parallel=[replace(r, host="c") for r in _replicas([11, 5]).data_parallel]
+    )
+    assert carried_plan(interrupted, other, replicas=1, resumed_from_step=4) is None
+    assert carried_plan(interrupted, _costed([(0, 6)]), replicas=1, resumed_from_step=4) is None

@@ -100,7 +100,7 @@ def test_best_shares_needs_a_micro_batch_for_every_replica() -> None:
 
 def test_two_hosts_that_each_hold_the_model_split_the_batch_by_speed() -> None:
     fleet = two_hosts()
-    plan = plan_pipeline(SHAPE, replace(WORKLOAD, data_parallel=True), fleet)
+    plan = plan_pipeline(SHAPE, replace(WORKLOAD, data_parallel="auto"), fleet)
     pipeline = plan_pipeline(SHAPE, WORKLOAD, fleet)
     assert plan.is_data_parallel and not pipeline.is_data_parallel
     assert [stage.host for stage in plan.data_parallel] == ["a", "b"]  # the fastest first: it evaluates
@@ -110,7 +110,7 @@ def test_two_hosts_that_each_hold_the_model_split_the_batch_by_speed() -> None:
     # Without the fill and drain (1/17 of a balanced pipeline's step), the replicas' step is
     # shorter than the best pipeline's by more than 3 %.
     assert plan.predicted_step_s < 0.97 * pipeline.predicted_step_s
-    ctx = SearchContext(SHAPE, replace(WORKLOAD, data_parallel=True), fleet)
+    ctx = SearchContext(SHAPE, replace(WORKLOAD, data_parallel="auto"), fleet)
     costs = [ctx.costs((d,), 0) for d in (0, 1)]
     expected = shares_step_seconds(
         [c.seconds(16) for c in costs], [c.after(16) for c in costs], [11, 5], ring_seconds(ctx, (0, 1))
@@ -139,7 +139,7 @@ def test_the_ring_all_reduce_moves_the_whole_models_lora_gradients_over_the_slow
 
 def test_a_device_that_cannot_hold_the_whole_model_keeps_the_pipeline() -> None:
     roomy = two_hosts()
-    need = plan_pipeline(SHAPE, replace(WORKLOAD, data_parallel=True), roomy).data_parallel[0].memory_bytes
+    need = plan_pipeline(SHAPE, replace(WORKLOAD, data_parallel="auto"), roomy).data_parallel[0].memory_bytes
     small = Device(
         name="b/cpu",
         host="b",
@@ -149,7 +149,7 @@ def test_a_device_that_cannot_hold_the_whole_model_keeps_the_pipeline() -> None:
         seconds_per_layer=0.081,
     )
     fleet = replace(roomy, devices=(roomy.devices[0], small))
-    plan = plan_pipeline(SHAPE, replace(WORKLOAD, data_parallel=True), fleet)
+    plan = plan_pipeline(SHAPE, replace(WORKLOAD, data_parallel="auto"), fleet)
     assert not plan.is_data_parallel
     assert len(plan.stages) == 2  # the pipeline still pools both hosts
 
@@ -157,12 +157,23 @@ def test_a_device_that_cannot_hold_the_whole_model_keeps_the_pipeline() -> None:
 def test_what_fixes_the_pipeline_keeps_it() -> None:
     fleet = two_hosts()
     for workload in (
-        replace(WORKLOAD, data_parallel=False),
-        replace(WORKLOAD, data_parallel=True, stages=2),
-        replace(WORKLOAD, data_parallel=True, layers=(11, 5)),
-        replace(WORKLOAD, data_parallel=True, replicas=2),
+        replace(WORKLOAD, data_parallel="off"),
+        replace(WORKLOAD, data_parallel="auto", stages=2),
+        replace(WORKLOAD, data_parallel="auto", layers=(11, 5)),
+        replace(WORKLOAD, data_parallel="auto", replicas=2),
     ):
         assert not plan_pipeline(SHAPE, workload, fleet).is_data_parallel, workload
+
+
+def test_data_parallel_on_takes_replicas_even_where_the_pipeline_is_predicted_faster() -> None:
+    equal = two_hosts(fast_s=0.05, slow_s=0.05)  # two equal hosts and an odd M: 8 / 7 is uneven
+    workload = replace(WORKLOAD, gradient_accumulation_steps=15)
+    assert not plan_pipeline(SHAPE, replace(workload, data_parallel="auto"), equal).is_data_parallel
+    forced = plan_pipeline(SHAPE, replace(workload, data_parallel="on"), equal)
+    assert forced.shares == [8, 7]
+    one = Fleet(devices=equal.devices[:1])
+    with pytest.raises(ShardpoolError, match="data_parallel is on but fewer than two devices"):
+        plan_pipeline(SHAPE, replace(workload, data_parallel="on"), one)
 
 
 def test_slots_of_one_shared_device_are_no_replicas_unless_shares_ask() -> None:
@@ -181,7 +192,7 @@ def test_slots_of_one_shared_device_are_no_replicas_unless_shares_ask() -> None:
         )
     )
     assert data_parallel_candidate(SearchContext(SHAPE, WORKLOAD, shared)) is None
-    assert not plan_pipeline(SHAPE, replace(WORKLOAD, data_parallel=True), shared).is_data_parallel
+    assert not plan_pipeline(SHAPE, replace(WORKLOAD, data_parallel="auto"), shared).is_data_parallel
     forced = plan_pipeline(SHAPE, replace(WORKLOAD, shares=(12, 4)), shared)
     assert forced.shares == [12, 4] and forced.search == "given"
     assert [stage.slot for stage in forced.data_parallel] == ["cpu#0", "cpu#1"]
@@ -208,17 +219,17 @@ def test_a_third_host_joins_only_where_it_shortens_the_step() -> None:
         name="c/cpu", host="c", kind="cpu", torch_device="cpu", memory_bytes=8 * GIB, seconds_per_layer=0.072
     )
     slow_plan = plan_pipeline(
-        SHAPE, replace(WORKLOAD, data_parallel=True), replace(fleet, devices=(*fleet.devices, snail))
+        SHAPE, replace(WORKLOAD, data_parallel="auto"), replace(fleet, devices=(*fleet.devices, snail))
     )
     assert slow_plan.shares == [11, 5] and slow_plan.left_out == ["c/cpu"]
     three = plan_pipeline(
-        SHAPE, replace(WORKLOAD, data_parallel=True), replace(fleet, devices=(*fleet.devices, quick))
+        SHAPE, replace(WORKLOAD, data_parallel="auto"), replace(fleet, devices=(*fleet.devices, quick))
     )
     assert len(three.shares) == 3 and sum(three.shares) == 16
 
 
 def test_plan_json_keeps_the_replicas_and_shares() -> None:
-    plan = plan_pipeline(SHAPE, replace(WORKLOAD, data_parallel=True), two_hosts())
+    plan = plan_pipeline(SHAPE, replace(WORKLOAD, data_parallel="auto"), two_hosts())
     again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
     assert again.shares == plan.shares
     assert [(s.host, s.start, s.stop) for s in again.data_parallel] == [
@@ -232,10 +243,21 @@ def test_plan_json_keeps_the_replicas_and_shares() -> None:
 def test_the_plan_table_shows_each_replica_and_its_share() -> None:
     from rich.console import Console
 
-    plan = plan_pipeline(SHAPE, replace(WORKLOAD, data_parallel=True), two_hosts())
+    plan = plan_pipeline(SHAPE, replace(WORKLOAD, data_parallel="auto"), two_hosts())
     console = Console(width=160, record=True)
     console.print(plan_table(plan))
     text = console.export_text()
     assert "r0" in text and "r1" in text
     assert "[0, 16) × 11 mb" in text and "[0, 16) × 5 mb" in text
     assert "Data parallel: 2 replicas" in text and "11 / 5" in text
+
+
+def test_worked_example_of_data_parallelism() -> None:
+    """docs/planner.md, "Data parallelism with shares": 11 / 5, a 6.90 s step, 1.40 × a alone."""
+    seconds, after, allreduce = [0.6, 1.35], [0.05, 0.1], 0.05
+    assert best_shares(seconds, after, 16) == [11, 5]
+    assert shares_step_seconds(seconds, after, [11, 5], allreduce) == pytest.approx(6.90)
+    assert shares_step_seconds(seconds, after, [12, 4], allreduce) == pytest.approx(7.30)
+    assert shares_step_seconds(seconds, after, [10, 6], allreduce) == pytest.approx(8.25)
+    alone = 16 * 0.6 + 0.05
+    assert alone == pytest.approx(9.65) and alone / 6.90 == pytest.approx(1.40, abs=0.005)

@@ -156,6 +156,8 @@ def test_replicas_on_shares_of_the_step_train_as_one_stage(
     assert _max_adapter_diff(adapter_shares, adapter_one) < 1e-4
     plan = json.loads((shares / "plan.json").read_text())
     assert plan["shares"] == [2, 1] and [s["layers"] for s in plan["data_parallel"]] == [[0, 6], [0, 6]]
+    card = (shares / "README.md").read_text()
+    assert "data parallel: 2 replicas of the whole model" in card and "| 1 | cpu |" in card
     summaries = [json.loads((run / "run_summary.json").read_text()) for run in (shares, runs["one"])]
     assert summaries[0]["eval_loss_after"] == pytest.approx(summaries[1]["eval_loss_after"], rel=1e-5)
 
@@ -187,6 +189,8 @@ def test_a_run_that_moves_its_shares_trains_as_one_that_did_not(
     assert _max_adapter_diff(load_file(str(moved / "adapter_model.safetensors")), adapter_one) < 1e-4
     plan = json.loads((moved / "plan.json").read_text())
     assert plan["shares"] == [1, 2] and plan["history"][0]["shares"] == [2, 1]
+    card = (moved / "README.md").read_text()
+    assert "Earlier splits of this run" in card and "2 micro-batches on " in card
 
 
 def test_pipeline_equals_plain_peft_bitsandbytes_loop(
