@@ -192,7 +192,9 @@ class Job(Closed):
     @property
     def scales_loss(self) -> bool:
         """Whether any rank computes in fp16, so every rank shares a dynamic loss scale."""
-        return any(self.rank_dtype(rank) == "float16" for rank in range(self.world_size))
+        default = self.parsed_config().compute_dtype_name
+        places = self.replica_places or self.stages
+        return any((place.dtype or default) == "float16" for place in places)
 
     def microbatch_range(self, replica: int, per_replica: int) -> tuple[int, int]:
         """Which of a step's micro-batches ``[start, stop)`` a replica trains: its share, after the

@@ -40,9 +40,9 @@ __all__ = [
     "append_metrics_line",
     "build_job",
     "is_logged_step",
-    "replica_places_of",
     "keeps_state",
     "launcher_for",
+    "replica_places_of",
     "trim_metrics",
     "write_job",
 ]
@@ -96,6 +96,8 @@ class PlannedRun(Protocol):
     def first_step(self) -> int: ...
     @property
     def eval_before(self) -> float | None: ...
+    @property
+    def planned(self) -> Plan | None: ...
 
 
 def launcher_for(
@@ -127,10 +129,9 @@ def build_job(
     the step after which the stages wait for the launcher's re-balance decision (None: they never do).
     """
     config = run.config
-    replica_places = replica_places_of(getattr(run, "planned", None))
+    replica_places = replica_places_of(run.planned)
     replicas = len(replica_places) if replica_places else config.shardpool.replicas
     processes = len(run.placements) * replicas
-    planned = getattr(run, "planned", None)
     return Job(
         config=config.model_dump(mode="json"),
         stages=run.placements,
@@ -147,7 +148,7 @@ def build_job(
         rebalance_at=rebalance_at,
         keep_state=keeps_state(config, processes),
         replica_places=replica_places,
-        shares=list(planned.shares) if replica_places and planned is not None else None,
+        shares=list(run.planned.shares) if run.planned is not None and replica_places else None,
     )
 
 

@@ -51,6 +51,7 @@ from shardpool.plan.stage_costs import StageCosts
 __all__ = [
     "MAX_SHARED_CAP_CHOICES",
     "MIN_GAIN",
+    "MIN_SHARE_GAIN",
     "Calibration",
     "Rebalance",
     "StepMeasurement",
@@ -69,6 +70,11 @@ __all__ = [
 
 #: Re-shard only when the calibrated model predicts a step at least this much faster.
 MIN_GAIN = 0.10
+#: Move replicas' shares when the measured speeds predict a step at least this much faster. Far
+#: below :data:`MIN_GAIN`: new shares move no state and build nothing (every replica holds the whole
+#: model), so only the measurement's own noise argues for a margin; one micro-batch moved is 1/M of
+#: the step (6 % at M = 16).
+MIN_SHARE_GAIN = 0.02
 #: The most per-stage cap vectors that stages sharing a device are searched under; a fleet with
 #: more (many growing stages on one device) is searched under each stage's own room alone, and
 #: the launcher holds a split back whose stages outgrow their device together.
@@ -249,7 +255,7 @@ def rebalance_decision(
 
 
 def shares_decision(
-    plan: Plan, measured: Sequence[StepMeasurement], *, min_gain: float = MIN_GAIN
+    plan: Plan, measured: Sequence[StepMeasurement], *, min_gain: float = MIN_SHARE_GAIN
 ) -> Rebalance | None:
     """The shares that the measured steps justify for a data-parallel plan, or None to keep its own.
 

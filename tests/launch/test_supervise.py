@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from shardpool.launch.supervise import (
 )
 from shardpool.plan.result import Plan, PlannedStage
 from shardpool.plan.stage_costs import StageCosts
-from tests.helpers.jobs import job_dict
+from tests.helpers.jobs import MINIMAL_CONFIG, job_dict
 
 
 class _Agent:
@@ -767,6 +768,21 @@ def test_a_job_grows_in_place_when_every_running_member_keeps_its_stages() -> No
     assert [stage.host for stage in job.stages] == ["a", "c", "b"]
     assert (job.generation, job.joining, job.rebalance_at, job.keep_state) == (1, True, None, True)
     assert grown_job(_job_on(["a", "b"]), _plan(["a", "a", "c"])) is None, "b would lose its stage"
+
+
+def test_replicas_on_shares_never_grow_in_place() -> None:
+    """A data-parallel job, or a data-parallel plan to grow into, restarts from the step copy."""
+    whole = {"start": 0, "stop": 6, "device": "cpu"}
+    replicas = Job.model_validate(
+        job_dict(stages=1, replicas=2, keep_state=True, config={**MINIMAL_CONFIG, "gradient_accumulation_steps": 3})
+        | {"stages": [whole | {"host": "a"}], "replica_places": [whole | {"host": "a"}, whole | {"host": "b"}],
+           "shares": [2, 1]}
+    )  # fmt: skip
+    assert [replicas.placement(rank).host for rank in range(2)] == ["a", "b"]
+    assert grown_job(replicas, _plan(["a", "c", "b"])) is None
+    three = _plan(["a"], counts=[6])
+    into_replicas = replace(three, data_parallel=[three.stages[0]] * 3, shares=[1, 1, 1])
+    assert grown_job(_job_on(["a", "b"], keep_state=True), into_replicas) is None
 
 
 class _DictStore:
