@@ -6,6 +6,7 @@
     sudo python scripts/bench_hetero.py --quick               # a tiny model, few steps (the test's version)
     sudo python scripts/bench_hetero.py --modes fastest_alone,pooled --repeats 2  # side by side, ABBA
     sudo python scripts/bench_hetero.py --modes fastest_alone,all_alone,pooled --repeats 2  # + the others busy beside a
+    sudo python scripts/bench_hetero.py --modes fastest_alone,pooled_pipeline,pooled_data_parallel --repeats 2
 
 It needs what the mesh tests need (root, ``ip``, ``wireguard-go``, ``wg``, ``ping``,
 ``/dev/net/tun``) and a writable cgroup hierarchy with the ``cpu`` controller: cgroup v2's
@@ -413,6 +414,8 @@ def summarize_run(records: Sequence[dict[str, Any]], plan: dict[str, Any], warmu
     step_s = median_of([float(r["step_seconds"]) for r in kept])
     compute = [median_of([float(r["stage_compute_s"][i]) for r in staged]) or 0.0 for i in range(stages)]
     wait = [median_of([float(r["stage_wait_s"][i]) for r in staged]) or 0.0 for i in range(stages)]
+    synced = [r for r in staged if r.get("stage_sync_s") is not None]  # older runs have no sync figure
+    sync = [median_of([float(r["stage_sync_s"][i]) for r in synced]) or 0.0 for i in range(stages)]
     placed = plan.get("data_parallel") or plan["stages"]  # a data-parallel plan: one entry per replica
     shares = plan.get("shares")
     layers = [int(stop) - int(start) for start, stop in (stage["layers"] for stage in placed)]
@@ -436,6 +439,8 @@ def summarize_run(records: Sequence[dict[str, Any]], plan: dict[str, Any], warmu
         "stage_compute_s": [round(value, 4) for value in compute],
         "stage_wait_s": [round(value, 4) for value in wait],
         "stage_wait_over_step": [ratio(value, step_s) for value in wait],
+        "stage_sync_s": [round(value, 4) for value in sync] if synced else None,
+        "stage_sync_over_step": [ratio(value, step_s) for value in sync] if synced else None,
         "final_loss": round(float(steps[-1]["loss"]), 6) if steps else None,
         "tokens_per_s_by_step": [round(float(r["tokens_per_s"]), 1) for r in steps],
     }

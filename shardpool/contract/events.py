@@ -102,6 +102,10 @@ class StepEvent(_Event):
     stage_compute_s: Timings
     stage_wait_s: Timings
     bytes_sent: Timings
+    #: Each rank's seconds in the step-end collectives (the replicas' gradient all-reduce, the global
+    #: norm): where a replica that finished its share waits for the others, or a pipeline stage that
+    #: finished first waits for the last backward. Not part of ``stage_wait_s`` (receives only).
+    stage_sync_s: Timings | None = None
     #: With ``keep_state``: each rank's most recent step-boundary copy, seconds from the clones
     #: until its files were written (a member lost inside that window loses the step being copied).
     stage_copy_s: Timings | None = None

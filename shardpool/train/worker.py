@@ -434,6 +434,7 @@ class StageWorker:
         grads = [param.grad for _, param in self.state.named_params]
         if scale and self.spec.index == 0 and inject_inf_at() == step + 1:
             grads[0].fill_(float("inf"))  # the test hook: an overflow on one stage only
+        sync_started = time.perf_counter()
         grad_norm, step_loss, finite = reduce_and_clip_gradients(
             grads,
             self.groups.replicas(self.spec.index),
@@ -442,6 +443,7 @@ class StageWorker:
             max_grad_norm=self.config.max_grad_norm,
             loss_scale=scale.scale if scale else None,
         )
+        sync_seconds = time.perf_counter() - sync_started
         if finite:
             self.state.optimizer.step()
             self.state.scheduler.step()
@@ -458,7 +460,7 @@ class StageWorker:
         room = (float(room_bytes(self.device, rank=self.rank)),) if measures_room else ()
         timings = gather_timings(
             totals.compute_seconds, wire.wait_seconds, wire.bytes_sent, self.job.world_size,
-            *copy_figures, *room, *grow_flag,
+            sync_seconds, *copy_figures, *room, *grow_flag,
         )  # fmt: skip
         if grow_flag:
             self.grow_due = max(timings.pop()) > 0
@@ -480,8 +482,9 @@ class StageWorker:
                     "stage_compute_s": timings[0],
                     "stage_wait_s": timings[1],
                     "bytes_sent": timings[2],
+                    "stage_sync_s": timings[3],
                 }
-                | (dict(zip(STAGE_COPY_FIGURES, timings[3:], strict=True)) if copy_figures else {})
+                | (dict(zip(STAGE_COPY_FIGURES, timings[4:], strict=True)) if copy_figures else {})
                 | ({"loss_scale": scale.scale, "skipped_step": not finite} if scale else {})
                 | ({"stage_room_bytes": rooms} if rooms is not None else {})
             )

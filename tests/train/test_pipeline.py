@@ -151,6 +151,7 @@ def test_replicas_on_shares_of_the_step_train_as_one_stage(
     _assert_losses_close([r["loss"] for r in split], [r["loss"] for r in one], rel=1e-5)
     steps = [r for r in split if "loss" in r]
     assert [len(r["stage_compute_s"]) for r in steps] == [2] * len(steps)  # one rank per replica
+    assert all(len(r["stage_sync_s"]) == 2 and min(r["stage_sync_s"]) >= 0 for r in steps)
     adapter_one = load_file(str(runs["one"] / "adapter_model.safetensors"))
     adapter_shares = load_file(str(shares / "adapter_model.safetensors"))
     assert _max_adapter_diff(adapter_shares, adapter_one) < 1e-4
