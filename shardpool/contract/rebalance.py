@@ -24,6 +24,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from shardpool.contract.names import ContractError
 
@@ -127,11 +128,8 @@ def encode_shares(shares: Sequence[int] | None) -> str:
 def decode_shares(text: str | bytes, *, current: Sequence[int]) -> list[int] | None:
     """The new shares a data-parallel check's answer asks for, or None to keep ``current``;
     ContractError when malformed, or when they change the replica count or the step's micro-batches."""
-    try:
-        raw = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ContractError(f"re-balance decision is not JSON ({error})") from None
-    if isinstance(raw, dict) and raw.get("keep") is True:
+    raw = _answer(text)
+    if raw is None:
         return None
     try:
         shares = [int(share) for share in raw["shares"]]
@@ -174,11 +172,8 @@ def decode_decision(text: str | bytes, *, current: Sequence[tuple[int, int]]) ->
 
     The answer must keep the stage count and cover the same layers contiguously.
     """
-    try:
-        raw = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ContractError(f"re-balance decision is not JSON ({error})") from None
-    if isinstance(raw, dict) and raw.get("keep") is True:
+    raw = _answer(text)
+    if raw is None:
         return None
     try:
         layers = [(int(start), int(stop)) for start, stop in raw["layers"]]
@@ -186,6 +181,15 @@ def decode_decision(text: str | bytes, *, current: Sequence[tuple[int, int]]) ->
         raise ContractError(f"re-balance decision {str(raw)[:200]!r} is neither keep nor layers") from None
     check_same_stages(current, layers)
     return None if layers == list(current) else layers
+
+
+def _answer(text: str | bytes) -> Any:
+    """A check's answer as JSON, or None when it keeps the plan; ContractError when it is not JSON."""
+    try:
+        raw = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ContractError(f"re-balance decision is not JSON ({error})") from None
+    return None if isinstance(raw, dict) and raw.get("keep") is True else raw
 
 
 def check_same_stages(current: Sequence[tuple[int, int]], layers: Sequence[tuple[int, int]]) -> None:

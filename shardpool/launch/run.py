@@ -28,7 +28,7 @@ from shardpool.launch.local_launcher import LocalLauncher
 from shardpool.launch.mesh_launcher import MeshLauncher
 from shardpool.launch.model_card import TrainingOutcome
 from shardpool.plan.local_fleet import DeviceProbe
-from shardpool.plan.result import Plan
+from shardpool.plan.result import Plan, PlannedStage
 
 __all__ = [
     "METRICS_FILE",
@@ -42,6 +42,7 @@ __all__ = [
     "is_logged_step",
     "keeps_state",
     "launcher_for",
+    "placement_of",
     "replica_places_of",
     "trim_metrics",
     "write_job",
@@ -156,16 +157,14 @@ def replica_places_of(plan: Plan | None) -> list[StagePlacement] | None:
     """Where each replica of a data-parallel plan runs (None for a pipeline plan, or no plan)."""
     if plan is None or not plan.is_data_parallel:
         return None
-    return [
-        StagePlacement(
-            start=stage.start,
-            stop=stage.stop,
-            device=stage.device,
-            host=stage.host,
-            dtype=stage.dtype or None,
-        )
-        for stage in plan.data_parallel
-    ]
+    return [placement_of(stage) for stage in plan.data_parallel]
+
+
+def placement_of(stage: PlannedStage) -> StagePlacement:
+    """The job's placement of a planned stage: its layers, device, host and dtype."""
+    return StagePlacement(
+        start=stage.start, stop=stage.stop, device=stage.device, host=stage.host, dtype=stage.dtype or None
+    )
 
 
 def keeps_state(config: Config, world_size: int) -> bool:

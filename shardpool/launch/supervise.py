@@ -64,6 +64,7 @@ from shardpool.launch.mesh_launcher import (
 )
 from shardpool.launch.mesh_members import MeshMember
 from shardpool.launch.rebalancing import replanned_json
+from shardpool.launch.run import placement_of
 from shardpool.plan.calibrate import growth_shortfalls
 from shardpool.plan.result import Plan
 
@@ -344,16 +345,7 @@ def supervision_line(
 
 def placements_of(plan: Plan) -> list[StagePlacement]:
     """The job's stage placements of a plan."""
-    return [
-        StagePlacement(
-            start=stage.start,
-            stop=stage.stop,
-            device=stage.device,
-            host=stage.host,
-            dtype=stage.dtype or None,
-        )
-        for stage in plan.stages
-    ]
+    return [placement_of(stage) for stage in plan.stages]
 
 
 def placed_stages(plan: Plan) -> str:

@@ -43,27 +43,22 @@ WORKLOAD = Workload(micro_batch_size=1, sequence_len=128, gradient_accumulation_
 LINK = LinkSpec(bandwidth=100e6, latency=2e-3)
 
 
+def cpu_host(host: str, seconds_per_layer: float, memory: int = 8 * GIB) -> Device:
+    """One mesh host's CPU, profiled at ``seconds_per_layer``."""
+    return Device(
+        name=f"{host}/cpu",
+        host=host,
+        kind="cpu",
+        torch_device="cpu",
+        memory_bytes=memory,
+        seconds_per_layer=seconds_per_layer,
+    )
+
+
 def two_hosts(fast_s: float = 0.036, slow_s: float = 0.081, memory: int = 8 * GIB) -> Fleet:
     """The heterogeneity bench's two hosts: one CPU each, the second 2.25 × slower per layer."""
     return Fleet(
-        devices=(
-            Device(
-                name="a/cpu",
-                host="a",
-                kind="cpu",
-                torch_device="cpu",
-                memory_bytes=memory,
-                seconds_per_layer=fast_s,
-            ),
-            Device(
-                name="b/cpu",
-                host="b",
-                kind="cpu",
-                torch_device="cpu",
-                memory_bytes=memory,
-                seconds_per_layer=slow_s,
-            ),
-        ),
+        devices=(cpu_host("a", fast_s, memory), cpu_host("b", slow_s, memory)),
         links={frozenset(("a", "b")): LINK},
     )
 
@@ -120,9 +115,7 @@ def test_two_hosts_that_each_hold_the_model_split_the_batch_by_speed() -> None:
 
 def test_the_ring_all_reduce_moves_the_whole_models_lora_gradients_over_the_slowest_link() -> None:
     slow = LinkSpec(bandwidth=10e6, latency=5e-3)
-    third = Device(
-        name="c/cpu", host="c", kind="cpu", torch_device="cpu", memory_bytes=8 * GIB, seconds_per_layer=0.05
-    )
+    third = cpu_host("c", 0.05)
     base = two_hosts()
     fleet = replace(
         base,
@@ -140,14 +133,7 @@ def test_the_ring_all_reduce_moves_the_whole_models_lora_gradients_over_the_slow
 def test_a_device_that_cannot_hold_the_whole_model_keeps_the_pipeline() -> None:
     roomy = two_hosts()
     need = plan_pipeline(SHAPE, replace(WORKLOAD, data_parallel="auto"), roomy).data_parallel[0].memory_bytes
-    small = Device(
-        name="b/cpu",
-        host="b",
-        kind="cpu",
-        torch_device="cpu",
-        memory_bytes=int(need * 0.95),  # 11 layers, not 16
-        seconds_per_layer=0.081,
-    )
+    small = cpu_host("b", 0.081, memory=int(need * 0.95))  # 11 layers, not 16
     fleet = replace(roomy, devices=(roomy.devices[0], small))
     plan = plan_pipeline(SHAPE, replace(WORKLOAD, data_parallel="auto"), fleet)
     assert not plan.is_data_parallel
@@ -212,12 +198,8 @@ def test_shares_must_cover_the_step() -> None:
 
 def test_a_third_host_joins_only_where_it_shortens_the_step() -> None:
     fleet = two_hosts()
-    snail = Device(
-        name="c/cpu", host="c", kind="cpu", torch_device="cpu", memory_bytes=8 * GIB, seconds_per_layer=5.0
-    )
-    quick = Device(
-        name="c/cpu", host="c", kind="cpu", torch_device="cpu", memory_bytes=8 * GIB, seconds_per_layer=0.072
-    )
+    snail = cpu_host("c", 5.0)
+    quick = cpu_host("c", 0.072)
     slow_plan = plan_pipeline(
         SHAPE, replace(WORKLOAD, data_parallel="auto"), replace(fleet, devices=(*fleet.devices, snail))
     )
