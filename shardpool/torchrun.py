@@ -140,6 +140,11 @@ def torchrun_config(config: Config, world: TorchrunWorld, devices: list[str]) ->
             f"under torchrun each process is one stage of one pipeline; set shardpool.replicas: 1 "
             f"(it is {section.replicas}) or start without torchrun"
         )
+    if section.shares is not None or section.data_parallel == "on":
+        raise ShardpoolError(
+            "under torchrun each process is one stage of one pipeline; remove shardpool.shares and "
+            "data_parallel: on, or start without torchrun"
+        )
     asked = {"shardpool.stages": section.stages, "shardpool.layers": section.layers and len(section.layers)}
     for key, count in asked.items():
         if count is not None and count != world.world_size:

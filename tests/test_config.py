@@ -86,6 +86,10 @@ def test_numbers_written_the_axolotl_way_are_accepted() -> None:
         ),
         ({"gradient_accumulation_steps": 4, "shardpool": {"shares": [2, 1]}}, "add up to 3 but a step has 4"),
         ({"shardpool": {"data_parallel": "always"}}, "`shardpool.data_parallel`"),
+        (
+            {"shardpool": {"data_parallel": "on", "stages": 2}},
+            "`data_parallel: on` trains whole-model replicas; remove shardpool.stages or use auto",
+        ),
     ],
 )
 def test_bad_configs_name_the_key_and_the_fix(changes: dict[str, Any], expected: str) -> None:

@@ -81,6 +81,7 @@ def test_config_gets_one_stage_per_process_on_torchruns_devices(tmp_path: Path) 
         ({"placement": "mesh"}, _world(), "remove `placement: mesh`"),
         ({"replicas": 2, "stages": 2}, _world(), "shardpool.replicas: 1"),
         ({"devices": ["cpu", "cuda:0"]}, _world(), "remove shardpool.devices"),
+        ({"data_parallel": "on"}, _world(), "remove shardpool.shares and data_parallel: on"),
         ({}, _world(4, local=2), "one machine only"),
     ],
 )

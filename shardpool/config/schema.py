@@ -292,13 +292,8 @@ class ShardpoolSection(_Strict):
         return [Check(("shardpool",), message) for message in found]
 
     def _share_problems(self) -> list[str]:
-        """What a manual data-parallel split (``shares``) conflicts with."""
-        if self.shares is None:
-            return []
-        found: list[str] = []
-        if len(self.shares) < 2 or min(self.shares) < 1:
-            found.append("`shardpool.shares` needs at least 2 replicas of at least 1 micro-batch each")
-        clashes = [
+        """What a manual data-parallel split (``shares``), or ``data_parallel: on``, conflicts with."""
+        pipeline = [
             f"shardpool.{key}"
             for key, given in (
                 ("layers", self.layers),
@@ -307,8 +302,17 @@ class ShardpoolSection(_Strict):
             )
             if given
         ]
-        if clashes:
-            found.append(f"`shardpool.shares` trains whole-model replicas; remove {', '.join(clashes)}")
+        if self.shares is None:
+            if self.data_parallel == "on" and pipeline:
+                return [
+                    f"`data_parallel: on` trains whole-model replicas; remove {', '.join(pipeline)} or use auto"
+                ]
+            return []
+        found: list[str] = []
+        if len(self.shares) < 2 or min(self.shares) < 1:
+            found.append("`shardpool.shares` needs at least 2 replicas of at least 1 micro-batch each")
+        if pipeline:
+            found.append(f"`shardpool.shares` trains whole-model replicas; remove {', '.join(pipeline)}")
         if self.data_parallel == "off":
             found.append("`shardpool.shares` asks for data parallelism but `data_parallel` is off; keep one")
         if self.placement == "local" and self.devices is not None and len(self.devices) != len(self.shares):
