@@ -136,34 +136,7 @@ def test_one_stage_and_three_uneven_stages_train_identically(runs: dict[str, Pat
     assert len(three[0]["stage_compute_s"]) == 3
 
 
-def test_replicas_on_shares_of_the_step_train_as_one_stage(
-    runs: dict[str, Path], tiny_model: Path, completion_data: Path, start_adapter: Path, tmp_path: Path
-) -> None:
-    """Data parallelism with shares: two whole-model replicas train 2 and 1 of the step's 3
-    micro-batches and sum their gradients, which is one stage training all 3."""
-    shares = _train(
-        base_config(
-            tiny_model, completion_data, tmp_path / "shares", lora_model_dir=str(start_adapter),
-            shardpool={"devices": ["cpu", "cpu"], "shares": [2, 1]},
-        )
-    )  # fmt: skip
-    one, split = read_metrics(runs["one"]), read_metrics(shares)
-    _assert_losses_close([r["loss"] for r in split], [r["loss"] for r in one], rel=1e-5)
-    steps = [r for r in split if "loss" in r]
-    assert [len(r["stage_compute_s"]) for r in steps] == [2] * len(steps)  # one rank per replica
-    assert all(len(r["stage_sync_s"]) == 2 and min(r["stage_sync_s"]) >= 0 for r in steps)
-    adapter_one = load_file(str(runs["one"] / "adapter_model.safetensors"))
-    adapter_shares = load_file(str(shares / "adapter_model.safetensors"))
-    assert _max_adapter_diff(adapter_shares, adapter_one) < 1e-4
-    plan = json.loads((shares / "plan.json").read_text())
-    assert plan["shares"] == [2, 1] and [s["layers"] for s in plan["data_parallel"]] == [[0, 6], [0, 6]]
-    card = (shares / "README.md").read_text()
-    assert "data parallel: 2 replicas of the whole model" in card and "| 1 | cpu |" in card
-    summaries = [json.loads((run / "run_summary.json").read_text()) for run in (shares, runs["one"])]
-    assert summaries[0]["eval_loss_after"] == pytest.approx(summaries[1]["eval_loss_after"], rel=1e-5)
-
-
-def test_a_run_that_moves_its_shares_trains_as_one_that_did_not(
+def test_replicas_on_shares_of_the_step_train_as_one_stage_before_and_after_the_shares_move(
     runs: dict[str, Path],
     tiny_model: Path,
     completion_data: Path,
@@ -171,8 +144,9 @@ def test_a_run_that_moves_its_shares_trains_as_one_that_did_not(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Re-balancing replicas moves only their shares: after step 1 the split goes from 2/1 to 1/2,
-    and the run still equals one stage training every micro-batch."""
+    """Data parallelism with shares: two whole-model replicas train 2 and 1 of the step's 3
+    micro-batches and sum their gradients, which is one stage training all 3. Re-balancing moves
+    only their shares (after step 1, 2/1 becomes 1/2), and the run still equals that stage."""
     monkeypatch.setenv(FORCE_SHARES_ENV, "1:1,2")
     moved = _train(
         base_config(
@@ -180,17 +154,22 @@ def test_a_run_that_moves_its_shares_trains_as_one_that_did_not(
             shardpool={"devices": ["cpu", "cpu"], "shares": [2, 1], "rebalance": "auto"},
         )
     )  # fmt: skip
-    records = read_metrics(moved)
+    records, one = read_metrics(moved), read_metrics(runs["one"])
     events = [r for r in records if r.get("event") == "rebalance"]
     assert [(e["step"], e["shares_from"], e["shares_to"]) for e in events] == [(1, [2, 1], [1, 2])]
-    one = read_metrics(runs["one"])
     steps = [r for r in records if "loss" in r]
     _assert_losses_close([r["loss"] for r in steps], [r["loss"] for r in one], rel=1e-5)
+    assert [len(r["stage_compute_s"]) for r in steps] == [2] * len(steps)  # one rank per replica
+    assert all(len(r["stage_sync_s"]) == 2 and min(r["stage_sync_s"]) >= 0 for r in steps)
     adapter_one = load_file(str(runs["one"] / "adapter_model.safetensors"))
     assert _max_adapter_diff(load_file(str(moved / "adapter_model.safetensors")), adapter_one) < 1e-4
+    summaries = [json.loads((run / "run_summary.json").read_text()) for run in (moved, runs["one"])]
+    assert summaries[0]["eval_loss_after"] == pytest.approx(summaries[1]["eval_loss_after"], rel=1e-5)
     plan = json.loads((moved / "plan.json").read_text())
     assert plan["shares"] == [1, 2] and plan["history"][0]["shares"] == [2, 1]
+    assert [s["layers"] for s in plan["data_parallel"]] == [[0, 6], [0, 6]]
     card = (moved / "README.md").read_text()
+    assert "data parallel: 2 replicas of the whole model" in card and "| 1 | cpu |" in card
     assert "Earlier splits of this run" in card and "2 micro-batches on " in card
 
 
