@@ -63,10 +63,10 @@ def print_placement(
     for column in (first, "device", "host", "layers", "parameters", "NF4 MiB", "predicted ms/mb"):
         table.add_column(column, justify="left" if column in _LEFT_COLUMNS else "right")
     last = len(placements) - 1
+    whole = bool(shares)  # a replica holds both ends
     for index, (placement, (params, mib), predicted) in enumerate(
         zip(placements, footprints, predicted_ms, strict=True)
     ):
-        whole = bool(shares)  # a replica holds both ends
         extras = (["embed"] if whole or index == 0 else []) + (
             ["norm+lm_head"] if whole or index == last else []
         )

@@ -470,9 +470,9 @@ def _write_run_inputs(run: PreparedRun, console: Console) -> Path:
             if replicas
             else stage_footprints(run.model, run.placements)
         ),
-        predicted_ms=[
+        predicted_ms=[  # plan.json lists a data-parallel plan's replicas under "data_parallel"
             stage.get("predicted_ms_per_microbatch")
-            for stage in (run.plan.get("data_parallel") if replicas else None) or run.plan["stages"]
+            for stage in run.plan.get("data_parallel") or run.plan["stages"]
         ],
         total_steps=run.total_steps,
         rows=(len(run.data.train), len(run.data.eval)),

@@ -108,9 +108,13 @@ class RebalanceCheck:
         self.publish(decision_key(step), encode_decision(decision.layers if decision else None))
         if decision is None:
             return held_line(step, self.plan, held) if held is not None else None
+        return self._adopt(step, decision, rebalance_line(step, self.plan, decision))
+
+    def _adopt(self, step: int, decision: Rebalance, line: dict[str, Any]) -> dict[str, Any]:
+        """Make ``decision``'s plan the run's: ``plan.json`` with the old one in its history, the
+        supervisor told; returns ``line`` for ``metrics.jsonl``."""
         self.plan_json = replanned_json(self.plan_json, decision.plan, ended_at_step=step)
         write_json(self.plan_path, self.plan_json)
-        line = rebalance_line(step, self.plan, decision)
         self.plan = decision.plan
         if self.resharded is not None:
             self.resharded(self.plan, self.plan_json)
@@ -136,16 +140,11 @@ class RebalanceCheck:
         self.publish(decision_key(step), encode_shares(decision.plan.shares if decision else None))
         if decision is None:
             return None
-        self.plan_json = replanned_json(self.plan_json, decision.plan, ended_at_step=step)
-        write_json(self.plan_path, self.plan_json)
         line = rebalance_line(step, self.plan, decision) | {
             "shares_from": list(self.plan.shares),
             "shares_to": list(decision.plan.shares),
         }
-        self.plan = decision.plan
-        if self.resharded is not None:
-            self.resharded(self.plan, self.plan_json)
-        return line
+        return self._adopt(step, decision, line)
 
     def _decision(self, room_bytes: list[float] | None) -> tuple[Rebalance | None, Rebalance | None]:
         """(the re-shard to make or None, the better split that the room rules out or None).

@@ -269,8 +269,7 @@ def shares_decision(
     if not plan.is_data_parallel or not measured:
         return None
     shares = list(plan.shares)
-    seconds, after, allreduce = _measured_replicas(plan, measured)
-    planned = [stage.predicted_ms_per_microbatch / 1e3 for stage in plan.data_parallel]
+    seconds, planned, after, allreduce = _measured_replicas(plan, measured)
     current = shares_step_seconds(seconds, after, shares, allreduce)
     chosen = best_shares(seconds, after, sum(shares))
     best = shares_step_seconds(seconds, after, chosen, allreduce)
@@ -314,15 +313,16 @@ def calibrated_shares_step(plan: Plan, measured: Sequence[StepMeasurement]) -> f
     micro-batch (the optimizer and all-reduce as planned): what :func:`shares_decision` compares with."""
     if not plan.is_data_parallel or not measured:
         raise ShardpoolError("calibrating shares needs a data-parallel plan and at least one measured step")
-    seconds, after, allreduce = _measured_replicas(plan, measured)
+    seconds, _, after, allreduce = _measured_replicas(plan, measured)
     return shares_step_seconds(seconds, after, plan.shares, allreduce)
 
 
 def _measured_replicas(
     plan: Plan, measured: Sequence[StepMeasurement]
-) -> tuple[list[float], list[float], float]:
-    """Each replica's measured seconds per micro-batch (median compute over its share), its planned
-    after-step seconds, and the plan's all-reduce (its step less the slowest replica's part)."""
+) -> tuple[list[float], list[float], list[float], float]:
+    """Each replica's measured and planned seconds per micro-batch (measured: median compute over
+    its share), its planned after-step seconds, and the plan's all-reduce (its step less the
+    slowest replica's part)."""
     seconds = [
         statistics.median(step.stage_compute_s[replica] for step in measured) / share
         for replica, share in enumerate(plan.shares)
@@ -330,7 +330,7 @@ def _measured_replicas(
     after = [stage.after_step_ms / 1e3 for stage in plan.data_parallel]
     planned = [stage.predicted_ms_per_microbatch / 1e3 for stage in plan.data_parallel]
     slowest = max(n * s + a for n, s, a in zip(plan.shares, planned, after, strict=True))
-    return seconds, after, max(0.0, plan.predicted_step_s - slowest)
+    return seconds, planned, after, max(0.0, plan.predicted_step_s - slowest)
 
 
 def stage_rooms(room_by_rank: Sequence[float], num_stages: int) -> list[float]:

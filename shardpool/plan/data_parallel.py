@@ -52,12 +52,13 @@ EXHAUSTIVE_DEVICES = 12
 @dataclass(frozen=True)
 class DataParallelCandidate:
     """Replicas on ``devices`` (fleet indices, in rank order: fastest first) training ``shares``
-    micro-batches each, with the predicted ``step_s`` and its all-reduce part ``allreduce_s``."""
+    micro-batches each: the predicted ``step_s``, each replica's compute seconds (its share of
+    forward + backward) and its one-stage costs."""
 
     devices: tuple[int, ...]
     shares: tuple[int, ...]
     step_s: float
-    allreduce_s: float
+    compute_s: tuple[float, ...]
     costs: tuple[StageCosts, ...]
 
 
@@ -118,8 +119,7 @@ def eligible_devices(ctx: SearchContext, *, distinct: bool = True) -> list[int]:
         place = (device.host, device.torch_device or device.name)
         if distinct and (device.shared_by > 1 or place in seen):
             continue
-        costs, cap = ctx.stage((index,), 0)
-        if cap < ctx.layers:
+        if ctx.stage((index,), 0)[1] < ctx.layers:
             continue
         seen.add(place)
         found.append(index)
@@ -137,9 +137,9 @@ def _candidate(
         if shares is not None
         else best_shares(seconds, after, ctx.workload.gradient_accumulation_steps)
     )
-    allreduce = ring_seconds(ctx, devices)
-    step = shares_step_seconds(seconds, after, chosen, allreduce)
-    return DataParallelCandidate(devices, tuple(chosen), step, allreduce, costs)
+    step = shares_step_seconds(seconds, after, chosen, ring_seconds(ctx, devices))
+    compute = tuple(n * s for n, s in zip(chosen, seconds, strict=True))
+    return DataParallelCandidate(devices, tuple(chosen), step, compute, costs)
 
 
 def data_parallel_candidate(

@@ -137,31 +137,15 @@ def _data_parallel_plan(
     ctx: SearchContext, found: DataParallelCandidate, *, search: str, refused: dict[str, str]
 ) -> Plan:
     """The plan of whole-model replicas on ``found.devices`` training ``found.shares`` micro-batches each."""
-    replicas = []
-    for d, costs in zip(found.devices, found.costs, strict=True):
-        device = ctx.devices[d]
-        choice = ctx.precision[d]
-        replicas.append(
-            PlannedStage(
-                device=device.torch_device or device.name,
-                host=device.host,
-                start=0,
-                stop=ctx.layers,
-                slot=device.name,
-                measured=device.measurement.to_json() if device.measurement else {},
-                dtype=choice.dtype if choice else "",
-                dtype_reason=choice.reason if choice else "",
-                **_predictions(costs, ctx.layers, device.memory_bytes),
-            )
-        )
-    busiest = max(
-        share * costs.seconds(ctx.layers) for share, costs in zip(found.shares, found.costs, strict=True)
-    )
-    slowest = max(
-        range(len(replicas)),
-        key=lambda i: found.shares[i] * found.costs[i].seconds(ctx.layers) + found.costs[i].after(ctx.layers),
-    )
-    replicas[slowest].bottleneck = True
+    replicas = [
+        _planned_stage(ctx, d, costs, 0, ctx.layers)
+        for d, costs in zip(found.devices, found.costs, strict=True)
+    ]
+    finish = [
+        compute + costs.after(ctx.layers) for compute, costs in zip(found.compute_s, found.costs, strict=True)
+    ]
+    replicas[finish.index(max(finish))].bottleneck = True
+    busiest = max(found.compute_s)
     plan = Plan(
         stages=[replicas[0]],
         predicted_step_s=found.step_s,
@@ -276,21 +260,8 @@ def _build_plan(
         schedule=w.schedule,
     )
     for d, n, (stage_costs, cap) in zip(seq, counts, costs, strict=True):
-        device = ctx.devices[d]
         fits = fits and n <= cap
-        stages.append(
-            PlannedStage(
-                device=device.torch_device or device.name,
-                host=device.host,
-                start=start,
-                stop=start + n,
-                slot=device.name,
-                measured=device.measurement.to_json() if device.measurement else {},
-                dtype=choice.dtype if (choice := ctx.precision[d]) else "",
-                dtype_reason=choice.reason if choice else "",
-                **_predictions(stage_costs, n, device.memory_bytes),
-            )
-        )
+        stages.append(_planned_stage(ctx, d, stage_costs, start, start + n))
         start += n
     plan = Plan(
         stages=stages,
@@ -308,6 +279,24 @@ def _build_plan(
     )
     plan.stages[plan.bottleneck_index].bottleneck = True
     return plan
+
+
+def _planned_stage(ctx: SearchContext, d: int, costs: StageCosts, start: int, stop: int) -> PlannedStage:
+    """Device ``d`` of the fleet holding layers ``[start, stop)`` at the position ``costs`` price:
+    where it is, how it was measured, its dtype and the predictions."""
+    device = ctx.devices[d]
+    choice = ctx.precision[d]
+    return PlannedStage(
+        device=device.torch_device or device.name,
+        host=device.host,
+        start=start,
+        stop=stop,
+        slot=device.name,
+        measured=device.measurement.to_json() if device.measurement else {},
+        dtype=choice.dtype if choice else "",
+        dtype_reason=choice.reason if choice else "",
+        **_predictions(costs, stop - start, device.memory_bytes),
+    )
 
 
 def resplit_plan(
