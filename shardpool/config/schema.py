@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from shardpool.config.attention import AttentionName
 from shardpool.config.problems import Check, Problem
@@ -218,6 +218,11 @@ class ShardpoolSection(_Strict):
         default=1, ge=1, description="data-parallel pipelines; LoRA gradients are all-reduced"
     )
     schedule: Literal["1f1b", "gpipe"] = Field(default="1f1b", description="pipeline schedule")
+    warmup_lead: Literal["auto"] | int = Field(
+        default="auto",
+        description="1F1B warm-up depth: forwards a stage runs ahead of its neighbour, 1 to 8 times the "
+        "textbook's (auto: the planner's choice for the placement, by the simulated step)",
+    )
     rebalance: Literal["auto", "off"] = Field(
         default="auto",
         description="auto: after the warm-up steps, move layer boundaries in place when the measured "
@@ -321,6 +326,13 @@ class ShardpoolSection(_Strict):
                 "give one device per replica"
             )
         return found
+
+    @field_validator("warmup_lead", mode="before")
+    @classmethod
+    def _lead_in_range(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 8):
+            return value
+        raise ValueError("the 1F1B warm-up depth is an integer from 1 to 8, or auto")
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> ShardpoolSection:

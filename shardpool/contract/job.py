@@ -35,6 +35,7 @@ from shardpool.contract.fields import (
     describe_validation_error,
 )
 from shardpool.contract.names import ContractError
+from shardpool.contract.schedule import MAX_LEAD
 from shardpool.errors import ShardpoolError
 
 __all__ = ["RESUME_PREFIX", "MAX_JOB_JSON_BYTES", "StagePlacement", "Job", "read_job_json"]
@@ -101,6 +102,9 @@ class Job(Closed):
     #: (``shares[r]``, in order). None: every replica runs ``stages`` and takes ``M`` micro-batches.
     replica_places: list[StagePlacement] | None = Field(default=None, max_length=MAX_REPLICAS)
     shares: list[int] | None = Field(default=None, max_length=MAX_REPLICAS)
+    #: The 1F1B warm-up depth every stage runs (:func:`~shardpool.contract.schedule.warmup_forwards`):
+    #: the plan's, so the stages meet their neighbours' sends in the order the planner simulated.
+    warmup_lead: int = Field(default=1, ge=1, le=MAX_LEAD)
 
     @field_validator("config")
     @classmethod

@@ -16,6 +16,7 @@ from typing import Literal
 
 __all__ = [
     "LINK_SLACK_FORWARDS",
+    "MAX_LEAD",
     "Action",
     "gpipe",
     "gradient_sends_proven",
@@ -24,6 +25,7 @@ __all__ = [
     "one_f_one_b",
     "peak_in_flight",
     "schedule_for",
+    "warmup_forwards",
 ]
 
 Action = tuple[Literal["F", "B"], int]
@@ -31,11 +33,34 @@ Action = tuple[Literal["F", "B"], int]
 
 #: Forwards a stage with a next stage runs ahead of the textbook 1F1B warm-up (S - 1 - i).
 LINK_SLACK_FORWARDS = 1
+#: The deepest warm-up lead the planner considers (:func:`warmup_forwards`).
+MAX_LEAD = 8
 
 
-def one_f_one_b(*, stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
-    """1F1B: warm up with S-1-stage forwards (one more on every stage but the last), then
-    alternate forward and backward, then drain.
+def warmup_forwards(*, stage: int, num_stages: int, num_microbatches: int, lead: int = 1) -> int:
+    """The warm-up forwards of stage ``stage`` under 1F1B with warm-up ``lead``: those it runs before
+    alternating (one more forward, then its first backward).
+
+    Lead 1 is the textbook S-1-i plus :data:`LINK_SLACK_FORWARDS`: S-i on every stage but the
+    last. Lead L multiplies the distance to the last stage: L(S-i) - (L-1), so stage 0 of two warms
+    up with L + 1 forwards. A deeper lead lets a stage keep computing while a slow link or a bursty
+    neighbour (a CPU quota's periods) holds its gradients back, at L-1 more micro-batches of
+    activations per stage of distance; the planner chooses it per plan (``plan.planner``), since
+    on a fast link a deeper lead can also delay the gradients a stage sends back. The last stage
+    never warms up: its backward needs nothing from a neighbour.
+    """
+    _check(stage, num_stages, num_microbatches)
+    if not 1 <= lead <= MAX_LEAD:
+        raise ValueError(f"warm-up lead {lead} is outside 1..{MAX_LEAD}")
+    if stage == num_stages - 1:
+        return 0
+    distance = num_stages - stage
+    return min(lead * distance - (lead - 1), num_microbatches)
+
+
+def one_f_one_b(*, stage: int, num_stages: int, num_microbatches: int, lead: int = 1) -> list[Action]:
+    """1F1B: warm up (:func:`warmup_forwards`: S-1-stage forwards, one more on every stage but the
+    last, and more with a deeper ``lead``), then alternate forward and backward, then drain.
 
     With the textbook warm-up of S-1-i forwards, a stage whose neighbour is exactly as fast waits
     a round trip of its link (activation out, gradient back) before every backward in the steady
@@ -45,9 +70,7 @@ def one_f_one_b(*, stage: int, num_stages: int, num_microbatches: int) -> list[A
     is unchanged. Stage i holds at most S-i+1 micro-batches' activations at once (the last stage
     1), instead of all M under GPipe.
     """
-    _check(stage, num_stages, num_microbatches)
-    slack = LINK_SLACK_FORWARDS if stage < num_stages - 1 else 0
-    warmup = min(num_stages - 1 - stage + slack, num_microbatches)
+    warmup = warmup_forwards(stage=stage, num_stages=num_stages, num_microbatches=num_microbatches, lead=lead)
     actions: list[Action] = [("F", index) for index in range(warmup)]
     next_forward, next_backward = warmup, 0
     while next_forward < num_microbatches:
@@ -59,18 +82,20 @@ def one_f_one_b(*, stage: int, num_stages: int, num_microbatches: int) -> list[A
     return actions
 
 
-def gpipe(*, stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
-    """GPipe: every forward, then every backward."""
+def gpipe(*, stage: int, num_stages: int, num_microbatches: int, lead: int = 1) -> list[Action]:
+    """GPipe: every forward, then every backward (``lead`` has nothing to deepen)."""
     _check(stage, num_stages, num_microbatches)
     return [("F", index) for index in range(num_microbatches)] + [
         ("B", index) for index in range(num_microbatches)
     ]
 
 
-def schedule_for(name: str, *, stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
-    """The action list of one stage under the named schedule (``1f1b`` or ``gpipe``)."""
+def schedule_for(
+    name: str, *, stage: int, num_stages: int, num_microbatches: int, lead: int = 1
+) -> list[Action]:
+    """The action list of one stage under the named schedule (``1f1b`` or ``gpipe``) and warm-up ``lead``."""
     builders = {"1f1b": one_f_one_b, "gpipe": gpipe}
-    return builders[name](stage=stage, num_stages=num_stages, num_microbatches=num_microbatches)
+    return builders[name](stage=stage, num_stages=num_stages, num_microbatches=num_microbatches, lead=lead)
 
 
 def peak_in_flight(actions: list[Action]) -> int:
@@ -111,27 +136,33 @@ def gradients_delivered_by_forwards(own: list[Action], previous: list[Action]) -
     return proven
 
 
-def gradient_sends_proven(name: str, *, stage: int, num_stages: int, num_microbatches: int) -> dict[int, int]:
+def gradient_sends_proven(
+    name: str, *, stage: int, num_stages: int, num_microbatches: int, lead: int = 1
+) -> dict[int, int]:
     """:func:`gradients_delivered_by_forwards` for stage ``stage`` under the named schedule: its
     own actions against its previous stage's; empty on stage 0, which sends no gradient."""
     if stage == 0:
         return {}
-    own = schedule_for(name, stage=stage, num_stages=num_stages, num_microbatches=num_microbatches)
-    previous = schedule_for(name, stage=stage - 1, num_stages=num_stages, num_microbatches=num_microbatches)
+    own = schedule_for(name, stage=stage, num_stages=num_stages, num_microbatches=num_microbatches, lead=lead)
+    previous = schedule_for(
+        name, stage=stage - 1, num_stages=num_stages, num_microbatches=num_microbatches, lead=lead
+    )
     return gradients_delivered_by_forwards(own, previous)
 
 
-def held_gradient_sends(name: str, *, stage: int, num_stages: int, num_microbatches: int) -> int:
+def held_gradient_sends(
+    name: str, *, stage: int, num_stages: int, num_microbatches: int, lead: int = 1
+) -> int:
     """The most input-gradient sends stage ``stage`` holds at once under the named schedule, letting
     each go once an activation proves it received (:func:`gradients_delivered_by_forwards`); 0 on
     stage 0, which sends none. Under 1F1B at most what the stage before it holds in flight, whatever
     M; under GPipe all M, until the step's end."""
     proven = gradient_sends_proven(
-        name, stage=stage, num_stages=num_stages, num_microbatches=num_microbatches
+        name, stage=stage, num_stages=num_stages, num_microbatches=num_microbatches, lead=lead
     )
     sent = released = peak = 0
     for kind, index in schedule_for(
-        name, stage=stage, num_stages=num_stages, num_microbatches=num_microbatches
+        name, stage=stage, num_stages=num_stages, num_microbatches=num_microbatches, lead=lead
     ):
         if kind == "F" and index in proven:
             released = max(released, proven[index] + 1)

@@ -150,7 +150,16 @@ def build_job(
         keep_state=keeps_state(config, processes),
         replica_places=replica_places,
         shares=list(run.planned.shares) if run.planned is not None and replica_places else None,
+        warmup_lead=_warmup_lead(run),
     )
+
+
+def _warmup_lead(run: PlannedRun) -> int:
+    """The 1F1B warm-up lead the stages run: the plan's, else the config's, else 1."""
+    if run.planned is not None:
+        return run.planned.warmup_lead
+    lead = run.config.shardpool.warmup_lead
+    return lead if isinstance(lead, int) else 1
 
 
 def replica_places_of(plan: Plan | None) -> list[StagePlacement] | None:

@@ -125,6 +125,8 @@ class Calibration:
     costs: tuple[StageCosts, ...]
     microbatches: int
     schedule: str
+    #: The running plan's 1F1B warm-up lead: a re-split keeps the stages' schedule.
+    lead: int = 1
 
     def to_json(self) -> dict[str, Any]:
         """What ``plan.json`` records under ``calibration``."""
@@ -184,6 +186,7 @@ def calibrate(plan: Plan, measured: Sequence[StepMeasurement], config: Config) -
         costs=tuple(calibrated),
         microbatches=microbatches,
         schedule=schedule,
+        lead=plan.warmup_lead,
     )
 
 
@@ -232,6 +235,7 @@ def rebalance_decision(
             layers=sum(current),
             microbatches=calibration.microbatches,
             schedule=calibration.schedule,
+            lead=calibration.lead,
         )
 
     current_step = problem_within(caps).simulate(current)

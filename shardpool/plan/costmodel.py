@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from shardpool.config import Config
+from shardpool.contract.schedule import MAX_LEAD
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import DECODER_LINEAR_NAMES
 from shardpool.plan.precision import Cap, config_cap
@@ -63,6 +64,9 @@ class Workload:
     data_parallel: Literal["auto", "on", "off"] = "off"
     #: A fixed split of the step's micro-batches over that many replicas (``shardpool.shares``).
     shares: tuple[int, ...] | None = None
+    #: The 1F1B warm-up depth (:func:`~shardpool.contract.schedule.warmup_forwards`); None: the
+    #: planner chooses it per plan (``shardpool.warmup_lead: auto``).
+    warmup_lead: int | None = 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -85,6 +89,10 @@ class Workload:
             )
         if self.schedule not in ("1f1b", "gpipe"):
             raise ShardpoolError(f"schedule {self.schedule!r} is unknown; use '1f1b' or 'gpipe'")
+        if self.warmup_lead is not None and not 1 <= self.warmup_lead <= MAX_LEAD:
+            raise ShardpoolError(
+                f"shardpool.warmup_lead is {self.warmup_lead}; give 1 to {MAX_LEAD}, or auto to let the planner choose"
+            )
         for name in ("max_stages", "stages"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -103,6 +111,11 @@ class Workload:
     def step_microbatches(self) -> int:
         """Micro-batches in one optimizer step, over all replicas."""
         return self.gradient_accumulation_steps * self.replicas
+
+    @property
+    def lead(self) -> int:
+        """The 1F1B warm-up lead the stages run: the chosen one, else (auto, before the planner chose) 1."""
+        return self.warmup_lead or 1
 
     @property
     def tokens(self) -> int:
@@ -162,4 +175,5 @@ class Workload:
             layers=tuple(config.shardpool.layers) if config.shardpool.layers else None,
             data_parallel=config.shardpool.data_parallel,
             shares=tuple(config.shardpool.shares) if config.shardpool.shares else None,
+            warmup_lead=None if config.shardpool.warmup_lead == "auto" else config.shardpool.warmup_lead,
         )

@@ -118,7 +118,7 @@ def held_boundary_bytes(
     if kind == "cpu" and not first:
         held["sent_gradients"] = elements * workload.wire_bytes * held_gradient_sends(
             workload.schedule, stage=index, num_stages=num_stages,
-            num_microbatches=workload.gradient_accumulation_steps,
+            num_microbatches=workload.gradient_accumulation_steps, lead=workload.lead,
         )  # fmt: skip
     return held
 
@@ -137,11 +137,12 @@ def in_flight_microbatches(workload: Workload, *, index: int, num_stages: int) -
     """Micro-batches whose activations stage ``index`` holds at once, read off the schedule the
     stages run (:func:`~shardpool.contract.schedule.schedule_for`).
 
-    1F1B: stage i holds up to ``S - i + 1`` (the last stage 1, never more than M). GPipe runs
-    all M forwards first, so every stage holds M.
+    1F1B: stage i holds up to ``S - i + 1`` at lead 1 (the last stage 1, never more than M), and
+    L - 1 more per stage of distance to the last at lead L. GPipe runs all M forwards first, so
+    every stage holds M.
     """
     actions = schedule_for(
         workload.schedule, stage=index, num_stages=num_stages,
-        num_microbatches=workload.gradient_accumulation_steps,
+        num_microbatches=workload.gradient_accumulation_steps, lead=workload.lead,
     )  # fmt: skip
     return max(1, peak_in_flight(actions))

@@ -93,14 +93,16 @@ class StepSimulation:
 
 
 @lru_cache(maxsize=256)
-def _orders(schedule: str, num_stages: int, microbatches: int) -> tuple[tuple[tuple[bool, int], ...], ...]:
-    """Each stage's actions as ``(is_forward, micro-batch)``, cached per schedule and shape."""
+def _orders(
+    schedule: str, num_stages: int, microbatches: int, lead: int = 1
+) -> tuple[tuple[tuple[bool, int], ...], ...]:
+    """Each stage's actions as ``(is_forward, micro-batch)``, cached per schedule, lead and shape."""
     try:
         return tuple(
             tuple(
                 (kind == "F", index)
                 for kind, index in schedule_for(
-                    schedule, stage=stage, num_stages=num_stages, num_microbatches=microbatches
+                    schedule, stage=stage, num_stages=num_stages, num_microbatches=microbatches, lead=lead
                 )
             )
             for stage in range(num_stages)
@@ -115,17 +117,19 @@ def simulate_step(
     microbatches: int,
     schedule: str,
     devices: Sequence[int] | None = None,
+    lead: int = 1,
 ) -> StepSimulation:
     """Simulate one optimizer step of ``stages`` (in pipeline order) over ``microbatches`` micro-batches.
 
     Deterministic and exact for the model described in the module docstring: every action starts
     at the later of its device becoming free and its input arriving. ``devices`` names each stage's
-    device where some stages share one (default: every stage has its own).
+    device where some stages share one (default: every stage has its own). ``lead`` is the 1F1B
+    warm-up depth (:func:`~shardpool.contract.schedule.warmup_forwards`).
     """
     count = len(stages)
     if count == 0 or microbatches < 1:
         raise ShardpoolError(f"cannot simulate {count} stages over {microbatches} micro-batches")
-    orders = _orders(schedule, count, microbatches)
+    orders = _orders(schedule, count, microbatches, lead)
     if devices is not None:
         if len(devices) != count:
             raise ShardpoolError(f"{len(devices)} devices given for {count} stages; give one per stage")

@@ -22,6 +22,7 @@ from dataclasses import replace
 from itertools import permutations
 from typing import Any
 
+from shardpool.contract.schedule import MAX_LEAD
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
@@ -54,6 +55,10 @@ GIVEN_SPLIT_ORDERS = 5040
 #: Sequence evaluations the local search on large fleets may spend (a count, not a time, so a
 #: fleet gets the same plan on any machine).
 HEURISTIC_EVALUATIONS = 3000
+#: Predicted steps closer than this are a tie (the shallower warm-up lead wins it).
+STEP_TIE_S = 1e-9
+#: Deeper warm-up leads that may predict no shorter step in a row before the search stops.
+LEAD_PATIENCE = 2
 
 
 def plan_pipeline(
@@ -64,6 +69,44 @@ def plan_pipeline(
     exact_limit: int = EXACT_SEQUENCE_LIMIT,
     exact_simulations: int = EXACT_SIMULATION_LIMIT,
     evaluations: int = HEURISTIC_EVALUATIONS,
+) -> Plan:
+    """Choose devices, their order, a contiguous layer split and (``warmup_lead`` None, auto) the
+    1F1B warm-up lead minimizing the predicted step time (:func:`_plan_at_lead` for one lead).
+
+    Under auto each lead from 1 up is planned in full and the shortest predicted step wins, a
+    shallower lead on a tie (less activation memory). The search deepens until ``LEAD_PATIENCE``
+    leads in a row predict no shorter step than the best so far, or ``MAX_LEAD``: the step falls
+    with the lead while links' round trips still stall the warm-up, then levels off. A deeper lead
+    holds more micro-batches' activations, so once one fits nowhere the deeper ones are not tried;
+    the errors are those of lead 1. GPipe has no warm-up to deepen.
+    """
+    limits = {"exact_limit": exact_limit, "exact_simulations": exact_simulations, "evaluations": evaluations}
+    if workload.warmup_lead is not None or workload.schedule != "1f1b":
+        return _plan_at_lead(shape, replace(workload, warmup_lead=workload.lead), fleet, **limits)
+    best = _plan_at_lead(shape, replace(workload, warmup_lead=1), fleet, **limits)
+    since_better = 0
+    for lead in range(2, MAX_LEAD + 1):
+        try:
+            deeper = _plan_at_lead(shape, replace(workload, warmup_lead=lead), fleet, **limits)
+        except ShardpoolError:
+            break
+        if deeper.fits and deeper.predicted_step_s < best.predicted_step_s - STEP_TIE_S:
+            best, since_better = deeper, 0
+        else:
+            since_better += 1
+            if since_better == LEAD_PATIENCE:
+                break
+    return best
+
+
+def _plan_at_lead(
+    shape: ModelShape,
+    workload: Workload,
+    fleet: Fleet,
+    *,
+    exact_limit: int,
+    exact_simulations: int,
+    evaluations: int,
 ) -> Plan:
     """Choose devices, their order and a contiguous layer split minimizing the predicted step time.
 
@@ -176,8 +219,18 @@ def evaluate_split(
     """Predict a given assignment: device names in pipeline order and their layer ranges (or counts).
 
     Used for ``shardpool.layers`` given by the user, for baselines (even or proportional
-    splits) and by tests. The result has ``fits=False`` when a stage overflows its device.
+    splits) and by tests. The result has ``fits=False`` when a stage overflows its device. Under
+    ``warmup_lead`` auto the lead is the one that predicts the shortest step among those that fit
+    (:func:`plan_pipeline`'s rule).
     """
+    if workload.warmup_lead is None and workload.schedule == "1f1b":
+        evaluated = [
+            evaluate_split(shape, replace(workload, warmup_lead=lead), fleet, devices=devices, layers=layers)
+            for lead in range(1, MAX_LEAD + 1)
+        ]
+        return min(
+            evaluated, key=lambda plan: (not plan.fits, plan.predicted_step_s + STEP_TIE_S * plan.warmup_lead)
+        )
     if len(devices) != len(layers):
         raise ShardpoolError(
             f"{len(devices)} devices but {len(layers)} layer ranges; give one range per device"
@@ -234,6 +287,7 @@ def _given_split(ctx: SearchContext, counts: list[int], refused: dict[str, str])
             [c.times(n) for (c, _), n in zip(stage_costs, counts, strict=True)],
             microbatches=ctx.workload.gradient_accumulation_steps,
             schedule=ctx.workload.schedule,
+            lead=ctx.workload.lead,
         ).step_s
         return (not fits, step)
 
@@ -258,6 +312,7 @@ def _build_plan(
         [c.times(n) for (c, _), n in zip(costs, counts, strict=True)],
         microbatches=w.gradient_accumulation_steps,
         schedule=w.schedule,
+        lead=w.lead,
     )
     for d, n, (stage_costs, cap) in zip(seq, counts, costs, strict=True):
         fits = fits and n <= cap
@@ -276,6 +331,7 @@ def _build_plan(
         search=search,
         fits=fits,
         refused=dict(refused or {}),
+        warmup_lead=w.lead,
     )
     plan.stages[plan.bottleneck_index].bottleneck = True
     return plan
@@ -319,7 +375,10 @@ def resplit_plan(
             f"{len(plan.stages)} stages but {len(costs)} stage costs and {len(counts)} layer counts; give one each"
         )
     simulation = simulate_step(
-        [c.times(n) for c, n in zip(costs, counts, strict=True)], microbatches=microbatches, schedule=schedule
+        [c.times(n) for c, n in zip(costs, counts, strict=True)],
+        microbatches=microbatches,
+        schedule=schedule,
+        lead=plan.warmup_lead,
     )
     stages, start, fits = [], 0, True
     for old, stage_costs, n in zip(plan.stages, costs, counts, strict=True):

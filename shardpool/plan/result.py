@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardpool.contract.schedule import MAX_LEAD
 from shardpool.errors import ShardpoolError
 from shardpool.plan.precision import DTYPE_BYTES, DTYPE_SHORT
 from shardpool.plan.stage_costs import StageCosts
@@ -159,6 +160,9 @@ class Plan:
     #: (``stages`` is then the first of them), and the step's micro-batches each trains.
     data_parallel: list[PlannedStage] = field(default_factory=list)
     shares: list[int] = field(default_factory=list)
+    #: The 1F1B warm-up depth the stages run (``contract.schedule.warmup_forwards``); 1 for GPipe and
+    #: for plans written before it was chosen.
+    warmup_lead: int = 1
 
     @property
     def is_data_parallel(self) -> bool:
@@ -192,6 +196,7 @@ class Plan:
                 "microbatches": self.microbatches,
                 "recommended_microbatches": self.recommended_microbatches,
                 "schedule": self.schedule,
+                "warmup_lead": self.warmup_lead,
                 "num_layers": self.num_layers,
                 "model": self.model,
                 "left_out": list(self.left_out),
@@ -239,6 +244,11 @@ class Plan:
         microbatches = int(data.get("microbatches", 1))
         replicas = [PlannedStage.from_json(stage) for stage in data.get("data_parallel") or []]
         shares = [int(share) for share in data.get("shares") or []]
+        lead = int(data.get("warmup_lead", 1))
+        if not 1 <= lead <= MAX_LEAD:
+            raise ShardpoolError(
+                f"plan.json's warmup_lead is {lead}, outside 1..{MAX_LEAD}; re-plan to rewrite it"
+            )
         if len(replicas) != len(shares) or (shares and (num_stages != 1 or min(shares) < 1)):
             raise ShardpoolError(
                 "plan.json's data_parallel replicas and shares do not match one stage and a share of "
@@ -264,7 +274,13 @@ class Plan:
             else {},
             data_parallel=replicas,
             shares=shares,
+            warmup_lead=lead,
         )
+
+
+def _schedule_words(plan: Plan) -> str:
+    """The schedule as the plan table names it: ``1f1b``, with its warm-up lead when deeper than 1."""
+    return plan.schedule if plan.warmup_lead == 1 else f"{plan.schedule}, warm-up lead {plan.warmup_lead}"
 
 
 def plan_table(plan: Plan) -> Any:
@@ -273,7 +289,7 @@ def plan_table(plan: Plan) -> Any:
 
     caption = (
         f"ms/mb: predicted forward + backward per micro-batch. Predicted step {plan.predicted_step_s:.3f} s "
-        f"with {plan.microbatches} micro-batches ({plan.schedule}), "
+        f"with {plan.microbatches} micro-batches ({_schedule_words(plan)}), "
         f"bubble {plan.bubble_fraction:.1%}; recommended micro-batches: {plan.recommended_microbatches}"
     )
     if plan.shares:

@@ -119,6 +119,7 @@ class SearchContext:
             microbatches=self.workload.gradient_accumulation_steps,
             schedule=self.workload.schedule,
             budget=self.budget,
+            lead=self.workload.lead,
         )
 
 

@@ -70,13 +70,16 @@ class SplitProblem:
     microbatches: int
     schedule: str
     budget: SimulationBudget | None = None
+    lead: int = 1
 
     def simulate(self, counts: Sequence[int]) -> float:
         """The simulated step of the split ``counts`` (counted against ``budget``)."""
         if self.budget is not None:
             self.budget.spend()
         stages = [c.times(n) for c, n in zip(self.costs, counts, strict=True)]
-        return simulate_step(stages, microbatches=self.microbatches, schedule=self.schedule).step_s
+        return simulate_step(
+            stages, microbatches=self.microbatches, schedule=self.schedule, lead=self.lead
+        ).step_s
 
     def link_floor(self) -> float:
         """No split beats the busiest link: it carries ``M`` transfers one after another."""

@@ -75,9 +75,10 @@ class StagePipe:
     loss_scale: float | None = None
 
     def run_schedule(
-        self, schedule: str, microbatches: list[TokenRows], step_label_tokens: int
+        self, schedule: str, microbatches: list[TokenRows], step_label_tokens: int, *, lead: int = 1
     ) -> StepTotals:
-        """Run this stage's actions of ``schedule`` over ``microbatches``; return its loss and compute time."""
+        """Run this stage's actions of ``schedule`` (at warm-up ``lead``) over ``microbatches``; return
+        its loss and compute time."""
         totals = StepTotals()
         saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         actions = schedule_for(
@@ -85,6 +86,7 @@ class StagePipe:
             stage=self.spec.index,
             num_stages=self.spec.num_stages,
             num_microbatches=len(microbatches),
+            lead=lead,
         )
         activations = self._inbox(actions, microbatches, "F", self.wire.previous, FORWARD_TAG)
         gradients = self._inbox(actions, microbatches, "B", self.wire.next, BACKWARD_TAG)
@@ -93,6 +95,7 @@ class StagePipe:
             stage=self.spec.index,
             num_stages=self.spec.num_stages,
             num_microbatches=len(microbatches),
+            lead=lead,
         )
         for kind, index in actions:
             if kind == "F":

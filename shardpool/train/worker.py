@@ -429,7 +429,9 @@ class StageWorker:
         mine = all_microbatches[first:stop]
         scale = self.state.loss_scale
         self.pipe.loss_scale = scale.scale if scale else None
-        totals = self.pipe.run_schedule(self.config.shardpool.schedule, mine, step_label_tokens)
+        totals = self.pipe.run_schedule(
+            self.config.shardpool.schedule, mine, step_label_tokens, lead=self.job.warmup_lead
+        )
         wire.flush()
         grads = [param.grad for _, param in self.state.named_params]
         if scale and self.spec.index == 0 and inject_inf_at() == step + 1:

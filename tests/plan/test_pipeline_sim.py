@@ -278,3 +278,29 @@ def test_ring_allreduce() -> None:
     assert ring_allreduce_seconds(4e6, replicas=4, bandwidth=1e9, latency=1e-3) == pytest.approx(
         1.5 * 4e-3 + 6e-3
     )
+
+
+@pytest.mark.parametrize(("latency_s", "lead_needed"), [(0.5, 1), (2.0, 2), (5.0, 4)])
+def test_a_lead_deep_enough_for_the_round_trip_reaches_the_path_bound(
+    latency_s: float, lead_needed: int
+) -> None:
+    """Two identical stages (forward 1 s, backward 2 s) over a link of ``latency_s`` each way, M = 16.
+    No schedule beats the path from stage 0's first forward through all of stage 1's actions and
+    back to stage 0's last backward: 16 x 3 + 1 + 2 + 2x. At lead 1 stage 0 stalls for every
+    gradient that a slow round trip holds back (60 s at x = 2, 96 s at x = 5); a deeper lead keeps
+    it computing until the bound is reached, and deeper still changes nothing here."""
+    link = Transfer(busy_s=0.0, latency_s=latency_s)
+    stages = chain([(1.0, 2.0), (1.0, 2.0)], link)
+    bound = 16 * 3.0 + 1.0 + 2.0 + 2 * latency_s
+    steps = [
+        simulate_step(stages, microbatches=16, schedule="1f1b", lead=lead).step_s for lead in range(1, 9)
+    ]
+    assert min(steps) == pytest.approx(bound)
+    assert steps.index(min(steps)) + 1 == lead_needed
+    assert all(step == pytest.approx(bound) for step in steps[lead_needed - 1 :])
+    if lead_needed > 1:
+        assert steps[0] > bound + latency_s
+    # GPipe has no warm-up to deepen: the lead changes nothing.
+    assert simulate_step(stages, microbatches=16, schedule="gpipe", lead=4).step_s == pytest.approx(
+        simulate_step(stages, microbatches=16, schedule="gpipe").step_s
+    )

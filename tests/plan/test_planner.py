@@ -577,3 +577,68 @@ def test_cli_model_that_cannot_fit(tmp_path: Path) -> None:
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "GiB are missing" in lines[0] and "Traceback" not in result.stderr
+
+
+def _fast_devices_over_slow_links(count: int, latency_s: float, memory_gib: float = 8.0) -> Fleet:
+    """``count`` equal devices of 4 ms a layer on hosts of their own, every link ``latency_s`` each way."""
+    devices = tuple(
+        Device(
+            name=f"d{i}",
+            host=f"h{i}",
+            kind="cpu",
+            memory_bytes=int(memory_gib * GIB),
+            seconds_per_layer=0.004,
+        )
+        for i in range(count)
+    )
+    return Fleet(devices=devices, default_link=LinkSpec(bandwidth=1e8, latency=latency_s))
+
+
+LEAD_SHAPE = small_shape(16, 512, 1229)
+LEAD_WORKLOAD = Workload(
+    micro_batch_size=1, sequence_len=128, gradient_accumulation_steps=16, lora_r=8, warmup_lead=None, stages=4
+)
+
+
+def test_auto_deepens_the_warm_up_where_round_trips_stall_the_pipeline() -> None:
+    """Four fast stages over 20 ms links: at lead 1 each stage waits for gradients the links hold
+    back; the planner's deeper lead predicts a step at least 1.5x shorter, and every stage but the
+    last holds the extra micro-batches' activations (its in-flight count and memory)."""
+    fleet = _fast_devices_over_slow_links(4, 0.02)
+    chosen = plan_pipeline(LEAD_SHAPE, LEAD_WORKLOAD, fleet)
+    textbook = plan_pipeline(LEAD_SHAPE, replace(LEAD_WORKLOAD, warmup_lead=1), fleet)
+    assert chosen.warmup_lead > 1 and textbook.warmup_lead == 1
+    assert textbook.predicted_step_s / chosen.predicted_step_s > 1.5
+    for stage, (deep, shallow) in enumerate(zip(chosen.stages, textbook.stages, strict=True)):
+        expected = (
+            min(16, chosen.warmup_lead * (4 - stage) - (chosen.warmup_lead - 1)) + 1 if stage < 3 else 1
+        )
+        assert deep.in_flight_microbatches == expected
+        if stage < 3:
+            assert deep.in_flight_microbatches > shallow.in_flight_microbatches
+    assert Plan.from_json(json.loads(json.dumps(chosen.to_json()))).warmup_lead == chosen.warmup_lead
+    # A fast link stalls nothing: the shallowest lead wins the tie.
+    assert plan_pipeline(LEAD_SHAPE, LEAD_WORKLOAD, _fast_devices_over_slow_links(4, 1e-4)).warmup_lead == 1
+
+
+@pytest.mark.parametrize("latency_s", [0.0, 0.005, 0.02, 0.05])
+def test_auto_is_never_worse_than_a_fixed_lead_up_to_three(latency_s: float) -> None:
+    fleet = _fast_devices_over_slow_links(3, latency_s)
+    workload = replace(LEAD_WORKLOAD, stages=None)
+    chosen = plan_pipeline(LEAD_SHAPE, workload, fleet)
+    for lead in (1, 2, 3):
+        fixed = plan_pipeline(LEAD_SHAPE, replace(workload, warmup_lead=lead), fleet)
+        assert fixed.warmup_lead == lead
+        assert chosen.predicted_step_s <= fixed.predicted_step_s * (1 + 1e-9)
+
+
+def test_a_deeper_lead_that_fits_nowhere_is_not_taken() -> None:
+    """Memory for about one more micro-batch of activations than lead 1 needs: the plan stays at a
+    lead whose stages fit, whatever a deeper one would predict."""
+    fleet = _fast_devices_over_slow_links(4, 0.05)
+    textbook = plan_pipeline(LEAD_SHAPE, replace(LEAD_WORKLOAD, warmup_lead=1), fleet)
+    tight = max(stage.memory_bytes for stage in textbook.stages) + 2**20
+    small = _fast_devices_over_slow_links(4, 0.05, memory_gib=tight / GIB)
+    chosen = plan_pipeline(LEAD_SHAPE, LEAD_WORKLOAD, small)
+    assert chosen.fits and all(stage.free_bytes >= 0 for stage in chosen.stages)
+    assert chosen.warmup_lead < plan_pipeline(LEAD_SHAPE, LEAD_WORKLOAD, fleet).warmup_lead

@@ -58,12 +58,19 @@ def _train(config: dict[str, Any]) -> Path:
 def runs(
     tiny_model: Path, completion_data: Path, start_adapter: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
-    """The same config trained with 1 stage and with 3 uneven stages [1, 3, 2]."""
+    """The same config trained with 1 stage and with 3 uneven stages [1, 3, 2] at a deeper 1F1B
+    warm-up (lead 2: stages 0 and 1 run every forward of the step's 3 before their backwards)."""
     root = tmp_path_factory.mktemp("runs")
     common = {"lora_model_dir": str(start_adapter)}
     one = _train(base_config(tiny_model, completion_data, root / "one", **common, shardpool={"stages": 1}))
     three = _train(
-        base_config(tiny_model, completion_data, root / "three", **common, shardpool={"layers": [1, 3, 2]})
+        base_config(
+            tiny_model,
+            completion_data,
+            root / "three",
+            **common,
+            shardpool={"layers": [1, 3, 2], "warmup_lead": 2},
+        )
     )
     return {"one": one, "three": three}
 
@@ -134,6 +141,7 @@ def test_one_stage_and_three_uneven_stages_train_identically(runs: dict[str, Pat
     adapter_three = load_file(str(runs["three"] / "adapter_model.safetensors"))
     assert _max_adapter_diff(adapter_three, adapter_one) < 1e-4
     assert len(three[0]["stage_compute_s"]) == 3
+    assert json.loads((runs["three"] / "plan.json").read_text())["warmup_lead"] == 2
 
 
 def test_replicas_on_shares_of_the_step_train_as_one_stage_before_and_after_the_shares_move(

@@ -8,12 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardpool.contract.schedule import (
+    MAX_LEAD,
     gpipe,
     gradients_delivered_by_forwards,
     held_gradient_sends,
     one_f_one_b,
     peak_in_flight,
     schedule_for,
+    warmup_forwards,
 )
 
 
@@ -48,11 +50,19 @@ def _simulate(schedules: list[list[tuple[str, int]]]) -> int:
     return rounds
 
 
-@settings(max_examples=200, deadline=None)
-@given(stages=st.integers(1, 8), microbatches=st.integers(1, 16), name=st.sampled_from(["1f1b", "gpipe"]))
-def test_schedules_complete_and_keep_backward_order(stages: int, microbatches: int, name: str) -> None:
+@settings(max_examples=300, deadline=None)
+@given(
+    stages=st.integers(1, 8),
+    microbatches=st.integers(1, 16),
+    name=st.sampled_from(["1f1b", "gpipe"]),
+    lead=st.integers(1, MAX_LEAD),
+)
+def test_schedules_complete_and_keep_backward_order(
+    stages: int, microbatches: int, name: str, lead: int
+) -> None:
     schedules = [
-        schedule_for(name, stage=i, num_stages=stages, num_microbatches=microbatches) for i in range(stages)
+        schedule_for(name, stage=i, num_stages=stages, num_microbatches=microbatches, lead=lead)
+        for i in range(stages)
     ]
     _simulate(schedules)
     for actions in schedules:
@@ -96,7 +106,34 @@ def test_1f1b_on_four_stages_is_the_textbook_order_with_one_more_warm_up_forward
     ]
 
 
+@pytest.mark.parametrize("lead", range(1, MAX_LEAD + 1))
+def test_a_deeper_lead_warms_each_stage_up_by_its_distance_to_the_last_and_holds_that_many_more(
+    lead: int,
+) -> None:
+    stages, microbatches = 4, 40
+    for stage in range(stages):
+        distance = stages - stage
+        expected = 0 if stage == stages - 1 else lead * distance - (lead - 1)
+        assert (
+            warmup_forwards(stage=stage, num_stages=stages, num_microbatches=microbatches, lead=lead)
+            == expected
+        )
+        actions = one_f_one_b(stage=stage, num_stages=stages, num_microbatches=microbatches, lead=lead)
+        assert actions[: expected + 1] == [("F", index) for index in range(expected + 1)]
+        assert actions[expected + 1] == ("B", 0)
+        assert peak_in_flight(actions) == expected + 1
+    # Lead 1 is the schedule as it always ran; a short step caps the warm-up at its micro-batches.
+    assert one_f_one_b(stage=0, num_stages=2, num_microbatches=6, lead=1) == one_f_one_b(
+        stage=0, num_stages=2, num_microbatches=6
+    )
+    assert warmup_forwards(stage=0, num_stages=2, num_microbatches=3, lead=MAX_LEAD) == 3
+
+
 def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="lead"):
+        one_f_one_b(stage=0, num_stages=2, num_microbatches=4, lead=MAX_LEAD + 1)
+    with pytest.raises(ValueError, match="lead"):
+        one_f_one_b(stage=0, num_stages=2, num_microbatches=4, lead=0)
     with pytest.raises(ValueError):
         one_f_one_b(stage=4, num_stages=4, num_microbatches=2)
     with pytest.raises(ValueError):
@@ -117,21 +154,23 @@ def test_each_activation_proves_which_gradients_the_stage_before_has_received() 
                                            gpipe(stage=0, num_stages=2, num_microbatches=4)) == {}  # fmt: skip
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.integers(2, 5), st.integers(1, 40), st.data())
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 5), st.integers(1, 40), st.integers(1, MAX_LEAD), st.data())
 def test_under_1f1b_a_stage_holds_a_bounded_number_of_gradient_sends_whatever_m(
-    num_stages: int, microbatches: int, data: st.DataObject
+    num_stages: int, microbatches: int, lead: int, data: st.DataObject
 ) -> None:
     stage = data.draw(st.integers(1, num_stages - 1))
-    own = one_f_one_b(stage=stage, num_stages=num_stages, num_microbatches=microbatches)
-    previous = one_f_one_b(stage=stage - 1, num_stages=num_stages, num_microbatches=microbatches)
+    own = one_f_one_b(stage=stage, num_stages=num_stages, num_microbatches=microbatches, lead=lead)
+    previous = one_f_one_b(stage=stage - 1, num_stages=num_stages, num_microbatches=microbatches, lead=lead)
     proven = gradients_delivered_by_forwards(own, previous)
     for forward, through in proven.items():  # sound: each proven gradient was taken before that forward
         before = previous[: previous.index(("F", forward))]
         assert all(("B", index) in before for index in range(through + 1))
     # Without the proofs a stage holds all M until the step's end; with them, what the stage
     # before it holds in flight, whatever M.
-    held = held_gradient_sends("1f1b", stage=stage, num_stages=num_stages, num_microbatches=microbatches)
+    held = held_gradient_sends(
+        "1f1b", stage=stage, num_stages=num_stages, num_microbatches=microbatches, lead=lead
+    )
     assert 1 <= held <= peak_in_flight(previous)
     assert (
         held_gradient_sends("gpipe", stage=stage, num_stages=num_stages, num_microbatches=microbatches)
