@@ -430,6 +430,7 @@ def summarize_run(records: Sequence[dict[str, Any]], plan: dict[str, Any], warmu
             {"host": stage["host"], "layers": stage["layers"], "device": stage["device"]} for stage in placed
         ],
         "shares": shares,
+        "warmup_lead": plan.get("warmup_lead", 1),
         "predicted_step_s": predicted,
         "step_s": _rounded(step_s),
         "tokens_per_s": _rounded(median_of([float(r["tokens_per_s"]) for r in kept]), 1),
@@ -1292,10 +1293,12 @@ def benchmark(
     only: Sequence[str] = DEFAULT_MODES,
     repeats: int = 1,
     period_us: int = PERIOD_US,
+    warmup_lead: int | None = None,
 ) -> dict[str, Any]:
     """Build the model, the throttled lab and the mesh; train the three ways (or ``only`` those)
     ``repeats`` times each in ABBA order (:func:`abba_order`), on the same mesh; then, with ``swap``,
-    once from swapped profiles; the JSON report."""
+    once from swapped profiles; the JSON report. ``warmup_lead`` fixes the 1F1B warm-up lead of
+    every mesh run (None: the planner's choice)."""
     size = QUICK if quick else FULL
     chosen = tuple(mode for mode in MODES if mode in only)
     order = abba_order(chosen, repeats) + ([(SWAPPED, 0)] if swap else [])
@@ -1332,9 +1335,10 @@ def benchmark(
                 if mode == SWAPPED:
                     swapped = swap_profiles(lab, cgroups, labels[0], labels[-1], scope)
                 out = work / f"out-{name}"
-                config = training_config(
-                    model_dir, data, out, size, mode_settings(mode, num_layers, len(labels))
-                )
+                settings = mode_settings(mode, num_layers, len(labels))
+                if warmup_lead is not None and settings["placement"] == "mesh":
+                    settings["warmup_lead"] = warmup_lead
+                config = training_config(model_dir, data, out, size, settings)
                 # training_config turns re-balancing off for every benchmark; the pooled runs are
                 # the ones that must re-balance, at the default.
                 config = rebalance_setting(
@@ -1387,7 +1391,7 @@ def benchmark(
                 plans.setdefault(mode, []).append(plan)
                 records.setdefault(mode, []).append(run_records)
                 say(f"{name}: {summary['tokens_per_s']} tokens/s, run took {summary['run_s']} s")
-        return report(
+        result = report(
             quick=quick,
             size=size,
             quotas=host_quotas,
@@ -1404,6 +1408,9 @@ def benchmark(
             mesh_setup_s=mesh_setup_s,
             seconds=time.monotonic() - started,
         )
+        if warmup_lead is not None:
+            result["command"] += f" --warmup-lead {warmup_lead}"
+        return result
     finally:
         if keep is None:
             import shutil
@@ -1623,6 +1630,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=PERIOD_US,
         help=f"the CFS period of every quota, in ms (default {PERIOD_US // 1000}; the kernel's own is 100)",
     )
+    parser.add_argument(
+        "--warmup-lead",
+        type=int,
+        choices=range(1, 9),
+        metavar="1..8",
+        help="fix the 1F1B warm-up lead of every mesh run (default: the planner's choice)",
+    )
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it (model, outputs, logs)")
     args = parser.parse_args(argv)
     reason = skip_reason()
@@ -1647,6 +1661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             only=args.modes,
             repeats=args.repeats,
             period_us=args.period_ms,
+            warmup_lead=args.warmup_lead,
         ),
         errors=(BenchError, LabError),
         cleaned="the lab and the cgroups were removed",
