@@ -356,8 +356,10 @@ def placed_stages(plan: Plan) -> str:
 def grown_job(job: Job, plan: Plan) -> tuple[Job, dict[int, int]] | None:
     """``job`` grown to ``plan`` (the next generation, its new ranks ``joining``) and each running
     rank's rank in it; None when it cannot grow in place (:func:`~shardpool.contract.grow.in_place_ranks`),
-    or when either is data-parallel (replicas on shares of the step restart from the step copy)."""
-    if job.shares is not None or plan.is_data_parallel:
+    when either is data-parallel (replicas on shares of the step restart from the step copy), or
+    when the plan runs another 1F1B warm-up lead (the running ranks keep their schedule's order; a
+    restart from the step copy takes the new one)."""
+    if job.shares is not None or plan.is_data_parallel or plan.warmup_lead != job.warmup_lead:
         return None
     grown = Job.model_validate(
         job.model_dump(mode="json")

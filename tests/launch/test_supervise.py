@@ -768,6 +768,10 @@ def test_a_job_grows_in_place_when_every_running_member_keeps_its_stages() -> No
     assert [stage.host for stage in job.stages] == ["a", "c", "b"]
     assert (job.generation, job.joining, job.rebalance_at, job.keep_state) == (1, True, None, True)
     assert grown_job(_job_on(["a", "b"]), _plan(["a", "a", "c"])) is None, "b would lose its stage"
+    deeper = replace(_plan(["a", "c", "b"]), warmup_lead=2)
+    assert grown_job(_job_on(["a", "b"], keep_state=True), deeper) is None, (
+        "the running ranks keep their lead"
+    )
 
 
 def test_replicas_on_shares_never_grow_in_place() -> None:
