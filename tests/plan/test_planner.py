@@ -611,7 +611,7 @@ def test_auto_deepens_the_warm_up_where_round_trips_stall_the_pipeline() -> None
     assert textbook.predicted_step_s / chosen.predicted_step_s > 1.5
     for stage, (deep, shallow) in enumerate(zip(chosen.stages, textbook.stages, strict=True)):
         expected = (
-            min(16, chosen.warmup_lead * (4 - stage) - (chosen.warmup_lead - 1)) + 1 if stage < 3 else 1
+            min(16, chosen.warmup_lead * (4 - stage) - (chosen.warmup_lead - 1) + 1) if stage < 3 else 1
         )
         assert deep.in_flight_microbatches == expected
         if stage < 3:
