@@ -617,8 +617,9 @@ def test_auto_deepens_the_warm_up_where_round_trips_stall_the_pipeline() -> None
         if stage < 3:
             assert deep.in_flight_microbatches > shallow.in_flight_microbatches
     assert Plan.from_json(json.loads(json.dumps(chosen.to_json()))).warmup_lead == chosen.warmup_lead
-    # A fast link stalls nothing: the shallowest lead wins the tie.
-    assert plan_pipeline(LEAD_SHAPE, LEAD_WORKLOAD, _fast_devices_over_slow_links(4, 1e-4)).warmup_lead == 1
+    # Two stages over a fast link: nothing stalls the warm-up, and the shallowest lead wins the tie.
+    fast_pair = _fast_devices_over_slow_links(2, 1e-4)
+    assert plan_pipeline(LEAD_SHAPE, replace(LEAD_WORKLOAD, stages=2), fast_pair).warmup_lead == 1
 
 
 @pytest.mark.parametrize("latency_s", [0.0, 0.005, 0.02, 0.05])
