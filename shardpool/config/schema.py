@@ -26,10 +26,15 @@ __all__ = [
     "COLLECT_PROBLEMS",
     "OPTIMIZERS",
     "LR_SCHEDULERS",
+    "MAX_WARMUP_LEAD",
 ]
 
 #: Validation context under which the models record rule breaks instead of raising on the first.
 COLLECT_PROBLEMS = {"collect_problems": True}
+
+#: The deepest 1F1B warm-up lead (``shardpool.warmup_lead``): here, in the lowest layer, so that the
+#: config, the job contract and the schedule (``contract.schedule.MAX_LEAD``) share one bound.
+MAX_WARMUP_LEAD = 8
 
 OptimizerName = Literal[
     "adamw_torch",
@@ -220,7 +225,7 @@ class ShardpoolSection(_Strict):
     schedule: Literal["1f1b", "gpipe"] = Field(default="1f1b", description="pipeline schedule")
     warmup_lead: Literal["auto"] | int = Field(
         default="auto",
-        description="1F1B warm-up depth: forwards a stage runs ahead of its neighbour, 1 to 8 times the "
+        description=f"1F1B warm-up depth: forwards a stage runs ahead of its neighbour, 1 to {MAX_WARMUP_LEAD} times the "
         "textbook's (auto: the planner's choice for the placement, by the simulated step)",
     )
     rebalance: Literal["auto", "off"] = Field(
@@ -330,9 +335,11 @@ class ShardpoolSection(_Strict):
     @field_validator("warmup_lead", mode="before")
     @classmethod
     def _lead_in_range(cls, value: Any) -> Any:
-        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 8):
+        if value == "auto" or (
+            isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_WARMUP_LEAD
+        ):
             return value
-        raise ValueError("the 1F1B warm-up depth is an integer from 1 to 8, or auto")
+        raise ValueError(f"the 1F1B warm-up depth is an integer from 1 to {MAX_WARMUP_LEAD}, or auto")
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> ShardpoolSection:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from shardpool.config.schema import MAX_WARMUP_LEAD
+
 __all__ = [
     "LINK_SLACK_FORWARDS",
     "MAX_LEAD",
@@ -33,8 +35,8 @@ Action = tuple[Literal["F", "B"], int]
 
 #: Forwards a stage with a next stage runs ahead of the textbook 1F1B warm-up (S - 1 - i).
 LINK_SLACK_FORWARDS = 1
-#: The deepest warm-up lead the planner considers (:func:`warmup_forwards`).
-MAX_LEAD = 8
+#: The deepest warm-up lead the planner considers (:func:`warmup_forwards`), as the config allows it.
+MAX_LEAD = MAX_WARMUP_LEAD
 
 
 def warmup_forwards(*, stage: int, num_stages: int, num_microbatches: int, lead: int = 1) -> int:

@@ -17,7 +17,7 @@ explains a model that fits nowhere.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from itertools import permutations
 from typing import Any
@@ -80,14 +80,31 @@ def plan_pipeline(
     holds more micro-batches' activations, so once one fits nowhere the deeper ones are not tried;
     the errors are those of lead 1. GPipe has no warm-up to deepen.
     """
-    limits = {"exact_limit": exact_limit, "exact_simulations": exact_simulations, "evaluations": evaluations}
+    return _over_leads(
+        workload,
+        lambda at_lead: _plan_at_lead(
+            shape,
+            at_lead,
+            fleet,
+            exact_limit=exact_limit,
+            exact_simulations=exact_simulations,
+            evaluations=evaluations,
+        ),
+    )
+
+
+def _over_leads(workload: Workload, plan_at: Callable[[Workload], Plan]) -> Plan:
+    """``plan_at`` the workload's lead, or under auto (``warmup_lead`` None, 1F1B) the plan of the lead
+    that predicts the shortest step by :func:`plan_pipeline`'s rule: leads from 1 up, the shallower
+    on a tie, until ``LEAD_PATIENCE`` leads in a row predict no shorter step, one raises (fits
+    nowhere), or ``MAX_LEAD``. Lead 1's errors are the caller's."""
     if workload.warmup_lead is not None or workload.schedule != "1f1b":
-        return _plan_at_lead(shape, replace(workload, warmup_lead=workload.lead), fleet, **limits)
-    best = _plan_at_lead(shape, replace(workload, warmup_lead=1), fleet, **limits)
+        return plan_at(replace(workload, warmup_lead=workload.lead))
+    best = plan_at(replace(workload, warmup_lead=1))
     since_better = 0
     for lead in range(2, MAX_LEAD + 1):
         try:
-            deeper = _plan_at_lead(shape, replace(workload, warmup_lead=lead), fleet, **limits)
+            deeper = plan_at(replace(workload, warmup_lead=lead))
         except ShardpoolError:
             break
         if deeper.fits and deeper.predicted_step_s < best.predicted_step_s - STEP_TIE_S:
@@ -220,17 +237,22 @@ def evaluate_split(
 
     Used for ``shardpool.layers`` given by the user, for baselines (even or proportional
     splits) and by tests. The result has ``fits=False`` when a stage overflows its device. Under
-    ``warmup_lead`` auto the lead is the one that predicts the shortest step among those that fit
-    (:func:`plan_pipeline`'s rule).
+    ``warmup_lead`` auto the lead is chosen by :func:`plan_pipeline`'s rule (:func:`_over_leads`).
     """
-    if workload.warmup_lead is None and workload.schedule == "1f1b":
-        evaluated = [
-            evaluate_split(shape, replace(workload, warmup_lead=lead), fleet, devices=devices, layers=layers)
-            for lead in range(1, MAX_LEAD + 1)
-        ]
-        return min(
-            evaluated, key=lambda plan: (not plan.fits, plan.predicted_step_s + STEP_TIE_S * plan.warmup_lead)
-        )
+    return _over_leads(
+        workload, lambda at_lead: _evaluate_at_lead(shape, at_lead, fleet, devices=devices, layers=layers)
+    )
+
+
+def _evaluate_at_lead(
+    shape: ModelShape,
+    workload: Workload,
+    fleet: Fleet,
+    *,
+    devices: Sequence[str],
+    layers: Sequence[tuple[int, int]] | Sequence[int],
+) -> Plan:
+    """:func:`evaluate_split` at the workload's own lead."""
     if len(devices) != len(layers):
         raise ShardpoolError(
             f"{len(devices)} devices but {len(layers)} layer ranges; give one range per device"
