@@ -3,7 +3,10 @@ scale (80 layers over 64 devices), and the profiler's time for a tiny model on t
 
     python scripts/bench_planner.py > planner-bench.json
 
-Baselines use every device of the fleet in file order, like a hand-written split would.
+Baselines use every device of the fleet that can run the workload (NF4 needs compute capability
+6.0+, so the seed fleet's M40 is left out of QLoRA), in file order, like a hand-written split. The
+workloads plan as a config does by default (``warmup_lead: auto``, ``data_parallel: auto``);
+``planner_lead_1`` is the same search at the textbook 1F1B warm-up.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,6 +27,7 @@ from shardpool.model.shape import ModelShape  # noqa: E402
 from shardpool.plan.costmodel import Workload  # noqa: E402
 from shardpool.plan.fleet import heterogeneous_fleet, load_fleet  # noqa: E402
 from shardpool.plan.planner import evaluate_split, plan_pipeline  # noqa: E402
+from shardpool.plan.search_context import refusals  # noqa: E402
 from shardpool.plan.splits import even_split, proportional_split  # noqa: E402
 
 GIB = 2**30
@@ -35,6 +40,8 @@ WORKLOADS = {
         gradient_checkpointing=True,
         compute_bytes=2,
         wire_bytes=2,
+        data_parallel="auto",
+        warmup_lead=None,
     ),
     "llama-3-8b": Workload(
         micro_batch_size=2,
@@ -44,6 +51,8 @@ WORKLOADS = {
         gradient_checkpointing=True,
         compute_bytes=2,
         wire_bytes=2,
+        data_parallel="auto",
+        warmup_lead=None,
     ),
 }
 
@@ -55,6 +64,8 @@ def summarize(plan) -> dict:
         "bottleneck_ms": round(plan.bottleneck_ms, 1),
         "fits": plan.fits,
         "stages": [f"{s.slot}[{s.start},{s.stop})" for s in plan.stages],
+        "warmup_lead": plan.warmup_lead,
+        "shares": list(plan.shares) or None,
     }
 
 
@@ -63,8 +74,9 @@ def compare(fleet_path: Path, model: str) -> dict:
     fleet = load_fleet(fleet_path)
     shape = ModelShape.from_config_dir(ROOT / f"configs/models/{model}.json")
     workload = WORKLOADS[model]
-    names = [d.name for d in fleet.devices]
-    row: dict = {"fleet": fleet_path.name, "model": model}
+    refused = refusals(fleet, workload)  # as a user would: a card that cannot run NF4 gets no layers
+    names = [d.name for d in fleet.devices if d.name not in refused]
+    row: dict = {"fleet": fleet_path.name, "model": model, "baselines_leave_out": sorted(refused)}
     start = time.perf_counter()
     try:
         plan = plan_pipeline(shape, workload, fleet)
@@ -73,9 +85,15 @@ def compare(fleet_path: Path, model: str) -> dict:
         row["planner"] = {"error": str(error)}
         plan = None
     row["planning_s"] = round(time.perf_counter() - start, 4)
+    try:  # the same search with the warm-up lead fixed at 1 (the textbook 1F1B)
+        row["planner_lead_1"] = summarize(plan_pipeline(shape, replace(workload, warmup_lead=1), fleet))
+    except ShardpoolError as error:
+        row["planner_lead_1"] = {"error": str(error)}
     baselines = {
         "even": even_split(shape.num_layers, len(names)),
-        "memory_proportional": proportional_split(shape.num_layers, [d.memory_bytes for d in fleet.devices]),
+        "memory_proportional": proportional_split(
+            shape.num_layers, [d.memory_bytes for d in fleet.devices if d.name not in refused]
+        ),
     }
     for label, split in baselines.items():
         row[label] = summarize(evaluate_split(shape, workload, fleet, devices=names, layers=split))
@@ -95,6 +113,7 @@ def scale() -> dict:
         "devices": 64,
         "planning_s": round(time.perf_counter() - start, 3),
         "stages_used": len(plan.stages),
+        "warmup_lead": plan.warmup_lead,
         "search": plan.search,
         "predicted_step_s": round(plan.predicted_step_s, 3),
     }

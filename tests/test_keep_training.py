@@ -100,3 +100,46 @@ def test_a_lost_member_is_survived_with_the_same_adapter_as_an_uninterrupted_run
     assert kept.keys() == expected.keys()
     for key in expected:
         torch.testing.assert_close(kept[key], expected[key], atol=1e-5, rtol=0)
+
+
+class _LocalReplicas(_LocalMesh):
+    """As :class:`_LocalMesh`, but every plan trains two whole-model replicas on shares 2 / 1 of
+    the step (``data_parallel``) as two local processes; 'c' holds the second replica."""
+
+    attempts = 0
+
+    def plan(self, config: Config) -> Plan:
+        local = config.shardpool.model_copy(
+            update={"placement": "local", "devices": ["cpu", "cpu"], "shares": [2, 1], "stages": None}
+        )
+        return LocalLauncher(probe=TorchProbe()).plan(config.model_copy(update={"shardpool": local}))
+
+
+def test_a_lost_replica_is_survived_with_the_same_adapter_as_an_uninterrupted_run(
+    tmp_path: Path, plain: Path, tiny_model: Path, completion_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replicas on shares of the step restart from the last step copy after a loss (their shares
+    are re-planned, not moved in place), and the adapter still equals the uninterrupted pipeline's."""
+    said: list[str] = []
+    launcher = _LocalReplicas(_members("a", "b", "c"), say=said.append)
+    monkeypatch.setattr(finetune_module, "launcher_for", lambda config, **kwargs: launcher)
+    mesh = dict(CHECKPOINTED_TWO_STAGES, shardpool={"placement": "mesh", "data_parallel": "on"})
+    out = finetune(parse_config(base_config(tiny_model, completion_data, tmp_path / "kept", **mesh)),
+                   console=Console(quiet=True))  # fmt: skip
+
+    assert _LocalReplicas.attempts == 2
+    history = [line for line in read_metrics(out) if "event" in line]
+    assert [line["event"] for line in history] == ["member_lost", "replan"]
+    assert (history[0]["member"], history[0]["step"]) == ("c", 2)
+    steps = [line for line in read_metrics(out) if "loss" in line]
+    assert [line["step"] for line in steps] == [1, 2, 3, 4]
+    assert all(len(line["stage_compute_s"]) == 2 for line in steps)  # one rank per replica, before and after
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["source"] == "replan" and plan["shares"] == [2, 1]
+    kept, expected = (
+        load_file(str(out / "adapter_model.safetensors")),
+        load_file(str(plain / "adapter_model.safetensors")),
+    )
+    assert kept.keys() == expected.keys()
+    for key in expected:  # replicas sum their gradients in another order than the pipeline's stages
+        torch.testing.assert_close(kept[key], expected[key], atol=1e-4, rtol=0)

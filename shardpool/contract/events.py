@@ -77,6 +77,7 @@ def _first_line(text: Any) -> Any:
 
 OptionalLoss = float | None
 Timings = Annotated[list[float], Field(max_length=MAX_WORLD_SIZE)]
+Counts = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_WORLD_SIZE)]
 RelativeOutput = Annotated[str, AfterValidator(lambda text: safe_relative_name(text, "output directory"))]
 
 
@@ -106,6 +107,9 @@ class StepEvent(_Event):
     #: norm): where a replica that finished its share waits for the others, or a pipeline stage that
     #: finished first waits for the last backward. Not part of ``stage_wait_s`` (receives only).
     stage_sync_s: Timings | None = None
+    #: Each rank's most micro-batches held in flight at once this step (activations saved for a
+    #: backward): the 1F1B warm-up depth it ran, set by the plan's ``warmup_lead``.
+    stage_in_flight: Counts | None = None
     #: With ``keep_state``: each rank's most recent step-boundary copy, seconds from the clones
     #: until its files were written (a member lost inside that window loses the step being copied).
     stage_copy_s: Timings | None = None

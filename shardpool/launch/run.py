@@ -292,8 +292,9 @@ def _step_metrics(event: dict[str, Any]) -> dict[str, Any]:
     for copy_figure in STAGE_COPY_FIGURES:
         if event.get(copy_figure) is not None:
             record[copy_figure] = event[copy_figure]
-    if event.get("stage_sync_s") is not None:
-        record["stage_sync_s"] = event["stage_sync_s"]
+    for optional in ("stage_sync_s", "stage_in_flight"):
+        if event.get(optional) is not None:
+            record[optional] = event[optional]
     if event.get("stage_room_bytes") is not None:
         record["stage_room_bytes"] = event["stage_room_bytes"]  # the re-balance check step's
     if event.get("loss_scale") is not None:

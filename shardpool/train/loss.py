@@ -31,6 +31,9 @@ class StepTotals:
 
     loss: torch.Tensor | float = 0.0
     compute_seconds: float = 0.0
+    #: The most micro-batches whose activations the stage held at once (the schedule's warm-up
+    #: depth, which the lead sets): what the memory model charged it for.
+    peak_in_flight: int = 0
 
     def add_loss(self, loss: torch.Tensor) -> None:
         """Add one micro-batch's loss without waiting for the device."""

@@ -103,6 +103,7 @@ class StagePipe:
                 if index in gradients_delivered:  # the previous stage ran the backwards before it
                     self.wire.delivered(self.wire.previous, BACKWARD_TAG, through=gradients_delivered[index])
                 saved[index] = self.forward(microbatches[index], step_label_tokens, totals, received=received)
+                totals.peak_in_flight = max(totals.peak_in_flight, len(saved))
             else:
                 gradient = gradients.take(index) if gradients else None
                 if gradient is not None:  # the next stage ran this backward on our activation

@@ -462,7 +462,7 @@ class StageWorker:
         room = (float(room_bytes(self.device, rank=self.rank)),) if measures_room else ()
         timings = gather_timings(
             totals.compute_seconds, wire.wait_seconds, wire.bytes_sent, self.job.world_size,
-            sync_seconds, *copy_figures, *room, *grow_flag,
+            sync_seconds, totals.peak_in_flight, *copy_figures, *room, *grow_flag,
         )  # fmt: skip
         if grow_flag:
             self.grow_due = max(timings.pop()) > 0
@@ -485,8 +485,9 @@ class StageWorker:
                     "stage_wait_s": timings[1],
                     "bytes_sent": timings[2],
                     "stage_sync_s": timings[3],
+                    "stage_in_flight": [int(count) for count in timings[4]],
                 }
-                | (dict(zip(STAGE_COPY_FIGURES, timings[4:], strict=True)) if copy_figures else {})
+                | (dict(zip(STAGE_COPY_FIGURES, timings[5:], strict=True)) if copy_figures else {})
                 | ({"loss_scale": scale.scale, "skipped_step": not finite} if scale else {})
                 | ({"stage_room_bytes": rooms} if rooms is not None else {})
             )

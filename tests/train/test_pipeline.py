@@ -142,6 +142,9 @@ def test_one_stage_and_three_uneven_stages_train_identically(runs: dict[str, Pat
     assert _max_adapter_diff(adapter_three, adapter_one) < 1e-4
     assert len(three[0]["stage_compute_s"]) == 3
     assert json.loads((runs["three"] / "plan.json").read_text())["warmup_lead"] == 2
+    # The stages ran the lead-2 order: stage 1 held all 3 micro-batches, as at lead 1 it holds 2.
+    assert [record["stage_in_flight"] for record in three] == [[3, 3, 1]] * 3
+    assert [record["stage_in_flight"] for record in one] == [[1]] * 3
 
 
 def test_replicas_on_shares_of_the_step_train_as_one_stage_before_and_after_the_shares_move(
