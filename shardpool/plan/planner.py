@@ -57,7 +57,8 @@ GIVEN_SPLIT_ORDERS = 5040
 HEURISTIC_EVALUATIONS = 3000
 #: Predicted steps closer than this are a tie (the shallower warm-up lead wins it).
 STEP_TIE_S = 1e-9
-#: Deeper warm-up leads that may predict no shorter step in a row before the search stops.
+#: Deeper warm-up leads that may predict no shorter step in a row before the search over leads
+#: stops, on a fleet whose splits the heuristic search plans (an exact search tries every lead).
 LEAD_PATIENCE = 2
 
 
@@ -74,11 +75,13 @@ def plan_pipeline(
     1F1B warm-up lead minimizing the predicted step time (:func:`_plan_at_lead` for one lead).
 
     Under auto each lead from 1 up is planned in full and the shortest predicted step wins, a
-    shallower lead on a tie (less activation memory). The search deepens until ``LEAD_PATIENCE``
-    leads in a row predict no shorter step than the best so far, or ``MAX_LEAD``: the step falls
+    shallower lead on a tie (less activation memory). Where the split search is exact, every lead
+    up to ``MAX_LEAD`` is planned, so the plan is the model's optimum over devices, order, split
+    and lead. Where it is heuristic (large fleets) the search over leads stops once
+    ``LEAD_PATIENCE`` leads in a row predict no shorter step than the best so far: the step falls
     with the lead while links' round trips still stall the warm-up, then levels off. A deeper lead
-    holds more micro-batches' activations, so once one fits nowhere the deeper ones are not tried;
-    the errors are those of lead 1. GPipe has no warm-up to deepen.
+    holds more micro-batches' activations, so once one fits nowhere the deeper ones are not tried
+    (they fit nowhere either); the errors are those of lead 1. GPipe has no warm-up to deepen.
     """
     return _over_leads(
         workload,
@@ -96,8 +99,8 @@ def plan_pipeline(
 def _over_leads(workload: Workload, plan_at: Callable[[Workload], Plan]) -> Plan:
     """``plan_at`` the workload's lead, or under auto (``warmup_lead`` None, 1F1B) the plan of the lead
     that predicts the shortest step by :func:`plan_pipeline`'s rule: leads from 1 up, the shallower
-    on a tie, until ``LEAD_PATIENCE`` leads in a row predict no shorter step, one raises (fits
-    nowhere), or ``MAX_LEAD``. Lead 1's errors are the caller's."""
+    on a tie, until one raises (fits nowhere) or ``MAX_LEAD``, or, for heuristic plans only,
+    ``LEAD_PATIENCE`` leads in a row predict no shorter step. Lead 1's errors are the caller's."""
     if workload.warmup_lead is not None or workload.schedule != "1f1b":
         return plan_at(replace(workload, warmup_lead=workload.lead))
     best = plan_at(replace(workload, warmup_lead=1))
@@ -111,7 +114,7 @@ def _over_leads(workload: Workload, plan_at: Callable[[Workload], Plan]) -> Plan
             best, since_better = deeper, 0
         else:
             since_better += 1
-            if since_better == LEAD_PATIENCE:
+            if since_better == LEAD_PATIENCE and deeper.search == "heuristic":
                 break
     return best
 

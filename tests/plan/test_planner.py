@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,15 +17,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shardpool.contract.schedule import MAX_LEAD
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
+from shardpool.plan import planner as planner_module
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.device_facts import DeviceInfo, LayerProfile
 from shardpool.plan.fleet import Device, Fleet, LinkSpec, heterogeneous_fleet
 from shardpool.plan.local_fleet import local_fleet
 from shardpool.plan.memory_model import boundary_bytes, reserve_bytes
 from shardpool.plan.pipeline_sim import Transfer, simulate_step
-from shardpool.plan.planner import evaluate_split, plan_pipeline
+from shardpool.plan.planner import STEP_TIE_S, evaluate_split, plan_pipeline
 from shardpool.plan.result import Plan
 from shardpool.plan.splits import even_split, proportional_split
 from shardpool.plan.stage_costs import stage_costs
@@ -623,14 +626,38 @@ def test_auto_deepens_the_warm_up_where_round_trips_stall_the_pipeline() -> None
 
 
 @pytest.mark.parametrize("latency_s", [0.0, 0.005, 0.02, 0.05])
-def test_auto_is_never_worse_than_a_fixed_lead_up_to_three(latency_s: float) -> None:
+def test_auto_is_the_best_of_every_lead_where_the_split_search_is_exact(latency_s: float) -> None:
+    """Under an exact split search every lead is planned, so auto is the model's optimum over
+    leads too: the fixed lead that predicts the shortest step, the shallowest of a tie."""
     fleet = _fast_devices_over_slow_links(3, latency_s)
     workload = replace(LEAD_WORKLOAD, stages=None)
     chosen = plan_pipeline(LEAD_SHAPE, workload, fleet)
-    for lead in (1, 2, 3):
-        fixed = plan_pipeline(LEAD_SHAPE, replace(workload, warmup_lead=lead), fleet)
-        assert fixed.warmup_lead == lead
-        assert chosen.predicted_step_s <= fixed.predicted_step_s * (1 + 1e-9)
+    assert chosen.search == "exact"
+    fixed = [
+        plan_pipeline(LEAD_SHAPE, replace(workload, warmup_lead=lead), fleet)
+        for lead in range(1, MAX_LEAD + 1)
+    ]
+    assert [plan.warmup_lead for plan in fixed] == list(range(1, MAX_LEAD + 1))
+    shortest = min(plan.predicted_step_s for plan in fixed)
+    assert chosen.predicted_step_s == pytest.approx(shortest, rel=1e-12)
+    first_shortest = next(plan for plan in fixed if plan.predicted_step_s <= shortest + STEP_TIE_S)
+    assert chosen.warmup_lead == first_shortest.warmup_lead
+
+
+def test_past_two_leads_that_gain_nothing_an_exact_search_still_finds_a_deeper_gain() -> None:
+    """A step that levels off over leads 2 and 3 and falls again at lead 4 (a stand-in plan per
+    lead): the heuristic search's patience would stop at lead 3, the exact one plans on."""
+    steps = {1: 10.0, 2: 9.0, 3: 9.0, 4: 9.0, 5: 8.0, 6: 8.5, 7: 8.5, 8: 8.5}
+
+    def plan_at(search: str) -> Callable[[Workload], Plan]:
+        return lambda workload: Plan(
+            stages=[], predicted_step_s=steps[workload.lead], bubble_fraction=0.0, microbatches=16,
+            recommended_microbatches=16, search=search, warmup_lead=workload.lead,
+        )  # fmt: skip
+
+    auto = replace(LEAD_WORKLOAD, warmup_lead=None)
+    assert planner_module._over_leads(auto, plan_at("exact")).warmup_lead == 5
+    assert planner_module._over_leads(auto, plan_at("heuristic")).warmup_lead == 2
 
 
 def test_a_deeper_lead_that_fits_nowhere_is_not_taken() -> None:
