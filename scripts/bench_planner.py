@@ -75,7 +75,8 @@ def compare(fleet_path: Path, model: str) -> dict:
     shape = ModelShape.from_config_dir(ROOT / f"configs/models/{model}.json")
     workload = WORKLOADS[model]
     refused = refusals(fleet, workload)  # as a user would: a card that cannot run NF4 gets no layers
-    names = [d.name for d in fleet.devices if d.name not in refused]
+    usable = [device for device in fleet.devices if device.name not in refused]
+    names = [device.name for device in usable]
     row: dict = {"fleet": fleet_path.name, "model": model, "baselines_leave_out": sorted(refused)}
     start = time.perf_counter()
     try:
@@ -92,7 +93,7 @@ def compare(fleet_path: Path, model: str) -> dict:
     baselines = {
         "even": even_split(shape.num_layers, len(names)),
         "memory_proportional": proportional_split(
-            shape.num_layers, [d.memory_bytes for d in fleet.devices if d.name not in refused]
+            shape.num_layers, [device.memory_bytes for device in usable]
         ),
     }
     for label, split in baselines.items():

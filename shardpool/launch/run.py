@@ -289,14 +289,10 @@ def _step_metrics(event: dict[str, Any]) -> dict[str, Any]:
             "stage_bytes_sent": event["bytes_sent"],
         }
     )
-    for copy_figure in STAGE_COPY_FIGURES:
-        if event.get(copy_figure) is not None:
-            record[copy_figure] = event[copy_figure]
-    for optional in ("stage_sync_s", "stage_in_flight"):
+    # stage_room_bytes: only on the re-balance check step's line
+    for optional in (*STAGE_COPY_FIGURES, "stage_sync_s", "stage_in_flight", "stage_room_bytes"):
         if event.get(optional) is not None:
             record[optional] = event[optional]
-    if event.get("stage_room_bytes") is not None:
-        record["stage_room_bytes"] = event["stage_room_bytes"]  # the re-balance check step's
     if event.get("loss_scale") is not None:
         # fp16 runs: the scale after this step, and whether an overflow skipped it.
         record["loss_scale"] = event["loss_scale"]
