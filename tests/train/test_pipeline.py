@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 
 from shardpool.config import parse_config
 from shardpool.contract.rebalance import FORCE_SHARES_ENV
+from shardpool.contract.schedule import peak_in_flight, schedule_for
 from shardpool.data.prepared_file import load_prepared
 from shardpool.finetune import finetune
 from shardpool.launch.run import RUN_DIR_NAME
@@ -142,9 +143,32 @@ def test_one_stage_and_three_uneven_stages_train_identically(runs: dict[str, Pat
     assert _max_adapter_diff(adapter_three, adapter_one) < 1e-4
     assert len(three[0]["stage_compute_s"]) == 3
     assert json.loads((runs["three"] / "plan.json").read_text())["warmup_lead"] == 2
-    # The stages ran the lead-2 order: stage 1 held all 3 micro-batches, as at lead 1 it holds 2.
+    # What the stages held in flight (at M = 3 leads 1 and 2 hold the same; the next test tells them apart).
     assert [record["stage_in_flight"] for record in three] == [[3, 3, 1]] * 3
     assert [record["stage_in_flight"] for record in one] == [[1]] * 3
+
+
+def test_the_stages_run_the_warm_up_lead_of_their_job(
+    tiny_model: Path, completion_data: Path, tmp_path: Path
+) -> None:
+    """At M = 4 over three stages, lead 2 has stage 1 hold all 4 micro-batches in flight, where the
+    textbook lead 1 holds 3: the runtime runs the order the plan chose, not lead 1."""
+    out = _train(
+        base_config(
+            tiny_model, completion_data, tmp_path / "lead2", gradient_accumulation_steps=4, max_steps=1,
+            shardpool={"layers": [1, 3, 2], "warmup_lead": 2},
+        )
+    )  # fmt: skip
+    expected = {
+        lead: [
+            peak_in_flight(schedule_for("1f1b", stage=stage, num_stages=3, num_microbatches=4, lead=lead))
+            for stage in range(3)
+        ]
+        for lead in (1, 2)
+    }
+    assert expected == {1: [4, 3, 1], 2: [4, 4, 1]}
+    assert json.loads((out / "plan.json").read_text())["warmup_lead"] == 2
+    assert [record["stage_in_flight"] for record in read_metrics(out) if "loss" in record] == [expected[2]]
 
 
 def test_replicas_on_shares_of_the_step_train_as_one_stage_before_and_after_the_shares_move(
