@@ -3,9 +3,13 @@
 The stages run these orders (``shardpool.train.pipeline``) and the planner simulates them
 (``shardpool.plan.pipeline_sim``), so both read them from here, torch-free.
 
-An action is ``("F", i)`` (forward micro-batch i) or ``("B", i)`` (backward micro-batch i). Sends
-never block in the runtime, so any order in which every stage meets its receives in the order
-its neighbour sends them is deadlock-free; both schedules here have that property. Backward
+An action is ``("F", i)`` (forward micro-batch i) or ``("B", i)`` (backward micro-batch i). A
+send never blocks the stage that issues it, but on a native library (NCCL) it completes only when
+the neighbour's receive runs, in the order each communicator's operations were issued. Each
+direction of a boundary therefore has its own communicator (``shardpool.train.transport``): one
+side only sends on it, the other only receives, both in micro-batch order, so any order in which
+every stage meets its receives in the order its neighbour sends them is deadlock-free; both
+schedules here have that property (``tests/train/test_wire_order.py`` simulates them). Backward
 passes run in micro-batch order on every stage, so gradients accumulate in the same order as in a
 single-device loop.
 """

@@ -43,6 +43,7 @@ __all__ = [
     "leave_process_group",
     "local_rank_device",
     "others_in_world",
+    "select_device",
     "world_barrier",
 ]
 
@@ -70,11 +71,11 @@ class Groups:
     plan: GroupPlan
     created: dict[tuple[int, ...], Any]
 
-    def boundary(self, a: int, b: int) -> tuple[Any, bool]:
-        """The group and ``staged`` flag of the boundary between neighbouring ranks ``a`` and ``b``."""
-        low, high = min(a, b), max(a, b)
-        transport = self.plan.boundaries[(low, high)]
-        return (None if transport.staged else self.created[(low, high)]), transport.staged
+    def channel(self, sender: int, receiver: int) -> tuple[Any, bool]:
+        """The group that carries what ``sender`` sends its neighbour ``receiver`` (None: the gloo
+        world), and whether the boundary is ``staged`` through host memory (:meth:`GroupPlan.channel`)."""
+        key = self.plan.channel(sender, receiver)
+        return (None, True) if key is None else (self.created[key], False)
 
     def replicas(self, stage: int) -> tuple[Any, bool] | None:
         """The replica group of ``stage`` and whether it is native (device tensors), or None."""
@@ -102,8 +103,7 @@ def join_process_group(
     are never put in one NCCL communicator. A world of one joins nothing (``store`` may be None):
     see the module's docstring.
     """
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    select_device(device)
     if world_size == 1:
         lone = [local_rank_device(device, places[rank])]
         return Groups(plan_groups(lone, num_stages=num_stages, replicas=replicas), {})
@@ -119,6 +119,21 @@ def join_process_group(
         if member:
             created[ranks] = group
     return Groups(plan, created)
+
+
+#: Device kinds whose collective library binds to the process's current device: it must be set
+#: before the rank's groups are made and before its first native send.
+_CURRENT_DEVICE_KINDS = frozenset({"cuda", "xpu"})
+
+
+def select_device(device: torch.device) -> None:
+    """Make ``device`` this process's current device where its kind has one (CUDA and ROCm, XPU).
+
+    NCCL and XCCL build a rank's communicators on the current device; left at index 0, every rank
+    of a machine would put its communicator (and its allocator's context) on the first GPU.
+    """
+    if device.type in _CURRENT_DEVICE_KINDS:
+        torch.get_device_module(device).set_device(device)
 
 
 def others_in_world() -> bool:
@@ -141,11 +156,14 @@ def leave_process_group() -> None:
 
 @dataclass(frozen=True)
 class Link:
-    """One neighbour: its global rank, the group to use (None: the gloo world), and whether the
-    tensor is staged through host memory (pinned when the device supports it)."""
+    """One neighbour: its global rank, the groups that carry this rank's sends to it and its sends
+    to this rank (None: the gloo world; a native boundary has one group per direction, see
+    :mod:`shardpool.train.transport`), and whether the tensor is staged through host memory
+    (pinned when the device supports it)."""
 
     peer: int
-    group: Any
+    send_group: Any
+    recv_group: Any
     staged: bool
     pinned: bool
 
@@ -210,8 +228,9 @@ class Wire:
         pinned = staging_is_pinned(device.type) and device.type != "cpu"
 
         def link(peer: int) -> Link:
-            group, staged = groups.boundary(rank, peer)
-            return Link(peer, group, staged, pinned and staged)
+            send_group, staged = groups.channel(rank, peer)
+            recv_group, _ = groups.channel(peer, rank)
+            return Link(peer, send_group, recv_group, staged, pinned and staged)
 
         return cls(
             device,
@@ -241,7 +260,7 @@ class Wire:
             payload = host
         seq = self.sent_on.get((link.peer, tag), 0)
         self.sent_on[(link.peer, tag)] = seq + 1
-        work = dist.isend(payload, dst=link.peer, group=link.group, tag=tag)
+        work = dist.isend(payload, dst=link.peer, group=link.send_group, tag=tag)
         self.pending.append(Sent(work, payload, link.peer, tag, seq))
         self.bytes_sent += payload.numel() * payload.element_size()
 
@@ -252,22 +271,21 @@ class Wire:
     def post_recv(self, shape: tuple[int, ...], link: Link, *, tag: int) -> PostedRecv:
         """Post a receive now, to be waited for later, so the transfer can land while this stage computes.
 
-        On a native (NCCL-style) link the receive is made blocking at :meth:`PostedRecv.wait`
-        instead: point-to-point operations between two ranks run in one stream there, in the order
-        both ranks issue them, so a receive posted ahead of a send to the same neighbour could wait
-        forever for data that the send it blocks would have caused.
+        On a native (NCCL-style) link the receive is issued at :meth:`PostedRecv.wait` instead, in
+        the receive-only group of its direction: the library runs it on the device's stream, so
+        waiting there costs the CPU nothing, and a receive issued early would only hold a buffer.
         """
         on_host = link.staged
         buffer = torch.empty(
             shape, dtype=self.wire_dtype, device="cpu" if on_host else self.device, pin_memory=link.pinned
         )
-        work = dist.irecv(buffer, src=link.peer, group=link.group, tag=tag) if on_host else None
+        work = dist.irecv(buffer, src=link.peer, group=link.recv_group, tag=tag) if on_host else None
         return PostedRecv(self, link, tag, buffer, work)
 
     def _arrived(self, posted: PostedRecv) -> torch.Tensor:
         started = time.perf_counter()
         if posted.work is None:
-            dist.recv(posted.buffer, src=posted.link.peer, group=posted.link.group, tag=posted.tag)
+            dist.recv(posted.buffer, src=posted.link.peer, group=posted.link.recv_group, tag=posted.tag)
         else:
             posted.work.wait()
         self.wait_seconds += time.perf_counter() - started

@@ -7,7 +7,14 @@ small **native subgroups** (NCCL on CUDA, RCCL, which torch also calls ``nccl``,
 Intel XPU):
 
 * the two sides of a pipeline boundary whose devices are the same GPU kind, for point-to-point
-  activations and gradients on the device;
+  activations and gradients on the device: **one group per direction** (:meth:`GroupPlan.channel`).
+  A native library runs one communicator's sends and receives in the order a rank issues them, and
+  a send completes only once the peer's matching receive runs (NCCL keeps no buffer for a large
+  message). With one communicator for both directions, 1F1B deadlocks: stage 0 issues send a0,
+  send a1, recv g0 while stage 1 issues recv a0, send g0, recv a1, so send a1 and send g0 wait
+  for each other. One communicator per direction carries only sends on one side and only receives
+  on the other, each in micro-batch order, so they always match
+  (``tests/train/test_wire_order.py`` simulates every schedule the planner can choose);
 * the replicas of a stage on such devices, for the all-reduce of adapter gradients.
 
 Every other boundary (CUDA↔CPU, CUDA↔MPS, ROCm↔CUDA, …) goes through gloo with the tensor
@@ -112,8 +119,11 @@ class GroupPlan:
     """The subgroups a job needs beyond the gloo world group, in the order ranks create them.
 
     ``subgroups`` lists ``(backend, ranks)``; a rank creates, in this order, exactly those that
-    contain it. ``boundaries[(a, b)]`` is the transport between neighbouring ranks ``a < b``;
-    ``replica_groups[stage]`` the ranks and backend that all-reduce that stage's gradients.
+    contain it. A native boundary between ``a < b`` has two: ``(a, b)`` carries what ``a`` sends
+    to ``b`` (activations) and ``(b, a)`` what ``b`` sends to ``a`` (gradients); torch sorts a
+    group's ranks, so the order of the pair only tells the two apart. ``boundaries[(a, b)]`` is the
+    transport between neighbouring ranks ``a < b``; ``replica_groups[stage]`` the ranks and backend
+    that all-reduce that stage's gradients.
     """
 
     subgroups: tuple[tuple[str, tuple[int, ...]], ...]
@@ -123,6 +133,12 @@ class GroupPlan:
     def subgroups_of(self, rank: int) -> list[tuple[str, tuple[int, ...]]]:
         """The subgroups ``rank`` belongs to, in creation order."""
         return [(backend, ranks) for backend, ranks in self.subgroups if rank in ranks]
+
+    def channel(self, sender: int, receiver: int) -> tuple[int, int] | None:
+        """The subgroup that carries what ``sender`` sends its neighbour ``receiver``: the directed
+        pair ``(sender, receiver)`` on a native boundary, None (the gloo world) on a staged one."""
+        transport = self.boundaries[(min(sender, receiver), max(sender, receiver))]
+        return None if transport.staged else (sender, receiver)
 
     def creation_calls(self, rank: int) -> list[tuple[str, tuple[int, ...], bool]]:
         """``(backend, ranks, member)`` for each ``new_group`` call ``rank`` makes, in the global order.
@@ -154,6 +170,7 @@ def plan_groups(devices: list[RankDevice], *, num_stages: int, replicas: int) ->
             boundaries[(left, left + 1)] = boundary
             if not boundary.staged:
                 subgroups.append((boundary.backend, (left, left + 1)))
+                subgroups.append((boundary.backend, (left + 1, left)))
     replica_groups: dict[int, tuple[str, tuple[int, ...]]] = {}
     if replicas > 1:
         for stage in range(num_stages):

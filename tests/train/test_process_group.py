@@ -150,10 +150,13 @@ def test_subgroups_are_made_by_their_members_only_and_the_wire_casts_on_arrival(
     # Every rank asks for every subgroup in one order; only members build one (the third field).
     # The NCCL pair (0, 1) is built by ranks 0 and 1 alone; the Mac (2) and the CPU box (3) ask
     # for it as gloo and get torch's non-member placeholder. Replica groups mix kinds: gloo.
-    assert reports[0]["calls"] == [("nccl", (0, 1), True), ("gloo", (0, 2), True), ("gloo", (1, 3), False)]
-    assert reports[1]["calls"] == [("nccl", (0, 1), True), ("gloo", (0, 2), False), ("gloo", (1, 3), True)]
-    assert reports[2]["calls"] == [("gloo", (0, 1), False), ("gloo", (0, 2), True), ("gloo", (1, 3), False)]
-    assert reports[3]["calls"] == [("gloo", (0, 1), False), ("gloo", (0, 2), False), ("gloo", (1, 3), True)]
+    # The NCCL boundary has one group per direction, (0, 1) for activations and (1, 0) for gradients.
+    pair_member = [("nccl", (0, 1), True), ("nccl", (1, 0), True)]
+    pair_outsider = [("gloo", (0, 1), False), ("gloo", (1, 0), False)]
+    assert reports[0]["calls"] == [*pair_member, ("gloo", (0, 2), True), ("gloo", (1, 3), False)]
+    assert reports[1]["calls"] == [*pair_member, ("gloo", (0, 2), False), ("gloo", (1, 3), True)]
+    assert reports[2]["calls"] == [*pair_outsider, ("gloo", (0, 2), True), ("gloo", (1, 3), False)]
+    assert reports[3]["calls"] == [*pair_outsider, ("gloo", (0, 2), False), ("gloo", (1, 3), True)]
     assert [reports[rank]["staged"] for rank in range(4)] == [False, False, True, True]
     # Rank 2 -> 3 crossed in bf16 (2 bytes each) and arrived cast to rank 3's fp16.
     arrived = _tensor(reports[3]["arrived"])

@@ -78,12 +78,12 @@ def test_mixed_pipeline_makes_nccl_pairs_only_between_cuda_neighbours() -> None:
         RankDevice("cuda", True, "B/cuda:1"),
     ]
     plan = plan_groups(devices, num_stages=5, replicas=1)
-    assert plan.subgroups == (("nccl", (0, 1)),)
+    assert plan.subgroups == (("nccl", (0, 1)), ("nccl", (1, 0)))  # one per direction
     assert [plan.boundaries[(i, i + 1)].backend for i in range(4)] == ["nccl", "gloo", "gloo", "gloo"]
     assert plan.replica_groups == {}
     # the Mac and the CPU rank belong to no subgroup, so they never construct an NCCL group
     assert plan.subgroups_of(2) == [] and plan.subgroups_of(3) == []
-    assert plan.subgroups_of(1) == [("nccl", (0, 1))]
+    assert plan.subgroups_of(1) == [("nccl", (0, 1)), ("nccl", (1, 0))]
 
 
 def test_all_cuda_replicas_on_distinct_gpus_all_reduce_over_nccl() -> None:
@@ -93,13 +93,15 @@ def test_all_cuda_replicas_on_distinct_gpus_all_reduce_over_nccl() -> None:
     assert plan.replica_groups == {0: ("nccl", (0, 2)), 1: ("nccl", (1, 3))}
     assert plan.subgroups == (
         ("nccl", (0, 1)),
+        ("nccl", (1, 0)),
         ("nccl", (2, 3)),
+        ("nccl", (3, 2)),
         ("nccl", (0, 2)),
         ("nccl", (1, 3)),
     )
     # every rank creates its groups in the same relative order
-    assert plan.subgroups_of(0) == [("nccl", (0, 1)), ("nccl", (0, 2))]
-    assert plan.subgroups_of(2) == [("nccl", (2, 3)), ("nccl", (0, 2))]
+    assert plan.subgroups_of(0) == [("nccl", (0, 1)), ("nccl", (1, 0)), ("nccl", (0, 2))]
+    assert plan.subgroups_of(2) == [("nccl", (2, 3)), ("nccl", (3, 2)), ("nccl", (0, 2))]
 
 
 def test_replicas_that_mix_kinds_or_share_a_device_reduce_over_gloo() -> None:
@@ -131,9 +133,21 @@ def test_every_rank_asks_for_every_subgroup_in_one_order_and_only_members_ask_na
         [RankDevice("cuda", True, f"h{index}/cuda:0") for index in range(3)], num_stages=3, replicas=1
     )
     calls = {rank: plan.creation_calls(rank) for rank in range(3)}
-    assert {tuple(ranks for _, ranks, _ in calls[rank]) for rank in range(3)} == {((0, 1), (1, 2))}
-    assert calls[1] == [("nccl", (0, 1), True), ("nccl", (1, 2), True)]
-    assert calls[2] == [("gloo", (0, 1), False), ("nccl", (1, 2), True)]
+    assert {tuple(ranks for _, ranks, _ in calls[rank]) for rank in range(3)} == {
+        ((0, 1), (1, 0), (1, 2), (2, 1))
+    }
+    assert calls[1] == [
+        ("nccl", (0, 1), True),
+        ("nccl", (1, 0), True),
+        ("nccl", (1, 2), True),
+        ("nccl", (2, 1), True),
+    ]
+    assert calls[2] == [
+        ("gloo", (0, 1), False),
+        ("gloo", (1, 0), False),
+        ("nccl", (1, 2), True),
+        ("nccl", (2, 1), True),
+    ]
     # A rank whose torch has no NCCL never names it, whatever the plan.
     mixed = [
         RankDevice("cuda", True, "A/cuda:0"),
@@ -141,7 +155,7 @@ def test_every_rank_asks_for_every_subgroup_in_one_order_and_only_members_ask_na
         RankDevice("mps", False, "M/mps"),
     ]
     plan = plan_groups(mixed, num_stages=3, replicas=1)
-    assert plan.creation_calls(2) == [("gloo", (0, 1), False)]
+    assert plan.creation_calls(2) == [("gloo", (0, 1), False), ("gloo", (1, 0), False)]
 
 
 def test_rank_device_codes_round_trip() -> None:

@@ -40,7 +40,7 @@ def sends(monkeypatch: pytest.MonkeyPatch) -> list[_Send]:
 
 
 def test_sends_that_completed_are_let_go_at_the_next_send_and_the_rest_at_flush(sends: list[_Send]) -> None:
-    link = Link(peer=1, group=None, staged=False, pinned=False)
+    link = Link(peer=1, send_group=None, recv_group=None, staged=False, pinned=False)
     wire = Wire(torch.device("cpu"), torch.float32, torch.float32, previous=None, next=link)
     wire.send(torch.zeros(2), link, tag=1)
     wire.send(torch.ones(2), link, tag=1)
@@ -58,7 +58,8 @@ def test_a_delivered_send_is_let_go_by_its_place_on_its_channel_whatever_was_let
     sends: list[_Send],
 ) -> None:
     """gloo: a send is complete only once waited for, so the pipeline says when the neighbour has it."""
-    after, before = Link(peer=2, group=None, staged=False, pinned=False), Link(0, None, False, False)
+    after = Link(peer=2, send_group=None, recv_group=None, staged=False, pinned=False)
+    before = Link(0, None, None, False, False)
     wire = Wire(torch.device("cpu"), torch.float32, torch.float32, previous=before, next=after)
     for index in range(3):
         wire.send(torch.full((2,), float(index)), after, tag=1)  # activations 0, 1, 2
