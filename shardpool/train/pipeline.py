@@ -9,7 +9,9 @@ gradients accumulate exactly as in a single-device loop.
 
 Receives are posted one ahead (:class:`Inbox`): as soon as a stage has the tensor it waits for,
 it posts the receive for its next one in the same direction, then computes. The neighbour's send
-can then land while this stage computes instead of while it waits. Sends never wait. An
+can then land while this stage computes instead of while it waits. Sends never hold the stage up
+(on a native boundary each direction has its own communicator, so a send waiting for its
+receiver never stands in front of a receive: :mod:`shardpool.train.transport`). An
 activation's buffer is let go when its gradient comes back (the neighbour has it). A gradient's
 buffer goes when an activation arrives that the previous stage sent after running that gradient's
 backward (:func:`~shardpool.contract.schedule.gradients_delivered_by_forwards`). The rest go at
@@ -18,7 +20,6 @@ the step's end.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ import torch
 from shardpool.contract.schedule import gradient_sends_proven, schedule_for
 from shardpool.data.rows import TokenRows
 from shardpool.model.stage import PipelineStage, StageSpec
+from shardpool.train.clock import StageClock, stage_clock
 from shardpool.train.loss import StepTotals, token_loss_sum
 from shardpool.train.process_group import Link, PostedRecv, Wire
 
@@ -73,6 +75,11 @@ class StagePipe:
     packed: bool
     #: The last stage multiplies each loss by this before backward (fp16 runs); None: no scaling.
     loss_scale: float | None = None
+    #: Times the forward and backward passes on the stage's device (:func:`~shardpool.train.clock.stage_clock`).
+    clock: StageClock = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.clock = stage_clock(self.device)
 
     def run_schedule(
         self, schedule: str, microbatches: list[TokenRows], step_label_tokens: int, *, lead: int = 1
@@ -109,6 +116,7 @@ class StagePipe:
                 if gradient is not None:  # the next stage ran this backward on our activation
                     self.wire.delivered(self.wire.next, FORWARD_TAG, through=index)
                 self.backward(*saved.pop(index), totals, gradient=gradient)
+        totals.compute_seconds += self.clock.collect()
         return totals
 
     def _inbox(
@@ -144,12 +152,12 @@ class StagePipe:
         inputs = received if received is not None else self.inputs(rows, tag=FORWARD_TAG)
         if not self.spec.is_first:
             inputs.requires_grad_(True)
-        started = time.perf_counter()
+        started = self.clock.start()
         output = self.stage(inputs, **self.positions(rows))
         if self.spec.is_last:
             output = token_loss_sum(output, rows.labels) / step_label_tokens
             totals.add_loss(output)
-        totals.compute_seconds += time.perf_counter() - started
+        self.clock.stop(started)
         if not self.spec.is_last:
             self.wire.send(output, self.wire.next, tag=FORWARD_TAG)
         return inputs, output
@@ -168,11 +176,11 @@ class StagePipe:
         """
         if gradient is None and not self.spec.is_last:
             gradient = self.wire.recv(tuple(output.shape), self.wire.next, tag=BACKWARD_TAG)
-        started = time.perf_counter()
+        started = self.clock.start()
         if self.spec.is_last and self.loss_scale is not None:
             output = output * self.loss_scale
         output.backward(gradient)
-        totals.compute_seconds += time.perf_counter() - started
+        self.clock.stop(started)
         if not self.spec.is_first:
             self.wire.send(inputs.grad, self.wire.previous, tag=BACKWARD_TAG)
 
