@@ -210,6 +210,10 @@ class SpecialTokens(_Strict):
         return {key: value for key, value in self.model_dump().items() if value}
 
 
+#: ``shardpool.nf4_backend``: how stages compute with NF4 weights (``shardpool.model.nf4``).
+NF4BackendSetting = Literal["auto", "bitsandbytes", "torch"]
+
+
 class ShardpoolSection(_Strict):
     """shardpool's own keys: where the stages run and how they talk."""
 
@@ -272,6 +276,13 @@ class ShardpoolSection(_Strict):
         description="manual data-parallel split: micro-batches per replica, e.g. [11, 5], adding up to "
         "gradient_accumulation_steps (local: one replica per `devices` entry; mesh: the planner picks them)",
     )
+    nf4_backend: NF4BackendSetting | list[NF4BackendSetting] = Field(
+        default="auto",
+        description="how a stage computes with NF4 weights: bitsandbytes: its kernels; torch: plain PyTorch "
+        "on the same stored weights, for a device bitsandbytes has no 4-bit kernels for (a Maxwell card, "
+        "a new architecture); auto: bitsandbytes where its 4-bit probe passes on the device, else torch; "
+        "a list gives one per stage",
+    )
     threads_per_stage: int | None = Field(
         default=None, ge=1, description="torch intra-op threads per CPU stage (default: cores / processes)"
     )
@@ -286,6 +297,7 @@ class ShardpoolSection(_Strict):
             "shardpool.stages": self.stages,
             "shardpool.devices": None if self.devices is None else len(self.devices),
             "shardpool.layers": None if self.layers is None else len(self.layers),
+            "shardpool.nf4_backend": len(self.nf4_backend) if isinstance(self.nf4_backend, list) else None,
         }
         given = {key: count for key, count in counts.items() if count is not None}
         if len(set(given.values())) > 1:

@@ -46,14 +46,17 @@ MAX_JOB_JSON_BYTES = 16 * 2**20
 
 
 class StagePlacement(Closed):
-    """Where one stage runs, which layers ``[start, stop)`` it owns, and the dtype it computes in
-    (``dtype``, chosen per device by the planner; None: the config's ``bf16``/``fp16``)."""
+    """Where one stage runs, which layers ``[start, stop)`` it owns, the dtype it computes in
+    (``dtype``, chosen per device by the planner; None: the config's ``bf16``/``fp16``) and how it
+    computes with NF4 weights (``nf4_backend``, chosen per device by the planner; None:
+    bitsandbytes)."""
 
     start: int = Field(ge=0, le=1_000_000)
     stop: int = Field(ge=1, le=1_000_000)
     device: DeviceName
     host: HostName = "localhost"
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    nf4_backend: Literal["bitsandbytes", "torch"] | None = None
 
     @model_validator(mode="after")
     def _layers_in_order(self) -> StagePlacement:
@@ -188,6 +191,10 @@ class Job(Closed):
     def rank_dtype(self, rank: int) -> str:
         """The dtype a global rank computes in: its placement's, else the config's."""
         return self.placement(rank).dtype or self.parsed_config().compute_dtype_name
+
+    def rank_nf4_backend(self, rank: int) -> Literal["bitsandbytes", "torch"]:
+        """How a global rank computes with NF4 weights: its placement's choice, else bitsandbytes."""
+        return self.placement(rank).nf4_backend or "bitsandbytes"
 
     def stage_dtype(self, index: int) -> str:
         """The dtype stage ``index`` computes in: its placement's, else the config's."""

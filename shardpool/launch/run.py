@@ -170,9 +170,14 @@ def replica_places_of(plan: Plan | None) -> list[StagePlacement] | None:
 
 
 def placement_of(stage: PlannedStage) -> StagePlacement:
-    """The job's placement of a planned stage: its layers, device, host and dtype."""
+    """The job's placement of a planned stage: its layers, device, host, dtype and NF4 backend."""
     return StagePlacement(
-        start=stage.start, stop=stage.stop, device=stage.device, host=stage.host, dtype=stage.dtype or None
+        start=stage.start,
+        stop=stage.stop,
+        device=stage.device,
+        host=stage.host,
+        dtype=stage.dtype or None,
+        nf4_backend=stage.nf4_backend or None,  # type: ignore[arg-type]
     )
 
 

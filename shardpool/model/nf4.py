@@ -4,15 +4,43 @@ The base an adapter is trained on must be bit-for-bit the base a peft user loads
 ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)``.
 So this builds the same ``bnb.nn.Linear4bit`` (same blocksize, storage type and statistics) from
 the same full-precision weight, and lets bitsandbytes quantize it when it moves to the device.
+
+Two backends compute with those bytes (``shardpool.nf4_backend``):
+
+- ``bitsandbytes``: bitsandbytes' kernels for the device (CUDA, ROCm, XPU, its CPU code);
+- ``torch``: for a device bitsandbytes has no 4-bit kernels for (a Maxwell card such as the M40,
+  a new architecture before its wheels ship). The weight is quantized by bitsandbytes on the CPU,
+  and the stage keeps exactly those packed codes and that quantization state on its device.
+  :class:`TorchNF4Linear` dequantizes one weight at a time in plain PyTorch, in its forward and
+  again in its backward, and keeps nothing dequantized between them: the arithmetic of
+  bitsandbytes' own pure-PyTorch kernels (its ``default`` backend), with which it is tested equal.
+  Those kernels are not called directly: they are private, and bitsandbytes dispatches by device,
+  so on a CUDA device it would pick the CUDA library that is missing. torchao's NF4 tensor packs
+  and scales differently, so it could not hold the bytes a peft user loads.
 """
 
 from __future__ import annotations
+
+from typing import Any, Literal
 
 import bitsandbytes as bnb
 import torch
 from transformers import BitsAndBytesConfig
 
-__all__ = ["quantize_linear", "bnb_config", "keep_exact_cpu_matmul", "DTYPES"]
+__all__ = [
+    "DTYPES",
+    "NF4_BACKENDS",
+    "NF4Backend",
+    "TorchNF4Linear",
+    "bnb_config",
+    "dequantize_nf4",
+    "keep_exact_cpu_matmul",
+    "quantize_linear",
+]
+
+NF4Backend = Literal["bitsandbytes", "torch"]
+#: The ways a stage can compute with NF4 weights (see the module's docstring).
+NF4_BACKENDS: tuple[NF4Backend, ...] = ("bitsandbytes", "torch")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,15 +65,18 @@ def quantize_linear(
     compute_dtype: torch.dtype,
     quant_type: str = "nf4",
     double_quant: bool = True,
+    backend: NF4Backend = "bitsandbytes",
 ) -> bnb.nn.Linear4bit:
     """Build a 4-bit Linear on ``device`` from a full-precision ``[out, in]`` weight.
 
     ``weight`` is quantized in the dtype it arrives in (the checkpoint's, as transformers'
-    ``dtype="auto"`` loads it); only the compute happens in ``compute_dtype``.
+    ``dtype="auto"`` loads it); only the compute happens in ``compute_dtype``. With ``backend``
+    ``torch`` bitsandbytes quantizes on the CPU and the packed weight moves to ``device`` as it is.
     """
     out_features, in_features = weight.shape
+    layer_class = TorchNF4Linear if backend == "torch" else bnb.nn.Linear4bit
     with torch.device("meta"):
-        layer = bnb.nn.Linear4bit(
+        layer = layer_class(
             in_features,
             out_features,
             bias is not None,
@@ -55,7 +86,9 @@ def quantize_linear(
             quant_storage=torch.uint8,
         )
     template = layer.weight
-    layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, **template.__dict__).to(device)
+    quantized_on = "cpu" if backend == "torch" else device
+    packed = bnb.nn.Params4bit(weight, requires_grad=False, **template.__dict__).to(quantized_on)
+    layer.weight = packed.to(device)  # already quantized: the codes and their state move as they are
     if bias is not None:
         layer.bias = torch.nn.Parameter(bias.to(device=device), requires_grad=False)
     keep_exact_cpu_matmul(layer)
@@ -74,3 +107,67 @@ def keep_exact_cpu_matmul(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(module, bnb.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False
     return model
+
+
+def dequantize_nf4(packed: torch.Tensor, state: Any, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[out, in]`` weight that 4-bit codes ``packed`` and their bitsandbytes ``state`` stand for.
+
+    Two codes a byte (high nibble first), each an index into ``state.code`` scaled by its block's
+    absmax; with double quantization the absmax values are themselves 8-bit codes into
+    ``state.state2.code`` in blocks of ``state.state2.blocksize``, plus ``state.offset``. Computed
+    in fp32 and cast to ``dtype`` last, as bitsandbytes' own kernels do.
+    """
+    absmax = state.absmax
+    if state.nested:
+        nested = state.state2
+        absmax = _scaled_blocks(nested.code[absmax.long()], nested.absmax, nested.blocksize) + state.offset
+    count = (
+        state.shape.numel() if isinstance(state.shape, torch.Size) else int(torch.Size(state.shape).numel())
+    )
+    codes = packed.reshape(-1).view(torch.uint8)
+    nibbles = torch.stack((codes >> 4, codes & 0xF), dim=1).reshape(-1)[:count]
+    values = state.code.to(torch.float32)[nibbles.long()]
+    return _scaled_blocks(values, absmax.float(), state.blocksize).reshape(state.shape).to(dtype)
+
+
+def _scaled_blocks(values: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """``values`` (flat) times the absmax of their block of ``blocksize`` (the last block may be short)."""
+    count = values.numel()
+    full = count - count % blocksize
+    scaled = (values[:full].view(-1, blocksize) * absmax[: full // blocksize].view(-1, 1)).reshape(full)
+    if full == count:
+        return scaled
+    return torch.cat((scaled, values[full:] * absmax[full // blocksize]))
+
+
+class _NF4Matmul(torch.autograd.Function):
+    """``x @ W.T + bias`` with ``W`` dequantized for the forward and again for the backward, so no
+    full-precision weight outlives the call (the base is frozen: no gradient for it or its bias)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, inputs: torch.Tensor, packed: torch.Tensor, state: Any, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        ctx.packed, ctx.state = packed, state
+        return torch.nn.functional.linear(inputs, dequantize_nf4(packed, state, inputs.dtype), bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:  # type: ignore[override]
+        grad_inputs = None
+        if ctx.needs_input_grad[0]:
+            weight = dequantize_nf4(ctx.packed, ctx.state, grad_output.dtype)
+            grad_inputs = torch.matmul(grad_output, weight)
+        return grad_inputs, None, None, None
+
+
+class TorchNF4Linear(bnb.nn.Linear4bit):
+    """A ``bnb.nn.Linear4bit`` (same packed weight and state, so peft wraps it with its QLoRA layer
+    and saves the same adapter) whose forward and backward run in plain PyTorch on any device."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output in ``x``'s dtype, computed in the layer's compute dtype."""
+        input_dtype = x.dtype
+        if self.compute_dtype is not None:
+            x = x.to(self.compute_dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return _NF4Matmul.apply(x, self.weight.data, self.weight.quant_state, bias).to(input_dtype)

@@ -23,7 +23,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from shardpool.errors import ShardpoolError
 from shardpool.model.lora import LoraSettings, init_lora_weights, peft_config, read_adapter_tensors
-from shardpool.model.nf4 import DTYPES, quantize_linear
+from shardpool.model.nf4 import DTYPES, NF4Backend, quantize_linear
 from shardpool.model.shape import EMBED_NAME, LM_HEAD_NAME, layer_prefix, mask_kind
 from shardpool.model.weights import WeightReader
 
@@ -78,6 +78,8 @@ class BaseSettings:
     compute_dtype: str = "float32"
     gradient_checkpointing: bool = False
     attn_implementation: str = "sdpa"
+    #: How the stage computes with its NF4 weights: bitsandbytes' kernels or plain PyTorch (model/nf4.py).
+    nf4_backend: NF4Backend = "bitsandbytes"
 
 
 def owned_tensor_names(spec: StageSpec, available: list[str], *, tie_word_embeddings: bool) -> list[str]:
@@ -323,6 +325,7 @@ def _materialize(
                         compute_dtype=compute_dtype,
                         quant_type=base.quant_type,
                         double_quant=base.double_quant,
+                        backend=base.nf4_backend,
                     )
                     layer.set_submodule(name, quantized)
     for name, param in list(model.named_parameters(remove_duplicate=False)):

@@ -32,7 +32,10 @@ class PlannedStage:
     taken (:meth:`shardpool.plan.device_facts.Measurement.to_json`); empty for a device whose speed
     was given rather than measured. ``dtype`` is the stage's compute dtype (``float32``,
     ``bfloat16``, ``float16``; :mod:`shardpool.plan.precision`) and ``dtype_reason`` why; empty
-    where the plan did not choose one (the config's dtype then applies). ``costs`` are the stage's
+    where the plan did not choose one (the config's dtype then applies). ``nf4_backend`` is how the
+    stage computes with its NF4 weights (``bitsandbytes`` or ``torch``, :mod:`shardpool.model.nf4`)
+    and ``nf4_reason`` why; empty for an unquantized base or an older plan (bitsandbytes then
+    applies). ``costs`` are the stage's
     affine costs at its position (:class:`~shardpool.plan.stage_costs.StageCosts`), which
     calibration re-splits (``plan.calibrate``); None in a hand-written or older ``plan.json``.
     """
@@ -57,6 +60,8 @@ class PlannedStage:
     measured: dict[str, Any] = field(default_factory=dict)
     dtype: str = ""
     dtype_reason: str = ""
+    nf4_backend: str = ""
+    nf4_reason: str = ""
     costs: StageCosts | None = None
 
     @property
@@ -89,6 +94,9 @@ class PlannedStage:
         if self.dtype:
             entry["dtype"] = self.dtype
             entry["dtype_reason"] = self.dtype_reason
+        if self.nf4_backend:
+            entry["nf4_backend"] = self.nf4_backend
+            entry["nf4_reason"] = self.nf4_reason
         if self.costs is not None:
             entry["costs"] = self.costs.to_json()
         return entry
@@ -124,6 +132,8 @@ class PlannedStage:
             measured=dict(measured) if isinstance(measured := data.get("measured"), Mapping) else {},
             dtype=_dtype_of(data.get("dtype", "")),
             dtype_reason=str(data.get("dtype_reason", "")),
+            nf4_backend=_nf4_backend_of(data.get("nf4_backend", "")),
+            nf4_reason=str(data.get("nf4_reason", "")),
             costs=StageCosts.from_json(costs) if isinstance(costs := data.get("costs"), Mapping) else None,
         )
 
@@ -335,4 +345,12 @@ def _dtype_of(value: Any) -> str:
     text = str(value or "")
     if text and text not in DTYPE_BYTES:
         raise ShardpoolError(f"plan stage dtype {text!r} is unknown; use one of {', '.join(DTYPE_BYTES)}")
+    return text
+
+
+def _nf4_backend_of(value: Any) -> str:
+    """A plan stage's ``nf4_backend``: empty, ``bitsandbytes`` or ``torch``; a clear error otherwise."""
+    text = str(value or "")
+    if text not in ("", "bitsandbytes", "torch"):
+        raise ShardpoolError(f"plan stage nf4_backend {text!r} is unknown; use bitsandbytes or torch")
     return text
