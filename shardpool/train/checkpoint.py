@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,10 @@ from shardpool.model.lora import LoraSettings, write_adapter
 __all__ = [
     "partial_dir",
     "stage_state_tensors",
+    "DeviceRng",
+    "device_rng",
     "rng_state_tensors",
+    "restore_rng_state",
     "stage_file",
     "rng_file",
     "read_stage_lora",
@@ -84,9 +88,64 @@ def stage_state_tensors(
 LOSS_SCALE_KEY = "loss_scale"
 
 
-def rng_state_tensors() -> dict[str, torch.Tensor]:
-    """The torch RNG state of this process (dropout draws depend on it)."""
-    return {"cpu": torch.get_rng_state()}
+#: Key of the CPU generator's state in a rank's RNG file; a device's is keyed by its kind (``cuda``, ...).
+CPU_RNG_KEY = "cpu"
+
+
+@dataclass(frozen=True)
+class DeviceRng:
+    """Where a device kind keeps its random state: ``torch.<module>.get_rng_state`` / ``set_rng_state``."""
+
+    module: str
+    #: Whether the functions take the device: MPS has one generator, and older torch takes no argument there.
+    takes_device: bool
+
+
+_DEVICE_RNGS = {
+    "cuda": DeviceRng("cuda", takes_device=True),
+    "xpu": DeviceRng("xpu", takes_device=True),
+    "mps": DeviceRng("mps", takes_device=False),
+}
+
+
+def device_rng(device_type: str) -> DeviceRng | None:
+    """The RNG state functions of a device kind, or None where it has no generator of its own (CPU).
+
+    Dropout on a CUDA, MPS or XPU stage draws from that device's generator, not the CPU's, so a
+    checkpoint holds both for a resumed run to draw the same masks.
+    """
+    return _DEVICE_RNGS.get(device_type)
+
+
+def rng_state_tensors(device: torch.device) -> dict[str, torch.Tensor]:
+    """The torch RNG state of this process (dropout draws depend on it): the CPU's, and ``device``'s.
+
+    The device's state is keyed by its kind (``cuda``, ``mps``, ``xpu``); a CPU stage has none.
+    """
+    tensors = {CPU_RNG_KEY: torch.get_rng_state()}
+    rng = device_rng(device.type)
+    if rng is not None:
+        functions = getattr(torch, rng.module)
+        tensors[rng.module] = functions.get_rng_state(*_device_argument(rng, device))
+    return tensors
+
+
+def restore_rng_state(saved: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Set this process's RNG state (the CPU's, and ``device``'s) from a rank's RNG file.
+
+    A device state saved by another kind of device is skipped, as is its absence (checkpoints of
+    earlier versions, or from a CPU stage): those draws came from another generator, which no
+    state here can repeat.
+    """
+    torch.set_rng_state(saved[CPU_RNG_KEY])
+    rng = device_rng(device.type)
+    if rng is not None and rng.module in saved:
+        functions = getattr(torch, rng.module)
+        functions.set_rng_state(saved[rng.module], *_device_argument(rng, device))
+
+
+def _device_argument(rng: DeviceRng, device: torch.device) -> tuple[torch.device, ...]:
+    return (device,) if rng.takes_device else ()
 
 
 def stage_file(stage_index: int) -> str:
@@ -261,9 +320,13 @@ def lora_and_optimizer_from(
     return lora, optim
 
 
-def read_rng_state(path: Path) -> torch.Tensor:
-    """A saved RNG state."""
-    return load_file(str(path))["cpu"]
+def read_rng_state(path: Path) -> dict[str, torch.Tensor]:
+    """A rank's saved RNG states by generator (``cpu``, and ``cuda``, ``mps`` or ``xpu``), for :func:`restore_rng_state`."""
+    return {
+        name: tensor
+        for name, tensor in load_file(str(path)).items()
+        if name == CPU_RNG_KEY or name in _DEVICE_RNGS
+    }
 
 
 def read_loss_scale(path: Path) -> torch.Tensor | None:

@@ -40,6 +40,10 @@ def apply_tf32(config: Config, device: torch.device) -> bool:
     """Let this process's fp32 CUDA matmuls and convolutions use TF32 when ``tf32: true``; True if set.
 
     TF32 exists on NVIDIA Ampere and newer only; elsewhere (CPU, MPS, older GPUs) the flag changes nothing.
+    It is set through the ``allow_tf32`` flags: on torch 2.13 they also set the newer
+    ``fp32_precision`` ones, so readers of either agree. Setting only the newer ones would leave
+    ``torch.get_float32_matmul_precision()`` and ``allow_tf32`` raising torch's "mix of the legacy and
+    new APIs" error for every later reader of those, torch.compile included.
     """
     if not config.tf32 or device.type != "cuda":
         return False

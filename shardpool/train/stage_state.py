@@ -9,7 +9,7 @@ adapter. On ``--resume`` each stage restores the keys it owns from whichever sta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ __all__ = [
     "load_optimizer_state",
     "rank_state_tensors",
     "restore_stage_state",
+    "state_field_device",
     "send_checkpoint",
     "send_final_lora",
 ]
@@ -37,12 +38,16 @@ FINAL_DIR = "checkpoints/final.partial"
 
 @dataclass
 class StageState:
-    """What a stage trains: its LoRA parameters (by global adapter key), AdamW and the LR schedule."""
+    """What a stage trains: its LoRA parameters (by global adapter key), AdamW and the LR schedule.
+
+    ``device`` is the stage's device, whose random state checkpoints hold beside the CPU's.
+    """
 
     named_params: list[tuple[str, torch.nn.Parameter]]
     optimizer: torch.optim.Optimizer
     scheduler: Any
     loss_scale: LossScale | None = None
+    device: torch.device = field(kw_only=True)
 
 
 def send_checkpoint(
@@ -57,8 +62,8 @@ def send_checkpoint(
 
 
 def rank_state_tensors(state: StageState) -> dict[str, torch.Tensor]:
-    """What a rank's RNG file holds: this process's torch RNG state, and the loss scale if it scales."""
-    tensors = ckpt.rng_state_tensors()
+    """What a rank's RNG file holds: this process's torch RNG states (CPU and device), and the loss scale if it scales."""
+    tensors = ckpt.rng_state_tensors(state.device)
     if state.loss_scale is not None:
         tensors[ckpt.LOSS_SCALE_KEY] = state.loss_scale.state_tensor()
     return tensors
@@ -96,7 +101,7 @@ def _send_lora_and_optimizer(
 
 
 def restore_stage_state(files: RunFiles, job: Job, state: StageState, *, rank: int) -> int:
-    """Load the checkpoint the job resumes from into ``state`` (and this rank's RNG); return its step."""
+    """Load the checkpoint the job resumes from into ``state`` (and this rank's RNGs); return its step."""
     step = job.resume_step
     stage_files = [files.path(name) for name in job.inputs if name.startswith(RESUME_PREFIX + "stage-")]
     keys = [key for key, _ in state.named_params]
@@ -105,7 +110,7 @@ def restore_stage_state(files: RunFiles, job: Job, state: StageState, *, rank: i
         state.scheduler.step()
     rng_input = RESUME_PREFIX + ckpt.rng_file(rank)
     if files.has(rng_input):
-        torch.set_rng_state(ckpt.read_rng_state(files.path(rng_input)))
+        ckpt.restore_rng_state(ckpt.read_rng_state(files.path(rng_input)), state.device)
         saved_scale = ckpt.read_loss_scale(files.path(rng_input))
         if state.loss_scale is not None and saved_scale is not None:
             state.loss_scale.load_state_tensor(saved_scale)
@@ -127,18 +132,53 @@ def load_optimizer_state(
     named_params: list[tuple[str, torch.nn.Parameter]],
     optim_state: dict[str, dict[str, torch.Tensor]],
 ) -> None:
-    """Put saved per-parameter state (by adapter key) into ``optimizer``, on each parameter's device.
+    """Put saved per-parameter state (by adapter key) into ``optimizer``, each field where it belongs.
 
-    torch keeps ``step`` as a tensor; bitsandbytes keeps it as an int and passes it to its kernels.
+    torch keeps ``step`` as a tensor (placed by :func:`state_field_device`); bitsandbytes keeps it
+    as an int and passes it to its kernels.
     """
     keeps_int_step = type(optimizer).__module__.startswith("bitsandbytes")
+    step_on_device = {
+        id(param): bool(group.get("fused") or group.get("capturable"))
+        for group in optimizer.param_groups
+        for param in group["params"]
+    }
     optimizer_state = optimizer.state_dict()
     optimizer_state["state"] = {
-        index: {
-            field: int(value.item()) if field == "step" and keeps_int_step else value.to(param.device)
-            for field, value in optim_state[key].items()
-        }
+        index: _placed_fields(
+            optim_state[key],
+            param.device,
+            keeps_int_step=keeps_int_step,
+            step_on_device=step_on_device[id(param)],
+        )
         for index, (key, param) in enumerate(named_params)
         if optim_state[key]
     }
     optimizer.load_state_dict(optimizer_state)
+
+
+def _placed_fields(
+    fields: dict[str, torch.Tensor], param_device: torch.device, *, keeps_int_step: bool, step_on_device: bool
+) -> dict[str, torch.Tensor | int]:
+    """One parameter's saved state fields as its optimizer keeps them."""
+    placed: dict[str, torch.Tensor | int] = {}
+    for name, value in fields.items():
+        if name == "step" and keeps_int_step:
+            placed[name] = int(value.item())
+        else:
+            placed[name] = value.to(
+                state_field_device(name, param_device=param_device, step_on_device=step_on_device)
+            )
+    return placed
+
+
+def state_field_device(name: str, *, param_device: torch.device, step_on_device: bool) -> torch.device:
+    """Where a saved AdamW state field goes: the parameter's device, except ``step`` in torch's plain AdamW.
+
+    Plain (neither fused nor capturable) torch AdamW keeps ``step`` as a CPU scalar and reads it
+    on the host every step for the bias correction; on a GPU each such read would wait for the
+    device. Fused and capturable AdamW (``step_on_device``) keep it on the parameter's device.
+    """
+    if name == "step" and not step_on_device:
+        return torch.device("cpu")
+    return param_device

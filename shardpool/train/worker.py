@@ -244,6 +244,7 @@ class StageWorker:
             compute_dtype=self.compute_dtype_name,
             gradient_checkpointing=self.config.gradient_checkpointing,
             attn_implementation=stage_attention(self.config, self.device, self.compute_dtype_name),
+            nf4_backend=self.job.rank_nf4_backend(self.rank),
         )
         apply_tf32(self.config, self.device)
         if lora.init_from:
@@ -316,7 +317,7 @@ class StageWorker:
         named_params = stage.named_lora_parameters()
         optimizer = build_optimizer(self.config, [param for _, param in named_params], self.device)
         scheduler = build_scheduler(self.config, optimizer, len(self.steps))
-        self.state = StageState(named_params, optimizer, scheduler, loss_scale=loss_scale)
+        self.state = StageState(named_params, optimizer, scheduler, loss_scale=loss_scale, device=self.device)
 
     def _set_cadence(self) -> None:
         """Which steps evaluate and save, and how many steps an epoch takes (for ``epoch``)."""

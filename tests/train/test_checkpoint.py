@@ -159,3 +159,73 @@ def test_resume_point_follows_resume_auto_and_an_explicit_checkpoint(tmp_path: P
         ckpt.resume_point(full, resume=False, explicit=older)
     with pytest.raises(ckpt.ShardpoolError, match="not a complete shardpool checkpoint"):
         ckpt.resume_point(empty, resume=False, explicit=tmp_path / "nowhere")
+
+
+class _StandInGenerator:
+    """A device's random state, as torch.cuda / torch.mps expose it, without the device."""
+
+    def __init__(self, state: list[int]) -> None:
+        self.state = torch.tensor(state, dtype=torch.uint8)
+        self.devices: list[tuple[torch.device, ...]] = []
+
+    def get_rng_state(self, *device: torch.device) -> torch.Tensor:
+        self.devices.append(device)
+        return self.state.clone()
+
+    def set_rng_state(self, new_state: torch.Tensor, *device: torch.device) -> None:
+        self.devices.append(device)
+        self.state = new_state.clone()
+
+    def stand_in_for(self, monkeypatch: pytest.MonkeyPatch, module: object) -> _StandInGenerator:
+        monkeypatch.setattr(module, "get_rng_state", self.get_rng_state)
+        monkeypatch.setattr(module, "set_rng_state", self.set_rng_state)
+        return self
+
+
+def test_each_device_kind_has_its_own_random_state_functions() -> None:
+    assert ckpt.device_rng("cuda") == ckpt.DeviceRng("cuda", takes_device=True)
+    assert ckpt.device_rng("xpu") == ckpt.DeviceRng("xpu", takes_device=True)
+    assert ckpt.device_rng("mps") == ckpt.DeviceRng("mps", takes_device=False), "one MPS generator"
+    assert ckpt.device_rng("cpu") is None, "a CPU stage draws from the CPU generator only"
+
+
+def test_a_device_stage_saves_and_restores_its_device_random_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dropout on a GPU draws from the GPU's generator: a resumed run must get that state back too."""
+    cuda = _StandInGenerator([7, 1, 9, 4]).stand_in_for(monkeypatch, torch.cuda)
+    device = torch.device("cuda", 1)
+    save_tensors(tmp_path / "rng-rank-0.safetensors", ckpt.rng_state_tensors(device))
+    cpu_draws = torch.rand(5)
+    cuda.state = torch.tensor([0, 0, 0, 0], dtype=torch.uint8)  # the draws after the checkpoint
+
+    ckpt.restore_rng_state(ckpt.read_rng_state(tmp_path / "rng-rank-0.safetensors"), device)
+    assert cuda.state.tolist() == [7, 1, 9, 4]
+    assert cuda.devices == [(device,), (device,)], "read from and restored to the stage's own GPU"
+    assert torch.equal(torch.rand(5), cpu_draws), "the CPU state is restored as well"
+
+
+def test_a_device_state_of_another_kind_or_none_is_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Old checkpoints hold the CPU state only; a CUDA stage's state means nothing to a CPU or MPS stage."""
+    mps = _StandInGenerator([3, 3]).stand_in_for(monkeypatch, torch.mps)
+    cuda = _StandInGenerator([5, 6]).stand_in_for(monkeypatch, torch.cuda)
+    save_tensors(tmp_path / "cpu-only.safetensors", {"cpu": torch.get_rng_state()})
+    save_tensors(tmp_path / "cuda.safetensors", ckpt.rng_state_tensors(torch.device("cuda", 0)))
+    cpu_draws = torch.rand(3)
+
+    ckpt.restore_rng_state(ckpt.read_rng_state(tmp_path / "cpu-only.safetensors"), torch.device("cuda", 0))
+    assert torch.equal(torch.rand(3), cpu_draws) and cuda.state.tolist() == [5, 6]
+    for stage_device in (torch.device("cpu"), torch.device("mps")):
+        ckpt.restore_rng_state(ckpt.read_rng_state(tmp_path / "cuda.safetensors"), stage_device)
+        assert torch.equal(torch.rand(3), cpu_draws)
+    assert mps.devices == [] and mps.state.tolist() == [3, 3], "the MPS generator is left alone"
+
+
+def test_a_cpu_stage_resumes_the_same_dropout_masks(tmp_path: Path) -> None:
+    save_tensors(tmp_path / "rng-rank-0.safetensors", ckpt.rng_state_tensors(torch.device("cpu")))
+    masks = torch.nn.functional.dropout(torch.ones(64), p=0.5)
+    ckpt.restore_rng_state(ckpt.read_rng_state(tmp_path / "rng-rank-0.safetensors"), torch.device("cpu"))
+    assert torch.equal(torch.nn.functional.dropout(torch.ones(64), p=0.5), masks)
+    assert set(load_file(str(tmp_path / "rng-rank-0.safetensors"))) == {"cpu"}, "the CPU format is unchanged"

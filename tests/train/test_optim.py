@@ -14,7 +14,7 @@ from shardpool.config.optimizers import OptimizerChoice, choose_optimizer
 from shardpool.model.weights import save_tensors
 from shardpool.train import checkpoint as ckpt
 from shardpool.train.optim import _construct, build_optimizer, build_scheduler, scheduler_name
-from shardpool.train.stage_state import load_optimizer_state
+from shardpool.train.stage_state import load_optimizer_state, state_field_device
 
 BASE: dict[str, Any] = {
     "base_model": "m",
@@ -135,6 +135,32 @@ def test_optimizer_state_survives_a_checkpoint(tmp_path: Path, builder: Any) -> 
     _step(restored, resumed, seed=2)
     for before, after in zip(original, resumed, strict=True):
         assert torch.equal(before, after)
+
+
+def test_step_stays_on_the_cpu_unless_adamw_is_fused_or_capturable() -> None:
+    """Plain AdamW reads ``step`` on the host every step: on the GPU that read would wait for the device."""
+    gpu = torch.device("cuda", 0)
+    assert state_field_device("step", param_device=gpu, step_on_device=False) == torch.device("cpu")
+    assert state_field_device("exp_avg", param_device=gpu, step_on_device=False) == gpu
+    assert state_field_device("exp_avg_sq", param_device=gpu, step_on_device=False) == gpu
+    assert state_field_device("step", param_device=gpu, step_on_device=True) == gpu
+
+
+@pytest.mark.parametrize(("capturable", "step_device"), [(False, "cpu"), (True, "meta")])
+def test_restored_step_sits_where_torch_adamw_keeps_it(capturable: bool, step_device: str) -> None:
+    """Parameters on another device than the CPU (meta, here) get their moments there; ``step`` as torch puts it."""
+    saved = _params()
+    optimizer = torch.optim.AdamW(saved, lr=0.1)
+    _step(optimizer, saved, seed=1)
+    keys = ["a.lora_A.weight", "a.lora_B.weight"]
+    optim_state = {key: dict(optimizer.state[param]) for key, param in zip(keys, saved, strict=True)}
+    elsewhere = [torch.nn.Parameter(torch.empty_like(param, device="meta")) for param in saved]
+    restored = torch.optim.AdamW(elsewhere, lr=0.1, capturable=capturable)
+    load_optimizer_state(restored, list(zip(keys, elsewhere, strict=True)), optim_state)
+    for param in elsewhere:
+        step = restored.state[param]["step"]
+        assert (step.device.type, step.dtype) == (step_device, torch.float32)
+        assert restored.state[param]["exp_avg"].device.type == "meta"
 
 
 def _lrs(changes: dict[str, Any], total: int) -> list[float]:
