@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -89,27 +90,209 @@ def test_a_row_says_which_dtype_each_stage_ran_and_which_steps_the_loss_scale_sk
     }
 
 
-def test_memory_ratios_set_each_cuda_stages_peaks_against_the_plan() -> None:
-    plan = {"stages": [{"device": "cuda:0", "memory_bytes": 1000}, {"device": "cpu", "memory_bytes": 500}]}
+GIB = 2**30
+
+
+def test_the_runs_go_most_informative_first_and_the_order_names_every_run() -> None:
+    every = gpu_check.cases(bf16=True)
+    assert [case.name for case in gpu_check.by_priority(every)] == list(gpu_check.PRIORITY)
+    assert sorted(gpu_check.PRIORITY) == sorted(case.name for case in every)
+    first_three = [case.name for case in gpu_check.by_priority(every)][:3]
+    assert first_three == ["cuda/fp32", "cuda+cuda/fp32", "cuda+cpu/fp32"]  # each layout once, tightest dtype
+
+
+def test_only_picks_runs_by_name_and_an_unknown_name_lists_the_valid_ones(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    every = gpu_check.cases(bf16=True)
+    picked = gpu_check.select(every, ["cuda/bf16", "cuda+cuda/fp32", "cuda/bf16"])
+    assert [case.name for case in picked] == ["cuda+cuda/fp32", "cuda/bf16"]  # priority order, once each
+    assert len(gpu_check.select(every, None)) == 11
+    with pytest.raises(gpu_check.UsageError, match="unknown run 'cuda/fp8'; pick from: cuda/fp32, ") as error:
+        gpu_check.select(every, ["cuda/fp8"])
+    assert "cuda+cpu/fp32 re-shard" in str(error.value) and "\n" not in str(error.value)
+    assert gpu_check.main(["--only", "cuda/fp8"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1  # one line
+    assert gpu_check.main(["--list"]) == 0
+    assert capsys.readouterr().out.splitlines() == list(gpu_check.PRIORITY)
+
+
+def test_allocated_memory_is_set_against_the_plan_without_its_reserve() -> None:
+    # 3.0 GiB of planned tensors plus a 0.9 GiB reserve: the old ratio 3.2 / 3.9 = 0.82 hid the overrun
+    plan = {"stages": [
+        {"device": "cuda:0", "memory_bytes": int(3.9 * GIB), "memory_breakdown": {"reserve": int(0.9 * GIB)}},
+        {"device": "cpu", "memory_bytes": 500, "memory_breakdown": {"reserve": 100}},
+    ]}  # fmt: skip
     summary = {"ranks": [
-        {"rank": 0, "stage": 0, "peak_device_bytes": 800, "peak_device_reserved_bytes": 1200},
+        {"rank": 0, "stage": 0, "peak_device_bytes": int(3.2 * GIB), "peak_device_reserved_bytes": int(3.4 * GIB)},
         {"rank": 1, "stage": 1, "peak_device_bytes": None, "peak_device_reserved_bytes": None},
     ]}  # fmt: skip
-    assert gpu_check.memory_ratios(plan, summary) == [
-        {"stage": 0, "predicted_bytes": 1000, "max_allocated_bytes": 800, "max_reserved_bytes": 1200,
-         "allocated_ratio": 0.8, "reserved_ratio": 1.2}
-    ]  # fmt: skip
+    (row,) = gpu_check.memory_ratios(plan, summary)
+    assert row["predicted_tensor_bytes"] == pytest.approx(3.0 * GIB, abs=1)
+    assert row["reserve_bytes"] == int(0.9 * GIB) and row["max_reserved_bytes"] == int(3.4 * GIB)
+    assert row["allocated_ratio"] == pytest.approx(1.067) and row["above_plan"]
+    under = {"ranks": [{"rank": 0, "stage": 0, "peak_device_bytes": int(2.7 * GIB)}]}
+    (row,) = gpu_check.memory_ratios(plan, under)
+    assert row["allocated_ratio"] == pytest.approx(0.9) and not row["above_plan"]
 
 
-def test_the_table_has_a_line_per_run_and_names_failures() -> None:
+def test_a_plan_without_a_breakdown_gets_the_planners_own_reserve() -> None:
+    from shardpool.plan.memory_model import reserve_bytes
+
+    tensors = 2 * GIB
+    stage = {"device": "cuda:0", "memory_bytes": int(tensors + reserve_bytes("cuda", tensors))}
+    assert gpu_check.planned_reserve_bytes(stage) == pytest.approx(0.75 * GIB + 0.05 * tensors, abs=2)
+    assert gpu_check.planned_reserve_bytes({"memory_breakdown": {"reserve": 123}}) == 123
+
+
+def test_a_resharded_stage_is_set_against_the_plan_that_gave_it_the_most_tensors() -> None:
+    def stage(tensor_gib: float) -> dict[str, object]:
+        reserve = int(0.8 * GIB)
+        return {
+            "device": "cuda:0",
+            "memory_bytes": int(tensor_gib * GIB) + reserve,
+            "memory_breakdown": {"reserve": reserve},
+        }
+
+    # 3 + 3 layers, then 1 + 5: stage 0 peaked with 3 layers, stage 1 with 5
+    plan = {
+        "stages": [stage(1.0), stage(5.0)],
+        "history": [{"stages": [stage(3.0), stage(3.0)], "ended_at_step": 2}],
+    }
+    summary = {"ranks": [{"rank": 0, "stage": 0, "peak_device_bytes": int(2.7 * GIB)},
+                         {"rank": 1, "stage": 1, "peak_device_bytes": int(4.5 * GIB)}]}  # fmt: skip
+    ratios = [row["allocated_ratio"] for row in gpu_check.memory_ratios(plan, summary)]
+    assert ratios == [pytest.approx(0.9), pytest.approx(0.9)]  # not 2.7 against the 1.0 GiB of the last plan
+
+
+def test_the_gpu_footprint_beyond_tensors_is_set_against_the_reserve() -> None:
+    memory = [
+        {
+            "max_allocated_bytes": 2 * GIB,
+            "max_reserved_bytes": int(2.2 * GIB),
+            "reserve_bytes": int(0.8 * GIB),
+        }
+    ]
+    over = gpu_check.device_footprint(memory, int(2.9 * GIB))  # 0.9 GiB beyond tensors, 0.8 reserved for it
+    assert over["reserve_ratio"] == pytest.approx(1.125) and over["above_plan"]
+    assert over["beyond_allocator_bytes"] == pytest.approx(0.7 * GIB, abs=1)  # context, cuBLAS, NCCL
+    assert over["beyond_tensors_bytes"] == pytest.approx(0.9 * GIB, abs=1)
+    two_stages = memory * 2  # cuda+cuda: the GPU holds both stages, so both reserves count
+    within = gpu_check.device_footprint(two_stages, int(5.2 * GIB))
+    assert within["reserve_ratio"] == pytest.approx(0.75) and not within["above_plan"]
+    unmeasured = gpu_check.device_footprint(memory, None)
+    assert unmeasured["reserve_ratio"] is None and unmeasured["reserve_bytes"] == int(0.8 * GIB)
+
+
+_BNB_SUCCESS = """================ bitsandbytes v0.48.2 ================
+Platform: Linux
+PyTorch: 2.11.0
+Checking that the library is importable and callable...
+SUCCESS!
+"""
+_BNB_LOAD_ERROR = """================ bitsandbytes v0.48.2 ================
+bitsandbytes library load error: libcudart.so.13: cannot open shared object file: No such file or directory
+Traceback (most recent call last):
+OSError: libcudart.so.13: cannot open shared object file: No such file or directory
+See above for details on why the library failed to load.
+WARNING: Please be sure to sanitize sensitive info from the output before posting it.
+"""
+
+
+def test_the_bitsandbytes_pre_flight_passes_only_on_its_success_and_says_why_in_one_line() -> None:
+    ok = gpu_check.bitsandbytes_verdict(0, _BNB_SUCCESS)
+    assert ok == {"version": "0.48.2", "ok": True, "detail": "python -m bitsandbytes: SUCCESS"}
+    missing = gpu_check.bitsandbytes_verdict(1, "/usr/bin/python3: No module named bitsandbytes\n")
+    assert (
+        not missing["ok"] and missing["detail"] == "bitsandbytes is not installed (pip install bitsandbytes)"
+    )
+    broken = gpu_check.bitsandbytes_verdict(1, _BNB_LOAD_ERROR)
+    assert not broken["ok"] and broken["detail"] == (
+        "python -m bitsandbytes failed (exit 1): bitsandbytes library load error: libcudart.so.13: "
+        "cannot open shared object file: No such file or directory"
+    )
+    cpu_only = "No CUDA, ROCm, or XPU detected; CPU library loaded successfully."
+    no_cuda = gpu_check.bitsandbytes_verdict(0, f"Platform: Linux\n{cpu_only}\nsome warning on stderr\n")
+    assert not no_cuda["ok"] and no_cuda["detail"] == f"python -m bitsandbytes failed (exit 0): {cpu_only}"
+    hung = gpu_check.bitsandbytes_verdict(None, "")
+    assert not hung["ok"] and "did not finish in 90 s" in hung["detail"]
+
+
+def test_an_exclusive_compute_mode_skips_two_stage_processes_on_one_gpu() -> None:
+    assert gpu_check.parse_compute_mode("Exclusive_Process\n") == "Exclusive_Process"
+    assert gpu_check.parse_compute_mode("[N/A]\n") is None and gpu_check.parse_compute_mode("") is None
+    assert gpu_check.blocked_layouts("Default") == {} and gpu_check.blocked_layouts(None) == {}
+    exclusive = gpu_check.blocked_layouts("Exclusive_Process")
+    assert list(exclusive) == ["cuda+cuda"] and "one process" in exclusive["cuda+cuda"]
+    assert sorted(gpu_check.blocked_layouts("Prohibited")) == ["cuda", "cuda+cpu", "cuda+cuda"]
+    reshard = gpu_check.Case("cuda+cuda", "fp32", gpu_check.RESHARDS["cuda+cuda"])
+    skip = gpu_check.why_skipped(
+        reshard, bf16=True, blocked=exclusive, elapsed_s=0, durations_s=[], budget_s=420
+    )
+    assert skip == exclusive["cuda+cuda"]
+    assert gpu_check.parse_smi_mib("81559\n") == 81559 * 2**20 and gpu_check.parse_smi_mib("[N/A]") is None
+
+
+def test_a_run_is_skipped_once_the_budget_cannot_fit_the_longest_run_so_far() -> None:
+    case = gpu_check.Case("cuda", "fp32")
+
+    def skip(elapsed: float, durations: list[float]) -> str | None:
+        return gpu_check.why_skipped(
+            case, bf16=True, blocked={}, elapsed_s=elapsed, durations_s=durations, budget_s=420
+        )
+
+    assert skip(300, [40, 90, 60]) is None  # 300 + 90 fits in 420
+    assert skip(340, [40, 90, 60]) == "budget"  # 340 + 90 does not
+    assert skip(10, []) is None
+    bf16 = gpu_check.Case("cuda", "bf16")
+    no_bf16 = gpu_check.why_skipped(bf16, bf16=False, blocked={}, elapsed_s=0, durations_s=[], budget_s=420)
+    assert no_bf16 == "this device has no bf16"
+    assert (
+        gpu_check.run_timeout_s(340, 420) == 80 and gpu_check.run_timeout_s(0, 420) == gpu_check.RUN_TIMEOUT_S
+    )
+    assert gpu_check.DEFAULT_BUDGET_S < 15 * 60 and gpu_check.run_timeout_s(500, 420) == 1
+
+
+def test_skipped_runs_do_not_fail_the_check_but_a_check_that_ran_nothing_does() -> None:
+    ran, skipped, failed = {"ok": True}, {"ok": None, "skipped": "budget"}, {"ok": False}
+    assert gpu_check.exit_status([ran, skipped]) == 0
+    assert gpu_check.exit_status([ran, failed, skipped]) == 1
+    assert gpu_check.exit_status([skipped, skipped]) == 1
+
+
+def test_the_report_file_is_replaced_whole_after_every_run(tmp_path: Path) -> None:
+    path = tmp_path / "gpu-check.json"
+    gpu_check.write_report(path, {"runs": [{"run": "cuda/fp32"}], "complete": False})
+    gpu_check.write_report(
+        path, {"runs": [{"run": "cuda/fp32"}, {"run": "cuda+cuda/fp32"}], "complete": True}
+    )
+    assert json.loads(path.read_text())["complete"] and len(json.loads(path.read_text())["runs"]) == 2
+    assert [entry.name for entry in tmp_path.iterdir()] == ["gpu-check.json"]  # no temporary file left
+
+
+def test_the_table_has_a_line_per_run_and_marks_what_the_plan_undercounts() -> None:
     rows = [
-        {"run": "cuda/fp32", "ok": True, "eval_loss": 5.0, "eval_loss_rel": 1e-5, "step_loss_rel": 2e-5,
-         "tolerance": 1e-3, "memory": [{"stage": 0, "allocated_ratio": 0.8, "reserved_ratio": 1.2}]},
+        {"run": "cuda+cuda/fp32", "ok": True, "eval_loss": 5.0, "eval_loss_rel": 1e-5, "step_loss_rel": 2e-5,
+         "tolerance": 1e-3, "memory": [{"stage": 0, "allocated_ratio": 0.8}, {"stage": 1, "allocated_ratio": 1.067}],
+         "footprint": {"reserve_ratio": 1.125}},
         {"run": "cuda+cpu/fp16", "error": "stage 0 (rank 0) failed: CUDA error", "ok": False},
+        {"run": "cuda/fp16", "skipped": "budget", "ok": None},
     ]  # fmt: skip
     lines = gpu_check.format_table(rows).splitlines()
-    assert (
-        len(lines) == 4 and "0: 0.80/1.20" in lines[2] and lines[3].split()[:2] == ["cuda+cpu/fp16", "FAIL"]
+    assert len(lines) == 5 and lines[2].endswith("0: 0.80, 1: 1.07!; gpu: 1.12!")
+    assert lines[3].split()[:2] == ["cuda+cpu/fp16", "FAIL"] and lines[4].split() == [
+        "cuda/fp16",
+        "skip",
+        "budget",
+    ]
+    preflight = {
+        "bitsandbytes": {"ok": False, "version": None, "detail": "bitsandbytes is not installed (pip install bitsandbytes)"},
+        "compute_mode": {"mode": "Exclusive_Process", "source": "nvidia-smi"},
+        "device_memory": "nvml",
+    }  # fmt: skip
+    assert gpu_check.format_preflight(preflight) == (
+        "pre-flight: bitsandbytes ?: bitsandbytes is not installed (pip install bitsandbytes) | "
+        "compute mode: Exclusive_Process (nvidia-smi) | GPU memory read by: nvml"
     )
 
 
