@@ -5,7 +5,8 @@ The story of a run, top to bottom:
      agent reports (a user it refuses stops here, with the fix);
   2. check everything that can fail before any process starts (the model directory, LoRA
      targets, stage count, datasets), tokenize the data once, and plan the stages on the
-     launcher's devices; bad input fails here, and nothing is written;
+     launcher's devices (accelerators measured in a child process that ends before any stage
+     starts, :mod:`shardpool.plan.probe_process`); bad input fails here, and nothing is written;
   3. write what every stage reads (the tokenized data, ``plan.json``, ``.shardpool/job.json``),
      serve it to remote stages, and host the rendezvous store;
   4. start one process per stage and replica, ``python -m shardpool.train.worker job.json RANK``
@@ -76,7 +77,7 @@ from shardpool.launch.supervise import (
 from shardpool.model.footprint import stage_footprints
 from shardpool.model.lora import LoraSettings, base_model_reference, lora_settings, write_adapter
 from shardpool.model.shape import ModelInfo, check_sequence_len, check_stage_count, read_model_info
-from shardpool.plan.profiler import TorchProbe
+from shardpool.plan.probe_process import ProcessProbe
 from shardpool.plan.result import Plan
 from shardpool.trackers import Trackers, check_trackers, open_trackers
 from shardpool.train import checkpoint as ckpt
@@ -135,10 +136,11 @@ def finetune(
     check_trackers(config)
     as_written, config = config, with_local_sources(config)
     reference = base_model_reference(as_written.base_model)
-    launcher = launcher_for(config, say=console.print, probe=TorchProbe(), agent_socket=agent_socket)
+    probe = ProcessProbe()  # a local plan's accelerators are measured in a child process
+    launcher = launcher_for(config, say=console.print, probe=probe, agent_socket=agent_socket)
     with _output_dir_held(config.output_dir):
         return _finetune_holding_output_dir(
-            as_written, config, reference, launcher, resume=resume, console=console, events=events
+            as_written, config, reference, launcher, probe, resume=resume, console=console, events=events
         )
 
 
@@ -163,13 +165,21 @@ def _finetune_holding_output_dir(
     config: Config,
     reference: str,
     launcher: Launcher,
+    probe: ProcessProbe,
     *,
     resume: bool,
     console: Console,
     events: RunEvents,
 ) -> Path:
-    """Train ``config`` (hub ids resolved to local paths; ``as_written`` is the user's) in the held output_dir."""
-    run = replace(prepare_run(config, resume=resume, planner=launcher.plan), base_model_reference=reference)
+    """Train ``config`` (hub ids resolved to local paths; ``as_written`` is the user's) in the held output_dir.
+
+    ``probe`` is the one ``launcher`` measures this machine with: its child process, holding the
+    measured accelerators' memory, ends with the planning, before any stage starts.
+    """
+    with probe:
+        run = replace(
+            prepare_run(config, resume=resume, planner=launcher.plan), base_model_reference=reference
+        )
     run_dir = _write_run_inputs(run, console)
     if run.plan.get("source") == "resume" and run.planned is not None:
         console.print(

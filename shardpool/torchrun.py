@@ -6,8 +6,9 @@ contract). Each process joins torchrun's store (``env://``, as ``init_process_gr
 
   1. rank 0 does what ``shardpool finetune`` does before any stage starts: checks the config,
      tokenizes, and plans N stages on this machine (``cuda:0`` .. ``cuda:N-1`` where CUDA is
-     present, else N CPU stages); it writes the job file into ``output_dir/.shardpool`` and
-     publishes its path in the store under ``shardpool/job``;
+     present, else N CPU stages; the GPUs are measured in a child process that ends before
+     stage 0 trains in this one, :mod:`shardpool.plan.probe_process`); it writes the job file
+     into ``output_dir/.shardpool`` and publishes its path in the store under ``shardpool/job``;
   2. every rank reads the job and runs its stage in its own process
      (:class:`shardpool.train.worker.StageWorker`), joined on torchrun's store instead of a
      rendezvous store of shardpool's;
@@ -188,7 +189,7 @@ def _lead(
     from shardpool.launch.run import build_job, write_job
     from shardpool.model.lora import base_model_reference
     from shardpool.plan.config_plan import plan_for_config
-    from shardpool.plan.profiler import TorchProbe
+    from shardpool.plan.probe_process import ProcessProbe
     from shardpool.trackers import check_trackers, open_trackers
     from shardpool.train.runfiles import job_inputs
 
@@ -201,8 +202,10 @@ def _lead(
         as_written = torchrun_config(as_written, world, devices)
         config = with_local_sources(as_written)
         reference = base_model_reference(as_written.base_model)
-        probe = TorchProbe()
-        prepared = prepare_run(config, resume=resume, planner=lambda c: plan_for_config(c, probe=probe))
+        # Every GPU is measured in a child process that ends here: stage 0 then trains in this
+        # process without a context on the other ranks' GPUs or the profiled layer's memory.
+        with ProcessProbe() as probe:
+            prepared = prepare_run(config, resume=resume, planner=lambda c: plan_for_config(c, probe=probe))
         run = replace(prepared, base_model_reference=reference)
         run_dir = _write_run_inputs(run, console)
         inputs = job_inputs(config, run_dir, run.resume_from)
