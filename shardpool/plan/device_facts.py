@@ -13,11 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardpool.plan.precision import DeviceFacts, parse_capability, rocm_has_bf16
+
 __all__ = [
     "DEVICE_KINDS",
     "DeviceInfo",
     "LayerProfile",
     "Measurement",
+    "arch_refusal",
     "cpu_model_name",
     "device_kind",
     "format_compute_capability",
@@ -38,8 +41,9 @@ class DeviceInfo:
 
     Also what the precision and quantization choices need: the compute capability (``"8.6"`` on
     CUDA, the gfx architecture on ROCm, None on MPS, XPU and the CPU), whether torch computes in
-    bf16 on it (None: not known), and why bitsandbytes' 4-bit kernels cannot run on it (None: they
-    ran, or were not probed).
+    bf16 on it (None: not known), why bitsandbytes' 4-bit kernels cannot run on it (None: they
+    ran, or were not probed), and why the installed torch has no kernels for it at all
+    (``arch_error``, :mod:`shardpool.plan.builds`; None: it has, or nobody checked).
     """
 
     name: str
@@ -51,6 +55,18 @@ class DeviceInfo:
     compute_capability: str | None = None
     bf16: bool | None = None
     nf4_error: str | None = None
+    arch_error: str | None = None
+
+    def facts(self) -> DeviceFacts:
+        """What the dtype chooser (``plan.precision``) knows about this device: the compute capability
+        on CUDA, and bf16 support, which on ROCm its gfx architecture decides (:func:`rocm_has_bf16`:
+        torch reports bf16 on every ROCm card)."""
+        capability = parse_capability(self.compute_capability) if self.kind == "cuda" else None
+        bf16 = self.bf16
+        if self.kind == "rocm":
+            from_arch = rocm_has_bf16(self.compute_capability)
+            bf16 = bf16 if from_arch is None else from_arch
+        return DeviceFacts(kind=self.kind, name=self.name, capability=capability, bf16=bf16)
 
 
 @dataclass(frozen=True)
@@ -176,18 +192,27 @@ def nf4_probe_refusal(name: str, label: str, compute_capability: str | None, rea
     return f"{name} ({detail}) cannot run bitsandbytes 4-bit: {first[:200]}; it gets no layers"
 
 
+def arch_refusal(name: str, label: str, compute_capability: str | None, reason: str) -> str:
+    """The one line that says the installed torch has no kernels for a device, which gets no layers
+    (``reason`` names the build to install: :func:`shardpool.plan.builds.torch_arch_error`)."""
+    detail = f"{label}, {compute_capability}" if compute_capability else label
+    return f"{name} ({detail}): {reason.strip()}; it gets no layers"
+
+
 def layer_devices(devices: list[DeviceInfo], *, needs_nf4: bool) -> tuple[list[DeviceInfo], list[str]]:
     """The devices that may be given layers, and one line for each that may not.
 
-    With an NF4 base (``adapter: qlora``) a device whose 4-bit probe failed is left out, never
-    silently given layers it cannot run; with an unquantized base every device may take layers.
+    A device the installed torch has no kernels for (``arch_error``) is always left out. With an
+    NF4 base (``adapter: qlora``) so is a device whose 4-bit probe failed, never silently given
+    layers it cannot run; with an unquantized base every other device may take layers.
     """
-    if not needs_nf4:
-        return list(devices), []
-    kept = [info for info in devices if info.nf4_error is None]
-    refused = [
-        nf4_probe_refusal(info.name, info.label, info.compute_capability, info.nf4_error)
-        for info in devices
-        if info.nf4_error is not None
-    ]
+    kept: list[DeviceInfo] = []
+    refused: list[str] = []
+    for info in devices:
+        if info.arch_error is not None:
+            refused.append(arch_refusal(info.name, info.label, info.compute_capability, info.arch_error))
+        elif needs_nf4 and info.nf4_error is not None:
+            refused.append(nf4_probe_refusal(info.name, info.label, info.compute_capability, info.nf4_error))
+        else:
+            kept.append(info)
     return kept, refused

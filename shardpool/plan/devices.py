@@ -4,6 +4,11 @@ The CPU is a device like the others; its memory is the RAM this process may use:
 ``/proc/meminfo`` reports, capped by the memory limit of this process's cgroup or an ancestor's
 (:mod:`shardpool.host.memory_limit`). Device names and the
 :class:`DeviceInfo` record are torch-free and live in ``plan.device_facts``.
+
+Each CUDA device is checked against the installed builds: whether torch carries kernels for its
+architecture and, where the 4-bit probe fails, whether bitsandbytes' library does
+(:mod:`shardpool.plan.builds`). On ROCm, bf16 support comes from the gfx architecture
+(:func:`shardpool.plan.precision.rocm_has_bf16`), not from torch, which reports it on every card.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 from shardpool.errors import ShardpoolError
 from shardpool.host.cpu_quota import available_cpus
 from shardpool.host.memory_limit import cpu_memory
+from shardpool.plan.builds import build_errors
 from shardpool.plan.device_facts import (
     DeviceInfo,
     cpu_model_name,
@@ -25,6 +31,7 @@ from shardpool.plan.device_facts import (
     normalize_device,
     rocm_architecture,
 )
+from shardpool.plan.precision import rocm_has_bf16
 
 __all__ = ["device_info", "list_devices", "probe_nf4", "synchronize"]
 
@@ -43,10 +50,19 @@ def list_devices(*, nf4: bool = True) -> list[DeviceInfo]:
 
 
 def device_info(name: str, *, nf4: bool = True) -> DeviceInfo:
-    """Name, kind, label, memory, compute capability and bf16 support of one local device, and (unless
-    ``nf4`` is False) whether bitsandbytes' 4-bit kernels run on it; a clear error when it isn't available."""
+    """Name, kind, label, memory, compute capability and bf16 support of one local device, whether the
+    installed torch has kernels for it, and (unless ``nf4`` is False) whether bitsandbytes' 4-bit
+    kernels run on it; a clear error when it isn't available."""
     info = _device_info(normalize_device(name))
-    return replace(info, nf4_error=probe_nf4(info.name)) if nf4 else info
+    arch_error, nf4_error = build_errors(
+        info,
+        torch_version=torch.__version__,
+        arch_list=torch.cuda.get_arch_list() if info.kind == "cuda" else [],
+        bnb_library=_bnb_library_name() if nf4 and info.kind == "cuda" else None,
+        machine=platform.machine(),
+        probe=probe_nf4 if nf4 else None,
+    )
+    return replace(info, arch_error=arch_error, nf4_error=nf4_error)
 
 
 @functools.cache
@@ -71,6 +87,20 @@ def probe_nf4(name: str) -> str | None:
     return None
 
 
+@functools.cache
+def _bnb_library_name() -> str | None:
+    """The file name of the CUDA library bitsandbytes loads here (``libbitsandbytes_cuda130.so``: it
+    follows torch's CUDA version, or ``BNB_CUDA_VERSION``); None without CUDA or bitsandbytes."""
+    try:
+        from bitsandbytes.cextension import get_cuda_bnb_library_path
+        from bitsandbytes.cuda_specs import get_cuda_specs
+
+        specs = get_cuda_specs()
+        return None if specs is None else get_cuda_bnb_library_path(specs).name
+    except Exception:  # noqa: BLE001 - no library to name: the 4-bit probe reports what is wrong
+        return None
+
+
 def _device_info(name: str) -> DeviceInfo:
     kind, _, index_text = name.partition(":")
     index = int(index_text) if index_text.isdigit() else 0
@@ -87,10 +117,11 @@ def _device_info(name: str) -> DeviceInfo:
             capability = rocm_architecture(
                 str(getattr(torch.cuda.get_device_properties(index), "gcnArchName", ""))
             )
+            bf16 = rocm_has_bf16(capability)  # torch's is_bf16_supported() is True on every ROCm card
         else:
             capability = format_compute_capability(*torch.cuda.get_device_capability(index))
-        with torch.cuda.device(index):
-            bf16 = bool(torch.cuda.is_bf16_supported(including_emulation=False))
+            with torch.cuda.device(index):
+                bf16 = bool(torch.cuda.is_bf16_supported(including_emulation=False))
         return DeviceInfo(
             name, flavour, torch.cuda.get_device_name(index), int(total), int(free),
             compute_capability=capability or None, bf16=bf16,

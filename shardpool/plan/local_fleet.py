@@ -21,11 +21,12 @@ from shardpool.plan.device_facts import (
     DeviceInfo,
     LayerProfile,
     Measurement,
+    arch_refusal,
     nf4_probe_refusal,
     normalize_device,
 )
 from shardpool.plan.fleet import Device, Fleet, LinkSpec
-from shardpool.plan.precision import DTYPE_BYTES, DeviceFacts, choose_dtype, parse_capability
+from shardpool.plan.precision import DTYPE_BYTES, stage_dtype
 
 __all__ = ["DeviceProbe", "local_fleet"]
 
@@ -74,7 +75,13 @@ def local_fleet(
     for name in names:
         share = counts[name]
         info = probe.device_info(name)
-        if info.nf4_error is not None:  # a device named in the config: say why it cannot take layers
+        # A device named in the config: say why it cannot take layers.
+        if info.arch_error is not None:
+            raise ShardpoolError(
+                arch_refusal(name, info.label, info.compute_capability, info.arch_error)
+                + "; remove it from shardpool.devices"
+            )
+        if info.nf4_error is not None:
             raise ShardpoolError(
                 nf4_probe_refusal(name, info.label, info.compute_capability, info.nf4_error)
                 + "; remove it from shardpool.devices"
@@ -83,14 +90,11 @@ def local_fleet(
         if info.kind == "cpu":
             threads = threads_per_stage or max(1, info.threads // share)
         # Profile in the dtype the stage will compute in (its device's choice under the config's cap).
-        capability = parse_capability(getattr(info, "compute_capability", None))
-        bf16 = getattr(info, "bf16", None)
-        facts = DeviceFacts(kind=info.kind, name=name, capability=capability, bf16=bf16)
+        facts = replace(info.facts(), name=name)
         profiled = workload
         if workload.precision is not None:
-            profiled = replace(
-                workload, compute_bytes=DTYPE_BYTES[choose_dtype(facts, workload.precision).dtype]
-            )
+            dtype = stage_dtype(facts, workload.precision, workload.compute_bytes)
+            profiled = replace(workload, compute_bytes=DTYPE_BYTES[dtype])
         profile = probe.profile_layer(shape, profiled, device=name, threads=threads)
         slowdown = (
             float(share)
@@ -115,9 +119,9 @@ def local_fleet(
                 head_backward_seconds=_slowed(profile.head_backward_seconds, slowdown),
                 optimizer_seconds_per_layer=_slowed(profile.optimizer_seconds, slowdown),
                 measurement=Measurement.of(profile),
-                # Discovery reports these where it knows them (older DeviceInfo records lack them).
-                compute_capability=capability,
-                bf16=bf16,
+                # Discovery reports these where it knows them (None where it does not).
+                compute_capability=facts.capability,
+                bf16=facts.bf16,
             )
         )
     return Fleet(devices=tuple(built), loopback=probe.loopback())

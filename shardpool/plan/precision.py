@@ -26,12 +26,17 @@ only with AVX512-FP16 or ARM FP16, else slower than bf16, which is why ``bf16`` 
 A device whose capability nobody reported (a fleet file without ``compute_capability``, a
 member whose agent predates it) follows the config unchanged.
 
+On ROCm, torch says every card computes bf16, so :func:`rocm_has_bf16` decides it from the gfx
+architecture instead; discovery records its answer as the device's ``bf16``. :func:`stage_dtype`
+is the dtype a device is profiled in: the one its stage will compute in.
+
 :func:`nf4_refusal` says in one line why a device cannot hold NF4 layers (bitsandbytes needs
 CUDA compute capability 6.0; see its comment for the source).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -48,6 +53,8 @@ __all__ = [
     "config_cap",
     "nf4_refusal",
     "parse_capability",
+    "rocm_has_bf16",
+    "stage_dtype",
 ]
 
 #: The config's cap: what ``bf16``/``fp16`` allow (``bf16-auto`` is ``bf16: auto``).
@@ -157,6 +164,41 @@ def _half_support(facts: DeviceFacts) -> tuple[bool, bool, str] | None:
     if facts.bf16 is None:
         return None
     return facts.bf16, True, f"{facts.kind} {'with' if facts.bf16 else 'without'} bf16"
+
+
+def stage_dtype(facts: DeviceFacts, cap: Cap | None, compute_bytes: int) -> str:
+    """The dtype a stage on ``facts``'s device computes in, and so the dtype to profile it in.
+
+    With the config's cap that is :func:`choose_dtype`'s choice. Without one (a workload that only
+    gives ``compute_bytes``, as a mesh member's profile request does), 4 bytes is fp32 and 2 bytes is
+    the choice under ``bf16: true``: bf16 where the device computes it, else fp16, else fp32 (a card
+    below 7.0), so a V100 is profiled in fp16 and a Mac without bf16 never asks for it.
+    """
+    if cap is None:
+        cap = "fp32" if compute_bytes >= 4 else "bf16"
+    return choose_dtype(facts, cap).dtype
+
+
+def rocm_has_bf16(arch: str | None) -> bool | None:
+    """Whether a ROCm device of gfx architecture ``arch`` (``gfx90a``) computes bf16 natively; None
+    when ``arch`` is not a gfx name.
+
+    torch on ROCm answers ``torch.cuda.is_bf16_supported()`` with True on every card, so the
+    architecture decides. bf16 is native on CDNA with matrix cores (gfx908 MI100, gfx90a MI200,
+    gfx94x MI300, gfx95x MI350) and on RDNA3 and later (gfx11xx, gfx12xx). Vega (gfx900, gfx906
+    MI50/MI60) and RDNA1/RDNA2 (gfx101x, gfx103x) have fast fp16 but no bf16: they get fp16 (or
+    fp32, where the config's cap says) from :func:`choose_dtype`. Architectures not named here
+    count as without bf16.
+    """
+    match = re.fullmatch(r"gfx([0-9a-f]+)", (arch or "").strip().lower())
+    if match is None:
+        return None
+    code = match.group(1)
+    if len(code) == 4:  # RDNA: gfx10xx is RDNA1/RDNA2, gfx11xx RDNA3, gfx12xx RDNA4
+        return not code.startswith("10")
+    if len(code) == 3 and code[0] == "9":  # GCN 5 (Vega) and CDNA
+        return code in ("908", "90a") or code[1] in "45"
+    return False
 
 
 def nf4_refusal(facts: DeviceFacts) -> str | None:

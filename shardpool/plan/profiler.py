@@ -39,6 +39,7 @@ from shardpool.plan.device_facts import DeviceInfo, LayerProfile, normalize_devi
 from shardpool.plan.devices import device_info, list_devices, synchronize
 from shardpool.plan.fleet import LinkSpec
 from shardpool.plan.links import measure_loopback
+from shardpool.plan.precision import stage_dtype
 
 __all__ = ["HEAD_VOCAB", "TorchProbe", "cache_path", "profile_key", "profile_layer", "show_devices"]
 
@@ -65,15 +66,22 @@ def cache_path() -> Path:
 
 
 def profile_key(
-    shape: ModelShape, workload: Workload, *, label: str, threads: int | None, quota: float | None = None
+    shape: ModelShape,
+    workload: Workload,
+    *,
+    label: str,
+    threads: int | None,
+    quota: float | None = None,
+    dtype: str | None = None,
 ) -> str:
     """Cache key: device label, thread count, the process's CPU quota (a re-throttled host measures
-    again), model shape digest and the workload's layer settings."""
+    again), model shape digest, the workload's layer settings and the compute dtype profiled in
+    (bf16 and fp16 are both 2 bytes)."""
     import torch
 
     return (
         f"{label}|threads={threads}|quota={quota}|{shape.key()}|{workload.profile_key()}"
-        f"|torch={torch.__version__}|v{_PROFILE_VERSION}"
+        f"{'' if dtype is None else f'|dtype={dtype}'}|torch={torch.__version__}|v{_PROFILE_VERSION}"
     )
 
 
@@ -88,6 +96,8 @@ def profile_layer(
 ) -> LayerProfile:
     """Profile one NF4 + LoRA decoder layer of ``shape`` on ``device`` (cached).
 
+    The layer computes in the dtype a stage on that device would (:func:`~shardpool.plan.precision.stage_dtype`
+    of the device under the workload's cap), so a V100 planned in fp16 is profiled in fp16.
     ``threads`` (CPU only) runs the benchmark with that many torch threads, for CPU slots
     that share the processor. Raises ShardpoolError when the layer does not fit or the
     device is unusable.
@@ -96,8 +106,14 @@ def profile_layer(
     info = device_info(device)
     label = f"{device} {info.label}"
     quota = cpu_quota()
+    dtype = stage_dtype(info.facts(), workload.precision, workload.compute_bytes)
     key = profile_key(
-        shape, workload, label=label, threads=threads if info.kind == "cpu" else None, quota=quota
+        shape,
+        workload,
+        label=label,
+        threads=threads if info.kind == "cpu" else None,
+        quota=quota,
+        dtype=dtype,
     )
     if use_cache:
         cached = _read_cache().get(key)
@@ -109,7 +125,7 @@ def profile_layer(
     with _threads(threads if info.kind == "cpu" else None):
         profile = _measure(
             shape, workload, device=device, label=label, threads=threads, repeats=repeats,
-            throttled=info.kind == "cpu" and quota is not None,
+            throttled=info.kind == "cpu" and quota is not None, dtype_name=dtype,
         )  # fmt: skip
     profile = replace(profile, cpu_quota=quota)
     if use_cache:
@@ -143,8 +159,9 @@ class TorchProbe:
 # ---------------------------------------------------------------------------- building the layer
 
 
-def _build_layer(shape: ModelShape, workload: Workload, device: str) -> tuple[Any, Any, Any]:
-    """One quantized decoder layer with LoRA, its rotary embedding and its HF config."""
+def _build_layer(shape: ModelShape, workload: Workload, device: str, dtype_name: str) -> tuple[Any, Any, Any]:
+    """One quantized decoder layer with LoRA computing in ``dtype_name`` (``float16``), its rotary
+    embedding and its torch dtype."""
     import bitsandbytes as bnb
     import torch
     from peft import LoraConfig, get_peft_model
@@ -159,9 +176,7 @@ def _build_layer(shape: ModelShape, workload: Workload, device: str) -> tuple[An
     fields["num_hidden_layers"] = 1
     config = AutoConfig.for_model(shape.model_type, **fields)
     config._attn_implementation = "sdpa"
-    dtype = {4: torch.float32, 2: torch.bfloat16}.get(workload.compute_bytes, torch.float32)
-    if workload.compute_bytes == 2 and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
-        dtype = torch.float16
+    dtype = getattr(torch, dtype_name)
 
     with torch.device("meta"):
         layer = layer_cls(config, layer_idx=0)
@@ -237,12 +252,13 @@ def _measure(
     threads: int | None,
     repeats: int,
     throttled: bool = False,
+    dtype_name: str = "float32",
 ) -> LayerProfile:
     import torch
     import torch.utils.checkpoint
 
     try:
-        model, rotary, dtype = _build_layer(shape, workload, device)
+        model, rotary, dtype = _build_layer(shape, workload, device, dtype_name)
         hidden = torch.randn(
             workload.micro_batch_size, workload.sequence_len, shape.hidden_size, dtype=dtype, device=device
         )

@@ -10,9 +10,18 @@ import pytest
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
+from shardpool.plan.device_facts import DeviceInfo, rocm_architecture
 from shardpool.plan.fleet import fleet_from_dict, load_fleet
 from shardpool.plan.planner import evaluate_split, plan_pipeline
-from shardpool.plan.precision import DeviceFacts, choose_dtype, config_cap, nf4_refusal, parse_capability
+from shardpool.plan.precision import (
+    DeviceFacts,
+    choose_dtype,
+    config_cap,
+    nf4_refusal,
+    parse_capability,
+    rocm_has_bf16,
+    stage_dtype,
+)
 from shardpool.plan.result import Plan
 from tests.helpers.training import run_cli
 
@@ -76,6 +85,85 @@ def test_nf4_refused_below_pascal_only() -> None:
     assert nf4_refusal(M40) is not None and "6.0" in nf4_refusal(M40)
     for facts in (V100, RTX3090, MPS, CPU, MI250, UNKNOWN, DeviceFacts("cuda", "p100", (6, 0), False)):
         assert nf4_refusal(facts) is None
+
+
+# gfx architecture -> native bf16 (issue 45): CDNA with bf16 matrix cores and RDNA3+ yes; Vega and RDNA1/2 no.
+ROCM_BF16 = [
+    ("gfx90a", True),  # MI210/MI250 (CDNA2)
+    ("gfx942", True),  # MI300 (CDNA3)
+    ("gfx950", True),  # MI350 (CDNA4)
+    ("gfx908", True),  # MI100 (CDNA1, bf16 matrix cores)
+    ("gfx1100", True),  # RX 7900 (RDNA3)
+    ("gfx1201", True),  # RX 9070 (RDNA4)
+    ("gfx906", False),  # MI50/MI60, Radeon VII (Vega20)
+    ("gfx900", False),  # Vega10
+    ("gfx1010", False),  # RX 5700 (RDNA1)
+    ("gfx1030", False),  # RX 6800/6900 (RDNA2)
+    ("gfx1031", False),  # RX 6700 (RDNA2)
+]
+
+
+@pytest.mark.parametrize(("arch", "bf16"), ROCM_BF16, ids=[arch for arch, _ in ROCM_BF16])
+def test_rocm_bf16_follows_the_gfx_architecture(arch: str, bf16: bool) -> None:
+    assert rocm_has_bf16(arch) is bf16
+    assert rocm_has_bf16(rocm_architecture(f"{arch}:sramecc+:xnack-")) is bf16  # torch's gcnArchName
+
+
+def test_rocm_bf16_is_unknown_without_a_gfx_name() -> None:
+    assert [rocm_has_bf16(text) for text in (None, "", "8.6", "navi21")] == [None, None, None, None]
+
+
+def _rocm(arch: str, *, torch_says_bf16: bool = True) -> DeviceInfo:
+    """A ROCm device as discovery reports it (torch answers bf16 on every ROCm card)."""
+    return DeviceInfo("cuda:0", "rocm", f"AMD {arch}", 32 << 30, 30 << 30, compute_capability=arch,
+                      bf16=torch_says_bf16)  # fmt: skip
+
+
+def test_a_rocm_card_without_bf16_computes_in_fp16_or_fp32_whatever_torch_says() -> None:
+    mi50, mi250 = _rocm("gfx906").facts(), _rocm("gfx90a").facts()
+    assert [choose_dtype(mi50, cap).dtype for cap in ("fp32", "bf16", "bf16-auto", "fp16")] == [
+        "float32", "float16", "float32", "float16"
+    ]  # fmt: skip
+    assert [choose_dtype(mi250, cap).dtype for cap in ("fp32", "bf16", "bf16-auto", "fp16")] == [
+        "float32", "bfloat16", "bfloat16", "float16"
+    ]  # fmt: skip
+    # No CUDA compute capability on ROCm: the gfx name is not parsed as one.
+    assert (mi50.capability, mi50.bf16, mi250.bf16) == (None, False, True)
+    # Where the architecture is not known, the reported flag stands.
+    assert DeviceInfo("cuda:0", "rocm", "AMD", 1, 1, bf16=False).facts().bf16 is False
+
+
+V100_INFO = DeviceInfo("cuda:0", "cuda", "Tesla V100-SXM2-16GB", 16 << 30, 15 << 30, compute_capability="7.0",
+                       bf16=False)  # fmt: skip
+RTX3090_INFO = DeviceInfo("cuda:1", "cuda", "NVIDIA GeForce RTX 3090", 24 << 30, 23 << 30,
+                          compute_capability="8.6", bf16=True)  # fmt: skip
+M40_INFO = DeviceInfo("cuda:2", "cuda", "Tesla M40", 24 << 30, 23 << 30, compute_capability="5.2", bf16=False)
+OLD_MPS_INFO = DeviceInfo("mps", "mps", "Apple x86_64 GPU", 8 << 30, 8 << 30, bf16=False)
+CPU_INFO = DeviceInfo("cpu", "cpu", "cpu", 8 << 30, 8 << 30, threads=4, bf16=True)
+
+
+def test_stage_dtype_is_what_the_device_computes_in_under_the_cap() -> None:
+    """The dtype a device is profiled in (issue 45): an fp16 config is fp16 wherever fp16 is fast,
+    a V100 under bf16 is fp16, a Mac without bf16 gets fp16 or fp32, never bf16."""
+    cases = [
+        (RTX3090_INFO, "fp16", 2, "float16"),
+        (RTX3090_INFO, "bf16", 2, "bfloat16"),
+        (V100_INFO, "fp16", 2, "float16"),
+        (V100_INFO, "bf16", 2, "float16"),
+        (V100_INFO, "bf16-auto", 2, "float32"),
+        (OLD_MPS_INFO, "bf16", 2, "float16"),
+        (OLD_MPS_INFO, "bf16-auto", 2, "float32"),
+        (CPU_INFO, "fp16", 2, "float16"),
+        (_rocm("gfx906"), "bf16", 2, "float16"),
+        # No cap (a member's profile request gives only compute_bytes): 2 bytes is the bf16: true choice.
+        (CPU_INFO, None, 2, "bfloat16"),
+        (V100_INFO, None, 2, "float16"),
+        (OLD_MPS_INFO, None, 2, "float16"),
+        (M40_INFO, None, 2, "float32"),
+        (RTX3090_INFO, None, 4, "float32"),
+    ]
+    got = [stage_dtype(info.facts(), cap, size) for info, cap, size, _ in cases]
+    assert got == [want for *_, want in cases]
 
 
 def _seed_plan(**workload: object) -> Plan:

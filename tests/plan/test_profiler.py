@@ -13,6 +13,7 @@ import torch
 from shardpool.model.shape import ModelShape
 from shardpool.plan import profiler
 from shardpool.plan.costmodel import Workload
+from shardpool.plan.device_facts import DeviceInfo, LayerProfile
 from shardpool.plan.profiler import cache_path, profile_layer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,3 +93,77 @@ def test_under_a_quota_the_short_parts_are_timed_in_samples_spanning_the_quota_p
     assert _sampling(0.002, runs=9, throttled=False) == (1, 9)
     assert _sampling(0.002, runs=2, throttled=True)[1] == 2  # never more samples than the layer had
     assert _sampling(2.0, runs=9, throttled=True) == (1, 9)  # a pass longer than the sample: as before
+
+
+# ---------------------------------------------------------------- the dtype a layer is profiled in (issue 45)
+
+
+class _Built(Exception):
+    """Stops a profile once its layer is built: the dtype is decided by then."""
+
+
+_BUILD_LAYER = profiler._build_layer
+
+
+def _built_dtype(monkeypatch: pytest.MonkeyPatch, workload: Workload) -> torch.dtype:
+    """The dtype of the real NF4 + LoRA layer a CPU profile of ``workload`` builds."""
+    built: list[torch.dtype] = []
+
+    def build(*args: object) -> tuple:
+        layer = _BUILD_LAYER(*args)  # type: ignore[arg-type]
+        built.append(layer[2])
+        raise _Built
+
+    monkeypatch.setattr(profiler, "_build_layer", build)
+    with pytest.raises(_Built):
+        profile_layer(TINY, workload, device="cpu", use_cache=False)
+    return built[0]
+
+
+def test_an_fp16_config_is_profiled_in_fp16(monkeypatch: pytest.MonkeyPatch) -> None:
+    two_bytes = replace(WORKLOAD, compute_bytes=2)
+    assert _built_dtype(monkeypatch, replace(two_bytes, precision="fp16")) == torch.float16
+    assert _built_dtype(monkeypatch, replace(two_bytes, precision="bf16")) == torch.bfloat16
+    assert _built_dtype(monkeypatch, replace(WORKLOAD, compute_bytes=4, precision="fp32")) == torch.float32
+
+
+def test_fp16_and_bf16_profiles_are_cached_apart() -> None:
+    keys = {
+        profiler.profile_key(TINY, replace(WORKLOAD, compute_bytes=2), label="cpu", threads=1, dtype=dtype)
+        for dtype in ("float16", "bfloat16")
+    }
+    assert len(keys) == 2
+
+
+V100 = DeviceInfo("cuda:0", "cuda", "Tesla V100", 16 << 30, 15 << 30, compute_capability="7.0", bf16=False)
+OLD_MAC = DeviceInfo("mps", "mps", "Apple x86_64 GPU", 8 << 30, 8 << 30, bf16=False)
+MI50 = DeviceInfo("cuda:0", "rocm", "AMD MI50", 32 << 30, 30 << 30, compute_capability="gfx906", bf16=True)
+RTX3090 = DeviceInfo("cuda:0", "cuda", "RTX 3090", 24 << 30, 23 << 30, compute_capability="8.6", bf16=True)
+
+
+@pytest.mark.parametrize(
+    ("info", "precision", "dtype"),
+    [
+        (V100, "fp16", "float16"),  # a V100 planned in fp16 is profiled in fp16, not in emulated bf16
+        (V100, "bf16", "float16"),  # under bf16: true it computes in fp16 too
+        (OLD_MAC, "bf16", "float16"),  # a Mac without bf16: what choose_dtype picks, never bf16
+        (OLD_MAC, "bf16-auto", "float32"),
+        (MI50, "bf16", "float16"),  # torch says bf16 on gfx906; the architecture says fp16
+        (RTX3090, "fp16", "float16"),
+    ],
+    ids=["v100-fp16", "v100-bf16", "mac-bf16", "mac-auto", "mi50-bf16", "3090-fp16"],
+)
+def test_the_profiled_device_decides_the_dtype(
+    monkeypatch: pytest.MonkeyPatch, info: DeviceInfo, precision: str, dtype: str
+) -> None:
+    """The profile asks for the profiled device's stage dtype (not the current CUDA device's bf16)."""
+    asked: list[str] = []
+
+    def measure(shape: ModelShape, workload: Workload, **options: object) -> LayerProfile:
+        asked.append(str(options.get("dtype_name")))
+        return LayerProfile(0.01, 1, None, info.name, info.label, None, 1)
+
+    monkeypatch.setattr(profiler, "device_info", lambda name: info)
+    monkeypatch.setattr(profiler, "_measure", measure)
+    profile_layer(TINY, replace(WORKLOAD, compute_bytes=2, precision=precision), device=info.name)
+    assert asked == [dtype]
