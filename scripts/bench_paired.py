@@ -3,6 +3,7 @@
     python scripts/bench_paired.py                 # 7 pairs on the model of bench_pipeline.py
     python scripts/bench_paired.py --pairs 3 --quick
     python scripts/bench_paired.py --device cuda --size gpu --with-s2   # one GPU, hidden 2048
+    python scripts/bench_paired.py --b torch-nf4   # B: one stage on the PyTorch NF4 path
 
 It prints one JSON object on stdout. Two implementations on a noisy machine are ranked by
 *pairs*: A (``shardpool.finetune.finetune`` with one stage) and B (the plain loop of
@@ -19,6 +20,11 @@ a step slower, so the fastest steps are the least disturbed view of both sides.
 
 Memory: the peak RSS (VmHWM) of the stage process next to that of the plain process on CPU;
 ``torch.cuda.max_memory_allocated`` of each on CUDA.
+
+``--b torch-nf4`` makes side B shardpool's own one-stage run on the PyTorch NF4 path
+(``shardpool.nf4_backend: torch``) instead of the plain loop, so A ÷ B is what bitsandbytes' kernels
+gain over it, and the report sets B's extra peak memory against one dequantized linear weight
+(the largest of a layer, in the compute dtype): the PyTorch path's bound.
 
 ``--with-s2`` adds side C to every pair: ``finetune`` with two stages on the same device (two
 processes; on CPU each gets half the threads), reported as C ÷ A, what splitting one device costs.
@@ -79,6 +85,15 @@ def run_order(pairs: int, sides: Sequence[str] = ("A", "B")) -> list[tuple[int, 
     ]
 
 
+def dequantized_linear_bytes(hf_config: dict[str, Any], *, compute_bytes: int) -> int:
+    """The largest linear weight of one decoder layer in the compute dtype: what the PyTorch NF4
+    path holds dequantized at once (the MLP's intermediate x hidden, or the attention's widest)."""
+    hidden, intermediate = int(hf_config["hidden_size"]), int(hf_config["intermediate_size"])
+    heads = int(hf_config["num_attention_heads"])
+    head_dim = int(hf_config.get("head_dim") or hidden // heads)
+    return max(hidden * intermediate, hidden * heads * head_dim) * compute_bytes
+
+
 def peak_memory(run: dict[str, Any]) -> int:
     """A run's peak memory: the device's peak allocation where there is one, else the peak RSS."""
     device_bytes = run.get("peak_device_bytes")
@@ -122,12 +137,19 @@ def _max_or_none(values: Any) -> int | None:
 
 
 def run_side(
-    side: str, config: dict[str, Any], *, threads: int, device: str, work: Path, label: str
+    side: str,
+    config: dict[str, Any],
+    *,
+    threads: int,
+    device: str,
+    work: Path,
+    label: str,
+    plain_b: bool = True,
 ) -> dict[str, Any]:
     """Run one side in a fresh process with ``threads`` torch threads; add the foreign CPU time."""
     spec = work / f"{label}.json"
     spec.write_text(json.dumps({"config": config, "threads": threads, "device": device}))
-    flag = "--plain-worker" if side == "B" else "--shardpool-worker"
+    flag = "--plain-worker" if side == "B" and plain_b else "--shardpool-worker"
     env = dict(
         os.environ,
         OMP_NUM_THREADS=str(threads),
@@ -164,6 +186,7 @@ def benchmark(
     cores: list[int],
     keep: Path | None,
     max_wait_idle_s: float,
+    side_b: str = "peft",
 ) -> dict[str, Any]:
     """Build the model and data once, run the warm-up pair and ``pairs`` pairs, return the report."""
     import bitsandbytes
@@ -199,6 +222,8 @@ def benchmark(
             placement = {"stages": stages, "threads_per_stage": max(1, threads // stages)}
             if device != "cpu":
                 placement = {"stages": stages, "devices": [device] * stages}
+            if side == "B" and side_b == "torch-nf4":
+                placement["nf4_backend"] = "torch"
             config = bench.training_config(model_dir, data, work / f"out-{label}", size, placement)
             if bf16:
                 config["bf16"] = True
@@ -210,14 +235,26 @@ def benchmark(
                 print(f"bench: warm-up {side}", file=sys.stderr, flush=True)
                 label = f"warmup-{side}"
                 run_side(
-                    side, config_for(side, label), threads=threads, device=device, work=work, label=label
+                    side,
+                    config_for(side, label),
+                    threads=threads,
+                    device=device,
+                    work=work,
+                    label=label,
+                    plain_b=side_b == "peft",
                 )
             for pair, side in run_order(pairs, sides):
                 label = f"{side}{pair}"
                 waited = bench.wait_for_idle(max_wait_idle_s)
                 print(f"bench: pair {pair + 1}/{pairs}, {side}", file=sys.stderr, flush=True)
                 measured = run_side(
-                    side, config_for(side, label), threads=threads, device=device, work=work, label=label
+                    side,
+                    config_for(side, label),
+                    threads=threads,
+                    device=device,
+                    work=work,
+                    label=label,
+                    plain_b=side_b == "peft",
                 )
                 measured["load"]["waited_for_idle_seconds"] = waited
                 runs[side].append(measured)
@@ -239,11 +276,27 @@ def benchmark(
         command = "python scripts/bench_paired.py" + (f" --size {size_name}" if size_name != "full" else "")
         command += (f" --device {device}" if device != "cpu" else "") + (" --with-s2" if with_s2 else "")
         command += f" --pairs {pairs}" if pairs != DEFAULT_PAIRS else ""
+        command += " --b torch-nf4" if side_b == "torch-nf4" else ""
+        dequantized = dequantized_linear_bytes(hf_config, compute_bytes=2 if bf16 else 4)
+        extra_memory = [peak_memory(b) - peak_memory(a) for a, b in zip(runs["A"], runs["B"], strict=True)]
+        nf4_path = (
+            {
+                "dequantized_linear_bytes": dequantized,
+                "peak_memory_b_minus_a_bytes_per_pair": extra_memory,
+                "peak_memory_b_minus_a_median_bytes": int(statistics.median(extra_memory)),
+                "b_within_one_dequantized_linear_plus_10_percent": statistics.median(extra_memory)
+                <= 1.1 * dequantized,
+            }
+            if side_b == "torch-nf4"
+            else {}
+        )
         return {
             "benchmark": "paired",
             "command": command,
             "A": "shardpool finetune, one stage (S = 1)",
-            "B": "plain transformers + bitsandbytes NF4 + peft loop, same micro-batches",
+            "B": "shardpool finetune, one stage on the PyTorch NF4 path (nf4_backend: torch)"
+            if side_b == "torch-nf4"
+            else "plain transformers + bitsandbytes NF4 + peft loop, same micro-batches",
             "machine": {
                 "cpu": bench.cpu_model_name(),
                 "logical_cpus": os.cpu_count(),
@@ -283,6 +336,7 @@ def benchmark(
             else "peak RSS (VmHWM)",
             "peak_memory_ratio_a_over_b": ratio_summary(memory_ratio),
             **s2,
+            **nf4_path,
             "runs": runs,
             "other_cpu_seconds_total": round(
                 sum(run["load"]["other_cpu_seconds"] for side in runs.values() for run in side), 1
@@ -320,6 +374,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--with-s2", action="store_true", help="add side C: two stages on the same device")
     parser.add_argument(
+        "--b",
+        choices=("peft", "torch-nf4"),
+        default="peft",
+        help="side B: peft: the plain peft + bitsandbytes loop (default); torch-nf4: one stage on the PyTorch NF4 path",
+    )
+    parser.add_argument(
         "--cores", help="comma-separated CPU ids to pin every run to (default: this process's affinity)"
     )
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it")
@@ -355,6 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cores=cores,
             keep=args.keep,
             max_wait_idle_s=args.max_wait_idle,
+            side_b=args.b,
         )
     print(json.dumps(report, indent=2))
     return 0

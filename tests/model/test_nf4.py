@@ -98,3 +98,30 @@ def test_the_torch_path_keeps_no_dequantized_weight_for_its_backward() -> None:
     # the packed codes stay with the layer; autograd keeps nothing of the weight's size
     assert all(t.numel() < 256 * 512 for t in saved)
     assert inputs.grad is not None and inputs.grad.shape == (4, 512)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_pytorch_path_matches_bitsandbytes_kernels_on_the_same_bytes() -> None:
+    """bitsandbytes' CUDA kernels against the PyTorch path, both from the bytes quantized on the CPU."""
+    weight = torch.randn(1024, 4096, generator=torch.Generator().manual_seed(8))
+    layers = {
+        backend: quantize_linear(weight, None, device="cpu", compute_dtype=torch.float32, backend=backend).to(
+            "cuda"
+        )
+        for backend in ("bitsandbytes", "torch")
+    }
+    state = layers["bitsandbytes"].weight.quant_state
+    on_cuda = bnb_functional.dequantize_4bit(layers["bitsandbytes"].weight.data, state)
+    assert torch.equal(
+        dequantize_nf4(layers["torch"].weight.data, layers["torch"].weight.quant_state, torch.float32),
+        on_cuda,
+    )
+    inputs = torch.randn(8, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(9))
+    outputs = {}
+    for backend, layer in layers.items():
+        leaf = inputs.clone().requires_grad_(True)
+        output = layer(leaf)
+        output.square().sum().backward()
+        outputs[backend] = (output.detach(), leaf.grad)
+    assert torch.allclose(outputs["torch"][0], outputs["bitsandbytes"][0], rtol=1e-4, atol=1e-4)
+    assert torch.allclose(outputs["torch"][1], outputs["bitsandbytes"][1], rtol=1e-4, atol=1e-3)

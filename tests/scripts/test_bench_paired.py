@@ -97,3 +97,11 @@ def test_peak_memory_is_the_device_peak_where_there_is_one() -> None:
     assert paired.peak_memory({"peak_rss_bytes": 700, "peak_device_bytes": None}) == 700
     assert paired.peak_memory({"peak_rss_bytes": 700}) == 700
     assert paired.peak_memory({"peak_rss_bytes": 700, "peak_device_bytes": 5000}) == 5000
+
+
+def test_the_pytorch_nf4_bound_is_a_layers_widest_linear_in_its_compute_dtype() -> None:
+    llama_8b = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "head_dim": 128}
+    assert paired.dequantized_linear_bytes(llama_8b, compute_bytes=2) == 4096 * 14336 * 2  # 112 MiB
+    # an attention projection wider than the MLP (head_dim x heads above hidden) sets the bound
+    wide_attention = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "head_dim": 32}
+    assert paired.dequantized_linear_bytes(wide_attention, compute_bytes=4) == 64 * 128 * 4
