@@ -293,3 +293,24 @@ def test_a_lone_stage_joins_no_group_and_starts_no_transport_thread() -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize(
+    ("device", "selected"),
+    [("cuda:1", "cuda:1"), ("xpu:1", "xpu:1"), ("cpu", None), ("mps", None)],
+)
+def test_a_rank_makes_its_own_gpu_current_before_its_groups(
+    monkeypatch: pytest.MonkeyPatch, device: str, selected: str | None
+) -> None:
+    """NCCL and XCCL build a rank's communicators on the current device: an XPU rank left at
+    xpu:0 would put every rank's on the first card."""
+    calls: list[torch.device] = []
+
+    class _Module:
+        @staticmethod
+        def set_device(chosen: torch.device) -> None:
+            calls.append(chosen)
+
+    monkeypatch.setattr(process_group.torch, "get_device_module", lambda _: _Module)
+    process_group.select_device(torch.device(device))
+    assert calls == ([] if selected is None else [torch.device(selected)])
