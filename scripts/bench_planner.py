@@ -3,8 +3,9 @@ scale (80 layers over 64 devices), and the profiler's time for a tiny model on t
 
     python scripts/bench_planner.py > planner-bench.json
 
-Baselines use every device of the fleet that can run the workload (NF4 needs compute capability
-6.0+, so the seed fleet's M40 is left out of QLoRA), in file order, like a hand-written split. The
+Baselines use every device of the fleet that can run the workload, in file order, like a
+hand-written split: the seed fleet's M40 too, which computes its NF4 layers in plain PyTorch
+(bitsandbytes has no kernels for compute capability 5.2; docs/planner.md). The
 workloads plan as a config does by default (``warmup_lead: auto``, ``data_parallel: auto``);
 ``planner_lead_1`` is the same search at the textbook 1F1B warm-up.
 """
@@ -74,7 +75,7 @@ def compare(fleet_path: Path, model: str) -> dict:
     fleet = load_fleet(fleet_path)
     shape = ModelShape.from_config_dir(ROOT / f"configs/models/{model}.json")
     workload = WORKLOADS[model]
-    refused = refusals(fleet, workload)  # as a user would: a card that cannot run NF4 gets no layers
+    refused = refusals(fleet, workload)  # as a user would: a card that cannot run the workload gets no layers
     usable = [device for device in fleet.devices if device.name not in refused]
     names = [device.name for device in usable]
     row: dict = {"fleet": fleet_path.name, "model": model, "baselines_leave_out": sorted(refused)}

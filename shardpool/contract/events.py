@@ -150,7 +150,7 @@ class FinalWrittenEvent(_Event):
 
 
 class StageDoneEvent(_Event):
-    """One stage process finished, with its peak memory."""
+    """One stage process finished, with its peak memory and how its NF4 layers computed (None: none)."""
 
     event: Literal[StageEvent.STAGE_DONE]
     rank: int = Field(ge=0, lt=MAX_WORLD_SIZE)
@@ -158,6 +158,7 @@ class StageDoneEvent(_Event):
     peak_rss_bytes: int = Field(ge=0)
     peak_device_bytes: int | None = Field(default=None, ge=0)
     peak_device_reserved_bytes: int | None = Field(default=None, ge=0)
+    nf4_backend: Literal["bitsandbytes", "torch"] | None = None
 
 
 class DoneEvent(_Event):

@@ -35,6 +35,7 @@ __all__ = [
     "bnb_config",
     "dequantize_nf4",
     "keep_exact_cpu_matmul",
+    "nf4_backend_of",
     "quantize_linear",
 ]
 
@@ -116,28 +117,32 @@ def dequantize_nf4(packed: torch.Tensor, state: Any, dtype: torch.dtype) -> torc
     absmax; with double quantization the absmax values are themselves 8-bit codes into
     ``state.state2.code`` in blocks of ``state.state2.blocksize``, plus ``state.offset``. Computed
     in fp32 and cast to ``dtype`` last, as bitsandbytes' own kernels do.
+
+    Each byte is looked up once in a table of the 256 code pairs, and the values are scaled in
+    place: at its peak this holds an int32 index a byte and the fp32 values (6 bytes a weight),
+    since a stage on this path dequantizes a whole linear at a time on cards with little memory.
     """
     absmax = state.absmax
     if state.nested:
         nested = state.state2
-        absmax = _scaled_blocks(nested.code[absmax.long()], nested.absmax, nested.blocksize) + state.offset
-    count = (
-        state.shape.numel() if isinstance(state.shape, torch.Size) else int(torch.Size(state.shape).numel())
-    )
-    codes = packed.reshape(-1).view(torch.uint8)
-    nibbles = torch.stack((codes >> 4, codes & 0xF), dim=1).reshape(-1)[:count]
-    values = state.code.to(torch.float32)[nibbles.long()]
+        absmax = _scaled_blocks(nested.code[absmax.int()], nested.absmax, nested.blocksize) + state.offset
+    count = torch.Size(state.shape).numel()
+    code = state.code.to(torch.float32)
+    byte = torch.arange(256, device=code.device)
+    pairs = torch.stack((code[byte >> 4], code[byte & 0xF]), dim=1)  # byte -> (high code, low code)
+    values = pairs[packed.reshape(-1).view(torch.uint8).int()].reshape(-1)[:count]
     return _scaled_blocks(values, absmax.float(), state.blocksize).reshape(state.shape).to(dtype)
 
 
 def _scaled_blocks(values: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tensor:
-    """``values`` (flat) times the absmax of their block of ``blocksize`` (the last block may be short)."""
+    """``values`` (flat fp32, scaled in place) times the absmax of their block of ``blocksize``
+    (the last block may be short)."""
     count = values.numel()
     full = count - count % blocksize
-    scaled = (values[:full].view(-1, blocksize) * absmax[: full // blocksize].view(-1, 1)).reshape(full)
-    if full == count:
-        return scaled
-    return torch.cat((scaled, values[full:] * absmax[full // blocksize]))
+    values[:full].view(-1, blocksize).mul_(absmax[: full // blocksize].view(-1, 1))
+    if full < count:
+        values[full:].mul_(absmax[full // blocksize])
+    return values
 
 
 class _NF4Matmul(torch.autograd.Function):
@@ -171,3 +176,12 @@ class TorchNF4Linear(bnb.nn.Linear4bit):
             x = x.to(self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return _NF4Matmul.apply(x, self.weight.data, self.weight.quant_state, bias).to(input_dtype)
+
+
+def nf4_backend_of(model: torch.nn.Module) -> NF4Backend | None:
+    """How ``model``'s NF4 layers compute (``torch`` if any runs the PyTorch path), or None without any:
+    what a stage reports it ran, whatever its job asked for."""
+    layers = [module for module in model.modules() if isinstance(module, bnb.nn.Linear4bit)]
+    if not layers:
+        return None
+    return "torch" if any(isinstance(layer, TorchNF4Linear) for layer in layers) else "bitsandbytes"

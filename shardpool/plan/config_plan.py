@@ -33,12 +33,18 @@ def plan_for_config(
 
     Only ``config.json`` of the base model (or ``model_path``) is read. With a hypothetical
     fleet, the config's ``shardpool.stages``, ``devices`` and ``layers`` describe a local run and are not
-    applied. With ``shardpool.layers`` on a local run, that manual split is predicted as given.
+    applied, nor is a per-stage ``shardpool.nf4_backend`` list (``auto`` instead; one setting
+    applies). On a local run each entry of such a list goes with its entry of ``shardpool.devices``
+    (:func:`~shardpool.plan.local_fleet.local_fleet` chooses each slot's backend). With
+    ``shardpool.layers`` on a local run, that manual split is predicted as given.
     """
     shape = ModelShape.from_config_dir(model_path or config.base_model)
     workload = Workload.from_config(config)
+    one_setting = "auto" if isinstance(workload.nf4_backend, tuple) else workload.nf4_backend
     if fleet is not None:
-        return plan_pipeline(shape, replace(workload, stages=None, layers=None), fleet)
+        return plan_pipeline(
+            shape, replace(workload, stages=None, layers=None, nf4_backend=one_setting), fleet
+        )
     if probe is None:
         raise ShardpoolError("planning this machine's devices needs a probe to measure them; pass probe=")
     section = config.shardpool
@@ -49,6 +55,7 @@ def plan_for_config(
         probe=probe,
         threads_per_stage=section.threads_per_stage,
     )
+    workload = replace(workload, nf4_backend=one_setting)  # each slot carries its own choice now
     if section.layers:
         return evaluate_split(
             shape, workload, local, devices=[d.name for d in local.devices], layers=section.layers

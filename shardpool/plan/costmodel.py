@@ -16,7 +16,7 @@ from shardpool.config import Config
 from shardpool.contract.schedule import MAX_LEAD
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import DECODER_LINEAR_NAMES
-from shardpool.plan.precision import Cap, config_cap
+from shardpool.plan.precision import NF4_SETTINGS, Cap, NF4Setting, config_cap
 
 __all__ = ["Schedule", "Workload"]
 
@@ -38,7 +38,9 @@ class Workload:
     ``wire_bytes`` for tensors sent between stages. ``precision`` is the config's cap
     (:mod:`shardpool.plan.precision`): when set, each stage's dtype, and so its ``compute_bytes``,
     is chosen from its device; None keeps ``compute_bytes`` for every stage. ``quantize`` says
-    the base is NF4 (qlora), so devices bitsandbytes cannot run NF4 on get no layers. ``layers``
+    the base is NF4 (qlora); without it the base weights are priced in the stage's dtype.
+    ``nf4_backend`` is ``shardpool.nf4_backend``: how stages compute with NF4 weights (one setting,
+    or one per stage in pipeline order; :func:`~shardpool.plan.precision.choose_nf4_backend`). ``layers``
     fixes the split (decoder layers per stage, ``shardpool.layers``): the planner then chooses only
     which devices hold the stages, in which order.
     """
@@ -67,6 +69,7 @@ class Workload:
     #: The 1F1B warm-up depth (:func:`~shardpool.contract.schedule.warmup_forwards`); None: the
     #: planner chooses it per plan (``shardpool.warmup_lead: auto``).
     warmup_lead: int | None = 1
+    nf4_backend: NF4Setting | tuple[NF4Setting, ...] = "auto"
 
     def __post_init__(self) -> None:
         for name in (
@@ -99,6 +102,11 @@ class Workload:
                 raise ShardpoolError(f"shardpool.{name} is {value}; it must be positive")
         if self.layers is not None and (not self.layers or min(self.layers) < 1):
             raise ShardpoolError(f"shardpool.layers is {list(self.layers)}; give at least 1 layer per stage")
+        settings = self.nf4_backend if isinstance(self.nf4_backend, tuple) else (self.nf4_backend,)
+        if not settings or any(setting not in NF4_SETTINGS for setting in settings):
+            raise ShardpoolError(
+                f"shardpool.nf4_backend is {self.nf4_backend!r}; use {', '.join(NF4_SETTINGS)} or a list of them"
+            )
         if self.shares is not None and (
             len(self.shares) < 2 or min(self.shares) < 1 or sum(self.shares) != self.step_microbatches
         ):
@@ -122,12 +130,19 @@ class Workload:
         """Tokens in one micro-batch."""
         return self.micro_batch_size * self.sequence_len
 
+    def nf4_setting(self, stage: int) -> NF4Setting:
+        """``shardpool.nf4_backend`` for pipeline stage ``stage``: the one setting, or its entry of the list."""
+        if isinstance(self.nf4_backend, tuple):
+            return self.nf4_backend[stage]
+        return self.nf4_backend
+
     def profile_key(self) -> str:
-        """What a per-layer profile depends on (cache key part)."""
+        """What a per-layer profile depends on (cache key part); an unquantized base (``-fp``) times
+        another layer than an NF4 one."""
         targets = ",".join(sorted(self.lora_targets))
         return (
             f"mb{self.micro_batch_size}-seq{self.sequence_len}-r{self.lora_r}-[{targets}]"
-            f"-gc{int(self.gradient_checkpointing)}-dt{self.compute_bytes}"
+            f"-gc{int(self.gradient_checkpointing)}-dt{self.compute_bytes}{'' if self.quantize else '-fp'}"
         )
 
     def profile_request(self) -> dict[str, Any]:
@@ -138,7 +153,7 @@ class Workload:
         workload fields it does not know, so a member whose agent predates a planner field still
         answers, and the profile does not depend on them anyway.
         """
-        return {
+        request: dict[str, Any] = {
             "micro_batch_size": self.micro_batch_size,
             "sequence_len": self.sequence_len,
             "lora_r": self.lora_r,
@@ -146,6 +161,9 @@ class Workload:
             "gradient_checkpointing": self.gradient_checkpointing,
             "compute_bytes": self.compute_bytes,
         }
+        if not self.quantize:  # only then: the request of a qlora run is the one older agents took
+            request["quantize"] = False
+        return request
 
     @classmethod
     def from_config(cls, config: Config) -> Workload:
@@ -176,4 +194,7 @@ class Workload:
             data_parallel=config.shardpool.data_parallel,
             shares=tuple(config.shardpool.shares) if config.shardpool.shares else None,
             warmup_lead=None if config.shardpool.warmup_lead == "auto" else config.shardpool.warmup_lead,
+            nf4_backend=tuple(backend)
+            if isinstance(backend := config.shardpool.nf4_backend, list)
+            else backend,
         )

@@ -23,7 +23,13 @@ from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.device_facts import DEVICE_KINDS, Measurement
 from shardpool.plan.precision import DeviceFacts, parse_capability
-from shardpool.plan.time_model import DEFAULT_EFFICIENCY, DeviceTimes, layer_flops, modeled_times
+from shardpool.plan.time_model import (
+    DEFAULT_EFFICIENCY,
+    DeviceTimes,
+    layer_flops,
+    modeled_times,
+    torch_dequant_seconds,
+)
 
 __all__ = [
     "DEFAULT_LINK",
@@ -73,6 +79,9 @@ class Device:
     (:func:`~shardpool.plan.time_model.modeled_times`). ``measurement`` says how the profile was
     taken (``plan.json`` records it per stage). ``compute_capability`` (CUDA, ``(7, 0)``) and
     ``bf16`` (whether it computes bf16) choose its stage's dtype (``plan.precision``); None when unknown.
+    ``nf4_backend`` and ``nf4_reason``: how a local device computes with NF4 weights and why, chosen
+    when it was profiled (``plan.local_fleet``); None for a device whose choice the planner makes
+    from the config and its compute capability (``plan.precision.choose_nf4_backend``).
     """
 
     name: str
@@ -93,13 +102,20 @@ class Device:
     measurement: Measurement | None = None
     compute_capability: tuple[int, int] | None = None
     bf16: bool | None = None
+    nf4_backend: str | None = None
+    nf4_reason: str = ""
 
     def facts(self) -> DeviceFacts:
         """What the precision chooser and the NF4 check know about this device."""
         return DeviceFacts(kind=self.kind, name=self.name, capability=self.compute_capability, bf16=self.bf16)
 
-    def times(self, shape: ModelShape, workload: Workload) -> DeviceTimes:
-        """This device's compute times: measured where the profile has them, else modeled."""
+    def times(self, shape: ModelShape, workload: Workload, *, nf4_backend: str | None = None) -> DeviceTimes:
+        """This device's compute times: measured where the profile has them, else modeled.
+
+        A device modeled from ``tflops`` that computes its NF4 layers in plain PyTorch
+        (``nf4_backend`` ``torch``) also dequantizes every weight in each pass
+        (:func:`~shardpool.plan.time_model.torch_dequant_seconds`); a measured one was profiled so.
+        """
         modeled = modeled_times(
             shape,
             workload,
@@ -111,9 +127,12 @@ class Device:
         def pick(measured: float | None, fallback: float) -> float:
             return fallback if measured is None else measured
 
+        forward_extra = backward_extra = 0.0
+        if nf4_backend == "torch" and workload.quantize and self.seconds_per_layer is None and self.tflops:
+            forward_extra, backward_extra = torch_dequant_seconds(shape, workload, tflops=self.tflops)
         return DeviceTimes(
-            layer_forward_s=modeled.layer_forward_s,
-            layer_backward_s=modeled.layer_backward_s,
+            layer_forward_s=modeled.layer_forward_s + forward_extra,
+            layer_backward_s=modeled.layer_backward_s + backward_extra,
             embed_s=pick(self.embed_seconds, modeled.embed_s),
             head_forward_s=pick(self.head_forward_seconds, modeled.head_forward_s),
             head_backward_s=pick(self.head_backward_seconds, modeled.head_backward_s),

@@ -22,11 +22,10 @@ from shardpool.plan.device_facts import (
     LayerProfile,
     Measurement,
     arch_refusal,
-    nf4_probe_refusal,
     normalize_device,
 )
 from shardpool.plan.fleet import Device, Fleet, LinkSpec
-from shardpool.plan.precision import DTYPE_BYTES, stage_dtype
+from shardpool.plan.precision import DTYPE_BYTES, NF4Choice, choose_nf4_backend, stage_dtype
 
 __all__ = ["DeviceProbe", "local_fleet"]
 
@@ -64,6 +63,10 @@ def local_fleet(
     ``shardpool.threads_per_stage``) when given, and slowed further when the slots oversubscribe
     the cores or the cgroup CPU quota the profile ran under; an accelerator slot takes ``k`` times
     the measured layer time.
+
+    With an NF4 base each slot's backend is chosen here (``shardpool.nf4_backend``, a list giving
+    one per entry of ``devices``): bitsandbytes where its 4-bit probe passed, else plain PyTorch
+    under ``auto``; the slot is profiled on that backend and carries the choice to the planner.
     """
     if not devices:
         raise ShardpoolError("no local devices were given; set shardpool.devices, e.g. [cpu]")
@@ -72,7 +75,7 @@ def local_fleet(
     host = socket.gethostname()
     built: list[Device] = []
     seen: Counter[str] = Counter()
-    for name in names:
+    for position, name in enumerate(names):
         share = counts[name]
         info = probe.device_info(name)
         # A device named in the config: say why it cannot take layers.
@@ -81,20 +84,18 @@ def local_fleet(
                 arch_refusal(name, info.label, info.compute_capability, info.arch_error)
                 + "; remove it from shardpool.devices"
             )
-        if info.nf4_error is not None:
-            raise ShardpoolError(
-                nf4_probe_refusal(name, info.label, info.compute_capability, info.nf4_error)
-                + "; remove it from shardpool.devices"
-            )
+        nf4 = _nf4_choice(info, workload, position)
+        if nf4 is not None and nf4.backend is None:
+            raise ShardpoolError(f"{nf4.reason}; or remove it from shardpool.devices")
         threads = None
         if info.kind == "cpu":
             threads = threads_per_stage or max(1, info.threads // share)
         # Profile in the dtype the stage will compute in (its device's choice under the config's cap).
         facts = replace(info.facts(), name=name)
-        profiled = workload
+        profiled = workload if nf4 is None else replace(workload, nf4_backend=nf4.backend)
         if workload.precision is not None:
             dtype = stage_dtype(facts, workload.precision, workload.compute_bytes)
-            profiled = replace(workload, compute_bytes=DTYPE_BYTES[dtype])
+            profiled = replace(profiled, compute_bytes=DTYPE_BYTES[dtype])
         profile = probe.profile_layer(shape, profiled, device=name, threads=threads)
         slowdown = (
             float(share)
@@ -122,9 +123,27 @@ def local_fleet(
                 # Discovery reports these where it knows them (None where it does not).
                 compute_capability=facts.capability,
                 bf16=facts.bf16,
+                nf4_backend=nf4.backend if nf4 else None,
+                nf4_reason=nf4.reason if nf4 else "",
             )
         )
     return Fleet(devices=tuple(built), loopback=probe.loopback())
+
+
+def _nf4_choice(info: DeviceInfo, workload: Workload, position: int) -> NF4Choice | None:
+    """How the slot at ``position`` of ``shardpool.devices`` computes with NF4 weights (its entry of a
+    ``shardpool.nf4_backend`` list, or the one setting), from its 4-bit probe; None for an unquantized base."""
+    if not workload.quantize:
+        return None
+    settings = workload.nf4_backend
+    if isinstance(settings, tuple) and position >= len(settings):
+        raise ShardpoolError(
+            f"shardpool.nf4_backend gives {len(settings)} entries but entry {position} of shardpool.devices is {info.name}; "
+            "give one entry per entry of shardpool.devices, or a single setting for all"
+        )
+    setting = settings[position] if isinstance(settings, tuple) else settings
+    facts = replace(info.facts(), name=f"{info.name}, {info.label}")  # the messages name the card too
+    return choose_nf4_backend(setting, facts, nf4_error=info.nf4_error)
 
 
 def _cpu_slowdown(share: int, threads: int, cores: int, quota: float | None) -> float:

@@ -16,6 +16,7 @@ __all__ = [
     "FRAGMENTATION",
     "LORA_BYTES_PER_PARAM",
     "NF4_BLOCKSIZE",
+    "TORCH_DEQUANT_PEAK_BYTES_PER_WEIGHT",
     "activation_bytes_per_layer",
     "boundary_bytes",
     "held_boundary_bytes",
@@ -44,6 +45,12 @@ _RESERVE_BASE = {
 }
 #: Fraction of a stage's tensor bytes added to its reserve for allocator fragmentation.
 FRAGMENTATION = 0.05
+#: Bytes per weight that dequantizing one Linear in plain PyTorch (``shardpool.model.nf4``, the
+#: ``torch`` NF4 backend) holds at its peak: an int32 index for each byte of codes (2 a weight), the
+#: fp32 values looked up and scaled in place (4), and the fp32 absmax of each block of 64 (4 / 64);
+#: 6.06 measured on CPU. The packed weight is the stage's own; a bf16 or fp16 result takes the
+#: index's place.
+TORCH_DEQUANT_PEAK_BYTES_PER_WEIGHT = 2 + 4 + 4 / 64
 
 
 def nf4_bytes(params: int) -> float:

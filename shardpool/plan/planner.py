@@ -83,6 +83,7 @@ def plan_pipeline(
     holds more micro-batches' activations, so once one fits nowhere the deeper ones are not tried
     (they fit nowhere either); the errors are those of lead 1. GPipe has no warm-up to deepen.
     """
+    workload = _stages_of_nf4_list(workload)
     return _over_leads(
         workload,
         lambda at_lead: _plan_at_lead(
@@ -94,6 +95,22 @@ def plan_pipeline(
             evaluations=evaluations,
         ),
     )
+
+
+def _stages_of_nf4_list(workload: Workload) -> Workload:
+    """The workload with as many stages as its per-stage ``shardpool.nf4_backend`` list names (an NF4
+    base only); a clear error when ``shardpool.stages`` says otherwise."""
+    settings = workload.nf4_backend
+    if not workload.quantize or not isinstance(settings, tuple):
+        return workload
+    if workload.stages is None:
+        return replace(workload, stages=len(settings))
+    if workload.stages != len(settings):
+        raise ShardpoolError(
+            f"shardpool.nf4_backend names {len(settings)} stages but {workload.stages} are planned; "
+            "give one entry per stage, or a single setting for all"
+        )
+    return workload
 
 
 def _over_leads(workload: Workload, plan_at: Callable[[Workload], Plan]) -> Plan:
@@ -135,9 +152,10 @@ def _plan_at_lead(
     ``exact_simulations`` simulated steps, else by local search spending at most ``evaluations``
     sequence evaluations. Both limits are counts, so a fleet gets the same plan on any machine. Raises :class:`ShardpoolError` saying how many GiB are missing, and where
     they would help, when the model fits on no subset of the fleet. Devices that cannot run the
-    workload (NF4 on a card bitsandbytes does not support) get no layers; the plan's ``refused``
-    says why. With ``workload.layers`` the split is fixed and only the devices and their order are
-    chosen (:func:`_given_split`).
+    workload (bitsandbytes NF4 asked for on a card it has no kernels for) get no layers; the plan's
+    ``refused`` says why. A card bitsandbytes cannot run on otherwise computes NF4 in plain
+    PyTorch, priced as such (:meth:`SearchContext.nf4_choice`). With ``workload.layers`` the split
+    is fixed and only the devices and their order are chosen (:func:`_given_split`).
     """
     refused = refusals(fleet, workload)
     if refused:
@@ -201,7 +219,7 @@ def _data_parallel_plan(
 ) -> Plan:
     """The plan of whole-model replicas on ``found.devices`` training ``found.shares`` micro-batches each."""
     replicas = [
-        _planned_stage(ctx, d, costs, 0, ctx.layers)
+        _planned_stage(ctx, d, costs, 0, ctx.layers, index=0)
         for d, costs in zip(found.devices, found.costs, strict=True)
     ]
     finish = [
@@ -266,6 +284,7 @@ def _evaluate_at_lead(
             f"the layer ranges cover {sum(counts)} layers with counts {counts}; "
             f"cover all {shape.num_layers} layers with at least one per stage"
         )
+    _stages_of_nf4_list(replace(workload, stages=len(devices)))  # one nf4_backend entry per stage
     refused = refusals(fleet, workload)
     for name in devices:
         if name in refused:
@@ -280,6 +299,10 @@ def _evaluate_at_lead(
         raise ShardpoolError(
             "a device appears twice in the stage list; give every stage its own device or slot"
         )
+    for position, d in enumerate(seq):  # a per-stage nf4_backend may ask a stage for what its device lacks
+        nf4 = ctx.nf4_choice(d, position)
+        if nf4 is not None and nf4.backend is None:
+            raise ShardpoolError(nf4.reason)
     return _build_plan(ctx, seq, counts, search="given")
 
 
@@ -339,9 +362,9 @@ def _build_plan(
         schedule=w.schedule,
         lead=w.lead,
     )
-    for d, n, (stage_costs, cap) in zip(seq, counts, costs, strict=True):
+    for index, (d, n, (stage_costs, cap)) in enumerate(zip(seq, counts, costs, strict=True)):
         fits = fits and n <= cap
-        stages.append(_planned_stage(ctx, d, stage_costs, start, start + n))
+        stages.append(_planned_stage(ctx, d, stage_costs, start, start + n, index=index))
         start += n
     plan = Plan(
         stages=stages,
@@ -362,11 +385,15 @@ def _build_plan(
     return plan
 
 
-def _planned_stage(ctx: SearchContext, d: int, costs: StageCosts, start: int, stop: int) -> PlannedStage:
-    """Device ``d`` of the fleet holding layers ``[start, stop)`` at the position ``costs`` price:
-    where it is, how it was measured, its dtype and the predictions."""
+def _planned_stage(
+    ctx: SearchContext, d: int, costs: StageCosts, start: int, stop: int, *, index: int
+) -> PlannedStage:
+    """Device ``d`` of the fleet holding layers ``[start, stop)`` as pipeline stage ``index``, at the
+    position ``costs`` price: where it is, how it was measured, its dtype, its NF4 backend and the
+    predictions."""
     device = ctx.devices[d]
     choice = ctx.precision[d]
+    nf4 = ctx.nf4_choice(d, index)
     return PlannedStage(
         device=device.torch_device or device.name,
         host=device.host,
@@ -376,6 +403,8 @@ def _planned_stage(ctx: SearchContext, d: int, costs: StageCosts, start: int, st
         measured=device.measurement.to_json() if device.measurement else {},
         dtype=choice.dtype if choice else "",
         dtype_reason=choice.reason if choice else "",
+        nf4_backend=(nf4.backend or "") if nf4 else "",
+        nf4_reason=nf4.reason if nf4 else "",
         **_predictions(costs, stop - start, device.memory_bytes),
     )
 

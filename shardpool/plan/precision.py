@@ -30,8 +30,11 @@ On ROCm, torch says every card computes bf16, so :func:`rocm_has_bf16` decides i
 architecture instead; discovery records its answer as the device's ``bf16``. :func:`stage_dtype`
 is the dtype a device is profiled in: the one its stage will compute in.
 
-:func:`nf4_refusal` says in one line why a device cannot hold NF4 layers (bitsandbytes needs
-CUDA compute capability 6.0; see its comment for the source).
+:func:`nf4_refusal` says in one line why bitsandbytes cannot compute with NF4 layers on a device
+(it needs CUDA compute capability 6.0; see its comment for the source), and
+:func:`choose_nf4_backend` how a stage on it computes with them instead (``shardpool.nf4_backend``):
+bitsandbytes' kernels where they run, else the same stored weights in plain PyTorch
+(``shardpool.model.nf4``).
 """
 
 from __future__ import annotations
@@ -46,10 +49,14 @@ __all__ = [
     "DTYPE_BYTES",
     "DTYPE_SHORT",
     "NF4_MIN_CAPABILITY",
+    "NF4_SETTINGS",
     "Cap",
     "DeviceFacts",
+    "NF4Choice",
+    "NF4Setting",
     "PrecisionChoice",
     "choose_dtype",
+    "choose_nf4_backend",
     "config_cap",
     "nf4_refusal",
     "parse_capability",
@@ -71,6 +78,10 @@ _CAP_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "bf16-auto": "bfloat16", "f
 #: quantization 6.0+"); Maxwell (5.x: M40, GTX 900) builds left the PyPI wheels in 0.48.0
 #: (bitsandbytes-foundation/bitsandbytes#1755) and Maxwell code paths were removed in #1806.
 NF4_MIN_CAPABILITY = (6, 0)
+
+#: ``shardpool.nf4_backend``: bitsandbytes' kernels, plain PyTorch, or (auto) the first where it runs.
+NF4Setting = Literal["auto", "bitsandbytes", "torch"]
+NF4_SETTINGS: tuple[NF4Setting, ...] = ("auto", "bitsandbytes", "torch")
 
 
 @dataclass(frozen=True)
@@ -201,13 +212,74 @@ def rocm_has_bf16(arch: str | None) -> bool | None:
     return False
 
 
+@dataclass(frozen=True)
+class NF4Choice:
+    """How a stage on one device computes with NF4 weights, ``bitsandbytes`` or ``torch``, and why in
+    one line; ``backend`` None: it cannot (``reason`` then says why and what to do)."""
+
+    backend: Literal["bitsandbytes", "torch"] | None
+    reason: str
+
+
 def nf4_refusal(facts: DeviceFacts) -> str | None:
-    """Why ``facts``'s device cannot run bitsandbytes NF4 layers, in one line; None when it can (or nobody knows)."""
+    """Why bitsandbytes cannot compute with NF4 layers on ``facts``'s device, in one line; None when
+    it can (or nobody knows). Such a device computes them in plain PyTorch (:func:`choose_nf4_backend`)."""
     cc = facts.capability
     if facts.kind == "cuda" and cc is not None and cc < NF4_MIN_CAPABILITY:
         return (
             f"{facts.name} (compute capability {cc[0]}.{cc[1]}) cannot run bitsandbytes NF4, which needs "
-            f"6.0+ (Maxwell left bitsandbytes in 0.48); it gets no layers of a qlora run "
-            f"(use it with `adapter: lora`, or leave it out)"
+            f"6.0+ (Maxwell left bitsandbytes in 0.48); set shardpool.nf4_backend to auto or torch to "
+            f"compute its NF4 layers in plain PyTorch, use `adapter: lora`, or leave it out"
         )
     return None
+
+
+def choose_nf4_backend(
+    setting: NF4Setting,
+    facts: DeviceFacts,
+    *,
+    nf4_error: str | None = None,
+    arch_error: str | None = None,
+) -> NF4Choice:
+    """How a stage on ``facts``'s device computes with NF4 weights under ``shardpool.nf4_backend``.
+
+    ``nf4_error`` is why bitsandbytes' 4-bit probe failed on it (a local device); without a probe,
+    its compute capability decides (:func:`nf4_refusal`). ``auto`` takes bitsandbytes where it runs,
+    else PyTorch; ``torch`` is PyTorch anywhere; ``bitsandbytes`` where it cannot run is refused.
+    A device the installed torch has no kernels for (``arch_error``) is refused whatever the setting:
+    not even the PyTorch path runs there.
+    """
+    who = _described(facts)
+    if arch_error is not None:
+        return NF4Choice(None, f"{who}: {_first_line(arch_error)}; it gets no layers")
+    if nf4_error is not None:
+        missing = f"bitsandbytes' 4-bit probe failed ({_first_line(nf4_error)[:160]})"
+        refused = (
+            f"{who} cannot run bitsandbytes 4-bit: {_first_line(nf4_error)[:160]}; set "
+            f"shardpool.nf4_backend to auto or torch to compute its NF4 layers in plain PyTorch, or leave it out"
+        )
+    else:
+        refused = nf4_refusal(facts) or ""
+        missing = "bitsandbytes has no 4-bit kernels for it" if refused else ""
+    if setting == "torch":
+        return NF4Choice("torch", f"{who}: NF4 in plain PyTorch, as shardpool.nf4_backend says")
+    if setting == "bitsandbytes":
+        if refused:
+            return NF4Choice(None, refused)
+        return NF4Choice("bitsandbytes", f"{who}: bitsandbytes' 4-bit kernels, as shardpool.nf4_backend says")
+    if setting != "auto":
+        raise ShardpoolError(f"shardpool.nf4_backend {setting!r} is unknown; use {', '.join(NF4_SETTINGS)}")
+    if missing:
+        return NF4Choice("torch", f"{who}: {missing}; NF4 in plain PyTorch")
+    return NF4Choice("bitsandbytes", f"{who}: bitsandbytes' 4-bit kernels")
+
+
+def _described(facts: DeviceFacts) -> str:
+    """``m40 (compute capability 5.2)``, or the bare name where the capability is unknown."""
+    cc = facts.capability
+    return facts.name if cc is None else f"{facts.name} (compute capability {cc[0]}.{cc[1]})"
+
+
+def _first_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[0].strip() if lines else "unknown error"

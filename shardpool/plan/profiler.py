@@ -2,7 +2,10 @@
 
 The layer is built from the model shape alone (random weights): its Linear modules are
 quantized to NF4 with bitsandbytes (blocksize 64, double quantization) and wrapped with
-LoRA by peft, exactly as a training stage holds them. After a warm-up, the median of a few
+LoRA by peft, exactly as a training stage holds them. They compute on the NF4 backend a stage on
+that device would use (``shardpool.nf4_backend``: bitsandbytes' kernels, or plain PyTorch where
+they do not run; :func:`~shardpool.plan.precision.choose_nf4_backend`); for an unquantized base
+(``adapter: lora``) they stay plain Linear modules in the stage's dtype. After a warm-up, the median of a few
 timed forward + backward passes at the configured micro-batch and sequence length is the
 profile (its fastest and slowest run and the process's cgroup CPU quota are kept with it), with the
 forward timed on its own too. The ends of the model are timed the same way:
@@ -39,7 +42,7 @@ from shardpool.plan.device_facts import DeviceInfo, LayerProfile, normalize_devi
 from shardpool.plan.devices import device_info, list_devices, synchronize
 from shardpool.plan.fleet import LinkSpec
 from shardpool.plan.links import measure_loopback
-from shardpool.plan.precision import stage_dtype
+from shardpool.plan.precision import NF4Choice, choose_nf4_backend, stage_dtype
 
 __all__ = ["HEAD_VOCAB", "TorchProbe", "cache_path", "profile_key", "profile_layer", "show_devices"]
 
@@ -73,15 +76,18 @@ def profile_key(
     threads: int | None,
     quota: float | None = None,
     dtype: str | None = None,
+    nf4_backend: str | None = None,
 ) -> str:
     """Cache key: device label, thread count, the process's CPU quota (a re-throttled host measures
-    again), model shape digest, the workload's layer settings and the compute dtype profiled in
-    (bf16 and fp16 are both 2 bytes)."""
+    again), model shape digest, the workload's layer settings, the compute dtype profiled in
+    (bf16 and fp16 are both 2 bytes) and the NF4 backend when it is plain PyTorch (a key without
+    one is bitsandbytes', as before the backend was chosen)."""
     import torch
 
     return (
         f"{label}|threads={threads}|quota={quota}|{shape.key()}|{workload.profile_key()}"
-        f"{'' if dtype is None else f'|dtype={dtype}'}|torch={torch.__version__}|v{_PROFILE_VERSION}"
+        f"{'' if dtype is None else f'|dtype={dtype}'}{'|nf4=torch' if nf4_backend == 'torch' else ''}"
+        f"|torch={torch.__version__}|v{_PROFILE_VERSION}"
     )
 
 
@@ -97,16 +103,20 @@ def profile_layer(
     """Profile one NF4 + LoRA decoder layer of ``shape`` on ``device`` (cached).
 
     The layer computes in the dtype a stage on that device would (:func:`~shardpool.plan.precision.stage_dtype`
-    of the device under the workload's cap), so a V100 planned in fp16 is profiled in fp16.
-    ``threads`` (CPU only) runs the benchmark with that many torch threads, for CPU slots
-    that share the processor. Raises ShardpoolError when the layer does not fit or the
-    device is unusable.
+    of the device under the workload's cap), so a V100 planned in fp16 is profiled in fp16, and on
+    the NF4 backend it would (:func:`nf4_backend_for`). ``threads`` (CPU only) runs the benchmark
+    with that many torch threads, for CPU slots that share the processor. Raises ShardpoolError
+    when the layer does not fit or the device is unusable.
     """
     device = normalize_device(device)
     info = device_info(device)
     label = f"{device} {info.label}"
     quota = cpu_quota()
     dtype = stage_dtype(info.facts(), workload.precision, workload.compute_bytes)
+    nf4 = nf4_backend_for(info, workload)
+    if nf4 is not None and nf4.backend is None:
+        raise ShardpoolError(nf4.reason)
+    backend = nf4.backend if nf4 is not None else None
     key = profile_key(
         shape,
         workload,
@@ -114,6 +124,7 @@ def profile_layer(
         threads=threads if info.kind == "cpu" else None,
         quota=quota,
         dtype=dtype,
+        nf4_backend=backend,
     )
     if use_cache:
         cached = _read_cache().get(key)
@@ -125,12 +136,23 @@ def profile_layer(
     with _threads(threads if info.kind == "cpu" else None):
         profile = _measure(
             shape, workload, device=device, label=label, threads=threads, repeats=repeats,
-            throttled=info.kind == "cpu" and quota is not None, dtype_name=dtype,
+            throttled=info.kind == "cpu" and quota is not None, dtype_name=dtype, nf4_backend=backend,
         )  # fmt: skip
     profile = replace(profile, cpu_quota=quota)
     if use_cache:
         _write_cache(key, asdict(profile))
     return profile
+
+
+def nf4_backend_for(info: DeviceInfo, workload: Workload) -> NF4Choice | None:
+    """How a stage on the local device ``info`` computes with NF4 weights under the workload's
+    ``shardpool.nf4_backend`` (``auto`` for a per-stage list, whose entries ``plan.local_fleet``
+    hands over one at a time), from its 4-bit probe; None for an unquantized base."""
+    if not workload.quantize:
+        return None
+    setting = "auto" if isinstance(workload.nf4_backend, tuple) else workload.nf4_backend
+    facts = replace(info.facts(), name=info.name)
+    return choose_nf4_backend(setting, facts, nf4_error=info.nf4_error, arch_error=info.arch_error)
 
 
 class TorchProbe:
@@ -159,10 +181,12 @@ class TorchProbe:
 # ---------------------------------------------------------------------------- building the layer
 
 
-def _build_layer(shape: ModelShape, workload: Workload, device: str, dtype_name: str) -> tuple[Any, Any, Any]:
-    """One quantized decoder layer with LoRA computing in ``dtype_name`` (``float16``), its rotary
-    embedding and its torch dtype."""
-    import bitsandbytes as bnb
+def _build_layer(
+    shape: ModelShape, workload: Workload, device: str, dtype_name: str, nf4_backend: str | None = None
+) -> tuple[Any, Any, Any]:
+    """One decoder layer with LoRA computing in ``dtype_name`` (``float16``), its rotary embedding
+    and its torch dtype: quantized to NF4 on ``nf4_backend`` (None: bitsandbytes) unless the
+    workload's base is unquantized."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig
@@ -184,7 +208,13 @@ def _build_layer(shape: ModelShape, workload: Workload, device: str, dtype_name:
     for parent in list(layer.modules()):
         for child_name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear):
-                setattr(parent, child_name, _nf4_linear(child, dtype, device, generator, bnb))
+                setattr(
+                    parent,
+                    child_name,
+                    _nf4_linear(child, dtype, device, generator, nf4_backend or "bitsandbytes")
+                    if workload.quantize
+                    else _dense_linear(child, dtype, device, generator),
+                )
     for module in layer.modules():
         for param_name, param in list(module.named_parameters(recurse=False)):
             if param.is_meta:
@@ -217,27 +247,30 @@ def _build_layer(shape: ModelShape, workload: Workload, device: str, dtype_name:
     return holder, rotary, dtype
 
 
-def _nf4_linear(linear: Any, dtype: Any, device: str, generator: Any, bnb: Any) -> Any:
+def _nf4_linear(linear: Any, dtype: Any, device: str, generator: Any, backend: str) -> Any:
+    """``linear``'s shape with random weights, quantized to NF4 as a stage does it, on ``backend``."""
     import torch
 
+    from shardpool.model.nf4 import quantize_linear
+
     weight = torch.randn(linear.out_features, linear.in_features, generator=generator, dtype=dtype) * 0.02
-    quantized = bnb.nn.Linear4bit(
-        linear.in_features,
-        linear.out_features,
-        bias=linear.bias is not None,
-        compute_dtype=dtype,
-        compress_statistics=True,
-        quant_type="nf4",
-        device="meta" if linear.bias is not None else None,
+    bias = torch.zeros(linear.out_features, dtype=dtype) if linear.bias is not None else None
+    return quantize_linear(weight, bias, device=device, compute_dtype=dtype, backend=backend)  # type: ignore[arg-type]
+
+
+def _dense_linear(linear: Any, dtype: Any, device: str, generator: Any) -> Any:
+    """``linear``'s shape with random frozen weights in ``dtype``, as an unquantized base holds it."""
+    import torch
+
+    dense = torch.nn.Linear(
+        linear.in_features, linear.out_features, bias=linear.bias is not None, device=device, dtype=dtype
     )
-    quantized.weight = bnb.nn.Params4bit(
-        weight, requires_grad=False, quant_type="nf4", blocksize=64, compress_statistics=True
-    )
-    if linear.bias is not None:
-        quantized.bias = torch.nn.Parameter(
-            torch.zeros(linear.out_features, dtype=dtype), requires_grad=False
-        )
-    return quantized.to(device)
+    with torch.no_grad():
+        weight = torch.randn(linear.out_features, linear.in_features, generator=generator, dtype=dtype)
+        dense.weight.copy_(weight * 0.02)
+        if dense.bias is not None:
+            dense.bias.zero_()
+    return dense.requires_grad_(False)
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -253,12 +286,13 @@ def _measure(
     repeats: int,
     throttled: bool = False,
     dtype_name: str = "float32",
+    nf4_backend: str | None = None,
 ) -> LayerProfile:
     import torch
     import torch.utils.checkpoint
 
     try:
-        model, rotary, dtype = _build_layer(shape, workload, device, dtype_name)
+        model, rotary, dtype = _build_layer(shape, workload, device, dtype_name, nf4_backend)
         hidden = torch.randn(
             workload.micro_batch_size, workload.sequence_len, shape.hidden_size, dtype=dtype, device=device
         )
@@ -279,7 +313,10 @@ def _measure(
             return forward
 
         activation_bytes = _saved_bytes(
-            lambda: model(hidden.detach().requires_grad_(True), position_embeddings)
+            lambda: model(hidden.detach().requires_grad_(True), position_embeddings),
+            frozen={
+                param.untyped_storage().data_ptr() for param in model.parameters() if not param.requires_grad
+            },
         )
         _reset_peak(device)
         warmup = 0.0
@@ -431,16 +468,20 @@ def _time_ends(
     )
 
 
-def _saved_bytes(forward: Any) -> int:
-    """Bytes of distinct storages autograd keeps for backward during ``forward()``."""
+def _saved_bytes(forward: Any, *, frozen: set[int] | None = None) -> int:
+    """Bytes of distinct storages autograd keeps for backward during ``forward()``, less the frozen
+    base weights (``frozen``: their storages' addresses), which it saves as views (the transposed
+    weight of an unquantized Linear is no Parameter)."""
     import torch
 
     storages: dict[tuple[str, int], int] = {}
+    skip = frozen or set()
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         if not isinstance(tensor, torch.nn.Parameter) and not _is_quantized_weight(tensor):
             storage = tensor.untyped_storage()
-            storages[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+            if storage.data_ptr() not in skip:
+                storages[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -528,7 +569,9 @@ def show_devices(config_path: str | None, *, profile: bool = True, as_json: bool
         config = load_config(config_path)
         shape = ModelShape.from_config_dir(config.base_model)
         workload = Workload.from_config(config)
+    notes: list[str] = []
     for info in list_devices():
+        nf4 = nf4_backend_for(info, workload or Workload())
         row: dict = {
             "device": info.name,
             "kind": info.kind,
@@ -537,13 +580,18 @@ def show_devices(config_path: str | None, *, profile: bool = True, as_json: bool
             "free_gib": round(info.free_bytes / 2**30, 2),
             "compute_capability": info.compute_capability,
             "bf16": info.bf16,
-            "nf4": "yes" if info.nf4_error is None else f"no: {info.nf4_error}",
+            # How a stage here computes with NF4 weights (None: an unquantized base), and why.
+            "nf4": None if nf4 is None else (nf4.backend or "no"),
+            "nf4_reason": None if nf4 is None else nf4.reason,
         }
-        if shape is not None and workload is not None and info.nf4_error is None:
+        if nf4 is not None and nf4.backend != "bitsandbytes":
+            notes.append(nf4.reason)
+        runs = info.arch_error is None and (nf4 is None or nf4.backend is not None)
+        if shape is not None and workload is not None and runs:
             measured = profile_layer(shape, workload, device=info.name)
             row["ms_per_layer"] = round(measured.seconds_per_layer * 1e3, 3)
             row["activation_mib_per_layer"] = round(measured.activation_bytes / 2**20, 2)
-        elif shape is not None:  # no 4-bit kernels: no profile, and no layers in a plan
+        elif shape is not None:  # it cannot compute the layer: no profile, and no layers in a plan
             row |= {"ms_per_layer": None, "activation_mib_per_layer": None}
         rows.append(row)
     if as_json:
@@ -552,15 +600,19 @@ def show_devices(config_path: str | None, *, profile: bool = True, as_json: bool
     from rich.console import Console
     from rich.table import Table
 
-    title = "local devices" + ("" if shape is None else f" (one NF4+LoRA layer of {shape.name})")
-    caption = None if shape is not None else "pass a config to profile one layer of its model on each device"
+    base = "NF4" if workload is None or workload.quantize else "unquantized"
+    title = "local devices" + ("" if shape is None else f" (one {base} + LoRA layer of {shape.name})")
+    lines = [] if shape is not None else ["pass a config to profile one layer of its model on each device"]
+    caption = "\n".join(lines + [f"nf4: {note}" for note in notes]) or None
     table = Table(title=title, caption=caption)
-    for column in rows[0]:
+    for column in (column for column in rows[0] if column != "nf4_reason"):
         header = "capability" if column == "compute_capability" else column
         table.add_column(
             header, justify="right" if column not in ("device", "kind", "label", "nf4") else "left"
         )
     for row in rows:
-        table.add_row(*("-" if value is None else str(value) for value in row.values()))
+        table.add_row(
+            *("-" if value is None else str(value) for key, value in row.items() if key != "nf4_reason")
+        )
     Console().print(table)
     return rows

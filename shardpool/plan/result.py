@@ -147,7 +147,8 @@ class Plan:
     does not compute. ``recommended_microbatches`` is the smallest M that keeps the fill and
     drain under about 20% (``M >= 4 S``) while fitting in memory. ``fits`` is False only for plans built by
     :func:`evaluate_split` from a split that overflows a device. ``refused`` maps each device that may
-    hold no layers of this run to the one-line reason (a card bitsandbytes cannot run NF4 on).
+    hold no layers of this run to the one-line reason (``shardpool.nf4_backend: bitsandbytes`` on a
+    card bitsandbytes has no kernels for).
     ``calibration`` is empty for a plan from profiles; a plan re-split from measured steps
     (``plan.calibrate``) records there each stage's measured speed relative to its profile and the
     steps it was measured on.
@@ -315,10 +316,26 @@ def plan_table(plan: Plan) -> Any:
         caption += "; DOES NOT FIT in memory"
     for reason in plan.refused.values():
         caption += f"; refused: {reason}"
+    rows = plan.data_parallel or plan.stages
+    # Why a stage computes NF4 in plain PyTorch (bitsandbytes' kernels are the rule, and say nothing).
+    for reason in dict.fromkeys(stage.nf4_reason for stage in rows if stage.nf4_backend == "torch"):
+        caption += f"; nf4: {reason}"
     title = f"plan for {plan.model or 'the model'} ({plan.num_layers} layers, {plan.search} search)"
     table = Table(title=title, caption=caption, show_edge=False)
-    rows = plan.data_parallel or plan.stages
-    for column in ("#", "host", "device", "layers", "dtype", "used GiB", "free GiB", "ms/mb", ""):
+    nf4 = any(stage.nf4_backend == "torch" for stage in rows)  # the column only where a stage differs
+    columns = (
+        "#",
+        "host",
+        "device",
+        "layers",
+        "dtype",
+        *(("nf4",) if nf4 else ()),
+        "used GiB",
+        "free GiB",
+        "ms/mb",
+        "",
+    )
+    for column in columns:
         table.add_column(
             column,
             justify="right" if "GiB" in column or "ms" in column else "left",
@@ -332,12 +349,17 @@ def plan_table(plan: Plan) -> Any:
             stage.slot or stage.device,
             f"[{stage.start}, {stage.stop})" + (f" × {plan.shares[index]} mb" if plan.shares else ""),
             DTYPE_SHORT.get(stage.dtype, "config"),
+            *((_NF4_SHORT.get(stage.nf4_backend, "-"),) if nf4 else ()),
             f"{stage.memory_bytes / GIB:.2f}",
             f"{stage.free_bytes / GIB:.2f}",
             f"{stage.predicted_ms_per_microbatch:.1f}",
             "bottleneck" if stage.bottleneck else "",
         )
     return table
+
+
+#: The plan table's names of the NF4 backends.
+_NF4_SHORT = {"bitsandbytes": "bnb", "torch": "torch"}
 
 
 def _dtype_of(value: Any) -> str:

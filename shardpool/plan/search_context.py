@@ -19,14 +19,23 @@ from shardpool.plan.costmodel import Workload
 from shardpool.plan.fleet import Device, Fleet
 from shardpool.plan.memory_model import boundary_bytes
 from shardpool.plan.pipeline_sim import Transfer
-from shardpool.plan.precision import DTYPE_BYTES, PrecisionChoice, choose_dtype, nf4_refusal
+from shardpool.plan.precision import (
+    DTYPE_BYTES,
+    NF4Choice,
+    NF4Setting,
+    PrecisionChoice,
+    choose_dtype,
+    choose_nf4_backend,
+)
 from shardpool.plan.split_search import REL_TOL, SimulationBudget, SplitProblem, best_split, quick_split
 from shardpool.plan.stage_costs import StageCosts, stage_costs
+from shardpool.plan.time_model import DeviceTimes
 
 __all__ = [
     "Candidate",
     "SearchContext",
     "allowed_stage_counts",
+    "device_nf4_choice",
     "device_precision",
     "evaluate_sequence",
     "is_better",
@@ -51,7 +60,9 @@ class SearchContext:
             workload if choice is None else replace(workload, compute_bytes=DTYPE_BYTES[choice.dtype])
             for choice in self.precision
         ]
-        self.times = [device.times(shape, w) for device, w in zip(self.devices, self.workloads, strict=True)]
+        self._times: dict[tuple[int, str | None], DeviceTimes] = {}
+        #: Each device's times as the first stage (its NF4 backend can depend on the position).
+        self.times = [self.device_times(d, 0) for d in range(len(self.devices))]
         self.seconds = [times.layer_s for times in self.times]
         nbytes = boundary_bytes(shape, workload)
         hosts = [device.host for device in self.devices]
@@ -65,25 +76,44 @@ class SearchContext:
         #: Simulations the current search may still run (the exact search sets a limit).
         self.budget = SimulationBudget()
 
+    def nf4_choice(self, d: int, index: int) -> NF4Choice | None:
+        """How device ``d`` computes with NF4 weights as pipeline stage ``index``; None for an unquantized base."""
+        if not self.workload.quantize:
+            return None
+        return device_nf4_choice(self.devices[d], self.workload.nf4_setting(index))
+
+    def device_times(self, d: int, index: int) -> DeviceTimes:
+        """Device ``d``'s compute times as pipeline stage ``index`` (on the NF4 backend it has there)."""
+        choice = self.nf4_choice(d, index)
+        backend = choice.backend if choice else None
+        found = self._times.get((d, backend))
+        if found is None:
+            found = self.devices[d].times(self.shape, self.workloads[d], nf4_backend=backend)
+            self._times[(d, backend)] = found
+        return found
+
     def costs(self, seq: Sequence[int], index: int) -> StageCosts:
         """Costs of stage ``index`` of the device sequence ``seq``."""
         return self.stage(seq, index)[0]
 
     def stage(self, seq: Sequence[int], index: int) -> tuple[StageCosts, int]:
-        """Costs of stage ``index`` of ``seq`` and the most layers that fit there."""
+        """Costs of stage ``index`` of ``seq`` and the most layers that fit there (-1 where the
+        device cannot compute with NF4 weights as that stage)."""
         d = seq[index]
         s = len(seq)
         to_next = self.transfer[d][seq[index + 1]] if index < s - 1 else Transfer()
         to_previous = self.transfer[d][seq[index - 1]] if index > 0 else Transfer()
+        choice = self.nf4_choice(d, index)
+        backend = choice.backend if choice else None
         # The in-flight count depends only on S - index (and M), so the key uses that.
-        key = (d, index == 0, index == s - 1, s - index, to_next, to_previous)
+        key = (d, backend, index == 0, index == s - 1, s - index, to_next, to_previous)
         found = self._memo.get(key)
         if found is None:
             device = self.devices[d]
             costs = stage_costs(
                 self.shape,
                 self.workloads[d],
-                times=self.times[d],
+                times=self.device_times(d, index),
                 capacity_bytes=device.memory_bytes,
                 kind=device.kind,
                 index=index,
@@ -92,8 +122,9 @@ class SearchContext:
                 to_previous=to_previous,
                 replica_link=self.replica_link[d],
                 measured_activation_bytes=device.activation_bytes_per_layer,
+                nf4_backend=backend,
             )
-            found = (costs, costs.max_layers())
+            found = (costs, -1 if choice is not None and backend is None else costs.max_layers())
             self._memo[key] = found
         return found
 
@@ -107,6 +138,8 @@ class SearchContext:
             device.kind,
             device.activation_bytes_per_layer,
             self.precision[d] and self.precision[d].dtype,
+            device.compute_capability,
+            device.nf4_backend,
         )
 
     def problem(self, seq: Sequence[int]) -> SplitProblem:
@@ -130,12 +163,28 @@ def device_precision(device: Device, workload: Workload) -> PrecisionChoice | No
     return choose_dtype(device.facts(), workload.precision)
 
 
+def device_nf4_choice(device: Device, setting: NF4Setting) -> NF4Choice:
+    """How a stage on ``device`` computes with NF4 weights under ``setting``: a local device's choice,
+    made when it was profiled (``plan.local_fleet``), else the one its compute capability allows."""
+    if device.nf4_backend is not None:
+        return NF4Choice("torch" if device.nf4_backend == "torch" else "bitsandbytes", device.nf4_reason)
+    return choose_nf4_backend(setting, device.facts())
+
+
 def refusals(fleet: Fleet, workload: Workload) -> dict[str, str]:
-    """Devices that may hold no layers of this workload, each with its one-line reason (NF4 support)."""
+    """Devices that may hold no layers of this workload, each with its one-line reason: an NF4 base
+    on a device that cannot compute with it under ``shardpool.nf4_backend`` at any stage (bitsandbytes
+    asked for where it has no kernels). A device bitsandbytes cannot run on computes NF4 in plain
+    PyTorch under ``auto`` and ``torch``, so it is not refused."""
     if not workload.quantize:
         return {}
-    found = {device.name: nf4_refusal(device.facts()) for device in fleet.devices}
-    return {name: reason for name, reason in found.items() if reason}
+    settings = workload.nf4_backend if isinstance(workload.nf4_backend, tuple) else (workload.nf4_backend,)
+    found: dict[str, str] = {}
+    for device in fleet.devices:
+        choices = [device_nf4_choice(device, setting) for setting in settings]
+        if all(choice.backend is None for choice in choices):
+            found[device.name] = choices[0].reason
+    return found
 
 
 @dataclass(order=True)

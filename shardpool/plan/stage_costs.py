@@ -20,6 +20,7 @@ from shardpool.plan.costmodel import Workload
 from shardpool.plan.memory_model import (
     FRAGMENTATION,
     LORA_BYTES_PER_PARAM,
+    TORCH_DEQUANT_PEAK_BYTES_PER_WEIGHT,
     activation_bytes_per_layer,
     held_boundary_bytes,
     in_flight_microbatches,
@@ -200,6 +201,7 @@ def stage_costs(
     to_previous: Transfer = NO_TRANSFER,
     replica_link: tuple[float, float] | None = None,
     measured_activation_bytes: float | None = None,
+    nf4_backend: str | None = None,
 ) -> StageCosts:
     """Costs of a stage at pipeline position ``index`` of ``num_stages`` on one device.
 
@@ -208,6 +210,11 @@ def stage_costs(
     ``replica_link`` is ``(bandwidth, latency)`` between the replicas of this stage, for the ring
     all-reduce of its LoRA gradients when ``workload.replicas > 1``. ``measured_activation_bytes``
     overrides the analytic per-layer activation estimate when the profiler measured it.
+
+    The base weights are NF4 (``weights_nf4``) when ``workload.quantize``, else in the stage's dtype
+    (``weights``, as ``adapter: lora`` loads them). An NF4 stage dequantizes one Linear at a time
+    (in ``workspace``); on the ``torch`` backend (``nf4_backend``) that dequantization holds more
+    while it runs (``torch_dequantize``, :data:`TORCH_DEQUANT_PEAK_BYTES_PER_WEIGHT`).
     """
     first, last = index == 0, index == num_stages - 1
     cb = workload.compute_bytes
@@ -221,17 +228,22 @@ def stage_costs(
     kept_act = tokens * shape.hidden_size * cb if workload.gradient_checkpointing else full_act
     lora_params = lora_params_per_layer(shape, workload)
 
-    per_layer = {
-        "weights_nf4": sum(nf4_bytes(p) for p in shape.linear_params().values())
-        + shape.layer_dense_params() * cb,
+    linear_params = shape.linear_params().values()
+    if workload.quantize:
+        weights = {"weights_nf4": sum(nf4_bytes(p) for p in linear_params) + shape.layer_dense_params() * cb}
+    else:
+        weights = {"weights": (sum(linear_params) + shape.layer_dense_params()) * cb}
+    per_layer = weights | {
         "lora_and_optimizer": lora_params * LORA_BYTES_PER_PARAM,
         "activations": kept_act * in_flight,
     }
-    largest_linear = max(shape.linear_params().values())
-    fixed = {
-        # Backward of one layer at a time: its full activations (recomputed if checkpointing)
-        # and gradients, and one dequantized weight matrix.
-        "workspace": full_act + largest_linear * cb,
+    largest_linear = max(linear_params)
+    # Backward of one layer at a time: its full activations (recomputed if checkpointing) and
+    # gradients, and (NF4) one dequantized weight matrix.
+    fixed = {"workspace": full_act + (largest_linear * cb if workload.quantize else 0)}
+    if workload.quantize and nf4_backend == "torch":
+        fixed["torch_dequantize"] = int(largest_linear * max(0.0, TORCH_DEQUANT_PEAK_BYTES_PER_WEIGHT - cb))
+    fixed |= {
         "boundary_buffers": 2 * tokens * shape.hidden_size * max(cb, workload.wire_bytes),
     } | held_boundary_bytes(
         shape, workload, kind=kind, index=index, num_stages=num_stages, in_flight=in_flight

@@ -19,6 +19,7 @@ __all__ = [
     "DEFAULT_EFFICIENCY",
     "GRADIENT_BYTES",
     "OPTIMIZER_SECONDS_PER_PARAM",
+    "TORCH_DEQUANT_BYTES_PER_FLOP",
     "DeviceTimes",
     "bubble_fraction",
     "layer_flops",
@@ -27,6 +28,8 @@ __all__ = [
     "modeled_times",
     "ring_allreduce_seconds",
     "step_seconds",
+    "torch_dequant_extra_bytes",
+    "torch_dequant_seconds",
 ]
 
 #: Fraction of a datasheet TFLOPS figure an NF4+LoRA layer reaches (dequantization, small GEMMs,
@@ -39,6 +42,38 @@ OPTIMIZER_SECONDS_PER_PARAM = {"cpu": 5e-9, "mps": 1e-9}
 _OPTIMIZER_ACCELERATOR = 2e-10
 #: Bytes per LoRA gradient element all-reduced across replicas (fp32 adapters).
 GRADIENT_BYTES = 4
+#: Memory bandwidth (bytes/s) assumed per datasheet FLOP/s for dequantizing in plain PyTorch on a
+#: device a fleet file describes by ``tflops`` alone: the ratio of the Maxwell cards the PyTorch
+#: path is for (M40: 288 GB/s over 6.8 TFLOPS, 0.042). Cards with tensor cores have less bandwidth
+#: per FLOP (a 4090: 0.012), so on them this underestimates the dequantization; give such a card
+#: ``seconds_per_layer`` measured on the PyTorch path.
+TORCH_DEQUANT_BYTES_PER_FLOP = 0.04
+
+
+def torch_dequant_extra_bytes(compute_bytes: int) -> float:
+    """Bytes of memory traffic per weight that dequantizing in plain PyTorch
+    (``shardpool.model.nf4.dequantize_nf4``) moves beyond bitsandbytes' fused kernel, whose own
+    dequantization the ``efficiency`` of a fleet device already covers.
+
+    Per weight: an int32 index for each byte of codes (0.5 read, 2 written), the fp32 code-pair
+    lookup (2 read, 4 written) and the absmax scaling in place (4 + 4): 16.5 bytes, against
+    bitsandbytes' 0.5 read and 4 written, so 12 in fp32. A 16-bit stage also casts the result
+    (4 + 2), against bitsandbytes' 2 written: 20.
+    """
+    return 16.5 - 4.5 if compute_bytes >= 4 else 16.5 + 6 - 2.5
+
+
+def torch_dequant_seconds(shape: ModelShape, workload: Workload, *, tflops: float) -> tuple[float, float]:
+    """Forward and backward seconds per micro-batch that computing one layer's NF4 weights in plain
+    PyTorch adds on a device described by its datasheet ``tflops``.
+
+    Every Linear is dequantized once in the forward, once in the backward, and once more for the
+    recompute under gradient checkpointing (counted as backward), each time moving
+    :func:`torch_dequant_extra_bytes` per weight at :data:`TORCH_DEQUANT_BYTES_PER_FLOP` × ``tflops``.
+    """
+    bandwidth = TORCH_DEQUANT_BYTES_PER_FLOP * tflops * 1e12
+    once = shape.layer_linear_params() * torch_dequant_extra_bytes(workload.compute_bytes) / bandwidth
+    return once, once * (1 + int(workload.gradient_checkpointing))
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ from shardpool.data.steps import config_step_batches
 from shardpool.errors import ShardpoolError
 from shardpool.host.memory_limit import resident_memory
 from shardpool.model.lora import lora_settings
-from shardpool.model.nf4 import DTYPES
+from shardpool.model.nf4 import DTYPES, nf4_backend_of
 from shardpool.model.stage import BaseSettings, PipelineStage, StageSpec, build_stage, reusable_modules
 from shardpool.train import checkpoint as ckpt
 from shardpool.train.evaluate import evaluate
@@ -82,7 +82,7 @@ from shardpool.train.loss import gather_timings, label_tokens, reduce_and_clip_g
 from shardpool.train.loss_scale import LossScale, inject_inf_at
 from shardpool.train.optim import build_optimizer, build_scheduler
 from shardpool.train.pipeline import StagePipe
-from shardpool.train.process_group import Groups, Wire, join_process_group, leave_process_group
+from shardpool.train.process_group import Groups, Wire, join_process_group, leave_process_group, select_device
 from shardpool.train.reshard import (
     await_decision,
     await_key,
@@ -224,6 +224,7 @@ class StageWorker:
     # ----- set-up -------------------------------------------------------------------------
     def setup(self) -> None:
         """Join the process group, build the stage, load the data and the optimizer."""
+        select_device(self.device)  # before anything touches it: a joining rank builds its stage first
         torch.set_num_threads(self._threads())
         torch.manual_seed(self.config.seed + self.rank)
         timeout = timedelta(seconds=self.job.timeout_s)
@@ -400,6 +401,7 @@ class StageWorker:
                 "peak_rss_bytes": peak_rss_bytes(),
                 "peak_device_bytes": self._peak_device_bytes(),
                 "peak_device_reserved_bytes": self._peak_device_reserved_bytes(),
+                "nf4_backend": nf4_backend_of(self.pipe.stage),
             }
         )
         if self.rank == 0:

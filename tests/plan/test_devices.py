@@ -148,10 +148,13 @@ def test_a_refused_device_named_in_the_config_is_refused_in_one_line() -> None:
     shape = ModelShape.from_config_json(
         {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}, name="tiny")  # fmt: skip
+    bitsandbytes = Workload(sequence_len=16, nf4_backend="bitsandbytes")
     with pytest.raises(
-        ShardpoolError, match=r"cuda:1 \(Tesla M40, 5.2\) cannot run .*remove it from shardpool.devices"
+        ShardpoolError,
+        match=r"^cuda:1, Tesla M40 \(compute capability 5.2\) cannot run bitsandbytes 4-bit: Error named "
+        r"symbol not found at line 90; set shardpool.nf4_backend to auto or torch .*remove it from shardpool.devices$",
     ):
-        local_fleet(["cuda:1"], shape=shape, workload=Workload(sequence_len=16), probe=Probe())  # type: ignore[arg-type]
+        local_fleet(["cuda:1"], shape=shape, workload=bitsandbytes, probe=Probe())  # type: ignore[arg-type]
 
 
 def test_a_refused_device_is_reported_but_not_profiled(monkeypatch: pytest.MonkeyPatch) -> None:

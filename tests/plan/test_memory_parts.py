@@ -9,18 +9,23 @@ not visible here; scripts/gpu_check.py measures it (docs/gpu.md).
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardpool.config import parse_config
 from shardpool.contract.schedule import schedule_for
 from shardpool.model.lora import LoraSettings
+from shardpool.model.nf4 import dequantize_nf4, quantize_linear
 from shardpool.model.shape import ModelShape
 from shardpool.model.stage import BaseSettings, PipelineStage, StageSpec, build_stage
 from shardpool.plan.costmodel import Workload
+from shardpool.plan.memory_model import TORCH_DEQUANT_PEAK_BYTES_PER_WEIGHT
 from shardpool.plan.stage_costs import stage_costs
 from shardpool.plan.time_model import modeled_times
 from shardpool.train.optim import build_optimizer
@@ -199,3 +204,69 @@ def test_each_part_of_the_plans_stage_memory_is_what_the_code_allocates(
             "predicted": predicted,
         }
     print(report)
+
+
+@pytest.mark.parametrize(("dtype", "compute_bytes"), [("float32", 4), ("bfloat16", 2)])
+def test_an_unquantized_bases_layers_are_priced_as_the_stage_holds_them(
+    tiny_model: Path, dtype: str, compute_bytes: int
+) -> None:
+    """``adapter: lora``: the base weights stay in the stage's dtype, and the plan's ``weights`` part
+    is what the built stage's decoder layers hold, exactly."""
+    shape = ModelShape.from_config_dir(tiny_model)
+    workload = _workload(compute_bytes)
+    unquantized = replace(workload, quantize=False)
+    spec = StageSpec(1, NUM_STAGES, LAYERS_PER_STAGE, 2 * LAYERS_PER_STAGE, "cpu")
+    stage = build_stage(tiny_model, spec, BaseSettings(quantize=False, compute_dtype=dtype), LORA, seed=0)
+    held = sum(
+        _tensor_bytes(param)
+        for name, param in stage.named_parameters()
+        if ".layers." in name and not param.requires_grad
+    )
+    predicted = _predicted(shape, unquantized, 1)
+    assert "weights_nf4" not in predicted
+    assert held == predicted["weights"]
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the tensors ops create while it is active, and their peak: each new storage counts
+    from the op that made it until its tensor (which every view of it keeps alive) is freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, tuple | list) else [out]:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+            if key in self.seen or size == 0:
+                continue  # a view, or the input itself
+            self.seen.add(key)
+            self.live += size
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(tensor, self._free, key, size)
+        return out
+
+    def _free(self, key: int, size: int) -> None:
+        self.live -= size
+        self.seen.discard(key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pytorch_dequantization_peaks_at_the_bytes_the_plan_counts(dtype: torch.dtype) -> None:
+    """The ``torch`` NF4 backend's dequantization of one Linear holds about 6 bytes a weight at its
+    peak (an int32 index a byte of codes, the fp32 values, the blocks' absmax): what a stage on it is priced with
+    (``torch_dequantize`` plus the dequantized weight in ``workspace``)."""
+    out_features, in_features = 1024, 2048
+    layer = quantize_linear(torch.randn(out_features, in_features) * 0.02, None, device="cpu",
+                            compute_dtype=dtype, backend="torch")  # fmt: skip
+    tracker = _LiveBytes()
+    tracker.seen.add(layer.weight.data.untyped_storage().data_ptr())
+    with tracker:
+        dequantize_nf4(layer.weight.data, layer.weight.quant_state, dtype)
+    per_weight = tracker.peak / (out_features * in_features)
+    assert TORCH_DEQUANT_PEAK_BYTES_PER_WEIGHT <= per_weight <= TORCH_DEQUANT_PEAK_BYTES_PER_WEIGHT * 1.01

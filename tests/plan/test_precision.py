@@ -175,15 +175,21 @@ def _seed_plan(**workload: object) -> Plan:
     return plan_pipeline(shape, replace(base, **workload), fleet)
 
 
-def test_seed_fleet_plan_shows_each_stage_dtype_and_refuses_the_m40() -> None:
+def test_seed_fleet_plan_shows_each_stage_dtype_and_the_m40_computes_nf4_in_pytorch() -> None:
     plan = _seed_plan(precision="bf16")
     dtypes = {stage.slot: stage.dtype for stage in plan.stages}
-    assert dtypes == {"rtx3090": "bfloat16", "rtx4090": "bfloat16", "v100": "float16"}
-    assert set(plan.refused) == {"m40"} and "NF4" in plan.refused["m40"]
+    assert dtypes == {"rtx3090": "bfloat16", "rtx4090": "bfloat16", "v100": "float16", "m40": "float32"}
+    assert not plan.refused
     data = json.loads(json.dumps(plan.to_json()))
     assert [stage["dtype"] for stage in data["stages"]] == [stage.dtype for stage in plan.stages]
     again = Plan.from_json(data)
     assert [s.dtype for s in again.stages] == [s.dtype for s in plan.stages] and again.refused == plan.refused
+
+
+def test_seed_fleet_plan_refuses_the_m40_when_bitsandbytes_is_asked_for() -> None:
+    plan = _seed_plan(precision="bf16", nf4_backend="bitsandbytes")
+    assert {stage.slot for stage in plan.stages} == {"rtx3090", "rtx4090", "v100"}
+    assert set(plan.refused) == {"m40"} and "shardpool.nf4_backend to auto or torch" in plan.refused["m40"]
 
 
 def test_lora_run_may_use_the_m40_in_fp32() -> None:
@@ -229,8 +235,14 @@ def test_stage_dtype_sets_its_compute_bytes_in_the_cost_model() -> None:
 def test_a_manual_split_on_a_refused_device_is_refused_in_one_line() -> None:
     shape = ModelShape.from_config_dir(str(ROOT / "configs/models/tiny-llama.json"))
     fleet = load_fleet(ROOT / "configs/fleet-seed.yaml")
+    bitsandbytes = Workload(precision="bf16", nf4_backend="bitsandbytes")
     with pytest.raises(ShardpoolError, match="m40 .*NF4"):
-        evaluate_split(shape, Workload(precision="bf16"), fleet, devices=["m40"], layers=[shape.num_layers])
+        evaluate_split(shape, bitsandbytes, fleet, devices=["m40"], layers=[shape.num_layers])
+    # Under auto the M40 computes NF4 in plain PyTorch, and the split is predicted.
+    plan = evaluate_split(
+        shape, Workload(precision="bf16"), fleet, devices=["m40"], layers=[shape.num_layers]
+    )
+    assert plan.fits and plan.stages[0].nf4_backend == "torch"
 
 
 def test_fleet_file_rejects_a_bad_capability() -> None:
@@ -240,7 +252,7 @@ def test_fleet_file_rejects_a_bad_capability() -> None:
         )
 
 
-def test_cli_plan_of_the_seed_fleet_shows_dtypes_and_refuses_the_m40() -> None:
+def test_cli_plan_of_the_seed_fleet_shows_dtypes_and_nf4_backends() -> None:
     result = run_cli(
         "plan",
         "configs/quickstart.yaml",
@@ -265,8 +277,15 @@ def test_cli_plan_of_the_seed_fleet_shows_dtypes_and_refuses_the_m40() -> None:
         "rtx3090": "bfloat16",
         "rtx4090": "bfloat16",
         "v100": "float16",
+        "m40": "float32",
     }
-    assert list(plan["refused"]) == ["m40"]
+    assert {stage["slot"]: stage["nf4_backend"] for stage in plan["stages"]} == {
+        "rtx3090": "bitsandbytes",
+        "rtx4090": "bitsandbytes",
+        "v100": "bitsandbytes",
+        "m40": "torch",
+    }
+    assert plan["refused"] == {}
 
 
 def test_plan_of_the_seed_fleet_alone_plans_the_workload_its_file_names(tmp_path: Path) -> None:
@@ -278,9 +297,13 @@ def test_plan_of_the_seed_fleet_alone_plans_the_workload_its_file_names(tmp_path
         for line in result.stdout.splitlines()
         if line.count("│") >= 7
     }
-    assert rows == {"rtx3090": "bf16", "rtx4090": "bf16", "v100": "fp16"}
-    assert "refused: m40 (compute capability 5.2) cannot run bitsandbytes NF4" in " ".join(
-        result.stdout.split()
+    assert rows == {"rtx3090": "bf16", "rtx4090": "bf16", "v100": "fp16", "m40": "fp32"}
+    nf4 = {line.split("│")[2].strip(): line.split("│")[5].strip() for line in result.stdout.splitlines()
+           if line.count("│") >= 8}  # fmt: skip
+    assert nf4 == {"rtx3090": "bnb", "rtx4090": "bnb", "v100": "bnb", "m40": "torch"}
+    assert (
+        "nf4: m40 (compute capability 5.2): bitsandbytes has no 4-bit kernels for it; NF4 in plain PyTorch"
+        in " ".join(result.stdout.split())
     )
 
 

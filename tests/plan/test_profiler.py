@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan import profiler
 from shardpool.plan.costmodel import Workload
@@ -167,3 +168,58 @@ def test_the_profiled_device_decides_the_dtype(
     monkeypatch.setattr(profiler, "_measure", measure)
     profile_layer(TINY, replace(WORKLOAD, compute_bytes=2, precision=precision), device=info.name)
     assert asked == [dtype]
+
+
+# ---------------------------------------------------------------- the NF4 backend a layer is profiled on (issue 41)
+
+M40 = DeviceInfo("cuda:1", "cuda", "Tesla M40", 24 << 30, 23 << 30, compute_capability="5.2", bf16=False,
+                 nf4_error="Error named symbol not found at line 90")  # fmt: skip
+
+
+def test_a_card_bitsandbytes_cannot_run_is_profiled_on_the_pytorch_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[object] = []
+
+    def measure(shape: ModelShape, workload: Workload, **options: object) -> LayerProfile:
+        asked.append(options.get("nf4_backend"))
+        return LayerProfile(0.01, 1, None, M40.name, M40.label, None, 1)
+
+    monkeypatch.setattr(profiler, "device_info", lambda name: M40)
+    monkeypatch.setattr(profiler, "_measure", measure)
+    profile_layer(TINY, WORKLOAD, device=M40.name)
+    profile_layer(TINY, replace(WORKLOAD, quantize=False), device=M40.name)
+    assert asked == ["torch", None]
+    keys = json.loads(cache_path().read_text())
+    assert sum("|nf4=torch|" in key for key in keys) == 1 and sum("-fp|" in key for key in keys) == 1
+    with pytest.raises(ShardpoolError, match="cannot run bitsandbytes 4-bit.*nf4_backend to auto or torch"):
+        profile_layer(TINY, replace(WORKLOAD, nf4_backend="bitsandbytes"), device=M40.name)
+
+
+def _built_linears(monkeypatch: pytest.MonkeyPatch, workload: Workload) -> set[str]:
+    """The classes of the frozen Linear modules in the layer a CPU profile of ``workload`` builds."""
+    found: list[set[str]] = []
+
+    def build(*args: object) -> tuple:
+        model = _BUILD_LAYER(*args)[0]  # type: ignore[arg-type]
+        found.append(
+            {type(module).__name__ for name, module in model.named_modules() if name.endswith("base_layer")}
+        )
+        raise _Built
+
+    monkeypatch.setattr(profiler, "_build_layer", build)
+    with pytest.raises(_Built):
+        profile_layer(TINY, workload, device="cpu", use_cache=False)
+    return found[0]
+
+
+def test_the_profiled_layer_is_the_one_the_stage_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _built_linears(monkeypatch, WORKLOAD) == {"Linear4bit"}
+    assert _built_linears(monkeypatch, replace(WORKLOAD, nf4_backend="torch")) == {"TorchNF4Linear"}
+    assert _built_linears(monkeypatch, replace(WORKLOAD, quantize=False)) == {"Linear"}
+
+
+def test_an_unquantized_layer_profiles_without_counting_its_weights_as_activations() -> None:
+    nf4 = profile_layer(TINY, WORKLOAD, use_cache=False, repeats=1)
+    dense = profile_layer(TINY, replace(WORKLOAD, quantize=False), use_cache=False, repeats=1)
+    assert dense.seconds_per_layer > 0 and dense.activation_bytes == nf4.activation_bytes
