@@ -28,7 +28,9 @@ def _train(config: dict[str, Any]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model: Path, completion_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def runs(
+    tiny_model: Path, completion_data: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("nf4-backends")
     layout = {"devices": ["cpu", "cpu"], "layers": [3, 3]}
     return {
@@ -58,10 +60,12 @@ def test_a_stage_on_the_pytorch_path_ends_with_the_adapter_of_the_all_bitsandbyt
     reference_adapter = load_file(str(runs["bnb"] / "adapter_model.safetensors"))
     mixed_adapter = load_file(str(runs["mixed"] / "adapter_model.safetensors"))
     assert reference_adapter.keys() == mixed_adapter.keys()
-    difference = max(float((mixed_adapter[key] - reference_adapter[key]).abs().max()) for key in mixed_adapter)
+    difference = max(
+        float((mixed_adapter[key] - reference_adapter[key]).abs().max()) for key in mixed_adapter
+    )
     assert difference < 1e-4
     # the adapter moved: the comparison is of trained tensors, not of two untouched ones
-    assert any(
-        float(tensor.abs().max()) > 0 for key, tensor in mixed_adapter.items() if "lora_B" in key
-    ), "lora_B starts at zero and must have trained"
+    assert any(float(tensor.abs().max()) > 0 for key, tensor in mixed_adapter.items() if "lora_B" in key), (
+        "lora_B starts at zero and must have trained"
+    )
     assert torch.isfinite(torch.tensor([record["loss"] for record in mixed])).all()
