@@ -6,7 +6,8 @@ scale (80 layers over 64 devices), and the profiler's time for a tiny model on t
 Baselines use every device of the fleet that can run the workload, in file order, like a
 hand-written split: the seed fleet's M40 too, which computes its NF4 layers in plain PyTorch
 (bitsandbytes has no kernels for compute capability 5.2; docs/planner.md). The
-workloads plan as a config does by default (``warmup_lead: auto``, ``data_parallel: auto``);
+workloads plan as a config does by default (``warmup_lead: auto``, ``data_parallel: auto``), with
+``bf16: true``: each device computes in the dtype it supports (the V100 in fp16, the M40 in fp32);
 ``planner_lead_1`` is the same search at the textbook 1F1B warm-up.
 """
 
@@ -43,6 +44,7 @@ WORKLOADS = {
         wire_bytes=2,
         data_parallel="auto",
         warmup_lead=None,
+        precision="bf16",
     ),
     "llama-3-8b": Workload(
         micro_batch_size=2,
@@ -54,6 +56,7 @@ WORKLOADS = {
         wire_bytes=2,
         data_parallel="auto",
         warmup_lead=None,
+        precision="bf16",
     ),
 }
 
