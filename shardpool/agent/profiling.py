@@ -71,7 +71,7 @@ _ROW_FIELDS = {
     "seconds_per_layer": (int, float),
     "activation_bytes": int,
 }
-#: The fields a row of a device that cannot run NF4 (``nf4_error``) lacks: it was not profiled.
+#: The fields a row of a device that was not profiled lacks; only a row with ``nf4_error`` may.
 _PROFILE_FIELDS = ("seconds_per_layer", "activation_bytes")
 #: Longest compute capability (``8.6``, ``gfx90a``) and NF4 refusal reason a row may state.
 MAX_CAPABILITY_CHARS = 40
@@ -276,18 +276,26 @@ def _report_rows(out: bytes) -> list[dict[str, Any]]:
 def _checked_row(row: Any) -> dict[str, Any]:
     """One report row with its required fields typed and every number in bounds.
 
-    A row with ``nf4_error`` (a device bitsandbytes' 4-bit kernels cannot run on) has no profile:
-    it keeps its facts and the error, and the launcher gives that device no layers.
+    A row with ``nf4_error`` (a device bitsandbytes' 4-bit kernels cannot run on) keeps the error
+    either way. With a profile (its NF4 layer measured in plain PyTorch) the profile is checked as
+    any other; without one (the installed torch cannot run the device) the row holds only its
+    facts and the error, and the launcher gives that device no layers.
     """
-    refused = isinstance(row, dict) and row.get("nf4_error") is not None
-    required = {name: kind for name, kind in _ROW_FIELDS.items() if not (refused and name in _PROFILE_FIELDS)}
+    unprofiled = (
+        isinstance(row, dict)
+        and row.get("nf4_error") is not None
+        and not any(name in row for name in _PROFILE_FIELDS)
+    )
+    required = {
+        name: kind for name, kind in _ROW_FIELDS.items() if not (unprofiled and name in _PROFILE_FIELDS)
+    }
     if not isinstance(row, dict) or not set(required) <= set(row):
         raise ProfileFailed(f"a device row must have the fields {sorted(required)}")
     for name, kind in required.items():
         if not isinstance(row[name], kind) or isinstance(row[name], bool):
             raise ProfileFailed(f"a device row's {name} is {str(row[name])[:40]!r}")
     checked = {name: row[name] for name in required} | _device_facts(row)
-    if refused:
+    if unprofiled:
         return checked
     _bound(row, "seconds_per_layer", low=0.0, high=MAX_MEASURED_SECONDS, open_low=True)
     for name in _MEASURED_SECONDS:

@@ -24,7 +24,13 @@ from shardpool.plan.costmodel import Workload
 from shardpool.plan.device_facts import Measurement, nf4_probe_refusal
 from shardpool.plan.fleet import Device, Fleet, LinkSpec
 from shardpool.plan.planner import plan_pipeline
-from shardpool.plan.precision import parse_capability
+from shardpool.plan.precision import (
+    DeviceFacts,
+    NF4Choice,
+    NF4Setting,
+    choose_nf4_backend,
+    parse_capability,
+)
 from shardpool.plan.result import Plan
 
 __all__ = [
@@ -34,6 +40,7 @@ __all__ = [
     "launcher_member",
     "measure_links",
     "member_device",
+    "member_nf4_choice",
     "mesh_fleet",
     "mesh_planner",
     "member_profiles",
@@ -152,6 +159,8 @@ def mesh_fleet(
     """Devices of every member whose agent answers, profiled there, and the measured links between them.
 
     The members profile at once (:func:`member_profiles`); their devices keep the members' order.
+    A device whose 4-bit probe failed there computes its NF4 layers as :func:`member_nf4_choice`
+    says (said once here), or is left out with one line.
     """
     devices: list[Device] = []
     answering: list[MeshMember] = []
@@ -161,17 +170,15 @@ def mesh_fleet(
             continue
         answering.append(member)
         for info in reported:
-            if info.get("nf4_error") is not None:
-                say(
-                    nf4_probe_refusal(
-                        f"{member.name}/{info['name']}",
-                        info["label"],
-                        info.get("compute_capability"),
-                        info["nf4_error"],
-                    )
-                )
-            else:
-                devices.append(member_device(member.name, info))
+            nf4 = member_nf4_choice(member.name, info, workload)
+            if nf4 is not None:
+                say(nf4.reason)
+                if nf4.backend is None:
+                    continue
+            device = member_device(member.name, info)
+            if nf4 is not None:
+                device = replace(device, nf4_backend=nf4.backend, nf4_reason=nf4.reason)
+            devices.append(device)
     if not devices:
         raise ShardpoolError(
             "no mesh member's agent answered; start `shardpool agent` on the members (see docs/agent.md)"
@@ -222,6 +229,46 @@ def member_profiles(
         if isinstance(answer, BaseException) and not isinstance(answer, (AgentUnreachable, AgentRefused)):
             raise answer
     return answers
+
+
+def member_nf4_choice(member: str, info: dict[str, Any], workload: Workload) -> NF4Choice | None:
+    """How a member's device whose bitsandbytes 4-bit probe failed there (its row's ``nf4_error``)
+    computes with NF4 weights, and why in one line; None where there is nothing to choose here (a
+    probe that passed, where the planner chooses from the compute capability, or an unquantized base).
+
+    A row with a profile was measured in plain PyTorch (``plan.report``): under ``auto`` or ``torch``
+    the device computes there; under ``bitsandbytes`` it is refused. A row without one (the member's
+    torch cannot run the device) is refused whatever the workload. A refusal's reason is the line
+    that says the device gets no layers. The choice holds wherever the planner places the device,
+    so a per-stage ``shardpool.nf4_backend`` list is judged as ``auto``, or as ``bitsandbytes`` where
+    it forces that on some stage (the device could otherwise take that stage in PyTorch).
+    """
+    error = info.get("nf4_error")
+    if error is None:
+        return None
+    refusal = nf4_probe_refusal(
+        f"{member}/{info['name']}", info["label"], info.get("compute_capability"), error
+    )
+    if "seconds_per_layer" not in info:
+        return NF4Choice(None, refusal)
+    if not workload.quantize:
+        return None
+    settings = workload.nf4_backend
+    setting: NF4Setting = settings if not isinstance(settings, tuple) else _list_setting(settings)
+    kind = str(info["kind"])
+    facts = DeviceFacts(
+        kind=kind,
+        name=f"{member}/{info['name']}, {info['label']}",  # the reason names the card too
+        capability=_capability(info) if kind == "cuda" else None,
+        bf16=info["bf16"] if isinstance(info.get("bf16"), bool) else None,
+    )
+    choice = choose_nf4_backend(setting, facts, nf4_error=error)
+    return choice if choice.backend is not None else NF4Choice(None, refusal)
+
+
+def _list_setting(settings: tuple[NF4Setting, ...]) -> NF4Setting:
+    """The one setting a device with a fixed NF4 backend is judged under for a per-stage list."""
+    return "bitsandbytes" if "bitsandbytes" in settings else "auto"
 
 
 def member_device(member: str, info: dict[str, Any]) -> Device:

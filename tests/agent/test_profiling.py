@@ -218,6 +218,32 @@ def test_a_row_keeps_the_device_facts_and_a_refused_device_needs_no_profile() ->
         _rows(unprofiled)
 
 
+#: A Maxwell card's row: bitsandbytes' 4-bit probe failed, its NF4 layer was profiled in plain PyTorch.
+M40_FACTS = {"compute_capability": "5.2", "bf16": False, "nf4_error": "Error named symbol not found"}
+
+
+def test_a_profiled_row_with_nf4_error_keeps_its_profile_and_the_error() -> None:
+    m40 = {**OLD_ROW, **MEASURED, **M40_FACTS, "name": "cuda:1", "kind": "cuda", "threads": 0}
+    assert _rows({**m40, "extra": "dropped"}) == [m40]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("seconds_per_layer", 0.0), ("seconds_per_layer", float("inf")), ("seconds_per_layer", "fast"),
+     ("activation_bytes", 1.5), ("forward_seconds", -0.1), ("optimizer_seconds", 1e9), ("runs", 0),
+     ("cpu_quota", 1e6), ("ci95_rel", float("nan")), ("nf4_error", "e" * 301), ("nf4_error", "two\nlines")],
+)  # fmt: skip
+def test_a_profiled_row_with_nf4_error_is_held_to_the_same_bounds(field: str, value: Any) -> None:
+    with pytest.raises(ProfileFailed, match=f"row's {field} is"):
+        _rows({**OLD_ROW, **MEASURED, **M40_FACTS, field: value})
+
+
+def test_a_row_with_nf4_error_and_half_a_profile_fails_the_report() -> None:
+    half = {key: value for key, value in OLD_ROW.items() if key != "activation_bytes"}
+    with pytest.raises(ProfileFailed, match="must have the fields"):
+        _rows({**half, **M40_FACTS})
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("compute_capability", 8.6), ("compute_capability", "x" * 41), ("compute_capability", "8.6\n"),

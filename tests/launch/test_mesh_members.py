@@ -1,23 +1,29 @@
 """The launcher's view of the mesh (shardpool/launch/mesh_members.py): each member's device rows
 become planner devices with their measured times and how they were measured; a row from an older
 member's agent, without them, still plans with modeled times; the profile request carries only the
-fields a profile depends on, so an agent from before a planner field was added still accepts it."""
+fields a profile depends on, so an agent from before a planner field was added still accepts it; a
+card bitsandbytes' 4-bit probe failed on (an M40) takes layers on the PyTorch NF4 path unless the
+config forces bitsandbytes."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from shardpool.agent.client import AgentUnreachable
+from shardpool.agent.profiling import _report_rows, devices_request
 from shardpool.config import parse_config
 from shardpool.launch.mesh_members import PROFILE_CONCURRENCY, MeshMember, mesh_fleet, mesh_planner
 from shardpool.model.shape import ModelShape
+from shardpool.plan import report
 from shardpool.plan.costmodel import Workload
+from shardpool.plan.device_facts import DeviceInfo, LayerProfile
 from shardpool.plan.planner import plan_pipeline
 from shardpool.plan.time_model import modeled_times
 
@@ -140,6 +146,88 @@ def test_a_members_device_that_cannot_run_nf4_is_left_out_with_one_line() -> Non
     assert said == [
         "lab/cuda:1 (Tesla M40, 5.2) cannot run bitsandbytes 4-bit: Error named symbol not found; it gets no layers"
     ]
+
+
+#: A member's Maxwell card: bitsandbytes' 4-bit probe failed there, and its agent profiled the
+#: NF4 layer in plain PyTorch (``plan.report``).
+M40_ROW = {"name": "cuda:1", "kind": "cuda", "label": "Tesla M40", "total_bytes": 24 << 30,
+           "free_bytes": 23 << 30, "threads": 0, "seconds_per_layer": 0.2, "activation_bytes": 2048,
+           "compute_capability": "5.2", "bf16": False, "nf4_error": "Error named symbol not found"}  # fmt: skip
+M40_IN_PYTORCH = (
+    "lab/cuda:1, Tesla M40 (compute capability 5.2): bitsandbytes' 4-bit probe failed "
+    "(Error named symbol not found); NF4 in plain PyTorch"
+)
+M40_REFUSED = "lab/cuda:1 (Tesla M40, 5.2) cannot run bitsandbytes 4-bit: Error named symbol not found; it gets no layers"
+
+
+def _lab_fleet(workload: Workload, rows: list[dict[str, Any]] | None = None) -> tuple[Any, list[str]]:
+    """The fleet of one member, ``lab``, with the M40 and a CPU (or ``rows``), and what was said."""
+    lab = FakeAgent("lab", [M40_ROW, OLD_ROW] if rows is None else rows)
+    said: list[str] = []
+    members = [MeshMember("lab", "198.51.100.1", True, lab)]  # type: ignore[arg-type]
+    return mesh_fleet(members, model_config={}, workload=workload, say=said.append), said
+
+
+def test_a_members_m40_profiled_in_pytorch_takes_layers_on_the_pytorch_path() -> None:
+    fleet, said = _lab_fleet(WORKLOAD)
+    m40 = fleet.device("lab/cuda:1")
+    assert (m40.nf4_backend, m40.nf4_reason, m40.seconds_per_layer) == ("torch", M40_IN_PYTORCH, 0.2)
+    assert said == [M40_IN_PYTORCH]  # once, and no refusal
+    plan = plan_pipeline(SHAPE, WORKLOAD, fleet)
+    (stage,) = [stage for stage in plan.stages if stage.slot == "lab/cuda:1"]
+    assert stage.num_layers >= 1 and (stage.nf4_backend, stage.nf4_reason) == ("torch", M40_IN_PYTORCH)
+    assert stage.memory_breakdown["torch_dequantize"] > 0
+
+
+def test_a_members_m40_is_refused_with_one_line_under_forced_bitsandbytes() -> None:
+    fleet, said = _lab_fleet(replace(WORKLOAD, nf4_backend="bitsandbytes"))
+    assert [device.name for device in fleet.devices] == ["lab/cpu"]
+    assert said == [M40_REFUSED]
+
+
+def test_a_per_stage_list_gives_a_members_m40_pytorch_unless_it_forces_bitsandbytes_on_a_stage() -> None:
+    fleet, said = _lab_fleet(replace(WORKLOAD, nf4_backend=("auto", "torch")))
+    assert fleet.device("lab/cuda:1").nf4_backend == "torch" and said == [M40_IN_PYTORCH]
+    fleet, said = _lab_fleet(replace(WORKLOAD, nf4_backend=("auto", "bitsandbytes")))
+    assert [device.name for device in fleet.devices] == ["lab/cpu"] and said == [M40_REFUSED]
+
+
+def test_an_unquantized_base_takes_a_members_m40_as_any_device() -> None:
+    fleet, said = _lab_fleet(replace(WORKLOAD, quantize=False))
+    m40 = fleet.device("lab/cuda:1")
+    assert (m40.nf4_backend, m40.nf4_reason, m40.seconds_per_layer) == (None, "", 0.2) and said == []
+
+
+def test_a_members_device_its_torch_cannot_run_stays_refused_whatever_the_workload() -> None:
+    unprofiled = {
+        key: value for key, value in M40_ROW.items() if key not in ("seconds_per_layer", "activation_bytes")
+    }
+    for workload in (WORKLOAD, replace(WORKLOAD, quantize=False), replace(WORKLOAD, nf4_backend="torch")):
+        fleet, said = _lab_fleet(workload, [unprofiled, OLD_ROW])
+        assert [device.name for device in fleet.devices] == ["lab/cpu"] and said == [M40_REFUSED]
+
+
+def test_the_report_of_a_member_with_an_m40_plans_it_on_the_pytorch_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """End to end: the member's report rows, checked by its agent, become the launcher's M40 device."""
+    m40_info = DeviceInfo("cuda:1", "cuda", "Tesla M40", 24 << 30, 23 << 30, compute_capability="5.2",
+                          bf16=False, nf4_error="Error named symbol not found")  # fmt: skip
+    monkeypatch.setattr(report, "list_devices", lambda: [m40_info])
+    asked: list[object] = []
+
+    def stand_in_profile(
+        shape: object, workload: Workload, *, device: str, threads: int | None
+    ) -> LayerProfile:
+        asked.append(workload.nf4_backend)
+        return LayerProfile(0.2, 2048, None, device, "Tesla M40", threads, 3)
+
+    monkeypatch.setattr(report, "profile_layer", stand_in_profile)
+    _, requested = devices_request({"model_config": SHAPE_CONFIG, "workload": WORKLOAD.profile_request()})
+    rows = _report_rows(json.dumps({"devices": report.device_rows(SHAPE, requested)}).encode())
+    fleet, said = _lab_fleet(WORKLOAD, rows)
+    assert asked == ["torch"] and said == [M40_IN_PYTORCH]
+    assert fleet.device("lab/cuda:1").nf4_backend == "torch"
 
 
 class MeetingAgent(FakeAgent):

@@ -157,21 +157,79 @@ def test_a_refused_device_named_in_the_config_is_refused_in_one_line() -> None:
         local_fleet(["cuda:1"], shape=shape, workload=bitsandbytes, probe=Probe())  # type: ignore[arg-type]
 
 
-def test_a_refused_device_is_reported_but_not_profiled(monkeypatch: pytest.MonkeyPatch) -> None:
+#: An M40 on a host whose torch has no sm_52 kernels: discovery gives both errors the same line.
+NO_SM52 = "the installed torch has no kernels for sm_52"
+M40_NO_TORCH = replace(M40, arch_error=NO_SM52, nf4_error=NO_SM52)
+
+
+def _report_rows(
+    monkeypatch: pytest.MonkeyPatch, devices: list[DeviceInfo], workload: Workload
+) -> tuple[list[dict[str, object]], list[tuple[str, object]]]:
+    """``plan.report``'s rows for ``devices`` with a stand-in profile, and the (device, NF4 setting)
+    each profile was asked for."""
+    from shardpool.plan import report
+
+    monkeypatch.setattr(report, "list_devices", lambda: devices)
+    asked: list[tuple[str, object]] = []
+
+    def stand_in_profile(
+        shape: object, workload: Workload, *, device: str, threads: int | None
+    ) -> LayerProfile:
+        asked.append((device, workload.nf4_backend))
+        return LayerProfile(0.25, 4096, None, device, "stand-in", threads, 3)
+
+    monkeypatch.setattr(report, "profile_layer", stand_in_profile)
+    return report.device_rows(None, workload), asked  # type: ignore[arg-type]
+
+
+def test_a_device_whose_4bit_probe_failed_is_profiled_in_pytorch_and_keeps_its_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cpu = device_info("cpu", nf4=False)
+    rows, asked = _report_rows(monkeypatch, [M40, cpu], Workload(sequence_len=16))
+    assert asked == [("cuda:1", "torch"), ("cpu", "auto")]
+    m40 = rows[0]
+    assert m40["nf4_error"] == "Error named symbol not found at line 90"
+    assert (m40["seconds_per_layer"], m40["activation_bytes"]) == (0.25, 4096)
+
+
+def test_a_card_whose_pytorch_path_fails_too_is_left_unprofiled_and_the_others_still_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from shardpool.plan import report
 
     cpu = device_info("cpu", nf4=False)
     monkeypatch.setattr(report, "list_devices", lambda: [M40, cpu])
-    profiled: list[str] = []
 
-    def fake_profile(shape: object, workload: object, *, device: str, threads: int | None) -> object:
-        profiled.append(device)
-        raise RuntimeError("stop after the first profile")
+    def profile(shape: object, workload: Workload, *, device: str, threads: int | None) -> LayerProfile:
+        if device == "cuda:1":
+            raise RuntimeError("CUDA out of memory.\nTried to allocate 2.00 GiB " + "x" * 400)
+        return LayerProfile(0.25, 4096, None, device, "stand-in", threads, 3)
 
-    monkeypatch.setattr(report, "profile_layer", fake_profile)
-    with pytest.raises(RuntimeError, match="stop after"):
-        report.device_rows(None, None)  # type: ignore[arg-type]
-    assert profiled == ["cpu"]
+    monkeypatch.setattr(report, "profile_layer", profile)
+    m40, cpu_row = report.device_rows(None, Workload(sequence_len=16))  # type: ignore[arg-type]
+    assert "seconds_per_layer" not in m40 and cpu_row["seconds_per_layer"] == 0.25
+    assert m40["nf4_error"].startswith(f"{M40.nf4_error}; in plain PyTorch: CUDA out of memory. Tried")
+    assert "\n" not in m40["nf4_error"] and len(m40["nf4_error"]) <= MAX_NF4_ERROR_CHARS
+
+
+def test_an_unquantized_base_profiles_a_device_whose_4bit_probe_failed_as_any_other(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rows, asked = _report_rows(monkeypatch, [M40], Workload(sequence_len=16, quantize=False))
+    assert asked == [("cuda:1", "auto")]
+    assert rows[0]["seconds_per_layer"] == 0.25 and rows[0]["nf4_error"] == M40.nf4_error
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+def test_a_device_the_installed_torch_cannot_run_is_reported_but_not_profiled(
+    monkeypatch: pytest.MonkeyPatch, quantize: bool
+) -> None:
+    cpu = device_info("cpu", nf4=False)
+    rows, asked = _report_rows(monkeypatch, [M40_NO_TORCH, cpu], Workload(sequence_len=16, quantize=quantize))
+    assert [device for device, _ in asked] == ["cpu"]
+    assert rows[0]["nf4_error"] == M40_NO_TORCH.nf4_error
+    assert "seconds_per_layer" not in rows[0] and "activation_bytes" not in rows[0]
 
 
 # ---------------------------------------------------------------- builds: torch's and bitsandbytes' architectures
