@@ -29,6 +29,7 @@ from transformers import BitsAndBytesConfig
 
 __all__ = [
     "DTYPES",
+    "DEQUANTIZE_CHUNK_WEIGHTS",
     "NF4_BACKENDS",
     "NF4Backend",
     "TorchNF4Linear",
@@ -110,6 +111,11 @@ def keep_exact_cpu_matmul(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+#: Weights dequantized at a time (:func:`dequantize_nf4`): the fp32 temporaries of one chunk
+#: (6 bytes a weight) are all the PyTorch path holds beyond the dequantized weight itself.
+DEQUANTIZE_CHUNK_WEIGHTS = 2**20
+
+
 def dequantize_nf4(packed: torch.Tensor, state: Any, dtype: torch.dtype) -> torch.Tensor:
     """The ``[out, in]`` weight that 4-bit codes ``packed`` and their bitsandbytes ``state`` stand for.
 
@@ -118,20 +124,30 @@ def dequantize_nf4(packed: torch.Tensor, state: Any, dtype: torch.dtype) -> torc
     ``state.state2.code`` in blocks of ``state.state2.blocksize``, plus ``state.offset``. Computed
     in fp32 and cast to ``dtype`` last, as bitsandbytes' own kernels do.
 
-    Each byte is looked up once in a table of the 256 code pairs, and the values are scaled in
-    place: at its peak this holds an int32 index a byte and the fp32 values (6 bytes a weight),
-    since a stage on this path dequantizes a whole linear at a time on cards with little memory.
+    The result is written :data:`DEQUANTIZE_CHUNK_WEIGHTS` weights at a time: each byte of a chunk
+    is looked up once in a table of the 256 code pairs and scaled in place, so beyond the result
+    this holds the blocks' fp32 absmax (4 bytes per 64 weights) and one chunk's int32 index and
+    fp32 values (6 bytes a weight of the chunk), whatever the size of the weight.
     """
     absmax = state.absmax
     if state.nested:
         nested = state.state2
         absmax = _scaled_blocks(nested.code[absmax.int()], nested.absmax, nested.blocksize) + state.offset
+    absmax = absmax.float()
     count = torch.Size(state.shape).numel()
     code = state.code.to(torch.float32)
     byte = torch.arange(256, device=code.device)
     pairs = torch.stack((code[byte >> 4], code[byte & 0xF]), dim=1)  # byte -> (high code, low code)
-    values = pairs[packed.reshape(-1).view(torch.uint8).int()].reshape(-1)[:count]
-    return _scaled_blocks(values, absmax.float(), state.blocksize).reshape(state.shape).to(dtype)
+    codes = packed.reshape(-1).view(torch.uint8)
+    result = torch.empty(count, dtype=dtype, device=codes.device)
+    step = max(state.blocksize, DEQUANTIZE_CHUNK_WEIGHTS // state.blocksize * state.blocksize)
+    for first in range(0, count, step):  # a multiple of the blocksize: chunks start on a block
+        last = min(first + step, count)
+        values = pairs[codes[first // 2 : (last + 1) // 2].int()].reshape(-1)[: last - first]
+        scales = absmax[first // state.blocksize : (last + state.blocksize - 1) // state.blocksize]
+        result[first:last] = _scaled_blocks(values, scales, state.blocksize)
+        del values  # before the next chunk's are made
+    return result.reshape(state.shape)
 
 
 def _scaled_blocks(values: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tensor:

@@ -16,7 +16,8 @@ __all__ = [
     "FRAGMENTATION",
     "LORA_BYTES_PER_PARAM",
     "NF4_BLOCKSIZE",
-    "TORCH_DEQUANT_PEAK_BYTES_PER_WEIGHT",
+    "TORCH_DEQUANT_CHUNK_WEIGHTS",
+    "torch_dequantize_bytes",
     "activation_bytes_per_layer",
     "boundary_bytes",
     "held_boundary_bytes",
@@ -45,12 +46,17 @@ _RESERVE_BASE = {
 }
 #: Fraction of a stage's tensor bytes added to its reserve for allocator fragmentation.
 FRAGMENTATION = 0.05
-#: Bytes per weight that dequantizing one Linear in plain PyTorch (``shardpool.model.nf4``, the
-#: ``torch`` NF4 backend) holds at its peak: an int32 index for each byte of codes (2 a weight), the
-#: fp32 values looked up and scaled in place (4), and the fp32 absmax of each block of 64 (4 / 64);
-#: 6.06 measured on CPU. The packed weight is the stage's own; a bf16 or fp16 result takes the
-#: index's place.
-TORCH_DEQUANT_PEAK_BYTES_PER_WEIGHT = 2 + 4 + 4 / 64
+#: Weights the PyTorch NF4 path (``shardpool.model.nf4``, the ``torch`` backend) dequantizes at a
+#: time: ``shardpool.model.nf4.DEQUANTIZE_CHUNK_WEIGHTS`` (this module stays torch-free).
+TORCH_DEQUANT_CHUNK_WEIGHTS = 2**20
+
+
+def torch_dequantize_bytes(weights: int) -> int:
+    """What dequantizing one Linear of ``weights`` on the PyTorch NF4 path holds beyond the
+    dequantized weight itself: the blocks' fp32 absmax (4 bytes per 64 weights) and one chunk's
+    int32 index and fp32 values (6 bytes a weight of the chunk); measured on CPU
+    (``tests/plan/test_memory_parts.py``)."""
+    return int(weights * 4 / 64 + 6 * min(weights, TORCH_DEQUANT_CHUNK_WEIGHTS))
 
 
 def nf4_bytes(params: int) -> float:

@@ -20,7 +20,6 @@ from shardpool.plan.costmodel import Workload
 from shardpool.plan.memory_model import (
     FRAGMENTATION,
     LORA_BYTES_PER_PARAM,
-    TORCH_DEQUANT_PEAK_BYTES_PER_WEIGHT,
     activation_bytes_per_layer,
     held_boundary_bytes,
     in_flight_microbatches,
@@ -28,6 +27,7 @@ from shardpool.plan.memory_model import (
     nf4_bytes,
     reserve_base_bytes,
     reserve_bytes,
+    torch_dequantize_bytes,
 )
 from shardpool.plan.pipeline_sim import NO_TRANSFER, StageTimes, Transfer
 from shardpool.plan.time_model import GRADIENT_BYTES, DeviceTimes, ring_allreduce_seconds
@@ -214,7 +214,7 @@ def stage_costs(
     The base weights are NF4 (``weights_nf4``) when ``workload.quantize``, else in the stage's dtype
     (``weights``, as ``adapter: lora`` loads them). An NF4 stage dequantizes one Linear at a time
     (in ``workspace``); on the ``torch`` backend (``nf4_backend``) that dequantization holds more
-    while it runs (``torch_dequantize``, :data:`TORCH_DEQUANT_PEAK_BYTES_PER_WEIGHT`).
+    while it runs (``torch_dequantize``, :func:`~shardpool.plan.memory_model.torch_dequantize_bytes`).
     """
     first, last = index == 0, index == num_stages - 1
     cb = workload.compute_bytes
@@ -242,7 +242,7 @@ def stage_costs(
     # gradients, and (NF4) one dequantized weight matrix.
     fixed = {"workspace": full_act + (largest_linear * cb if workload.quantize else 0)}
     if workload.quantize and nf4_backend == "torch":
-        fixed["torch_dequantize"] = int(largest_linear * max(0.0, TORCH_DEQUANT_PEAK_BYTES_PER_WEIGHT - cb))
+        fixed["torch_dequantize"] = torch_dequantize_bytes(largest_linear)
     fixed |= {
         "boundary_buffers": 2 * tokens * shape.hidden_size * max(cb, workload.wire_bytes),
     } | held_boundary_bytes(

@@ -125,3 +125,13 @@ def test_on_cuda_the_pytorch_path_matches_bitsandbytes_kernels_on_the_same_bytes
         outputs[backend] = (output.detach(), leaf.grad)
     assert torch.allclose(outputs["torch"][0], outputs["bitsandbytes"][0], rtol=1e-4, atol=1e-4)
     assert torch.allclose(outputs["torch"][1], outputs["bitsandbytes"][1], rtol=1e-4, atol=1e-3)
+
+
+def test_dequantizing_in_chunks_gives_the_same_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardpool.model import nf4
+
+    weight = torch.randn(300, 97, generator=torch.Generator().manual_seed(10))  # a short last chunk and block
+    layer = quantize_linear(weight, None, device="cpu", compute_dtype=torch.float32)
+    whole = dequantize_nf4(layer.weight.data, layer.weight.quant_state, torch.bfloat16)
+    monkeypatch.setattr(nf4, "DEQUANTIZE_CHUNK_WEIGHTS", 256)
+    assert torch.equal(dequantize_nf4(layer.weight.data, layer.weight.quant_state, torch.bfloat16), whole)

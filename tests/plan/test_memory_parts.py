@@ -25,7 +25,7 @@ from shardpool.model.nf4 import dequantize_nf4, quantize_linear
 from shardpool.model.shape import ModelShape
 from shardpool.model.stage import BaseSettings, PipelineStage, StageSpec, build_stage
 from shardpool.plan.costmodel import Workload
-from shardpool.plan.memory_model import TORCH_DEQUANT_PEAK_BYTES_PER_WEIGHT
+from shardpool.plan.memory_model import TORCH_DEQUANT_CHUNK_WEIGHTS, torch_dequantize_bytes
 from shardpool.plan.stage_costs import stage_costs
 from shardpool.plan.time_model import modeled_times
 from shardpool.train.optim import build_optimizer
@@ -257,16 +257,23 @@ class _LiveBytes(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_pytorch_dequantization_peaks_at_the_bytes_the_plan_counts(dtype: torch.dtype) -> None:
-    """The ``torch`` NF4 backend's dequantization of one Linear holds about 6 bytes a weight at its
-    peak (an int32 index a byte of codes, the fp32 values, the blocks' absmax): what a stage on it is priced with
-    (``torch_dequantize`` plus the dequantized weight in ``workspace``)."""
-    out_features, in_features = 1024, 2048
+@pytest.mark.parametrize("out_features", [256, 2048])  # one chunk of weights; two of them
+def test_the_pytorch_dequantization_peaks_at_the_bytes_the_plan_counts(
+    dtype: torch.dtype, out_features: int
+) -> None:
+    """The ``torch`` NF4 backend's dequantization of one Linear holds the dequantized weight (in the
+    ``workspace`` part) and, beyond it, the blocks' absmax and one chunk's index and values
+    (``torch_dequantize``): at most a chunk's 6 bytes a weight, whatever the weight's size."""
+    from shardpool.model.nf4 import DEQUANTIZE_CHUNK_WEIGHTS
+
+    assert DEQUANTIZE_CHUNK_WEIGHTS == TORCH_DEQUANT_CHUNK_WEIGHTS
+    in_features = 1024
+    weights = out_features * in_features
     layer = quantize_linear(torch.randn(out_features, in_features) * 0.02, None, device="cpu",
                             compute_dtype=dtype, backend="torch")  # fmt: skip
     tracker = _LiveBytes()
     tracker.seen.add(layer.weight.data.untyped_storage().data_ptr())
     with tracker:
         dequantize_nf4(layer.weight.data, layer.weight.quant_state, dtype)
-    per_weight = tracker.peak / (out_features * in_features)
-    assert TORCH_DEQUANT_PEAK_BYTES_PER_WEIGHT <= per_weight <= TORCH_DEQUANT_PEAK_BYTES_PER_WEIGHT * 1.01
+    predicted = weights * dtype.itemsize + torch_dequantize_bytes(weights)
+    assert predicted <= tracker.peak <= predicted * 1.01

@@ -175,15 +175,15 @@ def _m40_costs(backend: str, workload: Workload = SEVENTY_B_QLORA) -> tuple[obje
 
 def test_a_pytorch_path_stage_holds_its_dequantization_and_takes_longer() -> None:
     """On the M40 (fp32), the PyTorch dequantization of Llama-2-70B's largest Linear (the MLP's
-    28,672 x 8,192) peaks at 6.06 bytes a weight, 2.06 more than the dequantized weight bitsandbytes
-    holds too; and each pass moves 12 more bytes a weight, at 0.04 bytes per datasheet FLOP."""
+    28,672 x 8,192) holds, beyond the dequantized weight bitsandbytes holds too, the blocks' absmax and
+    one chunk of temporaries; and each pass moves 12 more bytes a weight, at 0.04 bytes per datasheet FLOP."""
     bnb_times, bnb = _m40_costs("bitsandbytes")
     torch_times, torch = _m40_costs("torch")
     largest = 28672 * 8192
-    extra = int(largest * (2 + 4 / 64))
+    extra = int(largest * 4 / 64 + 6 * 2**20)  # 0.11 GiB
     assert torch.fixed_breakdown["torch_dequantize"] == extra
     assert "torch_dequantize" not in bnb.fixed_breakdown
-    assert torch.fixed_bytes - bnb.fixed_bytes == extra  # 0.45 GiB
+    assert torch.fixed_bytes - bnb.fixed_bytes == extra
     assert torch.per_layer_bytes == bnb.per_layer_bytes
     assert torch.breakdown(4)["torch_dequantize"] == extra
     once = SEVENTY_B.layer_linear_params() * 12 / (0.04 * 6.8e12)
