@@ -229,33 +229,26 @@ def benchmark(
                 config["bf16"] = True
             return config
 
+        def run(side: str, label: str) -> dict[str, Any]:
+            return run_side(
+                side,
+                config_for(side, label),
+                threads=threads,
+                device=device,
+                work=work,
+                label=label,
+                plain_b=side_b == "peft",
+            )
+
         runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
         with bench.pinned(cores):
             for side in sides:
                 print(f"bench: warm-up {side}", file=sys.stderr, flush=True)
-                label = f"warmup-{side}"
-                run_side(
-                    side,
-                    config_for(side, label),
-                    threads=threads,
-                    device=device,
-                    work=work,
-                    label=label,
-                    plain_b=side_b == "peft",
-                )
+                run(side, f"warmup-{side}")
             for pair, side in run_order(pairs, sides):
-                label = f"{side}{pair}"
                 waited = bench.wait_for_idle(max_wait_idle_s)
                 print(f"bench: pair {pair + 1}/{pairs}, {side}", file=sys.stderr, flush=True)
-                measured = run_side(
-                    side,
-                    config_for(side, label),
-                    threads=threads,
-                    device=device,
-                    work=work,
-                    label=label,
-                    plain_b=side_b == "peft",
-                )
+                measured = run(side, f"{side}{pair}")
                 measured["load"]["waited_for_idle_seconds"] = waited
                 runs[side].append(measured)
 

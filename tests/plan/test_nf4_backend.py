@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -22,22 +21,11 @@ from shardpool.plan.result import Plan
 from shardpool.plan.stage_costs import stage_costs
 from shardpool.plan.time_model import modeled_times, torch_dequant_seconds
 from tests.helpers.training import run_cli
+from tests.plan.test_planner import BIG_WORKLOAD, EIGHT_B, GIB, ROOT, SEVENTY_B
 
-ROOT = Path(__file__).resolve().parents[2]
-GIB = 2**30
-SEVENTY_B = ModelShape.from_config_dir(ROOT / "configs/models/llama-2-70b.json")
-EIGHT_B = ModelShape.from_config_dir(ROOT / "configs/models/llama-3-8b.json")
-#: Llama-2-70B QLoRA as the seed fleet was written down for: 2,048 tokens, 16 micro-batches of 1,
-#: bf16 at most, gradient checkpointing.
-SEVENTY_B_QLORA = Workload(
-    micro_batch_size=1,
-    sequence_len=2048,
-    gradient_accumulation_steps=16,
-    gradient_checkpointing=True,
-    compute_bytes=2,
-    wire_bytes=2,
-    precision="bf16",
-)
+#: Llama-2-70B QLoRA as the seed fleet was written down for: test_planner's 2,048 tokens, 16
+#: micro-batches of 1 with gradient checkpointing, at bf16 at most.
+SEVENTY_B_QLORA = replace(BIG_WORKLOAD, precision="bf16")
 
 # ------------------------------------------------------------------------------- the choice
 
