@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import http.client
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +14,7 @@ from mesh.control.protocol import ProtocolError, open_join_response, seal_join_r
 from mesh.control.report import MemberReport
 from mesh.control.token import JoinToken
 from mesh.errors import MeshError
+from mesh.http.client import HTTPClient, Unreachable, error_line
 from mesh.relay.allocations import AllocationRequest
 from mesh.wireguard.keys import public_key as public_key_of
 
@@ -70,28 +71,19 @@ def http_request(
     body: bytes = b"",
     headers: dict[str, str] | None = None,
     timeout: float = 10.0,
-) -> tuple[int, dict[str, str], bytes]:
-    """Send one HTTP request and return status, headers and body (capped in size)."""
-    connection = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        connection.request(
+) -> tuple[int, Mapping[str, str], bytes]:
+    """Send one request and return status, headers and body (capped in size).
+
+    Raises :class:`mesh.http.client.Unreachable` when no whole reply came, and
+    :class:`mesh.http.client.ReplyTooLarge` for a body over 8 MiB (both :class:`MeshError`).
+    """
+    with HTTPClient(
+        f"http://{format_endpoint(host, port)}", timeout=timeout, max_reply_bytes=_MAX_REPLY
+    ) as client:
+        reply = client.request(
             method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})}
         )
-        response = connection.getresponse()
-        data = response.read(_MAX_REPLY + 1)
-        if len(data) > _MAX_REPLY:
-            raise MeshError(f"reply from {format_endpoint(host, port)} is larger than {_MAX_REPLY} bytes")
-        return response.status, {k: v for k, v in response.getheaders()}, data
-    finally:
-        connection.close()
-
-
-def _error_text(body: bytes) -> str:
-    try:
-        payload = json.loads(body)
-        return str(payload.get("error", payload))[:300]
-    except (ValueError, AttributeError):
-        return body[:200].decode("utf-8", errors="replace")
+    return reply.status, reply.headers, reply.body
 
 
 def _int_setting(settings: dict[str, Any], key: str, low: int, high: int) -> int:
@@ -115,13 +107,13 @@ def request_join(
         status, _, body = http_request(
             host, port, "POST", "/v1/join", json.dumps(envelope).encode("utf-8"), timeout=timeout
         )
-    except (OSError, http.client.HTTPException) as error:
+    except Unreachable as error:
         raise MeshError(
-            f"cannot reach the coordinator at {token.endpoint} over TCP ({error}): check that it is up and that "
+            f"cannot reach the coordinator at {token.endpoint} over TCP ({error.reason}): check that it is up and that "
             f"TCP port {port} is open in its firewall"
         ) from None
     if status != 200:
-        raise MeshError(f"the coordinator refused the join: {_error_text(body)}")
+        raise MeshError(f"the coordinator refused the join: {error_line(body)}")
     try:
         reply = open_join_response(context, json.loads(body))
     except ValueError:
@@ -162,8 +154,8 @@ def authenticated_request(
     """Send one request signed with the pairwise key; return the status and body of a reply signed by the peer.
 
     Raises :class:`mesh.control.auth.AuthError` (a :class:`MeshError`) when the reply's MAC is missing or
-    wrong, whatever its status says, and ``OSError``/``http.client.HTTPException`` when the peer
-    cannot be reached.
+    wrong, whatever its status says, and :class:`mesh.http.client.Unreachable` when the peer gives
+    no whole reply. Never retried: the receiver accepts each nonce once.
     """
     key = pair_key(private_key, peer_public_key, mesh_id, purpose)
     headers = sign_request(
@@ -179,7 +171,7 @@ def authenticated_request(
         verify_reply(key, status, reply_headers, data, headers[NONCE_HEADER])
     except AuthError as error:
         raise AuthError(
-            f"{format_endpoint(host, port)}: {error} (it said: {_error_text(data)})", 502
+            f"{format_endpoint(host, port)}: {error} (it said: {error_line(data)})", 502
         ) from None
     return status, data
 
@@ -209,9 +201,9 @@ def _coordinator_call(
             purpose=ROSTER_PURPOSE,
             timeout=timeout,
         )
-    except (OSError, http.client.HTTPException) as error:
+    except Unreachable as error:
         raise MeshError(
-            f"cannot reach the coordinator at {format_endpoint(address, port)} ({error})"
+            f"cannot reach the coordinator at {format_endpoint(address, port)} ({error.reason})"
         ) from None
     try:
         payload = json.loads(body)
@@ -224,7 +216,7 @@ def _coordinator_call(
             "this machine was removed from the mesh by its coordinator: join again with a new token"
         )
     if status != 200:
-        raise MeshError(f"the coordinator refused the request: {_error_text(body)}")
+        raise MeshError(f"the coordinator refused the request: {error_line(body)}")
     return payload
 
 

@@ -11,7 +11,6 @@ A launcher cannot sign: it talks to its own member's agent over a Unix socket in
 
 from __future__ import annotations
 
-import http.client
 import json
 import statistics
 import time
@@ -21,7 +20,8 @@ from urllib.parse import urlsplit
 
 from mesh.constants import AGENT_PORT
 from mesh.control.auth import CONTROL_PURPOSE, AuthError
-from mesh.control.client import authenticated_request
+from mesh.control.client import authenticated_request, http_request
+from mesh.http.client import Unreachable, error_line
 from shardpool.errors import ShardpoolError
 
 __all__ = ["AgentClient", "AgentRefused", "AgentUnreachable", "SignedAgentClient"]
@@ -131,37 +131,35 @@ class AgentClient:
             payload = b"" if body is None else json.dumps(body).encode("utf-8")
             content_type = "application/json"
         try:
-            status, data = self._exchange(method, path, payload, content_type, timeout or self.timeout)
-        except (TimeoutError, OSError, http.client.HTTPException) as error:
+            status, data = self.exchange(method, path, payload, content_type, timeout or self.timeout)
+        except Unreachable as error:
             raise AgentUnreachable(
-                f"agent at {self.url} did not answer {method} {path.split('?')[0]}: {error}"
+                f"agent at {self.url} did not answer {method} {path.split('?')[0]}: {error.reason}"
             ) from None
-        text = data.decode("utf-8", errors="replace")
         if status >= 400:
-            try:
-                message = json.loads(text).get("error", text)
-            except (json.JSONDecodeError, AttributeError):
-                message = text.strip()
             raise AgentRefused(
-                f"agent at {self.url} refused {method} {path.split('?')[0]}: {status} {message}"
+                f"agent at {self.url} refused {method} {path.split('?')[0]}: {status} {error_line(data)}"
             )
+        text = data.decode("utf-8", errors="replace")
         if raw:
             return text
         return json.loads(text) if text else {}
 
-    def _exchange(
+    def exchange(
         self, method: str, path: str, payload: bytes, content_type: str, timeout: float
     ) -> tuple[int, bytes]:
-        """Send one request and return the status and body (plain HTTP)."""
-        parts = urlsplit(self.url)
-        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+        """Send one request and return the reply's status and body (plain HTTP; signed in the subclass).
+
+        Raises :class:`mesh.http.client.Unreachable` when the agent gives no whole reply.
+        """
+        host, port = self._endpoint()
         headers = {"Content-Type": content_type} if payload else {}
-        try:
-            connection.request(method, path, body=payload or None, headers=headers)
-            response = connection.getresponse()
-            return response.status, response.read()
-        finally:
-            connection.close()
+        status, _, data = http_request(host, port, method, path, payload, headers, timeout)
+        return status, data
+
+    def _endpoint(self) -> tuple[str, int]:
+        parts = urlsplit(self.url)
+        return parts.hostname or "", parts.port or AGENT_PORT
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,14 +175,15 @@ class SignedAgentClient(AgentClient):
     peer_public_key: str
     mesh_id: str
 
-    def _exchange(
+    def exchange(
         self, method: str, path: str, payload: bytes, content_type: str, timeout: float
     ) -> tuple[int, bytes]:
-        parts = urlsplit(self.url)
+        """Send one signed request; raises :class:`AgentRefused` when the reply's signature fails."""
+        host, port = self._endpoint()
         try:
             return authenticated_request(
-                parts.hostname or "",
-                parts.port or AGENT_PORT,
+                host,
+                port,
                 method,
                 path,
                 payload,

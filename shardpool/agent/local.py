@@ -13,7 +13,6 @@ recorded here, so that its events, logs and stop are allowed only to that user o
 
 from __future__ import annotations
 
-import http.client
 import json
 import re
 import threading
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from mesh.http.client import Unreachable
 from mesh.http.server import CHUNK, HTTPError, HTTPServer, Limits, Reply, Request, Route, json_reply
 from shardpool.agent.accounts import Caller, LaunchPolicy
 from shardpool.agent.client import AgentRefused, SignedAgentClient
@@ -247,12 +247,12 @@ class LocalService:
     def _call(self, peer: MeshPeer, method: str, path: str, data: bytes, timeout: float) -> tuple[int, Any]:
         client = self.gateway.signed_client(peer, timeout=timeout)
         try:
-            status, raw = client._exchange(method, path, data, "application/json", timeout)
+            status, raw = client.exchange(method, path, data, "application/json", timeout)
         except AgentRefused as error:  # the reply's signature failed: its status and body mean nothing
             raise HTTPError(502, f"member {peer.name}: {error}") from None
-        except (OSError, http.client.HTTPException) as error:
+        except Unreachable as error:
             raise HTTPError(
-                504, f"member {peer.name}'s agent did not answer {method} {path[:80]}: {error}"
+                504, f"member {peer.name}'s agent did not answer {method} {path[:80]}: {error.reason}"
             ) from None
         text = raw.decode("utf-8", errors="replace")
         try:

@@ -9,17 +9,16 @@ keeps :class:`~shardpool.agent.client.AgentClient`'s method names for one member
 from __future__ import annotations
 
 import grp
-import http.client
 import json
 import os
 import pwd
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 from mesh.constants import AGENT_PORT, AGENT_SOCKET_ENV, DEFAULT_AGENT_SOCKET
+from mesh.http.client import HTTPClient, ReplyTooLarge, Unreachable, error_line
 from shardpool.agent.accounts import DEFAULT_LAUNCH_GROUP
 from shardpool.agent.client import AgentRefused, AgentUnreachable
 
@@ -93,24 +92,6 @@ class LaunchNotAllowed(AgentRefused):
     """The local agent (or the socket's permissions) refused this user."""
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    """http.client over a Unix socket."""
-
-    def __init__(self, socket_path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.socket_path = socket_path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self.socket_path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
-
-
 def _user_name() -> str:
     try:
         return pwd.getpwuid(os.getuid()).pw_name
@@ -179,9 +160,9 @@ class LocalAgentClient:
         answer = reply.get("body")
         route = f"{method} {path.split('?')[0]}"
         if status in (503, 504):
-            raise AgentUnreachable(f"agent of member {member!r} did not answer {route}: {_error_of(answer)}")
+            raise AgentUnreachable(f"agent of member {member!r} did not answer {route}: {error_line(answer)}")
         if status >= 400 or status == 0:
-            raise AgentRefused(f"agent of member {member!r} refused {route}: {status} {_error_of(answer)}")
+            raise AgentRefused(f"agent of member {member!r} refused {route}: {status} {error_line(answer)}")
         return answer
 
     def jobs(self) -> list[dict[str, Any]]:
@@ -201,51 +182,51 @@ class LocalAgentClient:
         return ForwardedAgent(self, name, address)
 
     def _call(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
-        payload = None if body is None else json.dumps(body).encode("utf-8")
-        headers = {"Content-Type": "application/json"} if payload is not None else {}
-        connection = _UnixConnection(self.socket_path, timeout or self.timeout)
+        payload = b"" if body is None else json.dumps(body).encode("utf-8")
+        headers = {"Content-Type": "application/json"} if body is not None else {}
         try:
-            try:
-                connection.request(method, path, body=payload, headers=headers)
-            except (BrokenPipeError, ConnectionResetError):
-                if connection.sock is None:
-                    raise
-                # The agent refuses a caller before reading its body; its one-line answer is
-                # still there to read.
-            response = connection.getresponse()
-            data = response.read(_MAX_LOCAL_REPLY + 1)
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise NoLocalAgent(
-                f"no shardpool agent on this machine (nothing listens at {self.socket_path}); "
-                "start it with `shardpool mesh up` or `shardpool agent`"
+            with HTTPClient(
+                unix_socket=self.socket_path,
+                timeout=timeout or self.timeout,
+                max_reply_bytes=_MAX_LOCAL_REPLY,
+            ) as client:
+                # The agent refuses a caller before reading its body; the client still reads that answer.
+                reply = client.request(method, path, body=payload, headers=headers)
+        except Unreachable as error:
+            raise self._unreachable(error, f"{method} {path.split('?')[0]}") from None
+        except ReplyTooLarge:
+            raise AgentRefused(
+                f"the local shardpool agent's reply exceeds {_MAX_LOCAL_REPLY} bytes"
             ) from None
-        except PermissionError:
-            raise self._not_allowed("the socket's permissions refused you") from None
-        except (TimeoutError, OSError, http.client.HTTPException) as error:
-            raise AgentUnreachable(
-                f"the local shardpool agent at {self.socket_path} did not answer {method} "
-                f"{path.split('?')[0]}: {error}"
-            ) from None
-        finally:
-            connection.close()
-        if len(data) > _MAX_LOCAL_REPLY:
-            raise AgentRefused(f"the local shardpool agent's reply exceeds {_MAX_LOCAL_REPLY} bytes")
+        status, data = reply.status, reply.body
         text = data.decode("utf-8", errors="replace")
         try:
             decoded = json.loads(text) if text else {}
         except json.JSONDecodeError:
             decoded = text
-        if response.status == 403 and "usermod" in _error_of(decoded):
-            raise LaunchNotAllowed(_error_of(decoded))
-        if response.status in (503, 504):
+        if status == 403 and "usermod" in error_line(decoded):
+            raise LaunchNotAllowed(error_line(decoded))
+        if status in (503, 504):
             # The local agent could not reach the member it was to forward to.
-            raise AgentUnreachable(_error_of(decoded))
-        if response.status >= 400:
+            raise AgentUnreachable(error_line(decoded))
+        if status >= 400:
             raise AgentRefused(
-                f"the local shardpool agent refused {method} {path.split('?')[0]}: "
-                f"{response.status} {_error_of(decoded)}"
+                f"the local shardpool agent refused {method} {path.split('?')[0]}: {status} {error_line(decoded)}"
             )
         return decoded
+
+    def _unreachable(self, error: Unreachable, route: str) -> AgentUnreachable | LaunchNotAllowed:
+        """The one-line error for a local agent that gave no reply: absent, closed to this user, or silent."""
+        if isinstance(error.os_error, (FileNotFoundError, ConnectionRefusedError)):
+            return NoLocalAgent(
+                f"no shardpool agent on this machine (nothing listens at {self.socket_path}); "
+                "start it with `shardpool mesh up` or `shardpool agent`"
+            )
+        if isinstance(error.os_error, PermissionError):
+            return self._not_allowed("the socket's permissions refused you")
+        return AgentUnreachable(
+            f"the local shardpool agent at {self.socket_path} did not answer {route}: {error.reason}"
+        )
 
     def _not_allowed(self, reason: str) -> LaunchNotAllowed:
         user, group = _user_name(), _socket_group(self.socket_path)
@@ -253,14 +234,6 @@ class LocalAgentClient:
             f"user {user!r} may not use the shardpool agent at {self.socket_path} ({reason}); "
             f"ask an admin to run `usermod -aG {group} {user}` (then log in again)"
         )
-
-
-def _error_of(answer: Any) -> str:
-    """The one-line error text in an agent's reply body."""
-    if isinstance(answer, dict):
-        answer = answer.get("error", answer)
-    text = str(answer).strip()
-    return (text.splitlines() or [""])[0][:500]
 
 
 @dataclass(frozen=True)

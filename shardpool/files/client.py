@@ -15,7 +15,6 @@ and a second run on the same model downloads nothing. Cached bytes are re-verifi
 from __future__ import annotations
 
 import hashlib
-import http.client
 import logging
 import os
 import shutil
@@ -23,11 +22,12 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit
 
 from mesh.constants import cache_root
 from mesh.files import AtomicFile
+from mesh.http.client import RETRY_DROPPED, HTTPClient, Reply, StreamedReply, Unreachable, error_line
 from shardpool.contract.names import ContractError, check_digest, resolve_inside, safe_relative_name
 from shardpool.errors import ShardpoolError
 from shardpool.files.server import sha256_file
@@ -37,12 +37,7 @@ __all__ = ["RemoteFiles", "default_cache_dir"]
 log = logging.getLogger("shardpool.files.client")
 
 _CHUNK = 1 << 20
-_RETRYABLE = (
-    ConnectionError,
-    http.client.RemoteDisconnected,
-    http.client.IncompleteRead,
-    http.client.BadStatusLine,
-)
+T = TypeVar("T")
 
 
 def default_cache_dir() -> Path:
@@ -69,8 +64,6 @@ class RemoteFiles:
             raise ShardpoolError("the file server secret is empty or not printable ASCII; check files.secret")
         self._authorization = {"Authorization": f"Bearer {secret}"}
         self.base_url = base_url.rstrip("/")
-        self._host = parts.hostname
-        self._port = parts.port or 80
         self.timeout = timeout
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self._local = threading.local()
@@ -85,10 +78,10 @@ class RemoteFiles:
     def manifest(self, *, refresh: bool = False) -> dict[str, dict[str, Any]]:
         """Every served file as ``{name: {"size": int, "sha256": hex}}`` (fetched once, then kept)."""
         if self._manifest is None or refresh:
-            status, _, body = self._request("GET", "/v1/manifest")
-            self._check(status, body, "/v1/manifest", expected=200)
+            reply = self._request("GET", "/v1/manifest")
+            self._check(reply.status, reply.body, "/v1/manifest", expected=200)
             try:
-                self._manifest = _checked_manifest(_json(body)["files"])
+                self._manifest = _checked_manifest(_json(reply.body)["files"])
             except ContractError as error:
                 raise ShardpoolError(f"{self.base_url}/v1/manifest is refused: {error}") from None
             except (KeyError, TypeError, ValueError, AttributeError):
@@ -118,7 +111,7 @@ class RemoteFiles:
         """Bytes ``[start, stop)`` of the served file ``name``, verified; from the cache when known.
 
         Raises ShardpoolError (one line) when the server sends the wrong length or bytes that do
-        not match its ``X-Content-SHA256``. A dropped connection is retried once.
+        not match its ``X-Content-SHA256``. A dropped connection is retried (``RETRY_DROPPED``).
         """
         if not (isinstance(start, int) and isinstance(stop, int)) or not 0 <= start <= stop:
             raise ShardpoolError(f"bad byte range {start}-{stop} of {name!r}")
@@ -138,8 +131,9 @@ class RemoteFiles:
                     self.cache_hits += 1
                 return cached
         path = f"/v1/files/{quote(name)}"
-        status, headers, body = self._request("GET", path, {"Range": f"bytes={start}-{stop - 1}"})
-        self._check(status, body, path, expected=206)
+        reply = self._request("GET", path, {"Range": f"bytes={start}-{stop - 1}"})
+        self._check(reply.status, reply.body, path, expected=206)
+        headers, body = reply.headers, reply.body
         where = f"bytes {start}-{stop} of {name!r} from {self.base_url}"
         if len(body) != stop - start:
             raise ShardpoolError(
@@ -199,28 +193,20 @@ class RemoteFiles:
         digest = sha256_file(local_path)
         path = f"/v1/upload/{quote(relative_path)}"
         headers = {
-            **self._authorization,
             "Content-Length": str(size),
             "X-Content-SHA256": digest,
             "Content-Type": "application/octet-stream",
         }
-
-        def send(connection: http.client.HTTPConnection) -> tuple[int, dict[str, str], bytes]:
-            with open(local_path, "rb") as body:
-                connection.request("PUT", path, body=body, headers=headers)
-                response = connection.getresponse()
-                return response.status, dict(response.headers), response.read()
-
-        status, _, body = self._with_retry(send, f"PUT {path}")
-        self._check(status, body, path, expected=201)
-        return _json(body)
+        reply = self._over_http(lambda client: client.request("PUT", path, body=local_path, headers=headers))
+        self._check(reply.status, reply.body, path, expected=201)
+        return _json(reply.body)
 
     def close(self) -> None:
         """Close this thread's connection."""
-        connection = getattr(self._local, "connection", None)
-        if connection is not None:
-            connection.close()
-            self._local.connection = None
+        client = getattr(self._local, "client", None)
+        if client is not None:
+            client.close()
+            self._local.client = None
 
     def __enter__(self) -> RemoteFiles:
         return self
@@ -230,68 +216,44 @@ class RemoteFiles:
 
     # ------------------------------------------------------------------ HTTP
 
-    def _connection(self) -> http.client.HTTPConnection:
-        connection = getattr(self._local, "connection", None)
-        if connection is None:
-            connection = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
-            self._local.connection = connection
-        return connection
+    def _client(self) -> HTTPClient:
+        """This thread's client (each thread keeps its own connection); every request bears the secret."""
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = HTTPClient(
+                self.base_url, timeout=self.timeout, retry=RETRY_DROPPED, headers=self._authorization
+            )
+            self._local.client = client
+        return client
 
-    def _with_retry(self, action: Callable[[http.client.HTTPConnection], Any], what: str) -> Any:
-        for attempt in (1, 2):
-            try:
-                return action(self._connection())
-            except (*_RETRYABLE, BrokenPipeError) as error:
-                self.close()
-                if attempt == 2:
-                    raise ShardpoolError(
-                        f"{what} on {self.base_url} failed twice: {error or type(error).__name__}"
-                    ) from None
-            except TimeoutError:
-                self.close()
-                raise ShardpoolError(
-                    f"{what} on {self.base_url} timed out after {self.timeout:.0f} s"
-                ) from None
-            except OSError as error:
-                self.close()
-                raise ShardpoolError(
-                    f"cannot reach the file server {self.base_url}: {error.strerror or error}"
-                ) from None
-        raise AssertionError("unreachable")
+    def _over_http(self, send: Callable[[HTTPClient], T]) -> T:
+        """``send`` through this thread's client; a server that gives no whole reply is one line."""
+        try:
+            return send(self._client())
+        except Unreachable as error:
+            if error.dropped or error.timed_out:  # "... failed twice: ...", "... timed out after N s"
+                raise ShardpoolError(str(error)) from None
+            reason = (error.os_error.strerror if error.os_error else None) or error.reason
+            raise ShardpoolError(f"cannot reach the file server {self.base_url}: {reason}") from None
 
-    def _request(
-        self, method: str, path: str, headers: dict[str, str] | None = None
-    ) -> tuple[int, dict[str, str], bytes]:
-        def send(connection: http.client.HTTPConnection) -> tuple[int, dict[str, str], bytes]:
-            connection.request(method, path, headers={**self._authorization, **(headers or {})})
-            response = connection.getresponse()
-            return response.status, dict(response.headers), response.read()
-
-        return self._with_retry(send, f"{method} {path}")
+    def _request(self, method: str, path: str, headers: dict[str, str] | None = None) -> Reply:
+        return self._over_http(lambda client: client.request(method, path, headers=headers))
 
     def _check(self, status: int, body: bytes, path: str, *, expected: int) -> None:
         if status == expected:
             return
-        try:
-            message = str(_json(body).get("error") or "")
-        except ShardpoolError:
-            message = body[:200].decode("utf-8", errors="replace")
-        raise ShardpoolError(
-            f"{self.base_url}{path}: HTTP {status}: {' '.join(message.split()) or 'no detail'}"
-        )
+        raise ShardpoolError(f"{self.base_url}{path}: HTTP {status}: {error_line(body) or 'no detail'}")
 
     def _download(self, name: str, info: dict[str, Any], blob: Path) -> None:
         path = f"/v1/files/{quote(name)}"
 
-        def stream(connection: http.client.HTTPConnection) -> None:
-            connection.request("GET", path, headers=self._authorization)
-            response = connection.getresponse()
-            if response.status != 200:
-                self._check(response.status, response.read(), path, expected=200)
+        def stream(reply: StreamedReply) -> None:
+            if reply.status != 200:
+                self._check(reply.status, reply.read(), path, expected=200)
             digest = hashlib.sha256()
             received = 0
             with AtomicFile(blob, mode=0o444) as out:
-                while chunk := response.read(_CHUNK):
+                for chunk in reply.chunks(_CHUNK):
                     digest.update(chunk)
                     out.write(chunk)
                     received += len(chunk)
@@ -304,7 +266,7 @@ class RemoteFiles:
             with self._lock:
                 self.bytes_fetched += received
 
-        self._with_retry(stream, f"GET {path}")
+        self._over_http(lambda client: client.stream("GET", path, stream))
 
     # ------------------------------------------------------------------ cache
 

@@ -1,4 +1,4 @@
-"""Small HTTP clients for tests of mesh.http.server servers: http.client over TCP or a Unix socket, raw sockets."""
+"""Small HTTP clients for tests of mesh.http.server servers (http.client over TCP or a Unix socket, raw sockets), and a stdlib server."""
 
 from __future__ import annotations
 
@@ -7,9 +7,27 @@ import http.client
 import json
 import select
 import socket
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
+
+
+@contextmanager
+def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A stdlib HTTP server on loopback answering with ``handler``; yields its ``http://127.0.0.1:PORT``."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
