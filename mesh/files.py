@@ -4,7 +4,9 @@ A crash mid-write leaves either the old file or the new one, never half of one. 
 shardpool and mesh goes through :class:`AtomicFile` (streamed or by path) or :func:`atomic_write`
 (bytes in one piece). The temporary file is created with ``O_EXCL`` under a random name, so a
 link planted in a shared directory is never followed, and it gets its mode (and owner, when
-given) through its descriptor before any byte is written.
+given) through its descriptor before any byte is written. Without a mode, a file gets the one a
+plain ``open()`` would give it: 0666 less the process's umask (:func:`umask_mode`), so a user's
+umask 077 keeps their adapters and checkpoints private.
 """
 
 from __future__ import annotations
@@ -16,7 +18,25 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-__all__ = ["AtomicFile", "atomic_write", "write_json"]
+__all__ = ["AtomicFile", "atomic_write", "umask_mode", "write_json"]
+
+
+def umask_mode(requested: int = 0o666) -> int:
+    """``requested`` less this process's umask: the mode ``open()`` would give a new file.
+
+    Read from ``/proc/self/status`` where it is there, because setting the umask to read it
+    changes it for every thread for a moment.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return requested & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return requested & ~current
 
 
 class AtomicFile:
@@ -27,14 +47,14 @@ class AtomicFile:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], mode: int = 0o644, *, owner: tuple[int, int] | None = None
+        self, path: str | os.PathLike[str], mode: int | None = None, *, owner: tuple[int, int] | None = None
     ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, temp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
         self.temp_path = Path(temp)
         try:
-            os.fchmod(fd, mode)
+            os.fchmod(fd, umask_mode() if mode is None else mode)
             if owner is not None:
                 os.fchown(fd, *owner)
         except BaseException:
@@ -75,7 +95,11 @@ class AtomicFile:
 
 
 def atomic_write(
-    path: str | os.PathLike[str], data: bytes, mode: int = 0o644, *, owner: tuple[int, int] | None = None
+    path: str | os.PathLike[str],
+    data: bytes,
+    mode: int | None = None,
+    *,
+    owner: tuple[int, int] | None = None,
 ) -> None:
     """Replace ``path`` with ``data``: readers see the old file or the new one, never part of one."""
     with AtomicFile(path, mode, owner=owner) as file:

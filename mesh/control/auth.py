@@ -5,10 +5,12 @@ Two members share a pairwise key that nobody else can compute: HKDF-SHA256 over
 bound to a purpose label and both public keys. Only root on a member can read its private key,
 so only the root processes (syncd, coordinator, agent) can sign.
 
-A request carries four headers: the sender's public key, a timestamp, a random nonce, and an
-HMAC-SHA256 over the method, the path with its query, SHA-256 of the body, the timestamp, the
-nonce and both public keys. The receiver checks all of it, the nonce last, before it parses the
-body (:class:`mesh.control.verifier.RequestVerifier`, which asks a directory from
+A request carries five headers: the sender's public key, a timestamp, a random nonce, SHA-256 of
+the body (``BODY_HEADER``), and an HMAC-SHA256 over the method, the path with its query, that
+SHA-256, the timestamp, the nonce and both public keys. Because the MAC covers the declared
+digest, a receiver checks all of it, the nonce last, before it reads more than a small prefix of a
+body, then checks the body against the declared digest once it is in
+(:class:`mesh.control.verifier.RequestVerifier`, which asks a directory from
 :mod:`mesh.control.directory` who a key belongs to).
 
 A removed member that proves its key is told so in a reply signed with the pairwise key, which
@@ -40,6 +42,7 @@ from mesh.errors import MeshError
 from mesh.wireguard.keys import decode_key, public_key, shared_secret
 
 __all__ = [
+    "BODY_HEADER",
     "CONTROL_PURPOSE",
     "KEY_HEADER",
     "MAC_HEADER",
@@ -62,6 +65,8 @@ KEY_HEADER = "X-Shardpool-Key"
 TIME_HEADER = "X-Shardpool-Time"
 NONCE_HEADER = "X-Shardpool-Nonce"
 MAC_HEADER = "X-Shardpool-Mac"
+BODY_HEADER = "X-Shardpool-Body-Sha256"
+"""SHA-256 of the request body in lowercase hex: the MAC covers it, so it is proven before the body."""
 REPLY_MAC_HEADER = "X-Shardpool-Reply-Mac"
 
 CONTROL_PURPOSE = b"shardpool control v1"
@@ -167,11 +172,15 @@ def sign_request(
         raise MeshError(f"cannot sign a request at time {moment!r}: the clock must be a finite Unix time")
     timestamp = f"{moment:.3f}"
     nonce = base64.b64encode(os.urandom(16)).decode("ascii")
+    digest = hashlib.sha256(body).digest()
     return {
         KEY_HEADER: sender_public,
         TIME_HEADER: timestamp,
         NONCE_HEADER: nonce,
-        MAC_HEADER: request_mac(key, method, path, body, timestamp, nonce, sender_public, receiver_public),
+        BODY_HEADER: digest.hex(),
+        MAC_HEADER: request_mac_of_digest(
+            key, method, path, digest, timestamp, nonce, sender_public, receiver_public
+        ),
     }
 
 

@@ -5,6 +5,11 @@ unknown key is refused with nothing recorded); the timestamp is finite and withi
 :data:`mesh.control.auth.MAX_CLOCK_SKEW`; the MAC; then the nonce, in a size-bounded cache of that
 member's own (:data:`NONCE_CAP`), so one member can never fill another's. Only then may the body
 be parsed. The scheme itself (keys, headers, MACs) is :mod:`mesh.control.auth`.
+
+A streamed body is proven in two steps so that nobody without a member's key can make a receiver
+read it: :meth:`RequestVerifier.verify_declared` checks all of the above against the body digest
+the request declares in ``BODY_HEADER`` (which the MAC covers) before any body byte is read, and
+:meth:`RequestVerifier.check_body` compares the streamed body's digest with it at the end.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mesh.control.auth import (
+    BODY_HEADER,
     CONTROL_PURPOSE,
     KEY_HEADER,
     MAC_HEADER,
@@ -47,6 +53,7 @@ NONCE_CAP = 4096
 _HEADER_LIMITS = {KEY_HEADER: 44, TIME_HEADER: 24, NONCE_HEADER: 24, MAC_HEADER: 64}
 _TIME_TEXT = re.compile(r"[0-9]{1,12}(?:\.[0-9]{1,6})?")
 _MAC_TEXT = re.compile(r"[0-9a-f]{64}")
+_DIGEST_TEXT = _MAC_TEXT
 _SIGN_HINT = "sign requests with mesh.control.auth.sign_request"
 _MAX_KEYS = 65536
 
@@ -100,6 +107,18 @@ def _parse_proof(headers: Mapping[str, str] | Any) -> _Proof:
     if not _MAC_TEXT.fullmatch(mac):
         raise AuthError(f"request header {MAC_HEADER} is not 64 lowercase hex digits")
     return _Proof(sender, timestamp_text, timestamp, nonce, mac)
+
+
+def _declared_digest(headers: Mapping[str, str] | Any) -> bytes | None:
+    """The body digest a request declares in ``BODY_HEADER``, or ``None`` when it sends none."""
+    values = [value for key, value in headers.items() if str(key).lower() == BODY_HEADER.lower()]
+    if not values:
+        return None
+    if len(values) > 1:
+        raise AuthError(f"request has {BODY_HEADER} more than once: send it once")
+    if not isinstance(values[0], str) or not _DIGEST_TEXT.fullmatch(values[0]):
+        raise AuthError(f"request header {BODY_HEADER} is not 64 lowercase hex digits (SHA-256 of the body)")
+    return bytes.fromhex(values[0])
 
 
 class _NonceWindow:
@@ -196,8 +215,9 @@ class RequestVerifier:
         return self.verify_digest(method, path, headers, hashlib.sha256(body).digest(), now)
 
     def precheck(self, headers: Mapping[str, str] | Any, now: float | None = None) -> Member:
-        """Check what can be checked before a streamed body arrives: well-formed proof, known sender,
-        fresh time. Records nothing; the request still needs :meth:`verify_digest` once its body is in.
+        """Who a request says it is from, before anything costly: well-formed proof, known sender,
+        fresh time. Records nothing and proves nothing; the request still needs :meth:`verify`
+        or :meth:`verify_declared`.
 
         A removed member passes this check (its refusal is decided, and signed, by the full check).
         """
@@ -205,6 +225,32 @@ class RequestVerifier:
         member = self._lookup(proof.sender)
         self._check_time(proof, self.clock() if now is None else now)
         return member
+
+    def verify_declared(
+        self, method: str, path: str, headers: Mapping[str, str] | Any, now: float | None = None
+    ) -> Member:
+        """Prove a request before its body is read, against the body digest it declares in ``BODY_HEADER``.
+
+        Everything :meth:`verify` checks is checked here (the MAC covers the declared digest), so a
+        request without a current member's key is refused before a single body byte is read. The
+        body must then be matched against the declaration with :meth:`check_body` before it is used.
+        """
+        declared = _declared_digest(headers)
+        if declared is None:
+            raise AuthError(
+                f"request has no {BODY_HEADER} header, needed to prove a request before its body is "
+                f"read: {_SIGN_HINT} (update shardpool on the sending member)"
+            )
+        return self.verify_digest(method, path, headers, declared, now)
+
+    def check_body(self, headers: Mapping[str, str] | Any, body_sha256: bytes) -> None:
+        """Check a streamed body's SHA-256 against the digest :meth:`verify_declared` proved."""
+        declared = _declared_digest(headers)
+        if declared is None or not hmac.compare_digest(declared, body_sha256):
+            raise AuthError(
+                f"request body does not match the SHA-256 in its signed {BODY_HEADER}: it was changed "
+                "on the way; resend it"
+            )
 
     def _check_time(self, proof: _Proof, moment: float) -> None:
         if not math.isfinite(moment):
@@ -224,7 +270,7 @@ class RequestVerifier:
         body_sha256: bytes,
         now: float | None = None,
     ) -> Member:
-        """:meth:`verify` for a body that was hashed while it streamed in (``body_sha256`` is its digest)."""
+        """:meth:`verify` for a body known by its SHA-256 ``body_sha256``, which the MAC must cover."""
         proof = _parse_proof(headers)
         member = self._lookup(proof.sender)
         moment = self.clock() if now is None else now

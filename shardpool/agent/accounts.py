@@ -5,13 +5,20 @@ starts for a job does: stage processes run as :class:`RunAs` (a system user, ``s
 default), in a job directory that account owns with mode 0700. Who may ask for a job is decided
 from the uid the kernel reports for the agent's Unix socket peer, never from anything the caller
 says: root, or a member of the launch group (``shardpool`` by default).
+
+Every directory the agent makes (work, job, cache, profiler and socket directories) goes through
+:func:`make_directory`, which never follows a symbolic link, refuses a directory someone else
+owns, and sets owner and mode through the directory's own descriptor: a link planted where the
+agent expects a directory can never make root chown or chmod its target.
 """
 
 from __future__ import annotations
 
+import errno
 import grp
 import os
 import pwd
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -25,6 +32,8 @@ __all__ = [
     "Caller",
     "LaunchPolicy",
     "RunAs",
+    "make_directory",
+    "make_tree",
     "resolve_run_as",
 ]
 
@@ -45,18 +54,119 @@ class RunAs:
         return {"user": self.uid, "group": self.gid, "extra_groups": []}
 
     def make_private_dir(self, path: Path) -> Path:
-        """Create ``path`` (and parents, root-owned) and hand it to this account with mode 0700."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.mkdir(mode=0o700, exist_ok=True)
-        os.chown(path, self.uid, self.gid)
-        os.chmod(path, 0o700)
-        return path
+        """Create ``path`` (missing parents root-owned, 0755) and hand it to this account with mode 0700.
 
-    def give(self, path: Path, mode: int = 0o600) -> Path:
-        """Hand a file the agent wrote to this account, readable by it alone."""
-        os.chown(path, self.uid, self.gid)
-        os.chmod(path, mode)
-        return path
+        Refused (:func:`make_directory`) when ``path`` is a symbolic link, not a directory, or
+        owned by anyone but root or this account.
+        """
+        make_tree(path.parent)
+        return make_directory(path, mode=0o700, owner=(self.uid, self.gid))
+
+
+_DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def _planted(path: Path, what: str) -> ShardpoolError:
+    return ShardpoolError(
+        f"{path} is {what}, where shardpool expects its own directory; remove it (it may have been "
+        "planted to redirect the agent) and start again"
+    )
+
+
+def _open_no_link(parent_fd: int, name: str, path: Path) -> int | os.stat_result:
+    """Open directory ``name`` under ``parent_fd`` without following a link; a link's own stat instead."""
+    try:
+        return os.open(name, _DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=parent_fd)
+    except OSError as error:
+        if error.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+    found = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    if not stat.S_ISLNK(found.st_mode):
+        raise _planted(path, "not a directory")
+    return found
+
+
+def _open_child(parent_fd: int, name: str, path: Path) -> int:
+    """Open directory ``name`` under ``parent_fd``; a symbolic link is followed only when root owns it."""
+    opened = _open_no_link(parent_fd, name, path)
+    if isinstance(opened, int):
+        return opened
+    if opened.st_uid != 0:
+        raise _planted(path, "a symbolic link made by another user")
+    return os.open(name, _DIRECTORY_FLAGS, dir_fd=parent_fd)  # root's own link, e.g. /var/run
+
+
+def _open_directory(path: Path, *, create: bool) -> int:
+    """Open the directory ``path`` from ``/`` down, refusing links other users made on the way;
+    with ``create``, make missing components 0755 (this process's own)."""
+    fd = os.open("/", _DIRECTORY_FLAGS)
+    walked = Path("/")
+    try:
+        for name in path.parts[1:]:
+            walked /= name
+            created = False
+            if create:
+                try:
+                    os.mkdir(name, 0o755, dir_fd=fd)
+                    created = True
+                except FileExistsError:
+                    pass
+            child = _open_child(fd, name, walked)
+            os.close(fd)
+            fd = child
+            if created:
+                os.fchmod(fd, 0o755)  # whatever the umask: the run-as account must pass through
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def make_directory(path: Path, *, mode: int, owner: tuple[int, int] | None = None) -> Path:
+    """Create the directory ``path`` (its parent must exist), or take the one there, never
+    following a symbolic link at ``path`` (nor one another user made above it).
+
+    Refuses (:class:`ShardpoolError`) a link, a non-directory, or a directory owned by anyone but
+    root, this process or ``owner``'s uid. With ``owner`` the directory is handed to it with
+    ``mode``; without, a directory made here gets ``mode`` and an existing one keeps its own. Owner
+    and mode are set through the directory's descriptor, so what is changed is what was checked.
+    """
+    path = Path(os.path.abspath(path))
+    parent_fd = _open_directory(path.parent, create=False)
+    try:
+        created = True
+        try:
+            os.mkdir(path.name, 0o700, dir_fd=parent_fd)
+        except FileExistsError:
+            created = False
+        fd = _open_no_link(parent_fd, path.name, path)
+        if not isinstance(fd, int):
+            raise _planted(path, "a symbolic link")
+    finally:
+        os.close(parent_fd)
+    try:
+        found = os.fstat(fd)
+        trusted = {0, os.geteuid()} | ({owner[0]} if owner is not None else set())
+        if found.st_uid not in trusted:
+            raise ShardpoolError(
+                f"{path} is owned by uid {found.st_uid}, not by root or the account it is for; "
+                "remove it (someone else made it) and start again"
+            )
+        if owner is not None:
+            os.fchown(fd, *owner)
+        if owner is not None or created:
+            os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+    return path
+
+
+def make_tree(path: Path) -> Path:
+    """Create ``path`` and its missing parents as 0755 directories of this process; existing ones
+    are left as they are, but a link another user made on the way is refused."""
+    path = Path(os.path.abspath(path))
+    os.close(_open_directory(path, create=True))
+    return path
 
 
 def resolve_run_as(user: str, *, python: str = sys.executable, check_python: bool = True) -> RunAs:

@@ -18,20 +18,15 @@ from pathlib import Path
 from mesh.constants import AGENT_PORT
 from mesh.files import atomic_write
 from shardpool import __version__
-from shardpool.agent.accounts import DEFAULT_LAUNCH_GROUP, resolve_run_as
+from shardpool.agent.accounts import DEFAULT_LAUNCH_GROUP, make_directory, make_tree, resolve_run_as
 from shardpool.agent.local_client import agent_socket_path
 from shardpool.agent.members import roster_peers
 from shardpool.agent.service import Agent
 from shardpool.errors import ShardpoolError
 
-__all__ = ["default_socket_path", "run_agent"]
+__all__ = ["run_agent"]
 
 log = logging.getLogger(__name__)
-
-
-def default_socket_path() -> Path:
-    """Where the local listener lives: ``$SHARDPOOL_AGENT_SOCKET``, else ``/run/shardpool/agent.sock``."""
-    return Path(agent_socket_path())
 
 
 def run_agent(
@@ -48,8 +43,10 @@ def run_agent(
 
     Refuses to start (one-line error) when the run-as account does not exist, is root, or cannot
     run this Python; when the launch group does not exist; or when the work directory is out of
-    the run-as account's reach. ``ready_file`` (used by ``mesh init/join/up``) is written with the
-    pid, URL and local socket once listening (``finetune --state-dir`` finds the socket there).
+    the run-as account's reach. The local socket is ``socket_path``, else the one
+    :func:`~shardpool.agent.local_client.agent_socket_path` gives for this state directory.
+    ``ready_file`` (used by ``mesh init/join/up``) is written with the pid, URL and local socket
+    once listening (``finetune --state-dir`` and ``jobs --state-dir`` find the socket there).
     """
     from mesh.control.directory import CachedRosterDirectory
     from mesh.control.verifier import RequestVerifier
@@ -72,8 +69,9 @@ def run_agent(
         config.mesh_id,
         CachedRosterDirectory(paths.roster, config.mesh_id),
     )
-    socket = Path(socket_path) if socket_path else default_socket_path()
-    socket.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    socket = Path(agent_socket_path(socket_path, state_dir=paths.root))
+    make_tree(socket.parent.parent)
+    make_directory(socket.parent, mode=0o755)
     agent = Agent(
         config.address,
         port,

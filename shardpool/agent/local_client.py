@@ -9,6 +9,7 @@ keeps :class:`~shardpool.agent.client.AgentClient`'s method names for one member
 from __future__ import annotations
 
 import grp
+import hashlib
 import json
 import os
 import pwd
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from mesh.constants import AGENT_PORT, AGENT_SOCKET_ENV, DEFAULT_AGENT_SOCKET
+from mesh.constants import AGENT_PORT, AGENT_SOCKET_ENV, DEFAULT_AGENT_SOCKET, ROOT_STATE_DIR
 from mesh.http.client import HTTPClient, ReplyTooLarge, Unreachable, error_line
 from shardpool.agent.accounts import DEFAULT_LAUNCH_GROUP
 from shardpool.agent.client import AgentRefused, AgentUnreachable
@@ -30,25 +31,46 @@ __all__ = [
     "NoLocalAgent",
     "agent_socket_of_state_dir",
     "agent_socket_path",
+    "state_dir_socket",
 ]
 
 
 _MAX_LOCAL_REPLY = 64 * 1024 * 1024
 
 
-def agent_socket_path(explicit: str | None = None) -> str:
-    """The local agent's socket: ``explicit``, else ``$SHARDPOOL_AGENT_SOCKET``, else the default.
+def agent_socket_path(explicit: str | None = None, *, state_dir: str | os.PathLike[str] | None = None) -> str:
+    """The local agent's socket: ``explicit``, else ``$SHARDPOOL_AGENT_SOCKET``, else the default
+    for ``state_dir`` (:func:`state_dir_socket`; the system agent's when none is named).
 
     One rule for both ends, so a launcher finds the socket its agent listens on.
     """
-    return explicit or os.environ.get(AGENT_SOCKET_ENV) or DEFAULT_AGENT_SOCKET
+    chosen = explicit or os.environ.get(AGENT_SOCKET_ENV)
+    if chosen:
+        return chosen
+    return DEFAULT_AGENT_SOCKET if state_dir is None else state_dir_socket(state_dir)
+
+
+def state_dir_socket(state_dir: str | os.PathLike[str]) -> str:
+    """The agent socket of the mesh in ``state_dir``, unless ``--socket`` or the environment names one.
+
+    ``/run/shardpool/agent.sock`` for ``/var/lib/shardpool``; ``/run/shardpool/agent-HASH.sock`` for
+    any other directory, HASH naming its absolute path, so several meshes on one machine each have
+    their own agent.
+    """
+    root = os.path.abspath(state_dir)
+    if root == os.path.abspath(ROOT_STATE_DIR):
+        return DEFAULT_AGENT_SOCKET
+    tag = hashlib.sha256(root.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return str(Path(DEFAULT_AGENT_SOCKET).with_name(f"agent-{tag}.sock"))
 
 
 def agent_socket_of_state_dir(state_dir: str | os.PathLike[str]) -> str:
-    """The socket of the agent serving the mesh whose state is in ``state_dir`` (``finetune --state-dir``).
+    """The socket of the agent serving the mesh whose state is in ``state_dir`` (``--state-dir``).
 
     ``mesh init/join/up --state-dir DIR`` start that agent, which writes its socket into its ready
-    file under DIR while it runs; refused in one line when no agent runs there or DIR is unreadable.
+    file under DIR while it runs; refused in one line when no agent runs there. A caller who may
+    not read DIR (it is root's) gets the socket :func:`state_dir_socket` derives from DIR, where
+    an agent started by ``mesh init/join/up`` listens.
     """
     from mesh.cli.agent_process import shardpool_agent_files
     from mesh.state import StatePaths
@@ -67,10 +89,7 @@ def agent_socket_of_state_dir(state_dir: str | os.PathLike[str]) -> str:
             f"`shardpool mesh up --state-dir {paths.root}`"
         ) from None
     except PermissionError:
-        raise NoLocalAgent(
-            f"cannot read {ready_file} (the mesh state is root's); run as root, or leave out "
-            f"--state-dir and set {AGENT_SOCKET_ENV} to the agent's socket"
-        ) from None
+        return state_dir_socket(paths.root)
     except (OSError, ValueError) as error:
         raise NoLocalAgent(
             f"cannot read {ready_file} ({error}); restart the agent with `shardpool mesh up`"

@@ -1,10 +1,12 @@
 """The agent's mesh listener: its routes, and the proof every request and reply carries.
 
-Every request must carry a :mod:`mesh.control.auth` proof from a current member's key. It is
-checked before any body byte is parsed: the proof's headers first (:meth:`MeshRoutes.authenticate`),
-then, while the body streams in, its digest (:meth:`MeshRoutes.proven`). A removed member gets a
-signed 403, and every reply to a proven sender is signed, status included. As a second line of
-defence, the connection's source IP must be the proven member's mesh address.
+Every request must carry a :mod:`mesh.control.auth` proof from a current member's key. The whole
+proof, MAC included, is checked against the body digest the request declares before any body byte
+is read (:meth:`MeshRoutes.authenticate`), so a request without a member's key never holds a
+handler thread while a body trickles in; the body is then hashed as it streams and must match the
+declaration (:meth:`MeshRoutes.proven`). A removed member gets a signed 403, and every reply to a
+proven sender is signed, status included. As a second line of defence, the connection's source IP
+must be the proven member's mesh address.
 """
 
 from __future__ import annotations
@@ -51,13 +53,15 @@ class MeshService(Protocol):
 class _Sender:
     """The principal of a mesh request: the member its proof names, and how far the proof got.
 
-    ``proven`` once the MAC over the whole body checked out; ``removed`` when the sender proved a
-    key that is no longer a member's. Only replies to those two are signed.
+    ``proven`` once the MAC checked out (over the declared digest of a streamed body); ``removed``
+    (with the refusal in ``refusal``) when the sender proved a key that is no longer a member's.
+    Only replies to those two are signed.
     """
 
     member: Member
     proven: bool = False
     removed: bool = False
+    refusal: str = ""
 
 
 class MeshRoutes:
@@ -92,16 +96,14 @@ class MeshRoutes:
         ]
 
     def authenticate(self, request: Request) -> _Sender:
-        """Check the proof before any body byte is parsed: its headers (streamed routes) or all of it.
+        """Check the whole proof before any body byte is read (streamed routes: against the declared digest).
 
-        A removed member that proves its key on an unrouted path gets an unsigned 403; on a route
-        it gets a signed one from :meth:`proven`.
+        The sender's key must be a member's whose mesh address the connection comes from (403)
+        before its MAC is checked. A removed member that proves its key on an unrouted path gets
+        an unsigned 403; on a route it gets a signed one from :meth:`proven`, its body unread.
         """
         try:
-            if request.body is None:
-                member = self.verifier.precheck(request.headers)
-            else:
-                member = self.verifier.verify(request.method, request.target, request.headers, request.body)
+            member = self.verifier.precheck(request.headers)
         except AuthError as error:
             raise HTTPError(error.status, str(error)) from None
         if self.check_peer_ip and not same_ip(request.peer.ip, member.address):
@@ -111,13 +113,25 @@ class MeshRoutes:
             raise HTTPError(
                 403, f"a request signed by {member.name} came from {request.peer.ip}, not its mesh address"
             )
-        return _Sender(member, proven=request.body is not None and member.current)
+        refusal = ""
+        try:
+            if request.body is None:
+                member = self.verifier.verify_declared(request.method, request.target, request.headers)
+            else:
+                member = self.verifier.verify(request.method, request.target, request.headers, request.body)
+        except AuthError as error:
+            if error.removed is None or request.body is not None:
+                raise HTTPError(error.status, str(error)) from None
+            member, refusal = error.removed, str(error).splitlines()[0]
+        return _Sender(member, proven=not refusal, removed=bool(refusal), refusal=refusal)
 
     def proven(self, handler: Callable[[Request, Member], Reply]) -> Callable[[Request], Reply]:
-        """Wrap a handler: read the body (hashing it), finish the proof, then run the handler."""
+        """Wrap a handler: read the body (hashing it), check it against its proven digest, run the handler."""
 
         def run(request: Request) -> Reply:
             sender: _Sender = request.principal
+            if sender.removed:
+                return json_reply({"error": sender.refusal, "removed": True}, 403)
             digest, parts, total = hashlib.sha256(), [], 0
             keep = request.path != "/v1/echo"
             while chunk := request.read(CHUNK):
@@ -128,17 +142,11 @@ class MeshRoutes:
             if total != request.length:
                 raise HTTPError(400, "the request body ended early")
             try:
-                member = self.verifier.verify_digest(
-                    request.method, request.target, request.headers, digest.digest()
-                )
+                self.verifier.check_body(request.headers, digest.digest())
             except AuthError as error:
-                if error.removed is None:
-                    raise HTTPError(error.status, str(error)) from None
-                sender.removed = True
-                return json_reply({"error": str(error).splitlines()[0], "removed": True}, 403)
-            sender.proven = True
+                raise HTTPError(error.status, str(error)) from None
             request.body = b"".join(parts)
-            return handler(request, member)
+            return handler(request, sender.member)
 
         return run
 

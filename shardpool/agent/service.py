@@ -35,7 +35,7 @@ from mesh.constants import AGENT_PORT
 from mesh.control.directory import Member
 from mesh.control.verifier import RequestVerifier
 from mesh.http.server import HTTPError, HTTPServer, Limits
-from shardpool.agent.accounts import DEFAULT_LAUNCH_GROUP, RunAs
+from shardpool.agent.accounts import DEFAULT_LAUNCH_GROUP, RunAs, make_directory, make_tree
 from shardpool.agent.client import AgentRefused, AgentUnreachable, SignedAgentClient
 from shardpool.agent.confine import landlock_abi
 from shardpool.agent.job_table import JobTable
@@ -63,7 +63,7 @@ class Agent:
     addresses in a job, to aim probes and to forward requests. ``run_as`` is the account stage
     processes (and the device profiler) run as; ``group`` and ``socket_path`` configure the local
     listener (none when ``socket_path`` is None). ``worker_command`` replaces ``[python, -m,
-    shardpool.train.worker]`` (tests run small scripts; it must be runnable by ``run_as``); the job
+    shardpool.elastic.rank]`` (tests run small scripts; it must be runnable by ``run_as``); the job
     file and the rank are appended to it. ``profile_command`` likewise replaces ``[python, -m,
     shardpool.plan.report]``, which must answer within ``profile_timeout_s``. ``interface`` is the
     mesh interface, given to gloo and NCCL. Other members' agents are called on ``peer_port``
@@ -99,7 +99,7 @@ class Agent:
         self.run_as = run_as
         self.settings = StageSettings(
             run_as=run_as,
-            worker_command=list(worker_command or [sys.executable, "-m", "shardpool.train.worker"]),
+            worker_command=list(worker_command or [sys.executable, "-m", "shardpool.elastic.rank"]),
             interface=interface,
             work_dir=Path(work_dir),
             landlock_abi=landlock_abi(),
@@ -166,8 +166,8 @@ class Agent:
         if self._spawner.running:
             return self
         check_reachable(self.run_as, self.work_dir)
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        (self.work_dir / "jobs").mkdir(mode=0o755, exist_ok=True)
+        make_tree(self.work_dir)
+        make_directory(self.work_dir / "jobs", mode=0o755)
         self.run_as.make_private_dir(self.settings.cache_dir)
         self._spawner.start()
         self.job_table.open()

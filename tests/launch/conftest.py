@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from shardpool_dev.lab import Lab
 
-from mesh.lab import Lab
 from tests.helpers.mesh_training import nat_mesh_of_three, nat_training_lab
 
 

@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from shardpool_dev.lab import Lab, netns_skip_reason
 
-from mesh.lab import Lab, netns_skip_reason
 from shardpool.contract.liveness import LIVE_ROOT
 from shardpool.train.checkpoint import rng_file, stage_file
 from tests.helpers.memory_cgroups import MemoryCgroups, memory_cgroup_skip_reason, probe_free_bytes
@@ -311,7 +311,7 @@ def test_a_stopped_stage_is_found_by_its_silent_beat_and_the_run_finishes(
         with MetricsWatch(out / "metrics.jsonl") as watch:
             alive = lambda: launcher.poll() is None  # noqa: E731
             stopped_after = _settled_step(watch, out, stop_after, alive)
-            stopped = sorted(lab.processes(lab.hosts["c"], "shardpool.train.worker"))
+            stopped = sorted(lab.processes(lab.hosts["c"], "shardpool.elastic.rank"))
             assert stopped, "host c runs a stage"
             for pid in stopped:
                 os.kill(pid, signal.SIGSTOP)

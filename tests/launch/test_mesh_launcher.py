@@ -31,8 +31,8 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
+from shardpool_dev.lab import MESH_CIDR, Lab, netns_skip_reason
 
-from mesh.lab import MESH_CIDR, Lab, netns_skip_reason
 from tests.helpers.mesh_hosts import agent_serves
 from tests.helpers.mesh_training import (
     AGENT_PORT,
@@ -103,7 +103,7 @@ def test_mesh_run_equals_local_run_and_loads_with_peft(
         deadline = time.monotonic() + 600
         while launcher.poll() is None and time.monotonic() < deadline:
             for label in stage_uids:
-                stage_uids[label].update(lab.processes(lab.hosts[label], "shardpool.train.worker").values())
+                stage_uids[label].update(lab.processes(lab.hosts[label], "shardpool.elastic.rank").values())
             time.sleep(0.1)
         stdout, stderr = launcher.communicate(timeout=60)
     finally:

@@ -35,6 +35,7 @@ print(json.dumps(values))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "then",
     [

@@ -287,6 +287,7 @@ LONE_STAGE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_lone_stage_joins_no_group_and_starts_no_transport_thread() -> None:
     result = subprocess.run(
         [sys.executable, "-c", LONE_STAGE], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300

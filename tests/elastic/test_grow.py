@@ -19,10 +19,10 @@ from shardpool import finetune as finetune_module
 from shardpool.config import parse_config
 from shardpool.contract.liveness import LIVE_ROOT
 from shardpool.contract.rebalance import FORCE_ENV
+from shardpool.elastic.rank import KEEP_STATE_HOOK
 from shardpool.finetune import finetune
 from shardpool.launch.run import RUN_DIR_NAME
 from shardpool.plan.profiler import TorchProbe
-from shardpool.train.worker import KEEP_STATE_HOOK
 from tests.helpers.growing import GrowingLauncher
 from tests.helpers.training import base_config, read_metrics
 

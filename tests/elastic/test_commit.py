@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardpool.launch.commit import CommitGate, passing
+from shardpool.elastic.commit import CommitGate, passing
 
 
 def _gate(complete: set[int]) -> tuple[CommitGate, list[str]]:

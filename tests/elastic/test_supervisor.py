@@ -14,32 +14,22 @@ import pytest
 
 from shardpool.agent.client import AgentUnreachable
 from shardpool.config import Config, parse_config
-from shardpool.contract.grow import decode_growth, grow_key, ready_key, step_key
 from shardpool.contract.job import Job
-from shardpool.contract.liveness import LIVE_ROOT, live_dir, live_key
+from shardpool.contract.liveness import LIVE_ROOT, live_dir
+from shardpool.elastic.beats import BeatWatch
+from shardpool.elastic.copies import complete_live_steps, copy_files_count, prune_live_copies
+from shardpool.elastic.growth import GrowOrder, grown_job
+from shardpool.elastic.joins import JoinCheckClock, join_gain_needed, look_for_joins, worth_joining
+from shardpool.elastic.messages import decode_growth, grow_key, live_key, ready_key, step_key
+from shardpool.elastic.policy import AttemptEnded, ReplanPolicy, does_not_fit_line, supervision_line
+from shardpool.elastic.rebalancing import replanned_json
+from shardpool.elastic.supervisor import Supervisor
 from shardpool.errors import ShardpoolError
 from shardpool.finetune import PreparedRun
-from shardpool.launch.beats import BeatWatch
 from shardpool.launch.local_launcher import StageFailed
-from shardpool.launch.mesh_launcher import GrowOrder, Interrupted, MemberLost, MeshLauncher, run_mesh_job
+from shardpool.launch.mesh_launcher import Interrupted, MemberLost, MeshLauncher, run_mesh_job
 from shardpool.launch.mesh_members import MeshMember
-from shardpool.launch.rebalancing import replanned_json
 from shardpool.launch.run import keeps_state, trim_metrics
-from shardpool.launch.supervise import (
-    AttemptEnded,
-    JoinCheckClock,
-    ReplanPolicy,
-    Supervisor,
-    complete_live_steps,
-    copy_files_count,
-    does_not_fit_line,
-    grown_job,
-    join_gain_needed,
-    look_for_joins,
-    prune_live_copies,
-    supervision_line,
-    worth_joining,
-)
 from shardpool.plan.result import Plan, PlannedStage
 from shardpool.plan.stage_costs import StageCosts
 from tests.helpers.jobs import MINIMAL_CONFIG, job_dict
@@ -263,7 +253,7 @@ def test_joins_are_checked_every_ten_steps_and_sixty_seconds_whichever_is_later(
 
 
 def test_the_test_hook_shortens_the_minute_between_join_checks() -> None:
-    from shardpool.launch.supervise import REPLAN_CHECK_MIN_S, join_check_min_s
+    from shardpool.elastic.joins import REPLAN_CHECK_MIN_S, join_check_min_s
 
     assert join_check_min_s({}) == REPLAN_CHECK_MIN_S == 60.0
     assert join_check_min_s({"SHARDPOOL_TEST_JOIN_CHECK_MIN_S": "5"}) == 5.0
@@ -271,7 +261,7 @@ def test_the_test_hook_shortens_the_minute_between_join_checks() -> None:
 
 
 def test_the_test_hook_shortens_the_ten_steps_between_join_checks() -> None:
-    from shardpool.launch.supervise import REPLAN_CHECK_EVERY_STEPS, join_check_every_steps
+    from shardpool.elastic.joins import REPLAN_CHECK_EVERY_STEPS, join_check_every_steps
 
     assert join_check_every_steps({}) == REPLAN_CHECK_EVERY_STEPS == 10
     assert join_check_every_steps({"SHARDPOOL_TEST_JOIN_CHECK_EVERY_STEPS": "2"}) == 2

@@ -12,11 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardpool.contract.rebalance import ROOM_ENV, decision_key, encode_decision
+from shardpool.contract.rebalance import ROOM_ENV
+from shardpool.elastic import reshard
+from shardpool.elastic.messages import await_decision, decision_key, encode_decision
+from shardpool.elastic.reshard import exchange_state, kept_state, room_bytes, state_for_layers
 from shardpool.errors import ShardpoolError
-from shardpool.train import reshard
 from shardpool.train.rendezvous import rendezvous_store
-from shardpool.train.reshard import await_decision, exchange_state, kept_state, room_bytes, state_for_layers
 
 
 def _key(layer: int) -> str:
@@ -109,6 +110,7 @@ def _handover_rank(rank: int, world_size: int, init_file: str, results: Any) -> 
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_each_replica_hands_its_layers_to_its_own_new_owner(tmp_path: Path) -> None:
     context = multiprocessing.get_context("spawn")
     results = context.Queue()

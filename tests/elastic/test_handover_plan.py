@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from shardpool.contract.grow import (
-    decode_growth,
-    encode_growth,
+from shardpool.contract.names import ContractError
+from shardpool.elastic.handover_plan import (
     growth_moves,
     in_place_ranks,
     job_growth_moves,
     position_owners,
     state_position,
 )
-from shardpool.contract.names import ContractError
+from shardpool.elastic.messages import decode_growth, encode_growth
 
 
 def test_running_ranks_keep_their_members_and_order() -> None:

@@ -17,13 +17,14 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 from shardpool.config import parse_config
-from shardpool.contract.liveness import LIVE_ROOT, beat_key, live_dir, live_key
+from shardpool.contract.liveness import LIVE_ROOT, live_dir
 from shardpool.contract.rebalance import FORCE_ENV
+from shardpool.elastic.messages import beat_key, live_key
+from shardpool.elastic.rank import KEEP_STATE_HOOK
+from shardpool.elastic.rank_liveness import StateCopier, start_beat, store_client
 from shardpool.finetune import finetune
-from shardpool.train.liveness import StateCopier, start_beat, store_client
 from shardpool.train.rendezvous import rendezvous_store
 from shardpool.train.runfiles import RunFiles
-from shardpool.train.worker import KEEP_STATE_HOOK
 from tests.helpers.shared_runs import CHECKPOINTED_TWO_STAGES, trained_once
 from tests.helpers.training import base_config, read_metrics
 
@@ -138,6 +139,7 @@ def runs(
     return {"plain": plain, "kept": kept}
 
 
+@pytest.mark.slow
 def test_keep_state_leaves_a_complete_copy_after_every_step(runs: dict[str, Path]) -> None:
     live = runs["kept"] / LIVE_ROOT
     assert sorted(path.name for path in live.iterdir()) == ["step-1", "step-2", "step-3", "step-4"]
@@ -151,6 +153,7 @@ def test_keep_state_leaves_a_complete_copy_after_every_step(runs: dict[str, Path
     assert "copy after step" not in logs and "stopped beating" not in logs
 
 
+@pytest.mark.slow
 def test_a_copy_equals_the_checkpoint_of_its_step_tensor_for_tensor(runs: dict[str, Path]) -> None:
     for step in (1, 2, 3):  # no checkpoint after the last step: the adapter is written instead
         checkpoint = runs["kept"] / "checkpoints" / f"checkpoint-{step}"
@@ -167,6 +170,7 @@ def test_a_copy_equals_the_checkpoint_of_its_step_tensor_for_tensor(runs: dict[s
             assert all(torch.equal(copied[name], saved[name]) for name in saved), path.name
 
 
+@pytest.mark.slow
 def test_each_step_line_says_how_long_every_rank_s_last_copy_took_and_what_it_cost(
     runs: dict[str, Path],
 ) -> None:
@@ -186,6 +190,7 @@ def test_each_step_line_says_how_long_every_rank_s_last_copy_took_and_what_it_co
         ), record
 
 
+@pytest.mark.slow
 def test_keep_state_changes_no_loss_and_no_adapter(runs: dict[str, Path]) -> None:
     assert [r["loss"] for r in read_metrics(runs["kept"])] == [r["loss"] for r in read_metrics(runs["plain"])]
     kept = load_file(str(runs["kept"] / "adapter_model.safetensors"))
@@ -193,6 +198,7 @@ def test_keep_state_changes_no_loss_and_no_adapter(runs: dict[str, Path]) -> Non
     assert all(torch.equal(kept[name], plain[name]) for name in plain)
 
 
+@pytest.mark.slow
 def test_a_failing_copy_does_not_stop_training(
     tiny_model: Path, completion_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -215,6 +221,7 @@ def _layers(path: Path) -> list[int]:
     )
 
 
+@pytest.mark.slow
 def test_the_copy_after_a_reshard_holds_the_layers_of_the_next_step(
     tiny_model: Path, completion_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,15 +10,11 @@ from typing import Any
 import pytest
 
 from shardpool.config import parse_config
-from shardpool.contract.rebalance import (
-    FORCE_ENV,
-    FORCE_SHARES_ENV,
-    decision_key,
-    decode_decision,
-    decode_shares,
-)
-from shardpool.launch.rebalancing import RebalanceCheck, carried_plan, replanned_json, resumed_json
-from shardpool.plan.calibrate import MIN_GAIN, Rebalance, StepMeasurement
+from shardpool.contract.rebalance import FORCE_ENV, FORCE_SHARES_ENV
+from shardpool.elastic.messages import decision_key, decode_decision, decode_shares
+from shardpool.elastic.rebalance_decision import MIN_GAIN, Rebalance
+from shardpool.elastic.rebalancing import RebalanceCheck, carried_plan, replanned_json, resumed_json
+from shardpool.plan.calibrate import StepMeasurement
 from shardpool.plan.result import Plan, PlannedStage
 from shardpool.plan.stage_costs import StageCosts
 

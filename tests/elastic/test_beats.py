@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardpool.launch.beats import MIN_STALL_S, BeatWatch, stall_bound
+from shardpool.elastic.beats import MIN_STALL_S, BeatWatch, stall_bound
 
 
 class _Clock:
