@@ -7,6 +7,6 @@ machine as a member; :mod:`mesh.node.api` is what the training side reads), :mod
 (tokens, join exchange, signed requests, roster, coordinator), :mod:`mesh.wireguard` (keys,
 kernel and userspace backends), :mod:`mesh.http` (the one HTTP server), then the base modules
 (mesh.errors, mesh.state, mesh.files, mesh.constants, mesh.units, mesh.addresses, mesh.daemon).
-:mod:`mesh.lab` (several hosts in network namespaces on one machine, for tests and benchmarks)
-uses only base modules.
+The lab that builds several hosts in network namespaces on one machine, for tests and
+benchmarks, is in the development kit (``shardpool_dev.lab``), not here.
 """

@@ -91,7 +91,7 @@ trap 'rm -rf "$WORK"' EXIT
 SITE=/tmp/site
 export REPO OUT WORK PY DRY_RUN SITE
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$SITE:$REPO:$REPO/dev${PYTHONPATH:+:$PYTHONPATH}" # dev/: the benchmark library (shardpool_dev)
 TOOLS=("$PY" "$REPO/scripts/gpu_suite_tools.py")
 dry_flag=()
 if [ "$DRY_RUN" = 1 ]; then
@@ -131,7 +131,7 @@ part_cuda_tests() {
     mapfile -t ids < <("$PY" scripts/gpu_suite_tools.py cuda-tests)
     [ "${#ids[@]}" -gt 0 ] || { echo "gpu_suite: no test skips without CUDA"; return 1; }
     printf 'gpu_suite: %s\n' "${ids[@]}"
-    "$PY" -m pytest -n 0 -q -p no:cacheprovider --junitxml "$WORK/cuda-tests.xml" "${ids[@]}"
+    "$PY" -m pytest -n 0 -q -p no:cacheprovider -m "" --junitxml "$WORK/cuda-tests.xml" "${ids[@]}" # every tier
 }
 
 part_stage_vs_peft() {

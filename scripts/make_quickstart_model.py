@@ -10,10 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from shardpool.model.tinymodel import make_quickstart
 
-from shardpool.model.tinymodel import make_quickstart  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> int:

@@ -21,101 +21,12 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-import bench_paired  # scripts/ is on sys.path when this file runs as a script
-import bench_pipeline as bench
-
-STEP_ANCHORS = {
-    "A": "StageWorker.train_step (shardpool/train/worker.py",
-    "B": "plain_steps (bench_pipeline.py",
-}
-# First match wins, searched from the step loop's frame inwards.
-CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("optimizer", ("torch/optim/", "bitsandbytes/optim/", "zero_grad")),
-    ("gradient clip", ("reduce_and_clip_gradients", "clip_grad_norm_")),
-    ("collectives", ("gather_timings", "all_reduce", "all_gather", "barrier")),
-    ("logging", ("emit (", "print (")),
-    ("loss", ("token_loss_sum",)),
-    ("backward", ("backward (",)),
-    ("forward", ("forward (", "_call_impl (", "_wrapped_call_impl (")),
-    ("data", ("TokenRows.select", "label_tokens", "select (")),
-)
-OWN_CODE = ("shardpool/", "bench_pipeline.py", "bench_paired.py")
-
-
-def parse_raw(lines: Iterable[str]) -> list[tuple[list[str], int]]:
-    """py-spy's raw (collapsed) output: one ``frame;frame;... count`` per line, outermost first."""
-    samples = []
-    for line in lines:
-        line = line.rstrip()
-        if not line:
-            continue
-        stack, _, count = line.rpartition(" ")
-        samples.append((stack.split(";"), int(count)))
-    return samples
-
-
-def categorize(frames: Sequence[str], anchor: str) -> str | None:
-    """The category of one sample, or None when it was not taken inside the step loop (``anchor``)."""
-    inside = [index for index, frame in enumerate(frames) if anchor in frame]
-    if not inside:
-        return None
-    below = list(frames[inside[-1] + 1 :])
-    for name, markers in CATEGORIES:
-        if any(marker in frame for frame in below for marker in markers):
-            if name in ("forward", "backward") and below and _is_own_code(below[-1]):
-                return "python overhead"
-            return name
-    return "python overhead" if not below or _is_own_code(below[-1]) else "other"
-
-
-def _is_own_code(frame: str) -> bool:
-    return any(marker in frame for marker in OWN_CODE)
-
-
-def breakdown(samples: Iterable[tuple[list[str], int]], anchor: str) -> dict[str, Any]:
-    """Sample counts and shares per category over the samples taken inside the step loop."""
-    counts: Counter[str] = Counter()
-    for frames, count in samples:
-        category = categorize(frames, anchor)
-        if category is not None:
-            counts[category] += count
-    total = sum(counts.values())
-    return {
-        "samples": total,
-        "share": {name: round(count / total, 4) for name, count in counts.most_common()} if total else {},
-        "counts": dict(counts.most_common()),
-    }
-
-
-def profile_side(side: str, spec: Path, *, work: Path, rate: int) -> dict[str, Any]:
-    """Run one side under py-spy and return its breakdown."""
-    raw = work / f"{side}.raw"
-    flag = "--shardpool-worker" if side == "A" else "--plain-worker"
-    command = [
-        "py-spy", "record", "--nonblocking", "--subprocesses", "--format", "raw", "--rate", str(rate),
-        "-o", str(raw), "--", sys.executable, str(Path(bench_paired.__file__).resolve()), flag, str(spec),
-    ]  # fmt: skip
-    threads = json.loads(spec.read_text())["threads"]
-    env = dict(
-        os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false"
-    )
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800, check=False)
-    if result.returncode != 0 or not raw.exists():
-        raise RuntimeError(f"py-spy run of side {side} failed:\n{result.stderr[-3000:]}")
-    reports = [line for line in result.stdout.splitlines() if line.startswith("{")]  # py-spy talks too
-    measured = json.loads(reports[-1])
-    with raw.open() as lines:
-        report = breakdown(parse_raw(lines), STEP_ANCHORS[side])
-    report["step_seconds"] = measured["step_seconds"]
-    return report
+from shardpool_dev.bench.profile import profile_side
+from shardpool_dev.bench.workload import FULL, QUICK, scratch, tiny_llama_and_rows, training_config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -128,27 +39,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if shutil.which("py-spy") is None:
         print("profile_step: py-spy is not installed; run `pip install py-spy` first", file=sys.stderr)
         return 2
-    from shardpool.model.tinymodel import DEFAULT_CORPUS, make_tiny_llama, write_jsonl
-
-    size = bench.QUICK if args.quick else bench.FULL
-    work = Path(tempfile.mkdtemp(prefix="shardpool-profile-")) if args.keep is None else args.keep
-    work.mkdir(parents=True, exist_ok=True)
-    os.environ["SHARDPOOL_CACHE"] = str(work / "cache")
+    size = QUICK if args.quick else FULL
     threads = len(os.sched_getaffinity(0))
-    try:
+    with scratch("shardpool-profile-", args.keep) as work:
         with contextlib.redirect_stdout(sys.stderr):
-            rows = bench.completion_rows(size["rows"])
-            data = write_jsonl(rows, work / "data.jsonl")
-            model_dir = make_tiny_llama(
-                work / "model",
-                seed=0,
-                initializer_range=0.1,
-                corpus=[row["text"] for row in rows] + list(DEFAULT_CORPUS),
-                **size["model"],
-            )
+            model_dir, data = tiny_llama_and_rows(work, size)
         sides = {}
         for side in ("A", "B"):
-            config = bench.training_config(
+            config = training_config(
                 model_dir, data, work / f"out-{side}", size, {"stages": 1, "threads_per_stage": threads}
             )
             spec = work / f"{side}.json"
@@ -164,11 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "threads": threads,
             "sides": sides,
         }
-        print(json.dumps(report, indent=2))
-        return 0
-    finally:
-        if args.keep is None:
-            shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(report, indent=2))
+    return 0
 
 
 if __name__ == "__main__":

@@ -92,9 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     jobs.add_argument("action", nargs="?", choices=("list", "show", "stop"), help="default: list")
     jobs.add_argument("job_id", nargs="?", metavar="ID", help="the job to show or stop")
-    jobs.add_argument(
+    jobs_agent = jobs.add_mutually_exclusive_group()
+    jobs_agent.add_argument(
         "--socket",
         help="the local agent's socket (default $SHARDPOOL_AGENT_SOCKET or /run/shardpool/agent.sock)",
+    )
+    jobs_agent.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="the mesh state directory given to `mesh init/join`: ask the agent of that mesh",
     )
     jobs.set_defaults(handler=_run_jobs)
 
@@ -149,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument(
         "--socket",
         metavar="PATH",
-        help="the agent's local Unix socket (default $SHARDPOOL_AGENT_SOCKET or /run/shardpool/agent.sock)",
+        help="the agent's local Unix socket (default $SHARDPOOL_AGENT_SOCKET, else /run/shardpool/agent.sock "
+        "for /var/lib/shardpool and /run/shardpool/agent-HASH.sock for any other state directory)",
     )
     agent.add_argument("--ready-file", help=argparse.SUPPRESS)
     agent.set_defaults(handler=_run_agent)
@@ -244,7 +251,12 @@ def _run_jobs(args: argparse.Namespace) -> int:
         )
     if args.action in (None, "list") and args.job_id is not None:
         raise ShardpoolError(f"did you mean `shardpool jobs show {args.job_id}`?")
-    print(run_jobs_command(args.action, args.job_id, socket_path=args.socket))
+    socket_path = args.socket
+    if args.state_dir is not None:
+        from shardpool.agent.local_client import agent_socket_of_state_dir
+
+        socket_path = agent_socket_of_state_dir(args.state_dir)
+    print(run_jobs_command(args.action, args.job_id, socket_path=socket_path))
     return 0
 
 
@@ -304,9 +316,17 @@ def _run_merge(args: argparse.Namespace) -> int:
 
 
 def _run_devices(args: argparse.Namespace) -> int:
-    from shardpool.plan.profiler import show_devices
+    from shardpool.plan.report import devices_table, local_devices
 
-    show_devices(args.config, profile=not args.no_profile, as_json=args.json)
+    listing = local_devices(args.config, profile=not args.no_profile)
+    if args.json:
+        import json
+
+        print(json.dumps(listing.rows, indent=2))
+    else:
+        from rich.console import Console
+
+        Console().print(devices_table(listing))
     return 0
 
 

@@ -1,31 +1,30 @@
 """``shardpool finetune``: from a YAML config to a PEFT adapter in ``output_dir``.
 
-The story of a run, top to bottom:
-  1. load the config and pick the launcher: this machine, or the mesh members this machine's
-     agent reports (a user it refuses stops here, with the fix);
-  2. check everything that can fail before any process starts (the model directory, LoRA
-     targets, stage count, datasets), tokenize the data once, and plan the stages on the
-     launcher's devices (accelerators measured in a child process that ends before any stage
-     starts, :mod:`shardpool.plan.probe_process`); bad input fails here, and nothing is written;
-  3. write what every stage reads (the tokenized data, ``plan.json``, ``.shardpool/job.json``),
-     serve it to remote stages, and host the rendezvous store;
-  4. start one process per stage and replica, ``python -m shardpool.train.worker job.json RANK``
-     (:mod:`shardpool.train.worker`), and relay their events: the progress (a bar on a terminal,
-     else a log line per logged step) and ``metrics.jsonl`` per step and periodic eval, the
-     re-balance check after the warm-up steps answered (:mod:`shardpool.launch.rebalancing`),
-     checkpoints finalized (the oldest deleted past ``save_total_limit``), and
-     at the end the stages' LoRA tensors merged into the adapter, saved with the tokenizer; a mesh
-     run with ``on_member_loss: continue`` that loses a member (or gains one worth a restart)
-     goes on from its newest complete step-boundary copy with a new plan, one attempt after the
-     other (:class:`~shardpool.launch.supervise.Supervisor`);
-  5. write the model card (``README.md``), report eval loss before and after, and how to load
-     the adapter.
+The story of a run, top to bottom (:func:`finetune`, then ``_finetune_holding_output_dir``):
+  1. **prepare**: load the config and pick the launcher (this machine, or the mesh members this
+     machine's agent reports; a user it refuses stops here, with the fix); check everything that
+     can fail before any process starts (the model directory, LoRA targets, stage count,
+     datasets) and tokenize the data once (:func:`prepare_run`); bad input fails here, and
+     nothing is written;
+  2. **plan**: place the stages on the launcher's devices (accelerators measured in a child
+     process that ends before any stage starts, :mod:`shardpool.plan.probe_process`), or go on
+     with an interrupted run's re-balanced split; write what every stage reads (the tokenized
+     data, ``plan.json``);
+  3. **launch** and 4. **train** (:func:`shardpool.run_attempts.train_attempts`): write the job,
+     host the rendezvous store, start one process per stage and replica
+     (``python -m shardpool.elastic.rank job.json RANK``) and relay their events: the progress,
+     ``metrics.jsonl``, the re-balance check's answer, each checkpoint finalized; a mesh run with
+     ``on_member_loss: continue`` that loses a member (or gains one worth a restart) goes on from
+     its newest complete step-boundary copy with a new plan, one attempt after the other
+     (:class:`~shardpool.elastic.supervisor.Supervisor`);
+  5. **write**: the stages' LoRA tensors merged into the adapter with the tokenizer
+     (:meth:`~shardpool.train.run_outputs.RunOutputs.write_adapter`), the model card
+     (``README.md``), the eval loss before and after, and how to load the adapter (:func:`finish_run`).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
@@ -36,53 +35,42 @@ from rich.console import Console
 
 from mesh.files import write_json
 from shardpool.config import Config, load_config
-from shardpool.console import RunEvents, print_placement, print_result, training_progress
-from shardpool.contract.events import StageEvent
-from shardpool.contract.job import Job, StagePlacement
-from shardpool.contract.names import resolve_inside
-from shardpool.contract.rebalance import check_step
+from shardpool.console import RunEvents, print_placement, print_result
+from shardpool.contract.job import StagePlacement
 from shardpool.data.hub import with_local_sources
 from shardpool.data.prepare import configure_tokenizer, prepare_data
 from shardpool.data.prepared_file import save_prepared
 from shardpool.data.rows import PreparedData
 from shardpool.data.steps import config_step_batches
-from shardpool.data.tokenizing import load_tokenizer, save_tokenizer
+from shardpool.data.tokenizing import load_tokenizer
+from shardpool.elastic.copies import clear_live_copies
+from shardpool.elastic.policy import ReplanPolicy, placed_stages, placements_of
+from shardpool.elastic.rebalancing import carried_plan, resumed_json
+from shardpool.elastic.supervisor import Supervisor
 from shardpool.errors import ShardpoolError
-from shardpool.launch.commit import CommitGate, passing
-from shardpool.launch.mesh_launcher import Interrupted, MemberLost, MeshLauncher
+from shardpool.launch.mesh_launcher import MeshLauncher
 from shardpool.launch.model_card import earlier_splits, render_model_card, write_model_card
 from shardpool.launch.output_lock import locked_output_dir
-from shardpool.launch.rebalancing import RebalanceCheck, carried_plan, resumed_json
 from shardpool.launch.run import (
     METRICS_FILE,
     RUN_DIR_NAME,
     Launcher,
-    OnEvent,
     RunRecord,
     append_metrics_line,
-    build_job,
     launcher_for,
     replica_places_of,
     trim_metrics,
-    write_job,
-)
-from shardpool.launch.supervise import (
-    AttemptEnded,
-    ReplanPolicy,
-    Supervisor,
-    clear_live_copies,
-    placed_stages,
-    placements_of,
 )
 from shardpool.model.footprint import stage_footprints
-from shardpool.model.lora import LoraSettings, base_model_reference, lora_settings, write_adapter
+from shardpool.model.lora import LoraSettings, base_model_reference, lora_settings
 from shardpool.model.shape import ModelInfo, check_sequence_len, check_stage_count, read_model_info
 from shardpool.plan.probe_process import ProcessProbe
 from shardpool.plan.result import Plan
-from shardpool.trackers import Trackers, check_trackers, open_trackers
+from shardpool.run_attempts import train_attempts
+from shardpool.trackers import check_trackers, open_trackers
 from shardpool.train import checkpoint as ckpt
-from shardpool.train.rendezvous import rendezvous_store
-from shardpool.train.runfiles import DATA_INPUT, job_inputs
+from shardpool.train.run_outputs import RunOutputs
+from shardpool.train.runfiles import DATA_INPUT
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -176,11 +164,38 @@ def _finetune_holding_output_dir(
     ``probe`` is the one ``launcher`` measures this machine with: its child process, holding the
     measured accelerators' memory, ends with the planning, before any stage starts.
     """
+    # prepare and plan: every check before anything is written
     with probe:
         run = replace(
             prepare_run(config, resume=resume, planner=launcher.plan), base_model_reference=reference
         )
+    # write what every stage reads
     run_dir = _write_run_inputs(run, console)
+    _announce(run, console, events)
+    # launch and train, one attempt after the other when a supervised run loses or gains a member
+    outputs = run_outputs(run)
+    supervisor = _supervisor(run, outputs, launcher, console, events)
+    if supervisor is not None and isinstance(launcher, MeshLauncher):
+        launcher = launcher.supervised_by(supervisor)
+    trackers = open_trackers(as_written, Path(config.output_dir))
+    try:
+        run, relayed = train_attempts(
+            run, run_dir, launcher, outputs=outputs, console=console, events=events, trackers=trackers,
+            supervisor=supervisor,
+        )  # fmt: skip
+    finally:
+        trackers.close()
+    if supervisor is not None:
+        clear_live_copies(Path(config.output_dir))  # the run is over: its step-boundary copies are spent
+    # write the adapter, the model card and the result
+    if relayed.final_dir is not None:
+        outputs.write_adapter(relayed.final_dir)
+    finish_run(as_written, config, run, relayed.record, console, events)
+    return Path(config.output_dir)
+
+
+def _announce(run: PreparedRun, console: Console, events: RunEvents) -> None:
+    """Say what will be trained: the resumed split (if carried over) and the ``plan`` event."""
     if run.plan.get("source") == "resume" and run.planned is not None:
         console.print(
             f"resuming with the interrupted run's re-balanced split: {placed_stages(run.planned)}",
@@ -190,7 +205,7 @@ def _finetune_holding_output_dir(
         )
     events.emit(
         "plan",
-        output_dir=config.output_dir,
+        output_dir=run.config.output_dir,
         model=run.model.base_name,
         num_layers=run.model.num_layers,
         total_steps=run.total_steps,
@@ -199,88 +214,10 @@ def _finetune_holding_output_dir(
         eval_rows=len(run.data.eval),
         plan=run.plan,
     )
-    supervisor = _supervisor(run, launcher, console, events)
-    record: RunRecord | None = None
-    trackers = open_trackers(as_written, Path(config.output_dir))
-    try:
-        while True:
-            try:
-                record = _attempt(run, run_dir, launcher, console, events, trackers, record, supervisor)
-                if supervisor is not None:
-                    run = supervisor.current(run)  # a member that joined in place changed the plan
-                break
-            except AttemptEnded as ended:
-                assert supervisor is not None and isinstance(launcher, MeshLauncher)
-                run, launcher = supervisor.next_attempt(supervisor.current(run), launcher, ended)
-    finally:
-        trackers.close()
-    assert record is not None
-    if supervisor is not None:
-        clear_live_copies(Path(config.output_dir))  # the run is over: its step-boundary copies are spent
-    finish_run(as_written, config, run, record, console, events)
-    return Path(config.output_dir)
-
-
-def _attempt(
-    run: PreparedRun,
-    run_dir: Path,
-    launcher: Launcher,
-    console: Console,
-    events: RunEvents,
-    trackers: Trackers,
-    record: RunRecord | None,
-    supervisor: Supervisor | None,
-) -> RunRecord:
-    """One start of the run's stages, from ``run.first_step`` to the end (or to a lost or joined
-    member, :class:`AttemptEnded`, when ``supervisor`` keeps the run going)."""
-    config = run.config
-    inputs = job_inputs(config, run_dir, run.resume_from)
-    with launcher.serving(inputs, Path(config.output_dir)) as files_url:
-        store = rendezvous_store(launcher.address, port=launcher.port)
-        check_at = check_step(
-            config.shardpool.rebalance,
-            first_step=run.first_step,
-            total_steps=run.total_steps,
-            num_stages=len(run.placements),
-            data_parallel=run.planned is not None and run.planned.is_data_parallel,
-        )
-        job = build_job(
-            run,
-            inputs=inputs,
-            master_addr=launcher.address,
-            master_port=store.port,
-            files_url=files_url,
-            rebalance_at=check_at,
-        )
-        job_file = write_job(job, run_dir)
-        rebalance = _rebalance_check(run, check_at, store)
-        if supervisor is not None and isinstance(launcher, MeshLauncher):
-            supervisor.begin(launcher, run, job, store)
-            if rebalance is not None:
-                rebalance.resharded = supervisor.resharded
-        try:
-            return _train(
-                console,
-                events,
-                run,
-                job,
-                start=lambda on_event: launcher.start(job, job_file, on_event),
-                trackers=trackers,
-                rebalance=rebalance,
-                record=record,
-                observe=supervisor.observe if supervisor is not None else None,
-                gate=supervisor.commit_gate() if supervisor is not None else None,
-            )
-        except (MemberLost, Interrupted) as stopped:
-            if supervisor is None:
-                raise
-            raise supervisor.ended(stopped) from stopped
-        finally:
-            del store
 
 
 def _supervisor(
-    run: PreparedRun, launcher: Launcher, console: Console, events: RunEvents
+    run: PreparedRun, outputs: RunOutputs, launcher: Launcher, console: Console, events: RunEvents
 ) -> Supervisor | None:
     """What keeps a mesh run going when a member is lost or joins; None for a run that stops instead."""
     config = run.config
@@ -291,7 +228,7 @@ def _supervisor(
     return Supervisor(
         config=config,
         policy=ReplanPolicy(settings.on_member_loss, settings.min_members, settings.max_replans_per_hour),
-        checkpoints=_RunCheckpoints(run),
+        checkpoints=outputs,
         say=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True),
         emit=events.emit,
         record=lambda line: append_metrics_line(output_dir / METRICS_FILE, line),
@@ -301,49 +238,17 @@ def _supervisor(
     )
 
 
-@dataclass(frozen=True)
-class _RunCheckpoints:
-    """The run's checkpoints as the supervisor asks for them (see :class:`~shardpool.launch.supervise.Checkpoints`)."""
-
-    run: PreparedRun
-
-    def partial(self, step: int) -> Path:
-        return ckpt.partial_dir(self.run.config.output_dir, step)
-
-    def finalize(self, partial: Path, step: int, eval_before: float | None) -> Path:
-        run = self.run
-        final = ckpt.finalize_checkpoint(
-            partial,
-            step=step,
-            settings=run.lora,
-            base_model=run.base_model_reference or run.config.base_model,
-            extra={"eval_before": eval_before, "total_steps": run.total_steps},
-        )
-        ckpt.prune_checkpoints(run.config.output_dir, keep=run.config.save_total_limit)
-        return final
-
-    def newest(self) -> Path | None:
-        return ckpt.newest_checkpoint(self.run.config.output_dir)
-
-    def step_of(self, checkpoint: Path) -> int:
-        return ckpt.checkpoint_step(checkpoint)
-
-    def eval_before_of(self, checkpoint: Path) -> float | None:
-        return ckpt.checkpoint_eval_before(checkpoint)
-
-
-def _rebalance_check(run: PreparedRun, check_at: int | None, store: Any) -> RebalanceCheck | None:
-    """The launcher's re-balance check of ``run``, answering at ``store``; None when the run has none."""
-    if check_at is None or run.planned is None:
-        return None
-    return RebalanceCheck(
-        plan=run.planned,
-        plan_json=dict(run.plan),
-        config=run.config,
-        check_at=check_at,
-        first_step=run.first_step,
-        publish=store.set,
-        plan_path=Path(run.config.output_dir) / "plan.json",
+def run_outputs(run: PreparedRun) -> RunOutputs:
+    """Where ``run``'s checkpoints and adapter go (``output_dir``), and what they record."""
+    output_dir = Path(run.config.output_dir).resolve()
+    return RunOutputs(
+        output_dir=output_dir,
+        lora=run.lora,
+        base_model=run.base_model_reference or run.config.base_model,
+        total_steps=run.total_steps,
+        keep=run.config.save_total_limit,
+        scratch=output_dir / RUN_DIR_NAME,
+        tokenizer=run.tokenizer,
     )
 
 
@@ -489,113 +394,3 @@ def _write_run_inputs(run: PreparedRun, console: Console) -> Path:
         shares=list(run.planned.shares) if replicas and run.planned is not None else None,
     )
     return run_dir
-
-
-def _train(
-    console: Console,
-    events: RunEvents,
-    run: PreparedRun,
-    job: Job,
-    *,
-    start: Callable[[OnEvent], None],
-    trackers: Trackers | None = None,
-    rebalance: RebalanceCheck | None = None,
-    record: RunRecord | None = None,
-    observe: OnEvent | None = None,
-    gate: CommitGate | None = None,
-) -> RunRecord:
-    """Start the stages with ``start`` and relay their events until all finish; return what was recorded.
-
-    ``rebalance`` answers the stages' re-balance check (and records a re-shard); None: the job has none.
-    ``record`` goes on with an earlier attempt's record; ``observe`` sees every reported event
-    first (the supervisor). ``gate`` holds each step's reports until its step-boundary copy is
-    complete (a supervised run); the re-balance check is answered at once, the stages wait for it.
-    """
-    gate = gate if gate is not None else passing()
-    output_dir = Path(job.output_dir)
-    record = record or RunRecord(
-        output_dir, run.config.logging_steps, run.total_steps, run.first_step, eval_before=job.eval_before,
-        on_metrics=trackers.log if trackers is not None else None,
-    )  # fmt: skip
-    with training_progress(
-        console,
-        total_steps=run.total_steps,
-        first_step=run.first_step,
-        logging_steps=run.config.logging_steps,
-    ) as progress:
-        if rebalance is not None:
-            rebalance.say = progress.say
-
-        def rebalanced(line: dict[str, Any]) -> None:
-            record.record_rebalance(line)
-            progress.say(_rebalance_message(line))
-            events.emit(line["event"], **_fields(line))
-
-        def on_event(event: dict[str, Any]) -> None:
-            if event.get("event") != StageEvent.STEP:
-                gate.then(lambda: report(event))
-                return
-            line = rebalance.on_step(event) if rebalance is not None else None
-            gate.step(int(event["step"]), lambda: report(event))
-            if line is not None:
-                gate.then(lambda: rebalanced(line))
-
-        def report(event: dict[str, Any]) -> None:
-            if observe is not None:
-                observe(event)
-            record.record(event)
-            kind = event.get("event")
-            if kind == StageEvent.STEP:
-                progress.step(event)
-                events.emit("step", total_steps=run.total_steps, **_fields(event))
-            elif kind == StageEvent.EVAL:
-                events.emit("eval", **_fields(event))
-            elif kind == StageEvent.CHECKPOINT_WRITTEN:
-                final = ckpt.finalize_checkpoint(
-                    resolve_inside(output_dir, event["partial"], "checkpoint directory"),
-                    step=event["step"],
-                    settings=run.lora,
-                    base_model=run.base_model_reference or run.config.base_model,
-                    extra={"eval_before": event.get("eval_before"), "total_steps": run.total_steps},
-                )
-                progress.say(f"checkpoint saved: {final}")
-                deleted = ckpt.prune_checkpoints(output_dir, keep=run.config.save_total_limit)
-                for old in deleted:
-                    progress.say(f"checkpoint deleted (save_total_limit): {old}")
-                events.emit(
-                    "checkpoint", step=event["step"], path=str(final), deleted=[str(old) for old in deleted]
-                )
-            elif kind == StageEvent.FINAL_WRITTEN:
-                final_dir = resolve_inside(output_dir, event["directory"], "final adapter directory")
-                lora = ckpt.merge_stage_lora(final_dir)
-                write_adapter(
-                    output_dir, lora, run.lora, base_model=run.base_model_reference or run.config.base_model
-                )
-                if run.tokenizer is not None:
-                    save_tokenizer(run.tokenizer, output_dir, scratch_parent=output_dir / RUN_DIR_NAME)
-                shutil.rmtree(final_dir, ignore_errors=True)
-
-        record.timed(start, on_event)
-        gate.release_all()
-    record.write_summary()
-    return record
-
-
-def _rebalance_message(line: dict[str, Any]) -> str:
-    """The console line of a re-shard, or of a check whose better split the stages' room rules out."""
-    moved = " ".join(f"[{start}, {stop})" for start, stop in line["to"])
-    if line["event"] == "rebalance_held":
-        return (
-            f"re-balance after step {line['step']} held back, keeping the plan: layers {moved} would "
-            f"predict {line['predicted_step_s']:.3f} s/step (measured {line['current_step_s']:.3f}), "
-            f"but {line['reason']}"
-        )
-    return (
-        f"re-balanced after step {line['step']}: layers now {moved} ({line['reason']}; "
-        f"predicted {line['predicted_step_s']:.3f} s/step, measured {line['current_step_s']:.3f} s/step)"
-    )
-
-
-def _fields(event: dict[str, Any]) -> dict[str, Any]:
-    """A stage event's fields without its ``event`` name."""
-    return {key: value for key, value in event.items() if key != "event"}

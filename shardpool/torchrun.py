@@ -10,7 +10,7 @@ contract). Each process joins torchrun's store (``env://``, as ``init_process_gr
      stage 0 trains in this one, :mod:`shardpool.plan.probe_process`); it writes the job file
      into ``output_dir/.shardpool`` and publishes its path in the store under ``shardpool/job``;
   2. every rank reads the job and runs its stage in its own process
-     (:class:`shardpool.train.worker.StageWorker`), joined on torchrun's store instead of a
+     (:class:`shardpool.elastic.rank.ElasticStageWorker`), joined on torchrun's store instead of a
      rendezvous store of shardpool's;
   3. rank 0 relays the events as the local launcher does (progress, ``metrics.jsonl``,
      checkpoints, the merged adapter) and writes the model card.
@@ -185,11 +185,12 @@ def _lead(
 
     from shardpool.console import RunEvents
     from shardpool.data.hub import with_local_sources
-    from shardpool.finetune import _train, _write_run_inputs, finish_run, prepare_run
+    from shardpool.finetune import _write_run_inputs, finish_run, prepare_run, run_outputs
     from shardpool.launch.run import build_job, write_job
     from shardpool.model.lora import base_model_reference
     from shardpool.plan.config_plan import plan_for_config
     from shardpool.plan.probe_process import ProcessProbe
+    from shardpool.run_attempts import relay_stages
     from shardpool.trackers import check_trackers, open_trackers
     from shardpool.train.runfiles import job_inputs
 
@@ -228,12 +229,17 @@ def _lead(
         for rank in range(1, job.world_size):
             on_event(json.loads(store.get(_STAGE_DONE_KEY.format(rank=rank))))
 
+    outputs = run_outputs(run)
     trackers = open_trackers(as_written, Path(config.output_dir))
     try:
-        record = _train(console, RunEvents(), run, job, start=start, trackers=trackers)
+        relayed = relay_stages(
+            console, RunEvents(), run, job, start=start, outputs=outputs, trackers=trackers
+        )
     finally:
         trackers.close()
-    finish_run(as_written, config, run, record, console)
+    if relayed.final_dir is not None:
+        outputs.write_adapter(relayed.final_dir)
+    finish_run(as_written, config, run, relayed.record, console)
     return Path(config.output_dir)
 
 
@@ -279,11 +285,11 @@ def _run_rank(job_file: Path, rank: int, store: Any, *, events: Callable[[dict[s
     so that no collective waits on this rank (torchrun then stops the others)."""
     import torch.distributed as dist
 
-    from shardpool.train.worker import StageWorker
+    from shardpool.elastic.rank import ElasticStageWorker
 
     job = Job.read(job_file)
     try:
-        worker = StageWorker(
+        worker = ElasticStageWorker(
             job, rank, job_dir=job_file.parent, store=dist.PrefixStore(_STORE_PREFIX, store), events=events
         )
         try:

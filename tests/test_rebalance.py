@@ -24,6 +24,8 @@ from shardpool.finetune import finetune
 from shardpool.launch.run import RUN_DIR_NAME
 from tests.helpers.training import base_config, read_metrics, stage_pids, write_config
 
+pytestmark = pytest.mark.slow  # each test trains the tiny model on three stages
+
 
 def _overrides(rebalance: str = "auto", **extra: Any) -> dict[str, Any]:
     return {
@@ -161,7 +163,6 @@ def test_a_split_beyond_a_stages_measured_room_is_held_back_and_the_run_trains_o
     assert "re-sharded" not in (logs / "rank-2.log").read_text()
 
 
-@pytest.mark.slow
 def test_stage_killed_during_the_handover_stops_the_run_and_resume_matches_uninterrupted(
     tmp_path: Path,
     kept: Path,

@@ -51,6 +51,7 @@ def test_tensorboard_gets_every_line(tmp_path: Path) -> None:
     assert [step for step, _ in scalars["train/learning_rate"]] == [1, 2]
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_records_the_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An offline run (WANDB_MODE=offline, synced later) holds the project and every scalar.
 

@@ -95,7 +95,7 @@ class Job(Closed):
     #: Whether the stages beat and copy their step-boundary state (:mod:`shardpool.contract.liveness`).
     keep_state: bool = False
     #: The job's process-group generation: 0 as started, one more each time it grows in place
-    #: (:mod:`shardpool.contract.grow`).
+    #: (:mod:`shardpool.elastic.growth`).
     generation: Steps = 0
     #: Set on the ranks started to join a running job: they build their stage, wait for the step
     #: the running ranks move to this generation after, and take their state from them.

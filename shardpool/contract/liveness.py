@@ -1,20 +1,22 @@
-"""Keeping a run alive across a lost member: the names the stages and the launcher share.
+"""Keeping a run alive across a lost member: the files the stages and the launcher share.
 
 A mesh run with ``shardpool.on_member_loss: continue`` sets :attr:`Job.keep_state
 <shardpool.contract.job.Job.keep_state>`. Its stage processes then do two things for the launcher:
 
 * **beat**: from the moment the process starts, a thread adds 1 to the rendezvous-store counter
-  :func:`beat_key` of its rank every :data:`BEAT_INTERVAL_S` seconds. A stage whose counter stops
-  moving (a suspended laptop, a ``SIGSTOP``) is found by the launcher even though its process and
+  :func:`~shardpool.elastic.messages.beat_key` of its rank every :data:`BEAT_INTERVAL_S` seconds.
+  A stage whose counter stops moving (a suspended laptop, a ``SIGSTOP``) is found by the launcher even though its process and
   its agent are still there.
 * **copy its step-boundary state**: after every optimizer step ``N`` each rank writes its part of
   a checkpoint (the same files: :func:`~shardpool.train.checkpoint.stage_file` from replica 0,
   :func:`~shardpool.train.checkpoint.rng_file` from every rank) into :func:`live_dir` ``(N)`` under
   ``output_dir`` on the launcher, in the background while step ``N + 1`` computes, then adds 1 to
-  :func:`live_key` ``(N)``. Step ``N``'s copy is complete when that counter equals the world size.
+  :func:`~shardpool.elastic.messages.live_key` ``(N)``. Step ``N``'s copy is complete when that
+  counter equals the world size.
 
 When a member is lost the launcher turns the newest complete copy into ``checkpoints/checkpoint-N``
-and starts the stages again over the remaining members from it: no completed step is lost.
+and starts the stages again over the remaining members from it: no completed step is lost. The
+store keys are :mod:`shardpool.elastic.messages`'; this module names the directories and files.
 Pure and torch-free.
 """
 
@@ -25,9 +27,7 @@ import re
 __all__ = [
     "BEAT_INTERVAL_S",
     "LIVE_ROOT",
-    "beat_key",
     "live_dir",
-    "live_key",
     "live_step",
     "rng_file_name",
     "stage_file_name",
@@ -43,17 +43,6 @@ BEAT_INTERVAL_S = 1.0
 LIVE_ROOT = "checkpoints/live"
 
 _LIVE_DIR = re.compile(r"step-([0-9]+)")
-
-
-def beat_key(rank: int, generation: int = 0) -> str:
-    """The rendezvous-store counter a rank's beat thread adds to (a job grown in place,
-    :mod:`shardpool.contract.grow`, counts its ranks afresh under each generation)."""
-    return f"shardpool/beat/{rank}" if generation == 0 else f"shardpool/beat/{generation}/{rank}"
-
-
-def live_key(step: int) -> str:
-    """The rendezvous-store counter of ranks whose step-boundary copy after ``step`` is written."""
-    return f"shardpool/live/{step}"
 
 
 def live_dir(step: int) -> str:

@@ -147,7 +147,7 @@ def _start_rank(job: Job, job_file: Path, rank: int, log_path: Path) -> subproce
     log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed with it
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "shardpool.train.worker", str(job_file), str(rank)],
+            [sys.executable, "-m", "shardpool.elastic.rank", str(job_file), str(rank)],
             stdout=subprocess.PIPE,
             stderr=log,
             stdin=subprocess.DEVNULL,

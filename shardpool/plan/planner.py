@@ -10,8 +10,8 @@ every stage's times and memory are affine in its layer count (all decoder layers
 counts. The sequence itself (which devices, in what order) is searched exhaustively for small
 fleets (identical devices are deduplicated, sequences visited by a lower bound and cut off past
 the best step, ``plan.exact_search``) and by a seeded local search with a budget of evaluations
-beyond (``plan.heuristic_search``). This module picks the search, builds the :class:`Plan` and
-explains a model that fits nowhere.
+beyond (``plan.heuristic_search``). This module picks the search and explains a model that fits
+nowhere; ``plan.assemble`` prices the chosen assignment as a :class:`Plan`.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from typing import Any
 from shardpool.contract.schedule import MAX_LEAD
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
+from shardpool.plan.assemble import assemble_plan, data_parallel_plan, stage_predictions
 from shardpool.plan.costmodel import Workload
-from shardpool.plan.data_parallel import DataParallelCandidate, beats_pipeline, data_parallel_candidate
+from shardpool.plan.data_parallel import beats_pipeline, data_parallel_candidate
 from shardpool.plan.exact_search import distinct_sequences, exact_search
 from shardpool.plan.fleet import Fleet
 from shardpool.plan.heuristic_search import heuristic_search
 from shardpool.plan.pipeline_sim import simulate_step
-from shardpool.plan.result import Plan, PlannedStage
+from shardpool.plan.result import Plan
 from shardpool.plan.search_context import SearchContext, allowed_stage_counts, refusals
 from shardpool.plan.stage_costs import StageCosts
 
@@ -188,8 +189,8 @@ def _plan_at_lead(
         if replicas is not None and (
             workload.data_parallel == "on" or beats_pipeline(replicas, best.objective)
         ):
-            return _data_parallel_plan(ctx, replicas, search=search, refused=refused)
-    return _build_plan(ctx, best.seq, best.counts, search=search, refused=refused)
+            return data_parallel_plan(ctx, replicas, search=search, refused=refused)
+    return assemble_plan(ctx, best.seq, best.counts, search=search, refused=refused)
 
 
 def _may_split_batch(workload: Workload) -> bool:
@@ -211,39 +212,7 @@ def _given_shares(ctx: SearchContext, shares: Sequence[int], refused: dict[str, 
             f"shardpool.shares names {len(shares)} replicas but fewer devices can hold the whole "
             f"{ctx.shape.name or 'model'}; give fewer shares, or remove them and let the planner split the layers"
         )
-    return _data_parallel_plan(ctx, found, search="given", refused=refused)
-
-
-def _data_parallel_plan(
-    ctx: SearchContext, found: DataParallelCandidate, *, search: str, refused: dict[str, str]
-) -> Plan:
-    """The plan of whole-model replicas on ``found.devices`` training ``found.shares`` micro-batches each."""
-    replicas = [
-        _planned_stage(ctx, d, costs, 0, ctx.layers, index=0)
-        for d, costs in zip(found.devices, found.costs, strict=True)
-    ]
-    finish = [
-        compute + costs.after(ctx.layers) for compute, costs in zip(found.compute_s, found.costs, strict=True)
-    ]
-    replicas[finish.index(max(finish))].bottleneck = True
-    busiest = max(found.compute_s)
-    plan = Plan(
-        stages=[replicas[0]],
-        predicted_step_s=found.step_s,
-        bubble_fraction=max(0.0, 1.0 - busiest / found.step_s) if found.step_s > 0 else 0.0,
-        microbatches=ctx.workload.gradient_accumulation_steps,
-        recommended_microbatches=ctx.workload.gradient_accumulation_steps,
-        schedule=ctx.workload.schedule,
-        num_layers=ctx.layers,
-        model=ctx.shape.name,
-        left_out=[device.name for i, device in enumerate(ctx.devices) if i not in found.devices],
-        search=search,
-        fits=True,
-        refused=dict(refused),
-        data_parallel=replicas,
-        shares=list(found.shares),
-    )
-    return plan
+    return data_parallel_plan(ctx, found, search="given", refused=refused)
 
 
 def evaluate_split(
@@ -303,7 +272,7 @@ def _evaluate_at_lead(
         nf4 = ctx.nf4_choice(d, position)
         if nf4 is not None and nf4.backend is None:
             raise ShardpoolError(nf4.reason)
-    return _build_plan(ctx, seq, counts, search="given")
+    return assemble_plan(ctx, seq, counts, search="given")
 
 
 def _given_split(ctx: SearchContext, counts: list[int], refused: dict[str, str]) -> Plan:
@@ -340,73 +309,7 @@ def _given_split(ctx: SearchContext, counts: list[int], refused: dict[str, str])
         return (not fits, step)
 
     best = min(permutations(range(devices), stages), key=rank)
-    return _build_plan(ctx, best, counts, search="given", refused=refused)
-
-
-def _build_plan(
-    ctx: SearchContext,
-    seq: tuple[int, ...],
-    counts: Sequence[int],
-    *,
-    search: str,
-    refused: dict[str, str] | None = None,
-) -> Plan:
-    w = ctx.workload
-    stages: list[PlannedStage] = []
-    start = 0
-    fits = True
-    costs = [ctx.stage(seq, i) for i in range(len(seq))]
-    simulation = simulate_step(
-        [c.times(n) for (c, _), n in zip(costs, counts, strict=True)],
-        microbatches=w.gradient_accumulation_steps,
-        schedule=w.schedule,
-        lead=w.lead,
-    )
-    for index, (d, n, (stage_costs, cap)) in enumerate(zip(seq, counts, costs, strict=True)):
-        fits = fits and n <= cap
-        stages.append(_planned_stage(ctx, d, stage_costs, start, start + n, index=index))
-        start += n
-    plan = Plan(
-        stages=stages,
-        predicted_step_s=simulation.step_s,
-        bubble_fraction=simulation.bubble_fraction,
-        microbatches=w.gradient_accumulation_steps,
-        recommended_microbatches=_recommend_microbatches(ctx, seq, counts),
-        schedule=w.schedule,
-        num_layers=ctx.layers,
-        model=ctx.shape.name,
-        left_out=[device.name for i, device in enumerate(ctx.devices) if i not in seq],
-        search=search,
-        fits=fits,
-        refused=dict(refused or {}),
-        warmup_lead=w.lead,
-    )
-    plan.stages[plan.bottleneck_index].bottleneck = True
-    return plan
-
-
-def _planned_stage(
-    ctx: SearchContext, d: int, costs: StageCosts, start: int, stop: int, *, index: int
-) -> PlannedStage:
-    """Device ``d`` of the fleet holding layers ``[start, stop)`` as pipeline stage ``index``, at the
-    position ``costs`` price: where it is, how it was measured, its dtype, its NF4 backend and the
-    predictions."""
-    device = ctx.devices[d]
-    choice = ctx.precision[d]
-    nf4 = ctx.nf4_choice(d, index)
-    return PlannedStage(
-        device=device.torch_device or device.name,
-        host=device.host,
-        start=start,
-        stop=stop,
-        slot=device.name,
-        measured=device.measurement.to_json() if device.measurement else {},
-        dtype=choice.dtype if choice else "",
-        dtype_reason=choice.reason if choice else "",
-        nf4_backend=(nf4.backend or "") if nf4 else "",
-        nf4_reason=nf4.reason if nf4 else "",
-        **_predictions(costs, stop - start, device.memory_bytes),
-    )
+    return assemble_plan(ctx, best, counts, search="given", refused=refused)
 
 
 def resplit_plan(
@@ -438,7 +341,7 @@ def resplit_plan(
     for old, stage_costs, n in zip(plan.stages, costs, counts, strict=True):
         fits = fits and n <= stage_costs.max_layers()
         capacity = old.capacity_bytes or int(stage_costs.capacity_bytes)
-        fields = _predictions(stage_costs, n, capacity)
+        fields = stage_predictions(stage_costs, n, capacity)
         stages.append(replace(old, start=start, stop=start + n, bottleneck=False, **fields))
         start += n
     resplit = replace(
@@ -454,40 +357,6 @@ def resplit_plan(
     )
     resplit.stages[resplit.bottleneck_index].bottleneck = True
     return resplit
-
-
-def _predictions(costs: StageCosts, layers: int, capacity_bytes: int) -> dict[str, Any]:
-    """A :class:`PlannedStage`'s predicted fields for ``layers`` layers under ``costs``."""
-    memory = int(math.ceil(costs.memory(layers)))
-    return {
-        "predicted_ms_per_microbatch": costs.seconds(layers) * 1e3,
-        "memory_bytes": memory,
-        "free_bytes": capacity_bytes - memory,
-        "capacity_bytes": capacity_bytes,
-        "compute_ms": costs.seconds(layers) * 1e3,
-        "comm_ms": costs.comm_s * 1e3,
-        "in_flight_microbatches": costs.in_flight,
-        "memory_breakdown": costs.breakdown(layers),
-        "forward_ms": costs.forward(layers) * 1e3,
-        "backward_ms": costs.backward(layers) * 1e3,
-        "after_step_ms": costs.after(layers) * 1e3,
-        "costs": costs,
-    }
-
-
-def _recommend_microbatches(ctx: SearchContext, seq: tuple[int, ...], counts: Sequence[int]) -> int:
-    """Smallest M with M >= 4S (bubble under 20%); under GPipe, memory grows with M, so cap it."""
-    s = len(seq)
-    if s == 1:
-        return ctx.workload.gradient_accumulation_steps
-    target = 4 * s
-    if ctx.workload.schedule != "gpipe":
-        return target
-    for m in range(target, 0, -1):
-        trial = SearchContext(ctx.shape, replace(ctx.workload, gradient_accumulation_steps=m), ctx.fleet)
-        if all(n <= trial.stage(seq, i)[1] for i, n in enumerate(counts)):
-            return m
-    return 1
 
 
 def _explain_no_fit(ctx: SearchContext) -> str:

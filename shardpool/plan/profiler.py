@@ -1,94 +1,49 @@
 """Measure one NF4 + LoRA decoder layer on a device: forward and backward time and activation bytes.
 
-The layer is built from the model shape alone (random weights): its Linear modules are
-quantized to NF4 with bitsandbytes (blocksize 64, double quantization) and wrapped with
-LoRA by peft, exactly as a training stage holds them. They compute on the NF4 backend a stage on
-that device would use (``shardpool.nf4_backend``: bitsandbytes' kernels, or plain PyTorch where
-they do not run; :func:`~shardpool.plan.precision.choose_nf4_backend`); for an unquantized base
-(``adapter: lora``) they stay plain Linear modules in the stage's dtype. After a warm-up, the median of a few
+The layer (:func:`~shardpool.plan.sample_layer.build_layer`) is the one a training stage holds,
+built from the model shape alone with random weights, on the NF4 backend a stage on that device
+would use (``shardpool.nf4_backend``: bitsandbytes' kernels, or plain PyTorch where they do not
+run; :func:`~shardpool.plan.precision.choose_nf4_backend`), or unquantized in the stage's dtype
+(``adapter: lora``). After a warm-up, the median of a few
 timed forward + backward passes at the configured micro-batch and sequence length is the
 profile (its fastest and slowest run and the process's cgroup CPU quota are kept with it), with the
 forward timed on its own too. The ends of the model are timed the same way:
 the embedding lookup, and final norm + ``lm_head`` + the loss forward and backward on a slice
 of at most :data:`HEAD_VOCAB` vocabulary rows, scaled to the full vocabulary (both are linear
-in it); and one AdamW step with gradient clipping over the layer's LoRA parameters. Results are cached per device, model shape and workload in
-``$SHARDPOOL_CACHE/profiles.json`` (default ``~/.cache/shardpool``), written atomically.
-:class:`TorchProbe` hands these measurements to ``plan.local_fleet``, and :func:`show_devices`
-prints them for ``shardpool devices``.
+in it); and one AdamW step with gradient clipping over the layer's LoRA parameters. Results are
+cached per device, model shape and workload (:mod:`shardpool.plan.profile_cache`).
+:class:`TorchProbe` hands these measurements to ``plan.local_fleet``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import importlib
-import json
 import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Any
 
-from mesh.constants import cache_root
-from mesh.files import atomic_write
-from shardpool.config import load_config
 from shardpool.errors import ShardpoolError
 from shardpool.host.cpu_quota import cpu_quota
 from shardpool.model.shape import ModelShape
 from shardpool.plan.confidence import ci95_relative, measured_enough, passes_per_sample
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.device_facts import DeviceInfo, LayerProfile, normalize_device
-from shardpool.plan.devices import device_info, list_devices, synchronize
+from shardpool.plan.devices import device_info, synchronize
 from shardpool.plan.fleet import LinkSpec
 from shardpool.plan.links import measure_loopback
 from shardpool.plan.precision import NF4Choice, choose_nf4_backend, stage_dtype
+from shardpool.plan.profile_cache import cached_profile, profile_key, store_profile
+from shardpool.plan.sample_layer import build_layer
 
-__all__ = ["HEAD_VOCAB", "TorchProbe", "cache_path", "profile_key", "profile_layer", "show_devices"]
+__all__ = ["HEAD_VOCAB", "THROTTLED_PART_SAMPLES", "TorchProbe", "nf4_backend_for", "profile_layer"]
 
 #: Vocabulary rows of the ``lm_head`` slice the profiler times (then scales to the full vocabulary).
 HEAD_VOCAB = 8192
-#: Bumped when a profile gains measurements, so cached profiles without them are re-measured
-#: (4: under a CPU quota the optimizer and the ends are timed in quota-spanning samples too).
-_PROFILE_VERSION = 4
 #: Samples of the short parts of a step (optimizer, ends) under a CPU quota, each spanning
 #: QUOTA_SAMPLE_S: three seconds per part and profile instead of a few milliseconds.
 THROTTLED_PART_SAMPLES = 3
-
-_LAYER_CLASSES = {
-    "llama": ("llama", "Llama"),
-    "mistral": ("mistral", "Mistral"),
-    "qwen2": ("qwen2", "Qwen2"),
-    "qwen3": ("qwen3", "Qwen3"),
-}
-
-
-def cache_path() -> Path:
-    """Where profiles are cached: ``$SHARDPOOL_CACHE/profiles.json`` or ``~/.cache/shardpool/profiles.json``."""
-    return cache_root() / "profiles.json"
-
-
-def profile_key(
-    shape: ModelShape,
-    workload: Workload,
-    *,
-    label: str,
-    threads: int | None,
-    quota: float | None = None,
-    dtype: str | None = None,
-    nf4_backend: str | None = None,
-) -> str:
-    """Cache key: device label, thread count, the process's CPU quota (a re-throttled host measures
-    again), model shape digest, the workload's layer settings, the compute dtype profiled in
-    (bf16 and fp16 are both 2 bytes) and the NF4 backend when it is plain PyTorch (a key without
-    one is bitsandbytes', as before the backend was chosen)."""
-    import torch
-
-    return (
-        f"{label}|threads={threads}|quota={quota}|{shape.key()}|{workload.profile_key()}"
-        f"{'' if dtype is None else f'|dtype={dtype}'}{'|nf4=torch' if nf4_backend == 'torch' else ''}"
-        f"|torch={torch.__version__}|v{_PROFILE_VERSION}"
-    )
 
 
 def profile_layer(
@@ -127,7 +82,7 @@ def profile_layer(
         nf4_backend=backend,
     )
     if use_cache:
-        cached = _read_cache().get(key)
+        cached = cached_profile(key)
         if cached is not None:
             try:
                 return LayerProfile(**cached)
@@ -140,7 +95,7 @@ def profile_layer(
         )  # fmt: skip
     profile = replace(profile, cpu_quota=quota)
     if use_cache:
-        _write_cache(key, asdict(profile))
+        store_profile(key, asdict(profile))
     return profile
 
 
@@ -178,101 +133,6 @@ class TorchProbe:
         return LinkSpec(bandwidth=measured.bandwidth, latency=measured.latency)
 
 
-# ---------------------------------------------------------------------------- building the layer
-
-
-def _build_layer(
-    shape: ModelShape, workload: Workload, device: str, dtype_name: str, nf4_backend: str | None = None
-) -> tuple[Any, Any, Any]:
-    """One decoder layer with LoRA computing in ``dtype_name`` (``float16``), its rotary embedding
-    and its torch dtype: quantized to NF4 on ``nf4_backend`` (None: bitsandbytes) unless the
-    workload's base is unquantized."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig
-
-    module_name, prefix = _LAYER_CLASSES[shape.model_type]
-    modeling = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
-    layer_cls = getattr(modeling, f"{prefix}DecoderLayer")
-    rotary_cls = getattr(modeling, f"{prefix}RotaryEmbedding")
-    fields = shape.to_hf_config()
-    fields.pop("model_type")
-    fields["num_hidden_layers"] = 1
-    config = AutoConfig.for_model(shape.model_type, **fields)
-    config._attn_implementation = "sdpa"
-    dtype = getattr(torch, dtype_name)
-
-    with torch.device("meta"):
-        layer = layer_cls(config, layer_idx=0)
-    generator = torch.Generator().manual_seed(0)
-    for parent in list(layer.modules()):
-        for child_name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                setattr(
-                    parent,
-                    child_name,
-                    _nf4_linear(child, dtype, device, generator, nf4_backend or "bitsandbytes")
-                    if workload.quantize
-                    else _dense_linear(child, dtype, device, generator),
-                )
-    for module in layer.modules():
-        for param_name, param in list(module.named_parameters(recurse=False)):
-            if param.is_meta:
-                fill = torch.zeros if param_name == "bias" else torch.ones
-                module.register_parameter(
-                    param_name,
-                    torch.nn.Parameter(fill(param.shape, dtype=dtype, device=device), requires_grad=False),
-                )
-
-    class _Holder(torch.nn.Module):
-        def __init__(self, inner: torch.nn.Module) -> None:
-            super().__init__()
-            self.layer = inner
-
-        def forward(self, hidden: torch.Tensor, position_embeddings: Any) -> torch.Tensor:
-            out = self.layer(hidden, position_embeddings=position_embeddings)
-            return out[0] if isinstance(out, tuple) else out
-
-    holder = _Holder(layer)
-    if workload.lora_r > 0:
-        lora = LoraConfig(
-            r=workload.lora_r,
-            lora_alpha=2 * workload.lora_r,
-            lora_dropout=0.0,
-            target_modules=sorted(set(workload.lora_targets)),
-        )
-        holder = get_peft_model(holder, lora)
-        holder.to(device)
-    rotary = rotary_cls(config=config).to(device)
-    return holder, rotary, dtype
-
-
-def _nf4_linear(linear: Any, dtype: Any, device: str, generator: Any, backend: str) -> Any:
-    """``linear``'s shape with random weights, quantized to NF4 as a stage does it, on ``backend``."""
-    import torch
-
-    from shardpool.model.nf4 import quantize_linear
-
-    weight = torch.randn(linear.out_features, linear.in_features, generator=generator, dtype=dtype) * 0.02
-    bias = torch.zeros(linear.out_features, dtype=dtype) if linear.bias is not None else None
-    return quantize_linear(weight, bias, device=device, compute_dtype=dtype, backend=backend)  # type: ignore[arg-type]
-
-
-def _dense_linear(linear: Any, dtype: Any, device: str, generator: Any) -> Any:
-    """``linear``'s shape with random frozen weights in ``dtype``, as an unquantized base holds it."""
-    import torch
-
-    dense = torch.nn.Linear(
-        linear.in_features, linear.out_features, bias=linear.bias is not None, device=device, dtype=dtype
-    )
-    with torch.no_grad():
-        weight = torch.randn(linear.out_features, linear.in_features, generator=generator, dtype=dtype)
-        dense.weight.copy_(weight * 0.02)
-        if dense.bias is not None:
-            dense.bias.zero_()
-    return dense.requires_grad_(False)
-
-
 # ---------------------------------------------------------------------------- measuring
 
 
@@ -292,7 +152,7 @@ def _measure(
     import torch.utils.checkpoint
 
     try:
-        model, rotary, dtype = _build_layer(shape, workload, device, dtype_name, nf4_backend)
+        model, rotary, dtype = build_layer(shape, workload, device, dtype_name, nf4_backend)
         hidden = torch.randn(
             workload.micro_batch_size, workload.sequence_len, shape.hidden_size, dtype=dtype, device=device
         )
@@ -522,97 +382,3 @@ def _threads(count: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-# ---------------------------------------------------------------------------- cache
-
-
-def _read_cache() -> dict[str, Any]:
-    try:
-        data = json.loads(cache_path().read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_cache(key: str, value: dict[str, Any]) -> None:
-    """Add one profile to the cache: read, update and replace it under an exclusive lock.
-
-    Profiles of several devices (or several members on one host) may finish at once; without the
-    lock two writers would each read the old file and the second rename would drop the first's
-    entry. The lock is ``flock`` on ``profiles.json.lock`` beside it (the file itself is replaced
-    atomically, so it cannot carry the lock).
-    """
-    path = cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_name(path.name + ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            data = _read_cache()
-            data[key] = value
-            atomic_write(path, json.dumps(data, indent=1, sort_keys=True).encode("utf-8"))
-    except OSError:
-        pass  # a cache that cannot be written only costs a re-measurement
-
-
-# ---------------------------------------------------------------------------- shardpool devices
-
-
-def show_devices(config_path: str | None, *, profile: bool = True, as_json: bool = False) -> list[dict]:
-    """Print every local device with its memory and, given a config, its profiled layer time.
-
-    Backs ``shardpool devices``; returns the rows it printed.
-    """
-    rows: list[dict] = []
-    shape = workload = None
-    if config_path and profile:
-        config = load_config(config_path)
-        shape = ModelShape.from_config_dir(config.base_model)
-        workload = Workload.from_config(config)
-    notes: list[str] = []
-    for info in list_devices():
-        nf4 = nf4_backend_for(info, workload or Workload())
-        row: dict = {
-            "device": info.name,
-            "kind": info.kind,
-            "label": info.label,
-            "total_gib": round(info.total_bytes / 2**30, 2),
-            "free_gib": round(info.free_bytes / 2**30, 2),
-            "compute_capability": info.compute_capability,
-            "bf16": info.bf16,
-            # How a stage here computes with NF4 weights (None: an unquantized base), and why.
-            "nf4": None if nf4 is None else (nf4.backend or "no"),
-            "nf4_reason": None if nf4 is None else nf4.reason,
-        }
-        if nf4 is not None and nf4.backend != "bitsandbytes":
-            notes.append(nf4.reason)
-        runs = info.arch_error is None and (nf4 is None or nf4.backend is not None)
-        if shape is not None and workload is not None and runs:
-            measured = profile_layer(shape, workload, device=info.name)
-            row["ms_per_layer"] = round(measured.seconds_per_layer * 1e3, 3)
-            row["activation_mib_per_layer"] = round(measured.activation_bytes / 2**20, 2)
-        elif shape is not None:  # it cannot compute the layer: no profile, and no layers in a plan
-            row |= {"ms_per_layer": None, "activation_mib_per_layer": None}
-        rows.append(row)
-    if as_json:
-        print(json.dumps(rows, indent=2))
-        return rows
-    from rich.console import Console
-    from rich.table import Table
-
-    base = "NF4" if workload is None or workload.quantize else "unquantized"
-    title = "local devices" + ("" if shape is None else f" (one {base} + LoRA layer of {shape.name})")
-    lines = [] if shape is not None else ["pass a config to profile one layer of its model on each device"]
-    caption = "\n".join(lines + [f"nf4: {note}" for note in notes]) or None
-    table = Table(title=title, caption=caption)
-    for column in (column for column in rows[0] if column != "nf4_reason"):
-        header = "capability" if column == "compute_capability" else column
-        table.add_column(
-            header, justify="right" if column not in ("device", "kind", "label", "nf4") else "left"
-        )
-    for row in rows:
-        table.add_row(
-            *("-" if value is None else str(value) for key, value in row.items() if key != "nf4_reason")
-        )
-    Console().print(table)
-    return rows

@@ -13,6 +13,9 @@ unprivileged run-as account, instead of importing torch itself: a driver or kern
 hangs or exhausts memory then takes down only this child, and the agent stays torch-free and
 small (:mod:`shardpool.agent.profiling`). Whatever torch, bitsandbytes or a driver prints goes to
 stderr, so stdout carries the report alone. A failure exits non-zero with one line on stderr.
+
+:func:`local_devices` lists the same devices for ``shardpool devices``, in the units people read
+(GiB, milliseconds), and :func:`devices_table` is that list as a table.
 """
 
 from __future__ import annotations
@@ -20,17 +23,27 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from shardpool.config import load_config
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.device_facts import DeviceInfo
 from shardpool.plan.devices import list_devices
-from shardpool.plan.profiler import profile_layer
+from shardpool.plan.profiler import nf4_backend_for, profile_layer
 
-__all__ = ["DEVICE_FACT_FIELDS", "MEASURED_FIELDS", "device_rows", "main", "read_request"]
+__all__ = [
+    "DEVICE_FACT_FIELDS",
+    "MEASURED_FIELDS",
+    "DeviceListing",
+    "device_rows",
+    "devices_table",
+    "local_devices",
+    "main",
+    "read_request",
+]
 
 #: The profile's further measurements and how it was taken, each in a row under its
 #: :class:`~shardpool.plan.device_facts.LayerProfile` name (None where not measured). A member's
@@ -125,6 +138,87 @@ def _one_line(text: str) -> str:
     """``text`` on one line, cut to what an agent's device row may carry."""
     flat = " ".join(text.split())
     return flat if len(flat) <= _MAX_NF4_ERROR_CHARS else flat[: _MAX_NF4_ERROR_CHARS - 3] + "..."
+
+
+@dataclass(frozen=True)
+class DeviceListing:
+    """What ``shardpool devices`` shows: a row per local device, what was profiled on each, and notes."""
+
+    rows: list[dict[str, Any]]
+    #: What each row's ``ms_per_layer`` times (``one NF4 + LoRA layer of NAME``); None without a config.
+    profiled: str | None = None
+    #: Why a device computes NF4 in plain PyTorch, or not at all (one per such device).
+    notes: list[str] = field(default_factory=list)
+
+
+def local_devices(config_path: str | None, *, profile: bool = True) -> DeviceListing:
+    """Every local device with its memory and, given a config, its profiled layer time.
+
+    Backs ``shardpool devices``. A row says how a stage on the device computes with NF4 weights
+    (``nf4``: bitsandbytes, torch or no; None for an unquantized base) and why; a device that
+    cannot compute the layer gets no profile (and no layers in a plan).
+    """
+    rows: list[dict[str, Any]] = []
+    shape = workload = None
+    if config_path and profile:
+        config = load_config(config_path)
+        shape = ModelShape.from_config_dir(config.base_model)
+        workload = Workload.from_config(config)
+    notes: list[str] = []
+    for info in list_devices():
+        nf4 = nf4_backend_for(info, workload or Workload())
+        row: dict[str, Any] = {
+            "device": info.name,
+            "kind": info.kind,
+            "label": info.label,
+            "total_gib": round(info.total_bytes / 2**30, 2),
+            "free_gib": round(info.free_bytes / 2**30, 2),
+            "compute_capability": info.compute_capability,
+            "bf16": info.bf16,
+            # How a stage here computes with NF4 weights (None: an unquantized base), and why.
+            "nf4": None if nf4 is None else (nf4.backend or "no"),
+            "nf4_reason": None if nf4 is None else nf4.reason,
+        }
+        if nf4 is not None and nf4.backend != "bitsandbytes":
+            notes.append(nf4.reason)
+        runs = info.arch_error is None and (nf4 is None or nf4.backend is not None)
+        if shape is not None and workload is not None and runs:
+            measured = profile_layer(shape, workload, device=info.name)
+            row["ms_per_layer"] = round(measured.seconds_per_layer * 1e3, 3)
+            row["activation_mib_per_layer"] = round(measured.activation_bytes / 2**20, 2)
+        elif shape is not None:  # it cannot compute the layer: no profile, and no layers in a plan
+            row |= {"ms_per_layer": None, "activation_mib_per_layer": None}
+        rows.append(row)
+    if shape is None:
+        return DeviceListing(rows, None, notes)
+    base = "NF4" if workload is None or workload.quantize else "unquantized"
+    return DeviceListing(rows, f"one {base} + LoRA layer of {shape.name}", notes)
+
+
+def devices_table(listing: DeviceListing) -> Any:
+    """A rich Table of ``listing``: a row per device; the caption says what to pass to profile, and why
+    a device computes NF4 other than with bitsandbytes."""
+    from rich.table import Table
+
+    rows = listing.rows
+    title = "local devices" + ("" if listing.profiled is None else f" ({listing.profiled})")
+    lines = (
+        []
+        if listing.profiled is not None
+        else ["pass a config to profile one layer of its model on each device"]
+    )
+    caption = "\n".join(lines + [f"nf4: {note}" for note in listing.notes]) or None
+    table = Table(title=title, caption=caption)
+    for column in (column for column in rows[0] if column != "nf4_reason"):
+        header = "capability" if column == "compute_capability" else column
+        table.add_column(
+            header, justify="right" if column not in ("device", "kind", "label", "nf4") else "left"
+        )
+    for row in rows:
+        table.add_row(
+            *("-" if value is None else str(value) for key, value in row.items() if key != "nf4_reason")
+        )
+    return table
 
 
 def main() -> int:

@@ -112,7 +112,8 @@ def gather_timings(
     compute_seconds: float, wait_seconds: float, bytes_sent: int, world_size: int, *extra: float
 ) -> list[list[float]]:
     """Every rank's compute seconds, wait seconds, bytes sent (and any ``extra`` figures) this step,
-    each as a list by rank, in that order: one all-gather for all of them."""
+    each as a list by rank, in that order: one all-gather for all of them. The step's report names
+    the extra figures (:func:`shardpool.train.step_report.gather_step_reports`)."""
     mine = torch.tensor([compute_seconds, wait_seconds, float(bytes_sent), *extra], dtype=torch.float64)
     columns = len(mine)
     if world_size == 1:

@@ -413,6 +413,7 @@ def test_unsigned_strangers_and_misplaced_members_are_refused(shared: Path, work
         assert not (shared / "w" / "jobs" / "x").exists() and agent.jobs() == []
 
 
+@pytest.mark.slow
 def test_devices_profiles_each_device_once(agent: Agent, tiny_model: Path) -> None:
     config = json.loads((tiny_model / "config.json").read_text())
     workload = {

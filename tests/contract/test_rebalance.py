@@ -9,15 +9,11 @@ from shardpool.contract.rebalance import (
     FORCE_ENV,
     FORCE_SHARES_ENV,
     check_step,
-    decode_decision,
-    decode_shares,
-    encode_decision,
-    encode_shares,
     forced_reshard,
     forced_shares,
-    handovers,
-    key_layer,
 )
+from shardpool.elastic.handover_plan import handovers, key_layer
+from shardpool.elastic.messages import decode_decision, decode_shares, encode_decision, encode_shares
 
 CURRENT = [(0, 2), (2, 4), (4, 6)]
 

@@ -171,6 +171,7 @@ def test_non_utf8_file_is_one_line_naming_file_line_and_offset(
     )
 
 
+@pytest.mark.slow
 def test_non_utf8_file_through_the_real_cli(tmp_path: Path, model_dir: Path) -> None:
     """`shardpool finetune` prints the one line, exits 2 and writes nothing; no traceback."""
     data = tmp_path / "latin1.jsonl"

@@ -92,6 +92,7 @@ def test_a_hub_model_and_a_hub_parquet_dataset_train_offline_from_the_cache(
     assert loaded.returncode == 0 and "PeftModelForCausalLM" in loaded.stdout, loaded.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_an_id_in_neither_cache_nor_hub_is_one_line_naming_it(tmp_path: Path) -> None:
     config = base_config(Path("acme/not-cached"), tmp_path / "d.jsonl", tmp_path / "out")
     config["base_model"] = "acme/not-cached"

@@ -1,6 +1,6 @@
 """A local launcher that grows its job in place once, as the mesh supervisor does when a member joins.
 
-It lets the stage side of :mod:`shardpool.contract.grow` be tested with real stage processes on
+It lets the stage side of :mod:`shardpool.elastic.growth` be tested with real stage processes on
 one machine, without network namespaces: after the step the job checks its plan at (the forced
 re-balance check of :data:`shardpool.contract.rebalance.FORCE_ENV`, which holds every rank until
 the launcher answers), it starts one more stage process with the grown job, waits until that
@@ -24,8 +24,8 @@ from typing import Any
 import torch.distributed as dist
 
 from shardpool.contract.events import EVENT_PREFIX, StageEvent, parse_stage_event
-from shardpool.contract.grow import encode_growth, grow_key, ready_key
 from shardpool.contract.job import Job, StagePlacement
+from shardpool.elastic.messages import encode_growth, grow_key, ready_key
 from shardpool.launch.local_launcher import LocalLauncher, _start_rank, run_local_job
 
 __all__ = ["GrowingLauncher"]

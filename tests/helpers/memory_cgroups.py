@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mesh.lab import Host, Lab
+from shardpool_dev.lab import Host, Lab
 
 __all__ = ["MemoryCgroups", "memory_cgroup_skip_reason", "probe_free_bytes"]
 

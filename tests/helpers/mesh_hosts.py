@@ -1,4 +1,4 @@
-"""Test-only pieces around the mesh lab (:mod:`mesh.lab`): an in-process coordinator, a member's
+"""Test-only pieces around the mesh lab (:mod:`shardpool_dev.lab`): an in-process coordinator, a member's
 sync daemon driving a fake device, and the state files that let the real CLI talk to them.
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mesh.lab import MESH_CIDR, Host, Lab
+from shardpool_dev.lab import MESH_CIDR, Host, Lab
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def agent_serves(lab: Lab, source: Host, member: str) -> bool:
 class InProcessCoordinator:
     """A real coordinator service (SQLite store + HTTP server) on 127.0.0.1, for protocol tests.
 
-    Its mesh takes addresses from ``cidr``, by default the lab's :data:`~mesh.lab.MESH_CIDR`
+    Its mesh takes addresses from ``cidr``, by default the lab's :data:`~shardpool_dev.lab.MESH_CIDR`
     (the coordinator at 198.51.100.1, joiners from .2 on).
 
     By default one server on :attr:`port` carries the join and the roster routes, so a member can

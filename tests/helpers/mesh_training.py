@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from shardpool_dev.lab import Host, Lab, mesh_address
 
 from mesh.constants import AGENT_PORT
-from mesh.lab import Host, Lab, mesh_address
 from tests.helpers.training import base_config, completion_rows, write_jsonl
 
 __all__ = [
@@ -369,7 +369,7 @@ class Drained:
 
 
 def stage_pids_on(lab: Lab, *hosts: Host) -> set[int]:
-    """The stage processes (``shardpool.train.worker``) running in ``hosts`` now."""
+    """The stage processes (``shardpool.elastic.rank``) running in ``hosts`` now."""
     found: set[int] = set()
     for host in hosts:
         for pid in lab.host_pids(host):
@@ -377,7 +377,7 @@ def stage_pids_on(lab: Lab, *hosts: Host) -> set[int]:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"shardpool.train.worker" in argv:
+            if b"shardpool.elastic.rank" in argv:
                 found.add(pid)
     return found
 

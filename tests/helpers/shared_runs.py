@@ -29,7 +29,7 @@ FP32_TWO_STAGES: dict[str, Any] = {
 
 #: Four steps on two stages with a checkpoint after each: resumed from (tests/test_finetune.py),
 #: the uninterrupted run a survived member loss must equal (tests/test_keep_training.py) and the
-#: run without keep_state that one with it must equal (tests/train/test_liveness.py).
+#: run without keep_state that one with it must equal (tests/elastic/test_rank_liveness.py).
 CHECKPOINTED_TWO_STAGES: dict[str, Any] = {"max_steps": 4, "save_steps": 1, "shardpool": {"stages": 2}}
 
 

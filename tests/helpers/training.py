@@ -112,6 +112,6 @@ def stage_pids(job_file: Path) -> dict[int, int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"shardpool.train.worker" in argv and str(job_file).encode() in argv:
+        if b"shardpool.elastic.rank" in argv and str(job_file).encode() in argv:
             found[int(argv[argv.index(str(job_file).encode()) + 1])] = int(entry.name)
     return found

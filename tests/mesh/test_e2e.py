@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from shardpool_dev.lab import MESH_CIDR, Host, Lab, mesh_address, netns_skip_reason
 
-from mesh.lab import MESH_CIDR, Host, Lab, mesh_address, netns_skip_reason
 from mesh.wireguard.wgquick import parse_wgquick
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]

@@ -1,14 +1,12 @@
-"""The lab's addressing, the NAT grid's iptables rules and expected paths as plain data (mesh.lab.nat,
-mesh.lab.grid, the mesh CIDR of mesh.lab.base; no namespaces)."""
+"""The lab's addressing, the NAT grid's iptables rules and expected paths as plain data (shardpool_dev.lab.nat,
+shardpool_dev.lab.grid, the mesh CIDR of shardpool_dev.lab.hosts; no namespaces)."""
 
 from __future__ import annotations
 
 import ipaddress
 
 import pytest
-
-from mesh.lab.base import MESH_CIDR, UNDERLAY, mesh_address
-from mesh.lab.grid import (
+from shardpool_dev.lab.grid import (
     STANDARD_GRID,
     STANDARD_ROUTERS,
     expected_path,
@@ -16,7 +14,8 @@ from mesh.lab.grid import (
     pairs,
     received_sequences,
 )
-from mesh.lab.nat import (
+from shardpool_dev.lab.hosts import MESH_CIDR, UNDERLAY, mesh_address
+from shardpool_dev.lab.nat import (
     INTERNET,
     MAX_ROUTERS,
     lan_address,

@@ -1,6 +1,6 @@
 """Issue 15 end to end: every pair of a NAT grid connects, on the path its NATs allow.
 
-One grid (mesh.lab.grid.STANDARD_GRID): the coordinator (and relay) on the internet; router r1
+One grid (shardpool_dev.lab.grid.STANDARD_GRID): the coordinator (and relay) on the internet; router r1
 (full cone) with a LAN pair m1a, m1b; r2 (cone) with m2; r3 and r4 (symmetric) with m3 and m4;
 and ublk on the internet, which sends UDP only to the relay. Every member joins without
 --endpoint, through the real CLI, without agents. The tests run top to bottom on that one grid:
@@ -25,9 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
-
-from mesh.lab import Lab, nat_skip_reason
-from mesh.lab.grid import (
+from shardpool_dev.lab import Lab, nat_skip_reason
+from shardpool_dev.lab.grid import (
     STANDARD_GRID,
     STANDARD_ROUTERS,
     Site,

@@ -1,4 +1,4 @@
-"""The NAT grid of mesh.lab is what it claims: plain UDP sockets in its namespaces see cone and
+"""The NAT grid of shardpool_dev.lab is what it claims: plain UDP sockets in its namespaces see cone and
 symmetric mappings, full-cone filtering, a LAN behind one router, and a host that reaches only
 the relay by UDP. Then a baseline with the mesh as it is: members behind cone routers join
 without --endpoint and reach the coordinator.
@@ -17,8 +17,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-
-from mesh.lab import Host, Lab, nat_skip_reason
+from shardpool_dev.lab import Host, Lab, nat_skip_reason
 
 pytestmark = [pytest.mark.netns]
 

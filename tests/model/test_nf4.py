@@ -28,6 +28,7 @@ def test_dequantized_weights_equal_bitsandbytes_bit_for_bit(
         assert torch.equal(ours, expected.to(dtype))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(48, 80), (7, 96), (300, 97), (11, 13)])
 def test_dequantized_weights_equal_the_pure_pytorch_kernels_of_bitsandbytes(shape: tuple[int, int]) -> None:
     """Rows that are no multiple of 64 codes: bitsandbytes' CPU library (0.50.2) gives other values

@@ -103,6 +103,7 @@ def test_stage_reads_only_the_tensors_it_owns(tiny_model: Path) -> None:
         assert not any(name.startswith("model.layers.3.") for name in reader.names_read)
 
 
+@pytest.mark.slow
 def test_a_rebuilt_stage_reuses_the_layers_it_keeps_and_equals_a_fresh_one(tiny_model: Path) -> None:
     old = build_stage(tiny_model, StageSpec(1, 3, 1, 4, "cpu"), BaseSettings(), LORA, seed=5)
     kept_layer = old.peft_model.get_base_model().model.layers["2"]
@@ -158,6 +159,7 @@ def test_nf4_base_is_bit_for_bit_what_transformers_loads(tiny_model: Path) -> No
     assert not isinstance(reference_modules["lm_head"], bnb.nn.Linear4bit), "lm_head stays unquantized"
 
 
+@pytest.mark.slow
 def test_stage_chain_equals_whole_peft_model_and_any_split(tiny_model: Path) -> None:
     stages = _stages(tiny_model, SPLIT)
     _randomize_lora_b(stages)
@@ -174,6 +176,7 @@ def test_stage_chain_equals_whole_peft_model_and_any_split(tiny_model: Path) -> 
     assert torch.equal(_pipeline_logits(whole, inputs), expected)
 
 
+@pytest.mark.slow
 def test_lora_init_is_the_same_whatever_the_split(tiny_model: Path) -> None:
     split = {k: v for stage in _stages(tiny_model, SPLIT) for k, v in stage.lora_state_dict().items()}
     whole = _stages(tiny_model, [(0, 6)])[0].lora_state_dict()
@@ -306,6 +309,7 @@ def test_peak_memory_of_a_quarter_stage_is_far_below_the_whole_model(tmp_path: P
     assert quarter < 0.4 * whole
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_model: Path) -> None:
     inputs = _inputs(vocab=int(json.loads((tiny_model / "config.json").read_text())["vocab_size"]))
     grads = []
@@ -348,6 +352,7 @@ def test_packed_samples_do_not_attend_across_their_boundary(tiny_model: Path) ->
     assert float((packed_logits[:, 5:] - alone_logits).abs().max()) < 1e-5
 
 
+@pytest.mark.slow
 def test_eager_attention_is_built_and_equals_sdpa(tiny_model: Path) -> None:
     """`attn_implementation: eager` (axolotl's `eager_attention: true`) reaches the layers and changes no result."""
     inputs = _inputs(vocab=int(json.loads((tiny_model / "config.json").read_text())["vocab_size"]))

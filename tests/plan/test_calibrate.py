@@ -13,25 +13,21 @@ import pytest
 import yaml
 
 from shardpool.config import Config, parse_config
+from shardpool.elastic.rebalance_decision import MIN_GAIN, rebalance_decision
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
-from shardpool.plan.calibrate import (
-    MIN_GAIN,
-    StepMeasurement,
-    calibrate,
-    calibrated_plan,
-    growth_shortfalls,
-    layers_within_room,
-    memory_shortfalls,
-    predicted_over_measured,
-    rebalance_decision,
-    shared_room_caps,
-    stage_rooms,
-)
+from shardpool.plan.calibrate import StepMeasurement, calibrate, calibrated_plan, predicted_over_measured
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.fleet import Device, Fleet
 from shardpool.plan.planner import evaluate_split, plan_pipeline
 from shardpool.plan.result import Plan
+from shardpool.plan.room import (
+    growth_shortfalls,
+    layers_within_room,
+    memory_shortfalls,
+    shared_room_caps,
+    stage_rooms,
+)
 from shardpool.plan.split_search import SplitProblem, best_split
 
 ROOT = Path(__file__).resolve().parents[2]

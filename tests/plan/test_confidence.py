@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shardpool.plan import confidence, profiler
+from shardpool.plan import confidence, profile_cache
 
 
 def test_steady_times_stop_at_the_minimum_runs() -> None:
@@ -39,7 +39,7 @@ def _write(key: str, cache_dir: str) -> None:
 
     os.environ["SHARDPOOL_CACHE"] = cache_dir
     for round_ in range(20):
-        profiler._write_cache(f"{key}-{round_}", {"seconds_per_layer": 1.0})
+        profile_cache.store_profile(f"{key}-{round_}", {"seconds_per_layer": 1.0})
 
 
 def test_concurrent_profile_writers_lose_no_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -63,6 +63,7 @@ def test_in_flight_and_pipeline_formulas() -> None:
     assert bubble_fraction(microbatches=8, num_stages=4) == pytest.approx(3 / 11)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compute_bytes", [4, 2])
 def test_activation_estimate_close_to_measured(compute_bytes: int) -> None:
     from shardpool.plan.profiler import profile_layer

@@ -72,6 +72,7 @@ def test_mps_device_memory() -> None:
     assert info.kind == "mps" and info.total_bytes > 0
 
 
+@pytest.mark.slow
 def test_devices_command_json(tmp_path: Path) -> None:
     env = {"SHARDPOOL_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
     import os
@@ -408,3 +409,27 @@ def test_rocm_gpus_plan_locally_with_the_dtype_of_their_architecture() -> None:
     assert sum(stage.num_layers for stage in plan.stages) == TINY_SHAPE.num_layers
     auto = plan_pipeline(TINY_SHAPE, replace(workload, precision="bf16-auto"), fleet)
     assert {stage.device: stage.dtype for stage in auto.stages} == {"cuda:0": "bfloat16", "cuda:1": "float32"}
+
+
+def test_the_devices_table_without_a_config_says_how_each_device_computes_nf4(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``shardpool devices`` (no config): a row per device, the M40 on the PyTorch NF4 path with the
+    reason as a note, and the caption asking for a config to profile."""
+    from rich.console import Console
+
+    from shardpool.plan import report
+
+    monkeypatch.setattr(report, "list_devices", lambda: [M40, device_info("cpu", nf4=False)])
+    listing = report.local_devices(None)
+    assert [(row["device"], row["nf4"]) for row in listing.rows] == [
+        ("cuda:1", "torch"),
+        ("cpu", "bitsandbytes"),
+    ]
+    assert listing.rows[0]["total_gib"] == 24.0 and "ms_per_layer" not in listing.rows[0]
+    assert listing.profiled is None and listing.notes == [listing.rows[0]["nf4_reason"]]
+    console = Console(record=True, width=300)
+    console.print(report.devices_table(listing))
+    text = " ".join(console.export_text().split())  # the caption wraps at the table's width
+    assert "pass a config to profile one layer of its model on each device" in text
+    assert f"nf4: {listing.notes[0]}" in text and "Tesla M40" in text

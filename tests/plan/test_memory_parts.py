@@ -167,6 +167,7 @@ def _most_in_flight(index: int) -> int:
     return most
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("dtype", "compute_bytes"), [("float32", 4), ("bfloat16", 2)])
 def test_each_part_of_the_plans_stage_memory_is_what_the_code_allocates(
     tiny_model: Path, tmp_path: Path, dtype: str, compute_bytes: int

@@ -165,6 +165,7 @@ def planning_cases(draw: st.DrawFn) -> tuple[ModelShape, Workload, Fleet]:
     return shape, workload, Fleet(devices=tuple(devices), links=links)
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(planning_cases())
 def test_planner_matches_brute_force(case: tuple[ModelShape, Workload, Fleet]) -> None:
@@ -342,6 +343,7 @@ def test_heuristic_close_to_exact() -> None:
         assert heuristic.predicted_step_s <= 1.1 * exact.predicted_step_s
 
 
+@pytest.mark.slow
 def test_unfinished_exact_search_hands_over_to_the_local_search() -> None:
     fleet = random_fleet(random.Random(7), 7)
     plan = plan_pipeline(EIGHT_B, BIG_WORKLOAD, fleet, exact_simulations=50)
@@ -369,6 +371,7 @@ def test_same_fleet_same_plan_whatever_the_clock(monkeypatch: pytest.MonkeyPatch
     assert plan_pipeline(SEVENTY_B, BIG_WORKLOAD, fleet, evaluations=400).to_json() == first.to_json()
 
 
+@pytest.mark.slow
 def test_fleet_file_plans_identically_in_two_processes(tmp_path: Path) -> None:
     """Same fleet file, same plan: two separate processes (fresh hash seeds) agree byte for byte."""
     fleet = tmp_path / "fleet.yaml"
@@ -539,6 +542,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
+@pytest.mark.slow
 def test_cli_plan_json_on_seed_fleet() -> None:
     result = run_cli(
         "plan",
@@ -660,6 +664,7 @@ def test_past_two_leads_that_gain_nothing_an_exact_search_still_finds_a_deeper_g
     assert planner_module._over_leads(auto, plan_at("heuristic")).warmup_lead == 2
 
 
+@pytest.mark.slow
 def test_a_deeper_lead_that_fits_nowhere_is_not_taken() -> None:
     """Memory for about one more micro-batch of activations than lead 1 needs: the plan stays at a
     lead whose stages fit, whatever a deeper one would predict."""

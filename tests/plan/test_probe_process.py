@@ -24,7 +24,8 @@ from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.probe_process import MeasuringProcess, ProcessProbe, measured_in_child
-from shardpool.plan.profiler import TorchProbe, cache_path
+from shardpool.plan.profile_cache import cache_path
+from shardpool.plan.profiler import TorchProbe
 from tests.helpers.training import base_config, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,6 +96,7 @@ def test_the_child_measures_the_cpu_as_this_process_does_and_shares_the_cache(pr
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.slow
 def test_an_error_in_the_child_is_raised_here_as_its_one_line() -> None:
     with ProcessProbe() as probe, pytest.raises(ShardpoolError, match=ABSENT_LINE):
         probe.device_info(ABSENT_GPUS[0])

@@ -12,10 +12,11 @@ import torch
 
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
-from shardpool.plan import profiler
+from shardpool.plan import profile_cache, profiler, sample_layer
 from shardpool.plan.costmodel import Workload
 from shardpool.plan.device_facts import DeviceInfo, LayerProfile
-from shardpool.plan.profiler import cache_path, profile_layer
+from shardpool.plan.profile_cache import cache_path
+from shardpool.plan.profiler import profile_layer
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ModelShape.from_config_dir(ROOT / "configs/models/tiny-llama.json")
@@ -28,6 +29,7 @@ def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_profile_is_measured_then_cached(private_cache: Path) -> None:
     start = time.perf_counter()
     first = profile_layer(TINY, WORKLOAD, device="cpu")
@@ -50,6 +52,7 @@ def test_profile_is_measured_then_cached(private_cache: Path) -> None:
     assert longer.activation_bytes > 1.8 * first.activation_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["mistral", "qwen2", "qwen3"])
 def test_other_architectures_profile(model_type: str) -> None:
     shape = replace(TINY, model_type=model_type, qkv_bias=model_type == "qwen2")
@@ -57,6 +60,7 @@ def test_other_architectures_profile(model_type: str) -> None:
     assert profile.seconds_per_layer > 0
 
 
+@pytest.mark.slow
 def test_checkpointing_and_threads_are_part_of_the_key() -> None:
     plain = profile_layer(TINY, WORKLOAD, threads=1)
     checkpointed = profile_layer(TINY, replace(WORKLOAD, gradient_checkpointing=True), threads=1)
@@ -64,6 +68,7 @@ def test_checkpointing_and_threads_are_part_of_the_key() -> None:
     assert len(json.loads(cache_path().read_text())) == 2
 
 
+@pytest.mark.slow
 def test_the_cpu_quota_is_recorded_and_part_of_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(profiler, "cpu_quota", lambda: 0.5)
     throttled = profile_layer(TINY, WORKLOAD, threads=1, repeats=1)
@@ -103,7 +108,7 @@ class _Built(Exception):
     """Stops a profile once its layer is built: the dtype is decided by then."""
 
 
-_BUILD_LAYER = profiler._build_layer
+_BUILD_LAYER = sample_layer.build_layer
 
 
 def _built_dtype(monkeypatch: pytest.MonkeyPatch, workload: Workload) -> torch.dtype:
@@ -115,7 +120,7 @@ def _built_dtype(monkeypatch: pytest.MonkeyPatch, workload: Workload) -> torch.d
         built.append(layer[2])
         raise _Built
 
-    monkeypatch.setattr(profiler, "_build_layer", build)
+    monkeypatch.setattr(profiler, "build_layer", build)
     with pytest.raises(_Built):
         profile_layer(TINY, workload, device="cpu", use_cache=False)
     return built[0]
@@ -130,7 +135,9 @@ def test_an_fp16_config_is_profiled_in_fp16(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_fp16_and_bf16_profiles_are_cached_apart() -> None:
     keys = {
-        profiler.profile_key(TINY, replace(WORKLOAD, compute_bytes=2), label="cpu", threads=1, dtype=dtype)
+        profile_cache.profile_key(
+            TINY, replace(WORKLOAD, compute_bytes=2), label="cpu", threads=1, dtype=dtype
+        )
         for dtype in ("float16", "bfloat16")
     }
     assert len(keys) == 2
@@ -207,7 +214,7 @@ def _built_linears(monkeypatch: pytest.MonkeyPatch, workload: Workload) -> set[s
         )
         raise _Built
 
-    monkeypatch.setattr(profiler, "_build_layer", build)
+    monkeypatch.setattr(profiler, "build_layer", build)
     with pytest.raises(_Built):
         profile_layer(TINY, workload, device="cpu", use_cache=False)
     return found[0]
@@ -219,6 +226,7 @@ def test_the_profiled_layer_is_the_one_the_stage_builds(monkeypatch: pytest.Monk
     assert _built_linears(monkeypatch, replace(WORKLOAD, quantize=False)) == {"Linear"}
 
 
+@pytest.mark.slow
 def test_an_unquantized_layer_profiles_without_counting_its_weights_as_activations() -> None:
     nf4 = profile_layer(TINY, WORKLOAD, use_cache=False, repeats=1)
     dense = profile_layer(TINY, replace(WORKLOAD, quantize=False), use_cache=False, repeats=1)

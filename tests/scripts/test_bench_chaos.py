@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from shardpool_dev.bench import chaos
 
 _SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_chaos.py"
 _spec = importlib.util.spec_from_file_location("bench_chaos", _SCRIPT)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_chaos"] = bench  # its dataclasses look their module up by name
+bench = importlib.util.module_from_spec(_spec)  # the script, for its command line
 _spec.loader.exec_module(bench)
 
 
@@ -29,8 +28,8 @@ def test_training_again_is_the_first_step_after_the_loss_line(
 ) -> None:
     metrics = tmp_path / "metrics.jsonl"
     clock = iter([10.0, 11.0, 30.0, 31.5, 40.0])
-    monkeypatch.setattr(bench.time, "monotonic", lambda: next(clock))
-    watch = bench.MetricsPoll(metrics)
+    monkeypatch.setattr(chaos.time, "monotonic", lambda: next(clock))
+    watch = chaos.MetricsPoll(metrics)
     step = lambda n, loss: {"step": n, "loss": loss}  # noqa: E731
     _lines(metrics, step(1, 2.0), step(2, 1.9))
     watch.poll()  # t = 10
@@ -56,7 +55,7 @@ def test_training_again_is_the_first_step_after_the_loss_line(
 
 def test_a_reported_step_trained_again_is_counted_from_the_lines_themselves(tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.jsonl"
-    watch = bench.MetricsPoll(metrics)
+    watch = chaos.MetricsPoll(metrics)
     _lines(metrics, {"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.9}, {"step": 3, "loss": 1.8})
     watch.poll()
     lost = {"event": "member_lost", "member": "c", "step": 3, "steps_lost": 0, "unreported_steps_redone": 0}
@@ -70,7 +69,7 @@ def test_a_reported_step_trained_again_is_counted_from_the_lines_themselves(tmp_
 
 def test_a_step_whose_copy_was_in_flight_counts_as_unreported_not_lost(tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.jsonl"
-    watch = bench.MetricsPoll(metrics)
+    watch = chaos.MetricsPoll(metrics)
     lost = {"event": "member_lost", "member": "b", "step": 3, "steps_lost": 0, "unreported_steps_redone": 1}
     replan = {"event": "replan", "member": "b", "step": 2, "steps_lost": 0}
     _lines(
@@ -82,7 +81,7 @@ def test_a_step_whose_copy_was_in_flight_counts_as_unreported_not_lost(tmp_path:
 
 def test_the_copy_window_is_the_median_of_the_slowest_rank_s_copy(tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.jsonl"
-    watch = bench.MetricsPoll(metrics)
+    watch = chaos.MetricsPoll(metrics)
     _lines(metrics, {"step": 1, "loss": 2.0})
     watch.poll()
     assert watch.median_copy_window_s() is None  # no copy figures: not a keep-state run
@@ -100,7 +99,7 @@ def test_the_copy_window_is_the_median_of_the_slowest_rank_s_copy(tmp_path: Path
 def test_summary_counts_finished_runs_and_takes_the_worst_and_the_median() -> None:
     window = {"copy_window_s": 0.1, "step_s": 2.0}
     rounds = [
-        bench.RoundResult(
+        chaos.RoundResult(
             "b",
             3,
             1.5,
@@ -112,12 +111,12 @@ def test_summary_counts_finished_runs_and_takes_the_worst_and_the_median() -> No
             training_again_s=20.0,
             max_abs_diff=2e-7,
         ),
-        bench.RoundResult(
+        chaos.RoundResult(
             "c", 5, 0.05, **window, exit_code=0, steps_lost=[1], training_again_s=30.0, max_abs_diff=5e-7
         ),
-        bench.RoundResult("c", 1, exit_code=2, steps_lost=[1], training_again_s=None, error="x"),
+        chaos.RoundResult("c", 1, exit_code=2, steps_lost=[1], training_again_s=None, error="x"),
     ]
-    assert bench.summary(rounds) == {
+    assert chaos.summary(rounds) == {
         "runs": 3,
         "finished_by_themselves": 2,
         "steps_lost_per_loss": [0, 1, 1],

@@ -2,32 +2,24 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
-
-_SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-sys.path.insert(0, str(_SCRIPTS))
-paired = importlib.import_module("bench_paired")
-profile = importlib.import_module("profile_step")
+from shardpool_dev.bench import paired, profile, stats
 
 
 def test_runs_alternate_a_and_b_and_every_other_pair_starts_with_b() -> None:
-    assert paired.run_order(3) == [(0, "A"), (0, "B"), (1, "B"), (1, "A"), (2, "A"), (2, "B")]
+    assert stats.run_order(3) == [(0, "A"), (0, "B"), (1, "B"), (1, "A"), (2, "A"), (2, "B")]
 
 
 def test_pair_ratios_divide_each_a_by_its_own_b() -> None:
-    assert paired.pair_ratios([100.0, 90.0, 60.0], [100.0, 100.0, 50.0]) == [1.0, 0.9, 1.2]
+    assert stats.pair_ratios([100.0, 90.0, 60.0], [100.0, 100.0, 50.0]) == [1.0, 0.9, 1.2]
     with pytest.raises(ValueError):
-        paired.pair_ratios([1.0], [1.0, 2.0])
+        stats.pair_ratios([1.0], [1.0, 2.0])
     with pytest.raises(ValueError):
-        paired.pair_ratios([], [])
+        stats.pair_ratios([], [])
 
 
 def test_ratio_summary_reports_median_and_spread() -> None:
-    summary = paired.ratio_summary([0.98, 1.02, 0.95, 1.01, 0.99])
+    summary = stats.ratio_summary([0.98, 1.02, 0.95, 1.01, 0.99])
     assert summary["median"] == pytest.approx(0.99)
     assert summary["min"] == pytest.approx(0.95)
     assert summary["max"] == pytest.approx(1.02)
@@ -83,7 +75,7 @@ def test_breakdown_counts_and_shares_from_raw_lines() -> None:
 
 
 def test_a_third_side_runs_in_every_pair() -> None:
-    assert paired.run_order(2, ("A", "B", "C")) == [
+    assert stats.run_order(2, ("A", "B", "C")) == [
         (0, "A"),
         (0, "B"),
         (0, "C"),

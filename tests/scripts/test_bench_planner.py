@@ -3,23 +3,17 @@ default with lead 1 and with hand-made splits; each comparison must be one the p
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from shardpool_dev.bench import planner
 
 _ROOT = Path(__file__).resolve().parents[2]
-_SCRIPT = _ROOT / "scripts" / "bench_planner.py"
-_spec = importlib.util.spec_from_file_location("bench_planner", _SCRIPT)
-bench_planner = importlib.util.module_from_spec(_spec)
-sys.modules["bench_planner"] = bench_planner
-_spec.loader.exec_module(bench_planner)
 
 
 @pytest.mark.parametrize("fleet", ["fleet-seed.yaml", "fleet-home-lab.yaml"])
 def test_the_default_plan_is_never_slower_than_lead_one_or_a_hand_made_split(fleet: str) -> None:
-    row = bench_planner.compare(_ROOT / "configs" / fleet, "llama-3-8b")
+    row = planner.compare(_ROOT / "configs" / fleet, "llama-3-8b")
     planned = row["planner"]["predicted_step_s"]
     assert row["planner"]["fits"]
     assert 1 <= row["planner"]["warmup_lead"] <= 8

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
 
-_SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-sys.path.insert(0, str(_SCRIPTS))
-state_copy = importlib.import_module("bench_state_copy")
+from shardpool_dev.bench import state_copy
 
 
 def test_the_script_names_the_hook_and_the_live_root_as_the_package_does() -> None:
     from shardpool.contract.liveness import LIVE_ROOT
-    from shardpool.train.worker import KEEP_STATE_HOOK
+    from shardpool.elastic.rank import KEEP_STATE_HOOK
 
     assert state_copy.LIVE_ROOT == LIVE_ROOT
     assert state_copy.KEEP_STATE_HOOK == KEEP_STATE_HOOK

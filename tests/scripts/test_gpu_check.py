@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -10,30 +10,32 @@ from pathlib import Path
 
 import pytest
 import torch
+from shardpool_dev.bench.gpu import cases, report, verdicts
 
 _SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-sys.path.insert(0, str(_SCRIPTS))
-gpu_check = importlib.import_module("gpu_check")
+_spec = importlib.util.spec_from_file_location("gpu_check", _SCRIPTS / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(_spec)  # the script, for its command line
+_spec.loader.exec_module(gpu_check)
 
 
 def test_every_cuda_layout_runs_in_every_dtype_the_device_has() -> None:
-    names = [case.name for case in gpu_check.cases(bf16=True)]
+    names = [case.name for case in cases.cases(bf16=True)]
     assert names == [
         f"{layout}/{dtype}"
         for layout in ("cuda", "cuda+cuda", "cuda+cpu")
         for dtype in ("fp32", "bf16", "fp16")
     ] + ["cuda+cuda/fp32 re-shard", "cuda+cpu/fp32 re-shard"]
-    assert not any(case.dtype == "bf16" for case in gpu_check.cases(bf16=False))  # a V100 has no bf16
+    assert not any(case.dtype == "bf16" for case in cases.cases(bf16=False))  # a V100 has no bf16
 
 
 def test_the_config_of_a_case_names_its_devices_split_and_dtype(tmp_path: Path) -> None:
-    config = gpu_check.run_config(
-        gpu_check.Case("cuda+cpu", "bf16"), model=tmp_path, data=tmp_path / "d", output_dir=tmp_path / "o"
+    config = cases.run_config(
+        cases.Case("cuda+cpu", "bf16"), model=tmp_path, data=tmp_path / "d", output_dir=tmp_path / "o"
     )
     assert config["shardpool"] == {"devices": ["cuda:0", "cpu"], "layers": [3, 3], "rebalance": "off"}
     assert (config["bf16"], config["fp16"]) == (True, False)
-    two_on_one = gpu_check.run_config(
-        gpu_check.Case("cuda+cuda", "fp32"), model=tmp_path, data=tmp_path, output_dir=tmp_path
+    two_on_one = cases.run_config(
+        cases.Case("cuda+cuda", "fp32"), model=tmp_path, data=tmp_path, output_dir=tmp_path
     )
     assert two_on_one["shardpool"]["devices"] == ["cuda:0", "cuda:0"] and not two_on_one["bf16"]
 
@@ -43,9 +45,9 @@ def test_a_reshard_case_forces_its_split_and_passes_only_if_it_moved_with_room_m
 ) -> None:
     from shardpool.contract.rebalance import FORCE_ENV, forced_reshard
 
-    assert gpu_check.FORCE_ENV == FORCE_ENV
-    case = gpu_check.Case("cuda+cpu", "fp32", gpu_check.RESHARDS["cuda+cpu"])
-    config = gpu_check.run_config(case, model=tmp_path, data=tmp_path, output_dir=tmp_path)
+    assert cases.FORCE_ENV == FORCE_ENV
+    case = cases.Case("cuda+cpu", "fp32", cases.RESHARDS["cuda+cpu"])
+    config = cases.run_config(case, model=tmp_path, data=tmp_path, output_dir=tmp_path)
     assert config["shardpool"]["rebalance"] == "auto" and config["max_steps"] == 3
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(FORCE_ENV, case.reshard)
@@ -55,24 +57,24 @@ def test_a_reshard_case_forces_its_split_and_passes_only_if_it_moved_with_room_m
         {"step": 2, "loss": 5.0, "stage_room_bytes": [3e9, 2e10]},
         {"event": "rebalance", "step": 2, "to": [[0, 4], [4, 6]]},
     ]
-    assert gpu_check.reshard_outcome(case, metrics) == {
+    assert verdicts.reshard_outcome(case, metrics) == {
         "resharded_to": [[0, 4], [4, 6]],
         "room_bytes": [3e9, 2e10],
         "reshard_ok": True,
     }
-    assert not gpu_check.reshard_outcome(case, metrics[:1])["reshard_ok"], "no re-shard happened"
+    assert not verdicts.reshard_outcome(case, metrics[:1])["reshard_ok"], "no re-shard happened"
     no_room = [{"step": 2, "loss": 5.0, "stage_room_bytes": [0, 2e10]}, metrics[1]]
-    assert not gpu_check.reshard_outcome(case, no_room)["reshard_ok"]
-    assert gpu_check.reshard_outcome(gpu_check.Case("cuda", "fp32"), metrics) == {}
+    assert not verdicts.reshard_outcome(case, no_room)["reshard_ok"]
+    assert verdicts.reshard_outcome(cases.Case("cuda", "fp32"), metrics) == {}
 
 
 def test_a_run_is_compared_with_the_reference_within_its_dtypes_tolerance() -> None:
     reference = {"eval_loss": 5.0, "losses": [6.0, 5.5]}
-    close = gpu_check.compare({"eval_loss": 5.0004, "losses": [6.0003, 5.5]}, reference, "fp32")
+    close = verdicts.compare({"eval_loss": 5.0004, "losses": [6.0003, 5.5]}, reference, "fp32")
     assert close["ok"] and close["tolerance"] == 1e-3 and close["eval_loss_rel"] == pytest.approx(8e-5)
-    assert not gpu_check.compare({"eval_loss": 5.05, "losses": [6.0, 5.5]}, reference, "fp32")["ok"]
-    assert gpu_check.compare({"eval_loss": 5.05, "losses": [6.05, 5.5]}, reference, "bf16")["ok"]
-    assert not gpu_check.compare({"eval_loss": 5.0, "losses": [6.0]}, reference, "bf16")[
+    assert not verdicts.compare({"eval_loss": 5.05, "losses": [6.0, 5.5]}, reference, "fp32")["ok"]
+    assert verdicts.compare({"eval_loss": 5.05, "losses": [6.05, 5.5]}, reference, "bf16")["ok"]
+    assert not verdicts.compare({"eval_loss": 5.0, "losses": [6.0]}, reference, "bf16")[
         "ok"
     ]  # a step missing
 
@@ -84,7 +86,7 @@ def test_a_row_says_which_dtype_each_stage_ran_and_which_steps_the_loss_scale_sk
         {"step": 2, "loss": 4.9, "loss_scale": 32768.0, "skipped_step": False},
         {"step": 2, "eval_loss": 4.8},
     ]
-    assert gpu_check.what_ran(plan, metrics) == {
+    assert verdicts.what_ran(plan, metrics) == {
         "stage_dtypes": ["fp32", "fp16", "config"],
         "skipped_steps": [1],
     }
@@ -94,27 +96,27 @@ GIB = 2**30
 
 
 def test_the_runs_go_most_informative_first_and_the_order_names_every_run() -> None:
-    every = gpu_check.cases(bf16=True)
-    assert [case.name for case in gpu_check.by_priority(every)] == list(gpu_check.PRIORITY)
-    assert sorted(gpu_check.PRIORITY) == sorted(case.name for case in every)
-    first_three = [case.name for case in gpu_check.by_priority(every)][:3]
+    every = cases.cases(bf16=True)
+    assert [case.name for case in cases.by_priority(every)] == list(cases.PRIORITY)
+    assert sorted(cases.PRIORITY) == sorted(case.name for case in every)
+    first_three = [case.name for case in cases.by_priority(every)][:3]
     assert first_three == ["cuda/fp32", "cuda+cuda/fp32", "cuda+cpu/fp32"]  # each layout once, tightest dtype
 
 
 def test_only_picks_runs_by_name_and_an_unknown_name_lists_the_valid_ones(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    every = gpu_check.cases(bf16=True)
-    picked = gpu_check.select(every, ["cuda/bf16", "cuda+cuda/fp32", "cuda/bf16"])
+    every = cases.cases(bf16=True)
+    picked = cases.select(every, ["cuda/bf16", "cuda+cuda/fp32", "cuda/bf16"])
     assert [case.name for case in picked] == ["cuda+cuda/fp32", "cuda/bf16"]  # priority order, once each
-    assert len(gpu_check.select(every, None)) == 11
-    with pytest.raises(gpu_check.UsageError, match="unknown run 'cuda/fp8'; pick from: cuda/fp32, ") as error:
-        gpu_check.select(every, ["cuda/fp8"])
+    assert len(cases.select(every, None)) == 11
+    with pytest.raises(cases.UsageError, match="unknown run 'cuda/fp8'; pick from: cuda/fp32, ") as error:
+        cases.select(every, ["cuda/fp8"])
     assert "cuda+cpu/fp32 re-shard" in str(error.value) and "\n" not in str(error.value)
     assert gpu_check.main(["--only", "cuda/fp8"]) == 2
     assert capsys.readouterr().err.count("\n") == 1  # one line
     assert gpu_check.main(["--list"]) == 0
-    assert capsys.readouterr().out.splitlines() == list(gpu_check.PRIORITY)
+    assert capsys.readouterr().out.splitlines() == list(cases.PRIORITY)
 
 
 def test_allocated_memory_is_set_against_the_plan_without_its_reserve() -> None:
@@ -127,12 +129,12 @@ def test_allocated_memory_is_set_against_the_plan_without_its_reserve() -> None:
         {"rank": 0, "stage": 0, "peak_device_bytes": int(3.2 * GIB), "peak_device_reserved_bytes": int(3.4 * GIB)},
         {"rank": 1, "stage": 1, "peak_device_bytes": None, "peak_device_reserved_bytes": None},
     ]}  # fmt: skip
-    (row,) = gpu_check.memory_ratios(plan, summary)
+    (row,) = verdicts.memory_ratios(plan, summary)
     assert row["predicted_tensor_bytes"] == pytest.approx(3.0 * GIB, abs=1)
     assert row["reserve_bytes"] == int(0.9 * GIB) and row["max_reserved_bytes"] == int(3.4 * GIB)
     assert row["allocated_ratio"] == pytest.approx(1.067) and row["above_plan"]
     under = {"ranks": [{"rank": 0, "stage": 0, "peak_device_bytes": int(2.7 * GIB)}]}
-    (row,) = gpu_check.memory_ratios(plan, under)
+    (row,) = verdicts.memory_ratios(plan, under)
     assert row["allocated_ratio"] == pytest.approx(0.9) and not row["above_plan"]
 
 
@@ -141,8 +143,8 @@ def test_a_plan_without_a_breakdown_gets_the_planners_own_reserve() -> None:
 
     tensors = 2 * GIB
     stage = {"device": "cuda:0", "memory_bytes": int(tensors + reserve_bytes("cuda", tensors))}
-    assert gpu_check.planned_reserve_bytes(stage) == pytest.approx(0.75 * GIB + 0.05 * tensors, abs=2)
-    assert gpu_check.planned_reserve_bytes({"memory_breakdown": {"reserve": 123}}) == 123
+    assert verdicts.planned_reserve_bytes(stage) == pytest.approx(0.75 * GIB + 0.05 * tensors, abs=2)
+    assert verdicts.planned_reserve_bytes({"memory_breakdown": {"reserve": 123}}) == 123
 
 
 def test_a_resharded_stage_is_set_against_the_plan_that_gave_it_the_most_tensors() -> None:
@@ -161,7 +163,7 @@ def test_a_resharded_stage_is_set_against_the_plan_that_gave_it_the_most_tensors
     }
     summary = {"ranks": [{"rank": 0, "stage": 0, "peak_device_bytes": int(2.7 * GIB)},
                          {"rank": 1, "stage": 1, "peak_device_bytes": int(4.5 * GIB)}]}  # fmt: skip
-    ratios = [row["allocated_ratio"] for row in gpu_check.memory_ratios(plan, summary)]
+    ratios = [row["allocated_ratio"] for row in verdicts.memory_ratios(plan, summary)]
     assert ratios == [pytest.approx(0.9), pytest.approx(0.9)]  # not 2.7 against the 1.0 GiB of the last plan
 
 
@@ -173,14 +175,14 @@ def test_the_gpu_footprint_beyond_tensors_is_set_against_the_reserve() -> None:
             "reserve_bytes": int(0.8 * GIB),
         }
     ]
-    over = gpu_check.device_footprint(memory, int(2.9 * GIB))  # 0.9 GiB beyond tensors, 0.8 reserved for it
+    over = verdicts.device_footprint(memory, int(2.9 * GIB))  # 0.9 GiB beyond tensors, 0.8 reserved for it
     assert over["reserve_ratio"] == pytest.approx(1.125) and over["above_plan"]
     assert over["beyond_allocator_bytes"] == pytest.approx(0.7 * GIB, abs=1)  # context, cuBLAS, NCCL
     assert over["beyond_tensors_bytes"] == pytest.approx(0.9 * GIB, abs=1)
     two_stages = memory * 2  # cuda+cuda: the GPU holds both stages, so both reserves count
-    within = gpu_check.device_footprint(two_stages, int(5.2 * GIB))
+    within = verdicts.device_footprint(two_stages, int(5.2 * GIB))
     assert within["reserve_ratio"] == pytest.approx(0.75) and not within["above_plan"]
-    unmeasured = gpu_check.device_footprint(memory, None)
+    unmeasured = verdicts.device_footprint(memory, None)
     assert unmeasured["reserve_ratio"] is None and unmeasured["reserve_bytes"] == int(0.8 * GIB)
 
 
@@ -200,72 +202,68 @@ WARNING: Please be sure to sanitize sensitive info from the output before postin
 
 
 def test_the_bitsandbytes_pre_flight_passes_only_on_its_success_and_says_why_in_one_line() -> None:
-    ok = gpu_check.bitsandbytes_verdict(0, _BNB_SUCCESS)
+    ok = verdicts.bitsandbytes_verdict(0, _BNB_SUCCESS)
     assert ok == {"version": "0.48.2", "ok": True, "detail": "python -m bitsandbytes: SUCCESS"}
-    missing = gpu_check.bitsandbytes_verdict(1, "/usr/bin/python3: No module named bitsandbytes\n")
+    missing = verdicts.bitsandbytes_verdict(1, "/usr/bin/python3: No module named bitsandbytes\n")
     assert (
         not missing["ok"] and missing["detail"] == "bitsandbytes is not installed (pip install bitsandbytes)"
     )
-    broken = gpu_check.bitsandbytes_verdict(1, _BNB_LOAD_ERROR)
+    broken = verdicts.bitsandbytes_verdict(1, _BNB_LOAD_ERROR)
     assert not broken["ok"] and broken["detail"] == (
         "python -m bitsandbytes failed (exit 1): bitsandbytes library load error: libcudart.so.13: "
         "cannot open shared object file: No such file or directory"
     )
     cpu_only = "No CUDA, ROCm, or XPU detected; CPU library loaded successfully."
-    no_cuda = gpu_check.bitsandbytes_verdict(0, f"Platform: Linux\n{cpu_only}\nsome warning on stderr\n")
+    no_cuda = verdicts.bitsandbytes_verdict(0, f"Platform: Linux\n{cpu_only}\nsome warning on stderr\n")
     assert not no_cuda["ok"] and no_cuda["detail"] == f"python -m bitsandbytes failed (exit 0): {cpu_only}"
-    hung = gpu_check.bitsandbytes_verdict(None, "")
+    hung = verdicts.bitsandbytes_verdict(None, "")
     assert not hung["ok"] and "did not finish in 90 s" in hung["detail"]
 
 
 def test_an_exclusive_compute_mode_skips_two_stage_processes_on_one_gpu() -> None:
-    assert gpu_check.parse_compute_mode("Exclusive_Process\n") == "Exclusive_Process"
-    assert gpu_check.parse_compute_mode("[N/A]\n") is None and gpu_check.parse_compute_mode("") is None
-    assert gpu_check.blocked_layouts("Default") == {} and gpu_check.blocked_layouts(None) == {}
-    exclusive = gpu_check.blocked_layouts("Exclusive_Process")
+    assert verdicts.parse_compute_mode("Exclusive_Process\n") == "Exclusive_Process"
+    assert verdicts.parse_compute_mode("[N/A]\n") is None and verdicts.parse_compute_mode("") is None
+    assert verdicts.blocked_layouts("Default") == {} and verdicts.blocked_layouts(None) == {}
+    exclusive = verdicts.blocked_layouts("Exclusive_Process")
     assert list(exclusive) == ["cuda+cuda"] and "one process" in exclusive["cuda+cuda"]
-    assert sorted(gpu_check.blocked_layouts("Prohibited")) == ["cuda", "cuda+cpu", "cuda+cuda"]
-    reshard = gpu_check.Case("cuda+cuda", "fp32", gpu_check.RESHARDS["cuda+cuda"])
-    skip = gpu_check.why_skipped(
+    assert sorted(verdicts.blocked_layouts("Prohibited")) == ["cuda", "cuda+cpu", "cuda+cuda"]
+    reshard = cases.Case("cuda+cuda", "fp32", cases.RESHARDS["cuda+cuda"])
+    skip = verdicts.why_skipped(
         reshard, bf16=True, blocked=exclusive, elapsed_s=0, durations_s=[], budget_s=420
     )
     assert skip == exclusive["cuda+cuda"]
-    assert gpu_check.parse_smi_mib("81559\n") == 81559 * 2**20 and gpu_check.parse_smi_mib("[N/A]") is None
+    assert verdicts.parse_smi_mib("81559\n") == 81559 * 2**20 and verdicts.parse_smi_mib("[N/A]") is None
 
 
 def test_a_run_is_skipped_once_the_budget_cannot_fit_the_longest_run_so_far() -> None:
-    case = gpu_check.Case("cuda", "fp32")
+    case = cases.Case("cuda", "fp32")
 
     def skip(elapsed: float, durations: list[float]) -> str | None:
-        return gpu_check.why_skipped(
+        return verdicts.why_skipped(
             case, bf16=True, blocked={}, elapsed_s=elapsed, durations_s=durations, budget_s=420
         )
 
     assert skip(300, [40, 90, 60]) is None  # 300 + 90 fits in 420
     assert skip(340, [40, 90, 60]) == "budget"  # 340 + 90 does not
     assert skip(10, []) is None
-    bf16 = gpu_check.Case("cuda", "bf16")
-    no_bf16 = gpu_check.why_skipped(bf16, bf16=False, blocked={}, elapsed_s=0, durations_s=[], budget_s=420)
+    bf16 = cases.Case("cuda", "bf16")
+    no_bf16 = verdicts.why_skipped(bf16, bf16=False, blocked={}, elapsed_s=0, durations_s=[], budget_s=420)
     assert no_bf16 == "this device has no bf16"
-    assert (
-        gpu_check.run_timeout_s(340, 420) == 80 and gpu_check.run_timeout_s(0, 420) == gpu_check.RUN_TIMEOUT_S
-    )
-    assert gpu_check.DEFAULT_BUDGET_S < 15 * 60 and gpu_check.run_timeout_s(500, 420) == 1
+    assert verdicts.run_timeout_s(340, 420) == 80 and verdicts.run_timeout_s(0, 420) == cases.RUN_TIMEOUT_S
+    assert cases.DEFAULT_BUDGET_S < 15 * 60 and verdicts.run_timeout_s(500, 420) == 1
 
 
 def test_skipped_runs_do_not_fail_the_check_but_a_check_that_ran_nothing_does() -> None:
     ran, skipped, failed = {"ok": True}, {"ok": None, "skipped": "budget"}, {"ok": False}
-    assert gpu_check.exit_status([ran, skipped]) == 0
-    assert gpu_check.exit_status([ran, failed, skipped]) == 1
-    assert gpu_check.exit_status([skipped, skipped]) == 1
+    assert verdicts.exit_status([ran, skipped]) == 0
+    assert verdicts.exit_status([ran, failed, skipped]) == 1
+    assert verdicts.exit_status([skipped, skipped]) == 1
 
 
 def test_the_report_file_is_replaced_whole_after_every_run(tmp_path: Path) -> None:
     path = tmp_path / "gpu-check.json"
-    gpu_check.write_report(path, {"runs": [{"run": "cuda/fp32"}], "complete": False})
-    gpu_check.write_report(
-        path, {"runs": [{"run": "cuda/fp32"}, {"run": "cuda+cuda/fp32"}], "complete": True}
-    )
+    report.write_report(path, {"runs": [{"run": "cuda/fp32"}], "complete": False})
+    report.write_report(path, {"runs": [{"run": "cuda/fp32"}, {"run": "cuda+cuda/fp32"}], "complete": True})
     assert json.loads(path.read_text())["complete"] and len(json.loads(path.read_text())["runs"]) == 2
     assert [entry.name for entry in tmp_path.iterdir()] == ["gpu-check.json"]  # no temporary file left
 
@@ -278,7 +276,7 @@ def test_the_table_has_a_line_per_run_and_marks_what_the_plan_undercounts() -> N
         {"run": "cuda+cpu/fp16", "error": "stage 0 (rank 0) failed: CUDA error", "ok": False},
         {"run": "cuda/fp16", "skipped": "budget", "ok": None},
     ]  # fmt: skip
-    lines = gpu_check.format_table(rows).splitlines()
+    lines = report.format_table(rows).splitlines()
     assert len(lines) == 5 and lines[2].endswith("0: 0.80, 1: 1.07!; gpu: 1.12!")
     assert lines[3].split()[:2] == ["cuda+cpu/fp16", "FAIL"] and lines[4].split() == [
         "cuda/fp16",
@@ -290,12 +288,13 @@ def test_the_table_has_a_line_per_run_and_marks_what_the_plan_undercounts() -> N
         "compute_mode": {"mode": "Exclusive_Process", "source": "nvidia-smi"},
         "device_memory": "nvml",
     }  # fmt: skip
-    assert gpu_check.format_preflight(preflight) == (
+    assert report.format_preflight(preflight) == (
         "pre-flight: bitsandbytes ?: bitsandbytes is not installed (pip install bitsandbytes) | "
         "compute mode: Exclusive_Process (nvidia-smi) | GPU memory read by: nvml"
     )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where CUDA is absent")
 def test_without_cuda_it_says_skipped_in_one_line_and_exits_0() -> None:
     done = subprocess.run(

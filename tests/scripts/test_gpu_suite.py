@@ -3,7 +3,6 @@ the report's parts read off gpu_check, and the stage-vs-peft benchmark's tiny ru
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -12,12 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from shardpool_dev.bench import stage_vs_peft
+from shardpool_dev.bench.gpu import suite, suite_report
 
 ROOT = Path(__file__).resolve().parents[2]
 _SCRIPTS = ROOT / "scripts"
-sys.path.insert(0, str(_SCRIPTS))
-tools = importlib.import_module("gpu_suite_tools")
-stage_vs_peft = importlib.import_module("bench_stage_vs_peft")
 
 MIB = 2**20
 #: Statuses a finished report may hold (none is left pending).
@@ -59,7 +57,7 @@ def test_the_dry_run_reports_every_part_and_goes_on_past_a_timeout(
     result, out = dry_run
     assert result.returncode == 1, result.stderr  # a part timed out
     parts = _parts(out)
-    assert list(parts) == list(tools.PART_NAMES)
+    assert list(parts) == list(suite.PART_NAMES)
     assert {row["status"] for row in parts.values()} <= FINAL
     assert (parts["devices"]["status"], parts["devices"]["limit_s"], parts["devices"]["rc"]) == (
         "timeout",
@@ -70,13 +68,13 @@ def test_the_dry_run_reports_every_part_and_goes_on_past_a_timeout(
     assert parts["install"]["status"] == "ok" and parts["install"]["details"]["cuda_available"] is False
     assert parts["gpu_check"]["status"] == "skipped", "an unknown run name in GPU_CHECK_RUNS fails here"
     assert "no CUDA device" in parts["gpu_check"]["summary"]
-    expected_tests = len(tools.cuda_test_ids(ROOT / "tests", ROOT))
+    expected_tests = len(suite.cuda_test_ids(ROOT / "tests", ROOT))
     assert parts["cuda_tests"]["details"]["counts"] == {
         "passed": 0, "failed": 0, "errors": 0, "skipped": expected_tests,
     }  # fmt: skip
     assert parts["stage_vs_peft"]["status"] == "ok"
     assert parts["stage_vs_peft"]["details"]["workload"]["model"]["hidden_size"] == 4096
-    assert all(parts[name]["status"] == "no data" for name in tools.DERIVED_PARTS)
+    assert all(parts[name]["status"] == "no data" for name in suite.DERIVED_PARTS)
     assert parts["torch_nf4_vs_bnb"]["status"] == "ok"  # the dry run checks the bench's arguments only
 
 
@@ -86,7 +84,7 @@ def test_the_dry_run_writes_a_table_and_a_log_in_few_flat_files(
 ) -> None:
     _, out = dry_run
     written = list(out.iterdir())
-    assert len(written) <= tools.MAX_OUT_FILES and all(path.is_file() for path in written)
+    assert len(written) <= suite.MAX_OUT_FILES and all(path.is_file() for path in written)
     table = (out / "suite.md").read_text()
     for name, row in _parts(out).items():
         assert f"| {name} | {row['status']} |" in table
@@ -130,8 +128,8 @@ def test_a_bad_argument_is_one_line_and_exit_status_2(tmp_path: Path, args: list
 
 
 def test_tree_and_wheels_over_64_mib_are_refused_with_the_sizes() -> None:
-    assert tools.size_problem(50 * MIB, 14 * MIB) is None  # exactly the limit still travels
-    problem = tools.size_problem(7 * MIB, 58 * MIB)
+    assert suite.size_problem(50 * MIB, 14 * MIB) is None  # exactly the limit still travels
+    problem = suite.size_problem(7 * MIB, 58 * MIB)
     assert problem is not None and "65.0 MiB is over the device tool's 64 MiB" in problem
     assert "\n" not in problem and "carry fewer wheels" in problem
 
@@ -200,11 +198,11 @@ def test_anywhere(): ...
 def test_the_cuda_tests_are_those_that_skip_without_cuda(tmp_path: Path) -> None:
     (tmp_path / "tests" / "plan").mkdir(parents=True)
     (tmp_path / "tests" / "plan" / "test_gpu.py").write_text(_CUDA_TESTS)
-    assert tools.cuda_test_ids(tmp_path / "tests", tmp_path) == [
+    assert suite.cuda_test_ids(tmp_path / "tests", tmp_path) == [
         "tests/plan/test_gpu.py::test_on_a_gpu",
         "tests/plan/test_gpu.py::test_wrapped",
     ]
-    found = tools.cuda_test_ids(ROOT / "tests", ROOT)
+    found = suite.cuda_test_ids(ROOT / "tests", ROOT)
     assert "tests/plan/test_devices.py::test_cuda_device_capability_and_bf16" in found
     assert "tests/plan/test_devices.py::test_missing_cuda_is_a_clear_error" not in found
 
@@ -217,7 +215,7 @@ def test_pytest_counts_read_the_junit_report(tmp_path: Path) -> None:
         '<testcase name="c"><failure message="x"/></testcase><testcase name="d"><error/></testcase>'
         "</testsuite></testsuites>"
     )
-    assert tools.pytest_counts(report) == {"passed": 1, "failed": 1, "errors": 1, "skipped": 1}
+    assert suite.pytest_counts(report) == {"passed": 1, "failed": 1, "errors": 1, "skipped": 1}
 
 
 def _run(name: str, ok: bool, **fields: Any) -> dict[str, Any]:
@@ -239,7 +237,7 @@ def test_the_parts_read_off_gpu_check_report_its_runs() -> None:
             {"run": "cuda/fp16", "layout": "cuda", "dtype": "fp16", "skipped": "budget", "ok": None},
         ]
     }
-    derived = tools.derived_parts(report)
+    derived = suite.derived_parts(report)
     assert derived["s2_one_gpu"][:2] == ("fail", "1/2 cuda+cuda runs within tolerance")
     assert derived["fp16_loss_scaling"][:2] == ("fail", "0/1 fp16 runs within tolerance")
     assert derived["fp16_loss_scaling"][2]["cuda+cuda/fp16"]["skipped_steps"] == [1]
@@ -249,21 +247,21 @@ def test_the_parts_read_off_gpu_check_report_its_runs() -> None:
         and "cuda+cpu/fp32: 0:1.2" in summary
         and details["cuda/fp32"] == memory["cuda/fp32"]
     )
-    assert {part[0] for part in tools.derived_parts(None).values()} == {"no data"}
+    assert {part[0] for part in suite.derived_parts(None).values()} == {"no data"}
 
 
 def test_a_part_killed_before_its_limit_failed_and_one_stopped_at_it_timed_out() -> None:
-    assert tools.stopped_by_timeout(124, 200, 200) and tools.stopped_by_timeout(137, 210, 200)
-    assert not tools.stopped_by_timeout(137, 30, 200)  # killed early, e.g. for memory
-    assert not tools.stopped_by_timeout(0, 200, 200)
+    assert suite.stopped_by_timeout(124, 200, 200) and suite.stopped_by_timeout(137, 210, 200)
+    assert not suite.stopped_by_timeout(137, 30, 200)  # killed early, e.g. for memory
+    assert not suite.stopped_by_timeout(0, 200, 200)
     so_far = {"runs": [_run("cuda/fp32", True), {"run": "cuda/bf16", "skipped": "budget", "ok": None}]}
-    assert tools.status_of("gpu_check", 124, "", so_far, timed_out=True) == (
+    assert suite.status_of("gpu_check", 124, "", so_far, timed_out=True) == (
         "timeout",
         "stopped at its time limit; so far: 1/1 runs within tolerance, 1 skipped",
     )
-    assert tools.status_of("gpu_check", 137, "Killed\n", so_far, timed_out=False)[0] == "fail"
+    assert suite.status_of("gpu_check", 137, "Killed\n", so_far, timed_out=False)[0] == "fail"
     no_torch = {"torch": "error: ModuleNotFoundError: No module named 'torch'", "pydantic": "2.13.4"}
-    assert tools.status_of("install", 0, "", no_torch, timed_out=False) == (
+    assert suite.status_of("install", 0, "", no_torch, timed_out=False) == (
         "fail",
         "cannot import torch: error: ModuleNotFoundError: No module named 'torch'",
     )
@@ -304,12 +302,12 @@ def test_the_tiny_benchmark_trains_both_sides_on_the_cpu(tmp_path: Path) -> None
 def test_the_pytorch_nf4_part_reads_the_paired_bench_it_ran(tmp_path: Path) -> None:
     report = {
         "tokens_per_s_ratio_a_over_b": {"median": 1.62, "min": 1.6, "max": 1.64, "spread": 0.04},
-        "peak_memory_b_minus_a_median_bytes": 30 * tools.MIB,
-        "dequantized_linear_bytes": 21 * tools.MIB + tools.MIB // 2,
+        "peak_memory_b_minus_a_median_bytes": 30 * suite.MIB,
+        "dequantized_linear_bytes": 21 * suite.MIB + suite.MIB // 2,
     }
     (tmp_path / "nf4-bench.json").write_text(json.dumps(report))
-    details = tools.part_details("torch_nf4_vs_bnb", tmp_path, "", None)
-    status, summary = tools.status_of("torch_nf4_vs_bnb", 0, "", details, timed_out=False)
+    details = suite_report.part_details("torch_nf4_vs_bnb", tmp_path, "", None)
+    status, summary = suite.status_of("torch_nf4_vs_bnb", 0, "", details, timed_out=False)
     assert status == "ok"
     assert summary == (
         "tokens/s bitsandbytes / PyTorch path 1.620; PyTorch path's extra peak 30.0 MiB against one "

@@ -1,4 +1,4 @@
-"""scripts/report_run.py: a benchmark's report alone on stdout, one line for an error, 130 when stopped."""
+"""shardpool_dev.bench.child.run_and_report: a benchmark's report alone on stdout, one line for an error, 130 when stopped."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import os
 import signal
 
 import pytest
-
-from scripts.report_run import run_and_report
+from shardpool_dev.bench.child import run_and_report
 
 
 class LabBroke(Exception):

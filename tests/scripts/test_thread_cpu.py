@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-threads = importlib.import_module("thread_cpu")
+from shardpool_dev.bench import threads
 
 STAT = "4242 (gloo_tcp_loop) S 1 2 3 0 -1 4194368 10 0 0 0 150 50 0 0 39 19 9 0 100 0 0"
 

@@ -239,6 +239,7 @@ def agent() -> Iterator[tuple[Agent, Path]]:
             yield running, socket_path
 
 
+@pytest.mark.slow
 def test_a_thousand_hostile_requests_start_nothing_and_break_nothing(agent: tuple[Agent, Path]) -> None:
     server, socket_path = agent
     host, port = server.url.removeprefix("http://").rsplit(":", 1)

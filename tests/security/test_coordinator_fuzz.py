@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -428,6 +429,7 @@ def _thread_cap() -> int:
     return 2 + JOIN_LIMITS.handler_threads + ROSTER_LIMITS.handler_threads  # two loops and two pools
 
 
+@pytest.mark.slow
 def test_hostile_requests_never_crash_leak_or_change_the_roster(tmp_path) -> None:
     threads_before = set(threading.enumerate())
     coordinator = InProcessCoordinator(tmp_path, split=True)

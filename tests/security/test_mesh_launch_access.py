@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from shardpool_dev.lab import Lab, netns_skip_reason
 
-from mesh.lab import Lab, netns_skip_reason
 from tests.helpers.mesh_training import (
     AGENT_PORT,
     launch,
@@ -35,7 +35,7 @@ if SKIP:
     pytest.skip(SKIP, allow_module_level=True)
 
 OUTSIDER = "nobody"  # uid 65534
-WORKER = "shardpool.train.worker"
+WORKER = "shardpool.elastic.rank"
 RUN_AS = "shardpool"
 LAUNCH_GROUP = "shardpool"
 

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+from shardpool_dev.lab import UNDERLAY, Lab, mesh_address, netns_skip_reason
 
-from mesh.lab import UNDERLAY, Lab, mesh_address, netns_skip_reason
 from tests.helpers.mesh_hosts import REPO
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]

@@ -96,6 +96,7 @@ report_like = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(json_values, report_like))
 def test_random_json_either_parses_or_raises_a_mesh_error(body) -> None:  # noqa: ANN001

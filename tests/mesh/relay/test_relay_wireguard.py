@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
+from shardpool_dev.lab import MESH_CIDR, Host, Lab, mesh_address, netns_skip_reason
 
-from mesh.lab import MESH_CIDR, Host, Lab, mesh_address, netns_skip_reason
 from mesh.wireguard.keys import generate_private_key, public_key
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]

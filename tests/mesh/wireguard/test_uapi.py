@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from shardpool_dev.lab import WireGuardGoInNetns, netns_skip_reason
 
 from mesh.errors import MeshError
-from mesh.lab import WireGuardGoInNetns, netns_skip_reason
 from mesh.wireguard.backend import PeerConfig
 from mesh.wireguard.keys import generate_private_key, key_to_hex, public_key
 from mesh.wireguard.uapi import UapiClient, encode_get, encode_set, parse_errno, parse_get

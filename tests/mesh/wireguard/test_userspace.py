@@ -14,8 +14,8 @@ import textwrap
 import uuid
 
 import pytest
+from shardpool_dev.lab import netns_skip_reason
 
-from mesh.lab import netns_skip_reason
 from tests.helpers.mesh_hosts import REPO
 
 pytestmark = pytest.mark.netns

@@ -1,17 +1,17 @@
 """A stage's side of an in-place re-shard: which state it hands over, and the hand-over itself.
 
-At a re-shard (:mod:`shardpool.contract.rebalance`) every rank keeps its process, its rank, its
+At a re-shard (:mod:`shardpool.elastic.rebalancing`) every rank keeps its process, its rank, its
 device and its process groups; only its layers change. It takes its LoRA tensors and AdamW state
 at the step boundary (by global adapter key, as checkpoints hold them), sends those of the layers
 it loses to their new owner in the same replica, and receives those of the layers it gains. The
 tensors travel as safetensors bytes over the gloo world group (nothing is unpickled), so every
 optimizer's state fields travel as they are and the result is exact. The caller then rebuilds its
 stage for the new layers and restores the state by key. A job that grows in place
-(:mod:`shardpool.contract.grow`) hands over the same way, in its new process group, by layer
+(:mod:`shardpool.elastic.growth`) hands over the same way, in its new process group, by layer
 position from rank to rank (:func:`exchange_by_position`): ranks renumber and the stage count changes.
 
 Before any of that, at the end of the check step, each rank measures its room
-(:func:`room_bytes`), which the launcher's decision respects (:mod:`shardpool.contract.rebalance`).
+(:func:`room_bytes`), which the launcher's decision respects (:mod:`shardpool.plan.room`).
 """
 
 from __future__ import annotations
@@ -19,23 +19,18 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Sequence
-from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load as load_tensor_bytes
 from safetensors.torch import save as save_tensor_bytes
 
-from shardpool.contract.grow import state_position
-from shardpool.contract.rebalance import decision_key, handovers, key_layer, kill_rank, room_override
-from shardpool.errors import ShardpoolError
+from shardpool.contract.rebalance import kill_rank, room_override
+from shardpool.elastic.handover_plan import handovers, key_layer, state_position
 from shardpool.host.memory_limit import cpu_room_bytes, room_after_peak
 
 __all__ = [
     "HANDOVER_TAG",
-    "await_decision",
-    "await_key",
     "exchange_by_position",
     "exchange_state",
     "kept_state",
@@ -73,30 +68,6 @@ def room_bytes(device: torch.device, *, rank: int) -> int:
         allocated = int(torch.xpu.memory_allocated(device))  # what is not allocated is free or cached here
         return room_after_peak(total - allocated, int(torch.xpu.max_memory_allocated(device)), allocated)
     return cpu_room_bytes()
-
-
-def await_decision(store: Any, step: int, *, timeout_s: float) -> bytes:
-    """The launcher's answer to the check after ``step``, read from the rendezvous ``store``.
-
-    Waits at most ``timeout_s``: a launcher that is gone must not leave its stages waiting.
-    """
-    return await_key(
-        store,
-        decision_key(step),
-        timeout_s=timeout_s,
-        what=f"re-balance decision from the launcher after step {step}",
-    )
-
-
-def await_key(store: Any, key: str, *, timeout_s: float, what: str) -> bytes:
-    """The value of ``key`` on the rendezvous ``store`` once it is set; ShardpoolError naming
-    ``what`` after ``timeout_s`` (a launcher or a rank that is gone must not leave a stage waiting)."""
-    try:
-        store.wait([key], timedelta(seconds=timeout_s))
-        return bytes(store.get(key))
-    except (RuntimeError, dist.DistError) as error:
-        detail = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ShardpoolError(f"no {what} within {timeout_s:g} s (is the launcher gone?): {detail}") from None
 
 
 def module_layer(path: str) -> int | None:
@@ -165,7 +136,7 @@ def exchange_by_position(
     rank: int,
     num_layers: int,
 ) -> dict[str, torch.Tensor]:
-    """A job growing in place (:mod:`shardpool.contract.grow`): send the state of the positions
+    """A job growing in place (:mod:`shardpool.elastic.growth`): send the state of the positions
     ``moves`` takes from this rank, receive what it brings here; return the received.
 
     ``moves`` is ``{(from rank, to rank): [positions]}`` in the grown job's ranks.

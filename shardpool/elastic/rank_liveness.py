@@ -3,14 +3,14 @@
 With :attr:`Job.keep_state <shardpool.contract.job.Job.keep_state>` (the launcher sets it for mesh
 runs with ``on_member_loss: continue``), a stage process
 
-* **beats** (:func:`start_beat`): a daemon thread adds 1 to :func:`~shardpool.contract.liveness.beat_key`
+* **beats** (:func:`start_beat`): a daemon thread adds 1 to :func:`~shardpool.elastic.messages.beat_key`
   of its rank every :data:`~shardpool.contract.liveness.BEAT_INTERVAL_S` on the launcher's
   rendezvous store, through a store client of its own. A stopped process stops beating; a launcher
   that is gone ends the thread quietly (the stage's own collectives then time out).
 * **copies its step-boundary state** (:class:`StateCopier`): after every optimizer step the worker
   hands CPU clones of its checkpoint files to a background thread, which writes them into
   :func:`~shardpool.contract.liveness.live_dir` through the same :class:`RunFiles` channel as
-  checkpoints and then adds 1 to :func:`~shardpool.contract.liveness.live_key`. One copy is in
+  checkpoints and then adds 1 to :func:`~shardpool.elastic.messages.live_key`. One copy is in
   flight at a time; a copy that fails is logged on stderr (the rank's log) and training goes on.
 
 The copy's files have a checkpoint's names (``stage-i.safetensors``, ``rng-rank-r.safetensors``), so
@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardpool.contract.liveness import BEAT_INTERVAL_S, beat_key, live_dir, live_key
+from shardpool.contract.liveness import BEAT_INTERVAL_S, live_dir
+from shardpool.elastic.messages import beat_key, live_key
 from shardpool.train.runfiles import RunFiles
 
 __all__ = ["StateCopier", "beat", "start_beat", "store_client"]

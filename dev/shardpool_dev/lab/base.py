@@ -5,24 +5,25 @@ a namespace of its own), an address in TEST-NET-1 (192.0.2.0/24), its own ``SHAR
 own agent socket (``SHARDPOOL_AGENT_SOCKET``) and its own WireGuard interface name. Nothing
 touches the machine's own namespace, and :meth:`Lab.close` stops every process the lab started,
 by pid, and deletes every namespace and the lab's directory under /tmp. The meshes it forms
-take their addresses from :data:`MESH_CIDR` (198.51.100.0/28), which no host network of the lab
-overlaps.
+take their addresses from :data:`~shardpool_dev.lab.hosts.MESH_CIDR` (198.51.100.0/28), which no
+host network of the lab overlaps.
 
 The lab can instead be a *NAT grid* (:meth:`Lab.add_internet`, :meth:`Lab.add_router`): a public
 segment 203.0.113.0/24 and routers that masquerade LANs behind it, full cone or symmetric
-(:mod:`mesh.lab.nat` has the addressing and the rules). That needs ``iptables`` too
-(:func:`nat_skip_reason`), and ``conntrack`` for :meth:`Lab.set_nat` to forget old mappings.
+(:mod:`shardpool_dev.lab.nat` has the addressing and the rules). That needs ``iptables`` too
+(:func:`~shardpool_dev.lab.requirements.nat_skip_reason`), and ``conntrack`` for
+:meth:`Lab.set_nat` to forget old mappings.
 
 The hosts' homes live in a 0755 directory under /tmp rather than a private temporary tree: an
 agent's stages run as the unprivileged run-as account, which must reach the agent's work
 directory beside the home, and people on a host must reach its agent socket. Commands in a host
 run this source tree (:data:`SOURCE_ROOT` on ``PYTHONPATH``). It needs root, ``ip``,
-``wireguard-go``, ``wg``, ``ping`` and ``/dev/net/tun`` (:func:`netns_skip_reason` says what is missing).
+``wireguard-go``, ``wg``, ``ping`` and ``/dev/net/tun``
+(:func:`~shardpool_dev.lab.requirements.netns_skip_reason` says what is missing).
 """
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import pwd
 import shutil
@@ -31,148 +32,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
+import mesh
 from mesh.constants import AGENT_PORT, WIREGUARD_PORT
-from mesh.lab.nat import INTERNET, lan_address, lan_gateway, lan_subnet, router_nat_rules, udp_block_rules
+from shardpool_dev.lab.hosts import MESH_CIDR, UNDERLAY, Host, LabError, Router, run_in_netns, run_ip
+from shardpool_dev.lab.nat import INTERNET, lan_address, lan_subnet, router_nat_rules, udp_block_rules
 
-__all__ = [
-    "MESH_CIDR",
-    "SOURCE_ROOT",
-    "UNDERLAY",
-    "Host",
-    "Lab",
-    "LabError",
-    "Router",
-    "mesh_address",
-    "nat_skip_reason",
-    "netns_skip_reason",
-]
+__all__ = ["SOURCE_ROOT", "Lab"]
 
-SOURCE_ROOT = Path(__file__).resolve().parents[2]
+SOURCE_ROOT = Path(mesh.__file__).resolve().parents[1]
 """The directory holding the ``mesh`` package (and ``shardpool`` beside it in a checkout)."""
-UNDERLAY = "192.0.2"
-"""The first three octets of every host's underlay address (TEST-NET-1)."""
-MESH_CIDR = "198.51.100.0/28"
-"""The mesh CIDR of the lab's meshes: the sixteenth of TEST-NET-2 that no router LAN uses (router
-``k`` takes 198.51.100.(16k)/28 for k = 1..15, :mod:`mesh.lab.nat`), so it overlaps none of the
-hosts' own networks. Its host addresses .1 to .14 hold a coordinator and 13 members."""
-
-
-def mesh_address(number: int) -> str:
-    """Host address ``number`` (1..14) of :data:`MESH_CIDR`: 1 is the coordinator's, and joiners
-    get 2, 3, ... in the order they join (no address is ever handed out twice)."""
-    network = ipaddress.IPv4Network(MESH_CIDR)
-    if not 1 <= number < network.num_addresses - 1:
-        raise ValueError(f"mesh address number {number} is outside 1..{network.num_addresses - 2}")
-    return str(network[number])
-
-
-def netns_skip_reason() -> str | None:
-    """Why the namespace tests cannot run here, or ``None`` if they can."""
-    if sys.platform != "linux":
-        return "needs Linux network namespaces"
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces and interfaces"
-    for tool in ("ip", "wireguard-go", "wg", "ping"):
-        if shutil.which(tool) is None:
-            return f"needs {tool} (apt-get install iproute2 wireguard-go wireguard-tools iputils-ping)"
-    if not Path("/dev/net/tun").exists():
-        return "needs /dev/net/tun for wireguard-go"
-    probe = f"sp{os.getpid()}-probe"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create a network namespace: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-def nat_skip_reason() -> str | None:
-    """Why the NAT grid cannot run here (what :func:`netns_skip_reason` says, or no working iptables NAT)."""
-    reason = netns_skip_reason()
-    if reason is not None:
-        return reason
-    if shutil.which("iptables") is None:
-        return "needs iptables for the NAT grid (apt-get install iptables conntrack)"
-    probe = f"sp{os.getpid()}-natprobe"
-    subprocess.run(["ip", "netns", "add", probe], capture_output=True)
-    try:
-        rule = [
-            "iptables",
-            "-t",
-            "nat",
-            "-A",
-            "POSTROUTING",
-            "-o",
-            "wan",
-            "-j",
-            "MASQUERADE",
-            "--random-fully",
-        ]
-        made = subprocess.run(["ip", "netns", "exec", probe, *rule], capture_output=True, text=True)
-    finally:
-        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    if made.returncode != 0:
-        return f"iptables cannot masquerade in a namespace here: {made.stderr.strip()}"
-    return None
-
-
-class LabError(RuntimeError):
-    """A lab command failed; the message has its exit code and output."""
-
-
-def _ip(*argv: str) -> None:
-    _checked_run(["ip", *argv])
-
-
-def _checked_run(argv: list[str]) -> None:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    if done.returncode != 0:
-        raise LabError(f"{' '.join(argv)}: exit {done.returncode}: {done.stderr.strip()}")
-
-
-def _in_netns(netns: str, *argv: str) -> None:
-    _checked_run(["ip", "netns", "exec", netns, *argv])
-
-
-@dataclass
-class Host:
-    """One machine of the lab."""
-
-    label: str
-    netns: str
-    underlay: str
-    home: Path
-    interface: str
-    agent_socket: Path
-    listen_port: int = WIREGUARD_PORT
-    router: str | None = None
-    """The label of the router this host sits behind, or ``None`` on the flat lab or the internet."""
-
-    @property
-    def endpoint(self) -> str:
-        """This host's WireGuard endpoint on its own segment (reachable from outside only without a router)."""
-        return f"{self.underlay}:{self.listen_port}"
-
-
-@dataclass
-class Router:
-    """A NAT router of the grid: ``wan`` on the internet, ``lan`` on a bridge of its own."""
-
-    label: str
-    netns: str
-    index: int
-    wan: str
-    kind: str
-    bridge: str
-    forwards: list[tuple[str, int]] = field(default_factory=list)
-    """(LAN address, UDP listen port) of each host behind it, which a cone router forwards."""
-
-    @property
-    def gateway(self) -> str:
-        """The router's LAN address, its hosts' default route."""
-        return lan_gateway(self.index)
 
 
 class Lab:
@@ -192,17 +62,17 @@ class Lab:
 
     def __enter__(self) -> Lab:
         self._add_netns(self.switch)
-        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.switch, "link", "set", "br0", "up")
+        run_ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        run_ip("-n", self.switch, "link", "set", "br0", "up")
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _add_netns(self, name: str) -> None:
-        _ip("netns", "add", name)
+        run_ip("netns", "add", name)
         self._namespaces.append(name)
-        _ip("-n", name, "link", "set", "lo", "up")
+        run_ip("-n", name, "link", "set", "lo", "up")
 
     def add_internet(self) -> None:
         """Make this lab a NAT grid: hosts added without a router go on the public 203.0.113.0/24 bridge."""
@@ -211,7 +81,7 @@ class Lab:
             self.internet = True
 
     def add_router(self, label: str, kind: str, wan_octet: int) -> Router:
-        """Add NAT router ``label`` of ``kind`` (see :mod:`mesh.lab.nat`) at 203.0.113.``wan_octet``.
+        """Add NAT router ``label`` of ``kind`` (see :mod:`shardpool_dev.lab.nat`) at 203.0.113.``wan_octet``.
 
         Its LAN is the next free 198.51.100.(16k)/28; hosts join it with ``add_host(..., behind=label)``.
         """
@@ -224,9 +94,9 @@ class Lab:
         self._bridge(router.bridge)
         self._plug(router.netns, "wan", "inet", f"w{label}", f"{router.wan}/24")
         self._plug(router.netns, "lan", router.bridge, f"l{label}", f"{router.gateway}/28")
-        _in_netns(router.netns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        run_in_netns(router.netns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         for rule in router_rules:
-            _in_netns(router.netns, "iptables", *rule)
+            run_in_netns(router.netns, "iptables", *rule)
         self.routers[label] = router
         return router
 
@@ -257,7 +127,7 @@ class Lab:
         socket_path = self.shared / f"{label}-run" / "agent.sock"
         host = Host(label, netns, address, self.shared / label, f"{self.tag}{label}", socket_path, port)
         if router is not None:
-            _ip("-n", netns, "route", "add", "default", "via", router.gateway)
+            run_ip("-n", netns, "route", "add", "default", "via", router.gateway)
             host.router = router.label
             router.forwards.append((address, port))
             self._apply_nat(router)
@@ -282,23 +152,23 @@ class Lab:
     def block_udp_except(self, host: Host, ip: str) -> None:
         """Drop every UDP datagram ``host`` sends except to ``ip`` (the relay), loopback and its WireGuard interface."""
         for rule in udp_block_rules(ip, host.interface):
-            _in_netns(host.netns, "iptables", *rule)
+            run_in_netns(host.netns, "iptables", *rule)
 
     def _apply_nat(self, router: Router) -> None:
-        _in_netns(router.netns, "iptables", "-t", "nat", "-F")
+        run_in_netns(router.netns, "iptables", "-t", "nat", "-F")
         for rule in router_nat_rules(router.kind, router.forwards):
-            _in_netns(router.netns, "iptables", *rule)
+            run_in_netns(router.netns, "iptables", *rule)
 
     def _bridge(self, name: str) -> None:
-        _ip("-n", self.switch, "link", "add", name, "type", "bridge")
-        _ip("-n", self.switch, "link", "set", name, "up")
+        run_ip("-n", self.switch, "link", "add", name, "type", "bridge")
+        run_ip("-n", self.switch, "link", "set", name, "up")
 
     def _plug(self, netns: str, inside: str, bridge: str, port: str, address: str) -> None:
         """A veth from ``bridge`` (switch side ``port``) into ``netns`` as ``inside`` with ``address``."""
-        _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", inside, "netns", netns)
-        _ip("-n", self.switch, "link", "set", port, "master", bridge, "up")
-        _ip("-n", netns, "addr", "add", address, "dev", inside)
-        _ip("-n", netns, "link", "set", inside, "up")
+        run_ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", inside, "netns", netns)
+        run_ip("-n", self.switch, "link", "set", port, "master", bridge, "up")
+        run_ip("-n", netns, "addr", "add", address, "dev", inside)
+        run_ip("-n", netns, "link", "set", inside, "up")
 
     def lan_subnet(self, router: str) -> str:
         """The CIDR of ``router``'s LAN."""

@@ -1,7 +1,7 @@
 """Report a step only once it is safe: the launcher's commit gate for runs that keep training (issue 16).
 
 A run that keeps training across a lost member copies each stage's step-boundary state after
-every optimizer step, while the next step computes (:mod:`shardpool.train.liveness`). A member
+every optimizer step, while the next step computes (:mod:`shardpool.elastic.rank_liveness`). A member
 lost before its copy of step N is written takes step N with it: the run restores N - 1 and
 trains N again. No copy scheme avoids that moment: the update of step N exists only on its
 member until it has been sent, and sending takes time. What the launcher can promise is that a

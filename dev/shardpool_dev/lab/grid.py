@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from mesh.lab.base import Host, Lab
+from shardpool_dev.lab.base import Lab
+from shardpool_dev.lab.hosts import Host
 
 __all__ = [
     "STANDARD_GRID",

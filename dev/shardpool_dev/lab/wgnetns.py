@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from mesh.lab.base import _ip
+from shardpool_dev.lab.hosts import run_ip
 
 __all__ = ["WireGuardGoInNetns"]
 
@@ -22,7 +22,7 @@ class WireGuardGoInNetns:
         self.process: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> WireGuardGoInNetns:
-        _ip("netns", "add", self.netns)
+        run_ip("netns", "add", self.netns)
         try:
             env = dict(os.environ, WG_PROCESS_FOREGROUND="1", LOG_LEVEL="error")
             self.process = subprocess.Popen(

@@ -1,7 +1,7 @@
 """The launcher's side of re-balancing: measure the warm-up steps, decide, answer the stages, record it.
 
 :class:`RebalanceCheck` follows the run's ``step`` events. At the job's check step
-(``Job.rebalance_at``) it asks :func:`shardpool.plan.calibrate.rebalance_decision` (or takes the
+(``Job.rebalance_at``) it asks :func:`shardpool.elastic.rebalance_decision.rebalance_decision` (or takes the
 test hook's forced split, :data:`shardpool.contract.rebalance.FORCE_ENV`), within the room each
 rank measured at that step (the event's ``stage_room_bytes``), and publishes the answer
 at the rendezvous-store key every rank waits on. It always publishes, keep included, so the stages
@@ -23,25 +23,14 @@ from typing import Any
 from mesh.files import write_json
 from shardpool.config import Config
 from shardpool.contract.events import StageEvent
-from shardpool.contract.rebalance import (
-    FORCE_ENV,
-    FORCE_SHARES_ENV,
-    check_same_stages,
-    decision_key,
-    encode_decision,
-    encode_shares,
-    forced_reshard,
-    forced_shares,
-)
+from shardpool.contract.rebalance import FORCE_ENV, FORCE_SHARES_ENV, forced_reshard, forced_shares
+from shardpool.elastic.messages import check_same_stages, decision_key, encode_decision, encode_shares
+from shardpool.elastic.rebalance_decision import Rebalance, rebalance_decision, shares_decision
+from shardpool.elastic.states import RunEvent, RunMachine, RunState
 from shardpool.errors import ShardpoolError
-from shardpool.plan.calibrate import (
-    Rebalance,
-    StepMeasurement,
-    memory_shortfalls,
-    rebalance_decision,
-    shares_decision,
-)
+from shardpool.plan.calibrate import StepMeasurement
 from shardpool.plan.result import Plan
+from shardpool.plan.room import memory_shortfalls
 
 __all__ = [
     "CARRIED_SOURCES",
@@ -78,12 +67,17 @@ class RebalanceCheck:
     say: Callable[[str], None] = print  # where a failed check's one line goes (the run's console)
     #: Told ``(plan, plan_json)`` after a re-shard is decided (the supervisor: a growth starts from it).
     resharded: Callable[[Plan, dict[str, Any]], None] | None = None
+    #: The run's state (a supervised run's is its supervisor's): checking at the check step, then
+    #: resharding until the next step when the decision moved layers or shares.
+    machine: RunMachine = field(default_factory=lambda: RunMachine(RunState.TRAINING))
 
     def on_step(self, event: dict[str, Any]) -> dict[str, Any] | None:
         """Note a ``step`` event; at the check step decide and answer. Returns the re-balance line, if any."""
         if event.get("event") != StageEvent.STEP:
             return None
         step = int(event["step"])
+        if step > self.check_at and self.machine.is_in(RunState.RESHARDING):
+            self.machine.move(RunEvent.RESHARDED)  # a step after the check: the ranks moved
         if step > self.first_step + 1:  # the run's first step is warm-up, not a measurement
             self.measured.append(
                 StepMeasurement(
@@ -95,6 +89,7 @@ class RebalanceCheck:
             )
         if step != self.check_at:
             return None
+        self.machine.move(RunEvent.CHECK_STEP_DONE)
         if self.plan.is_data_parallel:
             return self._reshare(step)
         decision: Rebalance | None = None
@@ -107,7 +102,9 @@ class RebalanceCheck:
             decision = None
         self.publish(decision_key(step), encode_decision(decision.layers if decision else None))
         if decision is None:
+            self.machine.move(RunEvent.PLAN_KEPT)
             return held_line(step, self.plan, held) if held is not None else None
+        self.machine.move(RunEvent.PLAN_MOVED)
         return self._adopt(step, decision, rebalance_line(step, self.plan, decision))
 
     def _adopt(self, step: int, decision: Rebalance, line: dict[str, Any]) -> dict[str, Any]:
@@ -139,7 +136,9 @@ class RebalanceCheck:
             decision = None
         self.publish(decision_key(step), encode_shares(decision.plan.shares if decision else None))
         if decision is None:
+            self.machine.move(RunEvent.PLAN_KEPT)
             return None
+        self.machine.move(RunEvent.PLAN_MOVED)
         line = rebalance_line(step, self.plan, decision) | {
             "shares_from": list(self.plan.shares),
             "shares_to": list(decision.plan.shares),
@@ -153,7 +152,7 @@ class RebalanceCheck:
         is held back, and the decision searches again within the room (each stage's, and that of
         stages sharing a device together): its split is made, naming the better one it could not
         make. It is held back only where the search could not bound a shared device (over
-        ``plan.calibrate.MAX_SHARED_CAP_CHOICES`` cap vectors) and its stages outgrow it.
+        ``plan.room.MAX_SHARED_CAP_CHOICES`` cap vectors) and its stages outgrow it.
         """
         forced = forced_reshard()
         if forced is not None:

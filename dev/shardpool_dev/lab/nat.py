@@ -1,10 +1,10 @@
 """The NAT grid's addressing and firewall rules, as plain data (no namespaces, no root; unit-tested).
 
-The grid (:meth:`mesh.lab.Lab.add_internet`, :meth:`~mesh.lab.Lab.add_router`) has a public
+The grid (:meth:`shardpool_dev.lab.Lab.add_internet`, :meth:`~shardpool_dev.lab.Lab.add_router`) has a public
 "internet" segment 203.0.113.0/24 (TEST-NET-3) and behind each router ``k`` (1..15) a LAN
 198.51.100.(16k)/28 (TEST-NET-2 cut in sixteen), the router at .(16k+1) and its hosts at
 .(16k+2) .. .(16k+14). The sixteenth no router takes, 198.51.100.0/28, is the lab's mesh CIDR
-(:data:`mesh.lab.base.MESH_CIDR`). A router masquerades its LAN behind its ``wan`` address in one
+(:data:`shardpool_dev.lab.hosts.MESH_CIDR`). A router masquerades its LAN behind its ``wan`` address in one
 of two ways:
 
 - ``cone``, a *full-cone* router: endpoint-independent mapping and filtering. Linux MASQUERADE
