@@ -21,10 +21,9 @@ from typing import Any, Protocol, TypeVar
 
 from rich.console import Console
 
-from shardpool.config import Config
 from shardpool.console import RunEvents, training_progress
 from shardpool.contract.events import StageEvent
-from shardpool.contract.job import Job, StagePlacement
+from shardpool.contract.job import Job
 from shardpool.contract.names import resolve_inside
 from shardpool.contract.rebalance import check_step
 from shardpool.elastic.commit import CommitGate, passing
@@ -33,7 +32,7 @@ from shardpool.elastic.rebalancing import RebalanceCheck
 from shardpool.elastic.states import RunMachine, RunState
 from shardpool.elastic.supervisor import Supervisor
 from shardpool.launch.mesh_launcher import Interrupted, MemberLost, MeshLauncher
-from shardpool.launch.run import Launcher, OnEvent, RunRecord, build_job, write_job
+from shardpool.launch.run import Launcher, OnEvent, PlannedRun, RunRecord, build_job, write_job
 from shardpool.plan.result import Plan
 from shardpool.trackers import Trackers
 from shardpool.train.rendezvous import rendezvous_store
@@ -43,19 +42,10 @@ from shardpool.train.runfiles import job_inputs
 __all__ = ["Relayed", "StagedRun", "relay_stages", "train_attempts"]
 
 
-class StagedRun(Protocol):
-    """What an attempt reads of a run (finetune's ``PreparedRun``)."""
+class StagedRun(PlannedRun, Protocol):
+    """What an attempt reads of a run (finetune's ``PreparedRun``): what its job is built from,
+    where it resumes and its plan."""
 
-    @property
-    def config(self) -> Config: ...
-    @property
-    def placements(self) -> list[StagePlacement]: ...
-    @property
-    def total_steps(self) -> int: ...
-    @property
-    def first_step(self) -> int: ...
-    @property
-    def eval_before(self) -> float | None: ...
     @property
     def resume_from(self) -> Path | None: ...
     @property
