@@ -72,8 +72,10 @@ def test_the_dry_run_reports_every_part_and_goes_on_past_a_timeout(
     assert parts["cuda_tests"]["details"]["counts"] == {
         "passed": 0, "failed": 0, "errors": 0, "skipped": expected_tests,
     }  # fmt: skip
-    assert parts["stage_vs_peft"]["status"] == "ok"
-    assert parts["stage_vs_peft"]["details"]["workload"]["model"]["hidden_size"] == 4096
+    assert (parts["stage_vs_peft"]["status"], parts["stage_vs_peft"]["summary"]) == (
+        "skipped",
+        "not in the default run (--only stage_vs_peft)",
+    )
     assert all(parts[name]["status"] == "no data" for name in suite.DERIVED_PARTS)
     assert parts["torch_nf4_vs_bnb"]["status"] == "ok"  # the dry run checks the bench's arguments only
 
@@ -93,10 +95,12 @@ def test_the_dry_run_writes_a_table_and_a_log_in_few_flat_files(
 
 
 def test_only_the_chosen_parts_run_and_the_rest_say_so(tmp_path: Path) -> None:
-    result = _suite(tmp_path, "--dry-run", "--only", "torch_nf4_vs_bnb")
+    result = _suite(tmp_path, "--dry-run", "--only", "torch_nf4_vs_bnb,stage_vs_peft")
     assert result.returncode == 0, result.stderr
     parts = _parts(tmp_path)
     assert parts.pop("torch_nf4_vs_bnb")["status"] == "ok"
+    planned = parts.pop("stage_vs_peft")
+    assert planned["status"] == "ok" and planned["details"]["workload"]["model"]["hidden_size"] == 4096
     assert {(row["status"], row["summary"]) for row in parts.values()} == {("skipped", "not chosen (--only)")}
 
 

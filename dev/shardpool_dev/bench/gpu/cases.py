@@ -107,7 +107,8 @@ def by_priority(runs: Iterable[Case]) -> list[Case]:
 
 
 def select(runs: Sequence[Case], only: Sequence[str] | None) -> list[Case]:
-    """The runs ``--only`` names (all of them without ``--only``), in :data:`PRIORITY` order.
+    """The runs ``--only`` names, once each in the order named (so a rerun can put first what is
+    still unmeasured); without ``--only`` all of them, in :data:`PRIORITY` order.
 
     UsageError for a name that is no run, listing the valid names, so a typo does not silently
     check less than asked."""
@@ -118,7 +119,7 @@ def select(runs: Sequence[Case], only: Sequence[str] | None) -> list[Case]:
             f"unknown run {', '.join(map(repr, unknown))}; pick from: "
             + ", ".join(case.name for case in by_priority(runs))
         )
-    return by_priority(runs if not only else [known[name] for name in dict.fromkeys(only)])
+    return [known[name] for name in dict.fromkeys(only)] if only else by_priority(runs)
 
 
 def run_config(case: Case, *, model: Path, data: Path, output_dir: Path) -> dict[str, Any]:

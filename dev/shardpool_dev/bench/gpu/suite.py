@@ -30,17 +30,17 @@ REQUIRED = ("torch", "bitsandbytes", "transformers", "peft", "pydantic", "crypto
 TIMEOUT_STATUSES = (124, 137)
 
 
-#: The suite's parts, in the order they run (most informative first): name and what it shows.
+#: The suite's parts, in the order they run: name and what it shows.
 PARTS: tuple[tuple[str, str], ...] = (
     ("install", "wheels installed; torch, CUDA, driver, GPU, bitsandbytes, transformers, peft versions"),
     ("devices", "`shardpool devices --json`: compute capability, bf16, the NF4 probe"),
-    ("gpu_check", "`scripts/gpu_check.py`: CUDA stages against the CPU fp32 result, memory against the plan"),
     ("cuda_tests", "the tests that skip without CUDA"),
-    ("stage_vs_peft", "one stage against a plain peft + bitsandbytes loop, Llama-3-8B layer shape"),
+    ("gpu_check", "`scripts/gpu_check.py`: CUDA stages against the CPU fp32 result, memory against the plan"),
     ("s2_one_gpu", "S = 2 as two processes on one GPU (gpu_check's cuda+cuda runs)"),
     ("memory_vs_plan", "planned vs measured memory per CUDA stage, three fp32 layouts (gpu_check)"),
     ("fp16_loss_scaling", "fp16 with the shared loss scale (gpu_check's fp16 runs)"),
     ("torch_nf4_vs_bnb", "one stage on the PyTorch NF4 path against one on bitsandbytes' kernels"),
+    ("stage_vs_peft", "one stage against a plain peft + bitsandbytes loop, Llama-3-8B layer shape"),
 )
 
 
