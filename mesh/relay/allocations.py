@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 __all__ = [
+    "LEG_BYTES_PER_S",
+    "LEG_PACKETS_PER_S",
     "Allocation",
     "AllocationPlan",
     "AllocationRequest",
@@ -53,13 +55,29 @@ class Allocation:
     port_b: int
 
 
+LEG_PACKETS_PER_S = 50_000
+"""Datagrams a relay port forwards per second, sustained (a full-size WireGuard stream at the byte
+rate below is about 46,000 a second)."""
+LEG_BYTES_PER_S = 64 * 2**20
+"""Bytes a relay port forwards per second, sustained: 64 MiB/s (537 Mbit/s), about six times the
+10 MB/s the NAT benchmark measures through the relay (docs/performance.md) and well above what one
+pair's pipeline traffic needs; a port may send one second's worth at once."""
+
+
 @dataclass(frozen=True)
 class Limits:
-    """Bounds on a relay's allocations, so a coordinator bug or a flood cannot exhaust the host."""
+    """Bounds on a relay's allocations, so a coordinator bug or a flood cannot exhaust the host.
+
+    ``leg_packets_per_s`` and ``leg_bytes_per_s`` bound what each port forwards (a token bucket
+    each, one second deep), so one member, or a host behind its NAT, cannot take the relay's loop
+    and uplink from the other pairs, nor use the relay to flood the member on the other side.
+    """
 
     max_allocations: int = 128
     max_per_member: int = 32
     max_new_per_minute: int = 60
+    leg_packets_per_s: float = LEG_PACKETS_PER_S
+    leg_bytes_per_s: float = LEG_BYTES_PER_S
 
 
 @dataclass

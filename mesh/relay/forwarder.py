@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -25,6 +27,8 @@ __all__ = [
     "MAX_QUEUED_BYTES",
     "Leg",
     "LegProtocol",
+    "LegRate",
+    "TokenBucket",
     "is_wireguard_message",
     "source_forms",
 ]
@@ -70,18 +74,67 @@ def source_forms(ip: str) -> frozenset[str]:
     return frozenset(forms)
 
 
+@dataclass
+class TokenBucket:
+    """``rate`` tokens a second, at most ``depth`` held; starts full."""
+
+    rate: float
+    depth: float
+    tokens: float = field(init=False)
+    stamp: float | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if not (self.rate > 0 and self.depth > 0):
+            raise ValueError(f"a token bucket needs a positive rate and depth, not {self.rate}, {self.depth}")
+        self.tokens = self.depth
+
+    def refill(self, now: float) -> None:
+        """Add what ``rate`` earned since the last refill, up to ``depth``."""
+        if self.stamp is not None and now > self.stamp:
+            self.tokens = min(self.depth, self.tokens + (now - self.stamp) * self.rate)
+        if self.stamp is None or now > self.stamp:
+            self.stamp = now
+
+
+@dataclass
+class LegRate:
+    """A port's forwarding budget: datagrams and bytes a second, each a bucket one second deep."""
+
+    packets_per_s: float
+    bytes_per_s: float
+    clock: Callable[[], float] = time.monotonic
+    packets: TokenBucket = field(init=False)
+    octets: TokenBucket = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.packets = TokenBucket(self.packets_per_s, self.packets_per_s)
+        self.octets = TokenBucket(self.bytes_per_s, max(self.bytes_per_s, MAX_DATAGRAM))
+
+    def admits(self, size: int) -> bool:
+        """Whether one datagram of ``size`` bytes fits both budgets now; if so, spend it."""
+        now = self.clock()
+        self.packets.refill(now)
+        self.octets.refill(now)
+        if self.packets.tokens < 1 or self.octets.tokens < size:
+            return False
+        self.packets.tokens -= 1
+        self.octets.tokens -= size
+        return True
+
+
 @dataclass(eq=False)
 class Leg:
     """One side of an allocation: the port its member sends to, and what the relay knows of it.
 
     ``learned`` is the source address of the latest accepted datagram (a NAT may rebind the port,
     so it follows; the IP must stay ``permitted_ip``). ``other`` is the opposite leg, whose port
-    forwards to this leg's member.
+    forwards to this leg's member. ``rate`` bounds what this port forwards (None: unbounded).
     """
 
     port: int
     permitted_ip: str
     counters: Counter[str]
+    rate: LegRate | None = None
     learned: tuple[str, int] | None = None
     other: Leg | None = None
     transport: asyncio.DatagramTransport | None = None
@@ -120,7 +173,8 @@ class LegProtocol(asyncio.DatagramProtocol):
             self.leg.closed.set_result(None)
 
     def datagram_received(self, data: bytes, addr: tuple[str | object, ...]) -> None:
-        """Forward ``data`` to the other member if it comes from this leg's member and looks like WireGuard."""
+        """Forward ``data`` to the other member if it comes from this leg's member, looks like WireGuard
+        and fits the leg's rate (a datagram over it is dropped before its sender is learned)."""
         leg = self.leg
         counters = leg.counters
         if addr[0] not in leg.sources:
@@ -128,6 +182,9 @@ class LegProtocol(asyncio.DatagramProtocol):
             return
         if not is_wireguard_message(data):
             counters["dropped_malformed"] += 1
+            return
+        if leg.rate is not None and not leg.rate.admits(len(data)):
+            counters["dropped_rate"] += 1
             return
         source = (str(addr[0]), int(addr[1]))  # type: ignore[call-overload]
         leg.learned = source

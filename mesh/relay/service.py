@@ -21,13 +21,15 @@ from typing import Any
 
 from mesh.errors import MeshError
 from mesh.relay.allocations import (
+    LEG_BYTES_PER_S,
+    LEG_PACKETS_PER_S,
     Allocation,
     AllocationRequest,
     Limits,
     NewAllocationRate,
     plan_allocations,
 )
-from mesh.relay.forwarder import Leg, LegProtocol
+from mesh.relay.forwarder import Leg, LegProtocol, LegRate
 
 __all__ = ["COUNTERS", "RelayService"]
 
@@ -40,14 +42,16 @@ COUNTERS = (
     "dropped_malformed",
     "dropped_unlearned",
     "dropped_congested",
+    "dropped_rate",
     "send_errors",
     "allocations",
     "refused",
 )
 """The keys of :meth:`RelayService.counters`: datagrams forwarded (and their bytes); dropped because
 the sender's IP is not the port's member, because it is not a WireGuard message, because the other
-member has not sent yet (no address to forward to), or because its send queue is full; failed
-sends; live allocations; requests the last :meth:`~RelayService.apply` left out."""
+member has not sent yet (no address to forward to), because its send queue is full, or because
+its port is over its rate (packets or bytes a second); failed sends; live allocations; requests
+the last :meth:`~RelayService.apply` left out."""
 
 _PORT_TAKEN = (errno.EADDRINUSE, errno.EACCES)
 """Bind errors that concern one port (try the next); any other (no such address) ends the search."""
@@ -71,7 +75,9 @@ class RelayService:
 
     Runs an asyncio loop in its own thread between :meth:`start` and :meth:`stop`. Bounds: at most
     ``max_allocations`` pairs, ``max_per_member`` pairs per member key, ``max_new_per_minute`` new
-    pairs in any minute; requests over them are left out (and logged), never raised.
+    pairs in any minute; requests over them are left out (and logged), never raised. Each port
+    forwards at most ``leg_packets_per_s`` datagrams and ``leg_bytes_per_s`` bytes a second (one
+    second's worth at once); datagrams over that are dropped and counted (``dropped_rate``).
     """
 
     def __init__(
@@ -82,13 +88,20 @@ class RelayService:
         max_allocations: int = 128,
         max_per_member: int = 32,
         max_new_per_minute: int = 60,
+        leg_packets_per_s: float = LEG_PACKETS_PER_S,
+        leg_bytes_per_s: float = LEG_BYTES_PER_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if ports.step != 1 or len(ports) < 2 or ports.start < 1 or ports.stop > 65536:
             raise MeshError(f"relay ports {ports} must be at least two consecutive ports within 1-65535")
         self.host = host
         self.ports = ports
-        self.limits = Limits(max_allocations, max_per_member, max_new_per_minute)
+        if not (leg_packets_per_s > 0 and leg_bytes_per_s > 0):
+            raise MeshError("a relay port's packet and byte rates must be positive")
+        self.limits = Limits(
+            max_allocations, max_per_member, max_new_per_minute, leg_packets_per_s, leg_bytes_per_s
+        )
+        self._clock = clock
         self._rate = NewAllocationRate(max_new_per_minute, clock)
         self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._live: dict[str, _Live] = {}
@@ -188,8 +201,8 @@ class RelayService:
 
     async def _open(self, request: AllocationRequest) -> _Live | str:
         """Bind two free ports for ``request``, or say in one line why not."""
-        leg_a = Leg(0, request.ip_a, self._counters)
-        leg_b = Leg(0, request.ip_b, self._counters)
+        leg_a = Leg(0, request.ip_a, self._counters, self._leg_rate())
+        leg_b = Leg(0, request.ip_b, self._counters, self._leg_rate())
         leg_a.other, leg_b.other = leg_b, leg_a
         in_use = {leg.port for live in self._live.values() for leg in live.legs}
         opened: list[Leg] = []
@@ -212,6 +225,9 @@ class RelayService:
             return problem
         log.info("relay: %s on ports %d and %d", request.pair, leg_a.port, leg_b.port)
         return _Live(request, Allocation(request.pair, leg_a.port, leg_b.port), (leg_a, leg_b))
+
+    def _leg_rate(self) -> LegRate:
+        return LegRate(self.limits.leg_packets_per_s, self.limits.leg_bytes_per_s, self._clock)
 
     async def _bind(self, leg: Leg) -> OSError | None:
         """Open ``leg``'s port; the error when that fails (a port another program holds, a bad host)."""

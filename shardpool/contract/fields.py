@@ -90,13 +90,14 @@ def _files_url(text: str) -> str:
         parts.scheme != "http"
         or not parts.hostname
         or port is None
+        or not 1 <= port <= 65535
         or parts.path not in ("", "/")
         or parts.query
         or parts.fragment
         or parts.username is not None
     ):
         raise ValueError(
-            f"{text[:80]!r} is not like http://10.77.0.1:PORT (an IP address and a port, no path)"
+            f"{text[:80]!r} is not like http://10.77.0.1:PORT (an IP address and a port 1-65535, no path)"
         )
     _ip_literal(parts.hostname)
     return text

@@ -8,6 +8,7 @@ hands the request's file-server secret to the stages.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,15 @@ from shardpool.contract.fields import (
 from shardpool.contract.job import Job
 from shardpool.contract.names import ContractError
 
-__all__ = ["FILES_SECRET_FILE", "NotAMember", "JobStartRequest", "parse_job_start", "check_member_addresses"]
+__all__ = [
+    "FILES_SECRET_FILE",
+    "NotAMember",
+    "NotTheOrigin",
+    "JobStartRequest",
+    "parse_job_start",
+    "check_member_addresses",
+    "check_origin_addresses",
+]
 
 #: The job file-server secret's file in a stage's job directory (0600, written by the agent).
 FILES_SECRET_FILE = "files.secret"
@@ -33,6 +42,10 @@ FILES_SECRET_FILE = "files.secret"
 
 class NotAMember(ContractError):
     """A job names an address that is not a current mesh member's (the agent answers 403)."""
+
+
+class NotTheOrigin(NotAMember):
+    """A job's rendezvous or file server is not at the mesh address of the member that sent it (403)."""
 
 
 class JobStartRequest(Closed):
@@ -69,16 +82,23 @@ class JobStartRequest(Closed):
         return self
 
 
-def parse_job_start(body: Any, *, is_member_address: Callable[[str], bool]) -> JobStartRequest:
+def parse_job_start(
+    body: Any, *, is_member_address: Callable[[str], bool], origin_address: str | None = None
+) -> JobStartRequest:
     """Validate a ``POST /v1/jobs`` body, then check that every address it names is a member's.
 
-    Raises ContractError (bad shape: 400) or NotAMember (an address outside the mesh: 403).
+    ``origin_address`` is the mesh address of the member whose key signed the request: the
+    launcher, whose rendezvous store and file server are the only ones its stages may reach.
+    Raises ContractError (bad shape: 400) or NotAMember (an address outside the mesh, or not the
+    origin's: 403).
     """
     try:
         request = JobStartRequest.model_validate(body)
     except ValidationError as error:
         raise ContractError(describe_validation_error(error, "job request")) from None
     check_member_addresses(request.job, is_member_address)
+    if origin_address is not None:
+        check_origin_addresses(request.job, origin_address)
     return request
 
 
@@ -88,12 +108,42 @@ def check_member_addresses(job: Job, is_member_address: Callable[[str], bool]) -
     Otherwise a job could aim stage processes at any host: their downloads, uploads and
     rendezvous traffic must stay inside the mesh.
     """
-    named = [("master_addr", job.master_addr)]
-    if job.files_host is not None:
-        named.append(("files_url", job.files_host))
-    for field_name, address in named:
+    for field_name, address in _named_addresses(job):
         if not is_member_address(address):
             raise NotAMember(
                 f"job {field_name} {address} is not a current mesh member's address; "
                 "launch from a member and use its mesh address"
             )
+
+
+def check_origin_addresses(job: Job, origin_address: str) -> None:
+    """Refuse a job whose rendezvous or file server is not at ``origin_address``.
+
+    The launcher serves both on its own mesh address, so a job that names another member's
+    (whose store or server the sender does not run) is forged or broken: its stages would hand
+    their rendezvous, their downloads and the job's file secret to a service the sender chose.
+    """
+    for field_name, address in _named_addresses(job):
+        if _canonical_ip(address) != _canonical_ip(origin_address):
+            raise NotTheOrigin(
+                f"job {field_name} {address} is not the mesh address {origin_address} of the member that "
+                "sent it; a launcher serves its rendezvous and files on its own mesh address"
+            )
+
+
+def _named_addresses(job: Job) -> list[tuple[str, str]]:
+    named = [("master_addr", job.master_addr)]
+    if job.files_host is not None:
+        named.append(("files_url", job.files_host))
+    return named
+
+
+def _canonical_ip(text: str) -> str:
+    """``text`` as one spelling per host (scope id dropped, IPv4-mapped IPv6 unmapped)."""
+    try:
+        address = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return text
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)

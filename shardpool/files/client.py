@@ -7,9 +7,14 @@ of exactly its bytes. Nothing else crosses the network, and every body is checke
 server's ``X-Content-SHA256``. This module imports no torch: it moves and verifies bytes only.
 
 Everything fetched lands in a content-addressed cache (``$SHARDPOOL_CACHE`` or ``~/.cache/shardpool``,
-under ``blobs/sha256/<hex>``). A range is remembered as "bytes a-b of the file whose SHA-256 is F
-have SHA-256 T", so a restarted stage (resume) re-reads its tensors from disk without the network,
-and a second run on the same model downloads nothing. Cached bytes are re-verified when read.
+under ``blobs/sha256/<hex>``), so a restarted stage (resume) re-reads its tensors from disk without
+the network, and a second run on the same model downloads nothing. The cache is shared by every
+stage process of the run-as account, so nothing in it is believed: a cached file is used only if
+it hashes to the SHA-256 in this job's manifest, and a cached range only if it hashes to the
+SHA-256 the file server gives for that range (a ``HEAD`` with ``Range``: no body crosses the
+network). The bytes are hashed once, as they are read into memory or copied into the job's own
+directory (never hard-linked: a cache writer could change a shared inode after the check). A copy
+that does not match is deleted (one log line) and fetched again.
 """
 
 from __future__ import annotations
@@ -17,12 +22,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
-import tempfile
+import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 from urllib.parse import quote, urlsplit
 
 from mesh.constants import cache_root
@@ -51,7 +55,9 @@ class RemoteFiles:
     ``secret`` is the job's file-server secret (the stage reads it from ``files.secret`` in its job
     directory); it is sent as ``Authorization: Bearer`` with every request and never logged.
     Counters for tests and logs: ``range_requests`` and ``bytes_fetched`` (network only),
-    ``cache_hits`` (ranges or files served from the cache).
+    ``cache_hits`` (ranges or files served from the cache, proven), ``digest_requests`` (the
+    bodiless requests that fetch a cached range's SHA-256) and ``cache_discards`` (cached copies
+    that did not match and were deleted).
     """
 
     def __init__(
@@ -69,9 +75,12 @@ class RemoteFiles:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._manifest: dict[str, dict[str, Any]] | None = None
+        self._copies: dict[Path, tuple[str, tuple[int, ...]]] = {}
         self.range_requests = 0
         self.bytes_fetched = 0
         self.cache_hits = 0
+        self.digest_requests = 0
+        self.cache_discards = 0
 
     # ------------------------------------------------------------------ public API
 
@@ -108,10 +117,12 @@ class RemoteFiles:
         return {name: info["size"] for name, info in self.manifest().items()}
 
     def read_range(self, name: str, start: int, stop: int, *, use_cache: bool = True) -> bytes:
-        """Bytes ``[start, stop)`` of the served file ``name``, verified; from the cache when known.
+        """Bytes ``[start, stop)`` of the served file ``name``, verified; from the cache when proven.
 
-        Raises ShardpoolError (one line) when the server sends the wrong length or bytes that do
-        not match its ``X-Content-SHA256``. A dropped connection is retried (``RETRY_DROPPED``).
+        A cached copy is used only when it hashes to the SHA-256 the server gives for this range
+        now (one bodiless request); otherwise it is deleted and the range fetched. Raises
+        ShardpoolError (one line) when the server sends the wrong length or bytes that do not match
+        its ``X-Content-SHA256``. A dropped connection is retried (``RETRY_DROPPED``).
         """
         if not (isinstance(start, int) and isinstance(stop, int)) or not 0 <= start <= stop:
             raise ShardpoolError(f"bad byte range {start}-{stop} of {name!r}")
@@ -125,7 +136,7 @@ class RemoteFiles:
                     f"byte range {start}-{stop} is past the end of {name!r} ({info['size']} bytes)"
                 )
             key_file = self.cache_dir / "ranges" / info["sha256"] / f"{start}-{stop}"
-            cached = self._cached_range(key_file, stop - start)
+            cached = self._cached_range(name, start, stop, key_file)
             if cached is not None:
                 with self._lock:
                     self.cache_hits += 1
@@ -152,34 +163,25 @@ class RemoteFiles:
         return body
 
     def fetch_file(self, name: str, dest_dir: Path) -> Path:
-        """Download the whole file ``name`` (verified against the manifest) to ``dest_dir/name``.
+        """Put the whole file ``name``, verified against the manifest, at ``dest_dir/name``.
 
-        The bytes are stored once in the cache as ``blobs/sha256/<hex>`` and hard-linked (or copied,
-        across file systems) into place, so fetching the same content again uses no network.
+        From the cache (``blobs/sha256/<hex>``) when the cached copy hashes to the manifest's
+        SHA-256 as it is copied, else from the server (stored in the cache on the way). The file at
+        ``dest`` is this process's own copy, never a link into the shared cache; asking again for
+        a copy this process made and nobody changed since costs one ``stat``.
         """
         dest = resolve_inside(dest_dir, name, "file name")
         info = self.info(name)
+        if self._copies.get(dest) == (info["sha256"], _identity(dest)):
+            return dest
         blob = self._blob(info["sha256"])
-        if blob.is_file() and blob.stat().st_size == info["size"]:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if self._copy_proven(name, blob, dest, info):
             with self._lock:
                 self.cache_hits += 1
         else:
-            self._download(name, info, blob)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        if dest.exists() and os.path.samefile(dest, blob):
-            return dest
-        fd, temp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}-", suffix=".link")
-        os.close(fd)
-        os.unlink(temp)
-        try:
-            try:
-                os.link(blob, temp)
-            except OSError:
-                shutil.copyfile(blob, temp)
-            os.replace(temp, dest)
-        finally:
-            if os.path.lexists(temp):
-                os.unlink(temp)
+            self._download(name, info, blob, dest)
+        self._copies[dest] = (info["sha256"], _identity(dest))
         return dest
 
     def upload(self, local_path: Path, relative_path: str) -> dict[str, Any]:
@@ -244,7 +246,8 @@ class RemoteFiles:
             return
         raise ShardpoolError(f"{self.base_url}{path}: HTTP {status}: {error_line(body) or 'no detail'}")
 
-    def _download(self, name: str, info: dict[str, Any], blob: Path) -> None:
+    def _download(self, name: str, info: dict[str, Any], blob: Path, dest: Path) -> None:
+        """Stream ``name`` into ``dest`` and the cache at once, hashed once; commit only if it matches."""
         path = f"/v1/files/{quote(name)}"
 
         def stream(reply: StreamedReply) -> None:
@@ -252,17 +255,23 @@ class RemoteFiles:
                 self._check(reply.status, reply.read(), path, expected=200)
             digest = hashlib.sha256()
             received = 0
-            with AtomicFile(blob, mode=0o444) as out:
-                for chunk in reply.chunks(_CHUNK):
-                    digest.update(chunk)
-                    out.write(chunk)
-                    received += len(chunk)
-                if received != info["size"] or digest.hexdigest() != info["sha256"]:
-                    raise ShardpoolError(
-                        f"{name!r} from {self.base_url} does not match the manifest "
-                        f"({received} of {info['size']} bytes, SHA-256 {digest.hexdigest()[:12]}…); it changed or was corrupted"
-                    )
-                out.commit()
+            cache = _CacheCopy(blob)
+            try:
+                with AtomicFile(dest, mode=0o444) as out:
+                    for chunk in reply.chunks(_CHUNK):
+                        digest.update(chunk)
+                        out.write(chunk)
+                        cache.write(chunk)
+                        received += len(chunk)
+                    if received != info["size"] or digest.hexdigest() != info["sha256"]:
+                        raise ShardpoolError(
+                            f"{name!r} from {self.base_url} does not match the manifest "
+                            f"({received} of {info['size']} bytes, SHA-256 {digest.hexdigest()[:12]}…); it changed or was corrupted"
+                        )
+                    out.commit()
+                cache.commit()
+            finally:
+                cache.abort()
             with self._lock:
                 self.bytes_fetched += received
 
@@ -273,29 +282,153 @@ class RemoteFiles:
     def _blob(self, sha256: str) -> Path:
         return self.cache_dir / "blobs" / "sha256" / check_digest(sha256)
 
-    def _cached_range(self, key_file: Path, size: int) -> bytes | None:
+    def _published_digest(self, name: str, start: int, stop: int) -> str:
+        """The SHA-256 the server gives for bytes ``[start, stop)`` of ``name`` (HEAD: no body sent)."""
+        path = f"/v1/files/{quote(name)}"
+        reply = self._request("HEAD", path, {"Range": f"bytes={start}-{stop - 1}"})
+        self._check(reply.status, reply.body, path, expected=206)
+        with self._lock:
+            self.digest_requests += 1
         try:
-            digest = key_file.read_text(encoding="ascii").strip()
-            data = self._blob(digest).read_bytes()
-        except (OSError, UnicodeDecodeError, ContractError):
+            return check_digest((reply.headers.get("X-Content-SHA256") or "").lower(), "X-Content-SHA256")
+        except ContractError as error:
+            raise ShardpoolError(f"{self.base_url}{path}: {error}") from None
+
+    def _cached_range(self, name: str, start: int, stop: int, key_file: Path) -> bytes | None:
+        """The cached bytes of a range if they hash to the server's digest for it, else None.
+
+        The key file only says that the range was cached once (so a cold read costs no extra
+        request); what it names is never trusted: the blob is looked up by the server's digest.
+        """
+        recorded = _open_cached(key_file)
+        if recorded is None:
             return None
-        if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
-            log.warning("cache entry %s is corrupt; fetching it again", key_file)
+        with recorded:
+            named = recorded.read(65).decode("ascii", "replace").strip()
+        published = self._published_digest(name, start, stop)
+        if named != published:
+            self._discard(None, key_file, f"bytes {start}-{stop} of {name!r} (its key names another blob)")
             return None
-        return data
+        blob = self._blob(published)
+        handle = _open_cached(blob)
+        if handle is None:
+            return None
+        with handle:
+            data = handle.read(stop - start + 1)
+        if len(data) == stop - start and hashlib.sha256(data).hexdigest() == published:
+            return data
+        self._discard(blob, key_file, f"bytes {start}-{stop} of {name!r}")
+        return None
+
+    def _copy_proven(self, name: str, blob: Path, dest: Path, info: dict[str, Any]) -> bool:
+        """Copy the cached ``blob`` to ``dest`` if, hashed as it is copied, it matches the manifest."""
+        handle = _open_cached(blob)
+        if handle is None:
+            return False
+        digest, copied = hashlib.sha256(), 0
+        with handle, AtomicFile(dest, mode=0o444) as out:
+            while copied <= info["size"] and (chunk := handle.read(_CHUNK)):
+                digest.update(chunk)
+                out.write(chunk)
+                copied += len(chunk)
+            if copied == info["size"] and digest.hexdigest() == info["sha256"]:
+                out.commit()
+                return True
+        self._discard(blob, None, repr(name))
+        return False
+
+    def _discard(self, blob: Path | None, key_file: Path | None, what: str) -> None:
+        """Delete a cached copy that does not hash to the digest the server published (one log line)."""
+        log.warning(
+            "the cached copy of %s (%s) does not match the file server's SHA-256; deleted, fetching it again",
+            what, blob or key_file,
+        )  # fmt: skip
+        with self._lock:
+            self.cache_discards += 1
+        for path in (blob, key_file):
+            if path is not None:
+                try:
+                    path.unlink()
+                except OSError:
+                    pass
 
     def _store_range(self, key_file: Path, data: bytes, digest: str) -> None:
         try:
-            blob = self._blob(digest)
-            if not (blob.is_file() and blob.stat().st_size == len(data)):
-                with AtomicFile(blob, mode=0o444) as out:
-                    out.write(data)
-                    out.commit()
+            with AtomicFile(self._blob(digest), mode=0o444) as out:
+                out.write(data)
+                out.commit()
             with AtomicFile(key_file) as out:
                 out.write(digest.encode("ascii"))
                 out.commit()
         except OSError as error:  # a full or read-only cache must not fail the read itself
             log.warning("cannot cache %s: %s", key_file, error)
+
+
+class _CacheCopy:
+    """The cache's copy of a download, written beside it; a cache that fails only stops caching."""
+
+    def __init__(self, blob: Path) -> None:
+        self.blob = blob
+        self._out: AtomicFile | None = None
+        try:
+            self._out = AtomicFile(blob, mode=0o444)
+        except OSError as error:
+            log.warning("cannot cache %s: %s", blob, error)
+
+    def write(self, chunk: bytes) -> None:
+        """Append ``chunk`` to the cache's copy, or give the copy up."""
+        if self._out is None:
+            return
+        try:
+            self._out.write(chunk)
+        except OSError as error:
+            log.warning("cannot cache %s: %s", self.blob, error)
+            self.abort()
+
+    def commit(self) -> None:
+        """Publish the cache's copy (call only once the download matched the manifest)."""
+        if self._out is None:
+            return
+        try:
+            self._out.commit()
+        except OSError as error:
+            log.warning("cannot cache %s: %s", self.blob, error)
+        self.abort()
+
+    def abort(self) -> None:
+        """Drop an unpublished copy."""
+        if self._out is not None:
+            self._out.abort()
+            self._out = None
+
+
+def _open_cached(path: Path) -> IO[bytes] | None:
+    """Open a cached file for reading if it is a regular file, else None.
+
+    The cache is writable by other stage processes, so a planted link, FIFO or device must neither
+    be followed nor block the open.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None
+        return os.fdopen(fd, "rb")
+    except OSError:
+        os.close(fd)
+        return None
+
+
+def _identity(path: Path) -> tuple[int, ...]:
+    """What changes whenever a file is replaced or written (inode, size, mtime, ctime); () if absent."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return ()
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 def _checked_manifest(files: Any) -> dict[str, dict[str, Any]]:

@@ -111,7 +111,7 @@ def test_a_corrupted_cache_entry_is_fetched_again(model_server, tmp_path: Path) 
     assert again.range_requests == 1 and again.cache_hits == 0
 
 
-def test_fetch_file_verifies_and_links_from_the_cache(
+def test_fetch_file_verifies_and_copies_from_the_cache(
     model_server, sharded_model: Path, tmp_path: Path
 ) -> None:
     server, names = model_server
@@ -128,7 +128,10 @@ def test_fetch_file_verifies_and_links_from_the_cache(
     assert second.read_bytes() == original
     assert server.bytes_served == served, "the second fetch came from the cache"
     blob = tmp_path / "cache" / "blobs" / "sha256" / hashlib.sha256(original).hexdigest()
-    assert os.path.samefile(second, blob)
+    assert blob.read_bytes() == original
+    assert not os.path.samefile(second, blob), (
+        "a private copy: a cache writer cannot change it after the check"
+    )
 
 
 def test_upload_lands_verified_in_the_upload_root(model_server, tmp_path: Path) -> None:
