@@ -27,6 +27,7 @@ from shardpool.contract.job import Job
 from shardpool.contract.names import resolve_inside
 from shardpool.contract.rebalance import check_step
 from shardpool.elastic.commit import CommitGate, passing
+from shardpool.elastic.messages import ControlStore, control_key
 from shardpool.elastic.policy import AttemptEnded
 from shardpool.elastic.rebalancing import RebalanceCheck
 from shardpool.elastic.states import RunMachine, RunState
@@ -113,7 +114,10 @@ def _attempt(
     config = run.config
     inputs = job_inputs(config, run_dir, run.resume_from)
     with launcher.serving(inputs, Path(config.output_dir)) as files_url:
-        store = rendezvous_store(launcher.address, port=launcher.port)
+        hosted = rendezvous_store(launcher.address, port=launcher.port)
+        store = ControlStore(
+            hosted, control_key(launcher.control_secret, addr=launcher.address, port=hosted.port)
+        )
         check_at = check_step(
             config.shardpool.rebalance,
             first_step=run.first_step,
@@ -153,7 +157,7 @@ def _attempt(
                 raise
             raise supervised.ended(stopped) from stopped
         finally:
-            del store
+            del store, hosted
 
 
 def _rebalance_check(

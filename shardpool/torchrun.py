@@ -15,6 +15,12 @@ contract). Each process joins torchrun's store (``env://``, as ``init_process_gr
   3. rank 0 relays the events as the local launcher does (progress, ``metrics.jsonl``,
      checkpoints, the merged adapter) and writes the model card.
 
+Every value on torchrun's store is sealed (:class:`shardpool.elastic.messages.ControlStore`) with a
+key derived from ``SHARDPOOL_CONTROL_SECRET``, which the user sets to the same random value in every
+process's environment (``export SHARDPOOL_CONTROL_SECRET=$(openssl rand -hex 32)`` before
+torchrun). Without it the key is a public one and rank 0 says so in one line: torchrun's store is
+then as open to other local users as torchrun leaves it.
+
 A config that fails its checks is reported by rank 0 alone, in one line (status 2); rank 0
 publishes the failure, and the other ranks exit without a word (status 0: they did nothing), so
 torchrun's summary names rank 0 as the failure and torchrun exits non-zero. A failure while training is
@@ -38,7 +44,7 @@ from rich.console import Console
 
 from shardpool.config import Config, load_config
 from shardpool.contract.events import StageEvent, parse_stage_event
-from shardpool.contract.job import Job
+from shardpool.contract.job import CONTROL_SECRET_ENV, Job
 from shardpool.errors import ShardpoolError
 
 __all__ = [
@@ -169,7 +175,8 @@ def finetune_under_torchrun(
     import torch.distributed as dist
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    store, _, _ = next(dist.rendezvous("env://", timeout=_PREPARE_TIMEOUT))
+    raw_store, _, _ = next(dist.rendezvous("env://", timeout=_PREPARE_TIMEOUT))
+    store = _sealed(raw_store, world)
     if world.rank == 0:
         return _lead(config_path, world, store, resume=resume, console=console or Console())
     job_file = _wait_for_job(store)
@@ -227,7 +234,11 @@ def _lead(
 
         _run_rank(job_file, 0, store, events=relay)
         for rank in range(1, job.world_size):
-            on_event(json.loads(store.get(_STAGE_DONE_KEY.format(rank=rank))))
+            on_event(
+                json.loads(
+                    store.get(_STAGE_DONE_KEY.format(rank=rank), timeout_s=_PREPARE_TIMEOUT.total_seconds())
+                )
+            )
 
     outputs = run_outputs(run)
     trackers = open_trackers(as_written, Path(config.output_dir))
@@ -254,14 +265,34 @@ def _ip_address(host: str) -> str:
             raise ShardpoolError(f"torchrun's MASTER_ADDR {host!r} does not resolve: {error}") from None
 
 
+#: The key's stand-in when ``SHARDPOOL_CONTROL_SECRET`` is unset: public, so the store is not authenticated.
+_PUBLIC_SECRET = "shardpool torchrun run without SHARDPOOL_CONTROL_SECRET"
+
+
+def _sealed(store: Any, world: TorchrunWorld) -> Any:
+    """torchrun's ``store`` with every value sealed by the key of ``SHARDPOOL_CONTROL_SECRET``."""
+    from shardpool.elastic.messages import ControlStore, control_key
+
+    secret = os.environ.get(CONTROL_SECRET_ENV, "")
+    if not secret:
+        if world.rank == 0:
+            print(
+                f"shardpool: warning: {CONTROL_SECRET_ENV} is not set, so torchrun's store is not "
+                "authenticated; set it to one random value for every process",
+                file=sys.stderr,
+                flush=True,
+            )
+        secret = _PUBLIC_SECRET
+    return ControlStore(store, control_key(secret, addr=world.master_addr, port=world.master_port))
+
+
 def _wait_for_job(store: Any) -> Path:
     """The job file rank 0 published; exit quietly when rank 0 published its failure.
 
     Status 0, since this rank did nothing: torchrun then reports rank 0 alone as the failure (status
     2, with its one line), rather than a rank that exited first for no reason of its own.
     """
-    store.wait([JOB_KEY], _PREPARE_TIMEOUT)
-    published = json.loads(store.get(JOB_KEY))
+    published = json.loads(store.get(JOB_KEY, timeout_s=_PREPARE_TIMEOUT.total_seconds()))
     if "error" in published:
         sys.exit(0)
     return Path(published["job_file"])
@@ -283,14 +314,12 @@ def _publish_stage_done(store: Any, rank: int) -> Callable[[dict[str, Any]], Non
 def _run_rank(job_file: Path, rank: int, store: Any, *, events: Callable[[dict[str, Any]], None]) -> None:
     """Train ``rank``'s stage in this process; on any failure print one line and exit at once (status 1),
     so that no collective waits on this rank (torchrun then stops the others)."""
-    import torch.distributed as dist
-
     from shardpool.elastic.rank import ElasticStageWorker
 
     job = Job.read(job_file)
     try:
         worker = ElasticStageWorker(
-            job, rank, job_dir=job_file.parent, store=dist.PrefixStore(_STORE_PREFIX, store), events=events
+            job, rank, job_dir=job_file.parent, store=store.prefixed(_STORE_PREFIX), events=events
         )
         try:
             worker.run()

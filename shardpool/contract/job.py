@@ -38,7 +38,19 @@ from shardpool.contract.names import ContractError
 from shardpool.contract.schedule import MAX_LEAD
 from shardpool.errors import ShardpoolError
 
-__all__ = ["RESUME_PREFIX", "MAX_JOB_JSON_BYTES", "StagePlacement", "Job", "read_job_json"]
+__all__ = [
+    "CONTROL_SECRET_ENV",
+    "RESUME_PREFIX",
+    "MAX_JOB_JSON_BYTES",
+    "StagePlacement",
+    "Job",
+    "read_job_json",
+]
+
+#: The environment variable a local launcher hands its stages the job's control secret in: the key
+#: that seals the rendezvous store's values (:mod:`shardpool.elastic.messages`) is derived from it.
+#: A mesh stage derives it from its ``files.secret`` instead. Never in the job: the job is no secret.
+CONTROL_SECRET_ENV = "SHARDPOOL_CONTROL_SECRET"
 
 #: Inputs under this prefix are the checkpoint a resumed run starts from.
 RESUME_PREFIX = "resume/"

@@ -231,8 +231,9 @@ class GrowingInPlace:
                 )
                 self._grow_published = True
             return
-        if store.check([step_key(generation)]):
-            self._grew(order, decode_step(store.get(step_key(generation))))
+        step = store.peek(step_key(generation))  # a forged or garbled step is refused and logged
+        if step is not None:
+            self._grew(order, decode_step(step))
 
     def _grew(self, order: GrowOrder, step: int) -> None:
         """The stages grew after ``step``: the run's job, members, plan and watch are now the grown ones."""

@@ -2,9 +2,9 @@
 
 The launcher and its ranks talk through the torch.distributed TCPStore the launcher hosts (the
 rendezvous store). Every key either side reads or writes is named here, every value is encoded
-and decoded here, and a value that breaks its message's rules is refused here
-(:class:`~shardpool.contract.names.ContractError`), so that authenticating the store later is one
-place too. The messages:
+and decoded here, a value that breaks its message's rules is refused here
+(:class:`~shardpool.contract.names.ContractError`), and every value is sealed and checked here
+(below). The messages:
 
 * **beat** (:func:`beat_key`): each rank of a run that keeps its state adds 1 every second;
 * **copy counted** (:func:`live_key`): a rank's step-boundary copy after a step is written;
@@ -17,27 +17,50 @@ place too. The messages:
   group meets under :func:`group_prefix`.
 
 :func:`await_key` is the one way a rank waits for a message. Torch-free: the store is passed in.
+
+**Every value is sealed.** Any local user of a member can reach the store's port, list its keys,
+and set or delete any of them. So each value either side sets goes through a
+:class:`ControlStore`, which seals it (:func:`seal`: AES-256-GCM, the tag covering the key's full
+name) with :func:`control_key`: a per-job key derived from a secret only the job's processes hold
+(the launcher's file-server secret on a mesh, a secret the local launcher hands its stages in
+their environment) and the store's address. A reader refuses a value whose tag does not check, in
+one logged line, and treats it as not yet written: a forged value can delay a run, never steer
+it. torch's own process-group rendezvous goes through the same store and is sealed the same way:
+an outsider can neither point a rank at an address of its own nor read the ranks' gloo
+addresses or an NCCL communicator's unique id (whose random magic NCCL's bootstrap checks). Counters (beats, copies counted, joining ranks ready) are the
+store's ``add`` and carry no MAC: the launcher counts a copy complete by its files, not by its
+counter, and what a forged beat or ready count can do (delay a run) is in docs/security.md.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import os
+import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from shardpool.contract.names import ContractError
 from shardpool.contract.rebalance import LayerRanges
 from shardpool.errors import ShardpoolError
 
 __all__ = [
+    "ControlStore",
     "GrowSchedule",
     "Growth",
     "await_decision",
     "await_key",
     "beat_key",
     "check_same_stages",
+    "control_key",
     "decision_key",
     "decode_decision",
     "decode_growth",
@@ -51,8 +74,159 @@ __all__ = [
     "live_key",
     "ready_key",
     "schedule_key",
+    "seal",
     "step_key",
+    "unseal",
 ]
+
+
+_SEAL_MAGIC = b"spc1"
+_NONCE_BYTES = 12
+_TAG_BYTES = 16
+_SEAL_LABEL = b"shardpool/control-store/v1\0"
+_REFUSED_POLL_S = 0.2  # how often a reader looks again after refusing a value
+
+
+# ----- sealing ----------------------------------------------------------------------------------
+def control_key(secret: str | bytes, *, addr: str, port: int) -> bytes:
+    """The key that seals one store's values: HMAC-SHA256 of the job's secret over a purpose label
+    and the store's address, so a value sealed for one store (an earlier attempt's) opens nowhere else."""
+    raw = secret.encode("utf-8") if isinstance(secret, str) else bytes(secret)
+    if len(raw) < 16:
+        raise ShardpoolError("the job's control secret is missing or shorter than 16 bytes")
+    return hmac.new(raw, _SEAL_LABEL + f"{addr}:{int(port)}".encode("ascii"), hashlib.sha256).digest()
+
+
+def _associated(name: str) -> bytes:
+    encoded = name.encode("utf-8")
+    return _SEAL_LABEL + len(encoded).to_bytes(4, "big") + encoded
+
+
+def seal(key: bytes, name: str, value: str | bytes) -> bytes:
+    """``value`` as stored at ``name``: a marker, a random nonce, and the value encrypted with
+    AES-256-GCM under ``key``, its tag covering the key's full name as well (a value moved to
+    another key does not open)."""
+    data = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+    nonce = os.urandom(_NONCE_BYTES)
+    return _SEAL_MAGIC + nonce + AESGCM(key).encrypt(nonce, data, _associated(name))
+
+
+def unseal(key: bytes, name: str, data: bytes) -> bytes:
+    """The value :func:`seal` sealed for ``name``; ContractError when it was not sealed with ``key``
+    for ``name`` (forged, garbled, truncated, or moved from another key)."""
+    head = len(_SEAL_MAGIC) + _NONCE_BYTES
+    if len(data) < head + _TAG_BYTES or not data.startswith(_SEAL_MAGIC):
+        raise ContractError(f"store value at {name!r} is not sealed ({len(data)} bytes): forged or garbled")
+    try:
+        return AESGCM(key).decrypt(data[len(_SEAL_MAGIC) : head], data[head:], _associated(name))
+    except InvalidTag:
+        raise ContractError(
+            f"store value at {name!r} fails its MAC: forged, garbled or moved from another key"
+        ) from None
+
+
+class ControlStore:
+    """The rendezvous store as the job's processes use it: every value set is sealed
+    (:func:`seal`), every value read is checked (:func:`unseal`).
+
+    ``inner`` is a store (a ``torch.distributed.TCPStore`` or any object with its ``set``, ``get``,
+    ``add``, ``check``, ``wait`` and ``delete_key``); ``prefix`` is prepended to every key (a
+    grown job's process group). Counters (:meth:`add`) pass through unsealed. A refused value is
+    logged once in one line on stderr and read as absent.
+    """
+
+    def __init__(self, inner: Any, key: bytes, *, prefix: str = "") -> None:
+        self.inner = inner
+        self._key = key
+        self.prefix = prefix
+        self._refused: set[tuple[str, bytes]] = set()
+
+    @property
+    def port(self) -> int:
+        """The inner store's port."""
+        return int(self.inner.port)
+
+    def prefixed(self, prefix: str) -> ControlStore:
+        """This store with ``prefix`` added to every key (same key, same inner store)."""
+        return ControlStore(self.inner, self._key, prefix=self.prefix + prefix)
+
+    def set(self, name: str, value: str | bytes) -> None:
+        """Seal ``value`` and set it at ``name``."""
+        full = self.prefix + name
+        self.inner.set(full, seal(self._key, full, value))
+
+    def peek(self, name: str) -> bytes | None:
+        """The value at ``name`` if it is set and its seal checks; None when absent or refused."""
+        full = self.prefix + name
+        if not self.inner.check([full]):
+            return None
+        data = bytes(self.inner.get(full))
+        try:
+            return unseal(self._key, full, data)
+        except ContractError as error:
+            self._log_refused(full, data, error)
+            return None
+
+    def get(self, name: str, *, timeout_s: float | None = None) -> bytes:
+        """The value at ``name`` once it is set with a seal that checks: a refused value is
+        logged and waited past (the honest writer may set it after). ShardpoolError after
+        ``timeout_s`` (default: the inner store's timeout)."""
+        limit = timeout_s if timeout_s is not None else _seconds(getattr(self.inner, "timeout", None))
+        deadline = time.monotonic() + limit
+        full = self.prefix + name
+        while True:
+            left = max(deadline - time.monotonic(), 0.001)
+            try:
+                self.inner.wait([full], timedelta(seconds=left))
+            except RuntimeError as error:  # torch.distributed.DistError is a RuntimeError
+                raise ShardpoolError(
+                    f"no value at {full!r} within {limit:g} s: {_first_line(error)}"
+                ) from None
+            value = self.peek(name)
+            if value is not None:
+                return value
+            if time.monotonic() >= deadline:
+                raise ShardpoolError(
+                    f"no value at {full!r} that passes its MAC within {limit:g} s (a process outside "
+                    "the job keeps writing it)"
+                )
+            time.sleep(_REFUSED_POLL_S)
+
+    def add(self, name: str, amount: int) -> int:
+        """Add ``amount`` to the counter at ``name`` (counters carry no seal)."""
+        return int(self.inner.add(self.prefix + name, amount))
+
+    def check(self, names: list[str]) -> bool:
+        """Whether every key in ``names`` is set (sealed or not: read it to know)."""
+        return bool(self.inner.check([self.prefix + name for name in names]))
+
+    def wait(self, names: list[str], timeout: timedelta | None = None) -> None:
+        """Wait until every key in ``names`` is set."""
+        full = [self.prefix + name for name in names]
+        if timeout is None:
+            self.inner.wait(full)
+        else:
+            self.inner.wait(full, timeout)
+
+    def delete_key(self, name: str) -> bool:
+        """Delete the key at ``name``."""
+        return bool(self.inner.delete_key(self.prefix + name))
+
+    def _log_refused(self, name: str, data: bytes, error: ContractError) -> None:
+        if (name, data) in self._refused:
+            return
+        self._refused.add((name, data))
+        print(f"shardpool: refused a value in the rendezvous store: {error}", file=sys.stderr, flush=True)
+
+
+def _seconds(timeout: Any) -> float:
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    return 300.0
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 # ----- keys -------------------------------------------------------------------------------------
@@ -261,18 +435,17 @@ class GrowSchedule:
 
 
 # ----- waiting for a message --------------------------------------------------------------------
-def await_key(store: Any, key: str, *, timeout_s: float, what: str) -> bytes:
-    """The value of ``key`` on the rendezvous ``store`` once it is set; ShardpoolError naming
-    ``what`` after ``timeout_s`` (a launcher or a rank that is gone must not leave a stage waiting)."""
+def await_key(store: ControlStore, key: str, *, timeout_s: float, what: str) -> bytes:
+    """The value of ``key`` on the rendezvous ``store`` once it is set and its seal checks (a
+    refused value is logged and waited past); ShardpoolError naming ``what`` after ``timeout_s``
+    (a launcher or a rank that is gone must not leave a stage waiting)."""
     try:
-        store.wait([key], timedelta(seconds=timeout_s))
-        return bytes(store.get(key))
-    except RuntimeError as error:  # torch.distributed.DistError is a RuntimeError
-        detail = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ShardpoolError(f"no {what} within {timeout_s:g} s (is the launcher gone?): {detail}") from None
+        return store.get(key, timeout_s=timeout_s)
+    except ShardpoolError as error:
+        raise ShardpoolError(f"no {what} within {timeout_s:g} s (is the launcher gone?): {error}") from None
 
 
-def await_decision(store: Any, step: int, *, timeout_s: float) -> bytes:
+def await_decision(store: ControlStore, step: int, *, timeout_s: float) -> bytes:
     """The launcher's answer to the check after ``step``, read from the rendezvous ``store``.
 
     Waits at most ``timeout_s``: a launcher that is gone must not leave its stages waiting.

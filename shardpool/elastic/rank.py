@@ -17,6 +17,11 @@ runs, with what a rank does when its run changes:
   started ``joining`` builds its stage first and then takes its state from the running ones
   (:meth:`ElasticStageWorker.join_running`).
 
+Every value a rank reads from the rendezvous store, torch's own process-group rendezvous
+included, must carry the MAC of the job's control key (:func:`control_store`,
+:class:`~shardpool.elastic.messages.ControlStore`): a value written by a process outside the job
+is refused in one logged line and waited past.
+
 ``SHARDPOOL_TEST_KEEP_STATE=1`` turns ``keep_state`` on in a local run (a bench and test hook).
 
 A failure is reported to the launcher as one JSON ``error`` event naming the stage, with the full
@@ -34,6 +39,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +47,16 @@ import torch
 import torch.distributed as dist
 
 from shardpool.contract.events import StageEvent
-from shardpool.contract.job import Job
+from shardpool.contract.job import CONTROL_SECRET_ENV, Job
+from shardpool.elastic.group_store import GroupStore
 from shardpool.elastic.handover_plan import job_growth_moves, state_position
 from shardpool.elastic.messages import (
+    ControlStore,
     GrowSchedule,
     await_decision,
     await_key,
     beat_key,
+    control_key,
     decode_decision,
     decode_growth,
     decode_shares,
@@ -72,11 +81,12 @@ from shardpool.model.stage import PipelineStage, reusable_modules
 from shardpool.train import checkpoint as ckpt
 from shardpool.train.loss_scale import LossScale
 from shardpool.train.process_group import leave_process_group
+from shardpool.train.runfiles import read_files_secret
 from shardpool.train.stage_state import checkpoint_files, load_lora_and_optimizer
 from shardpool.train.step_report import GatheredStep, StepReport
 from shardpool.train.worker import StageWorker, emit, stage_spec
 
-__all__ = ["KEEP_STATE_HOOK", "ElasticStageWorker", "main", "run_stage_process"]
+__all__ = ["KEEP_STATE_HOOK", "ElasticStageWorker", "control_store", "main", "run_stage_process"]
 
 
 def main(argv: list[str]) -> int:
@@ -109,12 +119,38 @@ def run_stage_process(job_path: str, rank: int) -> None:
     if os.environ.get(KEEP_STATE_HOOK) == "1":
         job = job.model_copy(update={"keep_state": True})
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    worker = ElasticStageWorker(job, rank, job_dir=Path(job_path).resolve().parent)
+    job_dir = Path(job_path).resolve().parent
+    worker = ElasticStageWorker(job, rank, job_dir=job_dir, store=control_store(job, job_dir))
     try:
         worker.run()
     finally:
         if hasattr(worker, "files"):
             worker.files.close()
+
+
+def control_store(job: Job, job_dir: Path) -> ControlStore | None:
+    """This rank's client of the launcher's rendezvous store, sealing and checking every value with
+    the job's control key (None for a lone stage, which meets no one).
+
+    The secret is the one only the job's processes hold: on a mesh the file-server secret the
+    agent wrote 0600 into the job directory, in a local run the one the launcher put in this
+    process's environment (:data:`~shardpool.contract.job.CONTROL_SECRET_ENV`).
+    """
+    if job.world_size == 1:
+        return None
+    if job.files_url is not None:
+        secret = read_files_secret(job_dir)
+    else:
+        secret = os.environ.get(CONTROL_SECRET_ENV, "")
+        if not secret:
+            raise ShardpoolError(
+                f"{CONTROL_SECRET_ENV} is not set: a local stage takes the job's control secret from its "
+                "launcher; start it through shardpool finetune"
+            )
+    inner = dist.TCPStore(
+        job.master_addr, job.master_port, is_master=False, timeout=timedelta(seconds=job.timeout_s)
+    )
+    return ControlStore(inner, control_key(secret, addr=job.master_addr, port=job.master_port))
 
 
 class ElasticStageWorker(StageWorker):
@@ -126,7 +162,7 @@ class ElasticStageWorker(StageWorker):
         rank: int,
         *,
         job_dir: Path | None = None,
-        store: Any | None = None,
+        store: ControlStore | None = None,
         events: Callable[[dict[str, Any]], None] = emit,
     ) -> None:
         super().__init__(job, rank, job_dir=job_dir, store=store, events=events)
@@ -157,10 +193,14 @@ class ElasticStageWorker(StageWorker):
         super()._stage_built(stage)
 
     def _group_store(self, store: Any) -> Any:
+        """torch's rendezvous of the process group goes through the sealed store too (a grown
+        job's under its generation's prefix)."""
+        if not isinstance(store, ControlStore):
+            raise ShardpoolError(
+                "a rank joins its process group only through the job's sealed rendezvous store"
+            )
         generation = self.job.generation
-        if generation and store is not None:
-            return dist.PrefixStore(group_prefix(generation), store)
-        return store
+        return GroupStore(store.prefixed(group_prefix(generation)) if generation else store)
 
     def _first_step(self) -> int:
         if self.keeps_state:
@@ -266,7 +306,7 @@ class ElasticStageWorker(StageWorker):
         """
         if self.rank != 0 or self.rendezvous is None:
             return False
-        return bool(self.rendezvous.check([grow_key(self.job.generation + 1)]))
+        return self.rendezvous.peek(grow_key(self.job.generation + 1)) is not None
 
     def grow(self, step: int) -> None:
         """Move to the grown job after ``step``, in place (:mod:`shardpool.elastic.growth`).
@@ -282,7 +322,9 @@ class ElasticStageWorker(StageWorker):
         if self.rank == 0:
             store.set(schedule_key(generation), schedule.encode())
             store.set(step_key(generation), str(step))
-        growth = decode_growth(store.get(grow_key(generation)))
+        growth = decode_growth(
+            await_key(store, grow_key(generation), timeout_s=self.job.timeout_s, what="grow decision")
+        )
         grown = self._grown(growth.job, generation)
         tensors = ckpt.stage_state_tensors(
             named_parameters=self.state.named_params, optimizer=self.state.optimizer

@@ -35,7 +35,7 @@ from shardpool.elastic.copies import (
 )
 from shardpool.elastic.growth import GrowingInPlace, GrowOrder
 from shardpool.elastic.joins import JOIN_COPY_WAIT_S, JoinCheckClock, JoinFound, JoinWatching
-from shardpool.elastic.messages import beat_key, live_key
+from shardpool.elastic.messages import beat_key
 from shardpool.elastic.policy import (
     AttemptEnded,
     ReplanPolicy,
@@ -164,9 +164,9 @@ class Supervisor(JoinWatching, GrowingInPlace):
 
     def begin(self, launcher: MeshLauncher, run: SupervisedRun, job: Job, store: Any) -> None:
         """Begin one attempt: ``launcher`` (supervised by this) about to start ``job``, its stages meeting at ``store``."""
-        self._count = lambda step: max(
-            int(store.add(live_key(step), 0)), copy_files_count(self.output_dir, step, self._job_at(step))
-        )
+        # A copy is complete when its files are on this disk: the store's counter (live_key) carries
+        # no MAC, so a process outside the job could count a copy that is not there.
+        self._count = lambda step: copy_files_count(self.output_dir, step, self._job_at(step))
         self._jobs = [(0, job)]
         self._store = store
         self._growing, self._grow_published = None, False

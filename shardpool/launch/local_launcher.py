@@ -28,6 +28,7 @@ import ctypes
 import json
 import os
 import queue
+import secrets
 import signal
 import socket
 import subprocess
@@ -41,7 +42,7 @@ from typing import IO, Any
 
 from shardpool.config import Config
 from shardpool.contract.events import EVENT_PREFIX, StageEvent, parse_stage_event
-from shardpool.contract.job import Job
+from shardpool.contract.job import CONTROL_SECRET_ENV, Job
 from shardpool.contract.names import ContractError
 from shardpool.errors import ShardpoolError
 from shardpool.plan.config_plan import plan_for_config
@@ -65,13 +66,18 @@ class StageFailed(ShardpoolError):
 
 
 class LocalLauncher:
-    """Stages as processes on this machine, meeting on loopback; they read the inputs where they are."""
+    """Stages as processes on this machine, meeting on loopback; they read the inputs where they are.
+
+    The stages take the run's control secret (what seals the rendezvous store's values) from their
+    environment, which other users cannot read (``/proc/PID/environ`` is the owner's alone).
+    """
 
     address = "127.0.0.1"
 
     def __init__(self, *, probe: DeviceProbe, port: int = 0) -> None:
         self.probe = probe  # measures this machine's devices for the planner
         self.port = port  # of the rendezvous store (0: any free port)
+        self.control_secret = secrets.token_hex(32)
 
     def plan(self, config: Config) -> Plan:
         """Place the stages on this machine's devices (``shardpool.devices``), or as ``shardpool.layers`` says."""
@@ -84,7 +90,9 @@ class LocalLauncher:
 
     def start(self, job: Job, job_file: Path, on_event: Callable[[dict[str, Any]], None]) -> None:
         """Run every rank here until all finish, logging to ``logs/`` next to the job file."""
-        run_local_job(job, job_file, log_dir=job_file.parent / "logs", on_event=on_event)
+        run_local_job(
+            job, job_file, log_dir=job_file.parent / "logs", on_event=on_event, secret=self.control_secret
+        )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -95,9 +103,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def run_local_job(
-    job: Job, job_file: Path, *, log_dir: Path, on_event: Callable[[dict[str, Any]], None]
+    job: Job, job_file: Path, *, log_dir: Path, on_event: Callable[[dict[str, Any]], None], secret: str
 ) -> None:
-    """Run every rank of ``job`` as a local process until all finish; raise StageFailed on the first failure."""
+    """Run every rank of ``job`` as a local process until all finish; raise StageFailed on the first failure.
+
+    ``secret`` is the run's control secret, handed to each rank in its environment.
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
     events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
     processes: list[subprocess.Popen[bytes]] = []
@@ -107,7 +118,7 @@ def run_local_job(
     try:
         for rank in range(job.world_size):
             log_path = log_dir / f"rank-{rank}.log"
-            process = _start_rank(job, job_file, rank, log_path)
+            process = _start_rank(job, job_file, rank, log_path, secret=secret)
             processes.append(process)
             reader = threading.Thread(
                 target=_relay, args=(rank, process.stdout, log_path, events), daemon=True
@@ -134,10 +145,14 @@ def run_local_job(
         _stop_all(processes)
 
 
-def _start_rank(job: Job, job_file: Path, rank: int, log_path: Path) -> subprocess.Popen[bytes]:
+def _start_rank(
+    job: Job, job_file: Path, rank: int, log_path: Path, *, secret: str
+) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     env.update(
         {
+            CONTROL_SECRET_ENV: secret,
+            **loopback_pinning(interface_names()),
             "OMP_NUM_THREADS": str(job.threads_per_process),
             "MKL_NUM_THREADS": str(job.threads_per_process),
             "PYTHONUNBUFFERED": "1",
@@ -156,6 +171,22 @@ def _start_rank(job: Job, job_file: Path, rank: int, log_path: Path) -> subproce
         )
     finally:
         log.close()
+
+
+def interface_names() -> list[str]:
+    """This machine's network interface names (empty where the OS cannot list them)."""
+    try:
+        return [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return []
+
+
+def loopback_pinning(names: list[str]) -> dict[str, str]:
+    """The environment that keeps a local run's gloo and NCCL sockets on loopback: its ranks all run
+    on this machine, so nothing on the network need reach them. Linux names loopback ``lo``, macOS
+    ``lo0``; where neither exists the libraries choose as they would."""
+    loopback = next((name for name in ("lo", "lo0") if name in names), None)
+    return {} if loopback is None else {"GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback}
 
 
 def _die_with_parent() -> None:

@@ -120,6 +120,12 @@ class MeshLauncher:
             previous_job_ids=self.previous_job_ids,
         )
 
+    @property
+    def control_secret(self) -> str:
+        """What the key sealing the rendezvous store's values derives from: the file-server secret,
+        which every stage already holds (its agent writes it 0600 into the job directory)."""
+        return self._files_secret
+
     @classmethod
     def connect(cls, *, say: Callable[[str], None], agent_socket: str | None = None) -> MeshLauncher:
         """Ask this machine's agent for the members online (a user it refuses stops here, with the fix).
@@ -187,8 +193,9 @@ def ranks_by_member(job: Job, members: list[MeshMember]) -> dict[str, tuple[Mesh
 
 
 def new_job_id() -> str:
-    """A unique, filesystem-safe job id."""
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}"
+    """A unique, filesystem-safe job id nobody can guess ahead (128 random bits), so no one can
+    take it first on a member the run reaches later."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(16)}"
 
 
 def run_mesh_job(

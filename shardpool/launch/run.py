@@ -71,6 +71,12 @@ class Launcher(Protocol):
         """The rendezvous store's port (0: any free port)."""
         ...
 
+    @property
+    def control_secret(self) -> str:
+        """The secret only this run's processes hold, from which the key that seals the rendezvous
+        store's values is derived (:func:`shardpool.elastic.messages.control_key`)."""
+        ...
+
     def plan(self, config: Config) -> Plan:
         """Place the config's stages on the devices this launcher starts them on."""
         ...

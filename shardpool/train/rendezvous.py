@@ -1,7 +1,9 @@
 """The rendezvous store: where a run's stage processes first meet, hosted by the launcher.
 
 Only the launcher imports this module; a stage process joins the store with a plain
-``torch.distributed.TCPStore`` client (:mod:`shardpool.train.process_group`).
+``torch.distributed.TCPStore`` client. Any local user can reach the store too, so both sides
+seal every value they set and check every value they read
+(:class:`shardpool.elastic.messages.ControlStore`, over the store this module hosts).
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ class StageWorker:
         self.job = job
         self.rank = rank
         self.job_dir = job_dir
-        self.store = store  # a rendezvous store already joined (torchrun's), else the job's is joined
+        self.store = store  # a rendezvous store already joined (the elastic rank's sealed one), else the job's is joined
         self.emit = events  # where this rank's events go: stdout lines for a launcher, or a callback
         self.config = job.parsed_config()
         self.spec = stage_spec(job, rank)

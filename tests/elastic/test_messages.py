@@ -1,11 +1,133 @@
-"""The messages that steer ranks: what a joining rank is told, and values that break a message refused."""
+"""The messages that steer ranks: what a joining rank is told, values that break a message refused,
+and values not sealed with the job's key refused (issue 39: the store trusted anyone)."""
 
 from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
 
 import pytest
 
 from shardpool.contract.names import ContractError
-from shardpool.elastic.messages import GrowSchedule, await_key, decode_step, schedule_key, step_key
+from shardpool.elastic.messages import (
+    ControlStore,
+    GrowSchedule,
+    await_key,
+    control_key,
+    decision_key,
+    decode_step,
+    grow_key,
+    schedule_key,
+    seal,
+    step_key,
+    unseal,
+)
+from shardpool.errors import ShardpoolError
+
+KEY = control_key("a" * 64, addr="10.77.0.1", port=29500)
+
+
+class _Store:
+    """A rendezvous store on a dict: what any client of the real one can do (set anything)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self.timeout = timedelta(seconds=1)
+
+    def set(self, key: str, value: bytes) -> None:
+        self.values[key] = bytes(value)
+
+    def get(self, key: str) -> bytes:
+        return self.values[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.values for key in keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        deadline = time.monotonic() + (timeout or self.timeout).total_seconds()
+        while not self.check(keys):
+            if time.monotonic() > deadline:
+                raise RuntimeError("Socket Timeout")
+            time.sleep(0.01)
+
+    def add(self, key: str, amount: int) -> int:
+        self.values[key] = str(int(self.values.get(key, b"0")) + amount).encode()
+        return int(self.values[key])
+
+
+def test_a_sealed_value_opens_only_with_its_key_and_its_key_name() -> None:
+    sealed = seal(KEY, grow_key(1), '{"job": {}}')
+    assert unseal(KEY, grow_key(1), sealed) == b'{"job": {}}'
+    with pytest.raises(ContractError, match=r"store value at 'shardpool/grow/2' fails its MAC"):
+        unseal(KEY, grow_key(2), sealed)  # moved to another key (another generation)
+    other_job = control_key("b" * 64, addr="10.77.0.1", port=29500)
+    with pytest.raises(ContractError, match="fails its MAC"):
+        unseal(other_job, grow_key(1), sealed)
+    earlier_store = control_key("a" * 64, addr="10.77.0.1", port=29501)
+    with pytest.raises(ContractError, match="fails its MAC"):
+        unseal(earlier_store, grow_key(1), sealed)  # replayed from an earlier attempt's store
+
+
+@pytest.mark.parametrize(
+    ("garbled", "reason"),
+    [
+        (lambda sealed: sealed[:-1], "fails its MAC"),  # truncated value
+        (lambda sealed: sealed[:20], "is not sealed"),  # truncated MAC
+        (lambda sealed: sealed[:-1] + b"]", "fails its MAC"),  # one byte changed
+        (lambda sealed: b'{"keep": true}', "is not sealed"),  # an outsider's plain value
+        (lambda sealed: sealed[:4] + bytes(32) + b'{"keep": true}', "fails its MAC"),  # a forged MAC
+    ],
+)
+def test_a_garbled_truncated_or_forged_value_is_refused_in_one_clear_line(
+    garbled: Callable[[bytes], bytes], reason: str
+) -> None:
+    sealed = seal(KEY, decision_key(3), '{"layers": [[0, 3], [3, 6]]}')
+    with pytest.raises(ContractError, match=reason) as refused:
+        unseal(KEY, decision_key(3), garbled(sealed))
+    assert "\n" not in str(refused.value) and "'shardpool/rebalance/3'" in str(refused.value)
+
+
+def test_a_secret_too_short_to_be_one_is_refused() -> None:
+    with pytest.raises(ShardpoolError, match="control secret is missing"):
+        control_key("", addr="127.0.0.1", port=1)
+
+
+def test_a_forged_value_reads_as_absent_and_is_logged_once(capsys: pytest.CaptureFixture[str]) -> None:
+    inner = _Store()
+    store = ControlStore(inner, KEY)
+    inner.set(grow_key(1), b'{"job": {"stages": []}, "ranks": {}, "from": []}')
+    assert store.check([grow_key(1)]), "the key is there"
+    assert store.peek(grow_key(1)) is None and store.peek(grow_key(1)) is None
+    assert capsys.readouterr().err == (
+        "shardpool: refused a value in the rendezvous store: store value at 'shardpool/grow/1' is not "
+        "sealed (48 bytes): forged or garbled\n"
+    )
+    store.set(grow_key(1), b"{}")
+    assert store.peek(grow_key(1)) == b"{}"
+    assert inner.values[grow_key(1)] != b"{}", "the stored value carries its seal"
+
+
+def test_a_reader_waits_past_a_forged_value_for_the_honest_one() -> None:
+    inner = _Store()
+    store = ControlStore(inner, KEY)
+    inner.set(step_key(1), b"99")  # the outsider writes first
+    writer = ControlStore(inner, KEY)
+    threading.Timer(0.3, lambda: writer.set(step_key(1), "12")).start()
+    assert decode_step(await_key(store, step_key(1), timeout_s=5.0, what="step")) == 12
+    inner.set(step_key(2), b"99")
+    with pytest.raises(ShardpoolError, match=r"^no step within 0.5 s .*passes its MAC"):
+        await_key(store, step_key(2), timeout_s=0.5, what="step")
+
+
+def test_a_prefixed_store_seals_under_the_full_key_name() -> None:
+    inner = _Store()
+    group = ControlStore(inner, KEY).prefixed("shardpool/group/1/")
+    group.set("0//cpu//0/0", b"address")
+    assert unseal(KEY, "shardpool/group/1/0//cpu//0/0", inner.values["shardpool/group/1/0//cpu//0/0"])
+    assert group.peek("0//cpu//0/0") == b"address"
+    assert b"address" not in inner.values["shardpool/group/1/0//cpu//0/0"], "an outsider cannot read it"
 
 
 def test_a_grow_schedule_reads_back_as_it_was_written() -> None:
@@ -36,12 +158,14 @@ def test_the_step_a_job_grows_after_is_a_step_number() -> None:
 
 
 def test_a_message_that_never_comes_names_what_was_awaited_and_the_bound() -> None:
-    class _SilentStore:
-        def wait(self, keys: list[str], timeout: object) -> None:
+    class _SilentStore(_Store):
+        def wait(self, keys: list[str], timeout: object = None) -> None:
             raise RuntimeError("Socket Timeout\nmore")
 
     with pytest.raises(
-        Exception, match=r"^no schedule within 2 s \(is the launcher gone\?\): Socket Timeout$"
+        Exception,
+        match=r"^no schedule within 2 s \(is the launcher gone\?\): no value at 'shardpool/grow/1/schedule' "
+        r"within 2 s: Socket Timeout$",
     ):
-        await_key(_SilentStore(), schedule_key(1), timeout_s=2.0, what="schedule")
+        await_key(ControlStore(_SilentStore(), KEY), schedule_key(1), timeout_s=2.0, what="schedule")
     assert (schedule_key(1), step_key(1)) == ("shardpool/grow/1/schedule", "shardpool/grow/1/step")

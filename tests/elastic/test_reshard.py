@@ -14,7 +14,13 @@ import torch.distributed as dist
 
 from shardpool.contract.rebalance import ROOM_ENV
 from shardpool.elastic import reshard
-from shardpool.elastic.messages import await_decision, decision_key, encode_decision
+from shardpool.elastic.messages import (
+    ControlStore,
+    await_decision,
+    control_key,
+    decision_key,
+    encode_decision,
+)
 from shardpool.elastic.reshard import exchange_state, kept_state, room_bytes, state_for_layers
 from shardpool.errors import ShardpoolError
 from shardpool.train.rendezvous import rendezvous_store
@@ -81,8 +87,12 @@ def test_a_cpu_ranks_room_is_measured_and_the_hook_replaces_it_for_the_ranks_it_
 
 
 def test_the_decision_is_read_from_the_store_and_a_silent_launcher_is_one_line() -> None:
-    store = rendezvous_store("127.0.0.1", timeout_s=5.0)
-    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=5))
+    hosted = rendezvous_store("127.0.0.1", timeout_s=5.0)
+    key = control_key("s" * 64, addr="127.0.0.1", port=hosted.port)
+    store = ControlStore(hosted, key)
+    client = ControlStore(
+        dist.TCPStore("127.0.0.1", hosted.port, is_master=False, timeout=timedelta(seconds=5)), key
+    )
     store.set(decision_key(3), encode_decision(None))
     assert await_decision(client, 3, timeout_s=5.0) == encode_decision(None).encode()
     started = time.monotonic()

@@ -20,7 +20,7 @@ from shardpool.elastic.beats import BeatWatch
 from shardpool.elastic.copies import complete_live_steps, copy_files_count, prune_live_copies
 from shardpool.elastic.growth import GrowOrder, grown_job
 from shardpool.elastic.joins import JoinCheckClock, join_gain_needed, look_for_joins, worth_joining
-from shardpool.elastic.messages import decode_growth, grow_key, live_key, ready_key, step_key
+from shardpool.elastic.messages import decode_growth, grow_key, ready_key, step_key
 from shardpool.elastic.policy import AttemptEnded, ReplanPolicy, does_not_fit_line, supervision_line
 from shardpool.elastic.rebalancing import replanned_json
 from shardpool.elastic.supervisor import Supervisor
@@ -189,6 +189,15 @@ def _copies(tmp_path: Path, *steps: int) -> None:
     for step in steps:
         (tmp_path / live_dir(step)).mkdir(parents=True)
         (tmp_path / live_dir(step) / "stage-0.safetensors").write_bytes(b"x")
+
+
+def _whole_copy(tmp_path: Path, step: int, *, stages: int = 2, ranks: int = 2) -> None:
+    """Every file of step ``step``'s copy, as the ranks upload them."""
+    directory = tmp_path / live_dir(step)
+    directory.mkdir(parents=True, exist_ok=True)
+    names = [f"stage-{index}.safetensors" for index in range(stages)]
+    for name in names + [f"rng-rank-{rank}.safetensors" for rank in range(ranks)]:
+        (directory / name).write_bytes(b"x")
 
 
 def test_the_newest_complete_copy_counts_and_older_ones_are_pruned(tmp_path: Path) -> None:
@@ -584,10 +593,11 @@ def test_a_join_stops_the_stages_only_once_the_copy_of_the_last_step_is_complete
     supervisor.begin(launcher, run, Job.model_validate(job_dict(stages=2)), _Store())
     supervisor._look_for_joins(launcher, 10)  # what the join check's thread does
     supervisor._last_step = 11
-    _copies(tmp_path, 10, 11)
-    counts.update({10: 2, 11: 1})
-    assert not supervisor.interrupt(), "step 11's copy is still being written"
-    counts[11] = 2
+    _whole_copy(tmp_path, 10)
+    _copies(tmp_path, 11)
+    counts.update({10: 2, 11: 2})  # a process outside the job counted step 11 (counters carry no MAC)
+    assert not supervisor.interrupt(), "step 11's copy is still being written: its files decide"
+    _whole_copy(tmp_path, 11)
     assert supervisor.interrupt()
     ended = supervisor.ended(Interrupted("stopped"))
     assert (ended.kind, ended.member, ended.newest_copy) == ("member_joined", "c", 11)
@@ -796,6 +806,9 @@ class _DictStore:
     def get(self, key: str) -> bytes:
         return self.values[key]
 
+    def peek(self, key: str) -> bytes | None:
+        return self.values.get(key)
+
     def check(self, keys: list[str]) -> bool:
         return all(key in self.values for key in keys)
 
@@ -917,8 +930,7 @@ def test_a_growth_beyond_a_running_ranks_room_restarts_the_job_instead(
     )
     assert supervisor.grow() is None, "said once"
     assert len([line for line in seen["say"] if "would need more memory" in line]) == 1
-    _copies(tmp_path, 10)
-    store.add(live_key(10), 2)
+    _whole_copy(tmp_path, 10)
     assert supervisor.interrupt(), "restarted with c once step 10's copy is complete"
 
 

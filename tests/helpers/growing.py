@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from shardpool.contract.events import EVENT_PREFIX, StageEvent, parse_stage_event
 from shardpool.contract.job import Job, StagePlacement
-from shardpool.elastic.messages import encode_growth, grow_key, ready_key
+from shardpool.elastic.messages import ControlStore, control_key, encode_growth, grow_key, ready_key
 from shardpool.launch.local_launcher import LocalLauncher, _start_rank, run_local_job
 
 __all__ = ["GrowingLauncher"]
@@ -75,7 +75,7 @@ class GrowingLauncher(LocalLauncher):
         self._on_event = relayed
 
         try:
-            run_local_job(job, job_file, log_dir=log_dir, on_event=held)
+            run_local_job(job, job_file, log_dir=log_dir, on_event=held, secret=self.control_secret)
             if self.joiner is not None:
                 if self.joiner.wait(timeout=60) != 0:
                     raise AssertionError(f"the joining stage exited {self.joiner.returncode}: see {log_dir}")
@@ -106,12 +106,17 @@ class GrowingLauncher(LocalLauncher):
         running = [rank for rank in range(grown.world_size) if rank != self.joining_stage]
         self.renumber = dict(zip(range(job.world_size), running, strict=False))
         self.joiner = _start_rank(
-            grown, grown_file, self.joining_stage, log_dir / f"joining-rank-{self.joining_stage}.log"
+            grown,
+            grown_file,
+            self.joining_stage,
+            log_dir / f"joining-rank-{self.joining_stage}.log",
+            secret=self.control_secret,
         )
         self._relay = threading.Thread(target=self._drain, daemon=True)
         self._relay.start()
-        store = dist.TCPStore(
-            job.master_addr, job.master_port, is_master=False, timeout=timedelta(seconds=30)
+        store = ControlStore(
+            dist.TCPStore(job.master_addr, job.master_port, is_master=False, timeout=timedelta(seconds=30)),
+            control_key(self.control_secret, addr=job.master_addr, port=job.master_port),
         )
         deadline = time.monotonic() + READY_WITHIN_S
         while int(store.add(ready_key(grown.generation), 0)) < 1:
