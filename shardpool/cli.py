@@ -57,10 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
             "Check the config, the base model's config.json and tokenizer, and every dataset row, "
             "as `shardpool finetune` does before it starts, without loading torch or the weights. "
             "Prints the rows, tokens per row and how many rows sequence_len truncates; exits 0 "
-            "when the run would start, 2 with the problems otherwise."
+            "when the run would start, 2 with the problems otherwise. Nothing is trained or written."
         ),
     )
     validate.add_argument("config", help="path to the YAML config")
+    validate.add_argument(
+        "--show",
+        metavar="N",
+        help="also print the first N rows of each dataset as the model sees them: the text with the "
+        "trained part in green on a terminal, between ⟦ and ⟧ otherwise, and the token counts",
+    )
+    validate.add_argument(
+        "--json",
+        action="store_true",
+        help='with --show: print the rows as JSON lines {"dataset", "row", "text", "trained": '
+        '[[start, end], ...], "tokens"} (trained: character spans of text) on stdout; the report goes to stderr',
+    )
     validate.set_defaults(handler=_run_validate)
 
     schema = commands.add_parser(
@@ -227,9 +239,9 @@ def _finetune_command(args: argparse.Namespace, events: RunEvents) -> int:
 
 
 def _run_validate(args: argparse.Namespace) -> int:
-    from shardpool.validate import validate_config, validation_lines
+    from shardpool.validate import run_validate
 
-    print("\n".join(validation_lines(validate_config(args.config))))
+    run_validate(args.config, show=args.show, as_json=args.json)
     return 0
 
 

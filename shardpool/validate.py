@@ -6,21 +6,38 @@ does (:mod:`shardpool.data.prepare`), with the model's ``tokenizer.json`` read b
 (:mod:`shardpool.data.tokenizer_file`), so neither torch nor the model's weights are loaded. It
 reports the rows, the tokens per row and how many rows ``sequence_len`` truncates. A problem is
 the same one line ``shardpool finetune`` would stop at.
+
+``--show N`` prints the first N rows of each dataset as the model sees them
+(:mod:`shardpool.data.show`): the text with its trained spans in green on a terminal and between
+``⟦`` and ``⟧`` anywhere else (a pipe, a file, ``NO_COLOR``), or with ``--json`` one JSON object
+a line. Nothing is trained and nothing is written.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from shardpool.config import Config, load_config
 from shardpool.data.hub import with_local_sources
 from shardpool.data.prepare import configure_tokenizer, samples_per_dataset, split_samples
+from shardpool.data.show import CLOSING, OPENING, ShownRow, marked_text, shown_rows
 from shardpool.data.tokenizer_file import load_tokenizer_file
+from shardpool.errors import ShardpoolError
 from shardpool.model.shape import check_sequence_len, check_stage_count, read_model_info
 
-__all__ = ["Validation", "validate_config", "validation_lines"]
+__all__ = [
+    "Validation",
+    "print_shown_rows",
+    "run_validate",
+    "show_count",
+    "shown_row_header",
+    "validate_config",
+    "validation_lines",
+]
 
 
 @dataclass(frozen=True)
@@ -38,10 +55,14 @@ class Validation:
     tokens_per_row: list[int]
     truncated_rows: int
     dropped_rows: int
+    shown: tuple[ShownRow, ...] = ()
 
 
-def validate_config(config_path: str | Path) -> Validation:
-    """Check the config, its model directory and its datasets as ``finetune`` would; raise ShardpoolError else."""
+def validate_config(config_path: str | Path, *, show: int = 0) -> Validation:
+    """Check the config, its model directory and its datasets as ``finetune`` would; raise ShardpoolError else.
+
+    ``show`` rows of each dataset are kept as the model sees them (:attr:`Validation.shown`).
+    """
     as_written = load_config(config_path)
     config = with_local_sources(as_written)  # hub ids: from the Hugging Face cache (or the hub)
     model = read_model_info(config.base_model)
@@ -64,6 +85,7 @@ def validate_config(config_path: str | Path) -> Validation:
         tokens_per_row=[len(sample.input_ids) for sample in samples],
         truncated_rows=split.truncated_rows,
         dropped_rows=split.dropped_rows,
+        shown=tuple(shown_rows(config, tokenizer, per_dataset, show)) if show else (),
     )
 
 
@@ -89,3 +111,70 @@ def validation_lines(result: Validation) -> list[str]:
             f"dropped (no trainable token within sequence_len): {result.dropped_rows} of {rows} rows"
         )
     return lines
+
+
+def show_count(value: str) -> int:
+    """The N of ``--show N``: a whole number of rows, 1 or more; one line otherwise."""
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ShardpoolError(
+            f"--show takes how many rows of each dataset to print (1 or more), got {value!r}; "
+            "e.g. `shardpool validate CONFIG --show 3`"
+        )
+    return count
+
+
+def shown_row_header(row: ShownRow, sequence_len: int) -> str:
+    """The line above a shown row: which row it is and how many of its tokens the model sees and trains."""
+    cut = f", cut to {sequence_len} by sequence_len" if row.tokens > sequence_len else ""
+    return (
+        f"datasets[{row.dataset}] {row.where} ({row.kind}): {row.tokens} tokens{cut}, "
+        f"{row.trained_tokens} trained"
+    )
+
+
+def print_shown_rows(rows: tuple[ShownRow, ...], sequence_len: int) -> None:
+    """Every shown row under its header: trained text in green on a colour terminal, else between ⟦ ⟧."""
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(highlight=False, soft_wrap=True)
+    colour = console.is_terminal and console.color_system is not None and not console.no_color
+    how = "in green" if colour else f"between {OPENING} and {CLOSING}"
+    print(f"rows as the model sees them (trained text {how}):")
+    for row in rows:
+        print()
+        print(shown_row_header(row, sequence_len))
+        if not colour:
+            print(marked_text(row).removesuffix("\n"))
+        else:
+            text = Text(row.text[: row.seen].removesuffix("\n"))
+            for start, end in row.trained:
+                text.stylize("green", start, end)
+            console.print(text)
+        if row.tokens > sequence_len:
+            print(f"[{row.tokens - sequence_len} tokens past sequence_len {sequence_len} not shown]")
+
+
+def run_validate(config_path: str, *, show: str | None, as_json: bool) -> None:
+    """``shardpool validate CONFIG [--show N] [--json]``: the report, then the rows asked for.
+
+    With ``--json`` the rows are JSON lines on stdout and the report goes to stderr.
+    """
+    count = show_count(show) if show is not None else 0
+    if as_json and not count:
+        raise ShardpoolError("--json prints the rows that --show picks; add --show N")
+    result = validate_config(config_path, show=count)
+    report = "\n".join(validation_lines(result))
+    if as_json:
+        print(report, file=sys.stderr)
+        for row in result.shown:
+            print(json.dumps(row.to_json(), ensure_ascii=False))
+        return
+    print(report)
+    if count:
+        print()
+        print_shown_rows(result.shown, result.config.sequence_len)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -217,3 +218,204 @@ def test_chat_data_is_rendered_and_masked_as_training_does(monkeypatch: pytest.M
     chat = samples_per_dataset(config, light)
     assert chat == samples_per_dataset(config, full)
     assert any(label != -100 for label in chat[0][0].labels)
+
+
+# `validate --show N`: the first rows of each dataset as the model sees them.
+
+QUICKSTART_ROW_1 = [
+    "datasets[0] configs/data/quickstart.jsonl:1 (alpaca): 56 tokens, 2 trained",
+    "<s>Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.",
+    "",
+    "### Instruction:",
+    "Add the two numbers.",
+    "",
+    "### Input:",
+    "24 + 48",
+    "",
+    "### Response:",
+    "⟦72</s>⟧",
+]
+EVERY_TYPE = [
+    ({"type": "completion"}, [{"text": "Pipeline stages pass activations forward."}, {"text": "Un café."}]),
+    ({"type": "alpaca"}, ALPACA_ROWS),
+    (
+        {"type": "chat_template", "roles_to_train": ["assistant"]},
+        [
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Add 2 and 3."},
+                    {"role": "assistant", "content": "5"},
+                    {"role": "user", "content": "Reverse: one two"},
+                    {"role": "assistant", "content": "two one"},
+                ]
+            }
+        ],
+    ),
+    (
+        {"type": "sharegpt"},
+        [{"conversations": [{"from": "human", "value": "Hi."}, {"from": "gpt", "value": "Hello!"}]}],
+    ),
+    (
+        {},
+        [
+            {"input_ids": [1, 300, 301, 302, 2], "labels": [-100, -100, 301, 302, 2]},
+            {"input_ids": [1, 310, 2]},
+        ],
+    ),
+]
+
+
+def _every_type_config(tmp_path: Path) -> Path:
+    """The quickstart model with one small dataset of each type shardpool reads."""
+    datasets = [
+        {"path": str(write_jsonl(tmp_path / f"data{index}.jsonl", rows)), **keys}
+        for index, (keys, rows) in enumerate(EVERY_TYPE)
+    ]
+    return _quickstart_with(
+        tmp_path,
+        datasets=datasets,
+        chat_template="chatml",
+        sequence_len=256,
+        val_set_size=0,
+        output_dir=str(tmp_path / "out"),
+    )
+
+
+def test_show_prints_the_first_rows_with_the_trained_text_between_brackets_when_piped() -> None:
+    result = run_cli("validate", "configs/quickstart.yaml", "--show", "2", timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[:7] == [
+        "configs/quickstart.yaml: valid",
+        "model models/quickstart: llama, 4 layers, max_position_embeddings 1024",
+        "datasets[0] configs/data/quickstart.jsonl: 480 rows (alpaca)",
+        "rows: 480 (432 train, 48 eval)",
+        "tokens per row: min 46, median 56, max 64",
+        "truncated at sequence_len 64: 0 of 480 rows",
+        "",
+    ]
+    assert lines[7:10] == [
+        "rows as the model sees them (trained text between ⟦ and ⟧):",
+        "",
+        *QUICKSTART_ROW_1[:1],
+    ]
+    assert lines[9:21] == [*QUICKSTART_ROW_1, ""]
+    assert lines[21] == "datasets[0] configs/data/quickstart.jsonl:2 (alpaca): 62 tokens, 5 trained"
+    assert lines[-1] == "⟦orange rabbit lamp river</s>⟧"
+    assert result.stderr == ""
+
+
+def test_show_json_marks_exactly_the_trained_tokens_of_every_dataset_type(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shardpool.cli import main
+    from shardpool.config import load_config
+    from shardpool.data.prepare import configure_tokenizer
+    from tests.helpers.trained_spans import check_shown_row
+
+    config_path = _every_type_config(tmp_path)
+    assert main(["validate", str(config_path), "--show", "5", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines()[0] == f"{config_path}: valid"
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(row["dataset"], row["row"]) for row in rows] == [
+        (index, number) for index, (_, data) in enumerate(EVERY_TYPE) for number in range(1, len(data) + 1)
+    ]
+    config = load_config(config_path)
+    reference = load_tokenizer(config.base_model)  # training's tokenizer decodes training's ids
+    configure_tokenizer(config, reference)
+    samples = samples_per_dataset(config, reference)
+    for row in rows:
+        check_shown_row(row, samples[row["dataset"]][row["row"] - 1], reference, config.sequence_len)
+    chat = next(row for row in rows if row["dataset"] == 2)
+    assert [chat["text"][start:end] for start, end in chat["trained"]] == ["5", "two one"]
+
+
+def test_show_colours_the_trained_text_green_on_a_terminal() -> None:
+    plain = {key: value for key, value in os.environ.items() if key not in ("NO_COLOR", "FORCE_COLOR")}
+
+    def show(**env: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "-m", "shardpool", "validate", "configs/quickstart.yaml", "--show", "1"],
+            capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, env={**plain, **env},
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    terminal = show(FORCE_COLOR="1", TERM="xterm-256color")  # rich treats stdout as a terminal
+    no_color = show(FORCE_COLOR="1", TERM="xterm-256color", NO_COLOR="1")
+    assert "rows as the model sees them (trained text in green):" in terminal
+    assert "\x1b[32m72</s>\x1b[0m" in terminal and "⟦" not in terminal
+    assert "⟦72</s>⟧" in no_color and "\x1b[" not in no_color
+
+
+@pytest.mark.parametrize("count", ["0", "-2", "three", "1.5", ""])
+def test_a_bad_show_count_is_one_line(count: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardpool.cli import main
+
+    assert main(["validate", "configs/quickstart.yaml", "--show", count]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [
+        f"shardpool: error: --show takes how many rows of each dataset to print (1 or more), got {count!r}; "
+        "e.g. `shardpool validate CONFIG --show 3`"
+    ]
+
+
+def test_json_without_show_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from shardpool.cli import main
+
+    assert main(["validate", "configs/quickstart.yaml", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", "shardpool: error: --json prints the rows that --show picks; add --show N\n")
+
+
+def test_show_never_imports_torch_and_writes_nothing(tmp_path: Path) -> None:
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(REPO_ROOT / "models" / "quickstart", model)
+    config_path = _every_type_config(tmp_path)
+    config = yaml.safe_load(config_path.read_text())
+    config["base_model"] = str(model)
+    write_config(config_path, config)
+    home = tmp_path / "home"
+    home.mkdir()
+
+    def snapshot() -> dict[str, tuple[int, int]]:
+        return {
+            str(path.relative_to(tmp_path)): (path.stat().st_size, path.stat().st_mtime_ns)
+            for path in tmp_path.rglob("*")
+        }
+
+    before = snapshot()
+    code = (
+        "import sys\n"
+        "from shardpool.cli import main\n"
+        f"codes = [main(['validate', {str(config_path)!r}, '--show', '3'] + extra) for extra in ([], ['--json'])]\n"
+        "heavy = [m for m in ('torch', 'peft', 'bitsandbytes', 'safetensors') if m in sys.modules]\n"
+        "print(codes, heavy)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        env={**os.environ, "HOME": str(home), "PYTHONPATH": str(REPO_ROOT)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[0, 0] []"
+    assert snapshot() == before
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_show_output_in_docs_data_md_is_what_validate_prints(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shardpool.cli import main
+
+    document = (REPO_ROOT / "docs" / "data.md").read_text(encoding="utf-8")
+    start = document.index("```text\nrows as the model sees them")
+    documented = document[start + len("```text\n") : document.index("```", start + 3)]
+    monkeypatch.chdir(REPO_ROOT)
+    assert main(["validate", "configs/chat.yaml", "--show", "1"]) == 0
+    assert capsys.readouterr().out.endswith("\n" + documented)

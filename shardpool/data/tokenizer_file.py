@@ -2,9 +2,10 @@
 
 ``shardpool validate`` tokenizes a run's datasets to count tokens without loading torch, and
 ``transformers.AutoTokenizer`` imports torch. :class:`TokenizerFile` is the small part of a
-fast Hugging Face tokenizer that :mod:`shardpool.data.tokenizing` uses (calling it on texts, the
-special token ids, ``len``, ``apply_chat_template``, ``add_special_tokens``), built from the same files: the ids are the
-ones training uses, which a test holds to ``AutoTokenizer``'s. Training itself keeps loading
+fast Hugging Face tokenizer that :mod:`shardpool.data.tokenizing` and :mod:`shardpool.data.show`
+use (calling it on texts, the special token ids, ``len``, ``decode``, ``apply_chat_template``,
+``add_special_tokens``), built from the same files: the ids are the ones training uses, which a
+test holds to ``AutoTokenizer``'s. Training itself keeps loading
 ``AutoTokenizer`` (:func:`shardpool.data.tokenizing.load_tokenizer`).
 """
 
@@ -90,6 +91,10 @@ class TokenizerFile:
         if isinstance(text, str):
             result = {key: value[0] for key, value in result.items()}
         return result
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
+        """The text of ``ids``, special tokens written out unless ``skip_special_tokens``."""
+        return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
         self,

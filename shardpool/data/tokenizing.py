@@ -24,7 +24,7 @@ from shardpool.errors import ShardpoolError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["dataset_samples", "load_tokenizer"]
+__all__ = ["dataset_chat_template", "dataset_samples", "load_tokenizer"]
 
 
 def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
@@ -73,9 +73,7 @@ def dataset_samples(
     """
     rows = read_rows(spec, index)
     if spec.is_chat:
-        if spec.chat_template or spec.chat_template_jinja:
-            chat_template, chat_template_jinja = spec.chat_template, spec.chat_template_jinja
-        template = resolve_chat_template(chat_template, chat_template_jinja, tokenizer)
+        template = dataset_chat_template(spec, tokenizer, chat_template, chat_template_jinja)
         return chat_samples(
             rows, tokenizer, spec, template, train_on_inputs=train_on_inputs, label=f"datasets[{index}]"
         )
@@ -84,6 +82,15 @@ def dataset_samples(
     if spec.type == "completion":
         return _completion_samples(rows, tokenizer, spec.field or "text")
     return pretokenized_samples(rows, len(tokenizer))
+
+
+def dataset_chat_template(
+    spec: DatasetSpec, tokenizer: Any, chat_template: str | None, chat_template_jinja: str | None
+) -> str:
+    """The jinja text a chat dataset is rendered with: its own template if it sets one, else the config's."""
+    if spec.chat_template or spec.chat_template_jinja:
+        chat_template, chat_template_jinja = spec.chat_template, spec.chat_template_jinja
+    return resolve_chat_template(chat_template, chat_template_jinja, tokenizer)
 
 
 def _adds_bos(tokenizer: Any) -> bool:
