@@ -1,10 +1,13 @@
-"""Local accounts: who may launch jobs through the agent, and the unprivileged account jobs run as.
+"""Local accounts: who may launch jobs through the agent, and the unprivileged accounts jobs run as.
 
 The agent runs as root, because it reads the member's WireGuard key to sign requests. Nothing it
-starts for a job does: stage processes run as :class:`RunAs` (a system user, ``shardpool`` by
-default), in a job directory that account owns with mode 0700. Who may ask for a job is decided
-from the uid the kernel reports for the agent's Unix socket peer, never from anything the caller
-says: root, or a member of the launch group (``shardpool`` by default).
+starts does: the device profiler runs as the run-as account (a system user, ``shardpool`` by
+default), and each job's stages under a uid of their own (:class:`JobUids`, from a range no
+passwd entry uses, as systemd's ``DynamicUser`` does) with the run-as account's group, in a 0700
+directory that uid owns, so one job's stages can never read another job's secret, model or
+output; the uid is taken back once nothing runs under it. Who may ask for a job is decided from
+the uid the kernel reports for the agent's Unix socket peer, never from anything the caller says:
+root, or a member of the launch group (``shardpool`` by default).
 
 Every directory the agent makes (work, job, cache, profiler and socket directories) goes through
 :func:`make_directory`, which never follows a symbolic link, refuses a directory someone else
@@ -18,32 +21,44 @@ import errno
 import grp
 import os
 import pwd
+import secrets
+import signal
 import stat
 import subprocess
 import sys
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardpool.errors import ShardpoolError
 
 __all__ = [
+    "DEFAULT_JOB_UIDS",
     "DEFAULT_LAUNCH_GROUP",
     "DEFAULT_RUN_AS",
     "Caller",
+    "JobUids",
     "LaunchPolicy",
     "RunAs",
+    "disown_tree",
+    "kill_uid",
     "make_directory",
     "make_tree",
     "resolve_run_as",
+    "share_with_group",
+    "uids_running",
 ]
 
 DEFAULT_RUN_AS = "shardpool"
 DEFAULT_LAUNCH_GROUP = "shardpool"
+#: The uids jobs run as, one per job: systemd's ``DynamicUser`` range, which no passwd entry may use.
+DEFAULT_JOB_UIDS = range(61184, 65520)
 
 
 @dataclass(frozen=True)
 class RunAs:
-    """The unprivileged account stage processes run as."""
+    """An unprivileged account the agent's children run as: the run-as account itself (the device
+    profiler), or one job's uid with the run-as account's group (that job's stages)."""
 
     user: str
     uid: int
@@ -53,14 +68,14 @@ class RunAs:
         """``subprocess.Popen`` arguments that drop to this account (no supplementary groups)."""
         return {"user": self.uid, "group": self.gid, "extra_groups": []}
 
-    def make_private_dir(self, path: Path) -> Path:
+    def make_private_dir(self, path: Path, *, fresh: bool = False) -> Path:
         """Create ``path`` (missing parents root-owned, 0755) and hand it to this account with mode 0700.
 
         Refused (:func:`make_directory`) when ``path`` is a symbolic link, not a directory, or
-        owned by anyone but root or this account.
+        owned by anyone but root or this account; with ``fresh``, FileExistsError when it exists at all.
         """
         make_tree(path.parent)
-        return make_directory(path, mode=0o700, owner=(self.uid, self.gid))
+        return make_directory(path, mode=0o700, owner=(self.uid, self.gid), fresh=fresh)
 
 
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -122,14 +137,17 @@ def _open_directory(path: Path, *, create: bool) -> int:
     return fd
 
 
-def make_directory(path: Path, *, mode: int, owner: tuple[int, int] | None = None) -> Path:
+def make_directory(
+    path: Path, *, mode: int, owner: tuple[int, int] | None = None, fresh: bool = False
+) -> Path:
     """Create the directory ``path`` (its parent must exist), or take the one there, never
     following a symbolic link at ``path`` (nor one another user made above it).
 
     Refuses (:class:`ShardpoolError`) a link, a non-directory, or a directory owned by anyone but
-    root, this process or ``owner``'s uid. With ``owner`` the directory is handed to it with
-    ``mode``; without, a directory made here gets ``mode`` and an existing one keeps its own. Owner
-    and mode are set through the directory's descriptor, so what is changed is what was checked.
+    root, this process or ``owner``'s uid; with ``fresh``, anything already at ``path`` is a
+    FileExistsError (a job's directory is never re-used). With ``owner`` the directory is handed to it with ``mode``;
+    without, a directory made here gets ``mode`` and an existing one keeps its own. Owner and mode
+    are set through the directory's descriptor, so what is changed is what was checked.
     """
     path = Path(os.path.abspath(path))
     parent_fd = _open_directory(path.parent, create=False)
@@ -138,6 +156,8 @@ def make_directory(path: Path, *, mode: int, owner: tuple[int, int] | None = Non
         try:
             os.mkdir(path.name, 0o700, dir_fd=parent_fd)
         except FileExistsError:
+            if fresh:
+                raise FileExistsError(errno.EEXIST, "a job directory is never re-used", str(path)) from None
             created = False
         fd = _open_no_link(parent_fd, path.name, path)
         if not isinstance(fd, int):
@@ -167,6 +187,149 @@ def make_tree(path: Path) -> Path:
     path = Path(os.path.abspath(path))
     os.close(_open_directory(path, create=True))
     return path
+
+
+def disown_tree(path: Path) -> None:
+    """Hand ``path`` and everything beneath it to root (mode kept), never following a link.
+
+    Run once a job's processes are gone, so that a later job given the same uid cannot read
+    what this one left (its secret, logs and downloads).
+    """
+    os.chown(path, 0, 0, follow_symlinks=False)
+    for _, dirs, files, fd in os.fwalk(path, follow_symlinks=False):
+        for name in [*dirs, *files]:
+            os.chown(name, 0, 0, dir_fd=fd, follow_symlinks=False)
+
+
+def share_with_group(path: Path, gid: int) -> None:
+    """Make ``path`` and what it holds read-write for group ``gid`` (directories setgid), never
+    following a link: the fetch cache every job's uid shares through the run-as account's group."""
+    fd = os.open(path, _DIRECTORY_FLAGS | os.O_NOFOLLOW)
+    try:
+        os.fchown(fd, -1, gid)
+        os.fchmod(fd, 0o2770)
+    finally:
+        os.close(fd)
+    for _, dirs, files, dir_fd in os.fwalk(path, follow_symlinks=False):
+        for name in dirs:
+            found = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            os.chown(name, -1, gid, dir_fd=dir_fd, follow_symlinks=False)
+            os.chmod(name, stat.S_IMODE(found.st_mode) | 0o2070, dir_fd=dir_fd)
+        for name in files:
+            found = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISREG(found.st_mode):
+                os.chown(name, -1, gid, dir_fd=dir_fd, follow_symlinks=False)
+                os.chmod(name, stat.S_IMODE(found.st_mode) | 0o060, dir_fd=dir_fd)
+
+
+@dataclass
+class JobUids:
+    """Hands each job a uid of its own from ``uids`` and takes it back once nothing runs under it.
+
+    A uid is handed out only when no passwd entry names it and no process runs under it (real,
+    effective, saved or filesystem uid). :func:`kill_uid` kills whatever still runs under a job's
+    uid (the uid is the job's alone, so nothing else is hit); :meth:`release` then removes its
+    ``/dev/shm`` files and frees it.
+    """
+
+    uids: range = DEFAULT_JOB_UIDS
+    _held: set[int] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take(self) -> int:
+        """A free uid of the range; ShardpoolError when every one is held or in use."""
+        named = {entry.pw_uid for entry in pwd.getpwall()}
+        with self._lock:
+            busy = self._held | named | uids_running()
+            free = [uid for uid in self.uids if uid not in busy]
+            while free:
+                uid = free.pop(secrets.randbelow(len(free)))
+                if not _has_passwd_entry(uid):
+                    self._held.add(uid)
+                    return uid
+        raise ShardpoolError(
+            f"no free job uid in {self.uids.start}-{self.uids.stop - 1}: every one runs a job; "
+            "wait for one to end or widen the range"
+        )
+
+    def release(self, uid: int) -> None:
+        """Free ``uid`` once nothing runs under it (:func:`kill_uid` returned 0), clearing its
+        ``/dev/shm`` files first."""
+        _remove_shm_of(uid)
+        with self._lock:
+            self._held.discard(uid)
+
+    @property
+    def held(self) -> frozenset[int]:
+        """The uids handed out and not yet reclaimed."""
+        with self._lock:
+            return frozenset(self._held)
+
+
+def _has_passwd_entry(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
+
+
+def _uids_of(pid: str) -> set[int]:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("Uid:"):
+                    return {int(x) for x in line.split()[1:5]}
+    except (OSError, ValueError):
+        pass
+    return set()
+
+
+def uids_running() -> set[int]:
+    """Every uid (real, effective, saved or filesystem) some process on this machine runs under."""
+    running: set[int] = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            running |= _uids_of(pid)
+    return running
+
+
+def kill_uid(uid: int) -> int:
+    """SIGKILL every process running under ``uid``; the number found (0: none was left).
+
+    Each process is pinned with a pidfd and its uid checked again through it, so a pid re-used
+    by another process meanwhile is never signalled.
+    """
+    found = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or uid not in _uids_of(pid):
+            continue
+        try:
+            pidfd = os.pidfd_open(int(pid))
+        except OSError:
+            continue
+        try:
+            if uid in _uids_of(pid):
+                found += 1
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except OSError:
+            pass
+        finally:
+            os.close(pidfd)
+    return found
+
+
+def _remove_shm_of(uid: int) -> None:
+    try:
+        entries = list(os.scandir("/dev/shm"))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if entry.stat(follow_symlinks=False).st_uid == uid and not entry.is_dir(follow_symlinks=False):
+                os.unlink(entry.path)
+        except OSError:
+            pass
 
 
 def resolve_run_as(user: str, *, python: str = sys.executable, check_python: bool = True) -> RunAs:
@@ -243,18 +406,19 @@ class Caller:
 class LaunchPolicy:
     """Who may submit and manage jobs through the local agent: root or the members of ``group``.
 
-    ``denied_uids`` are refused even when in the group: the run-as account, so that a stage
-    process can never submit jobs of its own.
+    ``denied_uids`` are refused even when in the group: the run-as account and every job uid
+    (``job_uids``), so that a stage process can never submit jobs of its own.
     """
 
     group: str = DEFAULT_LAUNCH_GROUP
     denied_uids: frozenset[int] = frozenset()
+    job_uids: range = DEFAULT_JOB_UIDS
 
     def allows(self, caller: Caller) -> bool:
         """Whether ``caller`` may launch: root, or in the group (primary or supplementary)."""
         if caller.is_root:
             return True
-        if caller.uid in self.denied_uids:
+        if caller.uid in self.denied_uids or caller.uid in self.job_uids:
             return False
         try:
             entry = grp.getgrnam(self.group)
@@ -270,7 +434,7 @@ class LaunchPolicy:
 
     def refusal(self, caller: Caller) -> str:
         """The one-line reason a caller is refused, with the fix."""
-        if caller.uid in self.denied_uids:
+        if caller.uid in self.denied_uids or caller.uid in self.job_uids:
             return f"user {caller.user!r} runs job stages and may not launch jobs itself"
         return (
             f"user {caller.user!r} may not launch shardpool jobs on this machine; "

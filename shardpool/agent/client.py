@@ -55,26 +55,39 @@ class AgentClient:
         )
         return list(reply["devices"])
 
-    def echo(self, nbytes: int) -> float:
+    def echo(self, nbytes: int, *, timeout: float = 60.0) -> float:
         """Send ``nbytes`` to the agent and return the seconds until it confirmed them all."""
         payload = bytes(nbytes)
         started = time.perf_counter()
-        reply = self._call("POST", "/v1/echo", raw_body=payload, timeout=60.0)
+        reply = self._call("POST", "/v1/echo", raw_body=payload, timeout=timeout)
         elapsed = time.perf_counter() - started
         if int(reply.get("bytes", -1)) != nbytes:
             raise AgentRefused(f"agent at {self.url} confirmed {reply.get('bytes')} of {nbytes} echo bytes")
         return elapsed
 
-    def measure_link(self, *, nbytes: int = 4 * 2**20, pings: int = 3) -> dict[str, float]:
-        """One-way latency (half the median health round trip) and bandwidth (timed echo) to the agent."""
+    def measure_link(
+        self, *, nbytes: int = 4 * 2**20, pings: int = 3, budget_s: float = 150.0
+    ) -> dict[str, float]:
+        """One-way latency (half the median health round trip) and bandwidth (timed echo) to the agent.
+
+        Every call ends within ``budget_s`` of the first (:class:`AgentUnreachable` once it is spent).
+        """
+        deadline = time.monotonic() + budget_s
         round_trips = []
         for _ in range(pings):
             started = time.perf_counter()
-            self.health()
+            self._call("GET", "/v1/health", timeout=self._time_left(deadline, self.timeout))
             round_trips.append(time.perf_counter() - started)
         latency = statistics.median(round_trips) / 2
-        transfer = min(self.echo(nbytes) for _ in range(2))
+        transfer = min(self.echo(nbytes, timeout=self._time_left(deadline, 60.0)) for _ in range(2))
         return {"bandwidth": nbytes / max(transfer - 2 * latency, 1e-6), "latency": latency}
+
+    def _time_left(self, deadline: float, most: float) -> float:
+        """Seconds the next call may take: at most ``most``, and never past ``deadline``."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AgentUnreachable(f"agent at {self.url}: the link measurement ran out of time")
+        return min(most, left)
 
     def probe(self, targets: dict[str, str], *, nbytes: int = 4 * 2**20) -> dict[str, dict[str, Any]]:
         """Ask the agent to measure its links to other members' agents (name -> url)."""

@@ -1,15 +1,15 @@
 """Keep a stage process's writes inside its job: Linux Landlock, applied in the child before exec.
 
-A stage runs as the unprivileged run-as account, which on its own could still write wherever
-that account may (``/tmp``, ``/var/tmp``, other jobs' files under the same account). Landlock,
-a Linux security module that an unprivileged process can apply to itself and its children, takes
-every filesystem write right away except beneath the directories given: the job directory, the
-shared fetch cache, and ``/dev`` (``/dev/null``, ``/dev/shm`` for NCCL, the GPU device files).
+A stage runs under its job's own unprivileged uid, which on its own could still write wherever
+any user may (``/tmp``, ``/var/tmp``). Landlock, a Linux security module that an unprivileged
+process can apply to itself and its children, takes every filesystem write right away except
+beneath the directories given: the job directory, the shared fetch cache, and ``/dev``
+(``/dev/null``, ``/dev/shm`` for NCCL, the GPU device files).
 Reading is left alone: a stage reads the Python installation, its libraries and the drivers.
 
 The rules are made with three system calls through ctypes (no library wraps them for Python).
 On a kernel without Landlock (before 5.13, or with the module off), :func:`landlock_abi` is 0
-and the agent says so once in its log: jobs still run as the unprivileged account in a 0700
+and the agent says so once in its log: jobs still run under their own unprivileged uid in a 0700
 directory, only without this second fence (docs/security.md lists it as a residual risk).
 """
 

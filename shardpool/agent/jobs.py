@@ -24,13 +24,16 @@ from mesh.control.directory import Member
 from shardpool.agent.processes import signal_group
 from shardpool.contract.events import EVENT_PREFIX, StageEvent
 
-__all__ = ["Job", "Rank", "event_in", "open_log", "tail", "terminate"]
+__all__ = ["MAX_EVENT_BYTES", "Job", "Rank", "event_in", "open_log", "tail", "terminate"]
 
 log = logging.getLogger(__name__)
 
 _EVENT_NAMES = frozenset(event.value for event in StageEvent)
 #: A relayed event line longer than this goes to the log instead (events are a few hundred bytes).
 _MAX_EVENT_LINE = 1 << 20
+#: The most bytes of event lines a job keeps for its launcher; past it the oldest are dropped (the
+#: launcher, which polls every second, sees them as ``lost``). 10,000 events of a few hundred bytes fit.
+MAX_EVENT_BYTES = 8 * 2**20
 _TERMINATE_GRACE_S = 5.0
 _MAX_EVENTS_PER_POLL = 5000
 _MAX_LOG_TAIL_BYTES = 8 * 2**20
@@ -52,7 +55,8 @@ class Rank:
 @dataclass
 class Job:
     """One job on this agent: who started it (``origin``, the member whose key signed the start),
-    its ranks, the last ``max_events`` events, and when it was last polled (the heartbeat)."""
+    its ranks, the last ``max_events`` events (at most ``max_event_bytes`` of them), and when it
+    was last polled (the heartbeat)."""
 
     job_id: str
     directory: Path
@@ -66,15 +70,38 @@ class Job:
     stopping: bool = False
     starting: bool = True
     finished_at: float | None = None
+    max_event_bytes: int = MAX_EVENT_BYTES
 
     def __post_init__(self) -> None:
-        self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=self.max_events)
+        self.events: collections.deque[dict[str, Any]] = collections.deque()
+        self._event_sizes: collections.deque[int] = collections.deque()
+        self.event_bytes = 0
+        self._dropping = False
         self.changed = threading.Condition()
 
-    def add_event(self, rank: int, event: dict[str, Any]) -> None:
-        """Append one event with the next sequence number and wake the pollers."""
+    def add_event(self, rank: int, event: dict[str, Any], size: int | None = None) -> None:
+        """Append one event with the next sequence number and wake the pollers.
+
+        ``size`` is the length of the line that carried it (measured here when not given). The
+        oldest events are dropped to keep at most ``max_events`` of them and ``max_event_bytes``.
+        """
+        size = len(json.dumps(event)) if size is None else size
         with self.changed:
+            while self.events and (
+                len(self.events) >= self.max_events or self.event_bytes + size > self.max_event_bytes
+            ):
+                if not self._dropping and self.event_bytes + size > self.max_event_bytes:
+                    self._dropping = True
+                    log.warning(
+                        "job %s: its stages printed more than %d MiB of events; dropping the oldest",
+                        self.job_id,
+                        self.max_event_bytes >> 20,
+                    )
+                self.events.popleft()
+                self.event_bytes -= self._event_sizes.popleft()
             self.events.append({"seq": self.next_seq, "rank": rank, "event": event})
+            self._event_sizes.append(size)
+            self.event_bytes += size
             self.next_seq += 1
             self.changed.notify_all()
 
@@ -107,7 +134,7 @@ class Job:
             for raw in stream:
                 event = event_in(raw)
                 if event is not None:
-                    self.add_event(record.rank, event)
+                    self.add_event(record.rank, event, len(raw))
                     continue
                 try:
                     os.write(record.log_fd, raw)

@@ -8,7 +8,9 @@ never submit jobs of its own); anyone else gets a one-line 403 on every route an
 local agent signs the request with this member's key (the launcher cannot read it), checks the
 signed reply, and hands back its status and body. Only the mesh routes a launcher needs are
 forwarded. A job start is stamped with the caller's user name (whatever the body said) and
-recorded here, so that its events, logs and stop are allowed only to that user or root.
+recorded here, so that its events, logs and stop are allowed only to that user or root, and only
+on the members it was started on; each such request is forwarded with ``submitter=USER`` in its
+signed path (never from the caller), which the job's agent checks against the job's submitter.
 """
 
 from __future__ import annotations
@@ -17,18 +19,27 @@ import json
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import parse_qs, quote, urlsplit
 
 from mesh.http.client import Unreachable
 from mesh.http.server import CHUNK, HTTPError, HTTPServer, Limits, Reply, Request, Route, json_reply
 from shardpool.agent.accounts import Caller, LaunchPolicy
+from shardpool.agent.admission import Slots
 from shardpool.agent.client import AgentRefused, SignedAgentClient
+from shardpool.agent.job_table import SUBMITTER_PARAMETER
 from shardpool.agent.members import MeshPeer
 from shardpool.contract.job import MAX_JOB_JSON_BYTES
 
-__all__ = ["LocalService", "MemberGateway", "forward_route"]
+__all__ = ["PER_CALLER", "LocalService", "MemberGateway", "forward_route"]
+
+#: Requests one user (root aside) may have in progress at once on the socket, a part of the local
+#: listener's pool so that one user cannot hold it all: a launcher holds one per member of its
+#: run (its event polls) and up to 4 while it profiles.
+PER_CALLER = 24
 
 _JOB_ID = r"(?P<job_id>[A-Za-z0-9][A-Za-z0-9._-]{0,63})"
 _QUERY = r"(?:\?[A-Za-z0-9=&._-]{0,200})?"
@@ -104,12 +115,21 @@ class LocalService:
     """The Unix-socket listener of one agent (reached through ``gateway``) and its record of local jobs.
 
     ``run_as_uid`` is the account stages run as: it is refused here even when in ``group``.
+    ``per_caller`` bounds the requests one user other than root has in progress at once.
     """
 
     def __init__(
-        self, gateway: MemberGateway, *, socket_path: Path, group: str, run_as_uid: int, limits: Limits
+        self,
+        gateway: MemberGateway,
+        *,
+        socket_path: Path,
+        group: str,
+        run_as_uid: int,
+        limits: Limits,
+        per_caller: int = PER_CALLER,
     ) -> None:
         self.gateway = gateway
+        self._callers = Slots(per_caller)
         self.socket_path = socket_path
         self.policy = LaunchPolicy(group, frozenset({run_as_uid}))
         self._jobs: dict[str, _LocalJob] = {}
@@ -141,7 +161,7 @@ class LocalService:
 
     def _routes(self) -> list[Route]:
         def route(method: str, pattern: str, handler: Any, cap: int = 0) -> Route:
-            return Route(method, pattern, handler, max_body=cap, stream_body=True)
+            return Route(method, pattern, self._per_caller(handler), max_body=cap, stream_body=True)
 
         return [
             route("GET", "/v1/local/members", self._members),
@@ -150,6 +170,22 @@ class LocalService:
             route("GET", "/v1/local/jobs/{job_id}", self._show_job),
             route("DELETE", "/v1/local/jobs/{job_id}", self._stop_job),
         ]
+
+    def _per_caller(self, handler: Callable[[Request], Reply]) -> Callable[[Request], Reply]:
+        """Wrap a route: a caller other than root with :data:`PER_CALLER` requests in progress gets a
+        one-line 429 at once, its body unread, so no user can hold every handler thread."""
+
+        def run(request: Request) -> Reply:
+            caller: Caller = request.principal
+            if caller.is_root:
+                return handler(request)
+            with self._callers.hold(caller.uid) as free:
+                if not free:
+                    busy = f"user {caller.user} already has {self._callers.limit} requests in progress here"
+                    return json_reply({"error": f"{busy}; wait for them"}, 429)
+                return handler(request)
+
+        return run
 
     def _authenticate(self, request: Request) -> Caller:
         """The caller the kernel reports, if the launch policy allows it; else a one-line 403."""
@@ -196,7 +232,8 @@ class LocalService:
         results: dict[str, Any] = {}
         for name in list(job.members):
             try:
-                status, body = self._call(self._peer(name), "DELETE", f"/v1/jobs/{job.job_id}", b"", 30.0)
+                path = _for_submitter(f"/v1/jobs/{job.job_id}", job, request.principal)
+                status, body = self._call(self._peer(name), "DELETE", path, b"", 30.0)
                 results[name] = {"status": status, "body": body}
             except HTTPError as error:
                 results[name] = {"status": error.status, "body": {"error": error.message}}
@@ -227,7 +264,12 @@ class LocalService:
             if isinstance(started_id, str):
                 self._check_may_start(started_id, caller)
         elif job_id is not None:
-            self._owned(job_id, caller, allow_unknown_to_root=True)
+            job = self._owned(job_id, caller, allow_unknown_to_root=True)
+            if not caller.is_root and peer.name not in job.members:
+                raise HTTPError(
+                    403, f"job {job_id!r} was not started on member {peer.name!r} through this agent"
+                )
+            path = _for_submitter(str(path), job, caller)
         data = b"" if inner is None else json.dumps(inner).encode("utf-8")
         status, body = self._call(peer, str(method), str(path), data, timeout)
         if starting and status == 201 and isinstance(inner.get("job_id"), str):
@@ -263,8 +305,8 @@ class LocalService:
     def _check_may_start(self, job_id: str, caller: Caller) -> None:
         with self._lock:
             job = self._jobs.get(job_id)
-        if job is not None and job.uid != caller.uid and job.state == "running":
-            raise HTTPError(403, f"job {job_id!r} belongs to user {job.user!r}; choose another job id")
+        if job is not None and job.uid != caller.uid:
+            raise HTTPError(403, f"job id {job_id!r} belongs to user {job.user!r}; choose another job id")
 
     def _owned(self, job_id: str, caller: Caller, *, allow_unknown_to_root: bool = False) -> _LocalJob:
         with self._lock:
@@ -309,6 +351,16 @@ class LocalService:
         done = sorted((j for j in self._jobs.values() if j.state != "running"), key=lambda j: j.started)
         for job in done[: len(self._jobs) - _MAX_LOCAL_JOBS]:
             del self._jobs[job.job_id]
+
+
+def _for_submitter(path: str, job: _LocalJob, caller: Caller) -> str:
+    """``path`` as signed for ``caller``: with ``submitter=`` naming the job's user, unless root
+    asks (the member itself, which may manage every job it started). The caller may not name it."""
+    if SUBMITTER_PARAMETER in parse_qs(urlsplit(path).query, keep_blank_values=True):
+        raise HTTPError(400, f"{SUBMITTER_PARAMETER}= is set by the agent, never by the caller")
+    if caller.is_root:
+        return path
+    return f"{path}{'&' if '?' in path else '?'}{SUBMITTER_PARAMETER}={quote(job.user, safe='')}"
 
 
 def _read_body(request: Request, cap: int) -> bytes:

@@ -1,6 +1,7 @@
-"""Starting the agent's children (stage processes, the device profiler) as the run-as account.
+"""Starting the agent's children (stage processes, the device profiler) unprivileged.
 
-Every child runs as the unprivileged run-as account, never root, with an environment the agent
+Every child runs unprivileged, never root (a job's stages under the job's own uid and the run-as
+account's group, the device profiler as the run-as account), with an environment the agent
 builds itself (:func:`stage_environment`), in its own process group, fenced by Landlock where
 the kernel has it (:mod:`shardpool.agent.confine`), and dies with the agent (``PR_SET_PDEATHSIG``).
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from shardpool.agent.accounts import RunAs
+from shardpool.agent.accounts import DEFAULT_JOB_UIDS, RunAs
 from shardpool.agent.confine import restrict_writes
 from shardpool.errors import ShardpoolError
 from shardpool.host.cpu_quota import available_cpus
@@ -55,18 +56,29 @@ _INHERITED_ENV = (
 @dataclass(frozen=True)
 class StageSettings:
     """How this agent starts stages: as whom, which command (the job file and rank are appended),
-    on which mesh interface, under which work directory, and with which Landlock ABI (0: none)."""
+    on which mesh interface, under which work directory, and with which Landlock ABI (0: none).
+
+    ``job_uids`` is the range each job's own uid comes from (with ``run_as``'s group); an agent
+    that is not root, or an empty range, runs every job as ``run_as`` itself.
+    """
 
     run_as: RunAs
     worker_command: list[str]
     interface: str | None
     work_dir: Path
     landlock_abi: int
+    job_uids: range = DEFAULT_JOB_UIDS
 
     @property
     def cache_dir(self) -> Path:
-        """The stages' shared content-addressed cache, owned by the run-as account (0700)."""
+        """The stages' shared content-addressed cache: the run-as account's, setgid 2770 for its
+        group, which every job's uid has."""
         return self.work_dir / "cache"
+
+    @property
+    def uid_per_job(self) -> bool:
+        """Whether each job gets a uid of its own (root agents with a non-empty range)."""
+        return os.geteuid() == 0 and len(self.job_uids) > 0
 
 
 def stage_environment(
@@ -79,9 +91,9 @@ def stage_environment(
     stage writes stays there; gloo and NCCL are pinned to the mesh interface and InfiniBand is off,
     so training traffic stays inside WireGuard; threads are this machine's usable CPUs (its cores, capped
     by its cgroup CPU quota) over its ranks.
-    ``SHARDPOOL_CACHE`` is ``cache_dir``, one content-addressed cache owned by the run-as account
-    for all jobs, so a resumed or repeated run downloads nothing it already has (every cached byte
-    is re-hashed when read).
+    ``SHARDPOOL_CACHE`` is ``cache_dir``, one content-addressed cache shared by all jobs through the
+    run-as account's group, so a resumed or repeated run downloads nothing it already has (a cached byte is
+    used only if it hashes to the digest the launcher's file server publishes for the job).
     """
     threads = str(max(1, available_cpus() // max(1, local_ranks)))
     env = {name: os.environ[name] for name in _INHERITED_ENV if os.environ.get(name)}
@@ -131,9 +143,12 @@ def check_reachable(account: RunAs, directory: Path) -> None:
 
 def _die_with_parent(parent: int, writable: list[str], abi: int) -> Callable[[], None]:
     """A ``preexec_fn``: SIGKILL the child when the agent dies (and exit if it already has); where
-    the kernel has Landlock (``abi`` > 0), forbid it every write outside ``writable``."""
+    the kernel has Landlock (``abi`` > 0), forbid it every write outside ``writable``. The umask
+    keeps what it makes in the shared cache writable for the run-as group (its own directory is
+    0700, so nothing else there is exposed)."""
 
     def preexec() -> None:
+        os.umask(0o007)
         if sys.platform.startswith("linux"):
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -10,8 +10,14 @@ agent builds (:func:`shardpool.agent.processes.stage_environment`), in its own p
 fenced by Landlock to its own 0700 directory and ``/dev``, and tied to the agent's life. It
 gets a deadline and a cap on what it prints; a crash, a hang or a malformed report becomes a
 one-line 500 and the agent carries on. The report of each model shape and per-layer workload is
-kept, so a planner asking again (with other planner-only fields) gets it at once, unless the
-host's CPU quota changed since.
+kept (the :data:`MAX_KEPT_PROFILES` most recently used), so a planner asking again (with other
+planner-only fields) gets it at once, unless the host's CPU quota changed since.
+
+One profile runs at a time, in the profiler's own thread, never in a handler thread: a request
+for the shape being measured waits for it (at most ``max_waiters`` requests at once), a request
+for another shape meanwhile gets a one-line 503 at once. So profiling can hold only a few of the
+agent's handler threads, and a caller that gave up leaves a run that ends by its deadline and is
+kept for the next one.
 
 The profiler keeps its measurement cache (``profiles.json``) in its own directory, not in the
 stages' shared cache, so a stage cannot plant profiles there where Landlock fences it.
@@ -19,6 +25,8 @@ stages' shared cache, so a stage cannot plant profiles there where Landlock fenc
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -43,6 +51,7 @@ from shardpool.plan.costmodel import Workload
 __all__ = [
     "MAX_CAPABILITY_CHARS",
     "MAX_CPU_QUOTA",
+    "MAX_KEPT_PROFILES",
     "MAX_MEASURED_SECONDS",
     "MAX_NF4_ERROR_CHARS",
     "MAX_REPORT_BYTES",
@@ -57,6 +66,10 @@ log = logging.getLogger(__name__)
 #: How long one profiling run may take: below the launcher's 300 s wait for ``/v1/devices``, so
 #: the launcher hears why rather than timing out.
 PROFILE_TIMEOUT_S = 280.0
+#: How many reports (model shape x workload x host limits) are kept; the least recently used goes.
+MAX_KEPT_PROFILES = 16
+#: How many requests may wait for a profile at once, each holding a handler thread.
+PROFILE_WAITERS = 4
 #: The most a report may print on stdout (a device's row is a few hundred bytes).
 MAX_REPORT_BYTES = 1 << 20
 _STDERR_TAIL = 64 * 1024
@@ -142,13 +155,17 @@ class DeviceProfiler:
         *,
         command: list[str] | None = None,
         timeout_s: float = PROFILE_TIMEOUT_S,
+        max_waiters: int = PROFILE_WAITERS,
     ) -> None:
         self.settings = settings
         self.spawner = spawner
         self.command = list(command or [sys.executable, "-m", "shardpool.plan.report"])
         self.timeout_s = timeout_s
+        self.max_waiters = max_waiters
         self._lock = threading.Lock()
-        self._reports: dict[str, list[dict[str, Any]]] = {}
+        self._reports: collections.OrderedDict[str, list[dict[str, Any]]] = collections.OrderedDict()
+        self._running: tuple[str, concurrent.futures.Future[list[dict[str, Any]]]] | None = None
+        self._waiters = 0
 
     @property
     def directory(self) -> Path:
@@ -161,22 +178,81 @@ class DeviceProfiler:
         The cache key is the model shape, the workload's per-layer settings (planner-only fields
         don't matter) and the agent's cgroup CPU quota and memory limit, which its children share:
         a host throttled or capped anew since the last answer is measured again rather than
-        answered from the old profile and its old free memory.
+        answered from the old profile and its old free memory. A 503 when another shape is being
+        measured or too many requests wait already.
         """
         shape, workload = devices_request(body)
         memory = cgroup_memory()
         limit = None if memory is None else memory.limit_bytes
         key = f"{shape.key()}|{workload.profile_key()}|quota={cpu_quota()}|memory={limit}"
         with self._lock:
-            if key not in self._reports:
-                if not self.spawner.running:
-                    raise HTTPError(503, "the agent is shutting down")
-                try:
-                    self._reports[key] = self._measure(shape, workload)
-                except ProfileFailed as error:
-                    log.warning("profiling the devices for %s failed: %s", shape.name or key, error)
-                    raise HTTPError(500, f"profiling this machine's devices failed: {error}") from None
-            return {"devices": self._reports[key]}
+            if key in self._reports:
+                self._reports.move_to_end(key)
+                return {"devices": self._reports[key]}
+            future = self._start(key, shape, workload)
+            if self._waiters >= self.max_waiters:
+                raise HTTPError(
+                    503, f"{self._waiters} requests already wait for this agent's profile; ask again later"
+                )
+            self._waiters += 1
+        try:
+            return {"devices": future.result(timeout=self.timeout_s + 10.0)}
+        except ProfileFailed as error:
+            raise HTTPError(500, f"profiling this machine's devices failed: {error}") from None
+        except concurrent.futures.TimeoutError:
+            raise HTTPError(
+                504, f"profiling this machine's devices took longer than {self.timeout_s:.0f} s"
+            ) from None
+        finally:
+            with self._lock:
+                self._waiters -= 1
+
+    def _start(
+        self, key: str, shape: ModelShape, workload: Workload
+    ) -> concurrent.futures.Future[list[dict[str, Any]]]:
+        """The run measuring ``key``: the one under way, or a new one in its own thread (lock held)."""
+        if self._running is not None:
+            running, future = self._running
+            if running == key:
+                return future
+            raise HTTPError(503, "this agent is profiling another model shape; ask again in a few minutes")
+        if not self.spawner.running:
+            raise HTTPError(503, "the agent is shutting down")
+        future = concurrent.futures.Future()
+        self._running = (key, future)
+        threading.Thread(
+            target=self._run, args=(key, shape, workload, future), name="agent-profiler", daemon=True
+        ).start()
+        return future
+
+    def _run(
+        self,
+        key: str,
+        shape: ModelShape,
+        workload: Workload,
+        future: concurrent.futures.Future[list[dict[str, Any]]],
+    ) -> None:
+        """Measure one shape, keep the report (evicting the least recently used) and hand it to the waiters."""
+        try:
+            rows = self._measure(shape, workload)
+        except ProfileFailed as error:
+            log.warning("profiling the devices for %s failed: %s", shape.name or key, error)
+            with self._lock:
+                self._running = None
+            future.set_exception(error)
+            return
+        except BaseException as error:  # noqa: BLE001 - handed to the waiters, who answer 500
+            log.exception("profiling the devices for %s failed", shape.name or key)
+            with self._lock:
+                self._running = None
+            future.set_exception(ProfileFailed(f"internal error ({type(error).__name__})"))
+            return
+        with self._lock:
+            self._reports[key] = rows
+            while len(self._reports) > MAX_KEPT_PROFILES:
+                self._reports.popitem(last=False)
+            self._running = None
+        future.set_result(rows)
 
     def _measure(self, shape: ModelShape, workload: Workload) -> list[dict[str, Any]]:
         request = {"shape": dataclasses.asdict(shape), "workload": dataclasses.asdict(workload)}

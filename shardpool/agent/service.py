@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,17 +43,24 @@ from shardpool.agent.job_table import JobTable
 from shardpool.agent.jobs import Job
 from shardpool.agent.local import LocalService
 from shardpool.agent.members import MeshPeer, same_ip
-from shardpool.agent.mesh_routes import MAX_ECHO_BYTES, MeshRoutes
+from shardpool.agent.mesh_routes import MeshRoutes, RouteLimits
 from shardpool.agent.processes import Spawner, StageSettings, check_reachable
 from shardpool.agent.profiling import PROFILE_TIMEOUT_S, DeviceProfiler
 from shardpool.errors import ShardpoolError
 
-__all__ = ["AGENT_LIMITS", "Agent"]
+__all__ = ["AGENT_LIMITS", "LOCAL_LIMITS", "MAX_PROBE_ECHO_BYTES", "PROBE_DEADLINE_S", "Agent"]
 
 log = logging.getLogger(__name__)
 
-#: Long polls hold a handler thread for up to 30 s: room for many launchers at once.
-AGENT_LIMITS = Limits(handler_threads=32)
+#: Long polls hold a handler thread for up to 30 s: room for many launchers at once. The costly
+#: routes may hold only part of the pool (:class:`shardpool.agent.mesh_routes.RouteLimits`).
+AGENT_LIMITS = Limits(handler_threads=64)
+#: The local socket's pool: a user other than root holds at most :data:`shardpool.agent.local.PER_CALLER` of it.
+LOCAL_LIMITS = Limits(handler_threads=64)
+#: Largest echo a probe sends to each target (twice): the launcher sends 4 MiB.
+MAX_PROBE_ECHO_BYTES = 16 * 2**20
+#: How long one probe may measure, all targets together: under the launcher's 130 s wait for it.
+PROBE_DEADLINE_S = 60.0
 
 
 class Agent:
@@ -67,7 +75,8 @@ class Agent:
     file and the rank are appended to it. ``profile_command`` likewise replaces ``[python, -m,
     shardpool.plan.report]``, which must answer within ``profile_timeout_s``. ``interface`` is the
     mesh interface, given to gloo and NCCL. Other members' agents are called on ``peer_port``
-    (default: the port this agent listens on).
+    (default: the port this agent listens on). ``limits`` bound the mesh listener, and the share
+    of its handler threads each costly route may hold; ``local_limits`` bound the local listener.
     """
 
     def __init__(
@@ -91,6 +100,7 @@ class Agent:
         peer_port: int | None = None,
         check_peer_ip: bool = True,
         limits: Limits = AGENT_LIMITS,
+        local_limits: Limits = LOCAL_LIMITS,
     ) -> None:
         self.host = host
         self.verifier = verifier
@@ -120,9 +130,18 @@ class Agent:
             max_events=max_events,
         )
         self.profiler = DeviceProfiler(
-            self.settings, self._spawner, command=profile_command, timeout_s=profile_timeout_s
+            self.settings,
+            self._spawner,
+            command=profile_command,
+            timeout_s=profile_timeout_s,
+            max_waiters=max(1, limits.handler_threads // 16),
         )
-        mesh_routes = MeshRoutes(self, verifier, check_peer_ip=check_peer_ip)
+        mesh_routes = MeshRoutes(
+            self,
+            verifier,
+            check_peer_ip=check_peer_ip,
+            limits=RouteLimits.for_threads(limits.handler_threads),
+        )
         self._server = HTTPServer(
             mesh_routes.routes(),
             host=host,
@@ -135,7 +154,7 @@ class Agent:
         )
         self.local = (
             LocalService(
-                self, socket_path=Path(socket_path), group=group, run_as_uid=run_as.uid, limits=limits
+                self, socket_path=Path(socket_path), group=group, run_as_uid=run_as.uid, limits=local_limits
             )
             if socket_path is not None
             else None
@@ -226,17 +245,20 @@ class Agent:
         """Start a job's ranks here (``POST /v1/jobs``); see :meth:`JobTable.start`."""
         return self.job_table.start(body, origin)
 
-    def poll(self, job_id: str, after: int, wait: float) -> dict[str, Any]:
-        """A job's events after ``after``, waiting up to ``wait`` s; also the launcher's heartbeat."""
-        return self.job_table.poll(job_id, after, wait)
+    def poll(
+        self, job_id: str, after: int, wait: float, requester: Member, on_behalf: str | None
+    ) -> dict[str, Any]:
+        """A job's events after ``after``, waiting up to ``wait`` s; also the launcher's heartbeat.
+        Only for the member that started it, on behalf of its submitter (see :meth:`JobTable.owned`)."""
+        return self.job_table.poll(job_id, after, wait, requester, on_behalf)
 
-    def delete_job(self, job_id: str, requester: Member) -> dict[str, Any]:
-        """Stop a job (only the member that started it may) and return its exit codes."""
-        return self.job_table.delete(job_id, requester)
+    def delete_job(self, job_id: str, requester: Member, on_behalf: str | None) -> dict[str, Any]:
+        """Stop a job (only the member that started it may, for its submitter) and return its exit codes."""
+        return self.job_table.delete(job_id, requester, on_behalf)
 
-    def log_tail(self, job_id: str, rank: int, lines: int) -> str:
-        """The last ``lines`` lines of a rank's log."""
-        return self.job_table.log_tail(job_id, rank, lines)
+    def log_tail(self, job_id: str, rank: int, lines: int, requester: Member, on_behalf: str | None) -> str:
+        """The last ``lines`` lines of a rank's log (only for the job's origin member and submitter)."""
+        return self.job_table.log_tail(job_id, rank, lines, requester, on_behalf)
 
     def job(self, job_id: str) -> Job:
         """The job called ``job_id``, or a 404."""
@@ -253,20 +275,40 @@ class Agent:
     def probe(self, body: dict[str, Any]) -> dict[str, Any]:
         """Measure latency and bandwidth from this member to other members' agents, signing each call.
 
-        Targets must be current mesh members (their key is what the request is signed for), so a
-        probe can never be aimed outside the mesh. Payloads are bounded by ``MAX_ECHO_BYTES``.
+        Targets must be current mesh members other than this one, each named once (their key is
+        what the request is signed for), so a probe can never be aimed outside the mesh nor made
+        to measure a link twice. Each target gets three health calls and two echoes of ``bytes``
+        (at most :data:`MAX_PROBE_ECHO_BYTES`); all of them end within :data:`PROBE_DEADLINE_S`,
+        whether or not the caller still waits, and a target not reached by then gets an error.
         """
+        targets, nbytes = self._probe_targets(body)
+        deadline = time.monotonic() + PROBE_DEADLINE_S
+        links: dict[str, Any] = {}
+        for name, peer in targets:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                links[name] = {"error": f"not measured: the probe's {PROBE_DEADLINE_S:.0f} s were up"}
+                continue
+            try:
+                links[name] = self.signed_client(peer).measure_link(nbytes=nbytes, budget_s=left)
+            except (AgentUnreachable, AgentRefused) as error:
+                links[name] = {"error": str(error)}
+        return {"links": links}
+
+    def _probe_targets(self, body: dict[str, Any]) -> tuple[list[tuple[str, MeshPeer]], int]:
+        """The (name, member) pairs a probe body names and its echo size; a one-line 400/403 when
+        a target is not a current member, is this member, or is named twice."""
         targets = body.get("targets")
         nbytes = body.get("bytes", 4 * 2**20)
         if not isinstance(targets, list) or not all(
             isinstance(t, dict) and {"name", "url"} <= t.keys() for t in targets
         ):
             raise HTTPError(400, "targets must be a list of {name, url}")
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 1 <= nbytes <= MAX_ECHO_BYTES:
-            raise HTTPError(400, f"bytes must be an integer from 1 to {MAX_ECHO_BYTES}")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 1 <= nbytes <= MAX_PROBE_ECHO_BYTES:
+            raise HTTPError(400, f"bytes must be an integer from 1 to {MAX_PROBE_ECHO_BYTES}")
         peers = self.current_peers()
-        links: dict[str, Any] = {}
-        for target in targets[:64]:
+        chosen: list[tuple[str, MeshPeer]] = []
+        for target in targets:
             try:
                 host = urlsplit(str(target["url"])).hostname or ""
             except ValueError:
@@ -274,8 +316,11 @@ class Agent:
             peer = next((p for p in peers if same_ip(host, p.address)), None)
             if peer is None:
                 raise HTTPError(403, f"probe target {host[:64]!r} is not a mesh member")
-            try:
-                links[str(target["name"])[:64]] = self.signed_client(peer).measure_link(nbytes=nbytes)
-            except (AgentUnreachable, AgentRefused) as error:
-                links[str(target["name"])[:64]] = {"error": str(error)}
-        return {"links": links}
+            if same_ip(host, self.host) or peer.public_key == self.public_key:
+                raise HTTPError(
+                    400, f"probe target {host[:64]!r} is this member; a probe measures links to others"
+                )
+            if any(peer.public_key == seen.public_key for _, seen in chosen):
+                raise HTTPError(400, f"probe target {host[:64]!r} is named twice; name each member once")
+            chosen.append((str(target["name"])[:64], peer))
+        return chosen, nbytes

@@ -4,7 +4,8 @@ Remote stages read only the tensors they own, so the server answers byte ranges 
 and sends ``X-Content-SHA256`` with every body, so a receiver can verify exactly what it got. The
 manifest gives every served file's size and SHA-256, which are also the keys of the receivers'
 content-addressed caches. Uploads (checkpoint pieces, adapter pieces, eval logits) are verified
-against the sender's hash and written atomically under one root directory.
+against the sender's hash and written atomically under one root directory, bounded in number of
+files and in total bytes per run, so a stage cannot fill the launcher's disk.
 
 The server speaks JSON and raw bytes only, runs on :mod:`mesh.http.server` (deadlines, size caps, bounded
 handler threads), listens on one address (the launcher's mesh address), and answers only requests
@@ -15,6 +16,7 @@ model or write into the run's output.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import logging
@@ -43,6 +45,8 @@ from shardpool.errors import ShardpoolError
 
 __all__ = [
     "MAX_UPLOAD_BYTES",
+    "MAX_UPLOAD_FILES",
+    "MAX_UPLOAD_TOTAL_BYTES",
     "FileServer",
     "parse_range",
     "sha256_file",
@@ -51,6 +55,10 @@ __all__ = [
 log = logging.getLogger("shardpool.files.server")
 
 MAX_UPLOAD_BYTES = 2 * 2**30
+#: Files one run may upload (a path uploaded again counts once): its checkpoints, adapter and logits.
+MAX_UPLOAD_FILES = 4096
+#: Bytes one run's uploads may hold in all (the latest upload of each path counts).
+MAX_UPLOAD_TOTAL_BYTES = 64 * 2**30
 _CHUNK = 1 << 20
 _HASH_WAIT_S = 600.0  # a request for a file waits this long for the first hashing to finish
 _SECRET = re.compile(r"[0-9a-f]{64}")
@@ -103,7 +111,9 @@ class FileServer:
 
     ``GET /v1/manifest``, ``GET``/``HEAD /v1/files/{name}`` (optionally ``Range``) and
     ``PUT /v1/upload/{relative/path}`` (``X-Content-SHA256`` required, at most ``max_upload_bytes``,
-    streamed to a temporary file and renamed into place). Every request must carry
+    streamed to a temporary file and renamed into place). A run's uploads hold at most
+    ``max_upload_files`` paths (429 beyond) and ``max_upload_total_bytes`` bytes (413 beyond),
+    counting the latest upload of each path and those in flight, checked before the body is read. Every request must carry
     ``Authorization: Bearer <secret>``, the job's secret (64 hex digits), checked in constant time
     before any route runs; anything else gets 401. The server listens on ``host`` only (the
     launcher's mesh address; a wildcard is refused).
@@ -123,6 +133,8 @@ class FileServer:
         upload_root: Path,
         secret: str,
         max_upload_bytes: int = MAX_UPLOAD_BYTES,
+        max_upload_files: int = MAX_UPLOAD_FILES,
+        max_upload_total_bytes: int = MAX_UPLOAD_TOTAL_BYTES,
         limits: Limits | None = None,
     ) -> None:
         self._secret = _checked_secret(secret)
@@ -130,6 +142,12 @@ class FileServer:
         self.upload_root = Path(upload_root)
         self.upload_root.mkdir(parents=True, exist_ok=True)
         self.max_upload_bytes = max_upload_bytes
+        self.max_upload_files = max_upload_files
+        self.max_upload_total_bytes = max_upload_total_bytes
+        self._stored: dict[str, int] = {}  # upload path -> size of its latest upload
+        self._stored_bytes = 0
+        self._in_flight: collections.Counter[str] = collections.Counter()
+        self._in_flight_bytes = 0
         self._lock = threading.Lock()
         self._hashed = threading.Event()
         self._hash_error: str | None = None
@@ -266,6 +284,43 @@ class FileServer:
             check_digest(expected, "X-Content-SHA256")
         except ContractError:
             raise HTTPError(400, "the upload needs an X-Content-SHA256 header (64 hex digits)") from None
+        key = str(target)
+        self._reserve(key, request.length)
+        try:
+            received = self._receive(request, target, relative, expected)
+            with self._lock:
+                self._stored_bytes += received - self._stored.get(key, 0)
+                self._stored[key] = received
+                self.uploads += 1
+        finally:
+            with self._lock:
+                self._in_flight[key] -= 1
+                if not self._in_flight[key]:
+                    del self._in_flight[key]
+                self._in_flight_bytes -= request.length
+        return json_reply({"path": relative, "size": received, "sha256": expected}, 201)
+
+    def _reserve(self, key: str, length: int) -> None:
+        """Count an upload of ``length`` bytes to ``key`` against the run's bounds, or refuse it (429/413)."""
+        with self._lock:
+            if len(self._stored.keys() | self._in_flight.keys() | {key}) > self.max_upload_files:
+                raise HTTPError(
+                    429,
+                    f"this run has uploaded the most files it may ({self.max_upload_files}); "
+                    "nothing more is accepted",
+                )
+            total = self._stored_bytes + self._in_flight_bytes + length - self._stored.get(key, 0)
+            if total > self.max_upload_total_bytes:
+                raise HTTPError(
+                    413,
+                    f"this upload would bring the run's uploads to {total} bytes, over its bound of "
+                    f"{self.max_upload_total_bytes}; nothing was written",
+                )
+            self._in_flight[key] += 1
+            self._in_flight_bytes += length
+
+    def _receive(self, request: Request, target: Path, relative: str, expected: str) -> int:
+        """Stream the body into ``target`` atomically if it matches ``expected``; the bytes received."""
         digest, received = hashlib.sha256(), 0
         with AtomicFile(target) as out:
             while chunk := request.read(_CHUNK):
@@ -279,9 +334,7 @@ class FileServer:
                     400, f"upload of {relative!r} does not match its X-Content-SHA256; nothing was written"
                 )
             out.commit()
-        with self._lock:
-            self.uploads += 1
-        return json_reply({"path": relative, "size": received, "sha256": expected}, 201)
+        return received
 
     def _hash_all(self) -> None:
         try:

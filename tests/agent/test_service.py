@@ -31,6 +31,7 @@ from mesh.control.directory import FixedDirectory, Member
 from mesh.control.verifier import RequestVerifier
 from mesh.wireguard.keys import public_key
 from shardpool.agent import jobs as agent_jobs
+from shardpool.agent.accounts import DEFAULT_JOB_UIDS
 from shardpool.agent.members import MeshPeer
 from shardpool.agent.service import Agent
 from shardpool.contract.job import Job
@@ -175,7 +176,8 @@ def test_events_stream_with_seqs_and_exit_codes(agent: Agent) -> None:
         mode="json"
     )
     assert (job_dir.stat().st_mode & 0o777, (job_dir / "job.json").stat().st_mode & 0o777) == (0o700, 0o600)
-    assert (job_dir.stat().st_uid, (job_dir / "job.json").stat().st_uid) == (RUN_AS.uid, RUN_AS.uid)
+    # the job's own uid while it runs; root's once it ended and the uid went back
+    assert {job_dir.stat().st_uid, (job_dir / "job.json").stat().st_uid} <= {0, *DEFAULT_JOB_UIDS}
     status, log = signed(agent.url, "GET", "/v1/jobs/run-1/log/1?tail=10")
     assert status == 200
     assert "plain line from rank 1" in log and "stderr line from rank 1" in log and "{not json" in log
@@ -214,9 +216,16 @@ def test_stage_environment_is_set_by_the_agent_alone(agent: Agent, monkeypatch: 
         expected["PYTHONPATH"] = os.environ["PYTHONPATH"]
     for rank in (0, 2):
         seen = json.loads((job_dir / f"env-rank-{rank}.json").read_text())
-        assert seen == {"env": expected, "cwd": str(job_dir)}
+        # the job's uid has no passwd entry: the agent names it
+        user = seen["env"].get("USER", "")
+        assert user.startswith("shardpool-") and int(user.removeprefix("shardpool-")) in DEFAULT_JOB_UIDS
+        assert seen == {"env": {**expected, "USER": user, "LOGNAME": user}, "cwd": str(job_dir)}
     cache = agent.work_dir / "cache"
-    assert (cache.stat().st_uid, cache.stat().st_mode & 0o777) == (RUN_AS.uid, 0o700)
+    assert (cache.stat().st_uid, cache.stat().st_gid, cache.stat().st_mode & 0o7777) == (
+        RUN_AS.uid,
+        RUN_AS.gid,
+        0o2770,
+    ), "one cache for every job, through the run-as group"
 
 
 def test_bad_job_requests_are_refused_with_400_and_one_line(agent: Agent) -> None:

@@ -33,6 +33,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from shardpool_dev.lab import MESH_CIDR, Lab, netns_skip_reason
 
+from shardpool.agent.accounts import DEFAULT_JOB_UIDS
 from tests.helpers.mesh_hosts import agent_serves
 from tests.helpers.mesh_training import (
     AGENT_PORT,
@@ -51,7 +52,6 @@ if SKIP:
     pytest.skip(SKIP, allow_module_level=True)
 
 MEASURED: dict[str, Any] = {}
-RUN_AS = "shardpool"
 LAUNCH_GROUP = "shardpool"
 
 
@@ -118,8 +118,9 @@ def test_mesh_run_equals_local_run_and_loads_with_peft(
     assert sorted(stage["host"] for stage in plan["stages"]) == ["a", "b", "c"], plan["stages"]
     summary = json.loads((out / "run_summary.json").read_text())
     assert len(summary["ranks"]) == 3
-    run_as_uid = pwd.getpwnam(RUN_AS).pw_uid
-    assert stage_uids == {"a": {run_as_uid}, "b": {run_as_uid}, "c": {run_as_uid}}, stage_uids
+    # each member runs the job's stages under one uid of its own, never the shared run-as account
+    assert sorted(stage_uids) == ["a", "b", "c"], stage_uids
+    assert all(len(uids) == 1 and uids <= set(DEFAULT_JOB_UIDS) for uids in stage_uids.values()), stage_uids
     assert os.stat(out / "adapter_model.safetensors").st_uid == pwd.getpwnam(student).pw_uid
     listed = ok(lab.run(lab.hosts["a"], sys.executable, "-m", "shardpool", "jobs", user=student)).splitlines()
     assert len(listed) == 2 and listed[1].split()[1] == student, listed

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from shardpool.agent.accounts import DEFAULT_JOB_UIDS
 from shardpool.agent.service import Agent
 from tests.helpers.agents import (
     AGENT_KEY,
@@ -112,7 +113,7 @@ def test_a_caller_outside_the_launch_group_gets_a_one_line_403_and_nothing_start
     _nothing_started(agent)
 
 
-def test_a_group_member_starts_a_job_whose_stages_run_as_the_run_as_account(setup) -> None:
+def test_a_group_member_starts_a_job_whose_stages_run_under_a_uid_of_its_own(setup) -> None:
     agent, socket_path = setup
     secret = "ab" * 32
     status, reply = local_call(
@@ -121,13 +122,14 @@ def test_a_group_member_starts_a_job_whose_stages_run_as_the_run_as_account(setu
     )  # fmt: skip
     assert (status, reply["status"]) == (200, 201), reply
     pids = [int(pid) for pid in reply["body"]["pids"].values()]
-    assert [_uid_of(pid) for pid in pids] == [RUN_AS.uid, RUN_AS.uid]
+    job_uid = _uid_of(pids[0])
+    assert [_uid_of(pid) for pid in pids] == [job_uid, job_uid] and job_uid in DEFAULT_JOB_UIDS
     job_dir = agent.work_dir / "jobs" / "mine"
     info = job_dir.stat()
-    assert (info.st_uid, info.st_mode & 0o777) == (RUN_AS.uid, 0o700)
+    assert (info.st_uid, info.st_mode & 0o777) == (job_uid, 0o700)
     secret_file = job_dir / "files.secret"
     assert secret_file.read_text() == secret
-    assert (secret_file.stat().st_uid, secret_file.stat().st_mode & 0o777) == (RUN_AS.uid, 0o600)
+    assert (secret_file.stat().st_uid, secret_file.stat().st_mode & 0o777) == (job_uid, 0o600)
     status, listed = local_call(socket_path, "GET", "/v1/local/jobs", **group_member())
     assert [(j["id"], j["submitter"], j["members"]) for j in listed["jobs"]] == [("mine", "nobody", ["b"])]
     status, reply = local_call(socket_path, "DELETE", "/v1/local/jobs/mine", **group_member())
@@ -158,7 +160,7 @@ def test_a_user_cannot_see_or_stop_another_users_job_but_root_can(setup) -> None
         status, reply = local_call(socket_path, method, path, body, **bob)
         assert status == 403 and "belongs to user 'nobody'" in reply["error"], (path, reply)
     assert local_call(socket_path, "GET", "/v1/local/jobs", **bob)[1] == {"jobs": []}
-    assert all(_uid_of(pid) == RUN_AS.uid for pid in pids), "still running"
+    assert all(_uid_of(pid) in DEFAULT_JOB_UIDS for pid in pids), "still running"
     status, reply = local_call(socket_path, "DELETE", "/v1/local/jobs/alices")  # root
     assert status == 200 and reply["members"]["b"]["status"] == 200
     deadline = time.monotonic() + 5
