@@ -6,10 +6,11 @@ against the current members; :func:`same_ip` is the one comparison all of them u
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from shardpool.contract.start import canonical_ip
 
 __all__ = ["MeshPeer", "roster_peers", "same_ip"]
 
@@ -27,16 +28,7 @@ class MeshPeer:
 def same_ip(left: str | None, right: str) -> bool:
     """Whether two addresses name the same host (scope ids dropped, IPv4-mapped IPv6 unmapped)."""
 
-    def canonical(text: str) -> str:
-        try:
-            parsed = ipaddress.ip_address(text.split("%", 1)[0])
-        except ValueError:
-            return text
-        if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
-            return str(parsed.ipv4_mapped)
-        return str(parsed)
-
-    return left is not None and canonical(left) == canonical(right)
+    return left is not None and canonical_ip(left) == canonical_ip(right)
 
 
 def roster_peers(state_dir: Path) -> Callable[[], list[MeshPeer]]:

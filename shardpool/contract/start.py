@@ -34,6 +34,7 @@ __all__ = [
     "parse_job_start",
     "check_member_addresses",
     "check_origin_addresses",
+    "canonical_ip",
 ]
 
 #: The job file-server secret's file in a stage's job directory (0600, written by the agent).
@@ -124,7 +125,7 @@ def check_origin_addresses(job: Job, origin_address: str) -> None:
     their rendezvous, their downloads and the job's file secret to a service the sender chose.
     """
     for field_name, address in _named_addresses(job):
-        if _canonical_ip(address) != _canonical_ip(origin_address):
+        if canonical_ip(address) != canonical_ip(origin_address):
             raise NotTheOrigin(
                 f"job {field_name} {address} is not the mesh address {origin_address} of the member that "
                 "sent it; a launcher serves its rendezvous and files on its own mesh address"
@@ -138,8 +139,9 @@ def _named_addresses(job: Job) -> list[tuple[str, str]]:
     return named
 
 
-def _canonical_ip(text: str) -> str:
-    """``text`` as one spelling per host (scope id dropped, IPv4-mapped IPv6 unmapped)."""
+def canonical_ip(text: str) -> str:
+    """``text`` as one spelling per host (scope id dropped, IPv4-mapped IPv6 unmapped), so that two
+    spellings of one address compare equal; text that is no IP address is returned as it is."""
     try:
         address = ipaddress.ip_address(text.split("%", 1)[0])
     except ValueError:

@@ -24,19 +24,9 @@ from shardpool.agent.profiling import ProfileFailed, _report_rows, devices_reque
 from shardpool.agent.service import Agent
 from shardpool.plan.costmodel import Workload
 from tests.agent.test_service import _alive
-from tests.helpers.agents import RUN_AS, make_agent, shared_dir, signed
+from tests.helpers.agents import PROFILE_CONFIG, PROFILE_WORKLOAD, RUN_AS, make_agent, shared_dir, signed
 
-#: A model config the agent accepts (it checks the shape itself before starting the child).
-CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 100,
-}
-WORKLOAD = {"micro_batch_size": 1, "sequence_len": 16, "lora_r": 4}
+CONFIG, WORKLOAD = PROFILE_CONFIG, PROFILE_WORKLOAD
 
 #: Reports what it was asked and who it runs as, as the real report's one CPU row would.
 ECHO = textwrap.dedent(

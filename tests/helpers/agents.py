@@ -37,6 +37,18 @@ STRANGER_KEY = generate_private_key()  # never a member
 RUN_AS: RunAs = resolve_run_as("shardpool", check_python=False)
 LAUNCH_GROUP = "shardpool"
 LAUNCH_GID = grp.getgrnam(LAUNCH_GROUP).gr_gid
+#: A model config and workload an agent accepts for POST /v1/devices (it checks the shape itself
+#: before starting its profiling child).
+PROFILE_CONFIG: dict[str, object] = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+}
+PROFILE_WORKLOAD: dict[str, object] = {"micro_batch_size": 1, "sequence_len": 16, "lora_r": 4}
 
 
 def members() -> list[Member]:

@@ -32,6 +32,8 @@ from shardpool.agent.jobs import Job
 from shardpool.agent.service import Agent
 from tests.helpers.agents import (
     LAUNCH_GID,
+    PROFILE_CONFIG,
+    PROFILE_WORKLOAD,
     group_member,
     local_call,
     make_agent,
@@ -58,16 +60,7 @@ row = {"name": "cpu", "kind": "cpu", "label": "test cpu", "total_bytes": 8, "fre
 print(json.dumps({"devices": [row]}))
 """
 
-CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 100,
-}
-WORKLOAD = {"micro_batch_size": 1, "sequence_len": 16, "lora_r": 4}
+CONFIG, WORKLOAD = PROFILE_CONFIG, PROFILE_WORKLOAD
 
 SMALL_POOL = Limits(handler_threads=16)
 HEARTBEAT_S = 3.0
