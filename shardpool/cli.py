@@ -297,7 +297,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        Console().print(plan_table(plan))
+        from shardpool.console import print_table
+
+        print_table(Console(), plan_table(plan))
     return 0
 
 
@@ -338,7 +340,9 @@ def _run_devices(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        Console().print(devices_table(listing))
+        from shardpool.console import print_table
+
+        print_table(Console(), devices_table(listing))
     return 0
 
 

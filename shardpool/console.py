@@ -10,6 +10,7 @@ step, eval, checkpoint, done, error) and everything meant for people goes to std
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -17,6 +18,7 @@ from types import TracebackType
 from typing import Any, Protocol, TextIO
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -32,11 +34,30 @@ __all__ = [
     "format_step_line",
     "print_placement",
     "print_result",
+    "print_table",
     "training_progress",
     "wants_progress_bar",
 ]
 
 _LEFT_COLUMNS = {"stage", "replica", "device", "host", "layers"}
+#: Wider than any table: the room a table is measured in when the output has no width of its own.
+_UNBOUNDED_WIDTH = 100_000
+
+
+def print_table(console: Console, table: Table) -> None:
+    """Print ``table`` whole: within the terminal's width on a terminal, at its natural width elsewhere.
+
+    A file or a pipe (``shardpool plan > plan.txt``, ``| less``) has no width of its own, and rich
+    would fit the table into 80 columns, cutting ``rtx3090`` to ``rtx30…``.
+    """
+    if console.is_terminal:
+        console.print(table)
+        return
+    natural = Measurement.get(console, console.options.update_width(_UNBOUNDED_WIDTH), table).maximum
+    if natural > console.width:
+        table = copy.copy(table)
+        table.width = natural
+    console.print(table, crop=False)
 
 
 def print_placement(
@@ -77,7 +98,7 @@ def print_placement(
         table.add_row(
             str(index), placement.device, placement.host, layers, f"{params:,}", f"{mib:.2f}", shown
         )
-    console.print(table)
+    print_table(console, table)
     replicas = config.shardpool.replicas
     shape = (
         f"data parallel: {len(shares)} replicas on shares {' / '.join(map(str, shares))}"

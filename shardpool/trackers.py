@@ -4,13 +4,16 @@ metrics.jsonl is always written; these are extra sinks for the same lines, under
 Trainer's names (``train/loss``, ``train/learning_rate``, ``eval/loss``, ...), so dashboards built
 for axolotl runs read them. Both libraries are optional extras (``pip install
 'shardpool[tensorboard]'`` / ``'shardpool[wandb]'``): a config that asks for one that is not
-installed is refused in one line before anything runs. W&B honours ``WANDB_MODE`` (``offline``
-writes the run under ``output_dir/wandb`` to sync later), as wandb itself does.
+installed is refused in one line before anything runs, and so is W&B online without a login
+(wandb would otherwise prompt, or end in a traceback once the run is set up). W&B honours
+``WANDB_MODE`` (``offline`` writes the run under ``output_dir/wandb`` to sync later), as wandb
+itself does.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,8 +37,16 @@ def _wants_wandb(config: Config) -> bool:
     return bool(config.use_wandb) if config.use_wandb is not None else bool(config.wandb_project)
 
 
+_NO_LOGIN = (
+    "`wandb_project` logs to W&B online, but no W&B login was found: run `wandb login` (or set "
+    "WANDB_API_KEY), or log offline with WANDB_MODE=offline (or `wandb_mode: offline`) and "
+    "`wandb sync` later"
+)
+
+
 def check_trackers(config: Config) -> None:
-    """Refuse, in one line, a tracker the config asks for whose library is not installed."""
+    """Refuse, in one line, a tracker the config asks for that cannot start: its library is not
+    installed, or W&B is to log online and no login is found."""
     for wanted, module, extra, key in (
         (config.use_tensorboard, "tensorboard", "tensorboard", "use_tensorboard"),
         (_wants_wandb(config), "wandb", "wandb", "wandb_project"),
@@ -44,6 +55,41 @@ def check_trackers(config: Config) -> None:
             raise ShardpoolError(
                 f"`{key}` needs the {module} package: pip install 'shardpool[{extra}]', or remove `{key}`"
             )
+    if _wants_wandb(config) and _wandb_mode(config) == "online" and not _wandb_logged_in():
+        raise ShardpoolError(_NO_LOGIN)
+
+
+def _wandb_mode(config: Config) -> str:
+    """The mode wandb will run in: the config's ``wandb_mode``, else ``WANDB_MODE``, else online."""
+    mode = config.wandb_mode or os.environ.get("WANDB_MODE") or "online"
+    return "offline" if mode == "dryrun" else mode
+
+
+def _wandb_logged_in() -> bool:
+    """Whether wandb finds credentials (``WANDB_API_KEY``, its netrc entry, its settings) without
+    prompting or reaching the server. True where this wandb cannot be asked: its own error then says."""
+    try:
+        from wandb.errors import AuthenticationError
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib.wbauth import authenticate_session
+    except ImportError:
+        return True
+    try:
+        found = authenticate_session(
+            host=wandb_setup.singleton().settings.base_url,
+            source="shardpool",
+            prompt=False,
+            update_session=False,
+        )
+    except AuthenticationError as error:  # a key that is set but malformed
+        raise ShardpoolError(
+            f"the W&B login is broken ({_first_line(error)}); run `wandb login --relogin`"
+        ) from None
+    return found is not None
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 class Trackers:
@@ -83,16 +129,22 @@ def _tensorboard(trackers: Trackers, output_dir: Path) -> None:
 def _wandb(trackers: Trackers, config: Config, output_dir: Path) -> None:
     import wandb
 
-    run = wandb.init(
-        project=config.wandb_project,
-        entity=config.wandb_entity,
-        name=config.wandb_name,
-        id=config.wandb_run_id,
-        resume="allow" if config.wandb_run_id else None,
-        mode=config.wandb_mode,
-        dir=str(output_dir),
-        config=config.model_dump(mode="json"),
-    )
+    try:
+        run = wandb.init(
+            project=config.wandb_project,
+            entity=config.wandb_entity,
+            name=config.wandb_name,
+            id=config.wandb_run_id,
+            resume="allow" if config.wandb_run_id else None,
+            mode=config.wandb_mode,
+            dir=str(output_dir),
+            config=config.model_dump(mode="json"),
+        )
+    except wandb.Error as error:
+        raise ShardpoolError(
+            f"W&B could not start the run ({_first_line(error)}); check `wandb login`, or log offline "
+            "with WANDB_MODE=offline"
+        ) from None
     trackers.sinks.append(lambda step, scalars: run.log(scalars, step=step))
     trackers.closers.append(run.finish)
 

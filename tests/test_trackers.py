@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +17,7 @@ from shardpool import trackers
 from shardpool.config import parse_config
 from shardpool.errors import ShardpoolError
 from shardpool.finetune import finetune
-from tests.helpers.training import base_config, completion_rows, write_jsonl
+from tests.helpers.training import REPO_ROOT, base_config, completion_rows, write_config, write_jsonl
 
 BASE: dict[str, Any] = {"base_model": "m", "datasets": [{"path": "d.jsonl"}], "lora_target_linear": True}
 LINES = [
@@ -96,3 +99,85 @@ def test_a_finetune_with_use_tensorboard_logs_each_step(tiny_model: Path, tmp_pa
     output = finetune(parse_config(config), console=Console(quiet=True))
     scalars = _tensorboard_scalars(output / "runs")
     assert [step for step, _ in scalars["train/loss"]] == [1, 2, 3]
+
+
+def _without_a_wandb_login(home: Path) -> dict[str, str]:
+    """The environment of a machine where nobody ran `wandb login`: no key, no netrc, no settings."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("WANDB_")}
+    home.mkdir(exist_ok=True)
+    return dict(
+        env,
+        HOME=str(home),
+        NETRC=str(home / ".netrc"),
+        WANDB_CONFIG_DIR=str(home / ".config" / "wandb"),
+        WANDB_DIR=str(home),
+        WANDB_SILENT="true",
+    )
+
+
+@pytest.fixture
+def no_wandb_login(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This process without a W&B login (wandb reads the environment each time it looks for one)."""
+    home = tmp_path / "home"
+    for key in [key for key in os.environ if key.startswith("WANDB_")]:
+        monkeypatch.delenv(key)
+    for key, value in _without_a_wandb_login(home).items():
+        monkeypatch.setenv(key, value)
+    return home
+
+
+def test_wandb_online_without_a_login_is_refused_in_one_line(no_wandb_login: Path) -> None:
+    with pytest.raises(ShardpoolError) as caught:
+        trackers.check_trackers(parse_config({**BASE, "wandb_project": "my-proj"}))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "`wandb login`" in message and "WANDB_MODE=offline" in message
+
+
+def test_wandb_offline_or_disabled_needs_no_login(
+    no_wandb_login: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trackers.check_trackers(parse_config({**BASE, "wandb_project": "p", "wandb_mode": "offline"}))
+    trackers.check_trackers(parse_config({**BASE, "wandb_project": "p", "wandb_mode": "disabled"}))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    trackers.check_trackers(parse_config({**BASE, "wandb_project": "p"}))
+
+
+def test_a_wandb_key_or_netrc_login_is_found(no_wandb_login: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found without reaching the server: whether the key is valid is for wandb.init to say."""
+    config = parse_config({**BASE, "wandb_project": "p"})
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    trackers.check_trackers(config)
+    monkeypatch.delenv("WANDB_API_KEY")
+    netrc = no_wandb_login / ".netrc"
+    netrc.write_text(f"machine api.wandb.ai\n  login user\n  password {'1' * 40}\n", encoding="utf-8")
+    netrc.chmod(0o600)
+    trackers.check_trackers(config)
+
+
+@pytest.mark.slow
+def test_finetune_with_wandb_and_no_login_stops_in_one_line_before_training(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The real CLI on a machine without a W&B login: one line, no traceback, nothing trained."""
+    data = write_jsonl(tmp_path / "d.jsonl", completion_rows(24))
+    output_dir = tmp_path / "out"
+    config = write_config(
+        tmp_path / "config.yml", base_config(tiny_model, data, output_dir, wandb_project="my-proj")
+    )
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "shardpool", "finetune", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(REPO_ROOT),
+        env=_without_a_wandb_login(tmp_path / "home"),
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr + result.stdout
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("shardpool: error: ") and "`wandb login`" in line and "WANDB_MODE=offline" in line
+    assert not (output_dir / "metrics.jsonl").exists()
+    assert time.monotonic() - started < 60

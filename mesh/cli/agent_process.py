@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from mesh.cli.accounts import AGENT_LAUNCH_GROUP, AGENT_RUN_AS, ensure_agent_accounts
 from mesh.daemon import log_tail, read_pid, spawn_detached, stop_process
 from mesh.errors import MeshError
 from mesh.state import StatePaths, read_json
@@ -31,9 +32,10 @@ def shardpool_agent_files(paths: StatePaths) -> tuple[Path, Path, Path, Path]:
 
 
 def start_shardpool_agent(paths: StatePaths, timeout: float = 15.0) -> str:
-    """Start ``shardpool agent`` detached and wait until it listens; return one line saying what happened.
+    """Start ``shardpool agent`` detached and wait until it listens; return the line saying what happened.
 
-    Never raises: the mesh works without the agent, so a failure is reported, not fatal.
+    As root, first creates its run-as account and launch group where missing, with a line before
+    that one saying so. Never raises: the mesh works without the agent, so a failure is reported, not fatal.
     """
     pid_file, log_file, ready_file, disabled = shardpool_agent_files(paths)
     if disabled.exists():
@@ -44,7 +46,17 @@ def start_shardpool_agent(paths: StatePaths, timeout: float = 15.0) -> str:
     spec = importlib.util.find_spec("shardpool")
     if spec is None or spec.origin is None:
         return "shardpool agent: not started (the shardpool package is not installed here)"
-    package_parent = str(Path(spec.origin).resolve().parent.parent)
+    try:
+        created = ensure_agent_accounts(AGENT_RUN_AS, AGENT_LAUNCH_GROUP) if os.geteuid() == 0 else None
+    except MeshError as error:
+        return f"shardpool agent: not started: {error}"
+    started = _launch(paths, str(Path(spec.origin).resolve().parent.parent), timeout)
+    return started if created is None else f"{created}\n{started}"
+
+
+def _launch(paths: StatePaths, package_parent: str, timeout: float) -> str:
+    """Spawn ``shardpool agent`` from ``package_parent`` and wait until it listens; the line saying how it went."""
+    pid_file, log_file, ready_file, _ = shardpool_agent_files(paths)
     path = os.environ.get("PYTHONPATH", "")
     env = dict(os.environ, PYTHONPATH=package_parent + (os.pathsep + path if path else ""))
     ready_file.unlink(missing_ok=True)
@@ -57,6 +69,10 @@ def start_shardpool_agent(paths: StatePaths, timeout: float = 15.0) -> str:
         str(paths.root),
         "--ready-file",
         str(ready_file),
+        "--run-as",
+        AGENT_RUN_AS,
+        "--group",
+        AGENT_LAUNCH_GROUP,
     ]
     pid = spawn_detached(argv, pid_file, log_file, env=env)
     deadline = time.monotonic() + timeout

@@ -84,6 +84,12 @@ _GROUPS: list[list[AxolotlKey]] = [
     ),
     _keys("strict", "ignored", "shardpool's validation is always strict"),
     _keys(
+        "debug",
+        "ignored",
+        "axolotl's debug output of tokenized rows; it never changes what is trained "
+        "(`shardpool validate` reads every row)",
+    ),
+    _keys(
         "dataset_prepared_path push_dataset_to_hub num_dataset_shards_to_save dataset_keep_in_memory "
         "dataset_processes dataset_num_proc is_preprocess preprocess_iterable skip_prepare_dataset",
         "ignored",
@@ -169,6 +175,17 @@ _GROUPS: list[list[AxolotlKey]] = [
         "ignored",
         "only read together with another key that shardpool refuses when it is on",
     ),
+    _keys(
+        "liger_rms_norm liger_glu_activation liger_layer_norm liger_rope liger_fused_linear_cross_entropy "
+        "liger_rms_norm_gated cut_cross_entropy use_scattermoe use_sonicmoe use_dsv4_kernels "
+        "dsv4_fp4_grouped_mode use_glm_dsa_kernels nvfp4_merge_aware expert_parallel_size "
+        "expert_parallel_num_nvl_bytes expert_parallel_token_capacity use_swanlab swanlab_project "
+        "swanlab_experiment_name swanlab_description swanlab_mode swanlab_workspace swanlab_log_model "
+        "swanlab_log_completions swanlab_completion_log_interval swanlab_completion_max_buffer diffusion "
+        "llmcompressor",
+        "ignored",
+        "only read by an axolotl plugin (`plugins`), which is refused",
+    ),
     # ----- off values accepted, or what shardpool already does --------------------------------
     _keys(
         "pad_to_sequence_len",
@@ -231,6 +248,11 @@ _GROUPS: list[list[AxolotlKey]] = [
         "8-bit bases are not supported; use `adapter: qlora` with `load_in_4bit: true`",
     ),
     _keys("gptq", "when_off", "GPTQ bases are not supported; use `adapter: qlora` on an unquantized base"),
+    _keys(
+        "gptq_groupsize gptq_model_v1 gptq_disable_exllama",
+        "ignored",
+        "only read with `gptq`, which is refused",
+    ),
     _keys(
         "eval_strategy evaluation_strategy save_strategy",
         "when_off",

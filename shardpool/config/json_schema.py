@@ -5,7 +5,7 @@ Built from the code that validates, so the two agree: shardpool's keys and types
 :mod:`~shardpool.config.axolotl_keys` with the values it is accepted with (any value where it
 is ignored; null, empty, ``false`` and its listed values where it is accepted only when off).
 axolotl's spellings that parsing accepts are allowed too (``learning_rate: 2e-4`` read by YAML as a
-string, ``lora_target_modules: all-linear``, the boolean attention keys). The rules across keys
+string, ``lora_target_modules: all-linear``, the boolean attention keys, an empty ``fp16:``). The rules across keys
 (``warmup_steps`` with ``warmup_ratio``, ...) and the files a config names are beyond a schema:
 ``shardpool validate`` checks those.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 from shardpool.config.attention import ATTENTION_FLAGS
 from shardpool.config.axolotl_keys import AXOLOTL_KEYS, AxolotlKey
-from shardpool.config.parsing import AXOLOTL_DATASET_KEYS, FLOAT_KEYS
+from shardpool.config.parsing import AXOLOTL_DATASET_KEYS, FLOAT_KEYS, NULL_MEANS_DEFAULT
 from shardpool.config.schema import Config
 
 __all__ = ["DRAFT", "config_json_schema"]
@@ -39,6 +39,8 @@ def config_json_schema() -> dict[str, Any]:
     properties: dict[str, Any] = schema["properties"]
     for key in FLOAT_KEYS & properties.keys():
         properties[key] = _also(properties[key], _NUMBER_TEXT)
+    for key in NULL_MEANS_DEFAULT & properties.keys():
+        properties[key] = _also(properties[key], {"type": "null"})
     properties["lora_target_modules"] = _also(properties["lora_target_modules"], {"const": "all-linear"})
     for flag, implementation in ATTENTION_FLAGS.items():
         properties.setdefault(

@@ -1,7 +1,8 @@
 """Reading a config: YAML to a validated :class:`Config`, with every problem reported at once.
 
 Order: axolotl keys shardpool does not implement are accepted when they change nothing, else
-refused (:mod:`shardpool.config.axolotl_keys`); axolotl spellings are normalized (``2e-4``,
+refused (:mod:`shardpool.config.axolotl_keys`), and a key left empty whose default is false
+(``fp16:``) is unset; axolotl spellings are normalized (``2e-4``,
 ``lora_target_modules: all-linear``); then the schema validates types and the rules across keys.
 Every problem found on the way is collected and raised as one :class:`ShardpoolError`. Nothing
 here imports torch: a config is validated in well under a second.
@@ -23,7 +24,14 @@ from shardpool.config.problems import Problem, problems_error
 from shardpool.config.schema import COLLECT_PROBLEMS, Config, DatasetSpec
 from shardpool.errors import ShardpoolError
 
-__all__ = ["load_config", "parse_config", "sequence_len_refusal", "AXOLOTL_DATASET_KEYS", "FLOAT_KEYS"]
+__all__ = [
+    "load_config",
+    "parse_config",
+    "sequence_len_refusal",
+    "AXOLOTL_DATASET_KEYS",
+    "FLOAT_KEYS",
+    "NULL_MEANS_DEFAULT",
+]
 
 #: Keys of an axolotl dataset entry that DatasetSpec lacks: accepted when null or empty, else refused.
 AXOLOTL_DATASET_KEYS: dict[str, str] = dict.fromkeys(
@@ -54,6 +62,10 @@ FLOAT_KEYS = frozenset(
         "weight_decay", "max_grad_norm", "adam_beta1", "adam_beta2", "adam_epsilon", "cosine_min_lr_ratio",
     }
 )  # fmt: skip
+
+#: Top-level keys whose default is false: left empty (null), as axolotl's examples write ``fp16:``,
+#: they are unset, which is what axolotl reads an empty key as.
+NULL_MEANS_DEFAULT = frozenset(name for name, field in Config.model_fields.items() if field.default is False)
 
 # Placeholders for required keys whose value is broken, so the rest of the config is still checked.
 _PLACEHOLDERS: dict[str, Any] = {"base_model": "-", "datasets": [{"path": "-"}]}
@@ -159,6 +171,8 @@ def _without_axolotl_noops(raw: dict[Any, Any], problems: list[Problem]) -> dict
     for key, value in raw.items():
         name = str(key)
         rule = None if name in Config.model_fields else AXOLOTL_KEYS.get(name)
+        if value is None and name in NULL_MEANS_DEFAULT:
+            continue
         if rule is None:
             kept[name] = value
         elif not rule.accepts(value):
