@@ -3,9 +3,9 @@
 A mesh run with ``shardpool.on_member_loss: continue`` sets :attr:`Job.keep_state
 <shardpool.contract.job.Job.keep_state>`. Its stage processes then do two things for the launcher:
 
-* **beat**: from the moment the process starts, a thread adds 1 to the rendezvous-store counter
-  :func:`~shardpool.elastic.messages.beat_key` of its rank every :data:`BEAT_INTERVAL_S` seconds.
-  A stage whose counter stops moving (a suspended laptop, a ``SIGSTOP``) is found by the launcher even though its process and
+* **beat**: from the moment the process starts, a thread raises the sealed number its rank keeps
+  at :func:`~shardpool.elastic.messages.beat_key` every :data:`BEAT_INTERVAL_S` seconds.
+  A stage whose number stops rising (a suspended laptop, a ``SIGSTOP``) is found by the launcher even though its process and
   its agent are still there.
 * **copy its step-boundary state**: after every optimizer step ``N`` each rank writes its part of
   a checkpoint (the same files: :func:`~shardpool.train.checkpoint.stage_file` from replica 0,

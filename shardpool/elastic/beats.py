@@ -1,9 +1,12 @@
 """The launcher's watch over its stages' beats: a stage that stopped beating is a lost member.
 
-With ``Job.keep_state`` every stage process adds 1 to its rank's beat counter in the rendezvous
-store every second (:mod:`shardpool.contract.liveness`), from a thread of its own: a counter that
-stops moving names the process that stopped (a suspended laptop, a ``SIGSTOP``), not the
-neighbour that waits for it. Torch-free; the store is read through a callable.
+With ``Job.keep_state`` every stage process raises its rank's sealed beat number in the
+rendezvous store every second (:mod:`shardpool.contract.liveness`,
+:func:`~shardpool.elastic.messages.read_beat`), from a thread of its own: a number that stops
+rising names the process that stopped (a suspended laptop, a ``SIGSTOP``), not the neighbour that
+waits for it. Only a number above the highest one read counts as a beat: an outsider that sets an
+older sealed value back (the one thing it can do with a sealed beat) neither hides a stall nor
+restarts the stall clock. Torch-free; the store is read through a callable.
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ def stall_bound(longest_step_s: float | None, member_timeout_s: float) -> float:
 
 @dataclass
 class BeatWatch:
-    """The launcher's watch over its stages' beat counters (read from the rendezvous store).
+    """The launcher's watch over its stages' beat numbers (read from the rendezvous store).
 
-    ``beats(rank)`` reads a rank's counter (``store.add(beat_key(rank), 0)``); ``ranks`` are the
+    ``beats(rank)`` reads a rank's beat number (:func:`~shardpool.elastic.messages.read_beat`;
+    0 before its first beat or for a refused value); ``ranks`` are the
     ranks of each member, by name. :meth:`stalled` reads them at most every ``every_s`` seconds.
     """
 
@@ -63,8 +67,9 @@ class BeatWatch:
     def stalled(self, finished: Iterable[int] = ()) -> tuple[str, str] | None:
         """(member, reason) of the first stage whose beats stopped for longer than the bound, or None.
 
-        ``finished`` ranks have exited and beat no more; a rank whose counter is still 0 has not
-        started beating and is left to the startup timeouts.
+        ``finished`` ranks have exited and beat no more; a rank whose number is still 0 has not
+        started beating and is left to the startup timeouts. A number at or below the highest read
+        is no beat.
         """
         now = self.clock()
         if self._checked_at is not None and now - self._checked_at < self.every_s:
@@ -81,10 +86,10 @@ class BeatWatch:
                 except Exception:  # noqa: BLE001 - an unreadable counter is no evidence of a stall
                     continue
                 seen = self._seen.get(rank)
-                if seen is None or seen[0] != count:
+                if seen is None or count > seen[0]:
                     self._seen[rank] = (count, now)
                     continue
                 silent = now - seen[1]
-                if count > 0 and silent > bound:
+                if seen[0] > 0 and silent > bound:  # the highest read: a refused value hides nothing
                     return member, f"its stage (rank {rank}) stopped beating for {silent:.0f} s"
         return None

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from shardpool.contract.job import Job
 from shardpool.elastic.handover_plan import in_place_ranks
-from shardpool.elastic.messages import decode_step, encode_growth, grow_key, ready_key, step_key
+from shardpool.elastic.messages import decode_step, encode_growth, grow_key, ranks_ready, step_key
 from shardpool.elastic.policy import placed_stages, placements_of
 from shardpool.elastic.rebalancing import replanned_json
 from shardpool.elastic.states import RunEvent, RunMachine, RunState
@@ -217,9 +217,8 @@ class GrowingInPlace:
             return
         generation = order.job.generation
         if not self._grow_published:
-            if int(store.add(ready_key(generation), 0)) >= sum(
-                len(ranks) for _, ranks in order.joined.values()
-            ):
+            joining = [rank for _, ranks in order.joined.values() for rank in ranks]
+            if len(ranks_ready(store, generation, joining)) == len(joining):
                 running = self._jobs[-1][1]
                 store.set(
                     grow_key(generation),

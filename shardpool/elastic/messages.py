@@ -6,13 +6,14 @@ and decoded here, a value that breaks its message's rules is refused here
 (:class:`~shardpool.contract.names.ContractError`), and every value is sealed and checked here
 (below). The messages:
 
-* **beat** (:func:`beat_key`): each rank of a run that keeps its state adds 1 every second;
+* **beat** (:func:`beat_key`): each rank of a run that keeps its state sets its own key to a
+  number one higher every second (:func:`encode_beat`, read with :func:`read_beat`);
 * **copy counted** (:func:`live_key`): a rank's step-boundary copy after a step is written;
 * **re-balance answer** (:func:`decision_key`): after the check step the launcher answers keep,
   new layers (:func:`encode_decision`) or new shares (:func:`encode_shares`); every rank reads it;
-* **growth in place** (:mod:`shardpool.elastic.growth`): the joining ranks count themselves
-  ready (:func:`ready_key`), the launcher publishes the grown job (:func:`grow_key`,
-  :class:`Growth`), rank 0 writes the step the ranks grow after (:func:`step_key`) and what a
+* **growth in place** (:mod:`shardpool.elastic.growth`): each joining rank says it is ready at
+  its own key (:func:`ready_key`, :func:`encode_ready`; the launcher reads :func:`ranks_ready`),
+  the launcher publishes the grown job (:func:`grow_key`, :class:`Growth`), rank 0 writes the step the ranks grow after (:func:`step_key`) and what a
   joining rank cannot know (:func:`schedule_key`, :class:`GrowSchedule`); the grown process
   group meets under :func:`group_prefix`.
 
@@ -27,9 +28,17 @@ their environment) and the store's address. A reader refuses a value whose tag d
 one logged line, and treats it as not yet written: a forged value can delay a run, never steer
 it. torch's own process-group rendezvous goes through the same store and is sealed the same way:
 an outsider can neither point a rank at an address of its own nor read the ranks' gloo
-addresses or an NCCL communicator's unique id (whose random magic NCCL's bootstrap checks). Counters (beats, copies counted, joining ranks ready) are the
-store's ``add`` and carry no MAC: the launcher counts a copy complete by its files, not by its
-counter, and what a forged beat or ready count can do (delay a run) is in docs/security.md.
+addresses or an NCCL communicator's unique id (whose random magic NCCL's bootstrap checks).
+Beats and readiness are sealed values too, never counters: a beat is a sealed number its rank
+raises (a replayed older one is no beat, :class:`~shardpool.elastic.beats.BeatWatch`), and a
+joining rank is ready when its own sealed key says so. The one counter left, copies counted
+(``add``, no MAC), only says sooner what the launcher then checks by the copy's files.
+
+**Peers prove the key.** gloo's TCP pairs carry no authentication: a process that connects to a
+rank's gloo port while a group is set up could take a peer's place in that pair. So right after
+a group is made every pair of its ranks runs a challenge and answer (:class:`PeerKey`,
+:func:`peer_proof`): each rank sends every other a fresh nonce and answers each nonce it gets with
+an HMAC under the control key; a stranger cannot answer, and the rank that asked stops in one line.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -53,25 +62,33 @@ from shardpool.contract.rebalance import LayerRanges
 from shardpool.errors import ShardpoolError
 
 __all__ = [
+    "PEER_NONCE_BYTES",
     "ControlStore",
     "GrowSchedule",
     "Growth",
+    "PeerKey",
     "await_decision",
     "await_key",
     "beat_key",
     "check_same_stages",
     "control_key",
     "decision_key",
+    "decode_beat",
     "decode_decision",
     "decode_growth",
     "decode_shares",
     "decode_step",
+    "encode_beat",
     "encode_decision",
     "encode_growth",
+    "encode_ready",
     "encode_shares",
     "group_prefix",
     "grow_key",
     "live_key",
+    "peer_proof",
+    "ranks_ready",
+    "read_beat",
     "ready_key",
     "schedule_key",
     "seal",
@@ -84,6 +101,9 @@ _SEAL_MAGIC = b"spc1"
 _NONCE_BYTES = 12
 _TAG_BYTES = 16
 _SEAL_LABEL = b"shardpool/control-store/v1\0"
+_PEER_LABEL = b"shardpool/peer-check/v1\0"
+#: Bytes of a peer check's nonce and of its answer (an HMAC-SHA256).
+PEER_NONCE_BYTES = 32
 _REFUSED_POLL_S = 0.2  # how often a reader looks again after refusing a value
 
 
@@ -150,6 +170,16 @@ class ControlStore:
         """This store with ``prefix`` added to every key (same key, same inner store)."""
         return ControlStore(self.inner, self._key, prefix=self.prefix + prefix)
 
+    def over(self, inner: Any) -> ControlStore:
+        """This store's key and prefix over ``inner``, another client of the same store (a thread
+        that writes on its own, such as the beat, needs a client of its own)."""
+        return ControlStore(inner, self._key, prefix=self.prefix)
+
+    def peer_key(self, generation: int) -> PeerKey:
+        """What the ranks of ``generation``'s process groups prove to each other that they hold
+        (:class:`PeerKey`): a key derived from this store's, so it never seals a value."""
+        return PeerKey(hmac.new(self._key, _PEER_LABEL, hashlib.sha256).digest(), generation)
+
     def set(self, name: str, value: str | bytes) -> None:
         """Seal ``value`` and set it at ``name``."""
         full = self.prefix + name
@@ -193,7 +223,8 @@ class ControlStore:
             time.sleep(_REFUSED_POLL_S)
 
     def add(self, name: str, amount: int) -> int:
-        """Add ``amount`` to the counter at ``name`` (counters carry no seal)."""
+        """Add ``amount`` to the counter at ``name``: unsealed, so only for counts the reader checks
+        another way (copies counted, by their files) and for torch's own rendezvous."""
         return int(self.inner.add(self.prefix + name, amount))
 
     def check(self, names: list[str]) -> bool:
@@ -231,8 +262,8 @@ def _first_line(error: BaseException) -> str:
 
 # ----- keys -------------------------------------------------------------------------------------
 def beat_key(rank: int, generation: int = 0) -> str:
-    """The rendezvous-store counter a rank's beat thread adds to (a job grown in place,
-    :mod:`shardpool.elastic.growth`, counts its ranks afresh under each generation)."""
+    """The store key a rank's beat thread sets its sealed beat number at (a job grown in place,
+    :mod:`shardpool.elastic.growth`, beats afresh under each generation)."""
     return f"shardpool/beat/{rank}" if generation == 0 else f"shardpool/beat/{generation}/{rank}"
 
 
@@ -251,9 +282,10 @@ def grow_key(generation: int) -> str:
     return f"shardpool/grow/{generation}"
 
 
-def ready_key(generation: int) -> str:
-    """The store counter of joining ranks of ``generation`` that have built their stage."""
-    return f"shardpool/grow/{generation}/ready"
+def ready_key(generation: int, rank: int) -> str:
+    """The store key joining rank ``rank`` of ``generation`` sets (:func:`encode_ready`) once it
+    has built its stage."""
+    return f"shardpool/grow/{generation}/ready/{rank}"
 
 
 def step_key(generation: int) -> str:
@@ -269,6 +301,103 @@ def schedule_key(generation: int) -> str:
 def group_prefix(generation: int) -> str:
     """The store prefix of ``generation``'s process group (generation 0 uses the store as it is)."""
     return f"shardpool/group/{generation}/"
+
+
+# ----- beats and readiness ---------------------------------------------------------------------
+def encode_beat(count: int) -> str:
+    """The value of a rank's ``count``-th beat (1, 2, ...): sealed, so only the rank can raise it."""
+    if count < 1:
+        raise ValueError(f"beat {count} is not a beat number (they start at 1)")
+    return str(int(count))
+
+
+def decode_beat(text: str | bytes) -> int:
+    """The beat number of :func:`encode_beat`'s value; ContractError if it is not one."""
+    try:
+        count = int(text)
+    except (TypeError, ValueError):
+        raise ContractError(f"beat {str(text)[:50]!r} is not a beat number") from None
+    if count < 1:
+        raise ContractError(f"beat {count} is not a beat number (they start at 1)")
+    return count
+
+
+def read_beat(store: ControlStore, rank: int, generation: int = 0) -> int:
+    """``rank``'s newest beat number as its store key holds it; 0 when it has not beaten yet or
+    the value there is refused (not sealed, or not a beat). A value older than one read before
+    (an outsider replaying a sealed beat) is the reader's to ignore
+    (:class:`~shardpool.elastic.beats.BeatWatch`)."""
+    value = store.peek(beat_key(rank, generation))
+    if value is None:
+        return 0
+    try:
+        return decode_beat(value)
+    except ContractError:
+        return 0
+
+
+def encode_ready(rank: int) -> str:
+    """The value joining rank ``rank`` sets at its :func:`ready_key`."""
+    return json.dumps({"ready": int(rank)})
+
+
+def ranks_ready(store: ControlStore, generation: int, ranks: Sequence[int]) -> list[int]:
+    """Those of the joining ``ranks`` of ``generation`` whose sealed ready key says they are ready
+    (an outsider can neither add to them nor move one rank's value to another's key)."""
+    ready = []
+    for rank in ranks:
+        value = store.peek(ready_key(generation, rank))
+        if value is None:
+            continue
+        try:
+            said = json.loads(value).get("ready")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            continue
+        if said == rank:
+            ready.append(rank)
+    return ready
+
+
+# ----- peers prove the key ----------------------------------------------------------------------
+def peer_proof(key: bytes, *, group: str, prover: int, verifier: int, nonce: bytes) -> bytes:
+    """Rank ``prover``'s answer to the ``nonce`` rank ``verifier`` sent it in process group
+    ``group``: HMAC-SHA256 under ``key`` over all four, so it answers that one challenge, in that
+    direction, in that group, and nothing else."""
+    if len(nonce) != PEER_NONCE_BYTES:
+        raise ContractError(f"a peer check's nonce has {len(nonce)} bytes, not {PEER_NONCE_BYTES}")
+    name = group.encode("utf-8")
+    message = len(name).to_bytes(4, "big") + name + f"{int(prover)}>{int(verifier)}\0".encode("ascii") + nonce
+    return hmac.new(key, _PEER_LABEL + message, hashlib.sha256).digest()
+
+
+@dataclass(frozen=True)
+class PeerKey:
+    """What every rank of one generation's process groups proves to each other rank that it holds:
+    ``key`` (from :meth:`ControlStore.peer_key`). ``group`` names a group within the generation."""
+
+    key: bytes = field(repr=False)
+    generation: int
+
+    def name(self, group: str) -> str:
+        """``group`` as the proofs and the error line name it (with its generation)."""
+        return f"{group} (generation {self.generation})"
+
+    def challenge(self) -> bytes:
+        """A fresh random nonce to send one peer."""
+        return os.urandom(PEER_NONCE_BYTES)
+
+    def answer(self, group: str, *, prover: int, verifier: int, nonce: bytes) -> bytes:
+        """This rank's (``prover``'s) answer to ``verifier``'s ``nonce`` (:func:`peer_proof`)."""
+        return peer_proof(self.key, group=self.name(group), prover=prover, verifier=verifier, nonce=nonce)
+
+    def check(self, group: str, *, prover: int, verifier: int, nonce: bytes, proof: bytes) -> None:
+        """Refuse, in one line, ``prover``'s ``proof`` that does not answer ``verifier``'s ``nonce``."""
+        expected = self.answer(group, prover=prover, verifier=verifier, nonce=nonce)
+        if not hmac.compare_digest(expected, bytes(proof)):
+            raise ShardpoolError(
+                f"rank {prover} of group {self.name(group)} did not prove the run's key: a process "
+                "outside the run took its place"
+            )
 
 
 # ----- the re-balance answer --------------------------------------------------------------------

@@ -20,7 +20,9 @@ runs, with what a rank does when its run changes:
 Every value a rank reads from the rendezvous store, torch's own process-group rendezvous
 included, must carry the MAC of the job's control key (:func:`control_store`,
 :class:`~shardpool.elastic.messages.ControlStore`): a value written by a process outside the job
-is refused in one logged line and waited past.
+is refused in one logged line and waited past. Every process group it joins (at the start, and
+when the job grows in place) first has each pair of its ranks prove that key to each other
+(:class:`~shardpool.elastic.messages.PeerKey`, :func:`~shardpool.train.process_group.prove_peers`).
 
 ``SHARDPOOL_TEST_KEEP_STATE=1`` turns ``keep_state`` on in a local run (a bench and test hook).
 
@@ -53,6 +55,7 @@ from shardpool.elastic.handover_plan import job_growth_moves, state_position
 from shardpool.elastic.messages import (
     ControlStore,
     GrowSchedule,
+    PeerKey,
     await_decision,
     await_key,
     beat_key,
@@ -61,6 +64,7 @@ from shardpool.elastic.messages import (
     decode_growth,
     decode_shares,
     decode_step,
+    encode_ready,
     group_prefix,
     grow_key,
     ready_key,
@@ -177,8 +181,11 @@ class ElasticStageWorker(StageWorker):
     # ----- the hooks of the step loop -----------------------------------------------------------
     def _before_setup(self) -> None:
         if self.keeps_state:  # before the model is built: a slow start must not look like a lost member
+            if not isinstance(self.store, ControlStore):
+                raise ShardpoolError("a rank beats only through the job's sealed rendezvous store")
+            sealed, connect = self.store, store_client(self.job.master_addr, self.job.master_port)
             _, self.stop_beat = start_beat(
-                store_client(self.job.master_addr, self.job.master_port),
+                lambda: sealed.over(connect()),
                 self.rank,
                 key=lambda: beat_key(self.rank, self.job.generation),
             )
@@ -195,12 +202,25 @@ class ElasticStageWorker(StageWorker):
     def _group_store(self, store: Any) -> Any:
         """torch's rendezvous of the process group goes through the sealed store too (a grown
         job's under its generation's prefix)."""
+        if store is None and self.job.world_size == 1:
+            return None  # a lone stage meets no one
         if not isinstance(store, ControlStore):
             raise ShardpoolError(
                 "a rank joins its process group only through the job's sealed rendezvous store"
             )
         generation = self.job.generation
         return GroupStore(store.prefixed(group_prefix(generation)) if generation else store)
+
+    def _peer_check(self, store: Any) -> PeerKey | None:
+        """Every pair of this generation's groups proves it holds the run's control key
+        (:class:`~shardpool.elastic.messages.PeerKey`), before any training data flows."""
+        if store is None and self.job.world_size == 1:
+            return None  # a lone stage meets no one
+        if not isinstance(store, ControlStore):
+            raise ShardpoolError(
+                "a rank's peers prove the run's key only through its sealed rendezvous store"
+            )
+        return store.peer_key(self.job.generation)
 
     def _first_step(self) -> int:
         if self.keeps_state:
@@ -361,7 +381,7 @@ class ElasticStageWorker(StageWorker):
         their grown process group and take its layers' state from them; return that step."""
         generation = self.job.generation
         store = self.rendezvous
-        store.add(ready_key(generation), 1)
+        store.set(ready_key(generation, self.rank), encode_ready(self.rank))
         timeout_s = self.job.timeout_s
         step = decode_step(
             await_key(store, step_key(generation), timeout_s=timeout_s, what="step to join after")

@@ -3,9 +3,10 @@
 With :attr:`Job.keep_state <shardpool.contract.job.Job.keep_state>` (the launcher sets it for mesh
 runs with ``on_member_loss: continue``), a stage process
 
-* **beats** (:func:`start_beat`): a daemon thread adds 1 to :func:`~shardpool.elastic.messages.beat_key`
-  of its rank every :data:`~shardpool.contract.liveness.BEAT_INTERVAL_S` on the launcher's
-  rendezvous store, through a store client of its own. A stopped process stops beating; a launcher
+* **beats** (:func:`start_beat`): a daemon thread sets :func:`~shardpool.elastic.messages.beat_key`
+  of its rank to its next sealed beat number (:func:`~shardpool.elastic.messages.encode_beat`)
+  every :data:`~shardpool.contract.liveness.BEAT_INTERVAL_S` on the launcher's rendezvous store,
+  through a sealing store client of its own. A stopped process stops beating; a launcher
   that is gone ends the thread quietly (the stage's own collectives then time out).
 * **copies its step-boundary state** (:class:`StateCopier`): after every optimizer step the worker
   hands CPU clones of its checkpoint files to a background thread, which writes them into
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from shardpool.contract.liveness import BEAT_INTERVAL_S, live_dir
-from shardpool.elastic.messages import beat_key, live_key
+from shardpool.elastic.messages import beat_key, encode_beat, live_key
 from shardpool.train.runfiles import RunFiles
 
 __all__ = ["StateCopier", "beat", "start_beat", "store_client"]
@@ -61,8 +62,10 @@ def beat(
     interval_s: float = BEAT_INTERVAL_S,
     key: Callable[[], str] | None = None,
 ) -> None:
-    """Add 1 to ``beat_key(rank)`` (or to ``key()``, read afresh each beat: a job that grows in
-    place renumbers its ranks) every ``interval_s`` until ``stop`` is set or the store is gone.
+    """Set ``beat_key(rank)`` (or ``key()``, read afresh each beat: a job that grows in place
+    renumbers its ranks) to the next beat number, 1, 2, ..., every ``interval_s`` until ``stop`` is
+    set or the store is gone. ``connect`` gives a sealing client
+    (:class:`~shardpool.elastic.messages.ControlStore`): only the rank can raise its number.
 
     A failure (no store, launcher gone) ends the loop without raising: a missing beat is exactly
     what the launcher watches for, and the stage must not fail because of it.
@@ -70,8 +73,10 @@ def beat(
     current_key = key if key is not None else (lambda: beat_key(rank))
     try:
         store = connect()
+        count = 0
         while not stop.is_set():
-            store.add(current_key(), 1)
+            count += 1
+            store.set(current_key(), encode_beat(count))
             stop.wait(interval_s)
     except Exception as error:  # noqa: BLE001 - the beat just stops; see the docstring
         print(f"shardpool: rank {rank} stopped beating: {error}", file=sys.stderr, flush=True)

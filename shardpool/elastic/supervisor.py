@@ -35,7 +35,7 @@ from shardpool.elastic.copies import (
 )
 from shardpool.elastic.growth import GrowingInPlace, GrowOrder
 from shardpool.elastic.joins import JOIN_COPY_WAIT_S, JoinCheckClock, JoinFound, JoinWatching
-from shardpool.elastic.messages import beat_key
+from shardpool.elastic.messages import read_beat
 from shardpool.elastic.policy import (
     AttemptEnded,
     ReplanPolicy,
@@ -193,7 +193,7 @@ class Supervisor(JoinWatching, GrowingInPlace):
         if not self._keeps_state or store is None or launcher is None:
             return None
         return BeatWatch(
-            beats=lambda rank: int(store.add(beat_key(rank, job.generation), 0)),
+            beats=lambda rank: read_beat(store, rank, job.generation),
             ranks={name: ranks for name, (_, ranks) in ranks_by_member(job, launcher.members).items()},
             member_timeout_s=self.config.shardpool.member_timeout_s,
         )

@@ -10,6 +10,14 @@ group, or through host memory over gloo, with pinned buffers and non-blocking co
 The store every rank meets at first is hosted by the launcher
 (:func:`shardpool.train.rendezvous.rendezvous_store`).
 
+gloo's TCP pairs carry no authentication, so right after the groups are made, and before any
+training data flows, every pair of ranks of the world and of each gloo subgroup proves to each
+other that both hold the run's key (:func:`prove_peers`, given a :class:`PeerCheck`): each rank
+sends each other rank a fresh nonce over that pair and checks the answer. A process outside the
+run that took a peer's place in a pair cannot answer, and the rank stops in one line. Native
+(NCCL) groups need no check: their bootstrap only admits a rank that holds the communicator's
+unique id, which reaches the ranks sealed.
+
 A lone stage (a world of one rank) joins no group at all: it has no one to talk to, and a gloo
 world would keep a transport thread that wakes every 10 ms for the whole run (gloo's TCP loop
 polls with a 10 ms timeout), next to the compute threads on the same cores.
@@ -19,13 +27,15 @@ polls with a 10 ms timeout), next to the compute threads on the same cores.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from shardpool.errors import ShardpoolError
 from shardpool.train.transport import (
     GroupPlan,
     RankDevice,
@@ -38,11 +48,13 @@ from shardpool.train.transport import (
 __all__ = [
     "Groups",
     "Link",
+    "PeerCheck",
     "Wire",
     "join_process_group",
     "leave_process_group",
     "local_rank_device",
     "others_in_world",
+    "prove_peers",
     "select_device",
     "world_barrier",
 ]
@@ -86,6 +98,23 @@ class Groups:
         return self.created[ranks], backend != "gloo"
 
 
+class PeerCheck(Protocol):
+    """How the ranks of a group prove to each other that they hold the run's key
+    (:class:`shardpool.elastic.messages.PeerKey`)."""
+
+    def challenge(self) -> bytes:
+        """A fresh nonce to send one peer."""
+        ...
+
+    def answer(self, group: str, *, prover: int, verifier: int, nonce: bytes) -> bytes:
+        """``prover``'s answer to the ``nonce`` that ``verifier`` sent it in ``group``."""
+        ...
+
+    def check(self, group: str, *, prover: int, verifier: int, nonce: bytes, proof: bytes) -> None:
+        """Raise, in one line, when ``proof`` is not ``prover``'s answer to ``verifier``'s ``nonce``."""
+        ...
+
+
 def join_process_group(
     *,
     store: Any,
@@ -96,18 +125,22 @@ def join_process_group(
     device: torch.device,
     places: list[str],
     timeout: timedelta,
+    peers: PeerCheck | None = None,
 ) -> Groups:
     """Join the gloo world group, learn every rank's device, and create this rank's subgroups.
 
     ``places[rank]`` names each rank's physical device (host and device), so ranks sharing one GPU
     are never put in one NCCL communicator. A world of one joins nothing (``store`` may be None):
-    see the module's docstring.
+    see the module's docstring. With ``peers``, every pair of the world and of each gloo subgroup
+    proves the run's key (:func:`prove_peers`) before this returns.
     """
     select_device(device)
     if world_size == 1:
         lone = [local_rank_device(device, places[rank])]
         return Groups(plan_groups(lone, num_stages=num_stages, replicas=replicas), {})
     dist.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    if peers is not None:
+        prove_peers(peers, group=None, name="world", rank=rank, ranks=range(world_size))
     mine = torch.tensor([encode_rank_device(local_rank_device(device, places[rank]))], dtype=torch.int64)
     gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
     dist.all_gather(gathered, mine)
@@ -118,7 +151,50 @@ def join_process_group(
         group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
         if member:
             created[ranks] = group
+    if peers is not None:  # after every new_group call: each rank checks its groups in the one global order
+        for backend, ranks, member in plan.creation_calls(rank):
+            if member and backend == "gloo":
+                name = f"gloo{list(ranks)}"
+                prove_peers(peers, group=created[ranks], name=name, rank=rank, ranks=ranks)
     return Groups(plan, created)
+
+
+def prove_peers(peers: PeerCheck, *, group: Any, name: str, rank: int, ranks: Sequence[int]) -> None:
+    """Challenge every other rank of ``group`` (None: the world) over its own pair, and answer
+    theirs: two rounds of 32-byte messages. Raises the first failed proof's line (from
+    ``peers.check``); a peer that never answers fails at the group's timeout, named here.
+
+    Point-to-point on every pair, not a collective: gloo's collectives go around a ring and would
+    leave most pairs untried.
+    """
+    others = [int(peer) for peer in ranks if peer != rank]
+    if not others:
+        return
+    nonces = {peer: peers.challenge() for peer in others}
+    received = _swap(nonces, group=group, name=name)
+    answers = {peer: peers.answer(name, prover=rank, verifier=peer, nonce=received[peer]) for peer in others}
+    proofs = _swap(answers, group=group, name=name)
+    for peer in others:
+        peers.check(name, prover=peer, verifier=rank, nonce=nonces[peer], proof=proofs[peer])
+
+
+def _swap(outgoing: dict[int, bytes], *, group: Any, name: str) -> dict[int, bytes]:
+    """Send each peer its bytes and receive as many from it, over ``group``'s pair with that peer."""
+    inboxes = {peer: torch.zeros(len(data), dtype=torch.uint8) for peer, data in outgoing.items()}
+    sent = {peer: torch.tensor(list(data), dtype=torch.uint8) for peer, data in outgoing.items()}
+    works = []
+    for peer in outgoing:
+        works.append((peer, dist.irecv(inboxes[peer], src=peer, group=group)))
+        works.append((peer, dist.isend(sent[peer], dst=peer, group=group)))
+    for peer, work in works:
+        try:
+            work.wait()
+        except RuntimeError as error:
+            first = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise ShardpoolError(
+                f"rank {peer} of group {name} did not answer the peer check: {first}"
+            ) from None
+    return {peer: bytes(inbox.numpy().tobytes()) for peer, inbox in inboxes.items()}
 
 
 #: Device kinds whose collective library binds to the process's current device: it must be set

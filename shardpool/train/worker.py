@@ -52,7 +52,14 @@ from shardpool.train.loss import label_tokens, reduce_and_clip_gradients
 from shardpool.train.loss_scale import LossScale, inject_inf_at
 from shardpool.train.optim import build_optimizer, build_scheduler
 from shardpool.train.pipeline import StagePipe
-from shardpool.train.process_group import Groups, Wire, join_process_group, leave_process_group, select_device
+from shardpool.train.process_group import (
+    Groups,
+    PeerCheck,
+    Wire,
+    join_process_group,
+    leave_process_group,
+    select_device,
+)
 from shardpool.train.runfiles import DATA_INPUT, INIT_ADAPTER_PREFIX, RunFiles
 from shardpool.train.stage_state import (
     StageState,
@@ -176,9 +183,8 @@ class StageWorker:
 
     def _join_group(self, store: Any) -> None:
         """Join this job's process group and make the wire."""
-        store = self._group_store(store)
         self.groups = join_process_group(
-            store=store,
+            store=self._group_store(store),
             rank=self.rank,
             world_size=self.job.world_size,
             num_stages=self.job.num_stages,
@@ -186,6 +192,7 @@ class StageWorker:
             device=self.device,
             places=[self._place(rank) for rank in range(self.job.world_size)],
             timeout=timedelta(seconds=self.job.timeout_s),
+            peers=self._peer_check(store),
         )
         self.wire = Wire.for_rank(
             self.groups,
@@ -200,6 +207,11 @@ class StageWorker:
     def _group_store(self, store: Any) -> Any:
         """The store this job's process group meets at (elastic hook: a grown job's has a prefix)."""
         return store
+
+    def _peer_check(self, store: Any) -> PeerCheck | None:
+        """How the ranks of this job's groups prove the run's key to each other (elastic hook:
+        the key of the sealed store; None: no check)."""
+        return None
 
     def _load_stage(
         self, spec: StageSpec, *, reuse: dict[str, torch.nn.Module] | None = None

@@ -84,3 +84,21 @@ def test_the_counters_are_read_at_most_once_a_second() -> None:
     clock.now += 0.6
     watch.stalled()
     assert reads == [0, 0]
+
+
+def test_a_replayed_older_beat_neither_hides_a_stall_nor_restarts_its_clock() -> None:
+    """An outsider cannot raise a sealed beat; it can only set an older sealed value back, or one
+    that is refused (read as 0). Neither counts as a beat."""
+    clock, beats = _Clock(), {0: 5, 1: 5}
+    watch = _watch(beats, clock)
+    assert watch.stalled() is None
+    for second in range(1, 40):
+        clock.now = float(second)
+        beats[0] += 1  # rank 0 beats on; rank 1 stalled at 5
+        # the outsider's replays of rank 1's older sealed beats, and a value that is refused (0)
+        beats[1] = (4, 0, 3, 5)[second % 4]
+        found = watch.stalled()
+        if found is not None:
+            break
+    assert found is not None and found[0] == "b", "the stall is found as if no one had touched rank 1's beat"
+    assert clock.now == 31.0 and "stopped beating for 31 s" in found[1]

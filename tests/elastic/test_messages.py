@@ -15,10 +15,18 @@ from shardpool.elastic.messages import (
     ControlStore,
     GrowSchedule,
     await_key,
+    beat_key,
     control_key,
     decision_key,
+    decode_beat,
     decode_step,
+    encode_beat,
+    encode_ready,
     grow_key,
+    peer_proof,
+    ranks_ready,
+    read_beat,
+    ready_key,
     schedule_key,
     seal,
     step_key,
@@ -169,3 +177,66 @@ def test_a_message_that_never_comes_names_what_was_awaited_and_the_bound() -> No
     ):
         await_key(ControlStore(_SilentStore(), KEY), schedule_key(1), timeout_s=2.0, what="schedule")
     assert (schedule_key(1), step_key(1)) == ("shardpool/grow/1/schedule", "shardpool/grow/1/step")
+
+
+# ----- beats and readiness are sealed values, not counters (issue 39) ---------------------------
+def test_a_beat_is_a_sealed_number_and_an_unsealed_or_garbled_one_reads_as_no_beat(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    inner = _Store()
+    store = ControlStore(inner, KEY)
+    assert read_beat(store, 1) == 0, "no beat yet"
+    store.set(beat_key(1), encode_beat(7))
+    assert read_beat(store, 1) == 7 and decode_beat(b"7") == 7
+    inner.add(beat_key(2), 1000)  # what an outsider's add did to a counter: now it is refused
+    assert read_beat(store, 2) == 0
+    inner.set(beat_key(1), b"9999")
+    assert read_beat(store, 1) == 0
+    assert "store value at 'shardpool/beat/1' is not sealed" in capsys.readouterr().err
+    store.set(beat_key(1, 2), "not a number")  # sealed, but no beat: only a broken rank writes it
+    assert read_beat(store, 1, 2) == 0
+    with pytest.raises(ContractError, match="is not a beat number"):
+        decode_beat(b"0")
+    moved = seal(KEY, beat_key(0), encode_beat(50))  # rank 0's sealed beat copied to rank 1's key
+    inner.set(beat_key(1), moved)
+    assert read_beat(store, 1) == 0
+
+
+def test_a_joining_rank_is_ready_only_when_its_own_sealed_key_says_so() -> None:
+    inner = _Store()
+    store = ControlStore(inner, KEY)
+    assert ranks_ready(store, 1, [2, 3]) == []
+    inner.add("shardpool/grow/1/ready", 2)  # the old shared counter, forged: counts for nothing
+    inner.set(ready_key(1, 2), b'{"ready": 2}')  # unsealed
+    assert ranks_ready(store, 1, [2, 3]) == []
+    store.set(ready_key(1, 2), encode_ready(2))
+    assert ranks_ready(store, 1, [2, 3]) == [2]
+    inner.set(ready_key(1, 3), inner.values[ready_key(1, 2)])  # rank 2's sealed value moved to rank 3
+    store.set(ready_key(2, 3), encode_ready(3))  # another generation's
+    assert ranks_ready(store, 1, [2, 3]) == [2]
+    store.set(ready_key(1, 3), encode_ready(2))  # sealed, but for another rank
+    assert ranks_ready(store, 1, [2, 3]) == [2]
+    store.set(ready_key(1, 3), encode_ready(3))
+    assert ranks_ready(store, 1, [2, 3]) == [2, 3]
+
+
+def test_a_peer_proof_answers_one_challenge_in_one_direction_under_the_runs_key() -> None:
+    peers = ControlStore(_Store(), KEY).peer_key(1)
+    nonce = peers.challenge()
+    assert len(nonce) == 32 and peers.challenge() != nonce
+    proof = peers.answer("world", prover=2, verifier=0, nonce=nonce)
+    peers.check("world", prover=2, verifier=0, nonce=nonce, proof=proof)
+    line = r"^rank 2 of group world \(generation 1\) did not prove the run's key: a process outside the run took its place$"
+    stranger = ControlStore(_Store(), control_key("b" * 64, addr="10.77.0.1", port=29500)).peer_key(1)
+    others = [
+        stranger.answer("world", prover=2, verifier=0, nonce=nonce),  # another key
+        peers.answer("world", prover=0, verifier=2, nonce=nonce),  # the challenger's own answer reflected
+        peers.answer("world", prover=2, verifier=0, nonce=peers.challenge()),  # an answer to another nonce
+        peers.answer("gloo[0, 2]", prover=2, verifier=0, nonce=nonce),  # another group's
+        ControlStore(_Store(), KEY).peer_key(0).answer("world", prover=2, verifier=0, nonce=nonce),
+        bytes(32),
+    ]
+    for forged in others:
+        with pytest.raises(ShardpoolError, match=line):
+            peers.check("world", prover=2, verifier=0, nonce=nonce, proof=forged)
+    assert peer_proof(KEY, group="g", prover=0, verifier=1, nonce=nonce) != seal(KEY, "g", nonce)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from shardpool.config import parse_config
 from shardpool.contract.liveness import LIVE_ROOT, live_dir
 from shardpool.contract.rebalance import FORCE_ENV
-from shardpool.elastic.messages import beat_key, live_key
+from shardpool.elastic.messages import ControlStore, control_key, live_key, read_beat
 from shardpool.elastic.rank import KEEP_STATE_HOOK
 from shardpool.elastic.rank_liveness import StateCopier, start_beat, store_client
 from shardpool.finetune import finetune
@@ -31,6 +31,18 @@ from tests.helpers.training import base_config, read_metrics
 
 def _count(store: Any, key: str) -> int:
     return int(store.add(key, 0))
+
+
+def _sealing(port: int, *, timeout_s: float) -> Callable[[], ControlStore]:
+    """A factory of sealing clients of the store at ``port`` (what a rank's beat thread gets)."""
+    connect = store_client("127.0.0.1", port, timeout_s=timeout_s)
+    key = control_key("s" * 32, addr="127.0.0.1", port=port)
+    return lambda: ControlStore(connect(), key)
+
+
+def _beat(store: Any, rank: int) -> int:
+    """``rank``'s beat number as the launcher reads it (its sealed value, 0 when there is none)."""
+    return read_beat(ControlStore(store, control_key("s" * 32, addr="127.0.0.1", port=store.port)), rank)
 
 
 def _wait_for(condition: Callable[[], bool], *, timeout_s: float = 20.0) -> None:
@@ -51,27 +63,28 @@ def _free_port() -> int:
 
 def test_the_beat_counts_on_its_own_client_until_told_to_stop() -> None:
     store = rendezvous_store("127.0.0.1", timeout_s=5.0)
-    thread, stop = start_beat(store_client("127.0.0.1", store.port, timeout_s=5.0), 3, interval_s=0.02)
+    thread, stop = start_beat(_sealing(store.port, timeout_s=5.0), 3, interval_s=0.02)
     assert thread.daemon
-    _wait_for(lambda: _count(store, beat_key(3)) >= 3)
+    _wait_for(lambda: _beat(store, 3) >= 3)
     stop.set()
     thread.join(timeout=5.0)
     assert not thread.is_alive()
-    stopped_at = _count(store, beat_key(3))
+    stopped_at = _beat(store, 3)
     time.sleep(0.1)
-    assert _count(store, beat_key(3)) == stopped_at
+    assert _beat(store, 3) == stopped_at
 
 
 def test_a_beat_without_a_store_ends_quietly() -> None:
-    thread, _ = start_beat(store_client("127.0.0.1", _free_port(), timeout_s=0.5), 0, interval_s=0.02)
+    port = _free_port()
+    thread, _ = start_beat(_sealing(port, timeout_s=0.5), 0, interval_s=0.02)
     thread.join(timeout=15.0)
     assert not thread.is_alive()
 
 
 def test_a_beat_whose_store_goes_away_ends_quietly() -> None:
     launcher = [rendezvous_store("127.0.0.1", timeout_s=5.0)]
-    thread, _ = start_beat(store_client("127.0.0.1", launcher[0].port, timeout_s=1.0), 1, interval_s=0.02)
-    _wait_for(lambda: _count(launcher[0], beat_key(1)) >= 2)
+    thread, _ = start_beat(_sealing(launcher[0].port, timeout_s=1.0), 1, interval_s=0.02)
+    _wait_for(lambda: _beat(launcher[0], 1) >= 2)
     launcher.clear()  # the launcher's store (the server) is gone
     thread.join(timeout=15.0)
     assert not thread.is_alive()

@@ -20,7 +20,7 @@ from shardpool.elastic.beats import BeatWatch
 from shardpool.elastic.copies import complete_live_steps, copy_files_count, prune_live_copies
 from shardpool.elastic.growth import GrowOrder, grown_job
 from shardpool.elastic.joins import JoinCheckClock, join_gain_needed, look_for_joins, worth_joining
-from shardpool.elastic.messages import decode_growth, grow_key, ready_key, step_key
+from shardpool.elastic.messages import decode_growth, encode_ready, grow_key, ready_key, step_key
 from shardpool.elastic.policy import AttemptEnded, ReplanPolicy, does_not_fit_line, supervision_line
 from shardpool.elastic.rebalancing import replanned_json
 from shardpool.elastic.supervisor import Supervisor
@@ -858,7 +858,7 @@ def test_a_member_that_joins_is_grown_into_the_running_job_without_stopping_it(
     order.started = True  # the event loop started c's rank
     supervisor._tick()
     assert grow_key(1) not in store.values, "published only once the joining rank is ready"
-    store.add(ready_key(1), 1)
+    store.set(ready_key(1, 2), encode_ready(2))  # c's rank 2 is ready
     supervisor._tick()
     growth = decode_growth(store.get(grow_key(1)))
     assert growth.ranks == {0: 0, 1: 1} and growth.old_layers == [(0, 3), (3, 6)]
@@ -894,7 +894,7 @@ def test_a_job_re_sharded_by_its_check_grows_from_the_layers_its_stages_hold(
     order = supervisor.grow()
     assert order is not None
     order.started = True
-    store.add(ready_key(1), 1)
+    store.set(ready_key(1, 2), encode_ready(2))  # c's rank 2 is ready
     supervisor._tick()
     assert decode_growth(store.get(grow_key(1))).old_layers == [(0, 4), (4, 6)]
     store.set(step_key(1), "12")

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from shardpool.contract.events import EVENT_PREFIX, StageEvent, parse_stage_event
 from shardpool.contract.job import Job, StagePlacement
-from shardpool.elastic.messages import ControlStore, control_key, encode_growth, grow_key, ready_key
+from shardpool.elastic.messages import ControlStore, control_key, encode_growth, grow_key, ranks_ready
 from shardpool.launch.local_launcher import LocalLauncher, _start_rank, run_local_job
 
 __all__ = ["GrowingLauncher"]
@@ -119,7 +119,7 @@ class GrowingLauncher(LocalLauncher):
             control_key(self.control_secret, addr=job.master_addr, port=job.master_port),
         )
         deadline = time.monotonic() + READY_WITHIN_S
-        while int(store.add(ready_key(grown.generation), 0)) < 1:
+        while not ranks_ready(store, grown.generation, [self.joining_stage]):
             if self.joiner.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(
                     f"the joining stage did not get ready (exit {self.joiner.poll()}): see {log_dir}"

@@ -9,6 +9,11 @@ local 2-stage run (re-sharded after step 2, the step-boundary copies and the gro
   them: each is refused in one logged line, and the run trains exactly what a clean run trains;
 * a stranger keeps connecting to the ranks' gloo ports and sending garbage: same adapter; and
   those ports listen on loopback only.
+
+And with a real store and real beat threads under the launcher's own supervisor: an outsider that
+adds to a stalled rank's beat key, or sets older sealed beats back, does not hide the stall; one
+that adds to the joining ranks' ready count, or sets a joining rank's ready key unsealed, does not
+make the launcher publish the growth before the rank is ready.
 """
 
 from __future__ import annotations
@@ -30,10 +35,31 @@ from safetensors.torch import load_file
 from shardpool.config import parse_config
 from shardpool.contract.job import Job
 from shardpool.contract.rebalance import FORCE_ENV
-from shardpool.elastic.messages import decision_key, encode_growth, grow_key
+from shardpool.elastic import messages
+from shardpool.elastic.messages import (
+    ControlStore,
+    beat_key,
+    control_key,
+    decision_key,
+    decode_growth,
+    encode_growth,
+    grow_key,
+)
 from shardpool.elastic.rank import KEEP_STATE_HOOK
+from shardpool.elastic.rank_liveness import start_beat, store_client
 from shardpool.finetune import finetune
+from shardpool.launch.mesh_launcher import MeshLauncher
 from shardpool.launch.run import RUN_DIR_NAME
+from shardpool.train.rendezvous import rendezvous_store
+from tests.elastic.test_supervisor import (
+    _c_found_while_a_b_train,
+    _job_on,
+    _members,
+    _plan,
+    _run,
+    _supervisor,
+)
+from tests.elastic.test_supervisor import _config as _supervisor_config
 from tests.helpers.training import base_config
 
 pytestmark = pytest.mark.slow
@@ -161,3 +187,88 @@ def test_a_stranger_on_the_ranks_gloo_ports_changes_nothing(
     assert hits, "the stranger reached a gloo port"
     assert addresses == {"127.0.0.1"}, "a local run's ranks listen on loopback only"
     assert _adapter_difference(clean, attacked) < 1e-4
+
+
+# ----- beats and readiness: sealed values an outsider cannot raise (the counters they replaced) ----
+def _sealing_client(port: int, secret: str) -> Any:
+    """A factory of sealing clients of the store at ``port``, as a rank or the launcher holds one."""
+    connect = store_client("127.0.0.1", port, timeout_s=10.0)
+    key = control_key(secret, addr="127.0.0.1", port=port)
+    return lambda: ControlStore(connect(), key)
+
+
+def _outsider(port: int, keys: list[str], stop: threading.Event, tries: list[int]) -> None:
+    """Add to each of ``keys`` (what raised the old counters), and set each key back to an older
+    value it read there (a replay), until ``stop``; a client the store drops is replaced."""
+    connect = store_client("127.0.0.1", port, timeout_s=10.0)
+    client, seen = connect(), {key: [] for key in keys}  # type: dict[str, list[bytes]]
+    while not stop.is_set():
+        for key in keys:
+            try:
+                if client.check([key]):
+                    seen[key].append(bytes(client.get(key)))
+                    client.set(key, seen[key][max(len(seen[key]) - 5, 0)])
+                tries.append(1)
+                client.add(key, 1)
+            except RuntimeError:  # the store drops a client that adds to a value that is not a number
+                client = connect()
+        time.sleep(0.02)
+
+
+def test_an_outsider_adding_to_or_replaying_a_stalled_ranks_beat_does_not_hide_the_stall(
+    tmp_path: Path,
+) -> None:
+    server, secret = rendezvous_store("127.0.0.1", timeout_s=10.0), "s" * 64
+    connect = _sealing_client(server.port, secret)
+    config = _supervisor_config(tmp_path, member_timeout_s=5.0)
+    supervisor = _supervisor(tmp_path, config, {})
+    job = _job_on(["a", "b"], keep_state=True)
+    supervisor.begin(
+        MeshLauncher(_members("a", "b"), say=print), _run(config, _plan(["a", "b"])), job, connect()
+    )
+    watch = supervisor.watch(job)
+    assert watch is not None and watch.bound_s == 5.0
+    beats = [
+        start_beat(connect, rank, interval_s=0.1, key=lambda rank=rank: beat_key(rank)) for rank in (0, 1)
+    ]
+    stop, tries = threading.Event(), []  # type: threading.Event, list[int]
+    outsider = threading.Thread(target=_outsider, args=(server.port, [beat_key(1)], stop, tries), daemon=True)
+    try:
+        time.sleep(1.0)
+        assert watch.stalled() is None
+        outsider.start()
+        beats[1][1].set()  # rank 1 stalls (a SIGSTOP); rank 0 beats on
+        stalled_at, found = time.monotonic(), None
+        while found is None and time.monotonic() - stalled_at < 12.0:
+            found = watch.stalled()
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for _, stopping in beats:
+            stopping.set()
+        outsider.join(timeout=10)
+    assert len(tries) > 10, "the outsider kept at it"
+    assert found is not None, "the outsider's adds and replays hid rank 1's stall"
+    assert found[0] == "b" and "(rank 1) stopped beating" in found[1]
+    assert time.monotonic() - stalled_at < 9.0, "found within the bound, as if no one had touched the beat"
+
+
+def test_an_outsider_adding_to_the_ready_count_does_not_start_a_growth_before_its_ranks_are_ready(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, secret = rendezvous_store("127.0.0.1", timeout_s=10.0), "s" * 64
+    connect = _sealing_client(server.port, secret)
+    supervisor, _, _, _ = _c_found_while_a_b_train(tmp_path, monkeypatch, {})
+    supervisor._store = launcher_store = connect()  # the launcher's sealed client of a real store
+    order = supervisor.grow()
+    assert order is not None and {name: ranks for name, (_, ranks) in order.joined.items()} == {"c": [2]}
+    order.started = True  # the event loop started c's rank 2, which is still building its stage
+    outsider = store_client("127.0.0.1", server.port, timeout_s=10.0)()
+    outsider.add("shardpool/grow/1/ready", 5)  # the old shared counter
+    outsider.set("shardpool/grow/1/ready/2", b'{"ready": 2}')  # rank 2's own key, unsealed
+    supervisor._tick()
+    assert launcher_store.peek(grow_key(1)) is None, "the grow decision went out before rank 2 was ready"
+    connect().set(messages.ready_key(1, 2), messages.encode_ready(2))  # rank 2 is ready (sealed)
+    supervisor._tick()
+    growth = launcher_store.peek(grow_key(1))
+    assert growth is not None and decode_growth(growth).ranks == {0: 0, 1: 1}

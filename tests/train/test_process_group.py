@@ -14,6 +14,7 @@ need a GPU are skipped without one.
 
 from __future__ import annotations
 
+import hmac
 import multiprocessing
 import subprocess
 import sys
@@ -27,6 +28,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardpool.elastic.messages import PeerKey, control_key
+from shardpool.errors import ShardpoolError
 from shardpool.train import process_group
 from shardpool.train.loss import gather_timings, reduce_and_clip_gradients
 from shardpool.train.process_group import Link, Wire, join_process_group
@@ -315,3 +318,69 @@ def test_a_rank_makes_its_own_gpu_current_before_its_groups(
     monkeypatch.setattr(process_group.torch, "get_device_module", lambda _: _Module)
     process_group.select_device(torch.device(device))
     assert calls == ([] if selected is None else [torch.device(selected)])
+
+
+# ----- peers prove the run's key (issue 39) -------------------------------------------------------
+#: The control key of the run the honest ranks belong to, and one a stranger might hold.
+RUN_KEY, OTHER_KEY = (
+    control_key("r" * 64, addr="127.0.0.1", port=1),
+    control_key("x" * 64, addr="127.0.0.1", port=1),
+)
+
+
+class _Recorded:
+    """The run's :class:`PeerKey` (``key``), noting every proof this rank checked (group, prover)."""
+
+    def __init__(self, key: bytes) -> None:
+        self.peers = PeerKey(hmac.new(key, b"peer", "sha256").digest(), 0)
+        self.checked: list[tuple[str, int]] = []
+
+    def challenge(self) -> bytes:
+        return self.peers.challenge()
+
+    def answer(self, group: str, *, prover: int, verifier: int, nonce: bytes) -> bytes:
+        return self.peers.answer(group, prover=prover, verifier=verifier, nonce=nonce)
+
+    def check(self, group: str, *, prover: int, verifier: int, nonce: bytes, proof: bytes) -> None:
+        self.checked.append((group, prover))
+        self.peers.check(group, prover=prover, verifier=verifier, nonce=nonce, proof=proof)
+
+
+def _proving_rank(store_path: str, rank: int, *, world: int, replicas: int, key: bytes) -> dict[str, Any]:
+    peers = _Recorded(key)
+    try:
+        join_process_group(
+            store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+            num_stages=world // replicas, replicas=replicas, device=torch.device("cpu"),
+            places=[f"h{index}/cpu" for index in range(world)], timeout=TIMEOUT, peers=peers,
+        )  # fmt: skip
+    except ShardpoolError as error:
+        return {"refused": str(error), "checked": peers.checked}
+    return {"checked": peers.checked}
+
+
+def _honest_rank(store_path: str, rank: int) -> dict[str, Any]:
+    return _proving_rank(store_path, rank, world=4, replicas=2, key=RUN_KEY)
+
+
+def _rank_2_holds_another_key(store_path: str, rank: int) -> dict[str, Any]:
+    return _proving_rank(store_path, rank, world=3, replicas=1, key=OTHER_KEY if rank == 2 else RUN_KEY)
+
+
+@pytest.mark.slow
+def test_every_pair_of_the_world_and_of_each_gloo_subgroup_proves_the_runs_key(tmp_path: Path) -> None:
+    reports = _run_ranks(_honest_rank, 4, tmp_path)
+    assert all("refused" not in report for report in reports.values())
+    # 2 stages x 2 replicas on CPUs: the world, and the replica groups (0, 2) and (1, 3), all gloo.
+    assert reports[0]["checked"] == [("world", 1), ("world", 2), ("world", 3), ("gloo[0, 2]", 2)]
+    assert reports[3]["checked"] == [("world", 0), ("world", 1), ("world", 2), ("gloo[1, 3]", 1)]
+
+
+@pytest.mark.slow
+def test_a_rank_without_the_runs_key_is_refused_by_every_peer_in_one_line(tmp_path: Path) -> None:
+    reports = _run_ranks(_rank_2_holds_another_key, 3, tmp_path)
+    line = "rank 2 of group world (generation 0) did not prove the run's key: a process outside the run took its place"
+    assert reports[0]["refused"] == line and reports[1]["refused"] == line
+    assert reports[2]["refused"].startswith(
+        "rank 0 of group world (generation 0) did not prove the run's key"
+    )
