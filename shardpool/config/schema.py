@@ -20,6 +20,10 @@ __all__ = [
     "DatasetSpec",
     "CHAT_TYPES",
     "CHAT_TEMPLATE_NAMES",
+    "BUILT_CHAT_TEMPLATES",
+    "IMAGE_CHAT_TEMPLATES",
+    "UNBUILT_CHAT_TEMPLATES",
+    "FALLBACK_PREFIX",
     "BnbConfig",
     "SpecialTokens",
     "ShardpoolSection",
@@ -61,8 +65,28 @@ def _raise_unless_collecting(checks: list[Check], info: ValidationInfo) -> None:
 
 #: Dataset types whose rows are conversations, rendered through a chat template.
 CHAT_TYPES = ("chat_template", "sharegpt")
+#: axolotl's named chat templates that shardpool renders (shardpool.data.templates holds them).
+BUILT_CHAT_TEMPLATES = (
+    "chatml", "llama3", "llama4", "qwen_25", "qwen3", "gemma", "gemma3", "gemma3n", "phi_3", "phi_35",
+    "phi_4", "cohere", "aya", "deepseek_v2", "deepseek_v3", "exaone", "mistral_v1", "mistral_v2v3",
+    "mistral_v3_tekken", "mistral_v7_tekken",
+)  # fmt: skip
+#: axolotl's templates for conversations with images, which shardpool does not train on.
+IMAGE_CHAT_TEMPLATES = ("llava", "pixtral", "qwen2_vl", "llama3_2_vision")
+#: axolotl's other named templates: refused until built.
+UNBUILT_CHAT_TEMPLATES = (
+    "alpaca", "gemma4", "gemma4_unified", "command_a", "command_a_tool_use", "command_a_rag",
+    "jamba", "qwen3_5", "falcon_h1", "nemotron_h", "exaone4", "metharme",
+)  # fmt: skip
+#: The prefix of ``tokenizer_default_fallback_<name>``: the tokenizer's own template, else ``<name>``.
+FALLBACK_PREFIX = "tokenizer_default_fallback_"
 #: ``chat_template`` names shardpool resolves itself; any other value must be jinja text.
-CHAT_TEMPLATE_NAMES = ("chatml", "tokenizer_default", "tokenizer_default_fallback_chatml", "jinja")
+CHAT_TEMPLATE_NAMES = (
+    *BUILT_CHAT_TEMPLATES,
+    "tokenizer_default",
+    "jinja",
+    *(FALLBACK_PREFIX + name for name in BUILT_CHAT_TEMPLATES),
+)
 #: The dataset keys that only apply to chat datasets.
 CHAT_DATASET_KEYS = (
     "field_messages", "message_property_mappings", "message_field_role", "message_field_content",
@@ -82,11 +106,23 @@ def chat_template_problems(choice: str | None, jinja: str | None) -> list[str]:
             f"not `{choice if len(choice or '') < 40 else 'a jinja string'}`; remove one of them"
         )
     if choice and choice not in CHAT_TEMPLATE_NAMES and not looks_like_jinja(choice):
-        found.append(
-            f"chat_template `{choice}` is not built into shardpool; use `tokenizer_default` (the base "
-            "model's own template), `chatml`, or the template's jinja text in `chat_template_jinja`"
-        )
+        found.append(_unknown_template_problem(choice))
     return found
+
+
+def _unknown_template_problem(choice: str) -> str:
+    """The one line refusing a ``chat_template`` name shardpool does not render."""
+    name = choice.removeprefix(FALLBACK_PREFIX)
+    if name in IMAGE_CHAT_TEMPLATES:
+        return (
+            f"chat_template `{choice}` is for conversations with images, which shardpool does not "
+            "support; use a text template (e.g. `tokenizer_default` or `llama3`)"
+        )
+    return (
+        f"chat_template `{choice}` is not built into shardpool; use `tokenizer_default` (the base "
+        "model's own template), one of the built names (docs/data.md), or the template's jinja "
+        "text in `chat_template_jinja`"
+    )
 
 
 def looks_like_jinja(text: str) -> bool:
@@ -495,8 +531,9 @@ class Config(_Strict):
     fp16: bool = Field(default=False, description="at most float16, with dynamic loss scaling (docs/gpu.md)")
     chat_template: str | None = Field(
         default=None,
-        description="chat template of chat datasets: chatml, tokenizer_default (the default), "
-        "tokenizer_default_fallback_chatml, jinja, or jinja text",
+        description="chat template of chat datasets: tokenizer_default (the default), a built name "
+        "(chatml, llama3, qwen3, gemma3, ...: docs/data.md), tokenizer_default_fallback_<name>, jinja, "
+        "or jinja text",
     )
     chat_template_jinja: str | None = Field(
         default=None, description="jinja template text (or a path to a .jinja file) for chat datasets"

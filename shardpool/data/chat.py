@@ -13,8 +13,9 @@ template itself, per turn, as in axolotl's ``chat_template`` strategy:
   per ``train_on_eos``: ``turn`` after each trained turn, ``all`` after every turn, ``last``
   after the last trained turn only, ``none`` never.
 
-Templates: ``chatml`` (built in), ``tokenizer_default`` (the base model's own, the default),
-``tokenizer_default_fallback_chatml``, ``jinja`` with ``chat_template_jinja``, or jinja text.
+Templates: a name built in :mod:`shardpool.data.templates` (``chatml``, ``llama3``, ``qwen3``, ...),
+``tokenizer_default`` (the base model's own, the default), ``tokenizer_default_fallback_<name>``
+(the base model's own, else ``<name>``), ``jinja`` with ``chat_template_jinja``, or jinja text.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardpool.config import Config, DatasetSpec
+from shardpool.config.schema import FALLBACK_PREFIX
 from shardpool.data.conversations import ChatSettings, Message, chat_settings, conversation
 from shardpool.data.rows import IGNORE_INDEX, Sample
+from shardpool.data.templates import CHATML_TEMPLATE, named_template
 from shardpool.errors import ShardpoolError
 
 if TYPE_CHECKING:
@@ -36,14 +39,6 @@ __all__ = ["CHATML_TEMPLATE", "chat_samples", "resolve_chat_template", "use_conf
 
 log = logging.getLogger(__name__)
 
-#: The ChatML format: ``<|im_start|>ROLE\nCONTENT<|im_end|>\n`` per message. Where the tokenizer has
-#: no ``<|im_start|>`` / ``<|im_end|>`` tokens, they are tokenized as ordinary text.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 # How far after a turn's content its eos may come (template text such as a newline in between).
 _EOS_WINDOW = 3
 # Stands in for a turn's content; private-use characters, so no real text starts or ends like it.
@@ -54,28 +49,34 @@ def resolve_chat_template(choice: str | None, jinja: str | None, tokenizer: Any)
     """The jinja text of a ``chat_template`` / ``chat_template_jinja`` pair, as axolotl resolves it.
 
     No choice means ``jinja`` when ``chat_template_jinja`` is given, else ``tokenizer_default``.
-    ``chat_template_jinja`` may name a file that holds the template.
+    ``chat_template_jinja`` may name a file that holds the template. ``tokenizer_default_fallback_<name>``
+    is the tokenizer's own template when it has one, else the built template ``<name>``.
     """
     if choice is None:
         choice = "jinja" if jinja else "tokenizer_default"
-    if choice == "chatml":
-        return CHATML_TEMPLATE
-    if choice in ("tokenizer_default", "tokenizer_default_fallback_chatml"):
+    if choice == "tokenizer_default":
+        own = _tokenizer_template(tokenizer)
+        if own is None:
+            raise ShardpoolError(
+                "the base model's tokenizer has no chat template (`chat_template: tokenizer_default`, the "
+                "default for chat datasets); set `chat_template: chatml` (or another built name), or give "
+                "one in `chat_template_jinja`"
+            )
+        return own
+    if choice.startswith(FALLBACK_PREFIX):
         own = _tokenizer_template(tokenizer)
         if own is not None:
             return own
-        if choice == "tokenizer_default_fallback_chatml":
-            log.warning("the base model's tokenizer has no chat template; using chatml")
-            return CHATML_TEMPLATE
-        raise ShardpoolError(
-            "the base model's tokenizer has no chat template (`chat_template: tokenizer_default`, the "
-            "default for chat datasets); set `chat_template: chatml` or give one in `chat_template_jinja`"
-        )
+        name = choice.removeprefix(FALLBACK_PREFIX)
+        log.warning("the base model's tokenizer has no chat template; using %s", name)
+        return named_template(name).jinja
     if choice == "jinja":
         if not jinja:
             raise ShardpoolError("`chat_template: jinja` needs the template in `chat_template_jinja`")
         return _jinja_text(jinja)
-    return choice  # jinja text itself (the config check refused any other name)
+    if "{{" in choice or "{%" in choice:
+        return choice  # jinja text itself
+    return named_template(choice).jinja
 
 
 def _tokenizer_template(tokenizer: Any) -> str | None:

@@ -79,13 +79,23 @@ def test_chat_template_choices(top: dict[str, Any]) -> None:
         ({"field_messages": "messages"}, {}, "`field_messages` only applies to"),
         (
             {"type": "chat_template"},
-            {"chat_template": "llama3"},
-            "chat_template `llama3` is not built into shardpool",
+            {"chat_template": "nemotron_h"},
+            "chat_template `nemotron_h` is not built into shardpool",
         ),
         (
-            {"type": "chat_template", "chat_template": "gemma"},
+            {"type": "chat_template", "chat_template": "command_a_rag"},
             {},
-            "`datasets[0]`: chat_template `gemma` is not built",
+            "`datasets[0]`: chat_template `command_a_rag` is not built",
+        ),
+        (
+            {"type": "chat_template", "chat_template": "llava"},
+            {},
+            "`datasets[0]`: chat_template `llava` is for conversations with images, which shardpool does not support",
+        ),
+        (
+            {"type": "chat_template"},
+            {"chat_template": "tokenizer_default_fallback_qwen2_vl"},
+            "chat_template `tokenizer_default_fallback_qwen2_vl` is for conversations with images",
         ),
         ({"type": "chat_template"}, {"chat_template": "jinja"}, "`chat_template: jinja` needs the template"),
         (

@@ -1,0 +1,401 @@
+"""axolotl's named chat templates: each renders its vendor's published format and trains the assistant turns.
+
+The expected texts below are written by hand from each vendor's published prompt format (model
+card, tokenizer_config.json, mistral-common) for one conversation: a system message and two
+exchanges. The tokenizers are the tiny BPE one with the vendor's bos and eos tokens set.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from shardpool.config import parse_config
+from shardpool.config.schema import (
+    BUILT_CHAT_TEMPLATES,
+    CHAT_TEMPLATE_NAMES,
+    IMAGE_CHAT_TEMPLATES,
+    UNBUILT_CHAT_TEMPLATES,
+)
+from shardpool.data.chat import resolve_chat_template, use_config_chat_template
+from shardpool.data.templates import TEMPLATES
+from shardpool.errors import ShardpoolError
+from shardpool.model.tinymodel import DEFAULT_CORPUS, train_tokenizer
+from tests.data.test_chat import chat_rows, trained
+
+SYSTEM = {"role": "system", "content": "Be brief."}
+TURNS = [
+    {"role": "user", "content": "Add 2 and 3."},
+    {"role": "assistant", "content": "5"},
+    {"role": "user", "content": "Reverse: one two"},
+    {"role": "assistant", "content": "two one"},
+]
+CONVERSATION = [SYSTEM, *TURNS]
+
+# Each template's vendor tokenizer, as far as rendering needs it: bos and eos.
+VENDOR_TOKENS: dict[str, tuple[str, str]] = {
+    "chatml": ("<s>", "<|im_end|>"),
+    "llama3": ("<|begin_of_text|>", "<|eot_id|>"),
+    "llama4": ("<|begin_of_text|>", "<|eot|>"),
+    "qwen_25": ("<s>", "<|im_end|>"),
+    "qwen3": ("<s>", "<|im_end|>"),
+    "gemma": ("<bos>", "<eos>"),
+    "gemma3": ("<bos>", "<eos>"),
+    "gemma3n": ("<bos>", "<eos>"),
+    "phi_3": ("<s>", "<|endoftext|>"),
+    "phi_35": ("<s>", "<|endoftext|>"),
+    "phi_4": ("<|endoftext|>", "<|im_end|>"),
+    "cohere": ("<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"),
+    "aya": ("<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"),
+    "deepseek_v2": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    "deepseek_v3": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    "exaone": ("[BOS]", "[|endofturn|]"),
+    "mistral_v1": ("<s>", "</s>"),
+    "mistral_v2v3": ("<s>", "</s>"),
+    "mistral_v3_tekken": ("<s>", "</s>"),
+    "mistral_v7_tekken": ("<s>", "</s>"),
+}
+
+_COHERE = (
+    "<BOS_TOKEN><|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>Be brief.<|END_OF_TURN_TOKEN|>"
+    "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Add 2 and 3.<|END_OF_TURN_TOKEN|>"
+    "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>5<|END_OF_TURN_TOKEN|>"
+    "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Reverse: one two<|END_OF_TURN_TOKEN|>"
+    "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>two one<|END_OF_TURN_TOKEN|>"
+)
+_GEMMA3 = (
+    "<bos><start_of_turn>user\nBe brief.\n\nAdd 2 and 3.<end_of_turn>\n"
+    "<start_of_turn>model\n5<end_of_turn>\n"
+    "<start_of_turn>user\nReverse: one two<end_of_turn>\n"
+    "<start_of_turn>model\ntwo one<end_of_turn>\n"
+)
+_PHI3 = (
+    "<|system|>\nBe brief.<|end|>\n"
+    "<|user|>\nAdd 2 and 3.<|end|>\n"
+    "<|assistant|>\n5<|end|>\n"
+    "<|user|>\nReverse: one two<|end|>\n"
+    "<|assistant|>\ntwo one<|end|>\n<|endoftext|>"
+)
+_CHATML = (
+    "<|im_start|>system\nBe brief.<|im_end|>\n"
+    "<|im_start|>user\nAdd 2 and 3.<|im_end|>\n"
+    "<|im_start|>assistant\n5<|im_end|>\n"
+    "<|im_start|>user\nReverse: one two<|im_end|>\n"
+)
+
+# CONVERSATION rendered as each vendor publishes its format (gemma: TURNS, it has no system role).
+EXPECTED: dict[str, str] = {
+    "chatml": _CHATML + "<|im_start|>assistant\ntwo one<|im_end|>\n",
+    "llama3": (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nAdd 2 and 3.<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n5<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nReverse: one two<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\ntwo one<|eot_id|>"
+    ),
+    "llama4": (
+        "<|begin_of_text|><|header_start|>system<|header_end|>\n\nBe brief.<|eot|>"
+        "<|header_start|>user<|header_end|>\n\nAdd 2 and 3.<|eot|>"
+        "<|header_start|>assistant<|header_end|>\n\n5<|eot|>"
+        "<|header_start|>user<|header_end|>\n\nReverse: one two<|eot|>"
+        "<|header_start|>assistant<|header_end|>\n\ntwo one<|eot|>"
+    ),
+    "qwen_25": _CHATML + "<|im_start|>assistant\ntwo one<|im_end|>\n",
+    # Qwen3 writes an (empty) think block into the assistant turn after the last user message.
+    "qwen3": _CHATML + "<|im_start|>assistant\n<think>\n\n</think>\n\ntwo one<|im_end|>\n",
+    "gemma": (
+        "<bos><start_of_turn>user\nAdd 2 and 3.<end_of_turn>\n"
+        "<start_of_turn>model\n5<end_of_turn>\n"
+        "<start_of_turn>user\nReverse: one two<end_of_turn>\n"
+        "<start_of_turn>model\ntwo one<end_of_turn>\n"
+    ),
+    "gemma3": _GEMMA3,
+    "gemma3n": _GEMMA3,
+    "phi_3": _PHI3,
+    "phi_35": _PHI3,
+    "phi_4": (
+        "<|im_start|>system<|im_sep|>Be brief.<|im_end|>"
+        "<|im_start|>user<|im_sep|>Add 2 and 3.<|im_end|>"
+        "<|im_start|>assistant<|im_sep|>5<|im_end|>"
+        "<|im_start|>user<|im_sep|>Reverse: one two<|im_end|>"
+        "<|im_start|>assistant<|im_sep|>two one<|im_end|>"
+    ),
+    "cohere": _COHERE,
+    "aya": _COHERE,
+    "deepseek_v2": (
+        "<｜begin▁of▁sentence｜>Be brief.\n\nUser: Add 2 and 3.\n\nAssistant: 5<｜end▁of▁sentence｜>"
+        "User: Reverse: one two\n\nAssistant: two one<｜end▁of▁sentence｜>"
+    ),
+    "deepseek_v3": (
+        "<｜begin▁of▁sentence｜>Be brief.<｜User｜>Add 2 and 3.<｜Assistant｜>5<｜end▁of▁sentence｜>"
+        "<｜User｜>Reverse: one two<｜Assistant｜>two one<｜end▁of▁sentence｜>"
+    ),
+    "exaone": (
+        "[|system|]Be brief.[|endofturn|]\n"
+        "[|user|]Add 2 and 3.\n[|assistant|]5[|endofturn|]\n"
+        "[|user|]Reverse: one two\n[|assistant|]two one[|endofturn|]\n"
+    ),
+    # Mistral's tokenizer versions (docs.mistral.ai): v1 puts the system text in the first user
+    # message, v2/v3 and tekken in the last one.
+    "mistral_v1": "<s> [INST] Be brief.\n\nAdd 2 and 3. [/INST] 5</s> [INST] Reverse: one two [/INST] two one</s>",
+    "mistral_v2v3": "<s>[INST] Add 2 and 3.[/INST] 5</s>[INST] Be brief.\n\nReverse: one two[/INST] two one</s>",
+    "mistral_v3_tekken": "<s>[INST]Add 2 and 3.[/INST]5</s>[INST]Be brief.\n\nReverse: one two[/INST]two one</s>",
+    "mistral_v7_tekken": (
+        "<s>[SYSTEM_PROMPT]Be brief.[/SYSTEM_PROMPT]"
+        "[INST]Add 2 and 3.[/INST]5</s>[INST]Reverse: one two[/INST]two one</s>"
+    ),
+}
+
+# What each template writes after one user message to prompt the assistant (inference).
+GENERATION_PROMPTS: dict[str, str] = {
+    "llama3": (
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nAdd 2 and 3.<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    ),
+    "qwen_25": (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nAdd 2 and 3.<|im_end|>\n<|im_start|>assistant\n"
+    ),
+    "qwen3": "<|im_start|>user\nAdd 2 and 3.<|im_end|>\n<|im_start|>assistant\n",
+    "gemma3": "<bos><start_of_turn>user\nAdd 2 and 3.<end_of_turn>\n<start_of_turn>model\n",
+    "phi_3": "<|user|>\nAdd 2 and 3.<|end|>\n<|assistant|>\n",
+    "exaone": "[|system|][|endofturn|]\n[|user|]Add 2 and 3.\n[|assistant|]",
+}
+
+#: Every name of axolotl's ChatTemplate enum (v0.18/0.19), phi_4 (dataset level there) included.
+AXOLOTL_NAMES = {
+    "alpaca", "chatml", "mistral_v1", "mistral_v2v3", "mistral_v3_tekken", "mistral_v7_tekken",
+    "gemma", "gemma3", "gemma3n", "gemma4", "gemma4_unified", "cohere", "command_a",
+    "command_a_tool_use", "command_a_rag", "aya", "llama3", "llama3_2_vision", "llama4", "phi_3",
+    "phi_35", "phi_4", "deepseek_v2", "deepseek_v3", "jamba", "qwen_25", "qwen3", "qwen3_5",
+    "qwen2_vl", "falcon_h1", "nemotron_h", "exaone", "exaone4", "metharme", "pixtral", "llava",
+    "jinja", "tokenizer_default",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def base_tok() -> Any:
+    """The tiny BPE tokenizer, trained once for this module."""
+    return train_tokenizer(DEFAULT_CORPUS)
+
+
+def vendor_tok(base: Any, name: str, *, eos: str | None = None) -> Any:
+    """``base`` with ``name``'s vendor bos and eos (or ``eos``), and its end-of-turn text a single token."""
+    bos, vendor_eos = VENDOR_TOKENS[name]
+    tokenizer = copy.deepcopy(base)
+    end = TEMPLATES[name].end_of_turn
+    tokenizer.add_special_tokens(
+        {"bos_token": bos, "eos_token": eos or vendor_eos, "additional_special_tokens": [end]}
+    )
+    return tokenizer
+
+
+def test_the_built_names_are_axolotls_and_each_is_built_refused_or_a_keyword() -> None:
+    assert set(TEMPLATES) == set(BUILT_CHAT_TEMPLATES) == set(EXPECTED) == set(VENDOR_TOKENS)
+    groups = [set(BUILT_CHAT_TEMPLATES), set(IMAGE_CHAT_TEMPLATES), set(UNBUILT_CHAT_TEMPLATES)]
+    assert sum(len(group) for group in groups) == len(set().union(*groups)), "a name in two groups"
+    assert set().union(*groups) | {"jinja", "tokenizer_default"} == AXOLOTL_NAMES
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_template_renders_its_vendors_format(base_tok: Any, name: str) -> None:
+    tokenizer = vendor_tok(base_tok, name)
+    messages = TURNS if name == "gemma" else CONVERSATION
+    text = tokenizer.apply_chat_template(messages, chat_template=TEMPLATES[name].jinja, tokenize=False)
+    assert text == EXPECTED[name]
+
+
+@pytest.mark.parametrize("name", sorted(GENERATION_PROMPTS))
+def test_the_generation_prompt_opens_an_assistant_turn(base_tok: Any, name: str) -> None:
+    tokenizer = vendor_tok(base_tok, name)
+    text = tokenizer.apply_chat_template(
+        TURNS[:1], chat_template=TEMPLATES[name].jinja, tokenize=False, add_generation_prompt=True
+    )
+    assert text == GENERATION_PROMPTS[name]
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_the_trained_tokens_are_the_assistant_turns_and_their_end(
+    tmp_path: Path, base_tok: Any, name: str
+) -> None:
+    """With the end-of-turn token as eos (as the instruct tokenizers have it), each assistant
+    content and the token closing its turn are trained, nothing else."""
+    end = TEMPLATES[name].end_of_turn
+    tokenizer = vendor_tok(base_tok, name, eos=end)
+    messages = TURNS if name == "gemma" else CONVERSATION
+    [ids], [labels] = chat_rows(tmp_path, tokenizer, [{"messages": messages}], chat_template=name)
+    rendered = tokenizer.apply_chat_template(messages, chat_template=TEMPLATES[name].jinja, tokenize=False)
+    assert ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    # Where the format puts a space before the answer, the token holding it and the answer's start is trained.
+    space = " " if name in ("mistral_v1", "mistral_v2v3", "deepseek_v2") else ""
+    expected = f"{space}5{end}{space}two one{end}"
+    positions = trained(ids, labels)
+    assert tokenizer.decode([ids[p] for p in positions]) == expected
+    assert len(positions) == len(tokenizer(expected, add_special_tokens=False)["input_ids"])
+
+
+def test_gemma_refuses_a_system_message_in_one_line(tmp_path: Path, base_tok: Any) -> None:
+    with pytest.raises(ShardpoolError, match=r"chat.jsonl:1: the chat template failed .*no system role"):
+        chat_rows(
+            tmp_path, vendor_tok(base_tok, "gemma"), [{"messages": CONVERSATION}], chat_template="gemma"
+        )
+
+
+def test_gemma_trains_with_the_system_message_dropped(tmp_path: Path, base_tok: Any) -> None:
+    tokenizer = vendor_tok(base_tok, "gemma")
+    rows = chat_rows(
+        tmp_path,
+        tokenizer,
+        [{"messages": CONVERSATION}],
+        {"drop_system_message": True},
+        chat_template="gemma",
+    )
+    assert rows == chat_rows(tmp_path, tokenizer, [{"messages": TURNS}], chat_template="gemma")
+
+
+def test_qwen3_keeps_the_reasoning_of_the_last_turn_only(base_tok: Any) -> None:
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nb"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d", "reasoning_content": "so"},
+    ]
+    text = base_tok.apply_chat_template(messages, chat_template=TEMPLATES["qwen3"].jinja, tokenize=False)
+    assert text == (
+        "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n"
+        "<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\n<think>\nso\n</think>\n\nd<|im_end|>\n"
+    )
+
+
+def test_qwen_tool_results_go_in_one_user_turn(base_tok: Any) -> None:
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "tool", "content": "1"},
+        {"role": "tool", "content": "2"},
+        {"role": "assistant", "content": "c"},
+    ]
+    text = base_tok.apply_chat_template(messages, chat_template=TEMPLATES["qwen_25"].jinja, tokenize=False)
+    assert text.endswith(
+        "<|im_start|>assistant\nb<|im_end|>\n<|im_start|>user\n<tool_response>\n1\n</tool_response>\n"
+        "<tool_response>\n2\n</tool_response><|im_end|>\n<|im_start|>assistant\nc<|im_end|>\n"
+    )
+
+
+@pytest.mark.parametrize("name", ["llama3", "gemma3", "phi_4"])
+def test_fallback_uses_the_tokenizers_own_template_when_it_has_one(base_tok: Any, name: str) -> None:
+    own = copy.deepcopy(base_tok)
+    own.chat_template = "{{ 'own' }}"
+    assert resolve_chat_template(f"tokenizer_default_fallback_{name}", None, own) == "{{ 'own' }}"
+
+
+@pytest.mark.parametrize("name", ["llama3", "gemma3", "phi_4"])
+def test_fallback_uses_the_named_template_otherwise(
+    base_tok: Any, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert base_tok.chat_template is None
+    with caplog.at_level(logging.WARNING):
+        chosen = resolve_chat_template(f"tokenizer_default_fallback_{name}", None, base_tok)
+    assert chosen == TEMPLATES[name].jinja
+    assert f"using {name}" in caplog.text
+
+
+def test_every_fallback_name_of_a_built_template_passes_the_config_check() -> None:
+    for name in BUILT_CHAT_TEMPLATES:
+        assert f"tokenizer_default_fallback_{name}" in CHAT_TEMPLATE_NAMES
+        parse_config(_raw({"type": "chat_template"}, chat_template=f"tokenizer_default_fallback_{name}"))
+
+
+@pytest.mark.parametrize("name", IMAGE_CHAT_TEMPLATES)
+def test_image_templates_are_refused_in_one_line(name: str) -> None:
+    with pytest.raises(
+        ShardpoolError, match=rf"`{name}` is for conversations with images, which shardpool does not"
+    ):
+        parse_config(_raw({"type": "chat_template"}, chat_template=name))
+
+
+@pytest.mark.parametrize("name", UNBUILT_CHAT_TEMPLATES)
+def test_templates_not_built_yet_are_refused_naming_the_alternatives(name: str) -> None:
+    with pytest.raises(
+        ShardpoolError, match=rf"`{name}` is not built into shardpool; use `tokenizer_default`"
+    ):
+        parse_config(_raw({"type": "chat_template"}, chat_template=name))
+
+
+def test_a_dataset_template_wins_over_the_top_level_one(tmp_path: Path, base_tok: Any) -> None:
+    tokenizer = vendor_tok(base_tok, "qwen3")
+    rows = [{"messages": CONVERSATION}]
+    mixed = chat_rows(tmp_path, tokenizer, rows, {"chat_template": "qwen3"}, chat_template="llama3")
+    assert mixed == chat_rows(tmp_path, tokenizer, rows, chat_template="qwen3")
+    assert mixed != chat_rows(tmp_path, tokenizer, rows, chat_template="llama3")
+    jinja = {"chat_template_jinja": TEMPLATES["gemma3"].jinja}
+    assert chat_rows(tmp_path, tokenizer, rows, jinja, chat_template="llama3") == chat_rows(
+        tmp_path, tokenizer, rows, chat_template="gemma3"
+    )
+
+
+def test_a_named_template_goes_into_the_saved_tokenizer(base_tok: Any) -> None:
+    tokenizer = copy.deepcopy(base_tok)
+    use_config_chat_template(parse_config(_raw({"type": "chat_template"}, chat_template="llama3")), tokenizer)
+    assert tokenizer.chat_template == TEMPLATES["llama3"].jinja
+
+
+def _raw(dataset: dict[str, Any], **top: Any) -> dict[str, Any]:
+    return {
+        "base_model": "unused",
+        "lora_target_linear": True,
+        "datasets": [{"path": "x.jsonl", **dataset}],
+        **top,
+    }
+
+
+@pytest.mark.slow
+def test_a_named_template_trains_end_to_end(tiny_model: Path, tmp_path: Path) -> None:
+    """A run with `chat_template: mistral_v7_tekken` (the tiny Llama has its <s> and </s>) trains on
+    the rendered conversations, with each assistant content and its </s> trained."""
+    from shardpool.data.prepared_file import load_prepared
+    from shardpool.data.tokenizing import load_tokenizer
+    from shardpool.finetune import finetune
+    from shardpool.launch.run import RUN_DIR_NAME
+    from tests.helpers.training import base_config, read_metrics, write_jsonl
+
+    rows = [{"messages": CONVERSATION}, {"messages": TURNS}] * 6
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    raw = base_config(
+        tiny_model,
+        data,
+        tmp_path / "out",
+        datasets=[{"path": str(data), "type": "chat_template"}],
+        chat_template="mistral_v7_tekken",
+        val_set_size=0,
+        sequence_len=96,
+        max_steps=2,
+    )
+    output_dir = finetune(parse_config(raw), console=Console(quiet=True))
+    tokenizer = load_tokenizer(tiny_model)
+    train = load_prepared(output_dir / RUN_DIR_NAME / "data.safetensors").train
+    for row, ids, labels, mask in zip(
+        rows, train.input_ids.tolist(), train.labels.tolist(), train.attention_mask.tolist(), strict=True
+    ):
+        text = tokenizer.apply_chat_template(
+            row["messages"], chat_template=TEMPLATES["mistral_v7_tekken"].jinja, tokenize=False
+        )
+        assert ids[: sum(mask)] == tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode([token for token in labels if token != -100]) == "5</s>two one</s>"
+    losses = [record["loss"] for record in read_metrics(output_dir) if "loss" in record]
+    assert len(losses) == 2 and all(loss > 0 for loss in losses)
+    assert load_tokenizer(output_dir).chat_template == TEMPLATES["mistral_v7_tekken"].jinja
+
+
+def test_docs_list_every_template_name() -> None:
+    root = Path(__file__).resolve().parents[2]
+    data, config = ((root / "docs" / name).read_text(encoding="utf-8") for name in ("data.md", "config.md"))
+    for name in (*BUILT_CHAT_TEMPLATES, *IMAGE_CHAT_TEMPLATES, *UNBUILT_CHAT_TEMPLATES):
+        assert f"`{name}`" in data, name
+    for name in BUILT_CHAT_TEMPLATES:
+        assert f"`{name}`" in config, name
