@@ -8,7 +8,7 @@ stage holds (embeddings, norms, lm_head) stays fp32.
 from __future__ import annotations
 
 from shardpool.contract.job import StagePlacement
-from shardpool.model.shape import DECODER_LINEAR_NAMES, ModelInfo
+from shardpool.model.shape import ALL_DECODER_LINEAR_NAMES, ModelInfo
 from shardpool.model.stage import StageSpec, owned_tensor_names
 from shardpool.model.weights import WeightReader
 
@@ -36,7 +36,7 @@ def _stage_footprint(reader: WeightReader, spec: StageSpec, tied: bool) -> tuple
             count *= dim
         params += count
         quantized = name.startswith("model.layers.") and any(
-            f".{linear}." in name for linear in DECODER_LINEAR_NAMES
+            f".{linear}." in name for linear in ALL_DECODER_LINEAR_NAMES
         )
         nf4_bytes += count * (_NF4_BYTES_PER_PARAM if quantized else 4)
     return params, nf4_bytes / 2**20

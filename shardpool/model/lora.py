@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from mesh.files import atomic_write
 from shardpool.config import Config
 from shardpool.errors import ShardpoolError
-from shardpool.model.shape import DECODER_LINEAR_NAMES
+from shardpool.model.shape import decoder_linear_names, local_model_type
 from shardpool.model.weights import save_tensors
 
 __all__ = [
@@ -48,6 +48,9 @@ class LoraSettings:
     dropout: float
     target_modules: tuple[str, ...]
     init_from: str | None
+    #: ``lora_target_linear``: every decoder Linear of the model's family, whatever ``target_modules``
+    #: says (a stage that could not read the family from config.json resolves it when it builds).
+    all_linear: bool = False
 
     @property
     def scaling(self) -> float:
@@ -58,26 +61,36 @@ class LoraSettings:
 def lora_settings(config: Config, *, check_init_adapter: bool = True) -> LoraSettings:
     """Resolve the LoRA targets of a config, and check them against ``lora_model_dir`` if given.
 
+    The targets are the decoder Linear names of the base model's family (Phi-3's fused
+    ``qkv_proj`` and ``gate_up_proj``), read from its config.json. Where that file is not at hand
+    (a stage on another machine), requested names are checked against every family's, and
+    ``lora_target_linear`` is resolved by :func:`~shardpool.model.stage.build_stage` from the
+    model it builds (the launcher, which writes the adapter files, has the file).
+
     Stage processes on other machines pass ``check_init_adapter=False``: the launcher checked the
     adapter, and its files reach them through the job's inputs, not at ``lora_model_dir``.
     """
+    model_type = local_model_type(config.base_model)
+    linears = decoder_linear_names(model_type)
     if config.lora_target_linear:
-        targets = DECODER_LINEAR_NAMES
+        targets = decoder_linear_names(model_type or "llama")
     else:
         requested = tuple(config.lora_target_modules or ())
-        unknown = [name for name in requested if name not in DECODER_LINEAR_NAMES]
+        unknown = [name for name in requested if name not in linears]
         if unknown:
+            family = f"{model_type}'s" if model_type else "the"
             raise ShardpoolError(
-                f"lora_target_modules {unknown} match no Linear of the decoder layers; "
-                f"use names from {list(DECODER_LINEAR_NAMES)} or `lora_target_linear: true`"
+                f"lora_target_modules {unknown} match no Linear of {family} decoder layers; "
+                f"use names from {list(linears)} or `lora_target_linear: true`"
             )
-        targets = tuple(name for name in DECODER_LINEAR_NAMES if name in requested)
+        targets = tuple(name for name in linears if name in requested)
     settings = LoraSettings(
         r=config.lora_r,
         alpha=float(config.lora_alpha),
         dropout=config.lora_dropout,
         target_modules=tuple(targets),
         init_from=config.lora_model_dir,
+        all_linear=bool(config.lora_target_linear),
     )
     if config.lora_model_dir is not None and check_init_adapter:
         _check_matches_existing_adapter(settings, Path(config.lora_model_dir))

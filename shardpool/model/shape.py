@@ -1,11 +1,16 @@
 """The single description of a model architecture shardpool can split, read from ``config.json``.
 
-The Llama family (Llama, Mistral, Qwen2, Qwen3) shares one layout in transformers 5.x:
-``model.embed_tokens`` -> ``model.layers.{i}`` -> ``model.norm`` -> ``lm_head``, with rotary position
-embeddings computed once per forward and passed to every decoder layer. All decoder layers are
-identical, which the planner relies on. This module holds the supported families, the state-dict
-names of that layout, the sizes the planner needs (:class:`ModelShape`, no weights read), and the
-checked base-model directory a run trains on (:class:`ModelInfo`).
+Every supported family (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3) shares one
+layout in transformers 5.x: ``model.embed_tokens`` -> ``model.layers.{i}`` -> ``model.norm`` ->
+``lm_head``, with rotary position embeddings computed once per forward and passed to every decoder
+layer. All decoder layers have the same size, which the planner relies on. What differs is kept
+in the families' own transformers modules (Gemma's scaled embedding, its attention and logit
+soft-capping) or described here: the Linear names of a layer (Phi-3 fuses ``qkv_proj`` and
+``gate_up_proj``), its norms, and which layers attend through a sliding window.
+
+This module holds the supported families, the state-dict names of that layout, the sizes the
+planner needs (:class:`ModelShape`, no weights read), and the checked base-model directory a run
+trains on (:class:`ModelInfo`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ from shardpool.errors import ShardpoolError
 __all__ = [
     "check_sequence_len",
     "check_stage_count",
+    "decoder_linear_names",
+    "ALL_DECODER_LINEAR_NAMES",
     "DECODER_LINEAR_NAMES",
+    "FUSED_LINEAR_NAMES",
     "EMBED_NAME",
     "LM_HEAD_NAME",
     "NORM_NAME",
@@ -32,14 +40,23 @@ __all__ = [
     "ModelInfo",
     "ModelShape",
     "layer_prefix",
+    "local_model_type",
     "mask_kind",
     "read_model_info",
 ]
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+)
 
-#: The Linear modules inside one decoder layer, in execution order: what NF4 quantizes and what
-#: ``lora_target_linear`` targets.
+#: The Linear modules inside one decoder layer of the Llama layout (Gemma's too), in execution
+#: order: what NF4 quantizes and what ``lora_target_linear`` targets.
 DECODER_LINEAR_NAMES: tuple[str, ...] = (
     "q_proj",
     "k_proj",
@@ -49,6 +66,18 @@ DECODER_LINEAR_NAMES: tuple[str, ...] = (
     "up_proj",
     "down_proj",
 )
+
+#: Phi-3's decoder Linear modules: q, k, v in one ``qkv_proj`` and gate, up in one ``gate_up_proj``.
+FUSED_LINEAR_NAMES: tuple[str, ...] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+#: Every name a decoder Linear has in some supported family, for checks that do not know the family.
+ALL_DECODER_LINEAR_NAMES: tuple[str, ...] = DECODER_LINEAR_NAMES + ("qkv_proj", "gate_up_proj")
+
+_FUSED_FAMILIES = ("phi3",)
+_GEMMA_FAMILIES = ("gemma2", "gemma3_text")
+#: Families whose every layer attends through ``sliding_window`` when the config sets one (the
+#: others give each layer its own type in ``layer_types``).
+_WHOLE_MODEL_WINDOW = ("mistral", "phi3")
 
 EMBED_NAME = "model.embed_tokens.weight"
 NORM_NAME = "model.norm.weight"
@@ -68,8 +97,26 @@ def layer_prefix(layer_index: int) -> str:
     return f"model.layers.{layer_index}."
 
 
+def decoder_linear_names(model_type: str | None) -> tuple[str, ...]:
+    """The Linear modules of one decoder layer of ``model_type``, in execution order (all families' names if None)."""
+    if model_type is None:
+        return ALL_DECODER_LINEAR_NAMES
+    return FUSED_LINEAR_NAMES if model_type in _FUSED_FAMILIES else DECODER_LINEAR_NAMES
+
+
+def local_model_type(base_model: str | Path) -> str | None:
+    """``model_type`` from the config.json of a local base model directory; None if there is none."""
+    config_file = Path(base_model).expanduser() / "config.json"
+    try:
+        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return model_type if isinstance(model_type, str) else None
+
+
 def mask_kind(hf_config: Any, layer_index: int) -> str:
-    """Whether a decoder layer uses ``full_attention`` or ``sliding_attention``, as its model does.
+    """Whether decoder layer ``layer_index`` (its index in the whole model) uses ``full_attention``
+    or ``sliding_attention``, as its model does.
 
     ``hf_config`` is the transformers config object of the model (not a shardpool Config).
     """
@@ -77,7 +124,7 @@ def mask_kind(hf_config: Any, layer_index: int) -> str:
     if layer_types:
         return str(layer_types[layer_index])
     if (
-        getattr(hf_config, "model_type", "") == "mistral"
+        getattr(hf_config, "model_type", "") in _WHOLE_MODEL_WINDOW
         and getattr(hf_config, "sliding_window", None) is not None
     ):
         return "sliding_attention"
@@ -86,7 +133,7 @@ def mask_kind(hf_config: Any, layer_index: int) -> str:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Architecture numbers of a Llama-family decoder-only model.
+    """Architecture numbers of a decoder-only model of a supported family.
 
     ``head_dim`` is explicit (qwen3 and some mistral models decouple it from
     ``hidden_size / num_attention_heads``). ``attention_bias`` adds biases to q/k/v/o
@@ -116,6 +163,16 @@ class ModelShape:
     def from_config_json(cls, config: Mapping[str, Any], *, name: str = "") -> ModelShape:
         """Build a shape from a parsed HF ``config.json``; refuse architectures shardpool can't place."""
         model_type = str(config.get("model_type", ""))
+        if model_type == "gemma3":
+            raise ShardpoolError(
+                f"{name or 'config.json'} is the multimodal Gemma 3 (model_type 'gemma3'); shardpool trains "
+                "text-only models: use a Gemma 3 text checkpoint (model_type 'gemma3_text', e.g. gemma-3-1b)"
+            )
+        if config.get("use_bidirectional_attention"):
+            raise ShardpoolError(
+                f"{name or 'config.json'} sets use_bidirectional_attention (an encoder, not a causal LM); "
+                "shardpool trains causal LMs"
+            )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ShardpoolError(
                 f"unsupported architecture {model_type or 'unknown'!r} in {name or 'config.json'}; "
@@ -185,6 +242,13 @@ class ModelShape:
     def linear_dims(self) -> dict[str, tuple[int, int]]:
         """``(in_features, out_features)`` of each Linear module of one decoder layer."""
         h, i = self.hidden_size, self.intermediate_size
+        if self.model_type in _FUSED_FAMILIES:
+            return {
+                "qkv_proj": (h, self.q_dim + 2 * self.kv_dim),
+                "o_proj": (self.q_dim, h),
+                "gate_up_proj": (h, 2 * i),
+                "down_proj": (i, h),
+            }
         return {
             "q_proj": (h, self.q_dim),
             "k_proj": (h, self.kv_dim),
@@ -206,8 +270,9 @@ class ModelShape:
     def layer_dense_params(self) -> int:
         """Parameters of one decoder layer that stay in compute dtype: norms and biases."""
         h = self.hidden_size
-        dense = 2 * h
-        if self.model_type == "qwen3":
+        # Gemma norms both sides of attention and of the MLP; the others only before each.
+        dense = 4 * h if self.model_type in _GEMMA_FAMILIES else 2 * h
+        if self.model_type in ("qwen3", "gemma3_text"):
             dense += 2 * self.head_dim  # q_norm and k_norm
         if self.qkv_bias:
             dense += self.q_dim + 2 * self.kv_dim
@@ -257,6 +322,10 @@ class ModelShape:
             config["attention_bias"] = self.o_bias
         if self.model_type == "llama":
             config["mlp_bias"] = self.mlp_bias
+        if self.model_type in _FUSED_FAMILIES:
+            del config["head_dim"]  # Phi-3 derives it from hidden_size and the heads
+            # Its default token ids would not fit a small vocabulary; a profiled layer needs none.
+            config.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
         return config
 
     def key(self) -> str:

@@ -5,13 +5,20 @@ meta device (no memory), pruned to what it owns, and only then are the owned ten
 safetensors files and placed on the device. Stage 0 also owns the embeddings; the last stage owns
 the final norm and ``lm_head``. Layers keep their global indices (a ``ModuleDict`` keyed ``"5"``
 names its modules ``model.layers.5...`` just like the full model's ``ModuleList``), so peft's
-adapter keys are the whole model's keys whatever the split.
+adapter keys are the whole model's keys whatever the split, and each layer gets the attention
+mask and rotary embedding of its own type (Gemma's sliding-window and full layers).
+
+A stage runs the model's own modules: its (Gemma: scaled) embedding, decoder layers, final norm
+and ``lm_head``, and the model's final logit soft-capping. With tied embeddings the first and the
+last stage each hold the embedding matrix, frozen; LoRA never targets it (only decoder Linears
+are targets), so both copies stay the checkpoint's.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -24,7 +31,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from shardpool.errors import ShardpoolError
 from shardpool.model.lora import LoraSettings, init_lora_weights, peft_config, read_adapter_tensors
 from shardpool.model.nf4 import DTYPES, NF4Backend, quantize_linear
-from shardpool.model.shape import EMBED_NAME, LM_HEAD_NAME, layer_prefix, mask_kind
+from shardpool.model.shape import EMBED_NAME, LM_HEAD_NAME, decoder_linear_names, layer_prefix, mask_kind
 from shardpool.model.weights import WeightReader
 
 __all__ = [
@@ -113,13 +120,21 @@ class PipelineStage(nn.Module):
         self._inner = causal_lm.model
         self._lm_head = causal_lm.lm_head if spec.is_last else None
         self._mask_kinds = {index: mask_kind(hf_config, index) for index in spec.layer_indices}
+        # Gemma 3 keeps one rotary base per attention type (local and global layers).
+        self._rotary_per_kind = "layer_type" in inspect.signature(self._inner.rotary_emb.forward).parameters
+        self._softcap = getattr(hf_config, "final_logit_softcapping", None)
 
     def forward(
         self, inputs: torch.Tensor, *, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
     ) -> torch.Tensor:
         """Token ids (stage 0) or hidden states in; hidden states or logits (last stage) out."""
         hidden = self._inner.embed_tokens(inputs) if self.spec.is_first else inputs
-        position_embeddings = self._inner.rotary_emb(hidden, position_ids=position_ids)
+        kinds = set(self._mask_kinds.values())
+        if self._rotary_per_kind:
+            rotary = {kind: self._inner.rotary_emb(hidden, position_ids, kind) for kind in kinds}
+        else:
+            shared = self._inner.rotary_emb(hidden, position_ids=position_ids)
+            rotary = dict.fromkeys(kinds, shared)
         masks = {
             kind: _MASK_BUILDERS[kind](
                 config=self.hf_config,
@@ -128,7 +143,7 @@ class PipelineStage(nn.Module):
                 past_key_values=None,
                 position_ids=position_ids,
             )
-            for kind in set(self._mask_kinds.values())
+            for kind in kinds
         }
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for index in self.spec.layer_indices:
@@ -136,7 +151,7 @@ class PipelineStage(nn.Module):
             layer_kwargs = {
                 "attention_mask": masks[self._mask_kinds[index]],
                 "position_ids": position_ids,
-                "position_embeddings": position_embeddings,
+                "position_embeddings": rotary[self._mask_kinds[index]],
                 "use_cache": False,
             }
             if recompute:
@@ -145,7 +160,10 @@ class PipelineStage(nn.Module):
                 hidden = layer(hidden, **layer_kwargs)
         if not self.spec.is_last:
             return hidden
-        return self._lm_head(self._inner.norm(hidden))
+        logits = self._lm_head(self._inner.norm(hidden))
+        if self._softcap is not None:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
 
     def lora_parameters(self) -> list[nn.Parameter]:
         """The trainable LoRA parameters, in a fixed order."""
@@ -229,10 +247,12 @@ def build_stage(
     compute_dtype = DTYPES[base.compute_dtype]
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     hf_config.use_cache = False
+    if lora.all_linear:
+        lora = replace(lora, target_modules=decoder_linear_names(hf_config.model_type))
     owns_reader = reader is None
     reader = reader or WeightReader(model_dir)
     try:
-        hf_config._attn_implementation = base.attn_implementation
+        hf_config._attn_implementation = _attention_for(hf_config, base.attn_implementation)
         model = _pruned_skeleton(hf_config, spec)
         _take_reused(model, reuse or {})
         _materialize(
@@ -248,6 +268,7 @@ def build_stage(
         if owns_reader:
             reader.close()
     model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_config).to(device)
+    _materialize_buffers(model, device)
     peft_model = get_peft_model(model, peft_config(lora))
     # model.config, not hf_config: building the model resolved its attention implementation,
     # which decides how the attention masks are made.
@@ -267,10 +288,23 @@ def build_stage(
     return stage
 
 
+def _model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
+    return AutoModelForCausalLM._model_mapping[type(hf_config)]
+
+
+def _attention_for(hf_config: PretrainedConfig, requested: str) -> str:
+    """The attention implementation a stage builds: ``requested``, or eager where the model has no SDPA
+    (Gemma 2: SDPA cannot soft-cap), as transformers itself falls back when it loads the model."""
+    if requested == "sdpa" and not getattr(_model_class(hf_config), "_supports_sdpa", True):
+        return "eager"
+    return requested
+
+
 def _pruned_skeleton(hf_config: PretrainedConfig, spec: StageSpec) -> nn.Module:
-    model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
+    model_class = _model_class(hf_config)
     # A stage never holds both ends of tied embeddings together (unless S = 1), so it is built
-    # untied and its lm_head is loaded from the embedding tensor instead (see _materialize).
+    # untied and its lm_head is loaded from the embedding tensor instead, or at S = 1 given the
+    # embedding's own matrix (see _materialize).
     skeleton_config = copy.deepcopy(hf_config)
     skeleton_config.tie_word_embeddings = False
     with torch.device("meta"):
@@ -331,8 +365,28 @@ def _materialize(
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         if param.device.type != "meta":
             continue
-        source = EMBED_NAME if (name == LM_HEAD_NAME and tied and not reader.has(LM_HEAD_NAME)) else name
-        tensor = reader.read(source).to(device=device, dtype=compute_dtype)
         owner_name, _, leaf = name.rpartition(".")
         owner = model.get_submodule(owner_name)
+        if name == LM_HEAD_NAME and tied and not reader.has(LM_HEAD_NAME):
+            embedding = model.model.embed_tokens
+            if embedding is not None and embedding.weight.device.type != "meta":
+                owner._parameters[leaf] = embedding.weight  # one stage holds both ends: one matrix
+                continue
+            name = EMBED_NAME
+        tensor = reader.read(name).to(device=device, dtype=compute_dtype)
         owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+
+
+def _materialize_buffers(model: nn.Module, device: torch.device) -> None:
+    """Give the buffers no checkpoint holds (Gemma's embedding scale) their values, on ``device``."""
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer is None or buffer.device.type != "meta":
+                continue
+            if name == "embed_scale" and hasattr(module, "scalar_embed_scale"):
+                module._buffers[name] = torch.tensor(module.scalar_embed_scale, device=device)
+            else:
+                raise ShardpoolError(
+                    f"{type(module).__name__}.{name} is not in the checkpoint and shardpool cannot compute it; "
+                    "this model's architecture is not supported"
+                )

@@ -34,7 +34,10 @@ __all__ = [
 BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
 # Fixed order, so the special tokens always get ids 0..3: unk, bos, eos, pad.
 SPECIAL_TOKENS: tuple[str, ...] = (UNK, BOS, EOS, PAD)
-MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+#: The attention window of the tiny models that have one: shorter than a test's sequences, so
+#: sliding and full attention give different results.
+TINY_SLIDING_WINDOW = 4
 DEFAULT_VOCAB_SIZE = 512
 MAX_POSITIONS = 1024
 
@@ -104,12 +107,43 @@ def train_tokenizer(
 
 
 def _model_config(model_type: str, **kwargs):
-    """The transformers config class for ``model_type``, filled with ``kwargs``."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    """The transformers config class for ``model_type``, filled with ``kwargs`` and what tells the family apart.
 
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    Gemma ties its embeddings, soft-caps (Gemma 2) and mixes sliding-window with full attention
+    layers (Gemma 2 alternates them, Gemma 3 has one full layer in six, each with its own rotary
+    base); Phi-3 fuses its projections and may attend through a window in every layer. The
+    window is :data:`TINY_SLIDING_WINDOW` tokens so that it matters in tests.
+    """
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
+
+    classes = {
+        "llama": LlamaConfig,
+        "mistral": MistralConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "gemma2": Gemma2Config,
+        "gemma3_text": Gemma3TextConfig,
+        "phi3": Phi3Config,
+    }
     if model_type not in classes:
         raise ValueError(f"unknown model_type {model_type!r}; use one of {', '.join(MODEL_TYPES)}")
+    if model_type in ("gemma2", "gemma3_text"):
+        kwargs.update(
+            tie_word_embeddings=True,
+            sliding_window=TINY_SLIDING_WINDOW,
+            query_pre_attn_scalar=kwargs["head_dim"],
+        )
+    if model_type == "phi3":
+        kwargs.pop("head_dim")
+        kwargs["sliding_window"] = TINY_SLIDING_WINDOW
     return classes[model_type](**kwargs)
 
 
@@ -133,8 +167,9 @@ def make_tiny_llama(
 
     ``initializer_range`` is the std of the normal init (transformers' default 0.02 leaves logits
     nearly flat through a frozen lm_head; 0.1 lets LoRA move the loss quickly). ``vocab_size`` is the BPE target; the model's vocabulary is ``len(tokenizer)``, which is smaller
-    when the corpus runs out of merges. Weights are fp32, untied, drawn under ``torch.manual_seed(seed)``
-    and saved as safetensors. The directory is built next to ``out_dir`` and swapped in at the end,
+    when the corpus runs out of merges. ``model_type`` is any of :data:`MODEL_TYPES`; the family's
+    own traits are set by :func:`_model_config`. Weights are fp32, untied (Gemma: tied), drawn under
+    ``torch.manual_seed(seed)`` and saved as safetensors. The directory is built next to ``out_dir`` and swapped in at the end,
     so a crash never leaves a half-written model behind.
     """
     import torch

@@ -15,7 +15,12 @@ from typing import Any, Literal
 from shardpool.config import Config
 from shardpool.contract.schedule import MAX_LEAD
 from shardpool.errors import ShardpoolError
-from shardpool.model.shape import DECODER_LINEAR_NAMES
+from shardpool.model.shape import (
+    ALL_DECODER_LINEAR_NAMES,
+    DECODER_LINEAR_NAMES,
+    decoder_linear_names,
+    local_model_type,
+)
 from shardpool.plan.precision import NF4_SETTINGS, Cap, NF4Setting, config_cap
 
 __all__ = ["Schedule", "Workload"]
@@ -84,11 +89,11 @@ class Workload:
                 raise ShardpoolError(f"{name} is {getattr(self, name)}; it must be positive")
         if self.lora_r < 0:
             raise ShardpoolError(f"lora_r is {self.lora_r}; it must be zero or positive")
-        unknown = sorted(set(self.lora_targets) - set(DECODER_LINEAR_NAMES))
+        unknown = sorted(set(self.lora_targets) - set(ALL_DECODER_LINEAR_NAMES))
         if unknown:
             raise ShardpoolError(
                 f"lora target modules {unknown} are not Linear modules of a decoder layer; "
-                f"choose from {', '.join(DECODER_LINEAR_NAMES)}"
+                f"choose from {', '.join(ALL_DECODER_LINEAR_NAMES)}"
             )
         if self.schedule not in ("1f1b", "gpipe"):
             raise ShardpoolError(f"schedule {self.schedule!r} is unknown; use '1f1b' or 'gpipe'")
@@ -173,7 +178,7 @@ class Workload:
         explicit ``shardpool.stages`` binds the stage count; ``devices`` alone does not.
         """
         if config.lora_target_linear or not config.lora_target_modules:
-            targets = DECODER_LINEAR_NAMES
+            targets = decoder_linear_names(local_model_type(config.base_model) or "llama")
         else:
             targets = tuple(config.lora_target_modules)
         return cls(

@@ -72,7 +72,7 @@ def nf4_bytes(params: int) -> float:
 def lora_params_per_layer(shape: ModelShape, workload: Workload) -> int:
     """Trainable LoRA parameters of one decoder layer: ``r * (in + out)`` per targeted Linear."""
     dims = shape.linear_dims()
-    return sum(workload.lora_r * (dims[name][0] + dims[name][1]) for name in set(workload.lora_targets))
+    return sum(workload.lora_r * (dims[name][0] + dims[name][1]) for name in _targets_in(shape, workload))
 
 
 def activation_bytes_per_layer(shape: ModelShape, workload: Workload) -> float:
@@ -86,7 +86,7 @@ def activation_bytes_per_layer(shape: ModelShape, workload: Workload) -> float:
     Assumes SDPA attention (no s x s probabilities kept). Checked against a measured layer in tests.
     """
     h, q, kv, inter = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size
-    targets = set(workload.lora_targets)
+    targets = _targets_in(shape, workload)
     per_token = workload.compute_bytes * (4 * h + 3 * q + 2 * kv + 4 * inter + workload.lora_r * len(targets))
     per_token += 4 * shape.num_attention_heads
     if workload.compute_bytes < 4 and workload.lora_r > 0:
@@ -94,6 +94,11 @@ def activation_bytes_per_layer(shape: ModelShape, workload: Workload) -> float:
         dims = shape.linear_dims()
         per_token += 4 * sum(dims[name][0] for name in targets)
     return per_token * workload.tokens
+
+
+def _targets_in(shape: ModelShape, workload: Workload) -> set[str]:
+    """The workload's LoRA targets that this model's decoder layer has (Phi-3 fuses q/k/v and gate/up)."""
+    return set(workload.lora_targets) & shape.linear_dims().keys()
 
 
 def boundary_bytes(shape: ModelShape, workload: Workload) -> int:

@@ -9,7 +9,9 @@ dtype for an unquantized base (``adapter: lora``), wrapped with LoRA by peft as 
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 from typing import Any
 
 from shardpool.model.shape import ModelShape
@@ -23,6 +25,9 @@ LAYER_CLASSES = {
     "mistral": ("mistral", "Mistral"),
     "qwen2": ("qwen2", "Qwen2"),
     "qwen3": ("qwen3", "Qwen3"),
+    "gemma2": ("gemma2", "Gemma2"),
+    "gemma3_text": ("gemma3", "Gemma3"),
+    "phi3": ("phi3", "Phi3"),
 }
 
 
@@ -44,7 +49,9 @@ def build_layer(
     fields.pop("model_type")
     fields["num_hidden_layers"] = 1
     config = AutoConfig.for_model(shape.model_type, **fields)
-    config._attn_implementation = "sdpa"
+    # Gemma 2 soft-caps attention scores, which SDPA cannot: its stages run eager attention.
+    sdpa = getattr(modeling, f"{prefix}ForCausalLM")._supports_sdpa
+    config._attn_implementation = "sdpa" if sdpa else "eager"
     dtype = getattr(torch, dtype_name)
 
     with torch.device("meta"):
@@ -89,6 +96,8 @@ def build_layer(
         holder = get_peft_model(holder, lora)
         holder.to(device)
     rotary = rotary_cls(config=config).to(device)
+    if "layer_type" in inspect.signature(rotary.forward).parameters:  # Gemma 3: one base per layer type
+        rotary = functools.partial(rotary, layer_type=config.layer_types[0])
     return holder, rotary, dtype
 
 
