@@ -115,3 +115,20 @@ def stage_pids(job_file: Path) -> dict[int, int]:
         if b"shardpool.elastic.rank" in argv and str(job_file).encode() in argv:
             found[int(argv[argv.index(str(job_file).encode()) + 1])] = int(entry.name)
     return found
+
+
+def eval_logits_gap(model: Any, output_dir: Path) -> float:
+    """The largest difference between ``model``'s logits (a base with the run's adapter loaded by
+    peft) and the eval logits the run saved (``eval_logits.safetensors``) on the same inputs."""
+    import torch
+    from safetensors.torch import load_file
+
+    reference = load_file(str(output_dir / "eval_logits.safetensors"))
+    model.eval()
+    with torch.no_grad():
+        logits = model(
+            input_ids=reference["input_ids"],
+            attention_mask=reference["attention_mask"],
+            position_ids=reference["position_ids"],
+        ).logits
+    return float((logits - reference["logits"]).abs().max())
