@@ -16,6 +16,7 @@ from shardpool.config import parse_config
 from shardpool.data.prepare import samples_per_dataset
 from shardpool.data.tokenizer_file import load_tokenizer_file
 from shardpool.data.tokenizing import load_tokenizer
+from tests.helpers.conversations import SYSTEM_BRIEF, TWO_TURNS
 from tests.helpers.training import (
     REPO_ROOT,
     base_config,
@@ -39,17 +40,21 @@ def _quickstart_with(tmp_path: Path, **changes: Any) -> Path:
     return write_config(tmp_path / "run.yaml", config)
 
 
+#: What `shardpool validate configs/quickstart.yaml` reports, line by line.
+QUICKSTART_REPORT = [
+    "configs/quickstart.yaml: valid",
+    "model models/quickstart: llama, 4 layers, max_position_embeddings 1024",
+    "datasets[0] configs/data/quickstart.jsonl: 480 rows (alpaca)",
+    "rows: 480 (432 train, 48 eval)",
+    "tokens per row: min 46, median 56, max 64",
+    "truncated at sequence_len 64: 0 of 480 rows",
+]
+
+
 def test_quickstart_is_valid_and_the_report_says_what_a_run_gets() -> None:
     result = run_cli("validate", "configs/quickstart.yaml", timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [
-        "configs/quickstart.yaml: valid",
-        "model models/quickstart: llama, 4 layers, max_position_embeddings 1024",
-        "datasets[0] configs/data/quickstart.jsonl: 480 rows (alpaca)",
-        "rows: 480 (432 train, 48 eval)",
-        "tokens per row: min 46, median 56, max 64",
-        "truncated at sequence_len 64: 0 of 480 rows",
-    ]
+    assert result.stdout.splitlines() == QUICKSTART_REPORT
     assert result.stderr == ""
 
 
@@ -241,17 +246,7 @@ EVERY_TYPE = [
     ({"type": "alpaca"}, ALPACA_ROWS),
     (
         {"type": "chat_template", "roles_to_train": ["assistant"]},
-        [
-            {
-                "messages": [
-                    {"role": "system", "content": "Be brief."},
-                    {"role": "user", "content": "Add 2 and 3."},
-                    {"role": "assistant", "content": "5"},
-                    {"role": "user", "content": "Reverse: one two"},
-                    {"role": "assistant", "content": "two one"},
-                ]
-            }
-        ],
+        [{"messages": [SYSTEM_BRIEF, *TWO_TURNS]}],
     ),
     (
         {"type": "sharegpt"},
@@ -287,15 +282,7 @@ def test_show_prints_the_first_rows_with_the_trained_text_between_brackets_when_
     result = run_cli("validate", "configs/quickstart.yaml", "--show", "2", timeout=120)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[:7] == [
-        "configs/quickstart.yaml: valid",
-        "model models/quickstart: llama, 4 layers, max_position_embeddings 1024",
-        "datasets[0] configs/data/quickstart.jsonl: 480 rows (alpaca)",
-        "rows: 480 (432 train, 48 eval)",
-        "tokens per row: min 46, median 56, max 64",
-        "truncated at sequence_len 64: 0 of 480 rows",
-        "",
-    ]
+    assert lines[:7] == [*QUICKSTART_REPORT, ""]
     assert lines[7:10] == [
         "rows as the model sees them (trained text between ⟦ and ⟧):",
         "",

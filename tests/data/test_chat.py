@@ -17,14 +17,9 @@ from shardpool.data.prepare import prepare_data
 from shardpool.data.rows import IGNORE_INDEX
 from shardpool.errors import ShardpoolError
 from shardpool.model.tinymodel import DEFAULT_CORPUS, train_tokenizer
+from tests.helpers.conversations import TWO_TURNS
 
 M = IGNORE_INDEX
-TWO_TURNS = [
-    {"role": "user", "content": "Add 2 and 3."},
-    {"role": "assistant", "content": "5"},
-    {"role": "user", "content": "Reverse: one two"},
-    {"role": "assistant", "content": "two one"},
-]
 # The hand-checked rendering of TWO_TURNS with chatml.
 TWO_TURNS_CHATML = (
     "<|im_start|>user\nAdd 2 and 3.<|im_end|>\n"

@@ -18,6 +18,7 @@ from shardpool.data.tokenizer_file import load_tokenizer_file
 from shardpool.data.tokenizing import load_tokenizer
 from shardpool.errors import ShardpoolError
 from shardpool.model.tinymodel import DEFAULT_CORPUS, train_tokenizer
+from tests.helpers.conversations import SYSTEM_BRIEF, TWO_TURNS
 from tests.helpers.trained_spans import check_shown_row
 from tests.helpers.training import REPO_ROOT
 
@@ -31,15 +32,7 @@ COMPLETION = [
     {"text": "Un café, s'il vous plaît."},
 ]
 CONVERSATIONS = [
-    {
-        "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "Add 2 and 3."},
-            {"role": "assistant", "content": "5"},
-            {"role": "user", "content": "Reverse: one two"},
-            {"role": "assistant", "content": "two one"},
-        ]
-    },
+    {"messages": [SYSTEM_BRIEF, *TWO_TURNS]},
     {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": " hi there "}]},
 ]
 SHAREGPT = [

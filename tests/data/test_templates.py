@@ -27,14 +27,9 @@ from shardpool.data.templates import TEMPLATES
 from shardpool.errors import ShardpoolError
 from shardpool.model.tinymodel import DEFAULT_CORPUS, train_tokenizer
 from tests.data.test_chat import chat_rows, trained
+from tests.helpers.conversations import SYSTEM_BRIEF, TWO_TURNS
 
-SYSTEM = {"role": "system", "content": "Be brief."}
-TURNS = [
-    {"role": "user", "content": "Add 2 and 3."},
-    {"role": "assistant", "content": "5"},
-    {"role": "user", "content": "Reverse: one two"},
-    {"role": "assistant", "content": "two one"},
-]
+SYSTEM, TURNS = SYSTEM_BRIEF, TWO_TURNS
 CONVERSATION = [SYSTEM, *TURNS]
 
 # Each template's vendor tokenizer, as far as rendering needs it: bos and eos.

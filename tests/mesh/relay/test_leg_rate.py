@@ -7,10 +7,8 @@ whose clock never moves, so a port's one-second budget is all it ever gets.
 
 from __future__ import annotations
 
-import os
 import random
 import socket
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -19,6 +17,7 @@ from mesh.errors import MeshError
 from mesh.relay.allocations import LEG_BYTES_PER_S, LEG_PACKETS_PER_S, AllocationRequest
 from mesh.relay.forwarder import MAX_DATAGRAM, LegRate, TokenBucket
 from mesh.relay.service import RelayService
+from tests.helpers.relay import udp_socket, wait_until, wireguard_data
 
 RELAY = "127.0.0.1"
 PAIR_AB = AllocationRequest("A|B", "A", "127.0.0.2", "B", "127.0.0.3")
@@ -76,26 +75,6 @@ def test_default_limits_sit_well_above_a_relayed_pairs_throughput() -> None:
         RelayService(RELAY, range(40000, 40010), leg_packets_per_s=0)
 
 
-def _data(payload: int = 64) -> bytes:
-    return b"\x04\0\0\0" + os.urandom(12 + payload + 16)
-
-
-def _udp(ip: str) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind((ip, 0))
-    sock.settimeout(2.0)
-    return sock
-
-
-def _until(condition, timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
-
-
 def _drain(sock: socket.socket, quiet: float = 0.3) -> int:
     """How many datagrams arrive until none has for ``quiet`` seconds."""
     count = 0
@@ -113,7 +92,7 @@ def _drain(sock: socket.socket, quiet: float = 0.3) -> int:
 @pytest.fixture
 def sockets() -> Iterator[dict[str, socket.socket]]:
     opened = {
-        name: _udp(ip)
+        name: udp_socket(ip)
         for name, ip in zip("ABCD", ("127.0.0.2", "127.0.0.3", "127.0.0.5", "127.0.0.6"), strict=True)
     }
     try:
@@ -126,9 +105,9 @@ def sockets() -> Iterator[dict[str, socket.socket]]:
 def _learn(relay: RelayService, first: socket.socket, second: socket.socket, ports: tuple[int, int]) -> None:
     """The first member speaks (nobody to forward to yet), then the second, whose datagram arrives."""
     dropped = relay.counters()["dropped_unlearned"]
-    first.sendto(_data(), (RELAY, ports[0]))
-    assert _until(lambda: relay.counters()["dropped_unlearned"] == dropped + 1)
-    second.sendto(_data(), (RELAY, ports[1]))
+    first.sendto(wireguard_data(), (RELAY, ports[0]))
+    assert wait_until(lambda: relay.counters()["dropped_unlearned"] == dropped + 1, timeout=3.0)
+    second.sendto(wireguard_data(), (RELAY, ports[1]))
     first.recvfrom(70000)
 
 
@@ -144,13 +123,13 @@ def test_a_flood_over_a_ports_rate_is_dropped_and_a_normal_pair_is_not(sockets) 
         _learn(relay, a, b, ab)
         _learn(relay, c, d, cd)
         for _ in range(200):  # A floods: its port has 39 of its 40 datagrams left, and time stands still
-            a.sendto(_data(), (RELAY, ab[0]))
-        assert _until(lambda: relay.counters()["dropped_rate"] == 200 - 39)
+            a.sendto(wireguard_data(), (RELAY, ab[0]))
+        assert wait_until(lambda: relay.counters()["dropped_rate"] == 200 - 39, timeout=3.0)
         assert _drain(b) == 39
         for _ in range(10):  # the other pair, and B's own port, keep their budgets
-            c.sendto(_data(1400), (RELAY, cd[0]))
-            d.sendto(_data(1400), (RELAY, cd[1]))
-            b.sendto(_data(), (RELAY, ab[1]))
+            c.sendto(wireguard_data(1400), (RELAY, cd[0]))
+            d.sendto(wireguard_data(1400), (RELAY, cd[1]))
+            b.sendto(wireguard_data(), (RELAY, ab[1]))
         assert (_drain(d), _drain(c), _drain(a)) == (10, 10, 10)
         assert relay.counters()["dropped_rate"] == 200 - 39
     finally:

@@ -10,7 +10,6 @@ import os
 import random
 import socket
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -19,6 +18,7 @@ from mesh.errors import MeshError
 from mesh.relay.allocations import AllocationRequest
 from mesh.relay.forwarder import is_wireguard_message, source_forms
 from mesh.relay.service import COUNTERS, RelayService
+from tests.helpers.relay import udp_socket, wait_until, wireguard_data
 
 RELAY = "127.0.0.1"
 IP_A, IP_B, STRANGER = "127.0.0.2", "127.0.0.3", "127.0.0.4"
@@ -29,20 +29,9 @@ def _initiation() -> bytes:
     return b"\x01\0\0\0" + os.urandom(144)
 
 
-def _data(payload: int = 64) -> bytes:
-    return b"\x04\0\0\0" + os.urandom(12 + payload + 16)
-
-
 def _ports() -> range:
     start = random.randrange(40000, 60000)
     return range(start, start + 16)
-
-
-def _udp(ip: str) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind((ip, 0))
-    sock.settimeout(2.0)
-    return sock
 
 
 def _nothing_arrives(sock: socket.socket, wait: float = 0.3) -> bool:
@@ -54,15 +43,6 @@ def _nothing_arrives(sock: socket.socket, wait: float = 0.3) -> bool:
     finally:
         sock.settimeout(2.0)
     return False
-
-
-def _until(condition, timeout: float = 2.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
 
 
 @pytest.fixture
@@ -77,7 +57,7 @@ def relay() -> Iterator[RelayService]:
 
 @pytest.fixture
 def members() -> Iterator[tuple[socket.socket, socket.socket]]:
-    a, b = _udp(IP_A), _udp(IP_B)
+    a, b = udp_socket(IP_A), udp_socket(IP_B)
     try:
         yield a, b
     finally:
@@ -88,7 +68,7 @@ def members() -> Iterator[tuple[socket.socket, socket.socket]]:
 def _learn_both(relay: RelayService, a: socket.socket, b: socket.socket, port_a: int, port_b: int) -> None:
     """A speaks first (nobody to forward to yet), then B, whose datagram reaches A."""
     a.sendto(_initiation(), (RELAY, port_a))
-    assert _until(lambda: relay.counters()["dropped_unlearned"] == 1)
+    assert wait_until(lambda: relay.counters()["dropped_unlearned"] == 1)
     b.sendto(_initiation(), (RELAY, port_b))
     a.recvfrom(70000)
 
@@ -129,11 +109,11 @@ def test_forwards_both_ways_unchanged(relay: RelayService, members) -> None:
     assert {allocation.port_a, allocation.port_b} <= set(relay.ports)
     _learn_both(relay, a, b, allocation.port_a, allocation.port_b)
     for size in (0, 16, 1408):
-        sent = _data(size)
+        sent = wireguard_data(size)
         a.sendto(sent, (RELAY, allocation.port_a))
         got, source = b.recvfrom(70000)
         assert got == sent and source == (RELAY, allocation.port_b)
-        reply = _data(size)
+        reply = wireguard_data(size)
         b.sendto(reply, (RELAY, allocation.port_b))
         got, source = a.recvfrom(70000)
         assert got == reply and source == (RELAY, allocation.port_a)
@@ -147,15 +127,15 @@ def test_a_stranger_gets_nothing_through(relay: RelayService, members) -> None:
     a, b = members
     allocation = relay.apply([REQUEST])["A|B"]
     _learn_both(relay, a, b, allocation.port_a, allocation.port_b)
-    stranger = _udp(STRANGER)
+    stranger = udp_socket(STRANGER)
     try:
         for port in (allocation.port_a, allocation.port_b):
             for _ in range(5):
-                stranger.sendto(_data(), (RELAY, port))
-        assert _until(lambda: relay.counters()["dropped_foreign"] == 10)
+                stranger.sendto(wireguard_data(), (RELAY, port))
+        assert wait_until(lambda: relay.counters()["dropped_foreign"] == 10)
         assert _nothing_arrives(a) and _nothing_arrives(b) and _nothing_arrives(stranger, 0.05)
         # The stranger did not displace the members' learned addresses: they still talk.
-        a.sendto(sent := _data(), (RELAY, allocation.port_a))
+        a.sendto(sent := wireguard_data(), (RELAY, allocation.port_a))
         assert b.recvfrom(70000)[0] == sent
     finally:
         stranger.close()
@@ -169,7 +149,7 @@ def test_malformed_datagrams_are_dropped(relay: RelayService, members) -> None:
     bad = [b"\x01\0\0\0" + bytes(10), b"\x04\0\0\0" + bytes(20), b"\x09\0\0\0" + bytes(60), b"hello"]
     for datagram in bad:
         a.sendto(datagram, (RELAY, allocation.port_a))
-    assert _until(lambda: relay.counters()["dropped_malformed"] == 4)
+    assert wait_until(lambda: relay.counters()["dropped_malformed"] == 4)
     assert _nothing_arrives(b)
 
 
@@ -184,8 +164,8 @@ def test_removed_member_is_cut_off_within_the_call(relay: RelayService, members)
         probe.bind((RELAY, port))
         probe.close()
     before = relay.counters()["forwarded"]
-    a.sendto(_data(), (RELAY, allocation.port_a))
-    b.sendto(_data(), (RELAY, allocation.port_b))
+    a.sendto(wireguard_data(), (RELAY, allocation.port_a))
+    b.sendto(wireguard_data(), (RELAY, allocation.port_b))
     assert _nothing_arrives(a) and _nothing_arrives(b)
     assert relay.counters()["forwarded"] == before and relay.counters()["allocations"] == 0
 
@@ -198,10 +178,10 @@ def test_a_pair_that_stays_keeps_its_ports_and_a_new_ip_moves_the_permission(
     assert relay.apply([REQUEST]) == {"A|B": first}
     moved = AllocationRequest("A|B", "A", STRANGER, "B", IP_B)
     assert relay.apply([moved]) == {"A|B": first}
-    new_a = _udp(STRANGER)
+    new_a = udp_socket(STRANGER)
     try:
-        a.sendto(_data(), (RELAY, first.port_a))  # the old IP is no longer permitted
-        assert _until(lambda: relay.counters()["dropped_foreign"] == 1)
+        a.sendto(wireguard_data(), (RELAY, first.port_a))  # the old IP is no longer permitted
+        assert wait_until(lambda: relay.counters()["dropped_foreign"] == 1)
         new_a.sendto(_initiation(), (RELAY, first.port_a))
         b.sendto(sent := _initiation(), (RELAY, first.port_b))
         assert new_a.recvfrom(70000)[0] == sent
@@ -213,11 +193,11 @@ def test_nat_rebinding_moves_the_learned_address(relay: RelayService, members) -
     a, b = members
     allocation = relay.apply([REQUEST])["A|B"]
     _learn_both(relay, a, b, allocation.port_a, allocation.port_b)
-    rebound = _udp(IP_A)  # same IP, new source port: what a NAT does after a mapping expires
+    rebound = udp_socket(IP_A)  # same IP, new source port: what a NAT does after a mapping expires
     try:
-        rebound.sendto(_data(), (RELAY, allocation.port_a))
+        rebound.sendto(wireguard_data(), (RELAY, allocation.port_a))
         assert b.recvfrom(70000)[1] == (RELAY, allocation.port_b)
-        b.sendto(sent := _data(), (RELAY, allocation.port_b))
+        b.sendto(sent := wireguard_data(), (RELAY, allocation.port_b))
         assert rebound.recvfrom(70000)[0] == sent
         assert _nothing_arrives(a)
     finally:
@@ -295,15 +275,15 @@ def test_removing_one_member_closes_only_its_pairs(relay: RelayService, members)
     live = relay.apply([REQUEST, with_c])
     kept = relay.apply([REQUEST])  # C was removed from the roster
     assert kept == {"A|B": live["A|B"]}
-    c = _udp("127.0.0.5")
+    c = udp_socket("127.0.0.5")
     try:
-        c.sendto(_data(), (RELAY, live["A|C"].port_b))
-        a.sendto(_data(), (RELAY, live["A|C"].port_a))
+        c.sendto(wireguard_data(), (RELAY, live["A|C"].port_b))
+        a.sendto(wireguard_data(), (RELAY, live["A|C"].port_a))
         assert _nothing_arrives(a) and _nothing_arrives(c)
     finally:
         c.close()
     _learn_both(relay, a, b, live["A|B"].port_a, live["A|B"].port_b)
-    a.sendto(sent := _data(), (RELAY, live["A|B"].port_a))
+    a.sendto(sent := wireguard_data(), (RELAY, live["A|B"].port_a))
     assert b.recvfrom(70000)[0] == sent
 
 
