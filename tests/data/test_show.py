@@ -303,3 +303,18 @@ def test_any_text_marks_exactly_the_trained_tokens(
     )
     shown, _ = shown_and_checked(config, tokenizers["chatml"], 1)
     assert len(shown) == 3
+
+
+def test_a_row_cut_by_sequence_len_inside_a_character_is_marked_exactly(
+    tmp_path: Path, tokenizers: dict[str, Any]
+) -> None:
+    """A 4-byte character whose bytes the cut splits: the span takes the whole character."""
+    output = "000000" + "\xa0" * 13 + "\U00010000" * 40
+    config = make_config(
+        tmp_path,
+        [([{"instruction": "", "input": "", "output": output}], {"type": "alpaca"})],
+        chat_template="chatml",
+    )
+    shown, _ = shown_and_checked(config, tokenizers["chatml"], 1)
+    assert shown[0].text.endswith("\U00010000" * 40 + "<|im_end|>")
+    assert shown[0].seen < len(shown[0].text), "the row is cut"
