@@ -118,6 +118,9 @@ class Measurement:
     seconds_median: float
     seconds_max: float | None
     ci95_rel: float | None = None
+    #: How many times slower the slot computed side by side with the other CPU slots of its host
+    #: than alone (:mod:`shardpool.plan.co_run`); None for a slot alone on its device.
+    co_run: float | None = None
 
     @classmethod
     def of(cls, profile: LayerProfile) -> Measurement:
@@ -144,6 +147,7 @@ class Measurement:
             "seconds_median": self.seconds_median,
             "seconds_max": self.seconds_max,
             "ci95_rel": self.ci95_rel,
+            "co_run": self.co_run,
         }
 
 

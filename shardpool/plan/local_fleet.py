@@ -1,7 +1,8 @@
 """This machine's devices as a fleet: one slot per configured stage, measured by a probe.
 
 When ``k`` stages name the same device, it becomes ``k`` slots (``cpu#0``...) that run at the
-same time, so each gets ``1/k`` of its free memory and of its speed. The measuring itself needs
+same time, so each gets ``1/k`` of its free memory and of its speed (a CPU slot: of the cores and
+quota, or what running side by side measured, whichever is slower). The measuring itself needs
 torch, so it is behind :class:`DeviceProbe`: ``plan.profiler.TorchProbe`` is the real one, and
 this module (like the rest of the planner) never imports torch.
 """
@@ -45,6 +46,11 @@ class DeviceProbe(Protocol):
 
     def loopback(self) -> LinkSpec:
         """The link between two stages on this machine."""
+        ...
+
+    def co_run_slowdown(self, copies: int, threads: int) -> float:
+        """How many times slower each of ``copies`` CPU stages of ``threads`` threads computes
+        side by side than alone (:func:`shardpool.plan.co_run.co_run_slowdown`)."""
         ...
 
 
@@ -97,10 +103,11 @@ def local_fleet(
             dtype = stage_dtype(facts, workload.precision, workload.compute_bytes)
             profiled = replace(profiled, compute_bytes=DTYPE_BYTES[dtype])
         profile = probe.profile_layer(shape, profiled, device=name, threads=threads)
+        co_run = probe.co_run_slowdown(share, threads) if threads is not None and share > 1 else None
         slowdown = (
             float(share)
             if threads is None
-            else _cpu_slowdown(share, threads, info.threads, profile.cpu_quota)
+            else _cpu_slowdown(share, threads, info.threads, profile.cpu_quota, co_run or 1.0)
         )
         slot = name if share == 1 else f"{name}#{seen[name]}"
         seen[name] += 1
@@ -119,7 +126,7 @@ def local_fleet(
                 head_forward_seconds=_slowed(profile.head_forward_seconds, slowdown),
                 head_backward_seconds=_slowed(profile.head_backward_seconds, slowdown),
                 optimizer_seconds_per_layer=_slowed(profile.optimizer_seconds, slowdown),
-                measurement=Measurement.of(profile),
+                measurement=replace(Measurement.of(profile), co_run=co_run),
                 # Discovery reports these where it knows them (None where it does not).
                 compute_capability=facts.capability,
                 bf16=facts.bf16,
@@ -146,18 +153,23 @@ def _nf4_choice(info: DeviceInfo, workload: Workload, position: int) -> NF4Choic
     return choose_nf4_backend(setting, facts, nf4_error=info.nf4_error)
 
 
-def _cpu_slowdown(share: int, threads: int, cores: int, quota: float | None) -> float:
+def _cpu_slowdown(share: int, threads: int, cores: int, quota: float | None, measured: float = 1.0) -> float:
     """How much slower each of ``share`` CPU slots runs together than its profile, taken alone.
 
     Alone, a slot's ``threads`` get ``min(threads, quota)`` CPUs; together, the slots share the
     host's ``min(cores, quota)``. The cgroup CPU quota (``host.cpu_quota``, recorded with the
     profile) matters here: on a host throttled to one CPU, two slots of 8 threads each profile at
-    one CPU but run at half of one, which the core count alone does not show.
+    one CPU but run at half of one, which the core count alone does not show. ``measured`` is the
+    slowdown measured side by side on this host (:mod:`shardpool.plan.co_run`), which also sees
+    what the counts cannot (shared caches, memory bandwidth, SMT siblings); the larger of the two
+    is taken, so that a noisy measurement never claims more CPUs than the host has.
     """
     if quota is None:
-        return max(1.0, share * threads / cores)
-    capacity = min(cores, quota)
-    return max(1.0, share * min(threads, capacity) / capacity)
+        counted = share * threads / cores
+    else:
+        capacity = min(cores, quota)
+        counted = share * min(threads, capacity) / capacity
+    return max(1.0, counted, measured)
 
 
 def _slowed(seconds: float | None, slowdown: float) -> float | None:

@@ -165,6 +165,13 @@ class ProcessProbe:
 
         return TorchProbe(use_cache=self.use_cache).loopback()
 
+    def co_run_slowdown(self, copies: int, threads: int) -> float:
+        """How much slower ``copies`` CPU stages compute side by side than alone, measured in this
+        process (the CPU keeps no context; see :mod:`shardpool.plan.co_run`)."""
+        from shardpool.plan.co_run import co_run_slowdown
+
+        return co_run_slowdown(copies, threads, use_cache=self.use_cache)
+
     def close(self, *, at_once: bool = False) -> None:
         """End the measuring child, if one was started (see :meth:`MeasuringProcess.close`)."""
         child, self._child = self._child, None

@@ -132,6 +132,13 @@ class TorchProbe:
         measured = measure_loopback()
         return LinkSpec(bandwidth=measured.bandwidth, latency=measured.latency)
 
+    def co_run_slowdown(self, copies: int, threads: int) -> float:
+        """How much slower ``copies`` CPU stages compute side by side than alone (cached unless
+        ``use_cache`` is False; see :mod:`shardpool.plan.co_run`)."""
+        from shardpool.plan.co_run import co_run_slowdown
+
+        return co_run_slowdown(copies, threads, use_cache=self.use_cache)
+
 
 # ---------------------------------------------------------------------------- measuring
 

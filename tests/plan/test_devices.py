@@ -394,6 +394,9 @@ class RocmProbe:
     def loopback(self) -> LinkSpec:
         return LinkSpec(bandwidth=8e9, latency=50e-6)
 
+    def co_run_slowdown(self, copies: int, threads: int) -> float:
+        return 1.0
+
 
 def test_rocm_gpus_plan_locally_with_the_dtype_of_their_architecture() -> None:
     probe = RocmProbe()

@@ -127,6 +127,7 @@ def test_plan_json_records_how_each_stage_device_was_measured() -> None:
     expected = {
         "label": "cpu test", "threads": 2, "cpu_quota": 0.6, "runs": 5,
         "seconds_min": 0.009, "seconds_median": 0.01, "seconds_max": 0.013, "ci95_rel": 0.04,
+        "co_run": 1.0,
     }  # fmt: skip
     data = plan.to_json()
     assert data["stages"] and all(stage["measured"] == expected for stage in data["stages"])

@@ -305,6 +305,9 @@ class StandInProbe:
     def loopback(self) -> LinkSpec:
         return LinkSpec(bandwidth=8e9, latency=50e-6)
 
+    def co_run_slowdown(self, copies: int, threads: int) -> float:
+        return 1.0
+
 
 def test_a_local_device_that_fails_the_4bit_probe_computes_nf4_in_pytorch_under_auto() -> None:
     tiny = ModelShape.from_config_dir(ROOT / "configs/models/tiny-llama.json")

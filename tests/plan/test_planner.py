@@ -463,8 +463,10 @@ def test_plan_json_round_trip_and_validation() -> None:
 class FixedProbe:
     """A DeviceProbe that reports this machine's real CPU but a fixed layer profile and loopback."""
 
-    def __init__(self, profile: LayerProfile) -> None:
+    def __init__(self, profile: LayerProfile, co_run: float = 1.0) -> None:
         self.profile = profile
+        self.co_run = co_run
+        self.co_run_asked: list[tuple[int, int]] = []
 
     def device_info(self, name: str) -> DeviceInfo:
         from shardpool.plan.devices import device_info
@@ -478,6 +480,10 @@ class FixedProbe:
 
     def loopback(self) -> LinkSpec:
         return LinkSpec(bandwidth=8e9, latency=50e-6)
+
+    def co_run_slowdown(self, copies: int, threads: int) -> float:
+        self.co_run_asked.append((copies, threads))
+        return self.co_run
 
 
 def test_local_fleet_shares_one_cpu() -> None:
@@ -529,6 +535,31 @@ def test_local_fleet_slots_share_the_cpu_quota() -> None:
         ["cpu"], shape=EIGHT_B, workload=BIG_WORKLOAD, probe=FixedProbe(replace(profile, cpu_quota=0.5))
     )
     assert alone.devices[0].seconds_per_layer == pytest.approx(0.01)
+
+
+def test_local_fleet_slots_slow_by_what_running_side_by_side_measured() -> None:
+    """Two one-thread slots on a host with enough cores still slow each other (shared caches,
+    memory bandwidth, SMT): the measured side-by-side slowdown is charged and recorded in the
+    plan; where the counted CPUs say more (a quota), the count wins."""
+    profile = LayerProfile(0.01, 1000, None, "cpu", "cpu", None, 3)
+    probe = FixedProbe(profile, co_run=1.3)
+    fleet = local_fleet(
+        ["cpu", "cpu"], shape=EIGHT_B, workload=BIG_WORKLOAD, probe=probe, threads_per_stage=1
+    )
+    assert probe.co_run_asked == [(2, 1), (2, 1)]
+    assert [d.seconds_per_layer for d in fleet.devices] == pytest.approx([0.013, 0.013])
+    measured = fleet.devices[0].measurement
+    assert measured is not None and measured.co_run == pytest.approx(1.3)
+    assert measured.to_json()["co_run"] == pytest.approx(1.3)
+    throttled = FixedProbe(replace(profile, cpu_quota=1.0), co_run=1.3)
+    counted = local_fleet(
+        ["cpu", "cpu"], shape=EIGHT_B, workload=BIG_WORKLOAD, probe=throttled, threads_per_stage=1
+    )
+    assert [d.seconds_per_layer for d in counted.devices] == pytest.approx([0.02, 0.02])
+    alone_probe = FixedProbe(profile, co_run=1.3)
+    alone = local_fleet(["cpu"], shape=EIGHT_B, workload=BIG_WORKLOAD, probe=alone_probe, threads_per_stage=1)
+    assert alone.devices[0].seconds_per_layer == pytest.approx(0.01)
+    assert alone.devices[0].measurement is not None and alone.devices[0].measurement.co_run is None
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -1,0 +1,49 @@
+"""How much slower CPU stages run side by side than alone: the ratio, the cache, a real measurement."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from shardpool.plan.co_run import co_run_key, co_run_slowdown, median_ratio
+from shardpool.plan.profile_cache import cached_profile, store_profile
+
+
+def test_the_median_pair_ratio_is_taken_and_never_below_one() -> None:
+    assert median_ratio([1.0, 1.0, 1.0], [1.2, 3.0, 1.3]) == pytest.approx(1.3)  # one disturbed pair ignored
+    assert median_ratio([1.0, 1.0, 1.0], [0.9, 0.95, 0.97]) == 1.0  # side by side is never faster
+    with pytest.raises(ValueError):
+        median_ratio([1.0], [1.0, 2.0])
+
+
+def test_one_copy_is_not_measured_and_a_cached_ratio_is_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHARDPOOL_CACHE", str(tmp_path))
+    assert co_run_slowdown(1, 4) == 1.0
+    assert cached_profile(co_run_key(1, 4, None)) is None
+    from shardpool.host.cpu_quota import cpu_quota
+
+    store_profile(co_run_key(2, 1, cpu_quota()), {"slowdown": 1.37})
+    assert co_run_slowdown(2, 1) == 1.37
+
+
+@pytest.mark.slow
+@pytest.mark.timing
+def test_a_real_measurement_sees_stages_that_oversubscribe_the_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two stages each wanting every core share them: each runs at most half as fast, so the
+    measured slowdown is near 2 (at least 1.5), and it lands in the cache for the next plan."""
+    monkeypatch.setenv("SHARDPOOL_CACHE", str(tmp_path))
+    from shardpool.host.cpu_quota import available_cpus, cpu_quota
+
+    cores = available_cpus()
+    slowdown = co_run_slowdown(2, cores)
+    print({"cores": cores, "slowdown": slowdown})
+    assert slowdown >= 1.5
+    cached = cached_profile(co_run_key(2, cores, cpu_quota()))
+    assert cached == {"slowdown": slowdown}
+    assert os.path.exists(tmp_path / "profiles.json")
