@@ -107,7 +107,8 @@ def print_placement(
     )
     console.print(
         f"{total_steps} steps × {config.gradient_accumulation_steps} micro-batches of "
-        f"{config.micro_batch_size} × {shape}, {rows[0]} train rows, {rows[1]} eval rows"
+        f"{config.micro_batch_size} × {shape}, "
+        + (f"{rows[0] // 2} preference pairs" if config.rl else f"{rows[0]} train rows, {rows[1]} eval rows")
     )
 
 

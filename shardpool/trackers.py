@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from shardpool.config import Config
+from shardpool.contract.events import PREFERENCE_METRICS
 from shardpool.errors import ShardpoolError
 
 __all__ = ["Trackers", "check_trackers", "hf_scalars", "open_trackers"]
@@ -30,7 +31,8 @@ def hf_scalars(record: dict[str, Any]) -> dict[str, float]:
     """One metrics.jsonl line as Hugging Face Trainer's scalar names (``train/loss``, ``eval/loss``)."""
     if "eval_loss" in record:
         return {"eval/loss": float(record["eval_loss"])}
-    return {f"train/{name}": float(record[name]) for name in _STEP_FIELDS if record.get(name) is not None}
+    names = (*_STEP_FIELDS, *PREFERENCE_METRICS)
+    return {f"train/{name}": float(record[name]) for name in names if record.get(name) is not None}
 
 
 def _wants_wandb(config: Config) -> bool:

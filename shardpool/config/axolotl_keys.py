@@ -153,13 +153,16 @@ _GROUPS: list[list[AxolotlKey]] = [
         "only read by optimizers or schedulers shardpool refuses",
     ),
     _keys(
-        "trl vllm ebft dpo_beta dpo_use_weighting dpo_label_smoothing precompute_ref_log_probs "
-        "dpo_use_liger_kernel dpo_padding_free dpo_loss_type dpo_loss_weights dpo_use_logits_to_keep "
-        "dpo_generate_during_eval dpo_norm_loss rpo_alpha orpo_alpha simpo_gamma cpo_alpha "
-        "kto_desirable_weight kto_undesirable_weight rl_beta max_prompt_len center_rewards_coefficient "
-        "num_labels",
+        "trl vllm ebft dpo_use_liger_kernel dpo_padding_free dpo_use_logits_to_keep dpo_generate_during_eval "
+        "orpo_alpha simpo_gamma cpo_alpha kto_desirable_weight kto_undesirable_weight max_prompt_len "
+        "center_rewards_coefficient num_labels",
         "ignored",
-        "only read with `rl` or reward models, which are refused",
+        "only read by `rl` methods other than dpo and ipo, or by reward models, which are refused",
+    ),
+    _keys(
+        "dpo_use_weighting dpo_label_smoothing precompute_ref_log_probs dpo_loss_weights dpo_norm_loss rpo_alpha",
+        "when_off",
+        "not built for `rl: dpo` yet (the reference log-probabilities are computed in each step); remove it",
     ),
     _keys(
         "relora_prune_ratio relora_prune_method relora_cpu_offload jagged_restart_warmup_steps "
@@ -277,11 +280,6 @@ _GROUPS: list[list[AxolotlKey]] = [
         "no extra variables are passed to the chat template; remove it",
     ),
     _keys(
-        "eot_tokens",
-        "when_off",
-        "turn ends are trained through the tokenizer's eos token only (`train_on_eos`); remove it",
-    ),
-    _keys(
         "default_system_message",
         "when_off",
         "no system message is added to conversations; put it in the data",
@@ -307,7 +305,9 @@ _GROUPS: list[list[AxolotlKey]] = [
         "only plain LoRA on the decoder's Linear layers is trained; remove it",
     ),
     _keys("merge_lora", "when_off", "merging is a separate step, not part of training; remove it"),
-    _keys("rl reward_model process_reward_model", "when_off", "only supervised fine-tuning is supported"),
+    _keys(
+        "reward_model process_reward_model", "when_off", "reward models are not trained; use `rl: dpo` or SFT"
+    ),
     _keys("group_by_length", "when_off", "rows are batched in shuffled (or file) order; remove it"),
     _keys(
         "early_stopping_patience load_best_model_at_end",

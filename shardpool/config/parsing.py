@@ -45,7 +45,7 @@ AXOLOTL_DATASET_KEYS.update(
     dict.fromkeys(
         (
             "field_human field_model field_tools field_thinking template_thinking_key "
-            "message_field_training message_field_training_detail split_thinking train_on_eot"
+            "message_field_training message_field_training_detail split_thinking"
         ).split(),
         "not built for chat datasets yet; turns are trained by `roles_to_train` and `train_on_eos` "
         "(docs/data.md)",

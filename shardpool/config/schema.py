@@ -67,17 +67,15 @@ def _raise_unless_collecting(checks: list[Check], info: ValidationInfo) -> None:
 CHAT_TYPES = ("chat_template", "sharegpt")
 #: axolotl's named chat templates that shardpool renders (shardpool.data.templates holds them).
 BUILT_CHAT_TEMPLATES = (
-    "chatml", "llama3", "llama4", "qwen_25", "qwen3", "gemma", "gemma3", "gemma3n", "phi_3", "phi_35",
-    "phi_4", "cohere", "aya", "deepseek_v2", "deepseek_v3", "exaone", "mistral_v1", "mistral_v2v3",
-    "mistral_v3_tekken", "mistral_v7_tekken",
+    "chatml", "llama3", "llama4", "qwen_25", "qwen3", "qwen3_5", "gemma", "gemma3", "gemma3n", "gemma4",
+    "gemma4_unified", "phi_3", "phi_35", "phi_4", "cohere", "aya", "deepseek_v2", "deepseek_v3", "exaone",
+    "exaone4", "mistral_v1", "mistral_v2v3", "mistral_v3_tekken", "mistral_v7_tekken", "alpaca", "metharme",
+    "jamba", "falcon_h1",
 )  # fmt: skip
 #: axolotl's templates for conversations with images, which shardpool does not train on.
 IMAGE_CHAT_TEMPLATES = ("llava", "pixtral", "qwen2_vl", "llama3_2_vision")
 #: axolotl's other named templates: refused until built.
-UNBUILT_CHAT_TEMPLATES = (
-    "alpaca", "gemma4", "gemma4_unified", "command_a", "command_a_tool_use", "command_a_rag",
-    "jamba", "qwen3_5", "falcon_h1", "nemotron_h", "exaone4", "metharme",
-)  # fmt: skip
+UNBUILT_CHAT_TEMPLATES = ("command_a", "command_a_tool_use", "command_a_rag", "nemotron_h")
 #: The prefix of ``tokenizer_default_fallback_<name>``: the tokenizer's own template, else ``<name>``.
 FALLBACK_PREFIX = "tokenizer_default_fallback_"
 #: ``chat_template`` names shardpool resolves itself; any other value must be jinja text.
@@ -90,9 +88,74 @@ CHAT_TEMPLATE_NAMES = (
 #: The dataset keys that only apply to chat datasets.
 CHAT_DATASET_KEYS = (
     "field_messages", "message_property_mappings", "message_field_role", "message_field_content",
-    "roles", "roles_to_train", "train_on_eos", "drop_system_message", "chat_template",
+    "roles", "roles_to_train", "train_on_eos", "train_on_eot", "drop_system_message", "chat_template",
     "chat_template_jinja",
 )  # fmt: skip
+
+
+#: The supervised dataset types (a preference run's are :data:`PREFERENCE_TYPES`).
+SFT_TYPES = ("alpaca", "completion", "chat_template", "sharegpt")
+#: axolotl's preference dataset types for ``rl: dpo`` and ``rl: ipo``; ``type:`` may also be a
+#: mapping (axolotl's ``user_defined.default``: field_prompt, field_system, field_chosen,
+#: field_rejected, prompt_format, chosen_format, rejected_format).
+PREFERENCE_TYPES = (
+    "chat_template.default", "chat_template.argilla_chat",
+    *(f"{style}.{variant}" for style in ("chatml", "llama3")
+      for variant in ("default", "intel", "icr", "prompt_pairs", "ultra", "argilla_chat")),
+    "user_defined.default",
+)  # fmt: skip
+#: The keys of a ``type:`` mapping (axolotl's user-defined preference format).
+USER_DEFINED_PREFERENCE_KEYS = (
+    "field_prompt", "field_system", "field_chosen", "field_rejected", "prompt_format", "chosen_format",
+    "rejected_format",
+)  # fmt: skip
+#: One-part preference types, axolotl's spelling of their ``.default`` (``chat_template`` too, under ``rl``).
+SHORT_PREFERENCE_TYPES = ("chatml", "llama3", "user_defined")
+#: The ``rl`` values shardpool trains; axolotl's others are refused in one line.
+BUILT_RL = ("dpo", "ipo")
+
+
+#: The dataset types that read ``field_chosen`` / ``field_rejected``.
+_CHOSEN_FIELD_TYPES = ("chat_template", "chat_template.default", "chat_template.argilla_chat")
+#: ``type`` in the JSON schema: the names shardpool reads, or the user-defined mapping (the
+#: field is a plain string in Python so that a wrong name gets :func:`dataset_type_problem`'s line).
+_DATASET_TYPE_SCHEMA = [
+    {"enum": [*SFT_TYPES, *PREFERENCE_TYPES, *SHORT_PREFERENCE_TYPES]},
+    {
+        "type": "object",
+        "properties": {key: {"type": "string"} for key in USER_DEFINED_PREFERENCE_KEYS},
+        "additionalProperties": False,
+    },
+    {"type": "null"},
+]
+
+
+def dataset_type_problem(kind: str | dict[str, Any] | None) -> str | None:
+    """Why a dataset ``type`` is not one shardpool reads (None when it is)."""
+    if kind is None or (
+        isinstance(kind, str) and kind in (*SFT_TYPES, *PREFERENCE_TYPES, *SHORT_PREFERENCE_TYPES)
+    ):
+        return None
+    if isinstance(kind, dict):
+        unknown = sorted(set(kind) - set(USER_DEFINED_PREFERENCE_KEYS))
+        if not unknown:
+            return None
+        return (
+            f"a `type:` mapping (axolotl's user-defined preference format) has unknown keys {unknown}; "
+            f"use {', '.join(USER_DEFINED_PREFERENCE_KEYS)}"
+        )
+    return (
+        f"dataset type `{kind}` is not built into shardpool; use {', '.join(SFT_TYPES)}, or with `rl` "
+        "a preference type (docs/data.md)"
+    )
+
+
+def is_preference_type(kind: str | dict[str, Any] | None, rl: str | None) -> bool:
+    """Whether a dataset ``type`` reads preference pairs: a preference name or mapping, or under
+    ``rl`` the one-part ``chat_template`` (axolotl's ``chat_template.default``)."""
+    if isinstance(kind, dict) or kind in (*PREFERENCE_TYPES, *SHORT_PREFERENCE_TYPES):
+        return True
+    return kind == "chat_template" and rl is not None
 
 
 def chat_template_problems(choice: str | None, jinja: str | None) -> list[str]:
@@ -146,10 +209,18 @@ class DatasetSpec(_Strict):
         default=None, description="which split of a directory or hub dataset (default: train)"
     )
     name: str | None = Field(default=None, description="the configuration (subset) of a hub dataset")
-    type: Literal["alpaca", "completion", "chat_template", "sharegpt"] | None = Field(
+    type: str | dict[str, str] | None = Field(
         default=None,
+        json_schema_extra=lambda schema: schema.update(anyOf=_DATASET_TYPE_SCHEMA),
         description="alpaca: instruction/input/output; completion: one text field; chat_template / "
-        "sharegpt: conversations; absent: pre-tokenized",
+        "sharegpt: conversations; absent: pre-tokenized; with `rl`, a preference type "
+        "(chatml.intel, chat_template.default, ...: docs/data.md) or a user-defined mapping",
+    )
+    field_chosen: str | None = Field(
+        default=None, description="preference rows: the field of the chosen answer (default: chosen)"
+    )
+    field_rejected: str | None = Field(
+        default=None, description="preference rows: the field of the rejected answer (default: rejected)"
     )
     field: str | None = Field(
         default=None, description="the text field of a completion dataset (default: text)"
@@ -182,6 +253,10 @@ class DatasetSpec(_Strict):
         description="which eos tokens are trained: after each trained turn (turn, default), after "
         "every turn (all), after the last trained turn (last), none",
     )
+    train_on_eot: Literal["turn", "all", "last", "none"] | None = Field(
+        default=None,
+        description="which `eot_tokens` are trained, as train_on_eos (default: the train_on_eos setting)",
+    )
     drop_system_message: bool | None = Field(default=None, description="leave out a leading system message")
     chat_template: str | None = Field(
         default=None, description="this dataset's chat template (default: the top-level one)"
@@ -198,6 +273,13 @@ class DatasetSpec(_Strict):
     def checks(self) -> list[Check]:
         """The rules across this dataset's keys that it breaks."""
         found: list[str] = []
+        if (problem := dataset_type_problem(self.type)) is not None:
+            found.append(problem)
+        if (self.field_chosen or self.field_rejected) and self.type not in _CHOSEN_FIELD_TYPES:
+            found.append(
+                "`field_chosen` and `field_rejected` only apply to `type: chat_template.default` or "
+                "`chat_template.argilla_chat`; remove them"
+            )
         if self.field is not None and self.type != "completion":
             found.append("`field` only applies to `type: completion`; remove it or set `type: completion`")
         given = [key for key in CHAT_DATASET_KEYS if getattr(self, key) is not None]
@@ -529,6 +611,19 @@ class Config(_Strict):
         default=False, description="at most bfloat16: each stage's dtype follows its device (docs/gpu.md)"
     )
     fp16: bool = Field(default=False, description="at most float16, with dynamic loss scaling (docs/gpu.md)")
+    rl: str | None = Field(
+        default=None,
+        description="preference tuning: dpo or ipo, on pairs of chosen and rejected answers (docs/data.md)",
+    )
+    rl_beta: float | None = Field(
+        default=None,
+        gt=0,
+        description="DPO/IPO beta: how far the adapter may move from the base (default 0.1)",
+    )
+    dpo_beta: float | None = Field(default=None, gt=0, description="older spelling of rl_beta")
+    dpo_loss_type: Literal["sigmoid", "ipo"] | list[Literal["sigmoid", "ipo"]] | None = Field(
+        default=None, description="rl: dpo's loss: sigmoid (default) or ipo"
+    )
     chat_template: str | None = Field(
         default=None,
         description="chat template of chat datasets: tokenizer_default (the default), a built name "
@@ -537,6 +632,11 @@ class Config(_Strict):
     )
     chat_template_jinja: str | None = Field(
         default=None, description="jinja template text (or a path to a .jinja file) for chat datasets"
+    )
+    eot_tokens: list[str] | None = Field(
+        default=None,
+        description="texts that end a turn in the chat template, each one token of the base model's "
+        "tokenizer; trained after turns per train_on_eot (default: the tokenizer's eos only)",
     )
     shardpool: ShardpoolSection = Field(default_factory=ShardpoolSection, description="shardpool's own keys")
 
@@ -616,7 +716,75 @@ class Config(_Strict):
             Check(("chat_template", "chat_template_jinja"), message)
             for message in chat_template_problems(self.chat_template, self.chat_template_jinja)
         ]
-        return found
+        return found + self._preference_checks()
+
+    def _preference_checks(self) -> list[Check]:
+        """The rules of ``rl`` (preference tuning) this config breaks."""
+        if self.rl is None:
+            if any(is_preference_type(dataset.type, None) for dataset in self.datasets):
+                return [
+                    Check(("rl", "datasets"), "preference datasets (chosen/rejected pairs) need `rl: dpo` or "
+                          "`rl: ipo`; set it, or use a supervised dataset type")
+                ]  # fmt: skip
+            return []
+        rules: list[tuple[bool, tuple[str, ...], str]] = [
+            (
+                self.rl not in BUILT_RL,
+                ("rl",),
+                f"`rl: {self.rl}` is not built into shardpool; it trains `rl: dpo` (dpo_loss_type sigmoid "
+                "or ipo) and `rl: ipo`",
+            ),
+            (
+                any(
+                    dataset.type is None or dataset.type in SFT_TYPES[:2] + ("sharegpt",)
+                    for dataset in self.datasets
+                ),
+                ("rl", "datasets"),
+                f"`rl: {self.rl}` trains on preference pairs; give every dataset a preference type "
+                "(chatml.intel, chat_template.default, ...: docs/data.md)",
+            ),
+            (
+                self.sample_packing,
+                ("rl", "sample_packing"),
+                "preference pairs are not packed; set `sample_packing: false`",
+            ),
+            (
+                self.val_set_size > 0,
+                ("rl", "val_set_size"),
+                "evaluation of preference runs is not built yet; set `val_set_size: 0`",
+            ),
+            (
+                self.rl_beta is not None and self.dpo_beta is not None and self.rl_beta != self.dpo_beta,
+                ("rl_beta", "dpo_beta"),
+                f"`rl_beta: {self.rl_beta}` and its older spelling `dpo_beta: {self.dpo_beta}` disagree; keep one",
+            ),
+            (
+                self.rl == "ipo" and self.dpo_loss_type not in (None, "ipo", ["ipo"]),
+                ("rl", "dpo_loss_type"),
+                "`rl: ipo` is the ipo loss; remove `dpo_loss_type`",
+            ),
+            (
+                isinstance(self.dpo_loss_type, list) and len(self.dpo_loss_type) != 1,
+                ("dpo_loss_type",),
+                "`dpo_loss_type` takes one loss (sigmoid or ipo), not a weighted list",
+            ),
+        ]
+        return [Check(keys, message) for broken, keys, message in rules if broken]
+
+    @property
+    def preference_beta(self) -> float:
+        """DPO/IPO's beta: ``rl_beta``, else its older spelling ``dpo_beta``, else TRL's 0.1."""
+        return (
+            self.rl_beta if self.rl_beta is not None else self.dpo_beta if self.dpo_beta is not None else 0.1
+        )
+
+    @property
+    def preference_loss(self) -> Literal["sigmoid", "ipo"]:
+        """The preference loss TRL computes for this config: ipo for ``rl: ipo``, else ``dpo_loss_type``."""
+        if self.rl == "ipo":
+            return "ipo"
+        loss = self.dpo_loss_type[0] if isinstance(self.dpo_loss_type, list) else self.dpo_loss_type
+        return loss or "sigmoid"
 
     def problems(self, source: str) -> list[tuple[Check, Problem]]:
         """Every rule this config breaks, nested sections included, each with its problem line."""

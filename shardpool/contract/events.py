@@ -26,6 +26,7 @@ from shardpool.contract.names import ContractError, safe_relative_name
 
 __all__ = [
     "EVENT_PREFIX",
+    "PREFERENCE_METRICS",
     "STAGE_COPY_FIGURES",
     "StageEvent",
     "ReadyEvent",
@@ -75,6 +76,24 @@ def _first_line(text: Any) -> Any:
     return text
 
 
+#: The metrics a preference (DPO, IPO) step reports, named as TRL logs them.
+PREFERENCE_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+PreferenceMetric = Literal[
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+]
+
 OptionalLoss = float | None
 Timings = Annotated[list[float], Field(max_length=MAX_WORLD_SIZE)]
 Counts = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_WORLD_SIZE)]
@@ -122,6 +141,8 @@ class StepEvent(_Event):
     stage_room_bytes: Timings | None = None
     loss_scale: float | None = None
     skipped_step: bool = False
+    #: A preference run's metrics (TRL's names, means over the step's pairs); None for SFT.
+    preference: dict[PreferenceMetric, float] | None = None
 
 
 class EvalEvent(_Event):

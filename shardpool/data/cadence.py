@@ -32,7 +32,12 @@ def steps_per_epoch(num_train_rows: int, rows_per_step: int) -> float:
 
 
 def config_steps_per_epoch(config: Config, num_train_rows: int, *, replicas: int) -> float:
-    """:func:`steps_per_epoch` of a run of ``config``: each step reads micro-batches of every replica."""
+    """:func:`steps_per_epoch` of a run of ``config``: each step reads micro-batches of every replica.
+
+    A preference run (``rl``) holds each pair as two rows, and its micro-batches count pairs.
+    """
+    if config.rl is not None:
+        num_train_rows //= 2
     rows_per_step = config.micro_batch_size * config.gradient_accumulation_steps * replicas
     return steps_per_epoch(num_train_rows, rows_per_step)
 

@@ -11,7 +11,11 @@ template itself, per turn, as in axolotl's ``chat_template`` strategy:
   ``train_on_inputs``). Role headers and other template text are never trained;
 * the eos token that ends a turn (the first one at most 3 tokens after its content) is trained
   per ``train_on_eos``: ``turn`` after each trained turn, ``all`` after every turn, ``last``
-  after the last trained turn only, ``none`` never.
+  after the last trained turn only, ``none`` never;
+* with ``eot_tokens`` (axolotl's key: the texts that end a turn, each a single token), the first
+  of them at most 3 tokens after a turn's content is trained the same way per ``train_on_eot``
+  (default: as ``train_on_eos``), and the eos still per ``train_on_eos``. Without it the eos is
+  the only end of turn.
 
 Templates: a name built in :mod:`shardpool.data.templates` (``chatml``, ``llama3``, ``qwen3``, ...),
 ``tokenizer_default`` (the base model's own, the default), ``tokenizer_default_fallback_<name>``
@@ -21,6 +25,7 @@ Templates: a name built in :mod:`shardpool.data.templates` (``chatml``, ``llama3
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,7 +44,7 @@ __all__ = ["CHATML_TEMPLATE", "chat_samples", "resolve_chat_template", "use_conf
 
 log = logging.getLogger(__name__)
 
-# How far after a turn's content its eos may come (template text such as a newline in between).
+# How far after a turn's content its eos (or eot token) may come (template text such as a newline in between).
 _EOS_WINDOW = 3
 # Stands in for a turn's content; private-use characters, so no real text starts or ends like it.
 _PLACEHOLDERS = ("\ue000\ue001\ue002", "\ue003\ue004\ue005")
@@ -111,12 +116,19 @@ def use_config_chat_template(config: Config, tokenizer: PreTrainedTokenizerBase)
 
 
 @dataclass(frozen=True)
+class _TurnEnd:
+    """One kind of token that ends a turn (the eos, or the ``eot_tokens``) and when it is trained."""
+
+    ids: frozenset[int]
+    mode: str  # turn, all, last or none, as train_on_eos
+
+
+@dataclass(frozen=True)
 class _Turn:
-    """Where one turn sits in the tokens: its content tokens ``[start, end)`` and its eos (or -1)."""
+    """Where one turn sits in the tokens: its content tokens ``[start, end)``."""
 
     start: int
     end: int
-    eos: int
 
 
 def chat_samples(
@@ -127,17 +139,20 @@ def chat_samples(
     *,
     train_on_inputs: bool,
     label: str,
+    eot_tokens: Sequence[str] | None = None,
 ) -> list[Sample]:
     """Every conversation row rendered with ``template``, tokenized and masked (see the module doc).
 
     ``label`` names the dataset in the warning given when the template never puts the
-    tokenizer's eos token after a trained turn.
+    tokenizer's eos token (or one of ``eot_tokens``) after a trained turn.
     """
     if not getattr(tokenizer, "is_fast", False):
         raise ShardpoolError(
             f"{label}: chat datasets need a fast tokenizer (tokenizer.json in the base_model directory)"
         )
     settings = chat_settings(spec)
+    ends = _turn_ends(settings, eot_tokens, template, tokenizer, label)
+    end_ids = frozenset().union(*(end.ids for end in ends))
     conversations = [(where, conversation(row, where, settings)) for where, row in rows]
     texts = [_render(messages, template, tokenizer, where) for where, messages in conversations]
     encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
@@ -147,19 +162,53 @@ def chat_samples(
         conversations, texts, encoded["input_ids"], encoded["offset_mapping"], strict=True
     ):
         labels = _labels(
-            messages, text, list(ids), offsets, settings, train_on_inputs, template, tokenizer, where
+            messages, text, list(ids), offsets, settings, train_on_inputs, template, tokenizer, where, ends
         )
-        eos_trained |= any(label == tokenizer.eos_token_id for label in labels if label != IGNORE_INDEX)
+        eos_trained |= any(label in end_ids for label in labels if label != IGNORE_INDEX)
         samples.append(Sample(list(ids), labels, [1] * len(ids), where))
-    if settings.train_on_eos != "none" and not eos_trained:
+    if any(end.mode != "none" for end in ends) and not eos_trained:
         log.warning(
             "%s: the chat template never puts the tokenizer's eos token %r after a trained turn, so "
             "no eos is trained and the model will not learn where its turns end; use a template that "
-            "ends turns with `eos_token`, or a base model whose eos is the template's end-of-turn token",
+            "ends turns with `eos_token`, a base model whose eos is the template's end-of-turn token, "
+            "or set `eot_tokens` to the template's end-of-turn token",
             label,
             tokenizer.eos_token,
         )
     return samples
+
+
+def _turn_ends(
+    settings: ChatSettings, eot_tokens: Sequence[str] | None, template: str, tokenizer: Any, label: str
+) -> list[_TurnEnd]:
+    """The tokens that end a turn: the eos per ``train_on_eos``, and ``eot_tokens`` per ``train_on_eot``.
+
+    As in axolotl, an end-of-turn text the template never writes is left out with a warning, one
+    that is not a single token is refused, and the eos listed in ``eot_tokens`` must be trained
+    the same way under both keys.
+    """
+    eos = _TurnEnd(frozenset({tokenizer.eos_token_id}), settings.train_on_eos)
+    if not eot_tokens:
+        return [eos]
+    ids: set[int] = set()
+    for token in eot_tokens:
+        if token not in template:
+            log.warning("%s: the chat template never writes eot token %r; it is left out", label, token)
+            continue
+        encoded = tokenizer(token, add_special_tokens=False)["input_ids"]
+        if len(encoded) != 1:
+            raise ShardpoolError(
+                f"`eot_tokens` entry {token!r} is {len(encoded)} tokens for this tokenizer, not one; "
+                "list only the base model's own special tokens"
+            )
+        ids.add(encoded[0])
+    if tokenizer.eos_token_id in ids and settings.train_on_eot != settings.train_on_eos:
+        raise ShardpoolError(
+            f"{label}: the eos token {tokenizer.eos_token!r} is in `eot_tokens`, so `train_on_eot: "
+            f"{settings.train_on_eot}` and `train_on_eos: {settings.train_on_eos}` disagree about it; "
+            "make them equal or leave the eos out of `eot_tokens`"
+        )
+    return [_TurnEnd(frozenset(ids), settings.train_on_eot), eos]
 
 
 def _render(messages: list[Message], template: str, tokenizer: Any, where: str) -> str:
@@ -183,25 +232,28 @@ def _labels(
     template: str,
     tokenizer: Any,
     where: str,
+    ends: list[_TurnEnd],
 ) -> list[int]:
-    """The labels of one rendered conversation: trained turns' content and eos, -100 elsewhere."""
+    """The labels of one rendered conversation: trained turns' content and turn ends, -100 elsewhere."""
     labels = [IGNORE_INDEX] * len(ids)
-    mode = settings.train_on_eos
-    last_eos = -1
+    last = [-1] * len(ends)
     for index, message in enumerate(messages):
         trained = train_on_inputs or message["role"] in settings.roles_to_train
-        if not trained and mode != "all":
+        if not trained and all(end.mode != "all" for end in ends):
             continue
         span = _content_span(messages, index, text, template, tokenizer, where)
-        turn = _turn_tokens(span, ids, offsets, tokenizer.eos_token_id)
+        turn = _turn_tokens(span, ids, offsets)
         if trained:
             labels[turn.start : turn.end] = ids[turn.start : turn.end]
-        if turn.eos >= 0 and (mode == "all" or (mode == "turn" and trained)):
-            labels[turn.eos] = ids[turn.eos]
-        if trained and turn.eos >= 0:
-            last_eos = turn.eos
-    if mode == "last" and last_eos >= 0:
-        labels[last_eos] = ids[last_eos]
+        for kind, end in enumerate(ends):
+            position = _end_after(turn, ids, end.ids)
+            if position >= 0 and (end.mode == "all" or (end.mode == "turn" and trained)):
+                labels[position] = ids[position]
+            if trained and position >= 0:
+                last[kind] = position
+    for kind, end in enumerate(ends):
+        if end.mode == "last" and last[kind] >= 0:
+            labels[last[kind]] = ids[last[kind]]
     return labels
 
 
@@ -227,8 +279,8 @@ def _content_span(
     return start, len(text) - tail
 
 
-def _turn_tokens(span: tuple[int, int], ids: list[int], offsets: list[tuple[int, int]], eos_id: int) -> _Turn:
-    """The tokens that overlap ``span`` and the eos that follows them within a few tokens."""
+def _turn_tokens(span: tuple[int, int], ids: list[int], offsets: list[tuple[int, int]]) -> _Turn:
+    """The tokens that overlap ``span``."""
     begin, finish = span
     overlapping = [
         position
@@ -239,6 +291,10 @@ def _turn_tokens(span: tuple[int, int], ids: list[int], offsets: list[tuple[int,
         start, end = overlapping[0], overlapping[-1] + 1
     else:  # empty content: the turn is where its text would be
         start = end = next((p for p, (first, _) in enumerate(offsets) if first >= finish), len(ids))
-    window = range(end, min(end + _EOS_WINDOW + 1, len(ids)))
-    eos = next((position for position in window if ids[position] == eos_id), -1)
-    return _Turn(start, end, eos)
+    return _Turn(start, end)
+
+
+def _end_after(turn: _Turn, ids: list[int], end_ids: frozenset[int]) -> int:
+    """The first of ``end_ids`` within a few tokens after ``turn``'s content, or -1."""
+    window = range(turn.end, min(turn.end + _EOS_WINDOW + 1, len(ids)))
+    return next((position for position in window if ids[position] in end_ids), -1)

@@ -44,6 +44,7 @@ class ChatSettings:
     roles: dict[str, str]  # source role value -> role
     roles_to_train: frozenset[str]
     train_on_eos: str
+    train_on_eot: str
     drop_system_message: bool
 
 
@@ -64,6 +65,7 @@ def chat_settings(spec: DatasetSpec) -> ChatSettings:
         roles=roles,
         roles_to_train=frozenset(roles.get(role, role) for role in to_train),
         train_on_eos=spec.train_on_eos or "turn",
+        train_on_eot=spec.train_on_eot or spec.train_on_eos or "turn",
         drop_system_message=bool(spec.drop_system_message),
     )
 

@@ -14,8 +14,17 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shardpool.config import Config
-from shardpool.data.chat import use_config_chat_template
+from shardpool.config import Config, DatasetSpec
+from shardpool.data.chat import resolve_chat_template, use_config_chat_template
+from shardpool.data.preference import (
+    chat_template_renderer,
+    dpo_pairs,
+    dpo_samples,
+    fits_sequence_len,
+    preference_format,
+    preference_texts,
+)
+from shardpool.data.reading import read_rows
 from shardpool.data.rows import IGNORE_INDEX, PreparedData, Sample
 from shardpool.data.special_tokens import apply_special_tokens
 from shardpool.data.tokenizing import dataset_samples
@@ -50,6 +59,8 @@ def prepare_data(config: Config, tokenizer: PreTrainedTokenizerBase) -> Prepared
     """
     from shardpool.data.packing import to_rows  # torch: only here, so samples are made without it
 
+    if config.rl is not None:
+        return _prepare_pairs(config, tokenizer)
     merged = [sample for samples in samples_per_dataset(config, tokenizer) for sample in samples]
     split = split_samples(config, merged)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -63,6 +74,57 @@ def prepare_data(config: Config, tokenizer: PreTrainedTokenizerBase) -> Prepared
     )
 
 
+def _prepare_pairs(config: Config, tokenizer: Any) -> PreparedData:
+    """A preference run's rows: every pair's chosen sequence, then every rejected one in the same
+    order (:func:`shardpool.data.steps.pair_rows` puts a pair's two rows in one micro-batch)."""
+    from shardpool.data.packing import to_rows
+
+    pairs: list[tuple[Sample, Sample]] = []
+    dropped = 0
+    for index, spec in enumerate(config.datasets):
+        kept, left_out = preference_pairs(config, spec, index, tokenizer)
+        pairs += kept
+        dropped += left_out
+    if not pairs:
+        raise ShardpoolError(
+            f"no preference row fits sequence_len {config.sequence_len}; raise sequence_len or shorten the rows"
+        )
+    if config.shuffle_merged_datasets:
+        random.Random(config.seed).shuffle(pairs)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = to_rows([c for c, _ in pairs] + [r for _, r in pairs], config.sequence_len, pad_id, packed=False)
+    return PreparedData(
+        train=rows,
+        eval=to_rows([], config.sequence_len, pad_id, packed=False),
+        packed=False,
+        dropped_rows=dropped,
+    )
+
+
+def preference_pairs(
+    config: Config, spec: DatasetSpec, index: int, tokenizer: Any
+) -> tuple[list[tuple[Sample, Sample]], int]:
+    """The (chosen, rejected) sequences of dataset ``datasets[index]``, as axolotl makes the texts
+    and TRL's DPOTrainer the tokens, and how many rows were left out because they do not fit
+    ``sequence_len`` (axolotl drops them)."""
+    assert config.rl is not None
+    fmt = preference_format(spec.model_dump(exclude_none=True), config.rl)
+    render = None
+    if fmt.renders:
+        template = resolve_chat_template(
+            spec.chat_template or config.chat_template,
+            spec.chat_template_jinja or config.chat_template_jinja,
+            tokenizer,
+        )
+        render = chat_template_renderer(tokenizer, template)
+    texts = [(where, preference_texts(row, where, fmt, render)) for where, row in read_rows(spec, index)]
+    fitting = [
+        (where, text) for where, text in texts if fits_sequence_len(text, tokenizer, config.sequence_len)
+    ]
+    pairs = dpo_pairs(fitting, tokenizer, max_length=config.sequence_len) if fitting else []
+    return [dpo_samples(pair, max_length=config.sequence_len) for pair in pairs], len(texts) - len(pairs)
+
+
 def samples_per_dataset(config: Config, tokenizer: Any) -> list[list[Sample]]:
     """The rows of each dataset of ``config``, in config order, tokenized and masked (not truncated)."""
     return [
@@ -73,6 +135,7 @@ def samples_per_dataset(config: Config, tokenizer: Any) -> list[list[Sample]]:
             train_on_inputs=config.train_on_inputs,
             chat_template=config.chat_template,
             chat_template_jinja=config.chat_template_jinja,
+            eot_tokens=config.eot_tokens,
         )
         for index, spec in enumerate(config.datasets)
     ]

@@ -12,14 +12,32 @@ import random
 from shardpool.config import Config
 from shardpool.errors import ShardpoolError
 
-__all__ = ["config_step_batches", "step_batches"]
+__all__ = ["config_step_batches", "pair_rows", "step_batches"]
 
 
 def config_step_batches(config: Config, num_rows: int, *, replicas: int) -> list[list[list[int]]]:
     """:func:`step_batches` for a run of ``config`` over ``num_rows`` training rows on ``replicas`` replicas.
 
-    Each step takes ``gradient_accumulation_steps`` micro-batches per replica.
+    Each step takes ``gradient_accumulation_steps`` micro-batches per replica. A preference run
+    (``rl``) holds its pairs as ``num_rows`` rows, every chosen row first and then every rejected
+    one: the steps take ``micro_batch_size`` pairs per micro-batch, each micro-batch listing its
+    chosen rows and then their rejected rows in the same order (:func:`pair_rows`).
     """
+    if config.rl is not None:
+        pairs = num_rows // 2
+        return [
+            [pair_rows(microbatch, pairs) for microbatch in step]
+            for step in _config_steps(config, pairs, replicas=replicas)
+        ]
+    return _config_steps(config, num_rows, replicas=replicas)
+
+
+def pair_rows(pair_indices: list[int], num_pairs: int) -> list[int]:
+    """The rows of the pairs ``pair_indices`` among ``num_pairs``: their chosen rows, then their rejected rows."""
+    return [*pair_indices, *(num_pairs + index for index in pair_indices)]
+
+
+def _config_steps(config: Config, num_rows: int, *, replicas: int) -> list[list[list[int]]]:
     return step_batches(
         num_rows,
         micro_batch_size=config.micro_batch_size,

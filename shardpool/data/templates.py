@@ -90,7 +90,7 @@ _QWEN25 = (
 
 # Qwen3: ChatML; an assistant turn after the last user query carries its reasoning in <think>...</think>
 # (empty when it has none, for the last turn), earlier assistant turns drop their reasoning.
-_QWEN3 = (
+_QWEN3_TURNS = (
     "{% set ns = namespace(last_query=-1) %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'user' and not (message['content'].startswith('<tool_response>') "
@@ -112,8 +112,17 @@ _QWEN3 = (
     "{% else %}" + _QWEN_MESSAGE + "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endif %}{% endif %}{% endfor %}"
+)
+_QWEN3 = _QWEN3_TURNS + (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
     "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
+)
+# Qwen3.5, text conversations: Qwen3's turns; the generation prompt opens a <think> block, closed at
+# once when enable_thinking is false.
+_QWEN35 = _QWEN3_TURNS + (
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '</think>\\n\\n' }}{% endif %}"
     "{% endif %}"
 )
 
@@ -237,6 +246,112 @@ _MISTRAL_V7_TEKKEN = (
     "{% endfor %}"
 )
 
+# Stanford Alpaca's sections, the system message (if any) in place of Alpaca's fixed preamble: the system
+# text, then "### Instruction:" and "### Response:" blocks separated by blank lines, each response ending
+# with eos.
+_ALPACA = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if not loop.first %}{{ '\\n\\n' }}{% endif %}"
+    "{% if message['role'] == 'system' and loop.first %}{{ message['content'] }}"
+    "{% elif message['role'] == 'user' %}{{ '### Instruction:\\n' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{{ '### Response:\\n' + message['content'] + eos_token }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '\\n\\n### Response:\\n' }}{% endif %}"
+)
+
+# PygmalionAI's Metharme: bos, <|system|>, then <|user|> and <|model|> turns with their content stripped,
+# eos after a complete conversation; Pygmalion's role-play instruction when no system message is given.
+_METHARME = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set system = messages[0]['content'] %}{% set turns = messages[1:] %}"
+    "{% else %}{% set turns = messages %}"
+    "{% set system = 'Enter RP mode. You shall reply to the user while staying in character. Your responses "
+    "must be detailed, creative, immersive, and drive the scenario forward.' %}"
+    "{% endif %}"
+    "{{ '<|system|>' + system }}"
+    "{% for message in turns %}"
+    "{% if message['role'] == 'user' %}{{ '<|user|>' + message['content'].strip() }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<|model|>' + message['content'].strip() }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|model|>' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+# AI21 Jamba 1.5: <|startoftext|>, then <|bom|><|ROLE|> CONTENT<|eom|> per message (a space after the role);
+# the system turn is always written, empty when the conversation has none.
+_JAMBA = (
+    "{{ '<|startoftext|>' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set system = messages[0]['content'] %}{% set turns = messages[1:] %}"
+    "{% else %}{% set system = '' %}{% set turns = messages %}{% endif %}"
+    "{{ '<|bom|><|system|> ' + system + '<|eom|>' }}"
+    "{% for message in turns %}"
+    "{{ '<|bom|><|' + message['role'] + '|> ' + message['content'] + '<|eom|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|bom|><|assistant|>' }}{% endif %}"
+)
+
+# TII Falcon-H1 Instruct: bos, then ChatML; only a leading system message is written.
+_FALCON_H1 = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{{ '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% for message in messages if message['role'] != 'system' %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# LG EXAONE 4.0: [|role|]\n CONTENT [|endofturn|]\n per message; each assistant turn opens with an empty
+# <think></think> block (reasoning is not written back), tool results share one [|tool|] turn.
+_EXAONE4 = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% set content = message['content'] %}"
+    "{% if '</think>' in content %}{% set content = content.split('</think>')[-1].strip() %}{% endif %}"
+    "{{ '[|assistant|]\\n' }}{% if content %}{{ '<think>\\n\\n</think>\\n\\n' + content }}{% endif %}"
+    "{{ '[|endofturn|]\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '[|tool|]\\n' }}{% endif %}"
+    "{{ '<tool_result>{\"result\": ' + (message['content'] | tojson) + '}</tool_result>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '[|endofturn|]\\n' }}"
+    "{% else %}{{ '\\n' }}{% endif %}"
+    "{% else %}{{ '[|' + message['role'] + '|]\\n' + message['content'] + '[|endofturn|]\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '[|assistant|]\\n<think>\\n' }}"
+    "{% if not (enable_thinking is defined and enable_thinking) %}{{ '\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
+)
+
+# Google Gemma 4: bos, <|turn>ROLE\n CONTENT <turn|>\n with the system text trimmed in its own turn,
+# model for the assistant; a model turn's thought channel (<|channel>...<channel|>) is left out. Its tool
+# results come with tool calls, which shardpool's conversations do not carry, so a tool message is refused.
+_GEMMA4 = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{{ '<|turn>system\\n' + (messages[0]['content'] | trim) + '<turn|>\\n' }}"
+    "{% set turns = messages[1:] %}{% else %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ raise_exception('the gemma4 chat template takes tool results only with tool calls, which shardpool "
+    "does not support') }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{% set ns = namespace(text='') %}"
+    "{% for part in message['content'].split('<channel|>') %}"
+    "{% set ns.text = ns.text + part.split('<|channel>')[0] %}"
+    "{% endfor %}"
+    "{{ '<|turn>model\\n' + (ns.text | trim) + '<turn|>\\n' }}"
+    "{% else %}{{ '<|turn>' + message['role'] + '\\n' + (message['content'] | trim) + '<turn|>\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|turn>model\\n<|channel>thought\\n<channel|>' }}{% endif %}"
+)
+
 
 def _mistral(
     user_open: str, user_close: str, answer_open: str, *, system_in: Literal["first", "last"]
@@ -293,6 +408,14 @@ TEMPLATES: dict[str, NamedTemplate] = {
     "mistral_v2v3": NamedTemplate(_MISTRAL_V2V3, "</s>"),
     "mistral_v3_tekken": NamedTemplate(_MISTRAL_V3_TEKKEN, "</s>"),
     "mistral_v7_tekken": NamedTemplate(_MISTRAL_V7_TEKKEN, "</s>"),
+    "alpaca": NamedTemplate(_ALPACA, "</s>"),
+    "metharme": NamedTemplate(_METHARME, "</s>"),
+    "jamba": NamedTemplate(_JAMBA, "<|eom|>"),
+    "falcon_h1": NamedTemplate(_FALCON_H1, "<|im_end|>"),
+    "qwen3_5": NamedTemplate(_QWEN35, "<|im_end|>"),
+    "exaone4": NamedTemplate(_EXAONE4, "[|endofturn|]"),
+    "gemma4": NamedTemplate(_GEMMA4, "<turn|>"),
+    "gemma4_unified": NamedTemplate(_GEMMA4, "<turn|>"),
 }
 
 

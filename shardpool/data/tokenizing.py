@@ -64,18 +64,26 @@ def dataset_samples(
     train_on_inputs: bool = False,
     chat_template: str | None = None,
     chat_template_jinja: str | None = None,
+    eot_tokens: list[str] | None = None,
 ) -> list[Sample]:
     """Every row of the dataset ``datasets[index]``, read, checked and tokenized by its ``type``.
 
     ``train_on_inputs`` (axolotl's key) trains alpaca rows on their prompt tokens too, and every
     turn of a conversation. ``chat_template`` / ``chat_template_jinja`` are the config's top-level
     template for chat datasets; a dataset's own ``chat_template`` (or ``chat_template_jinja``) wins.
+    ``eot_tokens`` are the config's texts that end a chat turn (the eos alone when None).
     """
     rows = read_rows(spec, index)
     if spec.is_chat:
         template = dataset_chat_template(spec, tokenizer, chat_template, chat_template_jinja)
         return chat_samples(
-            rows, tokenizer, spec, template, train_on_inputs=train_on_inputs, label=f"datasets[{index}]"
+            rows,
+            tokenizer,
+            spec,
+            template,
+            train_on_inputs=train_on_inputs,
+            label=f"datasets[{index}]",
+            eot_tokens=eot_tokens,
         )
     if spec.type == "alpaca":
         return _alpaca_samples(rows, tokenizer, train_on_inputs=train_on_inputs)

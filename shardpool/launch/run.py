@@ -304,6 +304,7 @@ def _step_metrics(event: dict[str, Any]) -> dict[str, Any]:
     for optional in (*STAGE_COPY_FIGURES, "stage_sync_s", "stage_in_flight", "stage_room_bytes"):
         if event.get(optional) is not None:
             record[optional] = event[optional]
+    record.update(event.get("preference") or {})  # rewards/chosen, ... (TRL's names) of a preference run
     if event.get("loss_scale") is not None:
         # fp16 runs: the scale after this step, and whether an overflow skipped it.
         record["loss_scale"] = event["loss_scale"]

@@ -34,6 +34,13 @@ class StepTotals:
     #: The most micro-batches whose activations the stage held at once (the schedule's warm-up
     #: depth, which the lead sets): what the memory model charged it for.
     peak_in_flight: int = 0
+    #: A preference run's per-pair metric sums on the last stage
+    #: (:data:`shardpool.train.preference.PREFERENCE_METRICS`), None elsewhere.
+    preference_sums: torch.Tensor | None = None
+
+    def add_preference_sums(self, sums: torch.Tensor) -> None:
+        """Add one micro-batch's per-pair metric sums."""
+        self.preference_sums = sums if self.preference_sums is None else self.preference_sums + sums
 
     def add_loss(self, loss: torch.Tensor) -> None:
         """Add one micro-batch's loss without waiting for the device."""

@@ -21,6 +21,8 @@ the step's end.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +32,7 @@ from shardpool.data.rows import TokenRows
 from shardpool.model.stage import PipelineStage, StageSpec
 from shardpool.train.clock import StageClock, stage_clock
 from shardpool.train.loss import StepTotals, token_loss_sum
+from shardpool.train.preference import PairLogps, PreferenceObjective, completion_logps, pair_losses
 from shardpool.train.process_group import Link, PostedRecv, Wire
 
 __all__ = ["BACKWARD_TAG", "FORWARD_TAG", "Inbox", "StagePipe"]
@@ -75,8 +78,17 @@ class StagePipe:
     packed: bool
     #: The last stage multiplies each loss by this before backward (fp16 runs); None: no scaling.
     loss_scale: float | None = None
+    #: A preference run's loss (DPO, IPO) on the last stage; None: next-token loss (SFT).
+    objective: PreferenceObjective | None = None
+    #: The reference policy's LoRA tensors of this stage (global keys) when the run started from an
+    #: adapter (``lora_model_dir``): TRL's reference is then that starting adapter. None: the
+    #: reference is the base alone (the adapter disabled), which a fresh adapter starts equal to.
+    reference_adapter: dict[str, torch.Tensor] | None = None
     #: Times the forward and backward passes on the stage's device (:func:`~shardpool.train.clock.stage_clock`).
     clock: StageClock = field(init=False)
+    #: The last stage's reference log-probabilities of this step's micro-batches, by index
+    #: (:meth:`reference_pass`).
+    reference: dict[int, PairLogps] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.clock = stage_clock(self.device)
@@ -87,6 +99,8 @@ class StagePipe:
         """Run this stage's actions of ``schedule`` (at warm-up ``lead``) over ``microbatches``; return
         its loss and compute time."""
         totals = StepTotals()
+        if self.objective is not None:
+            self.reference_pass(microbatches)
         saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         actions = schedule_for(
             schedule,
@@ -109,7 +123,9 @@ class StagePipe:
                 received = activations.take(index) if activations else None
                 if index in gradients_delivered:  # the previous stage ran the backwards before it
                     self.wire.delivered(self.wire.previous, BACKWARD_TAG, through=gradients_delivered[index])
-                saved[index] = self.forward(microbatches[index], step_label_tokens, totals, received=received)
+                saved[index] = self.forward(
+                    microbatches[index], step_label_tokens, totals, received=received, index=index
+                )
                 totals.peak_in_flight = max(totals.peak_in_flight, len(saved))
             else:
                 gradient = gradients.take(index) if gradients else None
@@ -117,7 +133,48 @@ class StagePipe:
                     self.wire.delivered(self.wire.next, FORWARD_TAG, through=index)
                 self.backward(*saved.pop(index), totals, gradient=gradient)
         totals.compute_seconds += self.clock.collect()
+        self.reference.clear()
         return totals
+
+    def reference_pass(self, microbatches: list[TokenRows]) -> None:
+        """Forward every micro-batch once with the LoRA adapter disabled (the NF4 base alone, no
+        gradient), keeping the last stage's completion log-probabilities for the preference loss.
+
+        This is the reference model of DPO at no memory cost: the same stages, the same weights,
+        the adapter off (or, for a run started from an adapter, that adapter swapped in for the
+        pass), as TRL computes it for a PEFT model. The passes run in micro-batch order
+        before the step's schedule, over the same wire; nothing of them is kept for backward.
+        """
+        with torch.no_grad(), self._reference_policy():
+            for index, rows in enumerate(microbatches):
+                inputs = self.inputs(rows, tag=FORWARD_TAG)
+                started = self.clock.start()
+                output = self.stage(inputs, **self.positions(rows))
+                if self.spec.is_last:
+                    self.reference[index] = PairLogps.split(*completion_logps(output, rows.labels))
+                self.clock.stop(started)
+                if not self.spec.is_last:
+                    self.wire.send(output, self.wire.next, tag=FORWARD_TAG)
+        self.wire.flush()
+
+    @contextmanager
+    def _reference_policy(self) -> Iterator[None]:
+        """The stage as the reference policy: the starting adapter swapped in, or the adapter disabled."""
+        if self.reference_adapter is None:
+            with self.stage.peft_model.disable_adapter():
+                yield
+            return
+        named = self.stage.named_lora_parameters()
+        trained = [param.detach().clone() for _, param in named]
+        with torch.no_grad():
+            for key, param in named:
+                param.copy_(self.reference_adapter[key])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for (_, param), value in zip(named, trained, strict=True):
+                    param.copy_(value)
 
     def _inbox(
         self,
@@ -144,17 +201,26 @@ class StagePipe:
         totals: StepTotals,
         *,
         received: torch.Tensor | None = None,
+        index: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward one micro-batch; return (inputs, output), the output being the loss on the last stage.
 
         ``received`` is the previous stage's activation when it was already taken from an :class:`Inbox`.
+        ``step_label_tokens`` divides the summed loss: the step's label tokens, or for a preference
+        run its pairs. ``index`` is the micro-batch's place in the step (its reference log-probabilities).
         """
         inputs = received if received is not None else self.inputs(rows, tag=FORWARD_TAG)
         if not self.spec.is_first:
             inputs.requires_grad_(True)
         started = self.clock.start()
         output = self.stage(inputs, **self.positions(rows))
-        if self.spec.is_last:
+        if self.spec.is_last and self.objective is not None:
+            policy = PairLogps.split(*completion_logps(output, rows.labels))
+            losses, sums = pair_losses(self.objective, policy, self.reference[index])
+            output = losses.sum() / step_label_tokens
+            totals.add_loss(output)
+            totals.add_preference_sums(sums)
+        elif self.spec.is_last:
             output = token_loss_sum(output, rows.labels) / step_label_tokens
             totals.add_loss(output)
         self.clock.stop(started)

@@ -43,7 +43,7 @@ from shardpool.data.prepared_file import load_prepared
 from shardpool.data.rows import PreparedData
 from shardpool.data.steps import config_step_batches
 from shardpool.host.memory_limit import resident_memory
-from shardpool.model.lora import lora_settings
+from shardpool.model.lora import lora_settings, read_adapter_tensors
 from shardpool.model.nf4 import DTYPES, nf4_backend_of
 from shardpool.model.stage import BaseSettings, PipelineStage, StageSpec, build_stage
 from shardpool.train.evaluate import evaluate
@@ -52,12 +52,14 @@ from shardpool.train.loss import label_tokens, reduce_and_clip_gradients
 from shardpool.train.loss_scale import LossScale, inject_inf_at
 from shardpool.train.optim import build_optimizer, build_scheduler
 from shardpool.train.pipeline import StagePipe
+from shardpool.train.preference import PREFERENCE_METRICS, PreferenceObjective
 from shardpool.train.process_group import (
     Groups,
     PeerCheck,
     Wire,
     join_process_group,
     leave_process_group,
+    others_in_world,
     select_device,
 )
 from shardpool.train.runfiles import DATA_INPUT, INIT_ADAPTER_PREFIX, RunFiles
@@ -240,11 +242,24 @@ class StageWorker:
             self.device,
             int(stage.hf_config.hidden_size),
             packed=self.data.packed,
+            objective=PreferenceObjective.of(self.config),
+            reference_adapter=self._reference_adapter(stage),
         )
         named_params = stage.named_lora_parameters()
         optimizer = build_optimizer(self.config, [param for _, param in named_params], self.device)
         scheduler = build_scheduler(self.config, optimizer, len(self.steps))
         self.state = StageState(named_params, optimizer, scheduler, loss_scale=loss_scale, device=self.device)
+
+    def _reference_adapter(self, stage: PipelineStage) -> dict[str, torch.Tensor] | None:
+        """A preference run's reference LoRA tensors of ``stage``: the starting adapter's
+        (``lora_model_dir``, read from its files so that a resumed or re-sharded stage gets the same),
+        or None (the reference is the base alone)."""
+        if self.config.rl is None or not self.lora.init_from:
+            return None
+        tensors = read_adapter_tensors(self.lora.init_from)
+        return {
+            key: tensors[key].to(param.device, param.dtype) for key, param in stage.named_lora_parameters()
+        }
 
     def _set_cadence(self) -> None:
         """Which steps evaluate and save, and how many steps an epoch takes (for ``epoch``)."""
@@ -358,7 +373,10 @@ class StageWorker:
         wire = self.pipe.wire
         wire.wait_seconds = 0.0
         all_microbatches = [self.data.train.select(rows) for rows in self.steps[step]]
-        step_label_tokens = sum(label_tokens(batch.labels) for batch in all_microbatches)
+        if self.pipe.objective is not None:  # the loss is a mean over the step's pairs
+            step_label_tokens = sum(len(batch) // 2 for batch in all_microbatches)
+        else:
+            step_label_tokens = sum(label_tokens(batch.labels) for batch in all_microbatches)
         first, stop = self.job.microbatch_range(self.replica, self.config.gradient_accumulation_steps)
         mine = all_microbatches[first:stop]
         scale = self.state.loss_scale
@@ -379,6 +397,7 @@ class StageWorker:
             max_grad_norm=self.config.max_grad_norm,
             loss_scale=scale.scale if scale else None,
         )
+        preference = self._preference_metrics(totals.preference_sums, step_label_tokens)
         sync_seconds = time.perf_counter() - sync_started
         if finite:
             self.state.optimizer.step()
@@ -425,7 +444,20 @@ class StageWorker:
                 )
                 | ({"loss_scale": scale.scale, "skipped_step": not finite} if scale else {})
                 | ({"stage_room_bytes": gathered.rooms} if gathered.rooms is not None else {})
+                | ({"preference": preference} if preference else {})
             )
+
+    def _preference_metrics(self, sums: torch.Tensor | None, pairs: int) -> dict[str, float]:
+        """A preference step's metrics (TRL's names), means over the step's pairs: the last stages'
+        sums, added over the world (every rank joins; the others add zeros). Empty for SFT."""
+        if self.pipe.objective is None:
+            return {}
+        total = sums if sums is not None else torch.zeros(len(PREFERENCE_METRICS), dtype=torch.float64)
+        if others_in_world():
+            dist.all_reduce(total)
+        return {
+            name: float(value) / pairs for name, value in zip(PREFERENCE_METRICS, total.tolist(), strict=True)
+        }
 
     def evaluate(self, *, save_logits: bool = False) -> float | None:
         """Mean next-token loss over the eval split through replica 0's pipeline (None if no split)."""

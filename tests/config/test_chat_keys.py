@@ -113,19 +113,19 @@ def test_chat_template_choices(top: dict[str, Any]) -> None:
             "`message_field_role: from` and `message_property_mappings.role: speaker` disagree",
         ),
         ({"type": "chat_template", "train_on_eos": "always"}, {}, "`datasets[0].train_on_eos`"),
-        ({"type": "chat_template", "roles": {"user": "human"}}, {}, "`datasets[0].roles.user`"),
+        ({"type": "chat_template", "train_on_eot": "always"}, {}, "`datasets[0].train_on_eot`"),
         (
-            {"type": "chat_template", "train_on_eot": "turn"},
+            {"type": "completion", "train_on_eot": "turn"},
             {},
-            "`datasets[0].train_on_eot` is not supported",
+            "`train_on_eot` only applies to `type: chat_template`",
         ),
+        ({"type": "chat_template", "roles": {"user": "human"}}, {}, "`datasets[0].roles.user`"),
         (
             {"type": "chat_template", "message_field_training": "train"},
             {},
             "`datasets[0].message_field_training`",
         ),
         ({"type": "sharegpt", "conversation": "chatml"}, {}, "set `chat_template: chatml`"),
-        ({"type": "chat_template"}, {"eot_tokens": ["[/INST]"]}, "`eot_tokens` is not supported"),
         (
             {"type": "chat_template"},
             {"chat_template_kwargs": {"x": 1}},
@@ -141,13 +141,38 @@ def test_bad_chat_keys_are_one_line(dataset: dict[str, Any], top: dict[str, Any]
 @pytest.mark.parametrize(
     "dataset",
     [
-        {"type": "chat_template", "train_on_eot": None, "message_field_training": None, "conversation": None},
+        {
+            "type": "chat_template",
+            "message_field_training_detail": None,
+            "message_field_training": None,
+            "conversation": None,
+        },
         {"type": "sharegpt", "field_tools": "", "split_thinking": None},
     ],
 )
 def test_unbuilt_chat_keys_are_accepted_when_off(dataset: dict[str, Any]) -> None:
     kept = {key: value for key, value in dataset.items() if key == "type"}
     assert _config(dataset) == _config(kept)
+
+
+def test_axolotls_documented_eot_config_validates() -> None:
+    """The eot example of axolotl's docs/dataset-formats/conversation.qmd, path changed."""
+    raw = yaml.safe_load(
+        """
+base_model: m
+lora_target_linear: true
+eot_tokens:
+  - "[/INST]"
+datasets:
+  - path: data/chat.jsonl
+    type: chat_template
+    train_on_eos: last
+    train_on_eot: turn
+"""
+    )
+    config = parse_config(raw)
+    assert config.eot_tokens == ["[/INST]"]
+    assert (config.datasets[0].train_on_eos, config.datasets[0].train_on_eot) == ("last", "turn")
 
 
 def test_chat_keys_default_to_null() -> None:

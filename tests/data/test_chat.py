@@ -203,6 +203,91 @@ def test_a_template_without_eos_warns_once(
     assert len(warnings) == 1 and "never puts the tokenizer's eos token '</s>'" in warnings[0]
 
 
+@pytest.fixture(scope="module")
+def base_chatml_tok() -> Any:
+    """A Qwen-base-style tokenizer: ChatML's tokens are single tokens, but eos is ``<|endoftext|>``."""
+    tokenizer = train_tokenizer(DEFAULT_CORPUS)
+    tokenizer.add_special_tokens(
+        {"eos_token": "<|endoftext|>", "additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|end|>"]}
+    )
+    return tokenizer
+
+
+@pytest.mark.parametrize(
+    ("train_on_eot", "expected"),
+    [
+        (None, "5<|im_end|>two one<|im_end|>"),  # follows train_on_eos (turn)
+        ("turn", "5<|im_end|>two one<|im_end|>"),
+        ("all", "<|im_end|><|im_end|>5<|im_end|><|im_end|>two one<|im_end|>"),
+        ("last", "5two one<|im_end|>"),
+        ("none", "5two one"),
+    ],
+)
+def test_eot_tokens_train_the_templates_turn_end_when_it_is_not_the_eos(
+    tmp_path: Path, base_chatml_tok: Any, train_on_eot: str | None, expected: str
+) -> None:
+    dataset = {} if train_on_eot is None else {"train_on_eot": train_on_eot}
+    [ids], [labels] = chat_rows(
+        tmp_path, base_chatml_tok, [{"messages": WITH_SYSTEM}], dataset, eot_tokens=["<|im_end|>"]
+    )
+    assert base_chatml_tok.decode([ids[p] for p in trained(ids, labels)]) == expected
+
+
+def test_without_eot_tokens_only_the_eos_ends_a_turn(
+    tmp_path: Path, base_chatml_tok: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="shardpool.data.chat"):
+        [ids], [labels] = chat_rows(tmp_path, base_chatml_tok, [{"messages": WITH_SYSTEM}])
+    assert base_chatml_tok.decode([ids[p] for p in trained(ids, labels)]) == "5two one"
+    assert "set `eot_tokens`" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("train_on_eos", "expected"),
+    [("turn", "5<|end|>two one<|end|><|endoftext|>"), ("none", "5<|end|>two one<|end|>")],
+)
+def test_eot_tokens_and_the_eos_are_each_trained_by_their_own_key(
+    tmp_path: Path, base_chatml_tok: Any, train_on_eos: str, expected: str
+) -> None:
+    """Phi-3 ends each turn with <|end|> and the conversation with eos: both are turn ends."""
+    [ids], [labels] = chat_rows(
+        tmp_path,
+        base_chatml_tok,
+        [{"messages": WITH_SYSTEM}],
+        {"train_on_eos": train_on_eos, "train_on_eot": "turn"},
+        chat_template="phi_3",
+        eot_tokens=["<|end|>"],
+    )
+    assert base_chatml_tok.decode([ids[p] for p in trained(ids, labels)]) == expected
+
+
+def test_an_eot_token_of_several_tokens_is_refused_in_one_line(tmp_path: Path, tok: Any) -> None:
+    with pytest.raises(
+        ShardpoolError, match=r"^`eot_tokens` entry '<\|im_end\|>' is \d+ tokens .*, not one;"
+    ):
+        chat_rows(tmp_path, tok, [{"messages": TWO_TURNS}], eot_tokens=["<|im_end|>"])
+
+
+def test_the_eos_in_eot_tokens_needs_both_keys_to_agree(tmp_path: Path, chatml_tok: Any) -> None:
+    with pytest.raises(ShardpoolError, match=r"`train_on_eot: all` and `train_on_eos: turn` disagree"):
+        chat_rows(
+            tmp_path,
+            chatml_tok,
+            [{"messages": TWO_TURNS}],
+            {"train_on_eot": "all"},
+            eot_tokens=["<|im_end|>"],
+        )
+
+
+def test_an_eot_token_the_template_never_writes_is_left_out_with_a_warning(
+    tmp_path: Path, chatml_tok: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="shardpool.data.chat"):
+        rows = chat_rows(tmp_path, chatml_tok, [{"messages": TWO_TURNS}], eot_tokens=["<|end|>"])
+    assert rows == chat_rows(tmp_path, chatml_tok, [{"messages": TWO_TURNS}])
+    assert "never writes eot token '<|end|>'" in caplog.text
+
+
 # ------------------------------------------------------------------------------------------------
 # field and role mappings, sharegpt
 # ------------------------------------------------------------------------------------------------

@@ -54,6 +54,14 @@ VENDOR_TOKENS: dict[str, tuple[str, str]] = {
     "mistral_v2v3": ("<s>", "</s>"),
     "mistral_v3_tekken": ("<s>", "</s>"),
     "mistral_v7_tekken": ("<s>", "</s>"),
+    "qwen3_5": ("<s>", "<|im_end|>"),
+    "gemma4": ("<bos>", "<eos>"),
+    "gemma4_unified": ("<bos>", "<eos>"),
+    "exaone4": ("[BOS]", "[|endofturn|]"),
+    "alpaca": ("<s>", "</s>"),
+    "metharme": ("<s>", "</s>"),
+    "jamba": ("<|startoftext|>", "<|eom|>"),
+    "falcon_h1": ("<|begin_of_text|>", "<|im_end|>"),
 }
 
 _COHERE = (
@@ -75,6 +83,11 @@ _PHI3 = (
     "<|assistant|>\n5<|end|>\n"
     "<|user|>\nReverse: one two<|end|>\n"
     "<|assistant|>\ntwo one<|end|>\n<|endoftext|>"
+)
+_GEMMA4 = (
+    "<bos><|turn>system\nBe brief.<turn|>\n"
+    "<|turn>user\nAdd 2 and 3.<turn|>\n<|turn>model\n5<turn|>\n"
+    "<|turn>user\nReverse: one two<turn|>\n<|turn>model\ntwo one<turn|>\n"
 )
 _CHATML = (
     "<|im_start|>system\nBe brief.<|im_end|>\n"
@@ -144,6 +157,27 @@ EXPECTED: dict[str, str] = {
         "<s>[SYSTEM_PROMPT]Be brief.[/SYSTEM_PROMPT]"
         "[INST]Add 2 and 3.[/INST]5</s>[INST]Reverse: one two[/INST]two one</s>"
     ),
+    # Qwen3.5 renders a text conversation as Qwen3 does.
+    "qwen3_5": _CHATML + "<|im_start|>assistant\n<think>\n\n</think>\n\ntwo one<|im_end|>\n",
+    "gemma4": _GEMMA4,
+    "gemma4_unified": _GEMMA4,
+    # EXAONE 4.0 opens every assistant turn with an empty think block.
+    "exaone4": (
+        "[|system|]\nBe brief.[|endofturn|]\n"
+        "[|user|]\nAdd 2 and 3.[|endofturn|]\n[|assistant|]\n<think>\n\n</think>\n\n5[|endofturn|]\n"
+        "[|user|]\nReverse: one two[|endofturn|]\n[|assistant|]\n<think>\n\n</think>\n\ntwo one[|endofturn|]\n"
+    ),
+    "alpaca": (
+        "<s>Be brief.\n\n### Instruction:\nAdd 2 and 3.\n\n### Response:\n5</s>\n\n"
+        "### Instruction:\nReverse: one two\n\n### Response:\ntwo one</s>"
+    ),
+    "metharme": "<s><|system|>Be brief.<|user|>Add 2 and 3.<|model|>5<|user|>Reverse: one two<|model|>two one</s>",
+    "jamba": (
+        "<|startoftext|><|bom|><|system|> Be brief.<|eom|>"
+        "<|bom|><|user|> Add 2 and 3.<|eom|><|bom|><|assistant|> 5<|eom|>"
+        "<|bom|><|user|> Reverse: one two<|eom|><|bom|><|assistant|> two one<|eom|>"
+    ),
+    "falcon_h1": "<|begin_of_text|>" + _CHATML + "<|im_start|>assistant\ntwo one<|im_end|>\n",
 }
 
 # What each template writes after one user message to prompt the assistant (inference).
@@ -160,6 +194,19 @@ GENERATION_PROMPTS: dict[str, str] = {
     "gemma3": "<bos><start_of_turn>user\nAdd 2 and 3.<end_of_turn>\n<start_of_turn>model\n",
     "phi_3": "<|user|>\nAdd 2 and 3.<|end|>\n<|assistant|>\n",
     "exaone": "[|system|][|endofturn|]\n[|user|]Add 2 and 3.\n[|assistant|]",
+    # Qwen3.5 opens a think block for the answer (thinking is on unless enable_thinking is false).
+    "qwen3_5": "<|im_start|>user\nAdd 2 and 3.<|im_end|>\n<|im_start|>assistant\n<think>\n\n",
+    # Gemma 4 opens the model turn with an empty thought channel (thinking is off unless enabled).
+    "gemma4": "<bos><|turn>user\nAdd 2 and 3.<turn|>\n<|turn>model\n<|channel>thought\n<channel|>",
+    "exaone4": "[|user|]\nAdd 2 and 3.[|endofturn|]\n[|assistant|]\n<think>\n\n</think>\n\n",
+    "alpaca": "<s>### Instruction:\nAdd 2 and 3.\n\n### Response:\n",
+    "metharme": (
+        "<s><|system|>Enter RP mode. You shall reply to the user while staying in character. Your responses "
+        "must be detailed, creative, immersive, and drive the scenario forward.<|user|>Add 2 and 3.<|model|>"
+    ),
+    # Jamba always writes the system turn, empty when there is no system message.
+    "jamba": "<|startoftext|><|bom|><|system|> <|eom|><|bom|><|user|> Add 2 and 3.<|eom|><|bom|><|assistant|>",
+    "falcon_h1": "<|begin_of_text|><|im_start|>user\nAdd 2 and 3.<|im_end|>\n<|im_start|>assistant\n",
 }
 
 #: Every name of axolotl's ChatTemplate enum (v0.18/0.19), phi_4 (dataset level there) included.
@@ -227,8 +274,10 @@ def test_the_trained_tokens_are_the_assistant_turns_and_their_end(
     rendered = tokenizer.apply_chat_template(messages, chat_template=TEMPLATES[name].jinja, tokenize=False)
     assert ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
     # Where the format puts a space before the answer, the token holding it and the answer's start is trained.
-    space = " " if name in ("mistral_v1", "mistral_v2v3", "deepseek_v2") else ""
+    space = " " if name in ("mistral_v1", "mistral_v2v3", "deepseek_v2", "jamba") else ""
     expected = f"{space}5{end}{space}two one{end}"
+    if name == "metharme":  # no end of turn: eos closes the whole conversation
+        expected = f"5two one{end}"
     positions = trained(ids, labels)
     assert tokenizer.decode([ids[p] for p in positions]) == expected
     assert len(positions) == len(tokenizer(expected, add_special_tokens=False)["input_ids"])
@@ -280,6 +329,52 @@ def test_qwen_tool_results_go_in_one_user_turn(base_tok: Any) -> None:
         "<|im_start|>assistant\nb<|im_end|>\n<|im_start|>user\n<tool_response>\n1\n</tool_response>\n"
         "<tool_response>\n2\n</tool_response><|im_end|>\n<|im_start|>assistant\nc<|im_end|>\n"
     )
+
+
+def test_qwen3_5_closes_the_think_block_when_thinking_is_off(base_tok: Any) -> None:
+    text = base_tok.apply_chat_template(
+        TURNS[:1],
+        chat_template=TEMPLATES["qwen3_5"].jinja,
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=False,
+    )
+    assert text == "<|im_start|>user\nAdd 2 and 3.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def test_exaone4_leaves_out_the_reasoning_and_groups_tool_results(base_tok: Any) -> None:
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nb"},
+        {"role": "tool", "content": "1"},
+        {"role": "tool", "content": "2"},
+        {"role": "assistant", "content": "c"},
+    ]
+    text = base_tok.apply_chat_template(messages, chat_template=TEMPLATES["exaone4"].jinja, tokenize=False)
+    assert text == (
+        "[|user|]\na[|endofturn|]\n[|assistant|]\n<think>\n\n</think>\n\nb[|endofturn|]\n"
+        '[|tool|]\n<tool_result>{"result": "1"}</tool_result>\n<tool_result>{"result": "2"}</tool_result>'
+        "[|endofturn|]\n[|assistant|]\n<think>\n\n</think>\n\nc[|endofturn|]\n"
+    )
+
+
+def test_gemma4_leaves_out_a_model_turns_thought_channel(base_tok: Any) -> None:
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "<|channel>thought\nx<channel|>b"},
+    ]
+    tokenizer = vendor_tok(base_tok, "gemma4")
+    text = tokenizer.apply_chat_template(messages, chat_template=TEMPLATES["gemma4"].jinja, tokenize=False)
+    assert text == "<bos><|turn>user\na<turn|>\n<|turn>model\nb<turn|>\n"
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma4_unified"])
+def test_gemma4_refuses_a_tool_message_in_one_line(tmp_path: Path, base_tok: Any, name: str) -> None:
+    rows = [{"messages": [*TURNS, {"role": "tool", "content": "1"}]}]
+    with pytest.raises(
+        ShardpoolError, match=r"chat.jsonl:1: the chat template failed .*only with tool calls"
+    ):
+        chat_rows(tmp_path, vendor_tok(base_tok, name), rows, chat_template=name)
 
 
 @pytest.mark.parametrize("name", ["llama3", "gemma3", "phi_4"])

@@ -84,11 +84,11 @@ def test_measured_fields_reach_the_planner_and_an_old_row_falls_back_to_modeled(
     by_host = {stage["host"]: stage["measured"] for stage in plan.to_json()["stages"]}
     assert by_host["new"] == {
         "label": "new cpu", "threads": 2, "cpu_quota": 0.6, "runs": 5,
-        "seconds_min": 0.45, "seconds_median": 0.5, "seconds_max": 0.6, "ci95_rel": 0.03,
+        "seconds_min": 0.45, "seconds_median": 0.5, "seconds_max": 0.6, "ci95_rel": 0.03, "co_run": None,
     }  # fmt: skip
     assert by_host["old"] == {
         "label": "old cpu", "threads": 2, "cpu_quota": None, "runs": None,
-        "seconds_min": None, "seconds_median": 0.5, "seconds_max": None, "ci95_rel": None,
+        "seconds_min": None, "seconds_median": 0.5, "seconds_max": None, "ci95_rel": None, "co_run": None,
     }  # fmt: skip
 
 

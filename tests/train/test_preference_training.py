@@ -1,0 +1,209 @@
+"""Preference tuning (``rl: dpo``, ``rl: ipo``) across pipeline stages equals TRL's DPOTrainer.
+
+Every run is real: an NF4 base from bitsandbytes, peft LoRA, stage processes over gloo. The
+reference is TRL's own ``DPOTrainer`` (a test-only dependency, pinned in pyproject.toml) on one
+process: the same NF4 base, the same starting adapter, the same pairs in the same order, the
+reference model being the base with the adapter disabled (``ref_model=None``), as in shardpool.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from rich.console import Console
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from shardpool.config import parse_config
+from shardpool.data.preference import preference_format, preference_texts
+from shardpool.data.reading import read_rows
+from shardpool.data.tokenizing import load_tokenizer
+from shardpool.finetune import finetune
+from shardpool.model.nf4 import bnb_config, keep_exact_cpu_matmul
+from tests.helpers.training import base_config, read_metrics
+
+pytestmark = pytest.mark.slow
+
+DATA = Path(__file__).resolve().parents[2] / "configs" / "data" / "preference_tiny.jsonl"
+LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def start_adapter(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A starting adapter with non-zero A and B: the policy differs from the reference at step 1."""
+    torch.manual_seed(5)
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model),
+        LoraConfig(r=4, lora_alpha=8, target_modules=LINEARS, init_lora_weights=False, lora_dropout=0.0),
+    )
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.mul_(0.2)
+    directory = tmp_path_factory.mktemp("dpo-start")
+    peft_model.save_pretrained(directory)
+    return directory
+
+
+def _config(model: Path, adapter: Path, output: Path, **overrides: Any) -> dict[str, Any]:
+    return base_config(
+        model,
+        DATA,
+        output,
+        datasets=[{"path": str(DATA), "type": "chatml.intel"}],
+        rl="dpo",
+        lora_model_dir=str(adapter),
+        val_set_size=0,
+        sequence_len=256,
+        micro_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=STEPS,
+        **overrides,
+    )
+
+
+def _train(config: dict[str, Any]) -> Path:
+    return finetune(parse_config(config), console=Console(quiet=True))
+
+
+def trl_reference(
+    model_dir: Path, adapter_dir: Path, config: dict[str, Any]
+) -> tuple[list[float], dict[str, Any]]:
+    """TRL's DPOTrainer on one process over the same pairs in file order: its per-step losses and final adapter."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from torch.utils.data import SequentialSampler
+
+    parsed = parse_config(config)
+    spec = parsed.datasets[0]
+    fmt = preference_format(spec.model_dump(exclude_none=True), "dpo")
+    texts = [preference_texts(row, where, fmt) for where, row in read_rows(spec, 0)]
+    dataset = Dataset.from_list(
+        [{"prompt": t.prompt, "chosen": t.chosen, "rejected": t.rejected} for t in texts]
+    )
+    base = AutoModelForCausalLM.from_pretrained(
+        model_dir, quantization_config=bnb_config(), dtype=torch.float32
+    )
+    keep_exact_cpu_matmul(base)
+    model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+    step_losses: list[float] = []
+    micro: list[float] = []
+    accumulation = config["gradient_accumulation_steps"]
+
+    class InOrder(trl.DPOTrainer):  # type: ignore[misc,name-defined]
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> SequentialSampler:
+            return SequentialSampler(self.train_dataset)
+
+        def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+            loss = super().compute_loss(*args, **kwargs)
+            micro.append(float(loss))
+            if len(micro) == accumulation:
+                step_losses.append(sum(micro) / accumulation)
+                micro.clear()
+            return loss
+
+    args = trl.DPOConfig(
+        output_dir=str(Path(config["output_dir"]).parent / "trl"),
+        beta=parsed.preference_beta,
+        loss_type=[parsed.preference_loss],
+        max_length=config["sequence_len"],
+        per_device_train_batch_size=config["micro_batch_size"],
+        gradient_accumulation_steps=accumulation,
+        max_steps=config["max_steps"],
+        learning_rate=config["learning_rate"],
+        lr_scheduler_type=config["lr_scheduler"],
+        warmup_steps=config["warmup_steps"],
+        max_grad_norm=config["max_grad_norm"],
+        weight_decay=config["weight_decay"],
+        optim="adamw_torch",
+        seed=config["seed"],
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        dataloader_num_workers=0,
+    )
+    trainer = InOrder(
+        model=model,
+        ref_model=None,
+        args=args,
+        train_dataset=dataset,
+        processing_class=load_tokenizer(model_dir),
+    )
+    trainer.train()
+    return step_losses, trainer.state.log_history, dict(get_peft_model_state_dict(model))
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model: Path, start_adapter: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dpo-runs")
+    return {
+        "one": _train(_config(tiny_model, start_adapter, root / "one", shardpool={"stages": 1})),
+        "three": _train(_config(tiny_model, start_adapter, root / "three", shardpool={"layers": [1, 3, 2]})),
+    }
+
+
+def _adapter(directory: Path) -> dict[str, torch.Tensor]:
+    return load_file(directory / "adapter_model.safetensors")
+
+
+def _max_difference(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> float:
+    assert left.keys() == right.keys()
+    return max(float((left[key] - right[key]).abs().max()) for key in left)
+
+
+def test_dpo_sees_the_pairs_and_reference_trl_sees(
+    runs: dict[str, Path], tiny_model: Path, start_adapter: Path, tmp_path: Path
+) -> None:
+    """Before the adapter moves (step 1 trains at the warm-up's zero learning rate, so steps 1 and 2
+    see the starting adapter), the completion log-probabilities of the chosen and rejected answers
+    equal TRL's within 1e-4 relative on one stage and on three, and so do the losses: the same
+    tokens, the same completion masks, the same reference (the starting adapter)."""
+    losses, logged, _ = trl_reference(
+        tiny_model, start_adapter, _config(tiny_model, start_adapter, tmp_path / "x")
+    )
+    assert len(losses) == STEPS
+    trl_first = next(record for record in logged if record.get("step") == 1 and "logps/chosen" in record)
+    for name, output in runs.items():
+        records = read_metrics(output)
+        print(json.dumps({"placement": name, "ours": [r["loss"] for r in records], "trl": losses}))
+        assert [r["loss"] for r in records[:2]] == pytest.approx(losses[:2], rel=1e-5), name
+        for metric in ("logps/chosen", "logps/rejected"):
+            assert records[0][metric] == pytest.approx(trl_first[metric], rel=1e-4), (name, metric)
+        for record in records:
+            assert set(METRICS) <= set(record), record
+            assert 0.0 <= record["rewards/accuracies"] <= 1.0
+            assert record["rewards/margins"] == pytest.approx(
+                record["rewards/chosen"] - record["rewards/rejected"], abs=1e-6
+            )
+        assert abs(records[-1]["loss"] - records[0]["loss"]) > 1e-4, "the loss moved"
+        assert _max_difference(_adapter(output), _adapter(start_adapter)) > 1e-3, "the adapter moved"
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), runs["three"])
+
+
+def test_dpo_on_three_uneven_stages_trains_as_on_one(runs: dict[str, Path]) -> None:
+    """The pipeline changes nothing: losses within 1e-5 relative and adapters within 1e-4."""
+    one, three = read_metrics(runs["one"]), read_metrics(runs["three"])
+    assert [r["loss"] for r in three] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    assert _max_difference(_adapter(runs["three"]), _adapter(runs["one"])) < 1e-4
+
+
+def test_three_stages_log_the_same_trl_metrics_as_one(runs: dict[str, Path]) -> None:
+    one, three = read_metrics(runs["one"]), read_metrics(runs["three"])
+    for left, right in zip(one, three, strict=True):
+        for name in METRICS:
+            assert right[name] == pytest.approx(left[name], rel=1e-5, abs=1e-6), name
