@@ -9,7 +9,7 @@ model, so a stage cannot smuggle an unknown event or field past either of them.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import (
     AfterValidator,
@@ -76,15 +76,7 @@ def _first_line(text: Any) -> Any:
     return text
 
 
-#: The metrics a preference (DPO, IPO) step reports, named as TRL logs them.
-PREFERENCE_METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
+#: A metric a preference (DPO, IPO) step reports, named as TRL logs it.
 PreferenceMetric = Literal[
     "rewards/chosen",
     "rewards/rejected",
@@ -93,6 +85,8 @@ PreferenceMetric = Literal[
     "logps/chosen",
     "logps/rejected",
 ]
+#: Every preference metric, in the order the last stage sums them.
+PREFERENCE_METRICS: tuple[str, ...] = get_args(PreferenceMetric)
 
 OptionalLoss = float | None
 Timings = Annotated[list[float], Field(max_length=MAX_WORLD_SIZE)]

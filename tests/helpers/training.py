@@ -132,3 +132,29 @@ def eval_logits_gap(model: Any, output_dir: Path) -> float:
             position_ids=reference["position_ids"],
         ).logits
     return float((logits - reference["logits"]).abs().max())
+
+
+#: Every decoder Linear of the tiny Llama: the LoRA targets of the exactness tests.
+LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def random_start_adapter(model: Path, directory: Path, *, seed: int, scale: float) -> Path:
+    """Save a peft adapter for ``model`` with random non-zero A and B (times ``scale``), so every
+    LoRA tensor gets gradients from the first step; ``directory`` is returned."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model),
+        LoraConfig(
+            r=4, lora_alpha=8, target_modules=LLAMA_LINEARS, init_lora_weights=False, lora_dropout=0.0
+        ),
+    )
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.mul_(scale)
+    peft_model.save_pretrained(directory)
+    return directory

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from peft import PeftModel, get_peft_model_state_dict
 from rich.console import Console
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, get_scheduler
@@ -26,29 +26,15 @@ from shardpool.data.prepared_file import load_prepared
 from shardpool.finetune import finetune
 from shardpool.launch.run import RUN_DIR_NAME
 from shardpool.model.nf4 import bnb_config, keep_exact_cpu_matmul
-from tests.helpers.training import base_config, eval_logits_gap, read_metrics
+from tests.helpers.training import base_config, eval_logits_gap, random_start_adapter, read_metrics
 
 pytestmark = pytest.mark.slow
-
-LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
 def start_adapter(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A starting adapter with random (non-zero) A and B, so every LoRA tensor gets gradients."""
-    torch.manual_seed(11)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    peft_model = get_peft_model(
-        model,
-        LoraConfig(r=4, lora_alpha=8, target_modules=LINEARS, init_lora_weights=False, lora_dropout=0.0),
-    )
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.mul_(0.05)
-    directory = tmp_path_factory.mktemp("start-adapter")
-    peft_model.save_pretrained(directory)
-    return directory
+    return random_start_adapter(tiny_model, tmp_path_factory.mktemp("start-adapter"), seed=11, scale=0.05)
 
 
 def _train(config: dict[str, Any]) -> Path:
