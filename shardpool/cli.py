@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Check the config, the base model's config.json and tokenizer, and every dataset row, "
             "as `shardpool finetune` does before it starts, without loading torch or the weights. "
-            "Prints the rows, tokens per row and how many rows sequence_len truncates; exits 0 "
+            "Prints the rows, tokens per row and how many rows sequence_len truncates (with `rl`: "
+            "the pairs, and the rows left out); exits 0 "
             "when the run would start, 2 with the problems otherwise. Nothing is trained or written."
         ),
     )
@@ -65,13 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--show",
         metavar="N",
         help="also print the first N rows of each dataset as the model sees them: the text with the "
-        "trained part in green on a terminal, between ⟦ and ⟧ otherwise, and the token counts",
+        "trained part in green on a terminal, between ⟦ and ⟧ otherwise, and the token counts "
+        "(with `rl`: the first N pairs, each as its chosen then its rejected sequence)",
     )
     validate.add_argument(
         "--json",
         action="store_true",
         help='with --show: print the rows as JSON lines {"dataset", "row", "text", "trained": '
-        '[[start, end], ...], "tokens"} (trained: character spans of text) on stdout; the report goes to stderr',
+        '[[start, end], ...], "tokens"} (trained: character spans of text; a pair\'s sequences add "pair": '
+        '"chosen" or "rejected") on stdout; the report goes to stderr',
     )
     validate.set_defaults(handler=_run_validate)
 

@@ -749,11 +749,6 @@ class Config(_Strict):
                 "preference pairs are not packed; set `sample_packing: false`",
             ),
             (
-                self.val_set_size > 0,
-                ("rl", "val_set_size"),
-                "evaluation of preference runs is not built yet; set `val_set_size: 0`",
-            ),
-            (
                 self.rl_beta is not None and self.dpo_beta is not None and self.rl_beta != self.dpo_beta,
                 ("rl_beta", "dpo_beta"),
                 f"`rl_beta: {self.rl_beta}` and its older spelling `dpo_beta: {self.dpo_beta}` disagree; keep one",

@@ -49,6 +49,7 @@ __all__ = [
     "orpo_samples",
     "preference_format",
     "preference_texts",
+    "with_eos",
 ]
 
 log = logging.getLogger(__name__)
@@ -520,8 +521,8 @@ def dpo_pairs(
         raise ShardpoolError(
             "preference training needs a tokenizer with an eos token; set `eos_token` in its config"
         )
-    chosen = [t.chosen if t.chosen.endswith(eos) else t.chosen + eos for _, t in rows]
-    rejected = [t.rejected if t.rejected.endswith(eos) else t.rejected + eos for _, t in rows]
+    chosen = [with_eos(t.chosen, eos) for _, t in rows]
+    rejected = [with_eos(t.rejected, eos) for _, t in rows]
     prompts = [t.prompt for _, t in rows]
     prompt_ids = tokenizer(prompts)["input_ids"]
     chosen_ids = tokenizer([p + c for p, c in zip(prompts, chosen, strict=True)])["input_ids"]
@@ -546,6 +547,11 @@ def dpo_pairs(
             next(pair.where for pair in pairs if len(pair.prompt_ids) >= max_length),
         )
     return kept
+
+
+def with_eos(answer: str, eos: str) -> str:
+    """``answer`` ending with the eos text, which TRL's DPOTrainer appends when it is missing."""
+    return answer if answer.endswith(eos) else answer + eos
 
 
 def _common_prefix(ids: Sequence[Any], other: Sequence[Any]) -> int:

@@ -12,11 +12,12 @@ import logging
 import math
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from shardpool.config import Config, DatasetSpec
 from shardpool.data.chat import resolve_chat_template, use_config_chat_template
 from shardpool.data.preference import (
+    PreferenceTexts,
     chat_template_renderer,
     dpo_pairs,
     dpo_samples,
@@ -25,7 +26,7 @@ from shardpool.data.preference import (
     preference_texts,
 )
 from shardpool.data.reading import read_rows
-from shardpool.data.rows import IGNORE_INDEX, PreparedData, Sample
+from shardpool.data.rows import IGNORE_INDEX, PreparedData, Sample, TokenRows
 from shardpool.data.special_tokens import apply_special_tokens
 from shardpool.data.tokenizing import dataset_samples
 from shardpool.errors import ShardpoolError
@@ -33,9 +34,20 @@ from shardpool.errors import ShardpoolError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["SplitSamples", "configure_tokenizer", "prepare_data", "samples_per_dataset", "split_samples"]
+__all__ = [
+    "SplitSamples",
+    "configure_tokenizer",
+    "preference_pairs",
+    "preference_rows",
+    "prepare_data",
+    "samples_per_dataset",
+    "split_samples",
+]
 
 log = logging.getLogger(__name__)
+
+#: A row of a split: one sample, or a preference pair of two.
+_Row = TypeVar("_Row")
 
 
 def configure_tokenizer(config: Config, tokenizer: Any) -> None:
@@ -75,8 +87,9 @@ def prepare_data(config: Config, tokenizer: PreTrainedTokenizerBase) -> Prepared
 
 
 def _prepare_pairs(config: Config, tokenizer: Any) -> PreparedData:
-    """A preference run's rows: every pair's chosen sequence, then every rejected one in the same
-    order (:func:`shardpool.data.steps.pair_rows` puts a pair's two rows in one micro-batch)."""
+    """A preference run's rows, train and eval (``val_set_size`` holds out pairs): every pair's
+    chosen sequence, then every rejected one in the same order (:func:`shardpool.data.steps.pair_rows`
+    puts a pair's two rows in one micro-batch)."""
     from shardpool.data.packing import to_rows
 
     pairs: list[tuple[Sample, Sample]] = []
@@ -89,24 +102,24 @@ def _prepare_pairs(config: Config, tokenizer: Any) -> PreparedData:
         raise ShardpoolError(
             f"no preference row fits sequence_len {config.sequence_len}; raise sequence_len or shorten the rows"
         )
+    pairs, held_out = _split(pairs, config.val_set_size, config.seed)
     if config.shuffle_merged_datasets:
         random.Random(config.seed).shuffle(pairs)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = to_rows([c for c, _ in pairs] + [r for _, r in pairs], config.sequence_len, pad_id, packed=False)
-    return PreparedData(
-        train=rows,
-        eval=to_rows([], config.sequence_len, pad_id, packed=False),
-        packed=False,
-        dropped_rows=dropped,
-    )
+
+    def rows(split: list[tuple[Sample, Sample]]) -> TokenRows:
+        return to_rows(
+            [c for c, _ in split] + [r for _, r in split], config.sequence_len, pad_id, packed=False
+        )
+
+    return PreparedData(train=rows(pairs), eval=rows(held_out), packed=False, dropped_rows=dropped)
 
 
-def preference_pairs(
+def preference_rows(
     config: Config, spec: DatasetSpec, index: int, tokenizer: Any
-) -> tuple[list[tuple[Sample, Sample]], int]:
-    """The (chosen, rejected) sequences of dataset ``datasets[index]``, as axolotl makes the texts
-    and TRL's DPOTrainer the tokens, and how many rows were left out because they do not fit
-    ``sequence_len`` (axolotl drops them)."""
+) -> list[tuple[str, PreferenceTexts]]:
+    """Every row of preference dataset ``datasets[index]`` (its ``file:line``) as the prompt, chosen and
+    rejected text axolotl's strategy for its type makes; ``validate --show`` shows these texts."""
     assert config.rl is not None
     fmt = preference_format(spec.model_dump(exclude_none=True), config.rl)
     render = None
@@ -117,7 +130,16 @@ def preference_pairs(
             tokenizer,
         )
         render = chat_template_renderer(tokenizer, template)
-    texts = [(where, preference_texts(row, where, fmt, render)) for where, row in read_rows(spec, index)]
+    return [(where, preference_texts(row, where, fmt, render)) for where, row in read_rows(spec, index)]
+
+
+def preference_pairs(
+    config: Config, spec: DatasetSpec, index: int, tokenizer: Any
+) -> tuple[list[tuple[Sample, Sample]], int]:
+    """The (chosen, rejected) sequences of dataset ``datasets[index]``, as axolotl makes the texts
+    and TRL's DPOTrainer the tokens, and how many rows were left out because they do not fit
+    ``sequence_len`` (axolotl drops them)."""
+    texts = preference_rows(config, spec, index, tokenizer)
     fitting = [
         (where, text) for where, text in texts if fits_sequence_len(text, tokenizer, config.sequence_len)
     ]
@@ -214,8 +236,8 @@ def _val_count(num_rows: int, val_set_size: float) -> int:
     return int(val_set_size)
 
 
-def _split(samples: list[Sample], val_set_size: float, seed: int) -> tuple[list[Sample], list[Sample]]:
-    """A seeded sample of rows becomes eval; both splits keep file order."""
+def _split(samples: list[_Row], val_set_size: float, seed: int) -> tuple[list[_Row], list[_Row]]:
+    """A seeded sample of rows (or pairs) becomes eval; both splits keep file order."""
     count = _val_count(len(samples), val_set_size)
     if count >= len(samples):
         raise ShardpoolError(

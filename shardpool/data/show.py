@@ -9,10 +9,14 @@ token came from, by tokenizing the same pieces of text with the tokenizer's offs
 * completion: the text;
 * chat: the conversation rendered through its chat template, tokenized as a whole as
   :mod:`shardpool.data.chat` does;
-* pre-tokenized rows have no text: it is the ids decoded.
+* pre-tokenized rows have no text: it is the ids decoded;
+* a preference pair (``rl``): two sequences, chosen then rejected, each the text TRL's DPOTrainer
+  tokenizes as a whole: the prompt and the answer, with the eos it appends
+  (:mod:`shardpool.data.preference`, :func:`shardpool.data.prepare.preference_pairs`).
 
-The bos and eos that shardpool adds as ids around an alpaca or completion row are written out as
-their token text (``<s>``, ``</s>``), so an eos that is trained shows as trained. A token past
+The bos and eos that shardpool adds as ids around an alpaca or completion row, and the special
+tokens the tokenizer itself adds around a preference sequence (a bos), are written out as their
+token text (``<s>``, ``</s>``), so an eos that is trained shows as trained. A token past
 ``sequence_len`` is never trained (it is cut off). The ids found this way must equal the training
 ids, or the row is refused in one line, so the spans never describe other tokens than training's.
 """
@@ -26,17 +30,21 @@ from typing import Any
 from shardpool.config import Config, DatasetSpec
 from shardpool.data.conversations import chat_settings, conversation
 from shardpool.data.formats import alpaca_texts, completion_texts
+from shardpool.data.preference import with_eos
+from shardpool.data.prepare import preference_rows
 from shardpool.data.reading import read_rows
 from shardpool.data.rows import IGNORE_INDEX, Sample
 from shardpool.data.tokenizing import dataset_chat_template
 from shardpool.errors import ShardpoolError
 
-__all__ = ["OPENING", "CLOSING", "ShownRow", "marked_text", "shown_rows"]
+__all__ = ["OPENING", "CLOSING", "ShownRow", "dataset_kind", "marked_text", "shown_pairs", "shown_rows"]
 
 #: What surrounds trained text where colour cannot show it (a pipe, a file, NO_COLOR).
 OPENING, CLOSING = "⟦", "⟧"
 
 Span = tuple[int, int]
+#: A preference row's two training sequences: (chosen, rejected).
+Pair = tuple[Sample, Sample]
 
 
 @dataclass(frozen=True)
@@ -45,7 +53,8 @@ class ShownRow:
 
     ``dataset`` is the index in ``datasets``, ``row`` counts from 1 within it, ``where`` names the
     file and line. ``seen`` is how many characters of ``text`` lie within ``sequence_len`` (all of
-    them unless the row is cut).
+    them unless the row is cut). ``pair`` is ``"chosen"`` or ``"rejected"`` for a sequence of a
+    preference pair, None for a supervised row.
     """
 
     dataset: int
@@ -57,16 +66,27 @@ class ShownRow:
     tokens: int
     trained_tokens: int
     seen: int
+    pair: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON line ``validate --show N --json`` prints for this row."""
-        return {
+        """The JSON line ``validate --show N --json`` prints for this row (``pair`` only for a pair's)."""
+        line: dict[str, Any] = {
             "dataset": self.dataset,
             "row": self.row,
             "text": self.text,
             "trained": [list(span) for span in self.trained],
             "tokens": self.tokens,
         }
+        if self.pair is not None:
+            line["pair"] = self.pair
+        return line
+
+
+def dataset_kind(spec: DatasetSpec) -> str:
+    """How a dataset's ``type`` is named in validate's output; a ``type`` mapping is axolotl's user_defined.default."""
+    if isinstance(spec.type, dict):
+        return "user_defined.default"
+    return spec.type or "pre-tokenized"
 
 
 def shown_rows(config: Config, tokenizer: Any, per_dataset: list[list[Sample]], count: int) -> list[ShownRow]:
@@ -80,6 +100,34 @@ def shown_rows(config: Config, tokenizer: Any, per_dataset: list[list[Sample]], 
         located = _locate(config, spec, index, tokenizer, first)
         for number, (sample, (text, offsets)) in enumerate(zip(first, located, strict=True), start=1):
             shown.append(_shown_row(index, number, spec, sample, text, offsets, config.sequence_len))
+    return shown
+
+
+def shown_pairs(config: Config, tokenizer: Any, per_dataset: list[list[Pair]], count: int) -> list[ShownRow]:
+    """The first ``count`` pairs of every preference dataset of ``config``, given the pairs training made
+    (:func:`shardpool.data.prepare.preference_pairs`): each pair as its chosen sequence, then its rejected one.
+
+    A pair's ``row`` is its row's number in the dataset, left-out rows counted, so it names the
+    row the file holds. ``tokenizer`` must be fast and configured as training configures it.
+    """
+    shown: list[ShownRow] = []
+    for index, (spec, pairs) in enumerate(zip(config.datasets, per_dataset, strict=True)):
+        if not pairs[:count]:
+            continue
+        rows = preference_rows(config, spec, index, tokenizer)
+        numbers = {where: number for number, (where, _) in enumerate(rows, start=1)}
+        texts = dict(rows)
+        for chosen, rejected in pairs[:count]:
+            row = texts[chosen.where]
+            for name, sample, answer in (
+                ("chosen", chosen, row.chosen),
+                ("rejected", rejected, row.rejected),
+            ):
+                text, offsets = _whole(tokenizer, sample, row.prompt + with_eos(answer, tokenizer.eos_token))
+                number = numbers[sample.where]
+                shown.append(
+                    _shown_row(index, number, spec, sample, text, offsets, config.sequence_len, pair=name)
+                )
     return shown
 
 
@@ -102,19 +150,23 @@ def _shown_row(
     text: str,
     offsets: list[Span],
     sequence_len: int,
+    *,
+    pair: str | None = None,
 ) -> ShownRow:
-    kept = min(len(sample.input_ids), sequence_len)
+    """The row whose tokens lie at ``offsets`` of ``text``; ``sample`` may already be cut to ``sequence_len``."""
+    kept = min(len(offsets), sequence_len)
     trained = [position for position in range(kept) if sample.labels[position] != IGNORE_INDEX]
     return ShownRow(
         dataset=index,
         row=number,
         where=sample.where,
-        kind=spec.type or "pre-tokenized",
+        kind=dataset_kind(spec),
         text=text,
         trained=tuple(_spans(trained, offsets)),
-        tokens=len(sample.input_ids),
+        tokens=len(offsets),
         trained_tokens=len(trained),
         seen=len(text) if kept == len(offsets) else max(end for _, end in offsets[:kept]),
+        pair=pair,
     )
 
 
@@ -182,15 +234,42 @@ def _joined(tokenizer: Any, sample: Sample, texts: list[str], *, ends: bool) -> 
     head = sample.input_ids[: max(head_length, 0)]
     tail = sample.input_ids[-1:] if ends else []
     if head_length not in (0, 1) or head + body + tail != sample.input_ids:
-        raise ShardpoolError(
-            f"{sample.where}: cannot show this row: its text does not tokenize to the ids training "
-            "uses; report this as a bug, with the row and the tokenizer"
-        )
-    text, offsets = _appended_tokens(tokenizer, head, "", [])
-    for piece, piece_offsets in zip(texts, encoded["offset_mapping"], strict=True):
-        offsets += [(len(text) + start, len(text) + end) for start, end in piece_offsets]
+        raise _not_the_training_ids(sample, "row")
+    return _spelled(tokenizer, head, texts, encoded["offset_mapping"], tail)
+
+
+def _whole(tokenizer: Any, sample: Sample, text: str) -> tuple[str, list[Span]]:
+    """``text`` tokenized as a whole with the tokenizer's special tokens, as TRL tokenizes a prompt and
+    its answer; the special tokens the tokenizer adds (a bos) are written out as their token text.
+
+    Refused in one line when the ids, cut to the sample's length (``sequence_len``), differ from the sample's.
+    """
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    body, ids = encoded["input_ids"], tokenizer(text)["input_ids"]
+    start = next((i for i in range(len(ids) - len(body) + 1) if ids[i : i + len(body)] == body), None)
+    if start is None or ids[: len(sample.input_ids)] != sample.input_ids:
+        raise _not_the_training_ids(sample, "pair")
+    return _spelled(tokenizer, ids[:start], [text], [encoded["offset_mapping"]], ids[start + len(body) :])
+
+
+def _spelled(
+    tokenizer: Any, head: list[int], texts: list[str], offsets: list[list[Span]], tail: list[int]
+) -> tuple[str, list[Span]]:
+    """The special tokens ``head``, the ``texts`` (whose tokens lie at ``offsets``), then ``tail``,
+    joined into one text; each token's span in it."""
+    text, joined = _appended_tokens(tokenizer, head, "", [])
+    for piece, piece_offsets in zip(texts, offsets, strict=True):
+        joined += [(len(text) + start, len(text) + end) for start, end in piece_offsets]
         text += piece
-    return _appended_tokens(tokenizer, tail, text, offsets)
+    return _appended_tokens(tokenizer, tail, text, joined)
+
+
+def _not_the_training_ids(sample: Sample, what: str) -> ShardpoolError:
+    """The one line refusing to show a ``what`` ("row", "pair") whose text gives other ids than training's."""
+    return ShardpoolError(
+        f"{sample.where}: cannot show this {what}: its text does not tokenize to the ids training "
+        "uses; report this as a bug, with the row and the tokenizer"
+    )
 
 
 def _appended_tokens(

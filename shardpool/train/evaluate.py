@@ -1,4 +1,5 @@
-"""Evaluation: the mean next-token loss over the eval split, through replica 0's pipeline.
+"""Evaluation: the mean next-token loss over the eval split, through replica 0's pipeline (for a
+preference run, the mean preference loss over the eval pairs).
 
 Forward only, micro-batch by micro-batch, summed over tokens on the last stage and divided by the
 label tokens of the whole split. After training, the last stage also keeps the logits of the first
@@ -11,8 +12,10 @@ import torch
 import torch.distributed as dist
 
 from shardpool.data.rows import TokenRows
+from shardpool.data.steps import pair_rows
 from shardpool.train.loss import label_tokens, token_loss_sum
 from shardpool.train.pipeline import FORWARD_TAG, StagePipe
+from shardpool.train.preference import PairLogps, completion_logps, pair_losses
 from shardpool.train.process_group import others_in_world
 from shardpool.train.runfiles import RunFiles
 
@@ -36,6 +39,8 @@ def evaluate(
     """
     if len(rows) == 0:
         return None
+    if pipe.objective is not None:
+        return _preference_loss(pipe, rows, micro_batch_size=micro_batch_size, replica=replica)
     size = micro_batch_size
     loss_sum, token_count = 0.0, 0
     pipe.stage.eval()
@@ -54,6 +59,41 @@ def evaluate(
     pipe.wire.flush()
     pipe.stage.train()
     summary = torch.tensor([loss_sum, float(token_count)], dtype=torch.float64)
+    if others_in_world():
+        dist.all_reduce(summary)
+    return float(summary[0] / summary[1]) if summary[1] > 0 else None
+
+
+def _preference_loss(
+    pipe: StagePipe, rows: TokenRows, *, micro_batch_size: int, replica: int
+) -> float | None:
+    """Mean preference loss (DPO, IPO) over the eval pairs, as TRL's ``eval_loss``: the reference
+    pass over every eval micro-batch, then the policy forward, both without gradient."""
+    pairs = len(rows) // 2
+    starts = range(0, pairs if replica == 0 else 0, micro_batch_size)
+    batches = [
+        rows.select(pair_rows(list(range(start, min(start + micro_batch_size, pairs))), pairs))
+        for start in starts
+    ]
+    pipe.stage.eval()
+    pipe.reference_pass(batches)
+    loss_sum = 0.0
+    with torch.no_grad():
+        for index, batch in enumerate(batches):
+            inputs = pipe.inputs(batch, tag=FORWARD_TAG)
+            output = pipe.stage(inputs, **pipe.positions(batch))
+            if not pipe.spec.is_last:
+                pipe.wire.send(output, pipe.wire.next, tag=FORWARD_TAG)
+                continue
+            assert pipe.objective is not None
+            policy = PairLogps.split(*completion_logps(output, batch.labels))
+            loss_sum += float(pair_losses(pipe.objective, policy, pipe.reference[index])[0].sum())
+    pipe.wire.flush()
+    pipe.reference.clear()
+    pipe.stage.train()
+    summary = torch.tensor(
+        [loss_sum, float(pairs if pipe.spec.is_last and replica == 0 else 0)], dtype=torch.float64
+    )
     if others_in_world():
         dist.all_reduce(summary)
     return float(summary[0] / summary[1]) if summary[1] > 0 else None

@@ -32,7 +32,6 @@ def test_dpo_defaults_to_trls_sigmoid_loss_and_beta() -> None:
         ({"rl": "kto"}, r"`rl: kto` is not built into shardpool"),
         ({"datasets": [{"path": "d.jsonl", "type": "alpaca"}]}, r"give every dataset a preference type"),
         ({"sample_packing": True}, r"preference pairs are not packed"),
-        ({"val_set_size": 0.1}, r"evaluation of preference runs is not built yet"),
         ({"rl_beta": 0.1, "dpo_beta": 0.2}, r"disagree"),
         ({"rl": "ipo", "dpo_loss_type": "sigmoid"}, r"`rl: ipo` is the ipo loss"),
         ({"dpo_loss_type": ["sigmoid", "ipo"]}, r"takes one loss"),

@@ -9,6 +9,7 @@ reference model being the base with the adapter disabled (``ref_model=None``), a
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,13 @@ from transformers import AutoModelForCausalLM
 from shardpool.config import parse_config
 from shardpool.contract.events import PREFERENCE_METRICS as METRICS
 from shardpool.data.preference import preference_format, preference_texts
+from shardpool.data.prepare import prepare_data
 from shardpool.data.reading import read_rows
+from shardpool.data.steps import pair_rows
 from shardpool.data.tokenizing import load_tokenizer
 from shardpool.finetune import finetune
 from shardpool.model.nf4 import bnb_config, keep_exact_cpu_matmul
+from shardpool.train.preference import PairLogps, PreferenceObjective, completion_logps, pair_losses
 from tests.helpers.training import base_config, random_start_adapter, read_metrics
 
 pytestmark = pytest.mark.slow
@@ -47,12 +51,11 @@ def _config(model: Path, adapter: Path, output: Path, **overrides: Any) -> dict[
         output,
         datasets=[{"path": str(DATA), "type": "chatml.intel"}],
         lora_model_dir=str(adapter),
-        val_set_size=0,
         sequence_len=256,
         micro_batch_size=2,
         gradient_accumulation_steps=2,
         max_steps=STEPS,
-        **{"rl": "dpo", **overrides},
+        **{"rl": "dpo", "val_set_size": 0, **overrides},
     )
 
 
@@ -199,6 +202,39 @@ def test_ipo_on_two_stages_equals_trl(tiny_model: Path, start_adapter: Path, tmp
     assert ours == pytest.approx(losses, rel=1e-5)
     assert ours[0] == pytest.approx(25.0, rel=1e-6)  # the policy starts at the reference: (0 - 1/(2 * 0.1))^2
     assert _max_difference(_adapter(output), {key: value.float() for key, value in adapter.items()}) < 1e-4
+
+
+def test_the_eval_loss_is_the_preference_loss_over_the_held_out_pairs(
+    tiny_model: Path, start_adapter: Path, tmp_path: Path
+) -> None:
+    """``val_set_size`` holds out pairs; the eval loss before training is log 2 (the policy is the
+    reference), and after it equals the DPO loss that a single peft model with the trained adapter
+    computes over the same held-out pairs, against the starting adapter."""
+    config = _config(
+        tiny_model, start_adapter, tmp_path / "eval", val_set_size=4, shardpool={"layers": [3, 3]}
+    )
+    output = _train(config)
+    summary = json.loads((output / "run_summary.json").read_text())
+    assert summary["eval_loss_before"] == pytest.approx(math.log(2), rel=1e-6)
+    parsed = parse_config(config)
+    held_out = prepare_data(parsed, load_tokenizer(tiny_model)).eval
+    assert len(held_out) == 8  # 4 pairs, chosen then rejected
+
+    rows = held_out.select(pair_rows([0, 1, 2, 3], 4))
+
+    def logps(adapter: Path) -> PairLogps:
+        base = AutoModelForCausalLM.from_pretrained(
+            tiny_model, quantization_config=bnb_config(), dtype=torch.float32
+        )
+        keep_exact_cpu_matmul(base)
+        model = PeftModel.from_pretrained(base, adapter).eval()
+        with torch.no_grad():
+            logits = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask).logits
+        return PairLogps.split(*completion_logps(logits, rows.labels))
+
+    losses, _ = pair_losses(PreferenceObjective("sigmoid", 0.1), logps(output), logps(start_adapter))
+    assert summary["eval_loss_after"] == pytest.approx(float(losses.mean()), rel=1e-5)
+    assert abs(summary["eval_loss_after"] - math.log(2)) > 1e-5
 
 
 def test_dpo_on_three_uneven_stages_trains_as_on_one(runs: dict[str, Path]) -> None:
