@@ -215,6 +215,10 @@ def _profile_and_run(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> list[dic
     ]
 
 
+#: How far a stage's measured compute time may be from the plan's on this noisy host.
+TIME_TOLERANCE = 0.4
+
+
 def _within(measured: float, predicted: float, tolerance: float = 0.25) -> bool:
     return abs(measured - predicted) <= tolerance * measured
 
@@ -222,19 +226,21 @@ def _within(measured: float, predicted: float, tolerance: float = 0.25) -> bool:
 @pytest.mark.slow
 @pytest.mark.timing
 def test_predictions_match_a_real_local_pipeline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The plan's per-stage compute time and peak memory are within 25% of a real CPU run.
+    """The plan's per-stage peak memory is within 25% of a real CPU run, its compute time within 40%.
 
     Timing takes one fresh re-measurement (profile and run again) when the first is off: this
     shared 2-core host drifts by up to a third from one minute to the next (a plain matmul loop
-    swings 52-85 it/s), which moved the run away from a profile taken a minute earlier in about one
-    CI run in three (77 ms measured against 56 ms predicted). A model that is really off fails both.
+    swings 52-85 it/s), and how much two stages slow each other (plan/co_run.py) measured anywhere
+    from 1.0 to 1.25 within an hour, so 25% failed about one CI run in three in either direction
+    (77 ms measured against 56 predicted; 59 against 76). A model that is really off (a stage's
+    layers or threads miscounted, the backward left out: a factor of 2 or more) fails both.
     """
     attempts = [_profile_and_run(tmp_path / "first", monkeypatch)]
-    if not all(_within(row["measured_ms"], row["predicted_ms"]) for row in attempts[0]):
+    if not all(_within(row["measured_ms"], row["predicted_ms"], TIME_TOLERANCE) for row in attempts[0]):
         attempts.append(_profile_and_run(tmp_path / "again", monkeypatch))
     for attempt, rows in enumerate(attempts):
         for row in rows:
             print(json.dumps({"attempt": attempt, **row}))
             assert _within(row["measured_peak_bytes"], row["predicted_bytes"]), row
     for row in attempts[-1]:
-        assert _within(row["measured_ms"], row["predicted_ms"]), (len(attempts), row)
+        assert _within(row["measured_ms"], row["predicted_ms"], TIME_TOLERANCE), (len(attempts), row)

