@@ -76,19 +76,12 @@ def _preference_loss(
         for start in starts
     ]
     pipe.stage.eval()
-    pipe.reference_pass(batches)
+    pipe.reference_pass(batches, timed=False)
+    assert pipe.objective is not None
     loss_sum = 0.0
-    with torch.no_grad():
-        for index, batch in enumerate(batches):
-            inputs = pipe.inputs(batch, tag=FORWARD_TAG)
-            output = pipe.stage(inputs, **pipe.positions(batch))
-            if not pipe.spec.is_last:
-                pipe.wire.send(output, pipe.wire.next, tag=FORWARD_TAG)
-                continue
-            assert pipe.objective is not None
-            policy = PairLogps.split(*completion_logps(output, batch.labels))
-            loss_sum += float(pair_losses(pipe.objective, policy, pipe.reference[index])[0].sum())
-    pipe.wire.flush()
+    for index, batch, logits in pipe.forward_only(batches):
+        policy = PairLogps.split(*completion_logps(logits, batch.labels))
+        loss_sum += float(pair_losses(pipe.objective, policy, pipe.reference[index])[0].sum())
     pipe.reference.clear()
     pipe.stage.train()
     summary = torch.tensor(

@@ -136,7 +136,7 @@ class StagePipe:
         self.reference.clear()
         return totals
 
-    def reference_pass(self, microbatches: list[TokenRows]) -> None:
+    def reference_pass(self, microbatches: list[TokenRows], *, timed: bool = True) -> None:
         """Forward every micro-batch once with the LoRA adapter disabled (the NF4 base alone, no
         gradient), keeping the last stage's completion log-probabilities for the preference loss.
 
@@ -144,15 +144,27 @@ class StagePipe:
         the adapter off (or, for a run started from an adapter, that adapter swapped in for the
         pass), as TRL computes it for a PEFT model. The passes run in micro-batch order
         before the step's schedule, over the same wire; nothing of them is kept for backward.
+        ``timed``: count the passes in the step's compute time (not for an evaluation).
         """
-        with torch.no_grad(), self._reference_policy():
+        with self._reference_policy():
+            for index, rows, logits in self.forward_only(microbatches, timed=timed):
+                self.reference[index] = PairLogps.split(*completion_logps(logits, rows.labels))
+
+    def forward_only(
+        self, microbatches: list[TokenRows], *, timed: bool = False
+    ) -> Iterator[tuple[int, TokenRows, torch.Tensor]]:
+        """Forward the micro-batches in order without gradient: a stage before the last sends its
+        activations on, the last stage yields ``(index, rows, logits)``; the wire is flushed at the
+        end. ``timed`` adds the forwards to the stage clock (the step's compute time)."""
+        with torch.no_grad():
             for index, rows in enumerate(microbatches):
                 inputs = self.inputs(rows, tag=FORWARD_TAG)
-                started = self.clock.start()
+                started = self.clock.start() if timed else None
                 output = self.stage(inputs, **self.positions(rows))
                 if self.spec.is_last:
-                    self.reference[index] = PairLogps.split(*completion_logps(output, rows.labels))
-                self.clock.stop(started)
+                    yield index, rows, output  # what the last stage makes of the logits is timed too
+                if started is not None:
+                    self.clock.stop(started)
                 if not self.spec.is_last:
                     self.wire.send(output, self.wire.next, tag=FORWARD_TAG)
         self.wire.flush()

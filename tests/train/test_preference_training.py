@@ -22,9 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from shardpool.config import parse_config
 from shardpool.contract.events import PREFERENCE_METRICS as METRICS
-from shardpool.data.preference import preference_format, preference_texts
-from shardpool.data.prepare import prepare_data
-from shardpool.data.reading import read_rows
+from shardpool.data.prepare import preference_rows, prepare_data
 from shardpool.data.steps import pair_rows
 from shardpool.data.tokenizing import load_tokenizer
 from shardpool.finetune import finetune
@@ -72,9 +70,8 @@ def trl_reference(
     from torch.utils.data import SequentialSampler
 
     parsed = parse_config(config)
-    spec = parsed.datasets[0]
-    fmt = preference_format(spec.model_dump(exclude_none=True), "dpo")
-    texts = [preference_texts(row, where, fmt) for where, row in read_rows(spec, 0)]
+    tokenizer = load_tokenizer(model_dir)
+    texts = [text for _, text in preference_rows(parsed, parsed.datasets[0], 0, tokenizer)]
     dataset = Dataset.from_list(
         [{"prompt": t.prompt, "chosen": t.chosen, "rejected": t.rejected} for t in texts]
     )
@@ -136,7 +133,7 @@ def trl_reference(
         ref_model=None,
         args=args,
         train_dataset=dataset,
-        processing_class=load_tokenizer(model_dir),
+        processing_class=tokenizer,
     )
     trainer.train()
     return step_losses, trainer.state.log_history, dict(get_peft_model_state_dict(model))
