@@ -22,20 +22,52 @@ from tests.helpers.training import completion_rows, write_jsonl
 SERIAL_GROUP = "serial"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+def _serial(item: pytest.Item) -> bool:
+    return item.get_closest_marker("timing") is not None or item.get_closest_marker("netns") is not None
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Put every ``timing`` and ``netns`` test in :data:`SERIAL_GROUP` as it is collected.
+
+    Marking here, not in ``pytest_collection_modifyitems``, keeps the group independent of the
+    order in which pytest calls the plugins' ``modifyitems`` hooks: xdist's reads the marks there
+    (pytest 9.2 runs it before this conftest's, and the group was silently lost).
+    """
+    if _serial(item):
+        item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run ``timing`` tests first, keeping every other test in its order, and put them and the
-    ``netns`` tests in :data:`SERIAL_GROUP`.
+    """Run ``timing`` tests first, keeping every other test in its order.
 
     They compare the planner's predicted times with a measured run; later in the suite the
     machine has been busy for minutes and runs measurably slower than the short profile taken
-    moments before, which is the suite's load, not the cost model's error. Under xdist the group
-    is the largest, so it goes first, to one worker, with the timing tests at its head.
+    moments before, which is the suite's load, not the cost model's error. Under xdist the
+    serial group is the largest, so it goes first, to one worker, with the timing tests at its head.
     """
     items.sort(key=lambda item: item.get_closest_marker("timing") is None)
-    for item in items:
-        if item.get_closest_marker("timing") or item.get_closest_marker("netns"):
-            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under ``--dist loadgroup``, refuse to run if a serial test lost its group.
+
+    The modules of the serial group share a lab through module fixtures and run top to bottom;
+    handed to two workers one test at a time they fail in confusing ways (a roster without the
+    member an earlier test added), so a lost group is a collection error, said plainly.
+    """
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [
+        item.nodeid
+        for item in session.items
+        if _serial(item) and not item.nodeid.endswith(f"@{SERIAL_GROUP}")
+    ]
+    if lost:
+        raise pytest.UsageError(
+            f"{len(lost)} timing/netns test(s) are not in the xdist group {SERIAL_GROUP!r} "
+            f"(first: {lost[0]}): tests/conftest.py must mark them before xdist reads the marks"
+        )
 
 
 @pytest.hookimpl(wrapper=True)
