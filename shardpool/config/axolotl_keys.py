@@ -154,13 +154,12 @@ _GROUPS: list[list[AxolotlKey]] = [
     ),
     _keys(
         "trl vllm ebft dpo_use_liger_kernel dpo_padding_free dpo_use_logits_to_keep dpo_generate_during_eval "
-        "orpo_alpha simpo_gamma cpo_alpha kto_desirable_weight kto_undesirable_weight max_prompt_len "
-        "center_rewards_coefficient num_labels",
+        "kto_desirable_weight kto_undesirable_weight max_prompt_len center_rewards_coefficient num_labels",
         "ignored",
-        "only read by `rl` methods other than dpo and ipo, or by reward models, which are refused",
+        "only read by `rl` methods shardpool does not build (kto, grpo, ...) or by reward models, which are refused",
     ),
     _keys(
-        "dpo_use_weighting dpo_label_smoothing precompute_ref_log_probs dpo_loss_weights dpo_norm_loss rpo_alpha",
+        "dpo_use_weighting precompute_ref_log_probs dpo_loss_weights dpo_norm_loss rpo_alpha",
         "when_off",
         "not built for `rl: dpo` yet (the reference log-probabilities are computed in each step); remove it",
     ),

@@ -99,7 +99,7 @@ SFT_TYPES = ("alpaca", "completion", "chat_template", "sharegpt")
 #: mapping (axolotl's ``user_defined.default``: field_prompt, field_system, field_chosen,
 #: field_rejected, prompt_format, chosen_format, rejected_format).
 PREFERENCE_TYPES = (
-    "chat_template.default", "chat_template.argilla_chat",
+    "chat_template.default", "chat_template.argilla_chat", "chat_template.argilla",
     *(f"{style}.{variant}" for style in ("chatml", "llama3")
       for variant in ("default", "intel", "icr", "prompt_pairs", "ultra", "argilla_chat")),
     "user_defined.default",
@@ -112,7 +112,9 @@ USER_DEFINED_PREFERENCE_KEYS = (
 #: One-part preference types, axolotl's spelling of their ``.default`` (``chat_template`` too, under ``rl``).
 SHORT_PREFERENCE_TYPES = ("chatml", "llama3", "user_defined")
 #: The ``rl`` values shardpool trains; axolotl's others are refused in one line.
-BUILT_RL = ("dpo", "ipo")
+BUILT_RL = ("dpo", "ipo", "orpo", "simpo")
+#: The ``rl`` values whose loss compares the policy with a reference model (the adapter disabled).
+REFERENCE_RL = ("dpo", "ipo")
 
 
 #: The dataset types that read ``field_chosen`` / ``field_rejected``.
@@ -613,16 +615,36 @@ class Config(_Strict):
     fp16: bool = Field(default=False, description="at most float16, with dynamic loss scaling (docs/gpu.md)")
     rl: str | None = Field(
         default=None,
-        description="preference tuning: dpo or ipo, on pairs of chosen and rejected answers (docs/data.md)",
+        description="preference tuning: dpo, ipo, orpo or simpo, on pairs of chosen and rejected answers "
+        "(docs/data.md)",
     )
     rl_beta: float | None = Field(
         default=None,
         gt=0,
-        description="DPO/IPO beta: how far the adapter may move from the base (default 0.1)",
+        description="DPO/IPO/SimPO beta: how far the adapter may move from the base, or SimPO's reward "
+        "scale (default 0.1); ORPO's weight when orpo_alpha is not set",
     )
     dpo_beta: float | None = Field(default=None, gt=0, description="older spelling of rl_beta")
     dpo_loss_type: Literal["sigmoid", "ipo"] | list[Literal["sigmoid", "ipo"]] | None = Field(
         default=None, description="rl: dpo's loss: sigmoid (default) or ipo"
+    )
+    dpo_label_smoothing: float = Field(
+        default=0.0,
+        ge=0,
+        lt=0.5,
+        description="rl: dpo (sigmoid loss): the chance that a pair's labels are flipped "
+        "(conservative DPO); 0 trusts every pair",
+    )
+    orpo_alpha: float | None = Field(
+        default=None, gt=0, description="rl: orpo's weight of the odds-ratio term (TRL's beta; default 0.1)"
+    )
+    simpo_gamma: float = Field(
+        default=0.5, ge=0, description="rl: simpo's target reward margin (TRL's simpo_gamma)"
+    )
+    cpo_alpha: float = Field(
+        default=1.0,
+        ge=0,
+        description="rl: simpo's weight of the chosen answers' next-token loss (TRL's cpo_alpha; 0: none)",
     )
     chat_template: str | None = Field(
         default=None,
@@ -723,8 +745,8 @@ class Config(_Strict):
         if self.rl is None:
             if any(is_preference_type(dataset.type, None) for dataset in self.datasets):
                 return [
-                    Check(("rl", "datasets"), "preference datasets (chosen/rejected pairs) need `rl: dpo` or "
-                          "`rl: ipo`; set it, or use a supervised dataset type")
+                    Check(("rl", "datasets"), "preference datasets (chosen/rejected pairs) need `rl: dpo`, "
+                          "`ipo`, `orpo` or `simpo`; set it, or use a supervised dataset type")
                 ]  # fmt: skip
             return []
         rules: list[tuple[bool, tuple[str, ...], str]] = [
@@ -732,7 +754,7 @@ class Config(_Strict):
                 self.rl not in BUILT_RL,
                 ("rl",),
                 f"`rl: {self.rl}` is not built into shardpool; it trains `rl: dpo` (dpo_loss_type sigmoid "
-                "or ipo) and `rl: ipo`",
+                "or ipo), `rl: ipo`, `rl: orpo` and `rl: simpo`",
             ),
             (
                 any(
@@ -763,21 +785,40 @@ class Config(_Strict):
                 ("dpo_loss_type",),
                 "`dpo_loss_type` takes one loss (sigmoid or ipo), not a weighted list",
             ),
+            (
+                self.rl != "dpo" and self.dpo_loss_type is not None and self.rl != "ipo",
+                ("rl", "dpo_loss_type"),
+                f"`dpo_loss_type` chooses `rl: dpo`'s loss; `rl: {self.rl}` has its own, remove it",
+            ),
+            (
+                self.dpo_label_smoothing > 0 and self.preference_loss != "sigmoid",
+                ("rl", "dpo_label_smoothing"),
+                f"`dpo_label_smoothing` smooths `rl: dpo`'s sigmoid loss, not `{self.preference_loss}`; "
+                "remove it",
+            ),
+            (
+                self.rl != "orpo" and self.orpo_alpha is not None,
+                ("rl", "orpo_alpha"),
+                f"`orpo_alpha` weighs `rl: orpo`'s odds-ratio term; `rl: {self.rl}` does not read it, remove it",
+            ),
         ]
         return [Check(keys, message) for broken, keys, message in rules if broken]
 
     @property
     def preference_beta(self) -> float:
-        """DPO/IPO's beta: ``rl_beta``, else its older spelling ``dpo_beta``, else TRL's 0.1."""
-        return (
-            self.rl_beta if self.rl_beta is not None else self.dpo_beta if self.dpo_beta is not None else 0.1
-        )
+        """TRL's ``beta`` of this config: ``orpo_alpha`` under ``rl: orpo`` (axolotl passes it as
+        beta), else ``rl_beta``, else its older spelling ``dpo_beta``, else TRL's 0.1."""
+        for value in (self.orpo_alpha if self.rl == "orpo" else None, self.rl_beta, self.dpo_beta):
+            if value is not None:
+                return value
+        return 0.1
 
     @property
-    def preference_loss(self) -> Literal["sigmoid", "ipo"]:
-        """The preference loss TRL computes for this config: ipo for ``rl: ipo``, else ``dpo_loss_type``."""
-        if self.rl == "ipo":
-            return "ipo"
+    def preference_loss(self) -> Literal["sigmoid", "ipo", "orpo", "simpo"]:
+        """The preference loss TRL computes for this config: ``rl: ipo``, ``orpo`` and ``simpo``
+        name theirs, ``rl: dpo`` takes ``dpo_loss_type`` (sigmoid by default)."""
+        if self.rl in ("ipo", "orpo", "simpo"):
+            return self.rl  # type: ignore[return-value]
         loss = self.dpo_loss_type[0] if isinstance(self.dpo_loss_type, list) else self.dpo_loss_type
         return loss or "sigmoid"
 

@@ -76,7 +76,8 @@ def _first_line(text: Any) -> Any:
     return text
 
 
-#: A metric a preference (DPO, IPO) step reports, named as TRL logs it.
+#: A metric a preference step reports, named as TRL logs it: the first six for every ``rl``,
+#: ``nll_loss`` for ORPO and SimPO, the log odds for ORPO.
 PreferenceMetric = Literal[
     "rewards/chosen",
     "rewards/rejected",
@@ -84,6 +85,9 @@ PreferenceMetric = Literal[
     "rewards/margins",
     "logps/chosen",
     "logps/rejected",
+    "nll_loss",
+    "log_odds_ratio",
+    "log_odds_chosen",
 ]
 #: Every preference metric, in the order the last stage sums them.
 PREFERENCE_METRICS: tuple[str, ...] = get_args(PreferenceMetric)

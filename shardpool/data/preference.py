@@ -59,9 +59,9 @@ Render = Callable[[list[Message], bool], str]
 
 _VARIANTS = ("default", "intel", "icr", "prompt_pairs", "ultra", "argilla_chat")
 #: The types of ``rl: dpo``, ``ipo`` and ``simpo`` (a mapping ``type`` means ``user_defined.default``).
-DPO_TYPES: tuple[str, ...] = PREFERENCE_TYPES
 #: The types of ``rl: orpo``.
 ORPO_TYPES: tuple[str, ...] = ("chat_template.argilla",)
+DPO_TYPES: tuple[str, ...] = tuple(name for name in PREFERENCE_TYPES if name not in ORPO_TYPES)
 
 # axolotl's chat_template strategy renders each answer after this user message, then cuts before the answer.
 _DUMMY_USER = "[[dummy_message]]"

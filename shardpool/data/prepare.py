@@ -22,6 +22,7 @@ from shardpool.data.preference import (
     dpo_pairs,
     dpo_samples,
     fits_sequence_len,
+    orpo_samples,
     preference_format,
     preference_texts,
 )
@@ -143,6 +144,11 @@ def preference_pairs(
     fitting = [
         (where, text) for where, text in texts if fits_sequence_len(text, tokenizer, config.sequence_len)
     ]
+    if config.rl in ("orpo", "simpo"):  # TRL's ORPO and CPO trainers tokenize each row alike
+        samples = [
+            orpo_samples(text, tokenizer, where, max_length=config.sequence_len) for where, text in fitting
+        ]
+        return samples, len(texts) - len(samples)
     pairs = dpo_pairs(fitting, tokenizer, max_length=config.sequence_len) if fitting else []
     return [dpo_samples(pair, max_length=config.sequence_len) for pair in pairs], len(texts) - len(pairs)
 

@@ -15,7 +15,7 @@ from shardpool.data.rows import TokenRows
 from shardpool.data.steps import pair_rows
 from shardpool.train.loss import label_tokens, token_loss_sum
 from shardpool.train.pipeline import FORWARD_TAG, StagePipe
-from shardpool.train.preference import PairLogps, completion_logps, pair_losses
+from shardpool.train.preference import micro_batch_losses
 from shardpool.train.process_group import others_in_world
 from shardpool.train.runfiles import RunFiles
 
@@ -67,21 +67,22 @@ def evaluate(
 def _preference_loss(
     pipe: StagePipe, rows: TokenRows, *, micro_batch_size: int, replica: int
 ) -> float | None:
-    """Mean preference loss (DPO, IPO) over the eval pairs, as TRL's ``eval_loss``: the reference
-    pass over every eval micro-batch, then the policy forward, both without gradient."""
+    """Mean preference loss over the eval pairs, as TRL's ``eval_loss``: the reference pass over
+    every eval micro-batch (DPO, IPO), then the policy forward, both without gradient."""
     pairs = len(rows) // 2
     starts = range(0, pairs if replica == 0 else 0, micro_batch_size)
     batches = [
         rows.select(pair_rows(list(range(start, min(start + micro_batch_size, pairs))), pairs))
         for start in starts
     ]
-    pipe.stage.eval()
-    pipe.reference_pass(batches, timed=False)
     assert pipe.objective is not None
+    pipe.stage.eval()
+    if pipe.objective.needs_reference:
+        pipe.reference_pass(batches, timed=False)
     loss_sum = 0.0
     for index, batch, logits in pipe.forward_only(batches):
-        policy = PairLogps.split(*completion_logps(logits, batch.labels))
-        loss_sum += float(pair_losses(pipe.objective, policy, pipe.reference[index])[0].sum())
+        losses, _ = micro_batch_losses(pipe.objective, logits, batch, pipe.reference.get(index))
+        loss_sum += float(losses.sum())
     pipe.reference.clear()
     pipe.stage.train()
     summary = torch.tensor(

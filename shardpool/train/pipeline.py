@@ -32,7 +32,7 @@ from shardpool.data.rows import TokenRows
 from shardpool.model.stage import PipelineStage, StageSpec
 from shardpool.train.clock import StageClock, stage_clock
 from shardpool.train.loss import StepTotals, token_loss_sum
-from shardpool.train.preference import PairLogps, PreferenceObjective, completion_logps, pair_losses
+from shardpool.train.preference import PairLogps, PreferenceObjective, completion_logps, micro_batch_losses
 from shardpool.train.process_group import Link, PostedRecv, Wire
 
 __all__ = ["BACKWARD_TAG", "FORWARD_TAG", "Inbox", "StagePipe"]
@@ -78,7 +78,7 @@ class StagePipe:
     packed: bool
     #: The last stage multiplies each loss by this before backward (fp16 runs); None: no scaling.
     loss_scale: float | None = None
-    #: A preference run's loss (DPO, IPO) on the last stage; None: next-token loss (SFT).
+    #: A preference run's loss (DPO, IPO, ORPO, SimPO) on the last stage; None: next-token loss (SFT).
     objective: PreferenceObjective | None = None
     #: The reference policy's LoRA tensors of this stage (global keys) when the run started from an
     #: adapter (``lora_model_dir``): TRL's reference is then that starting adapter. None: the
@@ -99,7 +99,7 @@ class StagePipe:
         """Run this stage's actions of ``schedule`` (at warm-up ``lead``) over ``microbatches``; return
         its loss and compute time."""
         totals = StepTotals()
-        if self.objective is not None:
+        if self.objective is not None and self.objective.needs_reference:
             self.reference_pass(microbatches)
         saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         actions = schedule_for(
@@ -227,8 +227,7 @@ class StagePipe:
         started = self.clock.start()
         output = self.stage(inputs, **self.positions(rows))
         if self.spec.is_last and self.objective is not None:
-            policy = PairLogps.split(*completion_logps(output, rows.labels))
-            losses, sums = pair_losses(self.objective, policy, self.reference[index])
+            losses, sums = micro_batch_losses(self.objective, output, rows, self.reference.get(index))
             output = losses.sum() / step_label_tokens
             totals.add_loss(output)
             totals.add_preference_sums(sums)

@@ -52,7 +52,7 @@ from shardpool.train.loss import label_tokens, reduce_and_clip_gradients
 from shardpool.train.loss_scale import LossScale, inject_inf_at
 from shardpool.train.optim import build_optimizer, build_scheduler
 from shardpool.train.pipeline import StagePipe
-from shardpool.train.preference import PREFERENCE_METRICS, PreferenceObjective
+from shardpool.train.preference import PreferenceObjective
 from shardpool.train.process_group import (
     Groups,
     PeerCheck,
@@ -452,12 +452,11 @@ class StageWorker:
         sums, added over the world (every rank joins; the others add zeros). Empty for SFT."""
         if self.pipe.objective is None:
             return {}
-        total = sums if sums is not None else torch.zeros(len(PREFERENCE_METRICS), dtype=torch.float64)
+        names = self.pipe.objective.metrics
+        total = sums if sums is not None else torch.zeros(len(names), dtype=torch.float64)
         if others_in_world():
             dist.all_reduce(total)
-        return {
-            name: float(value) / pairs for name, value in zip(PREFERENCE_METRICS, total.tolist(), strict=True)
-        }
+        return {name: float(value) / pairs for name, value in zip(names, total.tolist(), strict=True)}
 
     def evaluate(self, *, save_logits: bool = False) -> float | None:
         """Mean next-token loss over the eval split through replica 0's pipeline (None if no split)."""

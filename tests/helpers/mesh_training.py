@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -161,14 +161,17 @@ def launch(
     background: bool = False,
     user: str | None = None,
     env: dict[str, str] | None = None,
+    files: Sequence[Path] = (),
 ) -> Any:
     """Run ``shardpool finetune`` on ``host`` with the model and data on a tmpfs only it can see.
 
-    Root mounts the tmpfs and copies the files (:func:`private_files`) into it; with ``user`` the
-    launcher itself then runs as that account; ``env`` adds variables. Returns the CompletedProcess,
-    or the Popen with ``background``.
+    Root mounts the tmpfs and copies the files (:func:`private_files`, then ``files``: other data
+    a config names, such as a preference dataset) into it; with ``user`` the launcher itself then
+    runs as that account; ``env`` adds variables. Returns the CompletedProcess, or the Popen with
+    ``background``.
     """
     made = private_files(lab)
+    copied = [made / "model", made / "data.jsonl", *files]
     finetune = [sys.executable, "-m", "shardpool", "finetune", str(config_path), *extra]
     if user is not None:
         entry = pwd.getpwnam(user)
@@ -177,7 +180,7 @@ def launch(
     script = " && ".join(
         [
             f"mount -t tmpfs shardpool-private {shlex.quote(str(private))}",
-            f"cp -R {shlex.quote(str(made / 'model'))} {shlex.quote(str(made / 'data.jsonl'))} {shlex.quote(str(private))}",
+            f"cp -R {' '.join(shlex.quote(str(path)) for path in copied)} {shlex.quote(str(private))}",
             "exec " + shlex.join(finetune),
         ]
     )

@@ -68,3 +68,62 @@ def test_a_micro_batch_splits_into_chosen_then_rejected_rows() -> None:
     assert pairs.chosen_tokens.tolist() == [5, 6] and pairs.rejected_tokens.tolist() == [7, 8]
     with pytest.raises(ValueError, match="even number of rows"):
         PairLogps.split(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1, 1, 1]))
+
+
+def _trl_self(**settings: object) -> object:
+    """Stand-in for a TRL trainer's ``self`` in its loss methods: the settings and a CPU device."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(accelerator=SimpleNamespace(device=torch.device("cpu")), **settings)
+
+
+def test_label_smoothing_weighs_the_flipped_pair_as_trls_sigmoid_loss() -> None:
+    """Conservative DPO, ``-logsigmoid(beta d) (1 - ls) - logsigmoid(-beta d) ls``, as earlier TRL
+    releases computed the sigmoid loss (TRL 1.16 reads label_smoothing only in robust and exo_pair)."""
+    policy = _pairs([-10.0, -5.0, -7.0], [-12.0, -4.0, -7.5])
+    reference = _pairs([-11.0, -5.0, -6.0], [-11.0, -5.0, -8.0])
+    losses, _ = pair_losses(PreferenceObjective("sigmoid", 0.3, label_smoothing=0.2), policy, reference)
+    delta = torch.tensor([2.0, -1.0, -1.5])
+    logsigmoid = torch.nn.functional.logsigmoid
+    assert losses.tolist() == pytest.approx(
+        (-logsigmoid(0.3 * delta) * 0.8 - logsigmoid(-0.3 * delta) * 0.2).tolist()
+    )
+    unsmoothed, _ = pair_losses(PreferenceObjective("sigmoid", 0.3), policy, reference)
+    assert unsmoothed.tolist() == pytest.approx((-logsigmoid(0.3 * delta)).tolist())
+
+
+def test_orpo_is_trls_odds_ratio_loss_plus_the_chosen_nll() -> None:
+    """Against TRL's own ``ORPOTrainer.odds_ratio_loss`` on mean log-probabilities."""
+    orpo = pytest.importorskip("trl.experimental.orpo")
+    policy = _pairs([-6.0, -2.0, -9.0], [-8.0, -1.0, -9.5], tokens=(4, 2))
+    nll = torch.tensor(1.25)
+    losses, sums = pair_losses(PreferenceObjective("orpo", 0.2), policy, None, nll)
+    chosen, rejected = policy.chosen / 4, policy.rejected / 2
+    trl_losses, chosen_rewards, rejected_rewards, ratio, log_odds = orpo.ORPOTrainer.odds_ratio_loss(
+        _trl_self(beta=0.2), chosen, rejected
+    )
+    # TRL's loss is nll - mean(beta * logsigmoid(log_odds)); shardpool's is the same per pair
+    assert float(losses.mean()) == pytest.approx(float(nll - trl_losses.mean()), rel=1e-6)
+    names = PreferenceObjective("orpo", 0.2).metrics
+    logged = dict(zip(names, (sums / 3).tolist(), strict=True))
+    assert logged["rewards/chosen"] == pytest.approx(float(chosen_rewards.mean()))
+    assert logged["rewards/rejected"] == pytest.approx(float(rejected_rewards.mean()))
+    assert logged["logps/chosen"] == pytest.approx(float(chosen.mean()))
+    assert logged["nll_loss"] == pytest.approx(1.25)
+    assert logged["log_odds_ratio"] == pytest.approx(float(ratio))
+    assert logged["log_odds_chosen"] == pytest.approx(float(log_odds))
+
+
+def test_simpo_is_trls_cpo_loss_with_a_margin_plus_alpha_times_the_nll() -> None:
+    """Against TRL's own ``CPOTrainer.cpo_loss`` with ``loss_type: simpo``."""
+    cpo = pytest.importorskip("trl.experimental.cpo")
+    policy = _pairs([-6.0, -2.0], [-8.0, -1.0], tokens=(3, 5))
+    nll = torch.tensor(0.75)
+    objective = PreferenceObjective("simpo", 2.0, simpo_gamma=0.4, cpo_alpha=0.5)
+    losses, sums = pair_losses(objective, policy, None, nll)
+    chosen, rejected = policy.chosen / 3, policy.rejected / 5
+    trl_self = _trl_self(beta=2.0, simpo_gamma=0.4, label_smoothing=0.0, loss_type="simpo", alpha=0.0)
+    trl_losses, _, _ = cpo.CPOTrainer.cpo_loss(trl_self, chosen, rejected)
+    assert float(losses.mean()) == pytest.approx(float(trl_losses.mean() + 0.5 * nll), rel=1e-6)
+    assert objective.metrics[-1] == "nll_loss" and float(sums[-1]) / 2 == pytest.approx(0.75)
+    assert not objective.needs_reference and PreferenceObjective("ipo", 0.1).needs_reference

@@ -1,9 +1,10 @@
-"""Preference tuning (``rl: dpo``, ``rl: ipo``) across pipeline stages equals TRL's DPOTrainer.
+"""Preference tuning across pipeline stages equals TRL's trainers: ``rl: dpo`` and ``ipo`` its
+DPOTrainer, ``rl: orpo`` its ORPOTrainer, ``rl: simpo`` its CPOTrainer with ``loss_type: simpo``.
 
 Every run is real: an NF4 base from bitsandbytes, peft LoRA, stage processes over gloo. The
-reference is TRL's own ``DPOTrainer`` (a test-only dependency, pinned in pyproject.toml) on one
-process: the same NF4 base, the same starting adapter, the same pairs in the same order, the
-reference model being the base with the adapter disabled (``ref_model=None``), as in shardpool.
+reference is TRL's own trainer (a test-only dependency, pinned in pyproject.toml) on one process:
+the same NF4 base, the same starting adapter, the same pairs in the same order; for DPO the
+reference model is the base with the adapter disabled (``ref_model=None``), as in shardpool.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _config(model: Path, adapter: Path, output: Path, **overrides: Any) -> dict[
         model,
         DATA,
         output,
-        datasets=[{"path": str(DATA), "type": "chatml.intel"}],
+        datasets=overrides.pop("datasets", [{"path": str(DATA), "type": "chatml.intel"}]),
         lora_model_dir=str(adapter),
         sequence_len=256,
         micro_batch_size=2,
@@ -246,3 +247,129 @@ def test_three_stages_log_the_same_trl_metrics_as_one(runs: dict[str, Path]) -> 
     for left, right in zip(one, three, strict=True):
         for name in METRICS:
             assert right[name] == pytest.approx(left[name], rel=1e-5, abs=1e-6), name
+
+
+def _argilla_data(directory: Path) -> Path:
+    """The tiny pairs as ORPO's ``chat_template.argilla`` rows: each answer closing a conversation."""
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
+    path = directory / "argilla.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    key: [
+                        {"role": "user", "content": row["question"]},
+                        {"role": "assistant", "content": row[key]},
+                    ]
+                    for key in ("chosen", "rejected")
+                }
+            )
+            + "\n"
+            for row in rows
+        )
+    )
+    return path
+
+
+def trl_cpo_family_reference(
+    kind: str, model_dir: Path, adapter_dir: Path, config: dict[str, Any]
+) -> tuple[list[float], list[dict[str, Any]], dict[str, Any]]:
+    """TRL's ORPOTrainer (``kind`` orpo) or CPOTrainer with ``loss_type: simpo`` on one process, over
+    the same texts in file order: its per-step losses, its log and its final adapter."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from torch.utils.data import SequentialSampler
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    parsed = parse_config(config)
+    tokenizer = load_tokenizer(model_dir)
+    texts = [text for _, text in preference_rows(parsed, parsed.datasets[0], 0, tokenizer)]
+    dataset = Dataset.from_list(
+        [{"prompt": t.prompt, "chosen": t.chosen, "rejected": t.rejected} for t in texts]
+    )
+    base = AutoModelForCausalLM.from_pretrained(
+        model_dir, quantization_config=bnb_config(), dtype=torch.float32
+    )
+    keep_exact_cpu_matmul(base)
+    model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+    step_losses: list[float] = []
+    micro: list[float] = []
+    accumulation = config["gradient_accumulation_steps"]
+    trainer_class, config_class = (ORPOTrainer, ORPOConfig) if kind == "orpo" else (CPOTrainer, CPOConfig)
+    settings: dict[str, Any] = {"beta": parsed.preference_beta}
+    if kind == "simpo":
+        settings |= {"loss_type": "simpo", "simpo_gamma": parsed.simpo_gamma, "cpo_alpha": parsed.cpo_alpha}
+
+    class InOrder(trainer_class):  # type: ignore[misc,valid-type]
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> SequentialSampler:
+            return SequentialSampler(self.train_dataset)
+
+        def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+            loss = super().compute_loss(*args, **kwargs)
+            micro.append(float(loss))
+            if len(micro) == accumulation:
+                step_losses.append(sum(micro) / accumulation)
+                micro.clear()
+            return loss
+
+    args = config_class(
+        output_dir=str(Path(config["output_dir"]).parent / f"trl-{kind}"),
+        max_length=config["sequence_len"],
+        per_device_train_batch_size=config["micro_batch_size"],
+        gradient_accumulation_steps=accumulation,
+        max_steps=config["max_steps"],
+        learning_rate=config["learning_rate"],
+        lr_scheduler_type=config["lr_scheduler"],
+        warmup_steps=config["warmup_steps"],
+        max_grad_norm=config["max_grad_norm"],
+        weight_decay=config["weight_decay"],
+        optim="adamw_torch",
+        seed=config["seed"],
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        dataloader_num_workers=0,
+        bf16=False,
+        **settings,
+    )
+    trainer = InOrder(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    trainer.train()
+    return step_losses, trainer.state.log_history, dict(get_peft_model_state_dict(model))
+
+
+@pytest.mark.parametrize(
+    ("kind", "layers", "extra"),
+    [
+        ("orpo", [1, 3, 2], {"orpo_alpha": 0.3, "chat_template": "chatml"}),
+        ("simpo", [2, 4], {"rl_beta": 2.0, "simpo_gamma": 0.4, "cpo_alpha": 0.5}),
+    ],
+)
+def test_orpo_and_simpo_across_stages_equal_trl(
+    kind: str, layers: list[int], extra: dict[str, Any], tiny_model: Path, start_adapter: Path, tmp_path: Path
+) -> None:
+    """``rl: orpo`` (TRL's ORPOTrainer, ``orpo_alpha`` its beta) on three uneven stages and ``rl:
+    simpo`` (TRL's CPOTrainer, ``loss_type: simpo``) on two: per-step losses within 1e-5 relative,
+    the first step's metrics as TRL logs them, the adapter within 1e-4; no reference pass is needed."""
+    overrides: dict[str, Any] = {"rl": kind, **extra}
+    if kind == "orpo":
+        overrides["datasets"] = [{"path": str(_argilla_data(tmp_path)), "type": "chat_template.argilla"}]
+    losses, logged, adapter = trl_cpo_family_reference(
+        kind, tiny_model, start_adapter, _config(tiny_model, start_adapter, tmp_path / "x", **overrides)
+    )
+    output = _train(
+        _config(tiny_model, start_adapter, tmp_path / kind, shardpool={"layers": layers}, **overrides)
+    )
+    records = read_metrics(output)
+    print(json.dumps({"rl": kind, "ours": [r["loss"] for r in records], "trl": losses}))
+    assert len(losses) == STEPS
+    assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-5)
+    trl_first = next(record for record in logged if record.get("step") == 1 and "logps/chosen" in record)
+    names = ["rewards/chosen", "rewards/margins", "logps/chosen", "logps/rejected", "nll_loss"]
+    names += ["log_odds_ratio", "log_odds_chosen"] if kind == "orpo" else []
+    for name in names:
+        assert records[0][name] == pytest.approx(trl_first[name], rel=1e-5, abs=1e-6), name  # TRL sums in fp32
+    trained = _adapter(output)
+    assert _max_difference(trained, {key: value.float() for key, value in adapter.items()}) < 1e-4
+    assert _max_difference(trained, _adapter(start_adapter)) > 1e-3, "the adapter moved"
