@@ -369,7 +369,8 @@ def test_orpo_and_simpo_across_stages_equal_trl(
     names = ["rewards/chosen", "rewards/margins", "logps/chosen", "logps/rejected", "nll_loss"]
     names += ["log_odds_ratio", "log_odds_chosen"] if kind == "orpo" else []
     for name in names:
-        assert records[0][name] == pytest.approx(trl_first[name], rel=1e-5, abs=1e-6), name  # TRL sums in fp32
+        # abs: TRL means its metrics in fp32, a margin of two near rewards keeps ~1e-7 of it
+        assert records[0][name] == pytest.approx(trl_first[name], rel=1e-5, abs=1e-6), name
     trained = _adapter(output)
     assert _max_difference(trained, {key: value.float() for key, value in adapter.items()}) < 1e-4
     assert _max_difference(trained, _adapter(start_adapter)) > 1e-3, "the adapter moved"
