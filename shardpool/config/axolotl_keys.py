@@ -159,7 +159,7 @@ _GROUPS: list[list[AxolotlKey]] = [
         "only read by `rl` methods shardpool does not build (kto, grpo, ...) or by reward models, which are refused",
     ),
     _keys(
-        "dpo_use_weighting precompute_ref_log_probs dpo_loss_weights dpo_norm_loss rpo_alpha",
+        "dpo_use_weighting dpo_loss_weights dpo_norm_loss rpo_alpha",
         "when_off",
         "not built for `rl: dpo` yet (the reference log-probabilities are computed in each step); remove it",
     ),

@@ -635,6 +635,11 @@ class Config(_Strict):
         description="rl: dpo (sigmoid loss): the chance that a pair's labels are flipped "
         "(conservative DPO); 0 trusts every pair",
     )
+    precompute_ref_log_probs: bool = Field(
+        default=False,
+        description="rl: dpo/ipo: compute the reference log-probabilities of every training pair once "
+        "before training instead of in each step",
+    )
     orpo_alpha: float | None = Field(
         default=None, gt=0, description="rl: orpo's weight of the odds-ratio term (TRL's beta; default 0.1)"
     )
@@ -795,6 +800,11 @@ class Config(_Strict):
                 ("rl", "dpo_label_smoothing"),
                 f"`dpo_label_smoothing` smooths `rl: dpo`'s sigmoid loss, not `{self.preference_loss}`; "
                 "remove it",
+            ),
+            (
+                self.precompute_ref_log_probs and self.rl not in REFERENCE_RL,
+                ("rl", "precompute_ref_log_probs"),
+                f"`rl: {self.rl}` has no reference model to precompute; remove `precompute_ref_log_probs`",
             ),
             (
                 self.rl != "orpo" and self.orpo_alpha is not None,

@@ -178,6 +178,8 @@ class StageDoneEvent(_Event):
     peak_device_bytes: int | None = Field(default=None, ge=0)
     peak_device_reserved_bytes: int | None = Field(default=None, ge=0)
     nf4_backend: Literal["bitsandbytes", "torch"] | None = None
+    #: Seconds this stage spent precomputing reference log-probabilities (``precompute_ref_log_probs``).
+    reference_pass_s: float | None = Field(default=None, ge=0)
 
 
 class DoneEvent(_Event):

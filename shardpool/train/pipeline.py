@@ -89,18 +89,32 @@ class StagePipe:
     #: The last stage's reference log-probabilities of this step's micro-batches, by index
     #: (:meth:`reference_pass`).
     reference: dict[int, PairLogps] = field(init=False, default_factory=dict)
+    #: ``precompute_ref_log_probs``: every training pair's reference log-probabilities by pair index
+    #: (chosen, rejected, chosen tokens, rejected tokens), kept by the last stage; empty on the
+    #: others, None until :meth:`precompute_reference` ran.
+    reference_table: dict[int, torch.Tensor] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.clock = stage_clock(self.device)
 
     def run_schedule(
-        self, schedule: str, microbatches: list[TokenRows], step_label_tokens: int, *, lead: int = 1
+        self,
+        schedule: str,
+        microbatches: list[TokenRows],
+        step_label_tokens: int,
+        *,
+        lead: int = 1,
+        pairs: list[list[int]] | None = None,
     ) -> StepTotals:
         """Run this stage's actions of ``schedule`` (at warm-up ``lead``) over ``microbatches``; return
-        its loss and compute time."""
+        its loss and compute time. ``pairs``: each micro-batch's pair indices, to look up
+        precomputed reference log-probabilities (:meth:`precompute_reference`)."""
         totals = StepTotals()
         if self.objective is not None and self.objective.needs_reference:
-            self.reference_pass(microbatches)
+            if self.reference_table is not None and pairs is not None:
+                self._reference_from_table(pairs)
+            else:
+                self.reference_pass(microbatches)
         saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         actions = schedule_for(
             schedule,
@@ -149,6 +163,37 @@ class StagePipe:
         with self._reference_policy():
             for index, rows, logits in self.forward_only(microbatches, timed=timed):
                 self.reference[index] = PairLogps.split(*completion_logps(logits, rows.labels))
+
+    def precompute_reference(self, microbatches: list[TokenRows], pairs: list[list[int]]) -> None:
+        """``precompute_ref_log_probs``: the reference pass over every training pair once, before
+        training (``pairs``: each micro-batch's pair indices); the last stage keeps each pair's
+        log-probabilities and token counts, and the steps look them up instead of a pass each."""
+        table: dict[int, torch.Tensor] = {}
+        with self._reference_policy():
+            for index, rows, logits in self.forward_only(microbatches):
+                found = PairLogps.split(*completion_logps(logits, rows.labels))
+                values = torch.stack(
+                    [
+                        found.chosen,
+                        found.rejected,
+                        found.chosen_tokens.float(),
+                        found.rejected_tokens.float(),
+                    ],
+                    1,
+                ).detach()
+                table.update(zip(pairs[index], values, strict=True))
+        self.reference_table = table
+
+    def _reference_from_table(self, pairs: list[list[int]]) -> None:
+        """This step's reference log-probabilities from :attr:`reference_table` (the last stage only)."""
+        if not self.spec.is_last:
+            return
+        assert self.reference_table is not None
+        for index, indices in enumerate(pairs):
+            values = torch.stack([self.reference_table[pair] for pair in indices])
+            self.reference[index] = PairLogps(
+                values[:, 0], values[:, 1], values[:, 2].long(), values[:, 3].long()
+            )
 
     def forward_only(
         self, microbatches: list[TokenRows], *, timed: bool = False

@@ -41,7 +41,7 @@ from shardpool.contract.job import Job
 from shardpool.data.cadence import config_steps_per_epoch, epoch_at, eval_step_set, save_step_set
 from shardpool.data.prepared_file import load_prepared
 from shardpool.data.rows import PreparedData
-from shardpool.data.steps import config_step_batches
+from shardpool.data.steps import config_step_batches, pair_rows
 from shardpool.host.memory_limit import resident_memory
 from shardpool.model.lora import lora_settings, read_adapter_tensors
 from shardpool.model.nf4 import DTYPES, nf4_backend_of
@@ -136,6 +136,7 @@ class StageWorker:
         self.state: StageState
         self.rendezvous: Any = None  # the joined rendezvous store
         self.eval_before: float | None = job.eval_before
+        self.reference_pass_s: float | None = None  # precompute_ref_log_probs: its passes' seconds
 
     # ----- set-up -------------------------------------------------------------------------
     def setup(self) -> None:
@@ -315,6 +316,7 @@ class StageWorker:
                 "peak_device_bytes": self._peak_device_bytes(),
                 "peak_device_reserved_bytes": self._peak_device_reserved_bytes(),
                 "nf4_backend": nf4_backend_of(self.pipe.stage),
+                "reference_pass_s": self.reference_pass_s,
             }
         )
         if self.rank == 0:
@@ -369,6 +371,8 @@ class StageWorker:
 
     def train_step(self, step: int) -> None:
         """One optimizer step: the schedule's micro-batches, gradient sync, clip, AdamW."""
+        if self.config.precompute_ref_log_probs and self.pipe.reference_table is None:
+            self._precompute_reference()
         started = time.perf_counter()
         wire = self.pipe.wire
         wire.wait_seconds = 0.0
@@ -379,10 +383,11 @@ class StageWorker:
             step_label_tokens = sum(label_tokens(batch.labels) for batch in all_microbatches)
         first, stop = self.job.microbatch_range(self.replica, self.config.gradient_accumulation_steps)
         mine = all_microbatches[first:stop]
+        pairs = [rows[: len(rows) // 2] for rows in self.steps[step][first:stop]]
         scale = self.state.loss_scale
         self.pipe.loss_scale = scale.scale if scale else None
         totals = self.pipe.run_schedule(
-            self.config.shardpool.schedule, mine, step_label_tokens, lead=self.job.warmup_lead
+            self.config.shardpool.schedule, mine, step_label_tokens, lead=self.job.warmup_lead, pairs=pairs
         )
         wire.flush()
         grads = [param.grad for _, param in self.state.named_params]
@@ -446,6 +451,18 @@ class StageWorker:
                 | ({"stage_room_bytes": gathered.rooms} if gathered.rooms is not None else {})
                 | ({"preference": preference} if preference else {})
             )
+
+    def _precompute_reference(self) -> None:
+        """``precompute_ref_log_probs``: every training pair through this pipeline once, in pair order
+        and micro-batches of ``micro_batch_size`` pairs, with the reference policy (the first step
+        of every rank of the pipeline runs it, so the stages meet; a rebuilt stage runs it again)."""
+        started = time.perf_counter()
+        num_pairs = len(self.data.train) // 2
+        size = self.config.micro_batch_size
+        pairs = [list(range(start, min(start + size, num_pairs))) for start in range(0, num_pairs, size)]
+        batches = [self.data.train.select(pair_rows(indices, num_pairs)) for indices in pairs]
+        self.pipe.precompute_reference(batches, pairs)
+        self.reference_pass_s = (self.reference_pass_s or 0.0) + time.perf_counter() - started
 
     def _preference_metrics(self, sums: torch.Tensor | None, pairs: int) -> dict[str, float]:
         """A preference step's metrics (TRL's names), means over the step's pairs: the last stages'

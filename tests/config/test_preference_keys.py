@@ -35,7 +35,10 @@ def test_dpo_defaults_to_trls_sigmoid_loss_and_beta() -> None:
         ({"rl_beta": 0.1, "dpo_beta": 0.2}, r"disagree"),
         ({"rl": "ipo", "dpo_loss_type": "sigmoid"}, r"`rl: ipo` is the ipo loss"),
         ({"dpo_loss_type": ["sigmoid", "ipo"]}, r"takes one loss"),
-        ({"precompute_ref_log_probs": True}, r"precompute_ref_log_probs"),
+        (
+            {"rl": "simpo", "precompute_ref_log_probs": True},
+            r"`rl: simpo` has no reference model to precompute",
+        ),
         (
             {"rl": "ipo", "dpo_label_smoothing": 0.1},
             r"`dpo_label_smoothing` smooths `rl: dpo`'s sigmoid loss, not `ipo`",

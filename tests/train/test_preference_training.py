@@ -63,8 +63,8 @@ def _train(config: dict[str, Any]) -> Path:
 
 
 def trl_reference(
-    model_dir: Path, adapter_dir: Path, config: dict[str, Any]
-) -> tuple[list[float], dict[str, Any]]:
+    model_dir: Path, adapter_dir: Path, config: dict[str, Any], *, precompute: bool = False
+) -> tuple[list[float], list[dict[str, Any]], dict[str, Any]]:
     """TRL's DPOTrainer on one process over the same pairs in file order: its per-step losses and final adapter."""
     trl = pytest.importorskip("trl")
     from datasets import Dataset
@@ -128,6 +128,7 @@ def trl_reference(
         logging_steps=1,
         dataloader_num_workers=0,
         bf16=False,  # TRL turns bf16 autocast on by default; the shardpool run computes in fp32 (bf16: false)
+        precompute_ref_log_probs=precompute,
     )
     trainer = InOrder(
         model=model,
@@ -374,3 +375,35 @@ def test_orpo_and_simpo_across_stages_equal_trl(
     trained = _adapter(output)
     assert _max_difference(trained, {key: value.float() for key, value in adapter.items()}) < 1e-4
     assert _max_difference(trained, _adapter(start_adapter)) > 1e-3, "the adapter moved"
+
+
+def test_precomputed_reference_log_probs_equal_trls_and_the_per_step_pass(
+    runs: dict[str, Path], tiny_model: Path, start_adapter: Path, tmp_path: Path
+) -> None:
+    """``precompute_ref_log_probs: true`` on three uneven stages: one reference pass over every pair
+    before training (its seconds in run_summary.json), then per-step losses within 1e-5 relative of
+    TRL's DPOTrainer with its own precompute, and of the run that passes in each step; the adapter
+    within 1e-4 of both."""
+    config = _config(
+        tiny_model,
+        start_adapter,
+        tmp_path / "pre",
+        precompute_ref_log_probs=True,
+        shardpool={"layers": [1, 3, 2]},
+    )
+    output = _train(config)
+    losses, _, adapter = trl_reference(
+        tiny_model, start_adapter, _config(tiny_model, start_adapter, tmp_path / "x"), precompute=True
+    )
+    ours = [record["loss"] for record in read_metrics(output)]
+    print(json.dumps({"precomputed": ours, "trl": losses}))
+    assert ours == pytest.approx(losses, rel=1e-5)
+    assert ours == pytest.approx([record["loss"] for record in read_metrics(runs["three"])], rel=1e-5)
+    trained = _adapter(output)
+    assert _max_difference(trained, {key: value.float() for key, value in adapter.items()}) < 1e-4
+    assert _max_difference(trained, _adapter(runs["three"])) < 1e-4
+    ranks = json.loads((output / "run_summary.json").read_text())["ranks"]
+    print(json.dumps({"reference_pass_s": [entry["reference_pass_s"] for entry in ranks]}))
+    assert len(ranks) == 3 and all(entry["reference_pass_s"] > 0 for entry in ranks)
+    unprecomputed = json.loads((runs["three"] / "run_summary.json").read_text())["ranks"]
+    assert all(entry.get("reference_pass_s") is None for entry in unprecomputed)
