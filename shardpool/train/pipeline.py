@@ -35,9 +35,11 @@ from shardpool.train.loss import StepTotals, token_loss_sum
 from shardpool.train.preference import PairLogps, PreferenceObjective, completion_logps, micro_batch_losses
 from shardpool.train.process_group import Link, PostedRecv, Wire
 
-__all__ = ["BACKWARD_TAG", "FORWARD_TAG", "Inbox", "StagePipe"]
+__all__ = ["BACKWARD_TAG", "FORWARD_TAG", "REFERENCE_TAG", "Inbox", "StagePipe"]
 
-FORWARD_TAG, BACKWARD_TAG = 1, 2
+#: The wire's channels: activations, their gradients, and the reference policy's activations of a
+#: preference step (a channel of their own, so a forward's place on its channel stays its micro-batch).
+FORWARD_TAG, BACKWARD_TAG, REFERENCE_TAG = 1, 2, 3
 
 
 @dataclass
@@ -110,9 +112,12 @@ class StagePipe:
         its loss and compute time. ``pairs``: each micro-batch's pair indices, to look up
         precomputed reference log-probabilities (:meth:`precompute_reference`)."""
         totals = StepTotals()
+        folded = False
         if self.objective is not None and self.objective.needs_reference:
             if self.reference_table is not None and pairs is not None:
                 self._reference_from_table(pairs)
+            elif self.reference_adapter is None:
+                folded = True  # each micro-batch's reference forward runs just before its forward
             else:
                 self.reference_pass(microbatches)
         saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -124,6 +129,9 @@ class StagePipe:
             lead=lead,
         )
         activations = self._inbox(actions, microbatches, "F", self.wire.previous, FORWARD_TAG)
+        references = (
+            self._inbox(actions, microbatches, "F", self.wire.previous, REFERENCE_TAG) if folded else None
+        )
         gradients = self._inbox(actions, microbatches, "B", self.wire.next, BACKWARD_TAG)
         gradients_delivered = gradient_sends_proven(
             schedule,
@@ -134,6 +142,8 @@ class StagePipe:
         )
         for kind, index in actions:
             if kind == "F":
+                if folded:
+                    self._reference_forward(microbatches[index], index, references)
                 received = activations.take(index) if activations else None
                 if index in gradients_delivered:  # the previous stage ran the backwards before it
                     self.wire.delivered(self.wire.previous, BACKWARD_TAG, through=gradients_delivered[index])
@@ -145,6 +155,8 @@ class StagePipe:
                 gradient = gradients.take(index) if gradients else None
                 if gradient is not None:  # the next stage ran this backward on our activation
                     self.wire.delivered(self.wire.next, FORWARD_TAG, through=index)
+                    if folded:  # and took the reference activation sent before it
+                        self.wire.delivered(self.wire.next, REFERENCE_TAG, through=index)
                 self.backward(*saved.pop(index), totals, gradient=gradient)
         totals.compute_seconds += self.clock.collect()
         self.reference.clear()
@@ -163,6 +175,22 @@ class StagePipe:
         with self._reference_policy():
             for index, rows, logits in self.forward_only(microbatches, timed=timed):
                 self.reference[index] = PairLogps.split(*completion_logps(logits, rows.labels))
+
+    def _reference_forward(self, rows: TokenRows, index: int, inbox: Inbox | None) -> None:
+        """Micro-batch ``index`` through the stage as the reference policy (the adapter disabled, no
+        gradient), in the schedule's slot just before its forward: the last stage keeps its
+        completion log-probabilities, the others send the activation on the reference channel.
+        Folded into the schedule, the reference costs a forward per micro-batch and no pipeline
+        fill and drain of its own."""
+        with torch.no_grad(), self.stage.peft_model.disable_adapter():
+            inputs = inbox.take(index) if inbox is not None else rows.input_ids.to(self.device)
+            started = self.clock.start()
+            output = self.stage(inputs, **self.positions(rows))
+            if self.spec.is_last:
+                self.reference[index] = PairLogps.split(*completion_logps(output, rows.labels))
+            self.clock.stop(started)
+        if not self.spec.is_last:
+            self.wire.send(output, self.wire.next, tag=REFERENCE_TAG)
 
     def precompute_reference(self, microbatches: list[TokenRows], pairs: list[list[int]]) -> None:
         """``precompute_ref_log_probs``: the reference pass over every training pair once, before

@@ -22,7 +22,6 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from shardpool.config import parse_config
-from shardpool.contract.events import PREFERENCE_METRICS as METRICS
 from shardpool.data.prepare import preference_rows, prepare_data
 from shardpool.data.steps import pair_rows
 from shardpool.data.tokenizing import load_tokenizer
@@ -34,6 +33,8 @@ from tests.helpers.training import base_config, random_start_adapter, read_metri
 pytestmark = pytest.mark.slow
 
 DATA = Path(__file__).resolve().parents[2] / "configs" / "data" / "preference_tiny.jsonl"
+#: The metrics a DPO step logs (TRL's DPOTrainer names).
+METRICS = PreferenceObjective("sigmoid", 0.1).metrics
 STEPS = 3
 
 
@@ -49,11 +50,11 @@ def _config(model: Path, adapter: Path, output: Path, **overrides: Any) -> dict[
         DATA,
         output,
         datasets=overrides.pop("datasets", [{"path": str(DATA), "type": "chatml.intel"}]),
-        lora_model_dir=str(adapter),
+        lora_model_dir=overrides.pop("lora_model_dir", str(adapter)),
         sequence_len=256,
         micro_batch_size=2,
         gradient_accumulation_steps=2,
-        max_steps=STEPS,
+        max_steps=overrides.pop("max_steps", STEPS),
         **{"rl": "dpo", "val_set_size": 0, **overrides},
     )
 
@@ -407,3 +408,27 @@ def test_precomputed_reference_log_probs_equal_trls_and_the_per_step_pass(
     assert len(ranks) == 3 and all(entry["reference_pass_s"] > 0 for entry in ranks)
     unprecomputed = json.loads((runs["three"] / "run_summary.json").read_text())["ranks"]
     assert all(entry.get("reference_pass_s") is None for entry in unprecomputed)
+
+
+def test_a_fresh_adapters_reference_folded_into_the_schedule_equals_the_precomputed_one(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Without ``lora_model_dir`` the reference is the base with the adapter disabled, and each
+    micro-batch's reference forward runs in the schedule just before its forward (its own wire
+    channel). On three uneven stages that equals the reference computed in one pass before
+    training (``precompute_ref_log_probs``) and on one stage: losses within 1e-5, adapters 1e-4."""
+    runs = {}
+    for name, settings in {
+        "folded": {"shardpool": {"layers": [1, 3, 2]}},
+        "precomputed": {"shardpool": {"layers": [1, 3, 2]}, "precompute_ref_log_probs": True},
+        "one": {"shardpool": {"stages": 1}},
+    }.items():
+        config = _config(tiny_model, tmp_path, tmp_path / name, lora_model_dir=None, **settings)
+        runs[name] = _train(config)
+    losses = {name: [record["loss"] for record in read_metrics(output)] for name, output in runs.items()}
+    print(json.dumps(losses))
+    assert losses["folded"][0] == pytest.approx(math.log(2), rel=1e-6)  # a fresh adapter is the reference
+    assert abs(losses["folded"][-1] - math.log(2)) > 1e-4, "the loss moved"
+    for other in ("precomputed", "one"):
+        assert losses["folded"] == pytest.approx(losses[other], rel=1e-5), other
+        assert _max_difference(_adapter(runs["folded"]), _adapter(runs[other])) < 1e-4, other

@@ -1,6 +1,7 @@
 """A DPO step against an SFT step on the same chosen and rejected sequences, ranked by interleaved pairs.
 
-Side A trains ``rl: dpo`` (the reference forward in each step); side B trains plain SFT on exactly
+Side A trains ``rl: dpo`` (the reference forward in each step, or with ``precompute`` one reference
+pass over every pair before training, whose seconds are reported); side B trains plain SFT on exactly
 the sequences A trains (the prepared chosen and rejected rows, written out pre-tokenized, a pair's
 two rows in the same micro-batch), with the same stages, threads and micro-batch shapes. A ÷ B of
 the median step time is what the preference loss and its reference pass cost; A ÷ B of the peak
@@ -75,7 +76,9 @@ def sft_twin_rows(dpo_config: dict[str, Any]) -> list[dict[str, list[int]]]:
     return twins
 
 
-def benchmark(*, pairs: int, cores: list[int], keep: Path | None, max_wait_idle_s: float) -> dict[str, Any]:
+def benchmark(
+    *, pairs: int, cores: list[int], keep: Path | None, max_wait_idle_s: float, precompute: bool = False
+) -> dict[str, Any]:
     """Build the model and both datasets, run a warm-up of each side and ``pairs`` pairs; the report."""
     from shardpool.model.tinymodel import DEFAULT_CORPUS, make_tiny_llama
 
@@ -99,6 +102,7 @@ def benchmark(*, pairs: int, cores: list[int], keep: Path | None, max_wait_idle_
             config["shuffle_merged_datasets"] = False
             if side == "A":
                 config.update(rl="dpo", datasets=[{"path": str(data), "type": "chatml.intel"}])
+                config["precompute_ref_log_probs"] = precompute
             else:
                 config.update(datasets=[{"path": str(twins)}], micro_batch_size=2 * SIZE["micro_batch_size"])
             return config
@@ -127,6 +131,9 @@ def benchmark(*, pairs: int, cores: list[int], keep: Path | None, max_wait_idle_
                 print(f"bench: pair {pair + 1}/{pairs}, {side}", file=sys.stderr, flush=True)
                 measured = run(side, f"{side}{pair}")
                 measured["load"]["waited_for_idle_seconds"] = waited
+                if side == "A" and precompute:
+                    summary = json.loads((work / f"out-{side}{pair}" / "run_summary.json").read_text())
+                    measured["reference_pass_s"] = max(rank["reference_pass_s"] for rank in summary["ranks"])
                 runs[side].append(measured)
 
     step_ratio = pair_ratios([r["step_seconds"] for r in runs["A"]], [r["step_seconds"] for r in runs["B"]])
@@ -137,8 +144,15 @@ def benchmark(*, pairs: int, cores: list[int], keep: Path | None, max_wait_idle_
     return {
         "benchmark": "preference",
         "command": "python scripts/bench_preference.py"
-        + (f" --pairs {pairs}" if pairs != DEFAULT_PAIRS else ""),
-        "A": f"shardpool finetune, rl: dpo (reference forward in each step), S = {STAGES}",
+        + (f" --pairs {pairs}" if pairs != DEFAULT_PAIRS else "")
+        + (" --precompute" if precompute else ""),
+        "A": "shardpool finetune, rl: dpo ("
+        + (
+            "precompute_ref_log_probs: one reference pass before training"
+            if precompute
+            else "reference forward in each step"
+        )
+        + f"), S = {STAGES}",
         "B": f"shardpool finetune, SFT on the same chosen and rejected sequences, S = {STAGES}",
         "machine": {**versions(), "cores_pinned": cores, "threads": threads, "device": "cpu"},
         "workload": {
@@ -157,6 +171,11 @@ def benchmark(*, pairs: int, cores: list[int], keep: Path | None, max_wait_idle_
         "peak_rss_ratio_a_over_b": ratio_summary(memory_ratio),
         "runs": runs,
         "seconds": round(time.monotonic() - started, 1),
+        **(
+            {"reference_pass_seconds": ratio_summary([r["reference_pass_s"] for r in runs["A"]])}
+            if precompute
+            else {}
+        ),
         "median_step_seconds": {
             side: statistics.median(r["step_seconds"] for r in runs[side]) for side in runs
         },
