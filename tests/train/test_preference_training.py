@@ -53,7 +53,7 @@ def _config(model: Path, adapter: Path, output: Path, **overrides: Any) -> dict[
         lora_model_dir=overrides.pop("lora_model_dir", str(adapter)),
         sequence_len=256,
         micro_batch_size=2,
-        gradient_accumulation_steps=2,
+        gradient_accumulation_steps=overrides.pop("gradient_accumulation_steps", 2),
         max_steps=overrides.pop("max_steps", STEPS),
         **{"rl": "dpo", "val_set_size": 0, **overrides},
     )
@@ -432,3 +432,42 @@ def test_a_fresh_adapters_reference_folded_into_the_schedule_equals_the_precompu
     for other in ("precomputed", "one"):
         assert losses["folded"] == pytest.approx(losses[other], rel=1e-5), other
         assert _max_difference(_adapter(runs["folded"]), _adapter(runs[other])) < 1e-4, other
+
+
+def test_dpo_with_two_replicas_or_resumed_from_a_checkpoint_trains_as_one_uninterrupted_run(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """DPO data-parallel (two replicas of two stages, one micro-batch each a step) equals one
+    replica with two micro-batches a step; a run resumed from the uninterrupted run's step-1
+    checkpoint, with ``precompute_ref_log_probs`` (its table made again after the restore), ends
+    with the same steps' losses and adapter: losses within 1e-5 relative, adapters within 1e-4."""
+    common: dict[str, Any] = {"lora_model_dir": None, "save_steps": 1}
+    single = _train(_config(tiny_model, tmp_path, tmp_path / "single", shardpool={"stages": 2}, **common))
+    replicated = _train(
+        _config(
+            tiny_model, tmp_path, tmp_path / "replicas", gradient_accumulation_steps=1,
+            shardpool={"stages": 2, "replicas": 2}, **common,
+        )
+    )  # fmt: skip
+    resumed = _train(
+        _config(
+            tiny_model, tmp_path, tmp_path / "resumed", shardpool={"stages": 2}, precompute_ref_log_probs=True,
+            resume_from_checkpoint=str(single / "checkpoints" / "checkpoint-1"), **common,
+        )
+    )  # fmt: skip
+    expected = {record["step"]: record["loss"] for record in read_metrics(single)}
+    print(
+        json.dumps(
+            {"single": expected, "replicas": read_metrics(replicated), "resumed": read_metrics(resumed)}
+        )
+    )
+    assert abs(expected[STEPS] - math.log(2)) > 1e-4, "the loss moved"
+    assert [r["loss"] for r in read_metrics(replicated)] == pytest.approx(list(expected.values()), rel=1e-5)
+    assert read_metrics(replicated)[-1]["rewards/margins"] == pytest.approx(
+        read_metrics(single)[-1]["rewards/margins"], rel=1e-4, abs=1e-7
+    )
+    after = {record["step"]: record["loss"] for record in read_metrics(resumed)}
+    assert sorted(after) == list(range(2, STEPS + 1))
+    assert list(after.values()) == pytest.approx([expected[step] for step in after], rel=1e-5)
+    for other in (replicated, resumed):
+        assert _max_difference(_adapter(other), _adapter(single)) < 1e-4, other.name
