@@ -63,11 +63,23 @@ def _train(config: dict[str, Any]) -> Path:
     return finetune(parse_config(config), console=Console(quiet=True))
 
 
-def trl_reference(
-    model_dir: Path, adapter_dir: Path, config: dict[str, Any], *, precompute: bool = False
+def _trl_run(
+    trainer_class: type,
+    settings: dict[str, Any],
+    model_dir: Path,
+    adapter_dir: Path,
+    config: dict[str, Any],
+    *,
+    fp32_from_ref_copy: bool = False,
 ) -> tuple[list[float], list[dict[str, Any]], dict[str, Any]]:
-    """TRL's DPOTrainer on one process over the same pairs in file order: its per-step losses and final adapter."""
-    trl = pytest.importorskip("trl")
+    """Train a TRL trainer (``settings``: its config's own keys, the rest from ``config``) on one
+    process over the same texts in file order, from the same NF4 base and starting adapter; return
+    its per-step losses, its log and its final adapter.
+
+    ``fp32_from_ref_copy``: TRL 1.16's DPOTrainer casts a QLoRA adapter to bf16 (the QLoRA paper's
+    advice); shardpool trains it in fp32, so the comparison restores the starting adapter in fp32
+    before the optimizer is made (the "ref" copy TRL made of it kept fp32).
+    """
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
 
@@ -86,16 +98,14 @@ def trl_reference(
     micro: list[float] = []
     accumulation = config["gradient_accumulation_steps"]
 
-    class InOrder(trl.DPOTrainer):  # type: ignore[misc,name-defined]
+    class InOrder(trainer_class):  # type: ignore[misc,valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            # TRL 1.16 casts a QLoRA adapter to bf16 (the QLoRA paper's advice); shardpool trains it
-            # in fp32, so the comparison restores the starting adapter in fp32 before the optimizer
-            # is made (the "ref" copy TRL made of it kept fp32).
-            params = dict(self.model.named_parameters())
-            for name, param in params.items():
-                if param.requires_grad:
-                    param.data = params[name.replace(".default.", ".ref.")].data.float().clone()
+            if fp32_from_ref_copy:
+                params = dict(self.model.named_parameters())
+                for name, param in params.items():
+                    if param.requires_grad:
+                        param.data = params[name.replace(".default.", ".ref.")].data.float().clone()
 
         def _get_train_sampler(self, *args: Any, **kwargs: Any) -> SequentialSampler:
             return SequentialSampler(self.train_dataset)
@@ -108,10 +118,8 @@ def trl_reference(
                 micro.clear()
             return loss
 
-    args = trl.DPOConfig(
-        output_dir=str(Path(config["output_dir"]).parent / "trl"),
-        beta=parsed.preference_beta,
-        loss_type=[parsed.preference_loss],
+    args = settings.pop("config_class")(
+        output_dir=str(Path(config["output_dir"]).parent / f"trl-{trainer_class.__name__}"),
         max_length=config["sequence_len"],
         per_device_train_batch_size=config["micro_batch_size"],
         gradient_accumulation_steps=accumulation,
@@ -129,17 +137,26 @@ def trl_reference(
         logging_steps=1,
         dataloader_num_workers=0,
         bf16=False,  # TRL turns bf16 autocast on by default; the shardpool run computes in fp32 (bf16: false)
-        precompute_ref_log_probs=precompute,
+        **settings,
     )
-    trainer = InOrder(
-        model=model,
-        ref_model=None,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-    )
+    trainer = InOrder(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
     return step_losses, trainer.state.log_history, dict(get_peft_model_state_dict(model))
+
+
+def trl_reference(
+    model_dir: Path, adapter_dir: Path, config: dict[str, Any], *, precompute: bool = False
+) -> tuple[list[float], list[dict[str, Any]], dict[str, Any]]:
+    """TRL's DPOTrainer (``ref_model=None``: the starting adapter is the reference) over the same pairs."""
+    trl = pytest.importorskip("trl")
+    parsed = parse_config(config)
+    settings = {
+        "config_class": trl.DPOConfig,
+        "beta": parsed.preference_beta,
+        "loss_type": [parsed.preference_loss],
+        "precompute_ref_log_probs": precompute,
+    }
+    return _trl_run(trl.DPOTrainer, settings, model_dir, adapter_dir, config, fp32_from_ref_copy=True)
 
 
 @pytest.fixture(scope="module")
@@ -276,69 +293,28 @@ def _argilla_data(directory: Path) -> Path:
 def trl_cpo_family_reference(
     kind: str, model_dir: Path, adapter_dir: Path, config: dict[str, Any]
 ) -> tuple[list[float], list[dict[str, Any]], dict[str, Any]]:
-    """TRL's ORPOTrainer (``kind`` orpo) or CPOTrainer with ``loss_type: simpo`` on one process, over
-    the same texts in file order: its per-step losses, its log and its final adapter."""
+    """TRL's ORPOTrainer (``kind`` orpo) or CPOTrainer with ``loss_type: simpo`` over the same texts."""
     pytest.importorskip("trl")
-    from datasets import Dataset
-    from torch.utils.data import SequentialSampler
     from trl.experimental.cpo import CPOConfig, CPOTrainer
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     parsed = parse_config(config)
-    tokenizer = load_tokenizer(model_dir)
-    texts = [text for _, text in preference_rows(parsed, parsed.datasets[0], 0, tokenizer)]
-    dataset = Dataset.from_list(
-        [{"prompt": t.prompt, "chosen": t.chosen, "rejected": t.rejected} for t in texts]
-    )
-    base = AutoModelForCausalLM.from_pretrained(
-        model_dir, quantization_config=bnb_config(), dtype=torch.float32
-    )
-    keep_exact_cpu_matmul(base)
-    model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
-    step_losses: list[float] = []
-    micro: list[float] = []
-    accumulation = config["gradient_accumulation_steps"]
-    trainer_class, config_class = (ORPOTrainer, ORPOConfig) if kind == "orpo" else (CPOTrainer, CPOConfig)
-    settings: dict[str, Any] = {"beta": parsed.preference_beta}
-    if kind == "simpo":
-        settings |= {"loss_type": "simpo", "simpo_gamma": parsed.simpo_gamma, "cpo_alpha": parsed.cpo_alpha}
-
-    class InOrder(trainer_class):  # type: ignore[misc,valid-type]
-        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> SequentialSampler:
-            return SequentialSampler(self.train_dataset)
-
-        def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
-            loss = super().compute_loss(*args, **kwargs)
-            micro.append(float(loss))
-            if len(micro) == accumulation:
-                step_losses.append(sum(micro) / accumulation)
-                micro.clear()
-            return loss
-
-    args = config_class(
-        output_dir=str(Path(config["output_dir"]).parent / f"trl-{kind}"),
-        max_length=config["sequence_len"],
-        per_device_train_batch_size=config["micro_batch_size"],
-        gradient_accumulation_steps=accumulation,
-        max_steps=config["max_steps"],
-        learning_rate=config["learning_rate"],
-        lr_scheduler_type=config["lr_scheduler"],
-        warmup_steps=config["warmup_steps"],
-        max_grad_norm=config["max_grad_norm"],
-        weight_decay=config["weight_decay"],
-        optim="adamw_torch",
-        seed=config["seed"],
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        dataloader_num_workers=0,
-        bf16=False,
-        **settings,
-    )
-    trainer = InOrder(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
-    trainer.train()
-    return step_losses, trainer.state.log_history, dict(get_peft_model_state_dict(model))
+    if kind == "orpo":
+        return _trl_run(
+            ORPOTrainer,
+            {"config_class": ORPOConfig, "beta": parsed.preference_beta},
+            model_dir,
+            adapter_dir,
+            config,
+        )
+    settings = {
+        "config_class": CPOConfig,
+        "beta": parsed.preference_beta,
+        "loss_type": "simpo",
+        "simpo_gamma": parsed.simpo_gamma,
+        "cpo_alpha": parsed.cpo_alpha,
+    }
+    return _trl_run(CPOTrainer, settings, model_dir, adapter_dir, config)
 
 
 @pytest.mark.parametrize(
