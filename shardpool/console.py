@@ -145,10 +145,11 @@ class TrainingProgress:
 
     def step(self, event: dict[str, Any]) -> None:
         """Advance to a ``step`` event's step and show its loss and throughput."""
+        margin = (event.get("preference") or {}).get("rewards/margins")
         self._progress.update(
             self._task,
             completed=event["step"],
-            loss=f"{event['loss']:.4f}",
+            loss=f"{event['loss']:.4f}" + ("" if margin is None else f" margin {margin:+.4f}"),
             tps=f"{event['tokens_per_s']:.0f}",
         )
 
@@ -191,6 +192,7 @@ class StepLog:
             learning_rate=event["learning_rate"],
             tokens_per_s=event["tokens_per_s"],
             eta_seconds=eta,
+            preference=event.get("preference"),
         )
         self.say(line)
 
@@ -207,12 +209,18 @@ def format_step_line(
     learning_rate: float,
     tokens_per_s: float,
     eta_seconds: float,
+    preference: dict[str, float] | None = None,
 ) -> str:
-    """One step's log line: ``step 2/3  loss 2.3457  lr 1.00e-02  512 tok/s  eta 0:00:04``."""
+    """One step's log line: ``step 2/3  loss 2.3457  lr 1.00e-02  512 tok/s  eta 0:00:04``; a
+    preference step adds TRL's mean reward margin and accuracy after the loss
+    (``loss 0.6812  margin +0.1234  acc 0.75``)."""
     eta = int(round(max(eta_seconds, 0.0)))
     hours, rest = divmod(eta, 3600)
+    rewards = ""
+    if preference and "rewards/margins" in preference:
+        rewards = f"  margin {preference['rewards/margins']:+.4f}  acc {preference['rewards/accuracies']:.2f}"
     return (
-        f"step {step}/{total_steps}  loss {loss:.4f}  lr {learning_rate:.2e}  "
+        f"step {step}/{total_steps}  loss {loss:.4f}{rewards}  lr {learning_rate:.2e}  "
         f"{tokens_per_s:.0f} tok/s  eta {hours}:{rest // 60:02d}:{rest % 60:02d}"
     )
 

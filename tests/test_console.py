@@ -84,3 +84,11 @@ def test_a_terminal_keeps_the_progress_bar(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("TERM", "dumb")
     console = Console(file=io.StringIO(), force_terminal=True)
     assert isinstance(training_progress(console, total_steps=3, first_step=0, logging_steps=1), StepLog)
+
+
+def test_a_preference_step_line_shows_the_mean_reward_margin_and_accuracy() -> None:
+    line = format_step_line(
+        4, 6, loss=0.68123, learning_rate=1e-3, tokens_per_s=90, eta_seconds=2,
+        preference={"rewards/margins": 0.12345, "rewards/accuracies": 0.75, "rewards/chosen": 0.1},
+    )  # fmt: skip
+    assert line == "step 4/6  loss 0.6812  margin +0.1235  acc 0.75  lr 1.00e-03  90 tok/s  eta 0:00:02"
