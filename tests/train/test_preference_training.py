@@ -321,14 +321,15 @@ def trl_cpo_family_reference(
     ("kind", "layers", "extra"),
     [
         ("orpo", [1, 3, 2], {"orpo_alpha": 0.3, "chat_template": "chatml"}),
+        ("orpo", [6], {"orpo_alpha": 0.3, "chat_template": "chatml"}),
         ("simpo", [2, 4], {"rl_beta": 2.0, "simpo_gamma": 0.4, "cpo_alpha": 0.5}),
     ],
 )
 def test_orpo_and_simpo_across_stages_equal_trl(
     kind: str, layers: list[int], extra: dict[str, Any], tiny_model: Path, start_adapter: Path, tmp_path: Path
 ) -> None:
-    """``rl: orpo`` (TRL's ORPOTrainer, ``orpo_alpha`` its beta) on three uneven stages and ``rl:
-    simpo`` (TRL's CPOTrainer, ``loss_type: simpo``) on two: per-step losses within 1e-5 relative,
+    """``rl: orpo`` (TRL's ORPOTrainer, ``orpo_alpha`` its beta) on three uneven stages and on one,
+    ``rl: simpo`` (TRL's CPOTrainer, ``loss_type: simpo``) on two: per-step losses within 1e-5 relative,
     the first step's metrics as TRL logs them, the adapter within 1e-4; no reference pass is needed."""
     overrides: dict[str, Any] = {"rl": kind, **extra}
     if kind == "orpo":
@@ -354,10 +355,16 @@ def test_orpo_and_simpo_across_stages_equal_trl(
     assert _max_difference(trained, _adapter(start_adapter)) > 1e-3, "the adapter moved"
 
 
+@pytest.mark.parametrize(("placement", "layers"), [("three", [1, 3, 2]), ("one", [6])])
 def test_precomputed_reference_log_probs_equal_trls_and_the_per_step_pass(
-    runs: dict[str, Path], tiny_model: Path, start_adapter: Path, tmp_path: Path
+    placement: str,
+    layers: list[int],
+    runs: dict[str, Path],
+    tiny_model: Path,
+    start_adapter: Path,
+    tmp_path: Path,
 ) -> None:
-    """``precompute_ref_log_probs: true`` on three uneven stages: one reference pass over every pair
+    """``precompute_ref_log_probs: true`` on three uneven stages and on one: one reference pass over every pair
     before training (its seconds in run_summary.json), then per-step losses within 1e-5 relative of
     TRL's DPOTrainer with its own precompute, and of the run that passes in each step; the adapter
     within 1e-4 of both."""
@@ -366,7 +373,7 @@ def test_precomputed_reference_log_probs_equal_trls_and_the_per_step_pass(
         start_adapter,
         tmp_path / "pre",
         precompute_ref_log_probs=True,
-        shardpool={"layers": [1, 3, 2]},
+        shardpool={"layers": layers},
     )
     output = _train(config)
     losses, _, adapter = trl_reference(
@@ -375,14 +382,14 @@ def test_precomputed_reference_log_probs_equal_trls_and_the_per_step_pass(
     ours = [record["loss"] for record in read_metrics(output)]
     print(json.dumps({"precomputed": ours, "trl": losses}))
     assert ours == pytest.approx(losses, rel=1e-5)
-    assert ours == pytest.approx([record["loss"] for record in read_metrics(runs["three"])], rel=1e-5)
+    assert ours == pytest.approx([record["loss"] for record in read_metrics(runs[placement])], rel=1e-5)
     trained = _adapter(output)
     assert _max_difference(trained, {key: value.float() for key, value in adapter.items()}) < 1e-4
-    assert _max_difference(trained, _adapter(runs["three"])) < 1e-4
+    assert _max_difference(trained, _adapter(runs[placement])) < 1e-4
     ranks = json.loads((output / "run_summary.json").read_text())["ranks"]
     print(json.dumps({"reference_pass_s": [entry["reference_pass_s"] for entry in ranks]}))
-    assert len(ranks) == 3 and all(entry["reference_pass_s"] > 0 for entry in ranks)
-    unprecomputed = json.loads((runs["three"] / "run_summary.json").read_text())["ranks"]
+    assert len(ranks) == len(layers) and all(entry["reference_pass_s"] > 0 for entry in ranks)
+    unprecomputed = json.loads((runs[placement] / "run_summary.json").read_text())["ranks"]
     assert all(entry.get("reference_pass_s") is None for entry in unprecomputed)
 
 
@@ -470,3 +477,48 @@ def test_the_folded_reference_under_the_gpipe_schedule_equals_1f1b(tiny_model: P
     assert abs(losses["gpipe"][-1] - math.log(2)) > 1e-4, "the loss moved"
     assert losses["gpipe"] == pytest.approx(losses["1f1b"], rel=1e-5)
     assert _max_difference(_adapter(runs["gpipe"]), _adapter(runs["1f1b"])) < 1e-4
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_dpo_resharded_in_place_trains_as_the_kept_plan(
+    precompute: bool, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A re-balance after step 1 moves the layers of three stages ([0, 2) [2, 4) [4, 6) to [0, 1)
+    [1, 3) [3, 6)) in place, the stages rebuilt: the reference folded into the schedule, or with
+    ``precompute_ref_log_probs`` the table made again by the rebuilt stages, gives the same losses
+    (1e-5 relative) and adapter (1e-4) as the plan kept all along."""
+    from shardpool.contract.rebalance import FORCE_ENV
+
+    settings: dict[str, Any] = {"lora_model_dir": None, "precompute_ref_log_probs": precompute}
+    kept = _train(
+        _config(
+            tiny_model,
+            tmp_path,
+            tmp_path / "kept",
+            shardpool={"layers": [2, 2, 2], "rebalance": "off"},
+            **settings,
+        )
+    )
+    monkeypatch.setenv(FORCE_ENV, "1:0-1,1-3,3-6")
+    moved = _train(
+        _config(
+            tiny_model,
+            tmp_path,
+            tmp_path / "moved",
+            shardpool={"layers": [2, 2, 2], "rebalance": "auto"},
+            **settings,
+        )
+    )
+    events = [line for line in read_metrics(moved) if line.get("event") == "rebalance"]
+    assert len(events) == 1, read_metrics(moved)
+    losses = {
+        name: [r["loss"] for r in read_metrics(out) if "loss" in r]
+        for name, out in (("kept", kept), ("moved", moved))
+    }
+    print(json.dumps(losses))
+    assert abs(losses["kept"][-1] - math.log(2)) > 1e-4, "the loss moved"
+    assert losses["moved"] == pytest.approx(losses["kept"], rel=1e-5)
+    assert _max_difference(_adapter(moved), _adapter(kept)) < 1e-4
+    if precompute:
+        ranks = json.loads((moved / "run_summary.json").read_text())["ranks"]
+        assert all(entry["reference_pass_s"] > 0 for entry in ranks)
