@@ -35,15 +35,20 @@ def test_one_copy_is_not_measured_and_a_cached_ratio_is_reused(
 def test_a_real_measurement_sees_stages_that_oversubscribe_the_cores(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two stages each wanting every core share them: each runs at most half as fast, so the
-    measured slowdown is near 2 (at least 1.5), and it lands in the cache for the next plan."""
+    """Two stages each wanting every core share them, and the measurement sees it: a slowdown well
+    above 1 (at least 1.2), which lands in the cache for the next plan.
+
+    In theory each runs half as fast; this 2-vCPU VM measured 1.45 to above 1.5 on a quiet
+    machine (the hypervisor lends more than the two vCPUs' share at times), and 1.27 with another
+    job beside it, which slows the copy running alone too. One stage's measurement of itself, the
+    no-contention case, is 1.0 (:func:`median_ratio` never goes below it)."""
     monkeypatch.setenv("SHARDPOOL_CACHE", str(tmp_path))
     from shardpool.host.cpu_quota import available_cpus, cpu_quota
 
     cores = available_cpus()
     slowdown = co_run_slowdown(2, cores)
     print({"cores": cores, "slowdown": slowdown})
-    assert slowdown >= 1.5
+    assert slowdown >= 1.2
     cached = cached_profile(co_run_key(2, cores, cpu_quota()))
     assert cached == {"slowdown": slowdown}
     assert os.path.exists(tmp_path / "profiles.json")
