@@ -12,7 +12,7 @@ import random
 from shardpool.config import Config
 from shardpool.errors import ShardpoolError
 
-__all__ = ["config_step_batches", "pair_rows", "step_batches"]
+__all__ = ["config_step_batches", "consecutive_pairs", "pair_rows", "step_batches"]
 
 
 def config_step_batches(config: Config, num_rows: int, *, replicas: int) -> list[list[list[int]]]:
@@ -30,6 +30,11 @@ def config_step_batches(config: Config, num_rows: int, *, replicas: int) -> list
             for step in _config_steps(config, pairs, replicas=replicas)
         ]
     return _config_steps(config, num_rows, replicas=replicas)
+
+
+def consecutive_pairs(num_pairs: int, per_batch: int) -> list[list[int]]:
+    """The pair indices ``0 .. num_pairs - 1`` in order, ``per_batch`` to a micro-batch (the last may hold fewer)."""
+    return [list(range(start, min(start + per_batch, num_pairs))) for start in range(0, num_pairs, per_batch)]
 
 
 def pair_rows(pair_indices: list[int], num_pairs: int) -> list[int]:

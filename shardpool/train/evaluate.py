@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from shardpool.data.rows import TokenRows
-from shardpool.data.steps import pair_rows
+from shardpool.data.steps import consecutive_pairs, pair_rows
 from shardpool.train.loss import label_tokens, token_loss_sum
 from shardpool.train.pipeline import FORWARD_TAG, StagePipe
 from shardpool.train.preference import micro_batch_losses
@@ -70,10 +70,9 @@ def _preference_loss(
     """Mean preference loss over the eval pairs, as TRL's ``eval_loss``: the reference pass over
     every eval micro-batch (DPO, IPO), then the policy forward, both without gradient."""
     pairs = len(rows) // 2
-    starts = range(0, pairs if replica == 0 else 0, micro_batch_size)
     batches = [
-        rows.select(pair_rows(list(range(start, min(start + micro_batch_size, pairs))), pairs))
-        for start in starts
+        rows.select(pair_rows(indices, pairs))
+        for indices in consecutive_pairs(pairs if replica == 0 else 0, micro_batch_size)
     ]
     assert pipe.objective is not None
     pipe.stage.eval()

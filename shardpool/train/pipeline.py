@@ -32,7 +32,7 @@ from shardpool.data.rows import TokenRows
 from shardpool.model.stage import PipelineStage, StageSpec
 from shardpool.train.clock import StageClock, stage_clock
 from shardpool.train.loss import StepTotals, token_loss_sum
-from shardpool.train.preference import PairLogps, PreferenceObjective, completion_logps, micro_batch_losses
+from shardpool.train.preference import PairLogps, PreferenceObjective, micro_batch_losses
 from shardpool.train.process_group import Link, PostedRecv, Wire
 
 __all__ = ["BACKWARD_TAG", "FORWARD_TAG", "REFERENCE_TAG", "Inbox", "StagePipe"]
@@ -174,7 +174,7 @@ class StagePipe:
         """
         with self._reference_policy():
             for index, rows, logits in self.forward_only(microbatches, timed=timed):
-                self.reference[index] = PairLogps.split(*completion_logps(logits, rows.labels))
+                self.reference[index] = PairLogps.of(logits, rows.labels)
 
     def _reference_forward(self, rows: TokenRows, index: int, inbox: Inbox | None) -> None:
         """Micro-batch ``index`` through the stage as the reference policy (the adapter disabled, no
@@ -187,7 +187,7 @@ class StagePipe:
             started = self.clock.start()
             output = self.stage(inputs, **self.positions(rows))
             if self.spec.is_last:
-                self.reference[index] = PairLogps.split(*completion_logps(output, rows.labels))
+                self.reference[index] = PairLogps.of(output, rows.labels)
             self.clock.stop(started)
         if not self.spec.is_last:
             self.wire.send(output, self.wire.next, tag=REFERENCE_TAG)
@@ -199,7 +199,7 @@ class StagePipe:
         table: dict[int, torch.Tensor] = {}
         with self._reference_policy():
             for index, rows, logits in self.forward_only(microbatches):
-                found = PairLogps.split(*completion_logps(logits, rows.labels))
+                found = PairLogps.of(logits, rows.labels)
                 values = torch.stack(
                     [
                         found.chosen,

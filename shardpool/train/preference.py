@@ -110,6 +110,11 @@ class PairLogps:
         chosen_tokens, rejected_tokens = tokens.chunk(2)
         return cls(chosen, rejected, chosen_tokens, rejected_tokens)
 
+    @classmethod
+    def of(cls, logits: torch.Tensor, labels: torch.Tensor) -> PairLogps:
+        """The pairs' completion log-probabilities from the last stage's ``logits`` of their rows."""
+        return cls.split(*completion_logps(logits, labels))
+
     def means(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The mean completion log-probability of each chosen and each rejected row."""
         return self.chosen / self.chosen_tokens.clamp(min=1), self.rejected / self.rejected_tokens.clamp(
@@ -141,7 +146,7 @@ def micro_batch_losses(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each pair's loss of one micro-batch from the last stage's ``logits`` (gradient through them)
     and the per-pair sums of the objective's metrics; ``reference`` is None for ORPO and SimPO."""
-    policy = PairLogps.split(*completion_logps(logits, rows.labels))
+    policy = PairLogps.of(logits, rows.labels)
     nll = None
     if objective.loss_type == "orpo":
         attended = torch.where(rows.attention_mask == 1, rows.input_ids, -100)

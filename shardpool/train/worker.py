@@ -41,7 +41,7 @@ from shardpool.contract.job import Job
 from shardpool.data.cadence import config_steps_per_epoch, epoch_at, eval_step_set, save_step_set
 from shardpool.data.prepared_file import load_prepared
 from shardpool.data.rows import PreparedData
-from shardpool.data.steps import config_step_batches, pair_rows
+from shardpool.data.steps import config_step_batches, consecutive_pairs, pair_rows
 from shardpool.host.memory_limit import resident_memory
 from shardpool.model.lora import lora_settings, read_adapter_tensors
 from shardpool.model.nf4 import DTYPES, nf4_backend_of
@@ -458,8 +458,7 @@ class StageWorker:
         of every rank of the pipeline runs it, so the stages meet; a rebuilt stage runs it again)."""
         started = time.perf_counter()
         num_pairs = len(self.data.train) // 2
-        size = self.config.micro_batch_size
-        pairs = [list(range(start, min(start + size, num_pairs))) for start in range(0, num_pairs, size)]
+        pairs = consecutive_pairs(num_pairs, self.config.micro_batch_size)
         batches = [self.data.train.select(pair_rows(indices, num_pairs)) for indices in pairs]
         self.pipe.precompute_reference(batches, pairs)
         self.reference_pass_s = (self.reference_pass_s or 0.0) + time.perf_counter() - started

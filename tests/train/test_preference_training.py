@@ -27,7 +27,7 @@ from shardpool.data.steps import pair_rows
 from shardpool.data.tokenizing import load_tokenizer
 from shardpool.finetune import finetune
 from shardpool.model.nf4 import bnb_config, keep_exact_cpu_matmul
-from shardpool.train.preference import PairLogps, PreferenceObjective, completion_logps, pair_losses
+from shardpool.train.preference import PairLogps, PreferenceObjective, pair_losses
 from tests.helpers.training import base_config, random_start_adapter, read_metrics
 
 pytestmark = pytest.mark.slow
@@ -247,7 +247,7 @@ def test_the_eval_loss_is_the_preference_loss_over_the_held_out_pairs(
         model = PeftModel.from_pretrained(base, adapter).eval()
         with torch.no_grad():
             logits = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask).logits
-        return PairLogps.split(*completion_logps(logits, rows.labels))
+        return PairLogps.of(logits, rows.labels)
 
     losses, _ = pair_losses(PreferenceObjective("sigmoid", 0.1), logps(output), logps(start_adapter))
     assert summary["eval_loss_after"] == pytest.approx(float(losses.mean()), rel=1e-5)
