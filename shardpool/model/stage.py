@@ -25,7 +25,8 @@ import torch
 from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
+from transformers.cache_utils import Cache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from shardpool.errors import ShardpoolError
@@ -123,11 +124,28 @@ class PipelineStage(nn.Module):
         # Gemma 3 keeps one rotary base per attention type (local and global layers).
         self._rotary_per_kind = "layer_type" in inspect.signature(self._inner.rotary_emb.forward).parameters
         self._softcap = getattr(hf_config, "final_logit_softcapping", None)
+        self._first_of_kind: dict[str, int] = {}
+        for index, kind in self._mask_kinds.items():
+            self._first_of_kind.setdefault(kind, index)
+        # transformers 5.x renames the cache argument (past_key_values -> cache) release by release.
+        self._mask_cache_kwarg = _cache_kwarg(create_causal_mask)
+        layers = list(self._inner.layers.values())
+        self._layer_cache_kwarg = _cache_kwarg(type(layers[0]).forward) if layers else "cache"
 
     def forward(
-        self, inputs: torch.Tensor, *, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
+        self,
+        inputs: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Token ids (stage 0) or hidden states in; hidden states or logits (last stage) out."""
+        """Token ids (stage 0) or hidden states in; hidden states or logits (last stage) out.
+
+        ``keep`` (last stage): a boolean mask of the positions whose logits are wanted; the logits
+        then come out as ``[kept, vocab]``, in row order. The final norm and ``lm_head`` act on
+        each position alone, so they run on those positions only.
+        """
         hidden = self._inner.embed_tokens(inputs) if self.spec.is_first else inputs
         kinds = set(self._mask_kinds.values())
         if self._rotary_per_kind:
@@ -160,6 +178,66 @@ class PipelineStage(nn.Module):
                 hidden = layer(hidden, **layer_kwargs)
         if not self.spec.is_last:
             return hidden
+        if keep is not None:
+            hidden = hidden[keep]
+        logits = self._lm_head(self._inner.norm(hidden))
+        if self._softcap is not None:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
+
+    def new_cache(self) -> Cache:
+        """An empty KV cache for one sequence on this stage: transformers' own, sized lazily, so it
+        holds keys and values of the owned layers only (sliding-window layers keep their window)."""
+        return DynamicCache(config=self.hf_config)
+
+    @torch.no_grad()
+    def forward_cached(
+        self, inputs: torch.Tensor, *, cache: Cache, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Generation's forward: the new tokens (ids at stage 0, else hidden states) attend to what
+        ``cache`` holds of the sequence and are added to it; the last stage returns the logits of
+        the last position only (as ``generate`` computes them), every other stage hidden states.
+
+        The layers are the model's own, called as its ``forward`` calls them with a cache, and the
+        adapter stays unmerged (peft's arithmetic), so greedy tokens equal peft's ``generate``.
+        """
+        hidden = self._inner.embed_tokens(inputs) if self.spec.is_first else inputs
+        kinds = set(self._mask_kinds.values())
+        rotary = self._rotary(hidden, position_ids, kinds)
+        masks = {
+            kind: _MASK_BUILDERS[kind](
+                config=self.hf_config,
+                inputs_embeds=hidden,
+                attention_mask=None,
+                position_ids=position_ids,
+                layer_idx=self._first_of_kind[kind],
+                **{self._mask_cache_kwarg: cache},
+            )
+            for kind in kinds
+        }
+        for index in self.spec.layer_indices:
+            kind = self._mask_kinds[index]
+            hidden = self._inner.layers[str(index)](
+                hidden,
+                attention_mask=masks[kind],
+                position_ids=position_ids,
+                position_embeddings=rotary[kind],
+                use_cache=True,
+                **{self._layer_cache_kwarg: cache},
+            )
+        if not self.spec.is_last:
+            return hidden
+        return self._logits(hidden[:, -1:, :])
+
+    def _rotary(
+        self, hidden: torch.Tensor, position_ids: torch.Tensor, kinds: set[str]
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        if self._rotary_per_kind:
+            return {kind: self._inner.rotary_emb(hidden, position_ids, kind) for kind in kinds}
+        shared = self._inner.rotary_emb(hidden, position_ids=position_ids)
+        return dict.fromkeys(kinds, shared)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self._lm_head(self._inner.norm(hidden))
         if self._softcap is not None:
             logits = torch.tanh(logits / self._softcap) * self._softcap
@@ -220,6 +298,12 @@ def reusable_modules(stage: PipelineStage) -> dict[str, nn.Module]:
         if module is not None:
             modules[path] = module
     return modules
+
+
+def _cache_kwarg(function: object) -> str:
+    """The name under which ``function`` (a decoder layer's forward, the mask builders) takes the KV cache."""
+    wrapped = inspect.unwrap(function)  # type: ignore[arg-type]
+    return "cache" if "cache" in inspect.signature(wrapped).parameters else "past_key_values"
 
 
 def _adapter_key(parameter_name: str) -> str:

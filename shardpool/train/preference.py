@@ -47,6 +47,7 @@ __all__ = [
     "PairLogps",
     "PreferenceObjective",
     "completion_logps",
+    "completion_positions",
     "micro_batch_losses",
     "pair_losses",
 ]
@@ -86,6 +87,12 @@ class PreferenceObjective:
         return self.loss_type in ("sigmoid", "ipo")
 
     @property
+    def reads_completions_only(self) -> bool:
+        """Whether the loss reads the logits of completion positions only (all but ORPO, whose
+        next-token loss covers the prompt too), so the last stage computes no others."""
+        return self.loss_type != "orpo"
+
+    @property
     def metrics(self) -> tuple[str, ...]:
         """The metrics this loss reports, in the order :func:`pair_losses` sums them."""
         extra = {"orpo": 3, "simpo": 1}.get(self.loss_type, 0)
@@ -111,9 +118,10 @@ class PairLogps:
         return cls(chosen, rejected, chosen_tokens, rejected_tokens)
 
     @classmethod
-    def of(cls, logits: torch.Tensor, labels: torch.Tensor) -> PairLogps:
-        """The pairs' completion log-probabilities from the last stage's ``logits`` of their rows."""
-        return cls.split(*completion_logps(logits, labels))
+    def of(cls, logits: torch.Tensor, labels: torch.Tensor, *, kept: bool = False) -> PairLogps:
+        """The pairs' completion log-probabilities from the last stage's ``logits`` of their rows;
+        ``kept``: the logits are those of the :func:`completion_positions` only."""
+        return cls.split(*completion_logps(logits, labels, kept=kept))
 
     def means(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The mean completion log-probability of each chosen and each rejected row."""
@@ -122,16 +130,42 @@ class PairLogps:
         )
 
 
-def completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_positions(labels: torch.Tensor) -> torch.Tensor:
+    """The positions whose logits the completion log-probabilities read, as a boolean mask the
+    shape of ``labels``: ``t`` where token ``t + 1`` has a label (position ``t`` predicts it)."""
+    keep = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+    keep[:, :-1] = labels[:, 1:] != -100
+    return keep
+
+
+def completion_logps(
+    logits: torch.Tensor, labels: torch.Tensor, *, kept: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's summed next-token log-probability over its label tokens (fp32), and how many there are.
 
     Position ``t`` predicts token ``t + 1``; labels of -100 (prompt, padding) count for nothing.
+    ``logits`` are ``[rows, seq, vocab]``, or with ``kept`` ``[kept, vocab]``: those of the
+    :func:`completion_positions` only, in row order, which is all the sums read.
     """
+    if kept:
+        return _kept_completion_logps(logits, labels)
     targets = labels[:, 1:].to(logits.device)
     mask = targets != -100
     log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     picked = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return (picked * mask).sum(dim=1), mask.sum(dim=1)
+
+
+def _kept_completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`completion_logps` from the ``[kept, vocab]`` logits of the completion positions."""
+    labelled = labels[:, 1:] != -100  # where the labels are (the host): counting waits for no device
+    if logits.shape[0] != int(labelled.sum()):
+        raise ValueError(f"{logits.shape[0]} kept logits for {int(labelled.sum())} completion positions")
+    targets = labels[:, 1:][labelled].to(logits.device)
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    mask = labelled.to(logits.device)
+    return log_probs.new_zeros(mask.shape).masked_scatter(mask, picked).sum(dim=1), mask.sum(dim=1)
 
 
 def chosen_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -142,17 +176,27 @@ def chosen_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def micro_batch_losses(
-    objective: PreferenceObjective, logits: torch.Tensor, rows: TokenRows, reference: PairLogps | None
+    objective: PreferenceObjective,
+    logits: torch.Tensor,
+    rows: TokenRows,
+    reference: PairLogps | None,
+    *,
+    kept: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each pair's loss of one micro-batch from the last stage's ``logits`` (gradient through them)
-    and the per-pair sums of the objective's metrics; ``reference`` is None for ORPO and SimPO."""
-    policy = PairLogps.of(logits, rows.labels)
+    and the per-pair sums of the objective's metrics; ``reference`` is None for ORPO and SimPO.
+    ``kept``: the logits are those of the :func:`completion_positions` only
+    (:attr:`PreferenceObjective.reads_completions_only`)."""
+    if kept and not objective.reads_completions_only:
+        raise ValueError(f"the {objective.loss_type} loss needs the logits of every position")
+    policy = PairLogps.of(logits, rows.labels, kept=kept)
     nll = None
     if objective.loss_type == "orpo":
         attended = torch.where(rows.attention_mask == 1, rows.input_ids, -100)
         nll = chosen_nll(logits, attended)
     elif objective.loss_type == "simpo" and objective.cpo_alpha > 0:
-        nll = chosen_nll(logits, rows.labels)
+        # The mean next-token loss over the chosen rows' completion tokens.
+        nll = -policy.chosen.sum() / policy.chosen_tokens.sum() if kept else chosen_nll(logits, rows.labels)
     return pair_losses(objective, policy, reference, nll)
 
 

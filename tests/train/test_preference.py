@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from shardpool.train.preference import PairLogps, PreferenceObjective, completion_logps, pair_losses
+from shardpool.data.rows import TokenRows
+from shardpool.model.lora import LoraSettings
+from shardpool.model.stage import BaseSettings, StageSpec, build_stage
+from shardpool.train.pipeline import StagePipe, _adapter_disabled
+from shardpool.train.preference import (
+    PairLogps,
+    PreferenceObjective,
+    completion_logps,
+    completion_positions,
+    micro_batch_losses,
+    pair_losses,
+)
 
 
 def _pairs(chosen: list[float], rejected: list[float], tokens: tuple[int, int] = (1, 1)) -> PairLogps:
@@ -60,6 +72,103 @@ def test_completion_logps_sum_only_the_labelled_next_tokens() -> None:
     ]
     assert logps.tolist() == pytest.approx(expected, rel=1e-6)
     assert tokens.tolist() == [2, 2]
+
+
+def test_the_completion_positions_logits_alone_give_the_same_log_probabilities_and_gradient() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, 7, requires_grad=True)
+    # a row without completion, one whose completion ends the row, two with completions inside
+    labels = torch.tensor(
+        [
+            [-100] * 6,
+            [-100, -100, -100, 2, 5, 6],
+            [-100, 1, 3, -100, -100, -100],
+            [-100, -100, 4, 0, -100, -100],
+        ]
+    )
+    keep = completion_positions(labels)
+    assert keep.tolist()[1] == [False, False, True, True, True, False]
+    full, full_tokens = completion_logps(logits, labels)
+    kept, kept_tokens = completion_logps(logits[keep], labels, kept=True)
+    assert kept.tolist() == pytest.approx(full.tolist(), rel=1e-6) and kept_tokens.tolist() == [0, 3, 2, 2]
+    assert full_tokens.tolist() == kept_tokens.tolist()
+    (full_grad,) = torch.autograd.grad(full.sum(), logits)
+    (kept_grad,) = torch.autograd.grad(kept.sum(), logits)
+    assert torch.allclose(kept_grad, full_grad, atol=1e-7)
+    with pytest.raises(ValueError, match="kept logits"):
+        completion_logps(logits[:, :2].reshape(-1, 7), labels, kept=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "objective",
+    [PreferenceObjective("sigmoid", 0.1), PreferenceObjective("simpo", 2.0, cpo_alpha=0.5)],
+    ids=["dpo", "simpo"],
+)
+def test_a_last_stage_computing_only_completion_logits_trains_as_with_every_logit(
+    tiny_model: Path, objective: PreferenceObjective
+) -> None:
+    """The last stage's norm and lm_head on the completion positions alone: the same losses,
+    metrics and LoRA gradients as from every position's logits."""
+    lora = LoraSettings(
+        r=4, alpha=8.0, dropout=0.0, target_modules=("q_proj", "v_proj", "down_proj"), init_from=None
+    )
+    stage = build_stage(tiny_model, StageSpec(1, 2, 3, 6, "cpu"), BaseSettings(), lora, seed=1)
+    torch.manual_seed(1)
+    hidden = torch.randn(4, 12, int(stage.hf_config.hidden_size))
+    labels = torch.full((4, 12), -100)
+    labels[:, 5:9] = torch.randint(0, int(stage.hf_config.vocab_size), (4, 4))
+    labels[1, 9:] = 7
+    rows = TokenRows(
+        torch.zeros_like(labels), labels, torch.ones_like(labels), torch.arange(12).expand(4, 12).clone()
+    )
+    reference = PairLogps.split(torch.tensor([-30.0, -31.0, -29.0, -33.0]), torch.tensor([4, 7, 4, 4]))
+    results = []
+    for keep in (None, completion_positions(labels)):
+        stage.zero_grad(set_to_none=True)
+        logits = stage(hidden, attention_mask=rows.attention_mask, position_ids=rows.position_ids, keep=keep)
+        losses, sums = micro_batch_losses(objective, logits, rows, reference, kept=keep is not None)
+        losses.sum().backward()
+        grads = [param.grad.clone() for param in stage.lora_parameters()]
+        results.append((losses.detach(), sums, grads))
+    (full_losses, full_sums, full_grads), (kept_losses, kept_sums, kept_grads) = results
+    assert torch.allclose(kept_losses, full_losses, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(kept_sums, full_sums, rtol=1e-5, atol=1e-5)
+    assert any(float(grad.abs().max()) > 0 for grad in full_grads)
+    for kept_grad, full_grad in zip(kept_grads, full_grads, strict=True):
+        assert torch.allclose(kept_grad, full_grad, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_the_folded_references_adapter_switch_is_pefts_disable_adapter(tiny_model: Path) -> None:
+    """The stage's LoRA layers switched off one by one compute what peft's ``disable_adapter``
+    computes (the base alone), and switched on again leave the adapter trainable as before."""
+    lora = LoraSettings(r=4, alpha=8.0, dropout=0.0, target_modules=("q_proj", "down_proj"), init_from=None)
+    stage = build_stage(tiny_model, StageSpec(0, 2, 0, 3, "cpu"), BaseSettings(), lora, seed=1)
+    with torch.no_grad():
+        for param in stage.lora_parameters():
+            param.normal_(std=0.2)  # a moved adapter: on and off differ
+    ids = torch.randint(0, int(stage.hf_config.vocab_size), (2, 10))
+    positions = {"attention_mask": torch.ones_like(ids), "position_ids": torch.arange(10).expand(2, 10)}
+    pipe = StagePipe(stage, stage.spec, wire=None, device=torch.device("cpu"), hidden_size=0, packed=False)  # type: ignore[arg-type]
+    with torch.no_grad():
+        policy = stage(ids, **positions)
+        with stage.peft_model.disable_adapter():
+            base = stage(ids, **positions)
+        with _adapter_disabled(pipe._lora_layers()):
+            switched = stage(ids, **positions)
+        after = stage(ids, **positions)
+    assert torch.equal(switched, base) and not torch.allclose(base, policy)
+    assert torch.equal(after, policy)
+    assert all(param.requires_grad for param in stage.lora_parameters())
+
+
+def test_orpo_reads_every_position() -> None:
+    orpo = PreferenceObjective("orpo", 0.1)
+    assert not orpo.reads_completions_only and PreferenceObjective("simpo", 2.0).reads_completions_only
+    rows = TokenRows(*(torch.zeros(2, 3, dtype=torch.int64) for _ in range(4)))
+    with pytest.raises(ValueError, match="every position"):
+        micro_batch_losses(orpo, torch.zeros(0, 5), rows, None, kept=True)
 
 
 def test_a_micro_batch_splits_into_chosen_then_rejected_rows() -> None:
