@@ -89,6 +89,68 @@ def build_parser() -> argparse.ArgumentParser:
     )
     schema.set_defaults(handler=_run_schema)
 
+    generate = commands.add_parser(
+        "generate",
+        help="continue a prompt with a model (a finetune output, a config or a model directory), on local stages",
+        description=(
+            "Continue a prompt with the base model and its trained adapter, the adapter applied unmerged "
+            "on NF4 stages as in training; greedy by default. Prints the completion on stdout."
+        ),
+    )
+    generate.add_argument("target", help="a finetune output_dir, a YAML config, or a base model directory")
+    source = generate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text")
+    source.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE (- for stdin)")
+    generate.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message through the tokenizer's chat template",
+    )
+    generate.add_argument(
+        "--max-new-tokens", type=int, default=64, metavar="N", help="at most N new tokens (default 64)"
+    )
+    generate.add_argument(
+        "--temperature", type=float, default=0.0, help="0 (default) is greedy; above 0 samples"
+    )
+    generate.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: keep the most likely tokens up to this probability (default 1: off)",
+    )
+    generate.add_argument(
+        "--top-k", type=int, default=0, help="sample among the K most likely tokens (default 0: off)"
+    )
+    generate.add_argument(
+        "--seed", type=int, default=None, help="the seed of sampling: the same seed gives the same completion"
+    )
+    generate.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="end the completion before TEXT (repeatable)",
+    )
+    generate.add_argument(
+        "--stages",
+        type=int,
+        default=1,
+        metavar="N",
+        help="pipeline stages, each a process with its share of the layers (default 1)",
+    )
+    generate.add_argument(
+        "--devices",
+        default="cpu",
+        metavar="LIST",
+        help="cpu, cuda:0, ... : one device for all stages, or one per stage (default cpu)",
+    )
+    generate.add_argument(
+        "--json",
+        action="store_true",
+        help='print one JSON object {"text", "token_ids", "finish_reason", ...} instead of the text',
+    )
+    generate.set_defaults(handler=_run_generate)
+
     merge = commands.add_parser(
         "merge", help="fold a trained adapter into its base model and save a plain Hugging Face model"
     )
@@ -101,6 +163,58 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype of the merged weights (default bf16)",
     )
     merge.set_defaults(handler=_run_merge)
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model (a finetune output, a config or a model directory) over an OpenAI-compatible API",
+        description=(
+            "Start the model's stages on this machine and answer OpenAI's /v1/models, /v1/completions "
+            "and /v1/chat/completions (streamed or whole) until SIGINT or SIGTERM."
+        ),
+    )
+    serve.add_argument("target", help="a finetune output_dir, a YAML config, or a base model directory")
+    serve.add_argument("--host", default="127.0.0.1", help="the IP address to listen on (default 127.0.0.1)")
+    serve.add_argument(
+        "--port", type=int, default=8000, help="the TCP port (default 8000; 0 picks a free one)"
+    )
+    serve.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="answer only requests with `Authorization: Bearer KEY` (default: $SHARDPOOL_API_KEY, which, unlike a command line, other local users cannot read in `ps`; neither: no key is asked)",
+    )
+    serve.add_argument(
+        "--stages", type=int, default=1, help="pipeline stages the layers are split into (default 1)"
+    )
+    serve.add_argument(
+        "--devices",
+        default="cpu",
+        help="one device for every stage, or one per stage: cpu,cuda:0,... (default cpu)",
+    )
+    serve.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=8,
+        help="requests generated at once (default 8); more wait in a queue",
+    )
+    serve.add_argument(
+        "--max-queued",
+        type=int,
+        default=32,
+        help="requests waiting for a slot (default 32); more are answered 429",
+    )
+    serve.add_argument(
+        "--max-context",
+        type=int,
+        default=4096,
+        help="tokens of one request, prompt and completion (default 4096)",
+    )
+    serve.add_argument(
+        "--chat-max-tokens",
+        type=int,
+        default=1024,
+        help="the max_tokens of a chat request that gives none: the rest of the context, at most this (default 1024)",
+    )
+    serve.set_defaults(handler=_run_serve)
 
     jobs = commands.add_parser(
         "jobs", help="list, show or stop jobs started through this machine's agent (yours; root: all)"
@@ -322,12 +436,68 @@ def _fleet_plan_request(
     return request.config, [*request.overrides, *overrides], model or request.model
 
 
+def _run_generate(args: argparse.Namespace) -> int:
+    import json
+
+    from shardpool.generate import GenerateOptions, generate, parse_devices, read_prompt
+
+    options = GenerateOptions(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        chat=args.chat,
+        stages=args.stages,
+        devices=parse_devices(args.devices),
+    )
+    prompt = args.prompt if args.prompt is not None else read_prompt(args.prompt_file)
+    if args.json:
+        print(json.dumps(generate(args.target, prompt, options).as_json()))
+        return 0
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    generate(args.target, prompt, options, on_text=show)
+    sys.stdout.write("\n")
+    return 0
+
+
 def _run_merge(args: argparse.Namespace) -> int:
     from shardpool.model.merge import merge_adapter
 
     out = merge_adapter(args.output_dir, args.out, dtype=args.dtype)
     print(
         f"merged {args.output_dir} into its base ({args.dtype}): {out}; load it with AutoModelForCausalLM.from_pretrained"
+    )
+    return 0
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from shardpool.generate import local_placements, parse_devices
+    from shardpool.infer.server import ServerOptions, serve
+    from shardpool.infer.target import resolve_target
+
+    options = ServerOptions(
+        api_key=args.api_key or os.environ.get("SHARDPOOL_API_KEY") or None,
+        max_concurrent=args.max_concurrent,
+        max_queued=args.max_queued,
+        chat_max_tokens=args.chat_max_tokens,
+    )
+    placements = local_placements(
+        resolve_target(args.target).model_dir,
+        args.stages,
+        parse_devices(args.devices),
+        max_context=args.max_context,
+        max_slots=args.max_concurrent,
+    )
+    serve(
+        args.target, placements, host=args.host, port=args.port, options=options, max_context=args.max_context
     )
     return 0
 

@@ -31,6 +31,7 @@ __all__ = [
     "RunProgress",
     "StepLog",
     "TrainingProgress",
+    "format_sample_lines",
     "format_step_line",
     "print_placement",
     "print_result",
@@ -225,6 +226,29 @@ def format_step_line(
     )
 
 
+#: The most characters of a prompt, and of a completion, that a sample's console line shows.
+_SAMPLE_CHARS = 60
+
+
+def format_sample_lines(line: dict[str, Any]) -> list[str]:
+    """A ``samples`` metrics line as one console line per sample:
+    ``sample 1/2 @ step 3: 'Once upon a' → ' time there was'``, each text cut to 60 characters
+    (its ``repr``, so line breaks show as ``\\n``); a sample without text shows its token ids."""
+    samples = line["samples"]
+    shown = []
+    for number, sample in enumerate(samples, start=1):
+        prompt = _cut(sample["prompt"]) if sample["prompt"] is not None else "?"
+        completion = (
+            _cut(sample["completion"]) if sample["completion"] is not None else f"ids {sample['token_ids']}"
+        )
+        shown.append(f"sample {number}/{len(samples)} @ step {line['step']}: {prompt} → {completion}")
+    return shown
+
+
+def _cut(text: str) -> str:
+    return repr(text if len(text) <= _SAMPLE_CHARS else text[: _SAMPLE_CHARS - 1] + "…")
+
+
 def wants_progress_bar(*, is_terminal: bool, is_dumb_terminal: bool) -> bool:
     """Whether to show a live bar: only on a terminal that can redraw it (not a file, pipe or TERM=dumb)."""
     return is_terminal and not is_dumb_terminal
@@ -292,7 +316,7 @@ def _loading_snippet(config: Config) -> list[str]:
 class RunEvents:
     """A run's events as JSON lines on ``stream``: one object a line, flushed at once; None writes nothing.
 
-    Every object has ``event`` (``plan``, ``step``, ``eval``, ``checkpoint``, ``rebalance``,
+    Every object has ``event`` (``plan``, ``step``, ``eval``, ``samples``, ``checkpoint``, ``rebalance``,
     ``rebalance_held``, ``member_lost``, ``member_joined``, ``replan``, ``done`` or ``error``)
     and plain JSON values: a loss that is NaN or infinite (a diverging run) is written as null.
     """

@@ -97,6 +97,9 @@ class PreparedRun:
         None  # what the adapter names as its base: a hub id or an absolute path
     )
     planned: Plan | None = None  # the plan behind ``plan`` (its JSON), for the re-balance check
+    #: ``shardpool.sample_prompts`` tokenized, and the ids a sample stops at (the job carries both).
+    sample_prompt_ids: tuple[tuple[int, ...], ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def finetune_from_file(
@@ -300,6 +303,7 @@ def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Pla
     tokenizer = load_tokenizer(config.base_model)
     configure_tokenizer(config, tokenizer)
     data = prepare_data(config, tokenizer)
+    sample_prompt_ids = _sample_prompt_ids(config, tokenizer)
     total_steps = len(config_step_batches(config, len(data.train), replicas=config.shardpool.replicas))
     resume_from = ckpt.resume_point(
         Path(config.output_dir),
@@ -338,7 +342,38 @@ def prepare_run(config: Config, *, resume: bool, planner: Callable[[Config], Pla
         eval_before,
         tokenizer,
         planned=plan,
+        sample_prompt_ids=sample_prompt_ids,
+        eos_token_ids=_eos_token_ids(config.base_model) if sample_prompt_ids else (),
     )
+
+
+def _sample_prompt_ids(config: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[tuple[int, ...], ...]:
+    """``shardpool.sample_prompts`` as the tokenizer encodes them (its special tokens added, as a
+    user's ``tokenizer(prompt)`` for ``generate`` does)."""
+    encoded = []
+    for prompt in config.shardpool.sample_prompts:
+        ids = tuple(int(token) for token in tokenizer(prompt)["input_ids"])
+        if not ids:
+            raise ShardpoolError(
+                f"the sample prompt {prompt[:40]!r} encodes to no tokens; write a longer one"
+            )
+        encoded.append(ids)
+    return tuple(encoded)
+
+
+def _eos_token_ids(model_dir: str) -> tuple[int, ...]:
+    """The end-of-sequence ids ``generate`` stops at for the model in ``model_dir``: its generation
+    config's (``generation_config.json``, else the model config's), none when it names none."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # no generation_config.json: transformers derives one from config.json
+        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_dir))
+    eos = generation.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(int(token) for token in (eos if isinstance(eos, list) else [eos]))
 
 
 def _trained_splits(run: PreparedRun) -> tuple[list[StagePlacement], list[str], list[int]]:

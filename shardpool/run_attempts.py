@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 from rich.console import Console
 
-from shardpool.console import RunEvents, training_progress
+from shardpool.console import RunEvents, format_sample_lines, training_progress
 from shardpool.contract.events import StageEvent
 from shardpool.contract.job import Job
 from shardpool.contract.names import resolve_inside
@@ -33,7 +33,15 @@ from shardpool.elastic.rebalancing import RebalanceCheck
 from shardpool.elastic.states import RunMachine, RunState
 from shardpool.elastic.supervisor import Supervisor
 from shardpool.launch.mesh_launcher import Interrupted, MemberLost, MeshLauncher
-from shardpool.launch.run import Launcher, OnEvent, PlannedRun, RunRecord, build_job, write_job
+from shardpool.launch.run import (
+    Launcher,
+    OnEvent,
+    PlannedRun,
+    RunRecord,
+    build_job,
+    sample_decoder,
+    write_job,
+)
 from shardpool.plan.result import Plan
 from shardpool.trackers import Trackers
 from shardpool.train.rendezvous import rendezvous_store
@@ -208,6 +216,7 @@ def relay_stages(
     record = relayed.record if relayed is not None else RunRecord(
         output_dir, run.config.logging_steps, run.total_steps, run.first_step, eval_before=job.eval_before,
         on_metrics=trackers.log if trackers is not None else None,
+        sample_prompts=run.config.shardpool.sample_prompts, decode=sample_decoder(outputs.tokenizer),
     )  # fmt: skip
     result = Relayed(record, relayed.final_dir if relayed is not None else None)
     with training_progress(
@@ -243,6 +252,11 @@ def relay_stages(
                 events.emit("step", total_steps=run.total_steps, **_fields(event))
             elif kind == StageEvent.EVAL:
                 events.emit("eval", **_fields(event))
+            elif kind == StageEvent.SAMPLES:
+                line = record.samples_line(event)
+                for said in format_sample_lines(line):
+                    progress.say(said)
+                events.emit("samples", step=line["step"], samples=line["samples"])
             elif kind == StageEvent.CHECKPOINT_WRITTEN:
                 partial = resolve_inside(output_dir, event["partial"], "checkpoint directory")
                 final, deleted = outputs.finalize_checkpoint(partial, event["step"], event.get("eval_before"))

@@ -2,7 +2,8 @@
 
 metrics.jsonl is always written; these are extra sinks for the same lines, under Hugging Face
 Trainer's names (``train/loss``, ``train/learning_rate``, ``eval/loss``, ...), so dashboards built
-for axolotl runs read them. Both libraries are optional extras (``pip install
+for axolotl runs read them. A ``samples`` line (``shardpool.sample_prompts``) goes to TensorBoard
+as text (``samples``) and to W&B as a table (``samples``: step, prompt, completion). Both libraries are optional extras (``pip install
 'shardpool[tensorboard]'`` / ``'shardpool[wandb]'``): a config that asks for one that is not
 installed is refused in one line before anything runs, and so is W&B online without a login
 (wandb would otherwise prompt, or end in a traceback once the run is set up). W&B honours
@@ -22,9 +23,11 @@ from shardpool.config import Config
 from shardpool.contract.events import PREFERENCE_METRICS
 from shardpool.errors import ShardpoolError
 
-__all__ = ["Trackers", "check_trackers", "hf_scalars", "open_trackers"]
+__all__ = ["SAMPLE_COLUMNS", "Trackers", "check_trackers", "hf_scalars", "open_trackers", "sample_rows"]
 
 _STEP_FIELDS = ("loss", "learning_rate", "grad_norm", "tokens_per_s", "epoch")
+#: The columns of the samples table (W&B) and of the samples text (TensorBoard).
+SAMPLE_COLUMNS = ("step", "prompt", "completion")
 
 
 def hf_scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -33,6 +36,19 @@ def hf_scalars(record: dict[str, Any]) -> dict[str, float]:
         return {"eval/loss": float(record["eval_loss"])}
     names = (*_STEP_FIELDS, *PREFERENCE_METRICS)
     return {f"train/{name}": float(record[name]) for name in names if record.get(name) is not None}
+
+
+def sample_rows(record: dict[str, Any]) -> list[list[Any]]:
+    """A ``samples`` metrics line as table rows (:data:`SAMPLE_COLUMNS`); a sample without text
+    (no tokenizer decoded it) shows its token ids."""
+    return [
+        [
+            record["step"],
+            sample["prompt"],
+            sample["completion"] if sample["completion"] is not None else str(sample["token_ids"]),
+        ]
+        for sample in record["samples"]
+    ]
 
 
 def _wants_wandb(config: Config) -> bool:
@@ -99,10 +115,16 @@ class Trackers:
 
     def __init__(self) -> None:
         self.sinks: list[Callable[[int, dict[str, float]], None]] = []
+        self.sample_sinks: list[Callable[[int, list[list[Any]]], None]] = []
         self.closers: list[Callable[[], None]] = []
 
     def log(self, record: dict[str, Any]) -> None:
-        """Send one metrics line (a step or a periodic eval) to every sink."""
+        """Send one metrics line (a step, a periodic eval, or a round of samples) to every sink."""
+        if record.get("event") == "samples":
+            rows = sample_rows(record)
+            for sample_sink in self.sample_sinks:
+                sample_sink(int(record["step"]), rows)
+            return
         scalars = hf_scalars(record)
         for sink in self.sinks:
             sink(int(record["step"]), scalars)
@@ -112,6 +134,7 @@ class Trackers:
         for close in self.closers:
             close()
         self.sinks.clear()
+        self.sample_sinks.clear()
         self.closers.clear()
 
 
@@ -124,8 +147,23 @@ def _tensorboard(trackers: Trackers, output_dir: Path) -> None:
         for name, value in scalars.items():
             writer.add_scalar(name, value, global_step=step)
 
+    def log_samples(step: int, rows: list[list[Any]]) -> None:
+        writer.add_text("samples", _markdown_table(rows), global_step=step)
+
     trackers.sinks.append(log)
+    trackers.sample_sinks.append(log_samples)
     trackers.closers.append(writer.close)
+
+
+def _markdown_table(rows: list[list[Any]]) -> str:
+    """Rows as the Markdown table TensorBoard's text tab renders (``|`` and line breaks escaped)."""
+
+    def cell(value: Any) -> str:
+        return str(value).replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(SAMPLE_COLUMNS) + " |", "|" + " --- |" * len(SAMPLE_COLUMNS)]
+    lines += ["| " + " | ".join(cell(value) for value in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def _wandb(trackers: Trackers, config: Config, output_dir: Path) -> None:
@@ -148,6 +186,11 @@ def _wandb(trackers: Trackers, config: Config, output_dir: Path) -> None:
             "with WANDB_MODE=offline"
         ) from None
     trackers.sinks.append(lambda step, scalars: run.log(scalars, step=step))
+    trackers.sample_sinks.append(
+        lambda step, rows: run.log(
+            {"samples": wandb.Table(columns=list(SAMPLE_COLUMNS), data=rows)}, step=step
+        )
+    )
     trackers.closers.append(run.finish)
 
 

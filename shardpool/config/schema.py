@@ -31,6 +31,9 @@ __all__ = [
     "OPTIMIZERS",
     "LR_SCHEDULERS",
     "MAX_WARMUP_LEAD",
+    "MAX_SAMPLE_PROMPTS",
+    "MAX_SAMPLE_PROMPT_CHARS",
+    "MAX_SAMPLE_NEW_TOKENS",
 ]
 
 #: Validation context under which the models record rule breaks instead of raising on the first.
@@ -39,6 +42,12 @@ COLLECT_PROBLEMS = {"collect_problems": True}
 #: The deepest 1F1B warm-up lead (``shardpool.warmup_lead``): here, in the lowest layer, so that the
 #: config, the job contract and the schedule (``contract.schedule.MAX_LEAD``) share one bound.
 MAX_WARMUP_LEAD = 8
+
+#: ``shardpool.sample_prompts`` / ``sample_max_new_tokens``: the most prompts, characters a prompt
+#: and tokens a sample (the config, the job and the samples event share these bounds).
+MAX_SAMPLE_PROMPTS = 16
+MAX_SAMPLE_PROMPT_CHARS = 4000
+MAX_SAMPLE_NEW_TOKENS = 1024
 
 OptimizerName = Literal[
     "adamw_torch",
@@ -409,6 +418,18 @@ class ShardpoolSection(_Strict):
     master_port: int | None = Field(
         default=None, ge=1, le=65535, description="rendezvous TCP port on loopback (default: a free one)"
     )
+    sample_prompts: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_SAMPLE_PROMPTS,
+        description=f"up to {MAX_SAMPLE_PROMPTS} prompts the training stages complete greedily at every eval "
+        "and at the end of training, logged to metrics.jsonl, the console and the trackers",
+    )
+    sample_max_new_tokens: int = Field(
+        default=32,
+        ge=1,
+        le=MAX_SAMPLE_NEW_TOKENS,
+        description="the most tokens each sample generates (it stops earlier at the model's end-of-sequence token)",
+    )
 
     def checks(self) -> list[Check]:
         """The rules across this section's keys that it breaks."""
@@ -463,6 +484,18 @@ class ShardpoolSection(_Strict):
                 "give one device per replica"
             )
         return found
+
+    @field_validator("sample_prompts")
+    @classmethod
+    def _prompts_written(cls, prompts: list[str]) -> list[str]:
+        for prompt in prompts:
+            if not prompt.strip():
+                raise ValueError("a sample prompt is empty; write the text to complete, or remove it")
+            if len(prompt) > MAX_SAMPLE_PROMPT_CHARS:
+                raise ValueError(
+                    f"a sample prompt has {len(prompt)} characters; at most {MAX_SAMPLE_PROMPT_CHARS}"
+                )
+        return prompts
 
     @field_validator("warmup_lead", mode="before")
     @classmethod

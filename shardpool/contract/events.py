@@ -21,6 +21,7 @@ from pydantic import (
     ValidationError,
 )
 
+from shardpool.config.schema import MAX_SAMPLE_NEW_TOKENS, MAX_SAMPLE_PROMPTS
 from shardpool.contract.fields import MAX_STAGES, MAX_STEPS, MAX_WORLD_SIZE, Steps, describe_validation_error
 from shardpool.contract.names import ContractError, safe_relative_name
 
@@ -35,9 +36,11 @@ __all__ = [
     "CheckpointWrittenEvent",
     "FinalWrittenEvent",
     "StageDoneEvent",
+    "SamplesEvent",
     "DoneEvent",
     "ErrorEvent",
     "StageEventModel",
+    "TokenId",
     "parse_stage_event",
 ]
 
@@ -58,6 +61,7 @@ class StageEvent(str, enum.Enum):
     CHECKPOINT_WRITTEN = "checkpoint_written"
     FINAL_WRITTEN = "final_written"
     STAGE_DONE = "stage_done"
+    SAMPLES = "samples"
     DONE = "done"
     ERROR = "error"
 
@@ -95,6 +99,8 @@ PREFERENCE_METRICS: tuple[str, ...] = get_args(PreferenceMetric)
 OptionalLoss = float | None
 Timings = Annotated[list[float], Field(max_length=MAX_WORLD_SIZE)]
 Counts = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_WORLD_SIZE)]
+#: A token id of the model's vocabulary (the stage checks it against the vocabulary's size).
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 RelativeOutput = Annotated[str, AfterValidator(lambda text: safe_relative_name(text, "output directory"))]
 
 
@@ -182,6 +188,17 @@ class StageDoneEvent(_Event):
     reference_pass_s: float | None = Field(default=None, ge=0)
 
 
+class SamplesEvent(_Event):
+    """The greedy completions of the job's sample prompts after ``step`` (rank 0): the new token
+    ids of each prompt in order, the end-of-sequence token included where one was generated."""
+
+    event: Literal[StageEvent.SAMPLES]
+    step: int = Field(ge=1, le=MAX_STEPS)
+    token_ids: list[Annotated[list[TokenId], Field(max_length=MAX_SAMPLE_NEW_TOKENS)]] = Field(
+        min_length=1, max_length=MAX_SAMPLE_PROMPTS
+    )
+
+
 class DoneEvent(_Event):
     """The run finished (rank 0), with the eval loss before and after training."""
 
@@ -206,6 +223,7 @@ StageEventModel = Annotated[
         CheckpointWrittenEvent,
         FinalWrittenEvent,
         StageDoneEvent,
+        SamplesEvent,
         DoneEvent,
         ErrorEvent,
     ],

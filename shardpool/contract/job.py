@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from mesh.files import write_json
 from shardpool.config import Config, parse_config
+from shardpool.config.schema import MAX_SAMPLE_PROMPTS
+from shardpool.contract.events import TokenId
 from shardpool.contract.fields import (
     MAX_INPUTS,
     MAX_REPLICAS,
@@ -55,6 +57,8 @@ CONTROL_SECRET_ENV = "SHARDPOOL_CONTROL_SECRET"
 #: Inputs under this prefix are the checkpoint a resumed run starts from.
 RESUME_PREFIX = "resume/"
 MAX_JOB_JSON_BYTES = 16 * 2**20
+#: The most tokens of one sample prompt (``shardpool.sample_prompts``, at most 4,000 characters).
+MAX_SAMPLE_PROMPT_TOKENS = 8192
 
 
 class StagePlacement(Closed):
@@ -120,6 +124,14 @@ class Job(Closed):
     #: The 1F1B warm-up depth every stage runs (:func:`~shardpool.contract.schedule.warmup_forwards`):
     #: the plan's, so the stages meet their neighbours' sends in the order the planner simulated.
     warmup_lead: int = Field(default=1, ge=1, le=MAX_LEAD)
+    #: ``shardpool.sample_prompts`` as the launcher's tokenizer encodes them: replica 0's stages
+    #: complete each greedily at every eval and at the end (:mod:`shardpool.train.samples`), so
+    #: no stage needs the tokenizer.
+    sample_prompt_ids: list[
+        Annotated[list[TokenId], Field(min_length=1, max_length=MAX_SAMPLE_PROMPT_TOKENS)]
+    ] = Field(default_factory=list, max_length=MAX_SAMPLE_PROMPTS)
+    #: The tokens a sample stops at: the model's generation config's end-of-sequence ids (as ``generate``'s).
+    eos_token_ids: list[TokenId] = Field(default_factory=list, max_length=16)
 
     @field_validator("config")
     @classmethod

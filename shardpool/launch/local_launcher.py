@@ -49,7 +49,7 @@ from shardpool.plan.config_plan import plan_for_config
 from shardpool.plan.local_fleet import DeviceProbe
 from shardpool.plan.result import Plan
 
-__all__ = ["LocalLauncher", "free_port", "run_local_job", "StageFailed"]
+__all__ = ["LocalLauncher", "die_with_parent", "free_port", "interface_names", "loopback_pinning", "run_local_job", "StageFailed"]
 
 _TERMINATE_GRACE_S = 5.0
 _IDLE_WAKE_S = 2.0  # the loop's wake-up when nothing happens (a stage's exit wakes it at once)
@@ -167,7 +167,7 @@ def _start_rank(
             stderr=log,
             stdin=subprocess.DEVNULL,
             env=env,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
     finally:
         log.close()
@@ -189,7 +189,8 @@ def loopback_pinning(names: list[str]) -> dict[str, str]:
     return {} if loopback is None else {"GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback}
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """In a child before exec: be killed when the parent dies (Linux), so no stage outlives its launcher."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

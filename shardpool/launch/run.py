@@ -5,15 +5,16 @@ on this machine, :class:`~shardpool.launch.mesh_launcher.MeshLauncher` on mesh m
 :func:`build_job` turns a planned run into the :class:`~shardpool.contract.job.Job` every stage
 process reads from ``output_dir/.shardpool/job.json``. :class:`RunRecord` follows the stages'
 events and keeps ``metrics.jsonl`` (one line per logged step and one per periodic eval, with
-Hugging Face's names: ``loss``, ``learning_rate``, ``epoch``, ``eval_loss``) and ``run_summary.json`` (how the
-run ended). Torch-free: nothing here touches a tensor.
+Hugging Face's names: ``loss``, ``learning_rate``, ``epoch``, ``eval_loss``, and one per round of
+samples, ``shardpool.sample_prompts``) and ``run_summary.json`` (how the run ended). Torch-free:
+nothing here touches a tensor.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ __all__ = [
     "launcher_for",
     "placement_of",
     "replica_places_of",
+    "sample_decoder",
     "trim_metrics",
     "write_job",
 ]
@@ -105,6 +107,10 @@ class PlannedRun(Protocol):
     def eval_before(self) -> float | None: ...
     @property
     def planned(self) -> Plan | None: ...
+    @property
+    def sample_prompt_ids(self) -> Sequence[Sequence[int]]: ...
+    @property
+    def eos_token_ids(self) -> Sequence[int]: ...
 
 
 def launcher_for(
@@ -157,6 +163,8 @@ def build_job(
         replica_places=replica_places,
         shares=list(run.planned.shares) if run.planned is not None and replica_places else None,
         warmup_lead=_warmup_lead(run),
+        sample_prompt_ids=[list(ids) for ids in run.sample_prompt_ids],
+        eos_token_ids=list(run.eos_token_ids),
     )
 
 
@@ -222,6 +230,10 @@ class RunRecord:
     ranks: dict[int, dict[str, Any]] = field(default_factory=dict)
     seconds: float = 0.0
     on_metrics: Callable[[dict[str, Any]], None] | None = None  # each metrics.jsonl line, also to trackers
+    #: The texts of ``shardpool.sample_prompts``, and what turns a sample's token ids into text (the
+    #: run's tokenizer); without them a samples line keeps the ids alone (``prompt``, ``completion``: null).
+    sample_prompts: Sequence[str] = ()
+    decode: Callable[[list[int]], str] | None = None
 
     def timed(self, start: Callable[[OnEvent], None], on_event: OnEvent) -> None:
         """Run ``start(on_event)`` (the stages, until all finish) and record how long it took."""
@@ -259,11 +271,22 @@ class RunRecord:
                 self._metrics_line(_step_metrics(event))
         elif kind == StageEvent.EVAL:
             self._metrics_line(_eval_metrics(event))
+        elif kind == StageEvent.SAMPLES:
+            self._metrics_line(self.samples_line(event))
         elif kind == StageEvent.STAGE_DONE:
             self.ranks[int(event["rank"])] = {key: value for key, value in event.items() if key != "event"}
         elif kind == StageEvent.DONE:
             self.eval_before = event.get("eval_before")
             self.eval_after = event.get("eval_after")
+
+    def samples_line(self, event: dict[str, Any]) -> dict[str, Any]:
+        """The metrics.jsonl line of a ``samples`` event: each prompt, its completion as text and its token ids."""
+        samples = []
+        for index, token_ids in enumerate(event["token_ids"]):
+            prompt = self.sample_prompts[index] if index < len(self.sample_prompts) else None
+            completion = self.decode(token_ids) if self.decode is not None else None
+            samples.append({"prompt": prompt, "completion": completion, "token_ids": token_ids})
+        return {"event": "samples", "step": event["step"], "samples": samples}
 
     def write_summary(self) -> None:
         """Record how the run ended: eval losses, time, and each stage process's peak memory."""
@@ -315,6 +338,14 @@ def _step_metrics(event: dict[str, Any]) -> dict[str, Any]:
 def _eval_metrics(event: dict[str, Any]) -> dict[str, Any]:
     """The metrics.jsonl line of an ``eval`` event, as Hugging Face logs one: step, epoch, eval_loss."""
     return {key: event[key] for key in ("step", "epoch", "eval_loss")}
+
+
+def sample_decoder(tokenizer: Any) -> Callable[[list[int]], str] | None:
+    """What turns a sample's token ids into its text: the run's tokenizer, special tokens skipped
+    (None without a tokenizer)."""
+    if tokenizer is None:
+        return None
+    return lambda token_ids: str(tokenizer.decode(token_ids, skip_special_tokens=True))
 
 
 def append_metrics_line(path: Path, record: dict[str, Any]) -> None:

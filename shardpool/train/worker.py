@@ -63,6 +63,7 @@ from shardpool.train.process_group import (
     select_device,
 )
 from shardpool.train.runfiles import DATA_INPUT, INIT_ADAPTER_PREFIX, RunFiles
+from shardpool.train.samples import report_samples
 from shardpool.train.stage_state import (
     StageState,
     restore_stage_state,
@@ -299,6 +300,7 @@ class StageWorker:
             done = step + 1
             if done in self.eval_at and done < total_steps:
                 self.report_eval(done, self.evaluate())
+                self.report_samples(done)
             if done in self.save_at:
                 self.save_checkpoint(done, eval_before=self.eval_before)
             self._at_step_boundary(done, total_steps)
@@ -306,6 +308,7 @@ class StageWorker:
         eval_after = self.evaluate(save_logits=True)
         if total_steps in self.eval_at:
             self.report_eval(total_steps, eval_after)  # the final eval is the last step's
+        self.report_samples(total_steps)
         self.write_final_adapter()
         self.emit(
             {
@@ -495,6 +498,11 @@ class StageWorker:
                     "eval_loss": eval_loss,
                 }
             )
+
+    def report_samples(self, step: int) -> None:
+        """Complete ``shardpool.sample_prompts`` greedily on replica 0's pipeline after ``step``; rank
+        0 reports them (:mod:`shardpool.train.samples`)."""
+        report_samples(self.pipe, self.job, step=step, rank=self.rank, emit=self.emit)
 
     # ----- saving -----------------------------------------------------------------------------
     def save_checkpoint(self, step: int, *, eval_before: float | None) -> None:

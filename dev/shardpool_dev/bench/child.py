@@ -30,6 +30,8 @@ WORKERS: dict[str, str] = {
     "state-copy": "shardpool_dev.bench.state_copy:run_worker",
     "marked-plain": "shardpool_dev.bench.threads:marked_plain_loop",
     "stage": "shardpool_dev.bench.paired:shardpool_worker",
+    "engine-generate": "shardpool_dev.bench.generation:engine_worker",
+    "peft-generate": "shardpool_dev.bench.generation:peft_worker",
 }
 """The functions a child can run, by the name given on its command line."""
 CHILD_TIMEOUT_S = 1800

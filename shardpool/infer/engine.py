@@ -1,0 +1,526 @@
+"""The driver of the inference ring: start the stages, admit requests into sequence slots, and
+stream each one's tokens back.
+
+:class:`PipelineEngine` hosts the rendezvous store (every value sealed with a fresh control key),
+starts one process per stage (:mod:`shardpool.infer.stage_process`) and joins their gloo world as
+the last rank. A request takes a free slot and goes round the ring as a PREFILL (its prompt); each
+token the last stage sends back is handed to the request's :class:`Stream` and, unless the request
+is finished, sent to stage 0 as the slot's next DECODE. Up to ``max_slots`` sequences are in
+flight at once, so while the last stage samples one sequence's token the first already computes
+another's: the pipeline fills. Finished slots are released (each stage drops its cache) and taken
+by the next waiting request.
+
+A stage that fails (or dies) fails every request in flight with its one-line error, and the
+engine stops, or, with ``restart`` (``shardpool serve``), starts a fresh ring on the same places
+and serves again. :meth:`PipelineEngine.close` stops the stages and leaves no process behind.
+
+The driver's gloo world is torch.distributed's default group, which is global to the process:
+one engine at a time per process. Its stage processes die with the thread that created the
+engine (PR_SET_PDEATHSIG), so create it in a thread that outlives it (the main thread).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardpool.contract.job import CONTROL_SECRET_ENV, StagePlacement
+from shardpool.elastic.group_store import GroupStore
+from shardpool.elastic.messages import ControlStore, control_key
+from shardpool.errors import ShardpoolError
+from shardpool.infer.messages import HEADER_LEN, Header, Kind
+from shardpool.infer.sampling import Sampling
+from shardpool.infer.spec import InferenceSpec
+from shardpool.infer.target import Target
+from shardpool.launch.local_launcher import die_with_parent, interface_names, loopback_pinning
+from shardpool.train.process_group import prove_peers
+from shardpool.train.rendezvous import rendezvous_store
+
+__all__ = ["EngineFailed", "GenerationRequest", "PipelineEngine", "Stream"]
+
+_MAX_PENDING_SENDS = 64
+_STOP_WAIT_S = 10.0
+_WATCH_INTERVAL_S = 0.5
+_RESTART_TRIES = 3
+
+log = logging.getLogger(__name__)
+
+
+class EngineFailed(ShardpoolError):
+    """A stage failed or the ring broke: requests in flight end with this one-line error."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One sequence to continue: its prompt ids, how many tokens at most, how to pick them, and
+    which token ids end it (kept in the output, as ``generate`` keeps its eos)."""
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: Sampling = Sampling()
+    stop_token_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ShardpoolError("the prompt is empty; give at least one token")
+        if self.max_new_tokens < 1:
+            raise ShardpoolError(f"max_new_tokens {self.max_new_tokens} must be at least 1")
+
+
+@dataclass
+class Stream:
+    """The tokens of one request as they come. Iterate it for the token ids; afterwards
+    ``finish_reason`` is ``"stop"`` (a stop token), ``"length"`` (max_new_tokens or the context)
+    or ``"cancelled"``. A failed engine raises :class:`EngineFailed` from the iteration."""
+
+    request: GenerationRequest
+    items: queue.Queue[tuple[str, Any]] = field(default_factory=queue.Queue)
+    finish_reason: str | None = None
+    cancelled: bool = False
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            kind, value = self.items.get()
+            if kind == "token":
+                yield int(value)
+            elif kind == "end":
+                self.finish_reason = str(value)
+                return
+            else:
+                raise EngineFailed(str(value))
+
+    def cancel(self) -> None:
+        """Ask for no more tokens: the slot is released at the next token that comes back."""
+        self.cancelled = True
+
+    def tokens(self) -> list[int]:
+        """Every token, once the request has finished."""
+        return list(self)
+
+
+@dataclass
+class _Slot:
+    stream: Stream
+    generated: int = 0
+
+
+class PipelineEngine:
+    """S stage processes and this process as the ring's driver; see the module's docstring."""
+
+    def __init__(
+        self,
+        target: Target,
+        placements: Sequence[StagePlacement],
+        *,
+        max_slots: int = 8,
+        max_context: int = 4096,
+        threads_per_process: int | None = None,
+        log_dir: Path | None = None,
+        timeout_s: float = 300.0,
+        restart: bool = False,
+    ) -> None:
+        if max_slots < 1:
+            raise ShardpoolError(f"max_slots {max_slots} must be at least 1")
+        self.target = target
+        self.placements = list(placements)
+        self.max_slots = max_slots
+        self.max_context = max_context
+        self._work = Path(tempfile.mkdtemp(prefix="shardpool-infer-"))
+        self.log_dir = log_dir or self._work
+        self._lock = threading.Lock()
+        self._slots: dict[int, _Slot] = {}
+        self._waiting: collections.deque[Stream] = collections.deque()
+        self._sends: collections.deque[Any] = collections.deque()
+        self._failure: str | None = None
+        self._last_failure = ""
+        self._closing = False
+        self._processes: list[subprocess.Popen[bytes]] = []
+        self._threads = threads_per_process or max(1, (os.cpu_count() or 1) // len(self.placements))
+        self._timeout_s = timeout_s
+        #: Start the ring again after a stage fails (``serve``); requests in flight still fail.
+        self.restart = restart
+        self.restarts = 0
+        self._restart_due = threading.Event()
+        self._start(self._threads, timeout_s)
+        if restart:
+            threading.Thread(target=self._restarter, name="shardpool-infer-restarter", daemon=True).start()
+
+    # ----- the public side ----------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        """How many stage processes the ring has."""
+        return len(self.placements)
+
+    def submit(self, request: GenerationRequest) -> Stream:
+        """Queue ``request``; its tokens arrive on the returned stream. One line when it cannot fit."""
+        if len(request.prompt_ids) + request.max_new_tokens > self.max_context:
+            raise ShardpoolError(
+                f"the prompt ({len(request.prompt_ids)} tokens) plus max_new_tokens ({request.max_new_tokens}) "
+                f"exceeds the context of {self.max_context} tokens; shorten one of them"
+            )
+        stream = Stream(request)
+        with self._lock:
+            if self._failure is not None:
+                raise EngineFailed(self._failure)
+            if self._closing:
+                raise EngineFailed("the engine is closing")
+            self._waiting.append(stream)
+            ring = self._processes
+            try:
+                self._admit_waiting()
+                return stream
+            except RuntimeError as error:  # the ring broke before the watcher or receiver saw it
+                broke = f"the inference ring broke: {str(error).splitlines()[0]}"
+        time.sleep(0.2)  # let the failed stage's own line reach its log first
+        self._fail_all(self._stage_error(ring) or broke, ring)
+        raise EngineFailed(self._failure or broke)
+
+    def generate(self, request: GenerationRequest) -> list[int]:
+        """The tokens of ``request``, once it has finished."""
+        return self.submit(request).tokens()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine failed, or None while it runs."""
+        return self._failure
+
+    def close(self) -> None:
+        """Stop the stages (STOP round the ring), then make sure no stage process is left."""
+        with self._lock:
+            already = self._closing
+            self._closing = True
+            if not already and self._failure is None:
+                self._send(Header(Kind.STOP))
+        if not already:
+            self._receiver.join(timeout=_STOP_WAIT_S)
+            _stop_processes(self._processes)
+            self._fail_all("the engine was closed")
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except RuntimeError:
+                    pass
+            for file in self._work.iterdir():
+                if file.suffix == ".json":
+                    file.unlink(missing_ok=True)
+
+    def __enter__(self) -> PipelineEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----- starting -----------------------------------------------------------------------------
+    def _start(self, threads: int, timeout_s: float) -> None:
+        address = "127.0.0.1"
+        self._store = rendezvous_store(address, timeout_s=timeout_s)
+        secret = secrets.token_hex(32)
+        spec = InferenceSpec(
+            model_dir=str(self.target.model_dir),
+            adapter_dir=None if self.target.adapter_dir is None else str(self.target.adapter_dir),
+            lora_r=self.target.lora_r,
+            lora_alpha=self.target.lora_alpha,
+            lora_targets=self.target.lora_targets,
+            stages=tuple(self.placements),
+            master_addr=address,
+            master_port=int(self._store.port),
+            threads_per_process=threads,
+            timeout_s=timeout_s,
+        )
+        self.spec = spec
+        spec_file = self._work / "spec.json"
+        spec.write(spec_file)
+        try:
+            for rank in range(spec.num_stages):
+                self._processes.append(_start_stage(spec_file, rank, self.log_dir, secret, threads))
+            sealed = ControlStore(self._store, control_key(secret, addr=address, port=spec.master_port))
+            world = spec.num_stages + 1
+            _fresh_group_names()
+            dist.init_process_group(
+                backend="gloo",
+                store=GroupStore(sealed),
+                rank=spec.driver_rank,
+                world_size=world,
+                timeout=timedelta(seconds=timeout_s),
+            )
+            prove_peers(sealed.peer_key(0), group=None, name="world", rank=spec.driver_rank, ranks=range(world))
+            self._wait_ready()
+        except BaseException as error:
+            died = self._stage_error()  # before they are stopped: a stage that failed on its own
+            _stop_processes(self._processes)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            if died is not None:
+                raise EngineFailed(died) from None
+            if isinstance(error, (EngineFailed, KeyboardInterrupt)):
+                raise
+            first = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise EngineFailed(f"the stages did not join the ring: {first}") from None
+        self._receiver = threading.Thread(
+            target=self._receive, args=(self._processes,), name="shardpool-infer-receiver", daemon=True
+        )
+        self._receiver.start()
+        self._watcher = threading.Thread(
+            target=self._watch, args=(self._processes,), name="shardpool-infer-watch", daemon=True
+        )
+        self._watcher.start()
+
+    def _wait_ready(self) -> None:
+        """Wait for the ring's READY (every stage built), stopping early when a stage dies."""
+        with self._lock:
+            self._send(Header(Kind.READY))
+        values = torch.empty(HEADER_LEN, dtype=torch.int64)
+        received: list[BaseException | None] = []
+
+        def receive() -> None:
+            try:
+                dist.recv(values, src=self.num_stages - 1)
+                received.append(None)
+            except BaseException as error:  # noqa: BLE001 - reported by the waiting thread
+                received.append(error)
+
+        waiter = threading.Thread(target=receive, name="shardpool-infer-ready", daemon=True)
+        waiter.start()
+        while waiter.is_alive():
+            died = self._stage_error()
+            if died is not None:
+                raise EngineFailed(died)
+            waiter.join(timeout=0.05)
+        if received and received[0] is not None:
+            raise EngineFailed(f"the stages did not get ready: {str(received[0]).splitlines()[0]}")
+        header = Header.decode(values.tolist())
+        if header.kind is not Kind.READY:
+            raise EngineFailed(f"the last stage answered {header.kind.name} instead of READY")
+
+    # ----- the ring -----------------------------------------------------------------------------
+    def _send(self, header: Header, *tensors: torch.Tensor) -> None:
+        """Start sending a header and what follows it to stage 0 (the caller holds the lock)."""
+        while len(self._sends) > _MAX_PENDING_SENDS:
+            work, _ = self._sends.popleft()
+            work.wait()
+        for tensor in (torch.tensor(header.encode(), dtype=torch.int64), *tensors):
+            self._sends.append((dist.isend(tensor, dst=0), tensor))  # the tensor lives until waited for
+
+    def _admit_waiting(self) -> None:
+        while self._waiting and len(self._slots) < self.max_slots:
+            stream = self._waiting.popleft()
+            if stream.cancelled:
+                stream.items.put(("end", "cancelled"))
+                continue
+            slot = next(index for index in range(self.max_slots) if index not in self._slots)
+            self._slots[slot] = _Slot(stream)
+            request = stream.request
+            prompt = torch.tensor(request.prompt_ids, dtype=torch.int64)
+            sampling = torch.tensor(request.sampling.encode(), dtype=torch.float64)
+            self._send(Header(Kind.PREFILL, slot, len(request.prompt_ids), 0), sampling, prompt)
+
+    def _receive(self, processes: list[subprocess.Popen[bytes]]) -> None:
+        """Hand each token the last stage sends to its request, until STOP or the ring breaks."""
+        last = self.num_stages - 1
+        try:
+            while True:
+                values = torch.empty(HEADER_LEN, dtype=torch.int64)
+                dist.recv(values, src=last)
+                header = Header.decode(values.tolist())
+                if header.kind is Kind.STOP:
+                    return
+                if header.kind is not Kind.TOKEN:
+                    raise EngineFailed(f"the last stage sent {header.kind.name} instead of a token")
+                with self._lock:
+                    self._on_token(header)
+        except Exception as error:  # noqa: BLE001 - a broken ring fails every request, said once
+            time.sleep(0.2)  # let the failed stage's own line reach its log first
+            broke = f"the inference ring broke: {str(error).splitlines()[0]}"
+            self._fail_all(self._stage_error(processes) or broke, processes)
+
+    def _on_token(self, header: Header) -> None:
+        slot = self._slots.get(header.slot)
+        if slot is None:
+            raise EngineFailed(f"a token came back for slot {header.slot}, which holds no request")
+        stream, request = slot.stream, slot.stream.request
+        slot.generated += 1
+        if stream.first_token_at is None:
+            stream.first_token_at = time.perf_counter()
+        stream.items.put(("token", header.token))
+        reason = None
+        if header.token in request.stop_token_ids:
+            reason = "stop"
+        elif slot.generated >= request.max_new_tokens or header.position >= self.max_context:
+            reason = "length"
+        elif stream.cancelled:
+            reason = "cancelled"
+        if reason is None:
+            self._send(Header(Kind.DECODE, header.slot, 1, header.position, header.token))
+            return
+        del self._slots[header.slot]
+        self._send(Header(Kind.RELEASE, header.slot))
+        stream.items.put(("end", reason))
+        self._admit_waiting()
+
+    def _fail_all(self, message: str, ring: list[subprocess.Popen[bytes]] | None = None) -> None:
+        """Fail every request in flight or waiting with ``message`` and stop the stages (then start
+        them again, with ``restart``). ``ring``: the processes of the ring that broke; a call about
+        a ring already replaced is ignored."""
+        with self._lock:
+            if ring is not None and ring is not self._processes:
+                return
+            first = self._failure is None and not self._closing
+            if first:
+                self._failure = message
+                self._last_failure = message
+            failure = self._failure or message
+            streams = [slot.stream for slot in self._slots.values()] + list(self._waiting)
+            self._slots.clear()
+            self._waiting.clear()
+            broken = self._processes
+        for stream in streams:
+            stream.items.put(("error", failure))
+        if not self._closing:
+            _stop_processes(broken)
+            if first and self.restart:
+                self._restart_due.set()
+
+    def _restarter(self) -> None:
+        """Start the ring again each time it fails, until the engine closes. One thread for the
+        engine's life: a stage dies with the thread that started it (PR_SET_PDEATHSIG is per
+        thread), so the stages of a new ring must not be started by a thread that then ends."""
+        while not self._closing:
+            if self._restart_due.wait(timeout=_WATCH_INTERVAL_S):
+                self._restart_due.clear()
+                if not self._closing:
+                    self._start_again()
+
+    def _start_again(self) -> None:
+        """Replace a failed ring with a fresh one on the same places: new processes, a new store and
+        key. Until it is up, new requests are refused with the failure's line; then it serves."""
+        self._receiver.join(timeout=_STOP_WAIT_S)
+        self._watcher.join(timeout=_STOP_WAIT_S)
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except RuntimeError:
+                pass
+        for attempt in range(_RESTART_TRIES):
+            if self._closing:
+                return
+            with self._lock:
+                self._sends.clear()
+                self._processes = []
+            try:
+                self._start(self._threads, self._timeout_s)
+            except ShardpoolError as error:
+                log.warning("the inference ring did not start again (try %d): %s", attempt + 1, error)
+                time.sleep(2.0 * (attempt + 1))
+                continue
+            with self._lock:
+                self.restarts += 1
+                self._failure = None
+            log.warning("the inference ring started again after: %s", self._last_failure)
+            return
+
+    def _watch(self, processes: list[subprocess.Popen[bytes]]) -> None:
+        """Notice a stage of this ring (``processes``) that died: the ring may not break at once,
+        its neighbours wait."""
+        while not self._closing and processes is self._processes:
+            if any(process.poll() not in (None, 0) for process in processes):
+                time.sleep(0.2)
+                self._fail_all(self._stage_error(processes) or "a stage process ended", processes)
+                return
+            time.sleep(_WATCH_INTERVAL_S)
+
+    def _stage_error(self, processes: list[subprocess.Popen[bytes]] | None = None) -> str | None:
+        """The failed stage's one line, or None while none has failed. The root cause is a stage
+        killed by a signal, else the first to exit non-zero: its neighbours only lost a peer."""
+        codes = [process.poll() for process in (self._processes if processes is None else processes)]
+        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+        if not failed:
+            return None
+        killed = [rank for rank in failed if (codes[rank] or 0) < 0]
+        rank = (killed or failed)[0]
+        log = self.log_dir / f"infer-rank-{rank}.log"
+        code = codes[rank] or 0
+        how = f"killed by signal {-code}" if code < 0 else (_last_error_line(log) or f"exited with {code}")
+        return f"stage {rank} failed: {how} (log: {log})"
+
+
+def _fresh_group_names() -> None:
+    """Name the next default group as a fresh process names its first: "0".
+
+    torch names each process group by a per-process counter and keys its rendezvous under that
+    name; a failed ``init_process_group`` (an earlier ring that never formed) leaves the counter
+    raised, and the driver would then wait under "1/..." for stages that write under "0/...".
+    The stages are fresh processes, so the driver starts its count again too (there is no public
+    API for it; ``destroy_process_group`` resets the same counter after a ring that did form).
+    """
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and not dist.is_initialized() and hasattr(world, "group_count"):
+        world.group_count = 0
+
+
+def _start_stage(spec_file: Path, rank: int, log_dir: Path, secret: str, threads: int) -> subprocess.Popen[bytes]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update(
+        {
+            CONTROL_SECRET_ENV: secret,
+            **loopback_pinning(interface_names()),
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
+    log = open(log_dir / f"infer-rank-{rank}.log", "ab")  # noqa: SIM115 - handed to the child
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "shardpool.infer.stage_process", str(spec_file), str(rank)],
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            preexec_fn=die_with_parent,
+        )
+    finally:
+        log.close()
+
+
+def _stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + 5.0
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _last_error_line(path: Path) -> str:
+    try:
+        lines = [line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines()]
+    except OSError:
+        return ""
+    errors = [line[len("error: ") :] for line in lines if line.startswith("error: ")]
+    if errors:
+        return errors[-1]
+    return next((line for line in reversed(lines) if line), "")
