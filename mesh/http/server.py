@@ -33,7 +33,7 @@ import concurrent.futures
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -83,6 +83,7 @@ __all__ = [
     "error_reply",
     "file_reply",
     "json_reply",
+    "run_server_loop",
     "stream_reply",
     "text_reply",
 ]
@@ -217,22 +218,8 @@ class HTTPServer:
             self._unix_inode = (info.st_dev, info.st_ino)
 
     def _run(self, started: concurrent.futures.Future[None]) -> None:
-        loop = self._loop
-        assert loop is not None
-        asyncio.set_event_loop(loop)
-        runner = None
-        try:
-            runner = loop.run_until_complete(self._open())
-            started.set_result(None)
-            loop.run_forever()
-        except BaseException as error:  # noqa: BLE001 - handed to start()
-            if not started.done():
-                started.set_exception(error)
-        finally:
-            if runner is not None:
-                loop.run_until_complete(runner.cleanup())
-            loop.run_until_complete(loop.shutdown_default_executor())
-            loop.close()
+        assert self._loop is not None
+        run_server_loop(self._loop, self._open, started)
 
     async def _open(self) -> web.ServerRunner:
         limits = self.limits
@@ -391,3 +378,26 @@ class HTTPServer:
 
 async def _read_exactly(raw: web.BaseRequest, length: int) -> bytes:
     return await raw.content.readexactly(length) if length else b""
+
+
+def run_server_loop(
+    loop: asyncio.AbstractEventLoop,
+    open_runner: Callable[[], Coroutine[Any, Any, web.BaseRunner]],
+    started: concurrent.futures.Future[None],
+) -> None:
+    """Run a server's event loop in the calling thread: open its runner, say so on ``started``
+    (or hand it the error), serve until the loop is stopped, then clean up and close the loop."""
+    asyncio.set_event_loop(loop)
+    runner = None
+    try:
+        runner = loop.run_until_complete(open_runner())
+        started.set_result(None)
+        loop.run_forever()
+    except BaseException as error:  # noqa: BLE001 - handed to the starter
+        if not started.done():
+            started.set_exception(error)
+    finally:
+        if runner is not None:
+            loop.run_until_complete(runner.cleanup())
+        loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()

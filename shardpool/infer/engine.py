@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardpool.contract.job import CONTROL_SECRET_ENV, StagePlacement
+from shardpool.contract.job import StagePlacement
 from shardpool.elastic.group_store import GroupStore
 from shardpool.elastic.messages import ControlStore, control_key
 from shardpool.errors import ShardpoolError
@@ -48,7 +48,7 @@ from shardpool.infer.messages import HEADER_LEN, Header, Kind
 from shardpool.infer.sampling import Sampling
 from shardpool.infer.spec import InferenceSpec
 from shardpool.infer.target import Target
-from shardpool.launch.local_launcher import die_with_parent, interface_names, loopback_pinning
+from shardpool.launch.local_launcher import die_with_parent, stage_environment
 from shardpool.train.process_group import prove_peers
 from shardpool.train.rendezvous import rendezvous_store
 
@@ -477,17 +477,7 @@ def _fresh_group_names() -> None:
 
 def _start_stage(spec_file: Path, rank: int, log_dir: Path, secret: str, threads: int) -> subprocess.Popen[bytes]:
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env.update(
-        {
-            CONTROL_SECRET_ENV: secret,
-            **loopback_pinning(interface_names()),
-            "OMP_NUM_THREADS": str(threads),
-            "MKL_NUM_THREADS": str(threads),
-            "PYTHONUNBUFFERED": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
-    )
+    env = stage_environment(secret, threads)
     log = open(log_dir / f"infer-rank-{rank}.log", "ab")  # noqa: SIM115 - handed to the child
     try:
         return subprocess.Popen(

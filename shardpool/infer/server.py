@@ -38,6 +38,7 @@ from typing import Any
 from aiohttp import web
 
 from mesh.errors import MeshError
+from mesh.http.server import run_server_loop
 from mesh.http.transport import (
     BACKLOG,
     Connection,
@@ -238,22 +239,8 @@ class OpenAIServer:
         self.stop()
 
     def _run(self, started: concurrent.futures.Future[None]) -> None:
-        loop = self._loop
-        assert loop is not None
-        asyncio.set_event_loop(loop)
-        runner = None
-        try:
-            runner = loop.run_until_complete(self._open())
-            started.set_result(None)
-            loop.run_forever()
-        except BaseException as error:  # noqa: BLE001 - handed to start()
-            if not started.done():
-                started.set_exception(error)
-        finally:
-            if runner is not None:
-                loop.run_until_complete(runner.cleanup())
-            loop.run_until_complete(loop.shutdown_default_executor())
-            loop.close()
+        assert self._loop is not None
+        run_server_loop(self._loop, self._open, started)
 
     async def _open(self) -> web.ServerRunner:
         limits = self.options.limits

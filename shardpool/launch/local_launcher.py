@@ -49,7 +49,7 @@ from shardpool.plan.config_plan import plan_for_config
 from shardpool.plan.local_fleet import DeviceProbe
 from shardpool.plan.result import Plan
 
-__all__ = ["LocalLauncher", "die_with_parent", "free_port", "interface_names", "loopback_pinning", "run_local_job", "StageFailed"]
+__all__ = ["LocalLauncher", "die_with_parent", "free_port", "interface_names", "loopback_pinning", "run_local_job", "stage_environment", "StageFailed"]
 
 _TERMINATE_GRACE_S = 5.0
 _IDLE_WAKE_S = 2.0  # the loop's wake-up when nothing happens (a stage's exit wakes it at once)
@@ -148,17 +148,7 @@ def run_local_job(
 def _start_rank(
     job: Job, job_file: Path, rank: int, log_path: Path, *, secret: str
 ) -> subprocess.Popen[bytes]:
-    env = dict(os.environ)
-    env.update(
-        {
-            CONTROL_SECRET_ENV: secret,
-            **loopback_pinning(interface_names()),
-            "OMP_NUM_THREADS": str(job.threads_per_process),
-            "MKL_NUM_THREADS": str(job.threads_per_process),
-            "PYTHONUNBUFFERED": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
-    )
+    env = stage_environment(secret, job.threads_per_process)
     log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed with it
     try:
         return subprocess.Popen(
@@ -171,6 +161,23 @@ def _start_rank(
         )
     finally:
         log.close()
+
+
+def stage_environment(secret: str, threads: int) -> dict[str, str]:
+    """A local stage process's environment: this one's, plus the run's control secret, gloo and
+    NCCL pinned to loopback, ``threads`` OpenMP/MKL threads, unbuffered output."""
+    env = dict(os.environ)
+    env.update(
+        {
+            CONTROL_SECRET_ENV: secret,
+            **loopback_pinning(interface_names()),
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
+    return env
 
 
 def interface_names() -> list[str]:

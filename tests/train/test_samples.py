@@ -21,6 +21,7 @@ from shardpool.errors import ShardpoolError
 from shardpool.launch.run import METRICS_FILE, RunRecord, sample_decoder
 from shardpool.trackers import open_trackers
 from shardpool.train.samples import TokenRoute, greedy_samples, report_samples
+from tests.helpers.generation import peft_greedy
 from tests.helpers.jobs import MINIMAL_CONFIG, job_dict
 from tests.helpers.shared_runs import FP32_TWO_STAGES, trained_once
 from tests.helpers.training import base_config
@@ -235,27 +236,6 @@ def _samples_lines(output_dir: Path) -> list[dict[str, Any]]:
     return [line for line in lines if line.get("event") == "samples"]
 
 
-def _generate_with_adapter(model_dir: Path, output_dir: Path, prompts: list[str]) -> list[list[int]]:
-    """What a user gets: the NF4 base, the adapter from output_dir, greedy generate."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from shardpool.model.nf4 import bnb_config, keep_exact_cpu_matmul
-
-    base = AutoModelForCausalLM.from_pretrained(
-        model_dir, quantization_config=bnb_config(), dtype=torch.float32
-    )
-    keep_exact_cpu_matmul(base)
-    model = PeftModel.from_pretrained(base, output_dir).eval()
-    tokenizer = AutoTokenizer.from_pretrained(output_dir)
-    completions = []
-    for prompt in prompts:
-        encoded = tokenizer(prompt, return_tensors="pt")
-        generated = model.generate(**encoded, do_sample=False, max_new_tokens=NEW_TOKENS)
-        completions.append(generated[0, encoded["input_ids"].shape[1] :].tolist())
-    return completions
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [1, 3])
 def test_the_last_samples_equal_generate_of_the_adapter(
@@ -273,8 +253,8 @@ def test_the_last_samples_equal_generate_of_the_adapter(
     lines = _samples_lines(output_dir)
     assert [line["step"] for line in lines] == [2, 3]
     final = lines[-1]["samples"]
-    assert [sample["token_ids"] for sample in final] == _generate_with_adapter(
-        tiny_model, output_dir, PROMPTS
+    assert [sample["token_ids"] for sample in final] == peft_greedy(
+        tiny_model, output_dir, tuple(PROMPTS), NEW_TOKENS
     )
     assert all(
         len(sample["token_ids"]) == NEW_TOKENS for sample in final
