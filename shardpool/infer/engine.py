@@ -48,7 +48,7 @@ from shardpool.infer.messages import HEADER_LEN, Header, Kind
 from shardpool.infer.sampling import Sampling
 from shardpool.infer.spec import InferenceSpec
 from shardpool.infer.target import Target
-from shardpool.launch.local_launcher import die_with_parent, stage_environment
+from shardpool.launch.local_launcher import die_with_parent, stage_environment, stop_processes
 from shardpool.train.process_group import prove_peers
 from shardpool.train.rendezvous import rendezvous_store
 
@@ -211,7 +211,7 @@ class PipelineEngine:
                 self._send(Header(Kind.STOP))
         if not already:
             self._receiver.join(timeout=_STOP_WAIT_S)
-            _stop_processes(self._processes)
+            stop_processes(self._processes)
             self._fail_all("the engine was closed")
             if dist.is_initialized():
                 try:
@@ -265,7 +265,7 @@ class PipelineEngine:
             self._wait_ready()
         except BaseException as error:
             died = self._stage_error()  # before they are stopped: a stage that failed on its own
-            _stop_processes(self._processes)
+            stop_processes(self._processes)
             if dist.is_initialized():
                 dist.destroy_process_group()
             if died is not None:
@@ -394,7 +394,7 @@ class PipelineEngine:
         for stream in streams:
             stream.items.put(("error", failure))
         if not self._closing:
-            _stop_processes(broken)
+            stop_processes(broken)
             if first and self.restart:
                 self._restart_due.set()
 
@@ -490,19 +490,6 @@ def _start_stage(spec_file: Path, rank: int, log_dir: Path, secret: str, threads
         )
     finally:
         log.close()
-
-
-def _stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.terminate()
-    deadline = time.monotonic() + 5.0
-    for process in processes:
-        try:
-            process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def _last_error_line(path: Path) -> str:

@@ -49,7 +49,7 @@ from shardpool.plan.config_plan import plan_for_config
 from shardpool.plan.local_fleet import DeviceProbe
 from shardpool.plan.result import Plan
 
-__all__ = ["LocalLauncher", "die_with_parent", "free_port", "interface_names", "loopback_pinning", "run_local_job", "stage_environment", "StageFailed"]
+__all__ = ["LocalLauncher", "die_with_parent", "free_port", "interface_names", "loopback_pinning", "run_local_job", "stage_environment", "stop_processes", "StageFailed"]
 
 _TERMINATE_GRACE_S = 5.0
 _IDLE_WAKE_S = 2.0  # the loop's wake-up when nothing happens (a stage's exit wakes it at once)
@@ -131,7 +131,7 @@ def run_local_job(
             codes = [process.poll() for process in processes]
             failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
-                _stop_all(processes)
+                stop_processes(processes)
                 for reader in readers:
                     reader.join(timeout=2.0)
                 _dispatch(events, on_event, errors, closed, timeout=0.0)
@@ -142,7 +142,7 @@ def run_local_job(
                 _dispatch(events, on_event, errors, closed, timeout=0.0)
                 return
     finally:
-        _stop_all(processes)
+        stop_processes(processes)
 
 
 def _start_rank(
@@ -254,7 +254,8 @@ def _dispatch(
             on_event(event)
 
 
-def _stop_all(processes: list[subprocess.Popen[bytes]]) -> None:
+def stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
+    """Terminate every process still running, give them a grace period together, then kill the rest."""
     for process in processes:
         if process.poll() is None:
             process.terminate()
