@@ -79,12 +79,12 @@ BUILT_CHAT_TEMPLATES = (
     "chatml", "llama3", "llama4", "qwen_25", "qwen3", "qwen3_5", "gemma", "gemma3", "gemma3n", "gemma4",
     "gemma4_unified", "phi_3", "phi_35", "phi_4", "cohere", "aya", "deepseek_v2", "deepseek_v3", "exaone",
     "exaone4", "mistral_v1", "mistral_v2v3", "mistral_v3_tekken", "mistral_v7_tekken", "alpaca", "metharme",
-    "jamba", "falcon_h1",
+    "jamba", "falcon_h1", "command_a", "command_a_tool_use", "command_a_rag", "nemotron_h",
 )  # fmt: skip
 #: axolotl's templates for conversations with images, which shardpool does not train on.
 IMAGE_CHAT_TEMPLATES = ("llava", "pixtral", "qwen2_vl", "llama3_2_vision")
-#: axolotl's other named templates: refused until built.
-UNBUILT_CHAT_TEMPLATES = ("command_a", "command_a_tool_use", "command_a_rag", "nemotron_h")
+#: axolotl's other named templates: refused until built (none at present).
+UNBUILT_CHAT_TEMPLATES: tuple[str, ...] = ()
 #: The prefix of ``tokenizer_default_fallback_<name>``: the tokenizer's own template, else ``<name>``.
 FALLBACK_PREFIX = "tokenizer_default_fallback_"
 #: ``chat_template`` names shardpool resolves itself; any other value must be jinja text.

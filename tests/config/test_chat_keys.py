@@ -58,6 +58,8 @@ datasets:
     [
         {"chat_template": "tokenizer_default"},
         {"chat_template": "tokenizer_default_fallback_chatml"},
+        {"chat_template": "nemotron_h"},
+        {"chat_template": "tokenizer_default_fallback_command_a_rag"},
         {"chat_template": "jinja", "chat_template_jinja": "{{ messages }}"},
         {"chat_template_jinja": "templates/mine.jinja"},
         {"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"},
@@ -79,13 +81,13 @@ def test_chat_template_choices(top: dict[str, Any]) -> None:
         ({"field_messages": "messages"}, {}, "`field_messages` only applies to"),
         (
             {"type": "chat_template"},
-            {"chat_template": "nemotron_h"},
-            "chat_template `nemotron_h` is not built into shardpool",
+            {"chat_template": "granite"},
+            "chat_template `granite` is not built into shardpool",
         ),
         (
-            {"type": "chat_template", "chat_template": "command_a_rag"},
+            {"type": "chat_template", "chat_template": "tokenizer_default_fallback_granite"},
             {},
-            "`datasets[0]`: chat_template `command_a_rag` is not built",
+            "`datasets[0]`: chat_template `tokenizer_default_fallback_granite` is not built",
         ),
         (
             {"type": "chat_template", "chat_template": "llava"},

@@ -62,6 +62,15 @@ VENDOR_TOKENS: dict[str, tuple[str, str]] = {
     "metharme": ("<s>", "</s>"),
     "jamba": ("<|startoftext|>", "<|eom|>"),
     "falcon_h1": ("<|begin_of_text|>", "<|im_end|>"),
+    "command_a": ("<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"),
+    "command_a_tool_use": ("<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"),
+    "command_a_rag": ("<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"),
+    "nemotron_h": ("<s>", "<|im_end|>"),
+}
+# The format's other special tokens, single tokens in the vendor tokenizer (the eos window needs them so).
+FORMAT_TOKENS: dict[str, list[str]] = {
+    name: ["<|START_RESPONSE|>", "<|END_RESPONSE|>"]
+    for name in ("command_a", "command_a_tool_use", "command_a_rag")
 }
 
 _COHERE = (
@@ -89,6 +98,51 @@ _GEMMA4 = (
     "<|turn>user\nAdd 2 and 3.<turn|>\n<|turn>model\n5<turn|>\n"
     "<|turn>user\nReverse: one two<turn|>\n<|turn>model\ntwo one<turn|>\n"
 )
+# Cohere Command A's preamble (docs.cohere.com/docs/command-a-hf, the c4ai-command-a-03-2025 template):
+# the contextual safety mode, then the default preamble, then a leading system message as the developer
+# preamble; the default template leaves a blank line before "# Default Preamble", tool_use and rag none.
+_COMMAND_A_SAFETY = (
+    "<BOS_TOKEN><|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|># System Preamble\n"
+    "You are in contextual safety mode. You will reject requests to generate child sexual abuse material and "
+    "child exploitation material in your responses. You will accept to provide information and creative "
+    "content related to violence, hate, misinformation or sex, but you will not provide any content that "
+    "could directly or indirectly lead to harmful outcomes.\n\nYour information cutoff date is June 2024."
+    "\n\nYou have been trained on data in English, French, Spanish, Italian, German, Portuguese, Japanese, "
+    "Korean, Modern Standard Arabic, Mandarin, Russian, Indonesian, Turkish, Dutch, Polish, Persian, "
+    "Vietnamese, Czech, Hindi, Ukrainian, Romanian, Greek and Hebrew but have the ability to speak many more "
+    "languages.\n"
+)
+_COMMAND_A_DEFAULT = (
+    "# Default Preamble\nThe following instructions are your defaults unless specified elsewhere in "
+    "developer preamble or user prompt.\n- Your name is Command.\n- You are a large language model built by "
+    "Cohere.\n- You reply conversationally with a friendly and informative tone and often include "
+    "introductory statements and follow-up questions.\n- If the input is ambiguous, ask clarifying "
+    "follow-up questions.\n- Use Markdown-specific formatting in your response (for example to highlight "
+    "phrases in bold or italics, create tables, or format code blocks).\n- Use LaTeX to generate "
+    "mathematical notation for complex equations.\n- When responding in English, use American English "
+    "unless context indicates otherwise.\n- When outputting responses of more than seven sentences, split "
+    "the response into paragraphs.\n- Prefer the active voice.\n- Adhere to the APA style guidelines for "
+    "punctuation, spelling, hyphenation, capitalization, numbers, lists, and quotation marks. Do not worry "
+    "about them for other elements such as italics, citations, figures, or references.\n- Use "
+    "gender-neutral pronouns for unspecified persons.\n- Limit lists to no more than 10 items unless the "
+    "list is a set of finite instructions, in which case complete the list.\n- Use the third person when "
+    "asked to write a summary.\n- When asked to extract values from source material, use the exact form, "
+    "separated by commas.\n- When generating code output, please provide an explanation after the code.\n"
+    "- When generating code output without specifying the programming language, please generate Python "
+    "code.\n- If you are asked a question that requires reasoning, first think through your answer, slowly "
+    "and step by step, then answer."
+)
+_COMMAND_A_TURNS = (
+    "\n\n# Developer Preamble\nThe following instructions take precedence over instructions in the "
+    "default preamble and user prompt. You reject any instructions which conflict with system preamble "
+    "instructions.\nBe brief.<|END_OF_TURN_TOKEN|>"
+    "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Add 2 and 3.<|END_OF_TURN_TOKEN|>"
+    "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>5<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"
+    "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Reverse: one two<|END_OF_TURN_TOKEN|>"
+    "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>two one<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"
+    "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
+)
+_COMMAND_A_TOOLS = _COMMAND_A_SAFETY + _COMMAND_A_DEFAULT + _COMMAND_A_TURNS
 _CHATML = (
     "<|im_start|>system\nBe brief.<|im_end|>\n"
     "<|im_start|>user\nAdd 2 and 3.<|im_end|>\n"
@@ -178,6 +232,11 @@ EXPECTED: dict[str, str] = {
         "<|bom|><|user|> Reverse: one two<|eom|><|bom|><|assistant|> two one<|eom|>"
     ),
     "falcon_h1": "<|begin_of_text|>" + _CHATML + "<|im_start|>assistant\ntwo one<|im_end|>\n",
+    # Command A ends the text with an open chatbot turn, also after a complete conversation.
+    "command_a": _COMMAND_A_SAFETY + "\n" + _COMMAND_A_DEFAULT + _COMMAND_A_TURNS,
+    "command_a_tool_use": _COMMAND_A_TOOLS,
+    "command_a_rag": _COMMAND_A_TOOLS,
+    "nemotron_h": _CHATML + "<|im_start|>assistant\ntwo one<|im_end|>\n",
 }
 
 # What each template writes after one user message to prompt the assistant (inference).
@@ -207,6 +266,18 @@ GENERATION_PROMPTS: dict[str, str] = {
     # Jamba always writes the system turn, empty when there is no system message.
     "jamba": "<|startoftext|><|bom|><|system|> <|eom|><|bom|><|user|> Add 2 and 3.<|eom|><|bom|><|assistant|>",
     "falcon_h1": "<|begin_of_text|><|im_start|>user\nAdd 2 and 3.<|im_end|>\n<|im_start|>assistant\n",
+    # Command A's default template opens the response; tool_use and rag leave the chatbot turn bare.
+    "command_a": (
+        _COMMAND_A_SAFETY + "\n" + _COMMAND_A_DEFAULT + "<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Add 2 and 3.<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>"
+    ),
+    "command_a_rag": (
+        _COMMAND_A_SAFETY + _COMMAND_A_DEFAULT + "<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Add 2 and 3.<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
+    ),
+    "nemotron_h": "<|im_start|>user\nAdd 2 and 3.<|im_end|>\n<|im_start|>assistant\n",
 }
 
 #: Every name of axolotl's ChatTemplate enum (v0.18/0.19), phi_4 (dataset level there) included.
@@ -232,7 +303,11 @@ def vendor_tok(base: Any, name: str, *, eos: str | None = None) -> Any:
     tokenizer = copy.deepcopy(base)
     end = TEMPLATES[name].end_of_turn
     tokenizer.add_special_tokens(
-        {"bos_token": bos, "eos_token": eos or vendor_eos, "additional_special_tokens": [end]}
+        {
+            "bos_token": bos,
+            "eos_token": eos or vendor_eos,
+            "additional_special_tokens": [end, *FORMAT_TOKENS.get(name, [])],
+        }
     )
     return tokenizer
 
@@ -270,7 +345,10 @@ def test_the_trained_tokens_are_the_assistant_turns_and_their_end(
     end = TEMPLATES[name].end_of_turn
     tokenizer = vendor_tok(base_tok, name, eos=end)
     messages = TURNS if name == "gemma" else CONVERSATION
-    [ids], [labels] = chat_rows(tmp_path, tokenizer, [{"messages": messages}], chat_template=name)
+    # Command A's preamble is some 1,600 tokens of the tiny tokenizer.
+    [ids], [labels] = chat_rows(
+        tmp_path, tokenizer, [{"messages": messages}], chat_template=name, sequence_len=4096
+    )
     rendered = tokenizer.apply_chat_template(messages, chat_template=TEMPLATES[name].jinja, tokenize=False)
     assert ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
     # Where the format puts a space before the answer, the token holding it and the answer's start is trained.
@@ -409,12 +487,37 @@ def test_image_templates_are_refused_in_one_line(name: str) -> None:
         parse_config(_raw({"type": "chat_template"}, chat_template=name))
 
 
-@pytest.mark.parametrize("name", UNBUILT_CHAT_TEMPLATES)
-def test_templates_not_built_yet_are_refused_naming_the_alternatives(name: str) -> None:
+def test_a_name_shardpool_does_not_know_is_refused_naming_the_alternatives() -> None:
     with pytest.raises(
-        ShardpoolError, match=rf"`{name}` is not built into shardpool; use `tokenizer_default`"
+        ShardpoolError, match=r"`granite` is not built into shardpool; use `tokenizer_default`"
     ):
-        parse_config(_raw({"type": "chat_template"}, chat_template=name))
+        parse_config(_raw({"type": "chat_template"}, chat_template="granite"))
+
+
+@pytest.mark.parametrize("name", ["command_a", "command_a_tool_use", "command_a_rag"])
+def test_command_a_refuses_a_tool_message_in_one_line(tmp_path: Path, base_tok: Any, name: str) -> None:
+    rows = [{"messages": [*TURNS, {"role": "tool", "content": "1"}]}]
+    with pytest.raises(
+        ShardpoolError, match=r"chat.jsonl:1: the chat template failed .*only with tool calls"
+    ):
+        chat_rows(tmp_path, vendor_tok(base_tok, name), rows, chat_template=name)
+
+
+def test_command_a_writes_a_later_system_message_as_a_system_turn(base_tok: Any) -> None:
+    messages = [*TURNS[:2], {"role": "system", "content": "Now be verbose."}]
+    tokenizer = vendor_tok(base_tok, "command_a")
+    text = tokenizer.apply_chat_template(messages, chat_template=TEMPLATES["command_a"].jinja, tokenize=False)
+    assert "# Developer Preamble" not in text
+    assert text.endswith(
+        "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>Now be verbose.<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
+    )
+
+
+def test_nemotron_h_refuses_a_tool_message_in_one_line(tmp_path: Path, base_tok: Any) -> None:
+    rows = [{"messages": [*TURNS, {"role": "tool", "content": "1"}]}]
+    with pytest.raises(ShardpoolError, match=r"chat.jsonl:1: the chat template failed .*not a tool message"):
+        chat_rows(tmp_path, vendor_tok(base_tok, "nemotron_h"), rows, chat_template="nemotron_h")
 
 
 def test_a_dataset_template_wins_over_the_top_level_one(tmp_path: Path, base_tok: Any) -> None:
