@@ -134,9 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--stages",
         type=int,
-        default=1,
+        default=None,
         metavar="N",
-        help="pipeline stages, each a process with its share of the layers (default 1)",
+        help="pipeline stages, each a process with its share of the layers (default: 1 locally, one per device on the mesh)",
+    )
+    generate.add_argument(
+        "--placement",
+        choices=("local", "mesh"),
+        default="local",
+        help="run the stages on this machine (default) or on the mesh members online, through this machine's agent",
     )
     generate.add_argument(
         "--devices",
@@ -183,7 +189,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer only requests with `Authorization: Bearer KEY` (default: $SHARDPOOL_API_KEY, which, unlike a command line, other local users cannot read in `ps`; neither: no key is asked)",
     )
     serve.add_argument(
-        "--stages", type=int, default=1, help="pipeline stages the layers are split into (default 1)"
+        "--stages",
+        type=int,
+        default=None,
+        help="pipeline stages the layers are split into (default: 1 locally, one per device on the mesh)",
+    )
+    serve.add_argument(
+        "--placement",
+        choices=("local", "mesh"),
+        default="local",
+        help="run the stages on this machine (default) or on the mesh members online, through this machine's agent; "
+        "a lost member's requests fail and the stages are placed again over the members left",
     )
     serve.add_argument(
         "--devices",
@@ -451,19 +467,25 @@ def _run_generate(args: argparse.Namespace) -> int:
         chat=args.chat,
         stages=args.stages,
         devices=parse_devices(args.devices),
+        placement=args.placement,
     )
     prompt = args.prompt if args.prompt is not None else read_prompt(args.prompt_file)
     if args.json:
-        print(json.dumps(generate(args.target, prompt, options).as_json()))
+        print(json.dumps(generate(args.target, prompt, options, say=_say).as_json()))
         return 0
 
     def show(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    generate(args.target, prompt, options, on_text=show)
+    generate(args.target, prompt, options, on_text=show, say=_say)
     sys.stdout.write("\n")
     return 0
+
+
+def _say(line: str) -> None:
+    """A line of progress on stderr (stdout holds only the command's result)."""
+    print(f"shardpool: {line}", file=sys.stderr, flush=True)
 
 
 def _run_merge(args: argparse.Namespace) -> int:
@@ -479,7 +501,7 @@ def _run_merge(args: argparse.Namespace) -> int:
 def _run_serve(args: argparse.Namespace) -> int:
     import os
 
-    from shardpool.generate import local_placements, parse_devices
+    from shardpool.generate import parse_devices, ring_stages
     from shardpool.infer.server import ServerOptions, serve
     from shardpool.infer.target import resolve_target
 
@@ -489,16 +511,16 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_queued=args.max_queued,
         chat_max_tokens=args.chat_max_tokens,
     )
-    placements = local_placements(
-        resolve_target(args.target).model_dir,
+    stages = ring_stages(
+        resolve_target(args.target),
+        args.placement,
         args.stages,
         parse_devices(args.devices),
         max_context=args.max_context,
         max_slots=args.max_concurrent,
+        say=_say,
     )
-    serve(
-        args.target, placements, host=args.host, port=args.port, options=options, max_context=args.max_context
-    )
+    serve(args.target, stages, host=args.host, port=args.port, options=options, max_context=args.max_context)
     return 0
 
 

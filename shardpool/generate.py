@@ -9,21 +9,47 @@ template), the completion decoded without special tokens, cut before the first s
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardpool.contract.job import StagePlacement
 from shardpool.errors import ShardpoolError
 from shardpool.host.memory_limit import cpu_memory
-from shardpool.model.shape import read_model_info
-from shardpool.plan.inference import InferenceDevice, InferenceLoad, fitting_split
+from shardpool.model.shape import ModelShape, read_model_info
+from shardpool.plan.costmodel import Workload
+from shardpool.plan.fleet import Device
+from shardpool.plan.inference import (
+    InferenceDevice,
+    InferenceLoad,
+    fitting_split,
+    inference_device,
+    inference_split,
+)
 from shardpool.plan.splits import even_split
 
-__all__ = ["GenerateOptions", "Generation", "generate", "local_placements", "parse_devices", "read_prompt"]
+if TYPE_CHECKING:
+    from shardpool.infer.rings import Stages
+    from shardpool.infer.target import Target
+    from shardpool.launch.mesh_members import MeshMember
+
+__all__ = [
+    "PLACEMENTS",
+    "GenerateOptions",
+    "Generation",
+    "generate",
+    "local_placements",
+    "fleet_placements",
+    "mesh_placements",
+    "parse_devices",
+    "read_prompt",
+    "ring_stages",
+]
+
+#: Where ``generate`` and ``serve`` run their stages: this machine's devices, or the mesh members'.
+PLACEMENTS = ("local", "mesh")
 
 #: The dtype each device kind computes in when nothing else is said: fp32 on CPUs (exact, and what
 #: their kernels run fastest), bf16 on GPUs.
@@ -41,8 +67,9 @@ class GenerateOptions:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     chat: bool = False
-    stages: int = 1
+    stages: int | None = None
     devices: tuple[str, ...] = ("cpu",)
+    placement: str = "local"
 
 
 @dataclass(frozen=True)
@@ -79,7 +106,9 @@ def parse_devices(text: str) -> tuple[str, ...]:
     for device in devices:
         kind = device.split(":", 1)[0]
         if kind not in _DEFAULT_DTYPE:
-            raise ShardpoolError(f"--devices: {device!r} is not a device shardpool runs on (cpu, cuda:N, mps)")
+            raise ShardpoolError(
+                f"--devices: {device!r} is not a device shardpool runs on (cpu, cuda:N, mps)"
+            )
     return devices
 
 
@@ -135,10 +164,16 @@ def local_placements(
 
 
 def generate(
-    target_path: str, prompt: str, options: GenerateOptions, *, on_text: Callable[[str], None] | None = None
+    target_path: str,
+    prompt: str,
+    options: GenerateOptions,
+    *,
+    on_text: Callable[[str], None] | None = None,
+    say: Callable[[str], None] = lambda line: None,
 ) -> Generation:
-    """Continue ``prompt`` with the model at ``target_path``, on local stages; the engine is started
-    and stopped around it. ``on_text`` is given each piece of text as soon as it is certain."""
+    """Continue ``prompt`` with the model at ``target_path``, on stages placed as ``options`` say;
+    the engine is started and stopped around it. ``on_text`` is given each piece of text as soon as
+    it is certain; ``say`` each line of progress (the mesh members, the placement)."""
     from shardpool.data.tokenizing import load_tokenizer
     from shardpool.infer.engine import GenerationRequest, PipelineEngine
     from shardpool.infer.sampling import Sampling
@@ -155,13 +190,17 @@ def generate(
         sampling=Sampling(options.temperature, options.top_p, options.top_k, seed),
         stop_token_ids=stop_ids(tokenizer, target.model_dir),
     )
-    placements = local_placements(
-        target.model_dir, options.stages, options.devices, max_context=len(ids) + options.max_new_tokens
+    max_context = len(ids) + options.max_new_tokens
+    stages = ring_stages(
+        target,
+        options.placement,
+        options.stages,
+        options.devices,
+        max_context=max_context,
+        max_slots=1,
+        say=say,
     )
-    threads = max(1, (os.cpu_count() or 1) // len(placements))
-    with PipelineEngine(
-        target, placements, max_slots=1, max_context=len(ids) + options.max_new_tokens, threads_per_process=threads
-    ) as engine:
+    with PipelineEngine(target, stages=stages, max_slots=1, max_context=max_context) as engine:
         started = time.perf_counter()
         stream = engine.submit(request)
         text = TextStream(tokenizer, stop=options.stop, context=ids)
@@ -181,6 +220,141 @@ def generate(
         first = (stream.first_token_at or time.perf_counter()) - stream.submitted_at
     reason = "stop" if text.stopped else (stream.finish_reason or "length")
     return Generation(text.text, token_ids, reason, len(ids), first, seconds)
+
+
+def ring_stages(
+    target: Target,
+    placement: str,
+    stages: int | None,
+    devices: Sequence[str],
+    *,
+    max_context: int,
+    max_slots: int,
+    say: Callable[[str], None],
+    agent_socket: str | None = None,
+) -> Stages:
+    """Where a ring's stages run: this machine's ``devices`` (``placement`` local; ``stages`` of
+    them, default 1), or the mesh members online, through this machine's agent (``placement``
+    mesh; ``stages`` of them, default one per device online), placed by :func:`mesh_placements`
+    again at each start of the ring."""
+    from shardpool.infer.engine import target_inputs
+    from shardpool.infer.rings import LocalStages, MeshStages
+
+    if placement not in PLACEMENTS:
+        raise ShardpoolError(f"--placement {placement!r} is not one of: {', '.join(PLACEMENTS)}")
+    if placement == "local":
+        return LocalStages(
+            local_placements(
+                target.model_dir, stages or 1, devices, max_context=max_context, max_slots=max_slots
+            )
+        )
+    from mesh.node.candidates import interface_addresses
+    from shardpool.agent.local_client import LocalAgentClient, agent_socket_path
+    from shardpool.launch.mesh_members import online_members
+
+    local = LocalAgentClient(agent_socket_path(agent_socket))
+
+    def members() -> list[MeshMember]:
+        online = online_members(local)
+        say(f"mesh members online: {', '.join(member.name for member in online)}")
+        return online
+
+    def place(online: list[MeshMember]) -> list[StagePlacement]:
+        chosen = mesh_placements(
+            online,
+            target.model_dir,
+            stages,
+            max_context=max_context,
+            max_slots=max_slots,
+            lora_r=target.lora_r,
+            say=say,
+        )
+        say("stages: " + ", ".join(f"{p.host} {p.device} layers {p.start}-{p.stop - 1}" for p in chosen))
+        return chosen
+
+    def interface_of(address: str) -> str | None:
+        return next((name for name, found in interface_addresses() if found == address), None)
+
+    return MeshStages(members, place, target_inputs(target), interface_of=interface_of)
+
+
+def mesh_placements(
+    members: Sequence[MeshMember],
+    model_dir: Any,
+    stages: int | None,
+    *,
+    max_context: int,
+    max_slots: int,
+    lora_r: int,
+    say: Callable[[str], None],
+) -> list[StagePlacement]:
+    """The ring's stages over the members' devices, each profiled on its member for this model
+    (:func:`~shardpool.launch.mesh_members.mesh_fleet`), placed by :func:`fleet_placements`."""
+    import json
+    from pathlib import Path
+
+    from shardpool.launch.mesh_members import mesh_fleet
+
+    model_config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    workload = _inference_workload(max_context, lora_r)
+    fleet = mesh_fleet(list(members), model_config=model_config, workload=workload, say=say)
+    return fleet_placements(
+        fleet.devices, model_dir, stages, max_context=max_context, max_slots=max_slots, lora_r=lora_r, say=say
+    )
+
+
+def fleet_placements(
+    devices: Sequence[Device],
+    model_dir: Any,
+    stages: int | None,
+    *,
+    max_context: int,
+    max_slots: int,
+    lora_r: int,
+    say: Callable[[str], None],
+) -> list[StagePlacement]:
+    """``stages`` of ``devices`` in their order (default: every one), the layers split so that the
+    slowest stage's per-token time is least with every stage's weights and KV cache
+    (``max_context`` tokens × ``max_slots`` sequences) within its device's memory; each stage in
+    fp32 on a CPU, bf16 on a GPU that computes it well, fp32 on one that does not, and with the
+    NF4 backend its device was given."""
+    if not devices:
+        raise ShardpoolError("no mesh member offers a device; check `shardpool mesh status`")
+    shape = ModelShape.from_config_dir(model_dir)
+    count = min(stages or len(devices), shape.num_layers)
+    if count > len(devices):
+        say(f"only {len(devices)} devices online: placing {len(devices)} stages")
+        count = len(devices)
+    chosen = list(devices[:count])
+    workload = _inference_workload(max_context, lora_r)
+    load = InferenceLoad(max_context=max_context, max_slots=max_slots, lora_r=lora_r)
+    split = inference_split(shape, load, [inference_device(device, shape, workload, load) for device in chosen])
+    return [
+        StagePlacement(
+            start=start,
+            stop=stop,
+            device=device.torch_device or device.name,
+            host=device.host,
+            dtype=_mesh_dtype(device),  # type: ignore[arg-type]
+            nf4_backend=device.nf4_backend or None,  # type: ignore[arg-type]
+        )
+        for (start, stop), device in zip(split.layers, chosen, strict=True)
+    ]
+
+
+def _inference_workload(max_context: int, lora_r: int) -> Workload:
+    """What the members profile for a generating stage: one sequence of up to 512 positions."""
+    return Workload(micro_batch_size=1, sequence_len=min(max_context, 512), lora_r=lora_r)
+
+
+def _mesh_dtype(device: Device) -> str:
+    """fp32 on a CPU (exact, and fastest there), else bf16 where the device computes it well and
+    fp32 where it does not (a V100, an M40), as the planner's ``bf16: auto`` chooses."""
+    from shardpool.plan.precision import choose_dtype
+
+    if device.kind == "cpu":
+        return "float32"
+    return choose_dtype(device.facts(), "bf16-auto").dtype
 
 
 def read_prompt(path: str) -> str:

@@ -33,6 +33,7 @@ from shardpool.agent.accounts import JobUids, RunAs, disown_tree, kill_uid, make
 from shardpool.agent.confine import stage_writable_dirs
 from shardpool.agent.jobs import Job, Rank, open_log, tail, terminate
 from shardpool.agent.processes import Spawner, StageSettings, popen_as, stage_environment
+from shardpool.contract.inference import InferenceJob
 from shardpool.contract.names import ContractError
 from shardpool.contract.start import FILES_SECRET_FILE, JobStartRequest, NotAMember, parse_job_start
 from shardpool.errors import ShardpoolError
@@ -217,8 +218,10 @@ class JobTable:
         if request.files_secret is not None:
             _write_private(directory / FILES_SECRET_FILE, request.files_secret.encode("ascii"), account)
         try:
+            inference = isinstance(request.job, InferenceJob)
+            command = self.settings.inference_command if inference else self.settings.worker_command
             for rank in request.ranks:
-                argv = [*self.settings.worker_command, str(job_file), str(rank)]
+                argv = [*command, str(job_file), str(rank)]
                 self._start_rank(entry, rank, argv, account, local_ranks=len(request.ranks))
         except OSError as error:
             self._stop_job(entry, "start failed")

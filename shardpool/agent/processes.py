@@ -55,8 +55,9 @@ _INHERITED_ENV = (
 
 @dataclass(frozen=True)
 class StageSettings:
-    """How this agent starts stages: as whom, which command (the job file and rank are appended),
-    on which mesh interface, under which work directory, and with which Landlock ABI (0: none).
+    """How this agent starts stages: as whom, which command (the job file and rank are appended;
+    ``inference_command`` for an inference job's stages), on which mesh interface, under which
+    work directory, and with which Landlock ABI (0: none).
 
     ``job_uids`` is the range each job's own uid comes from (with ``run_as``'s group); an agent
     that is not root, or an empty range, runs every job as ``run_as`` itself.
@@ -68,6 +69,7 @@ class StageSettings:
     work_dir: Path
     landlock_abi: int
     job_uids: range = DEFAULT_JOB_UIDS
+    inference_command: tuple[str, ...] = (sys.executable, "-m", "shardpool.infer.stage_process")
 
     @property
     def cache_dir(self) -> Path:

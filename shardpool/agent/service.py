@@ -72,7 +72,8 @@ class Agent:
     processes (and the device profiler) run as; ``group`` and ``socket_path`` configure the local
     listener (none when ``socket_path`` is None). ``worker_command`` replaces ``[python, -m,
     shardpool.elastic.rank]`` (tests run small scripts; it must be runnable by ``run_as``); the job
-    file and the rank are appended to it. ``profile_command`` likewise replaces ``[python, -m,
+    file and the rank are appended to it. ``inference_command`` likewise replaces ``[python, -m,
+    shardpool.infer.stage_process]``, which runs an inference job's stages. ``profile_command`` likewise replaces ``[python, -m,
     shardpool.plan.report]``, which must answer within ``profile_timeout_s``. ``interface`` is the
     mesh interface, given to gloo and NCCL. Other members' agents are called on ``peer_port``
     (default: the port this agent listens on). ``limits`` bound the mesh listener, and the share
@@ -93,6 +94,7 @@ class Agent:
         group: str = DEFAULT_LAUNCH_GROUP,
         socket_path: str | os.PathLike[str] | None = None,
         worker_command: list[str] | None = None,
+        inference_command: list[str] | None = None,
         profile_command: list[str] | None = None,
         profile_timeout_s: float = PROFILE_TIMEOUT_S,
         heartbeat_timeout_s: float = 20.0,
@@ -110,6 +112,7 @@ class Agent:
         self.settings = StageSettings(
             run_as=run_as,
             worker_command=list(worker_command or [sys.executable, "-m", "shardpool.elastic.rank"]),
+            inference_command=tuple(inference_command or [sys.executable, "-m", "shardpool.infer.stage_process"]),
             interface=interface,
             work_dir=Path(work_dir),
             landlock_abi=landlock_abi(),

@@ -23,6 +23,7 @@ from shardpool.contract.fields import (
     UserName,
     describe_validation_error,
 )
+from shardpool.contract.inference import INFERENCE_KIND, InferenceJob
 from shardpool.contract.job import Job
 from shardpool.contract.names import ContractError
 
@@ -52,6 +53,9 @@ class NotTheOrigin(NotAMember):
 class JobStartRequest(Closed):
     """``POST /v1/jobs``: start ``ranks`` of ``job`` on this member, as job ``job_id``.
 
+    ``job`` is a training :class:`~shardpool.contract.job.Job`; :class:`InferenceStartRequest`'s
+    is an :class:`~shardpool.contract.inference.InferenceJob` (the stages of a generating ring).
+
     A stage started by an agent always reads and writes through the launcher's file server, so
     ``files_url`` is required: the launcher's paths (``inputs`` values, ``output_dir``) are never
     opened on the member.
@@ -64,7 +68,7 @@ class JobStartRequest(Closed):
     """
 
     job_id: JobId
-    job: Job
+    job: Job | InferenceJob
     ranks: list[int] = Field(min_length=1, max_length=MAX_RANKS)
     submitter: UserName | None = None
     origin: HostName | None = None
@@ -83,6 +87,18 @@ class JobStartRequest(Closed):
         return self
 
 
+class InferenceStartRequest(JobStartRequest):
+    """``POST /v1/jobs`` for an inference ring's stages (a job with ``kind: inference``)."""
+
+    job: InferenceJob
+
+
+class TrainingStartRequest(JobStartRequest):
+    """``POST /v1/jobs`` for a training job's ranks."""
+
+    job: Job
+
+
 def parse_job_start(
     body: Any, *, is_member_address: Callable[[str], bool], origin_address: str | None = None
 ) -> JobStartRequest:
@@ -93,8 +109,14 @@ def parse_job_start(
     Raises ContractError (bad shape: 400) or NotAMember (an address outside the mesh, or not the
     origin's: 403).
     """
+    job = body.get("job") if isinstance(body, dict) else None
+    kind = (
+        InferenceStartRequest
+        if isinstance(job, dict) and job.get("kind") == INFERENCE_KIND
+        else TrainingStartRequest
+    )
     try:
-        request = JobStartRequest.model_validate(body)
+        request: JobStartRequest = kind.model_validate(body)
     except ValidationError as error:
         raise ContractError(describe_validation_error(error, "job request")) from None
     check_member_addresses(request.job, is_member_address)
@@ -103,7 +125,7 @@ def parse_job_start(
     return request
 
 
-def check_member_addresses(job: Job, is_member_address: Callable[[str], bool]) -> None:
+def check_member_addresses(job: Job | InferenceJob, is_member_address: Callable[[str], bool]) -> None:
     """Refuse a job whose rendezvous or file server is not at a current mesh member's address.
 
     Otherwise a job could aim stage processes at any host: their downloads, uploads and
@@ -117,7 +139,7 @@ def check_member_addresses(job: Job, is_member_address: Callable[[str], bool]) -
             )
 
 
-def check_origin_addresses(job: Job, origin_address: str) -> None:
+def check_origin_addresses(job: Job | InferenceJob, origin_address: str) -> None:
     """Refuse a job whose rendezvous or file server is not at ``origin_address``.
 
     The launcher serves both on its own mesh address, so a job that names another member's
@@ -132,7 +154,7 @@ def check_origin_addresses(job: Job, origin_address: str) -> None:
             )
 
 
-def _named_addresses(job: Job) -> list[tuple[str, str]]:
+def _named_addresses(job: Job | InferenceJob) -> list[tuple[str, str]]:
     named = [("master_addr", job.master_addr)]
     if job.files_host is not None:
         named.append(("files_url", job.files_host))

@@ -1,18 +1,21 @@
 """The driver of the inference ring: start the stages, admit requests into sequence slots, and
 stream each one's tokens back.
 
-:class:`PipelineEngine` hosts the rendezvous store (every value sealed with a fresh control key),
-starts one process per stage (:mod:`shardpool.infer.stage_process`) and joins their gloo world as
-the last rank. A request takes a free slot and goes round the ring as a PREFILL (its prompt); each
-token the last stage sends back is handed to the request's :class:`Stream` and, unless the request
-is finished, sent to stage 0 as the slot's next DECODE. Up to ``max_slots`` sequences are in
+:class:`PipelineEngine` hosts the rendezvous store (every value sealed with the ring's control
+key), has its :class:`~shardpool.infer.rings.Stages` start one process per stage
+(:mod:`shardpool.infer.stage_process`: children of this process, or on mesh members through their
+agents) and joins their gloo world as the last rank (on the mesh, over the WireGuard interface:
+``GLOO_SOCKET_IFNAME`` is set in this process). A request takes a free slot and goes round the
+ring as a PREFILL (its prompt); each token the last stage sends back is handed to the request's
+:class:`Stream` and, unless the request is finished, sent to stage 0 as the slot's next DECODE. Up to ``max_slots`` sequences are in
 flight at once, so while the last stage samples one sequence's token the first already computes
 another's: the pipeline fills. Finished slots are released (each stage drops its cache) and taken
 by the next waiting request.
 
-A stage that fails (or dies) fails every request in flight with its one-line error, and the
-engine stops, or, with ``restart`` (``shardpool serve``), starts a fresh ring on the same places
-and serves again. :meth:`PipelineEngine.close` stops the stages and leaves no process behind.
+A stage that fails (or dies, or whose member is lost) fails every request in flight with its
+one-line error, and the engine stops, or, with ``restart`` (``shardpool serve``), starts a fresh
+ring (placed again: on the mesh, over the members online then) and serves again.
+:meth:`PipelineEngine.close` stops the stages and leaves no process behind.
 
 The driver's gloo world is torch.distributed's default group, which is global to the process:
 one engine at a time per process. Its stage processes die with the thread that created the
@@ -25,9 +28,6 @@ import collections
 import logging
 import os
 import queue
-import secrets
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -40,15 +40,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardpool.contract.inference import ADAPTER_PREFIX, INFERENCE_KIND, MODEL_PREFIX, InferenceJob
 from shardpool.contract.job import StagePlacement
 from shardpool.elastic.group_store import GroupStore
 from shardpool.elastic.messages import ControlStore, control_key
 from shardpool.errors import ShardpoolError
 from shardpool.infer.messages import HEADER_LEN, Header, Kind
+from shardpool.infer.rings import LocalStages, Ring, Stages
 from shardpool.infer.sampling import Sampling
-from shardpool.infer.spec import InferenceSpec
 from shardpool.infer.target import Target
-from shardpool.launch.local_launcher import die_with_parent, stage_environment, stop_processes
 from shardpool.train.process_group import prove_peers
 from shardpool.train.rendezvous import rendezvous_store
 
@@ -128,8 +128,9 @@ class PipelineEngine:
     def __init__(
         self,
         target: Target,
-        placements: Sequence[StagePlacement],
+        placements: Sequence[StagePlacement] = (),
         *,
+        stages: Stages | None = None,
         max_slots: int = 8,
         max_context: int = 4096,
         threads_per_process: int | None = None,
@@ -140,11 +141,17 @@ class PipelineEngine:
         if max_slots < 1:
             raise ShardpoolError(f"max_slots {max_slots} must be at least 1")
         self.target = target
-        self.placements = list(placements)
         self.max_slots = max_slots
         self.max_context = max_context
         self._work = Path(tempfile.mkdtemp(prefix="shardpool-infer-"))
         self.log_dir = log_dir or self._work
+        if stages is None:
+            if not placements:
+                raise ShardpoolError("the engine needs the stages' places")
+            stages = LocalStages(placements, work_dir=self._work, log_dir=self.log_dir)
+        #: Where the stages run (this machine's processes, or mesh members).
+        self.stages = stages
+        self.placements: list[StagePlacement] = []
         self._lock = threading.Lock()
         self._slots: dict[int, _Slot] = {}
         self._waiting: collections.deque[Stream] = collections.deque()
@@ -152,14 +159,18 @@ class PipelineEngine:
         self._failure: str | None = None
         self._last_failure = ""
         self._closing = False
-        self._processes: list[subprocess.Popen[bytes]] = []
-        self._threads = threads_per_process or max(1, (os.cpu_count() or 1) // len(self.placements))
+        self._ring: Ring | None = None
+        self._threads = threads_per_process
         self._timeout_s = timeout_s
         #: Start the ring again after a stage fails (``serve``); requests in flight still fail.
         self.restart = restart
         self.restarts = 0
         self._restart_due = threading.Event()
-        self._start(self._threads, timeout_s)
+        try:
+            self._start(timeout_s)
+        except BaseException:
+            stages.close()
+            raise
         if restart:
             threading.Thread(target=self._restarter, name="shardpool-infer-restarter", daemon=True).start()
 
@@ -183,19 +194,25 @@ class PipelineEngine:
             if self._closing:
                 raise EngineFailed("the engine is closing")
             self._waiting.append(stream)
-            ring = self._processes
+            ring = self._ring
             try:
                 self._admit_waiting()
                 return stream
             except RuntimeError as error:  # the ring broke before the watcher or receiver saw it
                 broke = f"the inference ring broke: {str(error).splitlines()[0]}"
         time.sleep(0.2)  # let the failed stage's own line reach its log first
-        self._fail_all(self._stage_error(ring) or broke, ring)
+        self._fail_all(_ring_failure(ring) or broke, ring)
         raise EngineFailed(self._failure or broke)
 
     def generate(self, request: GenerationRequest) -> list[int]:
         """The tokens of ``request``, once it has finished."""
         return self.submit(request).tokens()
+
+    @property
+    def ring(self) -> Ring | None:
+        """The stages now running (a :class:`~shardpool.infer.rings.LocalRing`'s processes, or a
+        :class:`~shardpool.infer.rings.MeshRing`'s members), None between a failure and a restart."""
+        return self._ring
 
     @property
     def failure(self) -> str | None:
@@ -211,13 +228,15 @@ class PipelineEngine:
                 self._send(Header(Kind.STOP))
         if not already:
             self._receiver.join(timeout=_STOP_WAIT_S)
-            stop_processes(self._processes)
+            if self._ring is not None:
+                self._ring.stop()
             self._fail_all("the engine was closed")
             if dist.is_initialized():
                 try:
                     dist.destroy_process_group()
                 except RuntimeError:
                     pass
+            self.stages.close()
             for file in self._work.iterdir():
                 if file.suffix == ".json":
                     file.unlink(missing_ok=True)
@@ -229,43 +248,51 @@ class PipelineEngine:
         self.close()
 
     # ----- starting -----------------------------------------------------------------------------
-    def _start(self, threads: int, timeout_s: float) -> None:
-        address = "127.0.0.1"
+    def _start(self, timeout_s: float) -> None:
+        placements = self.stages.place()
+        address = self.stages.address
         self._store = rendezvous_store(address, timeout_s=timeout_s)
-        secret = secrets.token_hex(32)
-        spec = InferenceSpec(
-            model_dir=str(self.target.model_dir),
-            adapter_dir=None if self.target.adapter_dir is None else str(self.target.adapter_dir),
+        secret = self.stages.control_secret()
+        threads = self._threads or max(1, (os.cpu_count() or 1) // len(placements))
+        job = InferenceJob(
+            kind=INFERENCE_KIND,
+            inputs=target_inputs(self.target),
+            files_url=self.stages.files_url,
             lora_r=self.target.lora_r,
             lora_alpha=self.target.lora_alpha,
-            lora_targets=self.target.lora_targets,
-            stages=tuple(self.placements),
+            lora_targets=list(self.target.lora_targets),
+            stages=list(placements),
             master_addr=address,
             master_port=int(self._store.port),
             threads_per_process=threads,
             timeout_s=timeout_s,
         )
-        self.spec = spec
-        spec_file = self._work / "spec.json"
-        spec.write(spec_file)
+        self.job = job
+        self.placements = list(placements)
+        ring: Ring | None = None
         try:
-            for rank in range(spec.num_stages):
-                self._processes.append(_start_stage(spec_file, rank, self.log_dir, secret, threads))
-            sealed = ControlStore(self._store, control_key(secret, addr=address, port=spec.master_port))
-            world = spec.num_stages + 1
+            ring = self.stages.start(job, secret)
+            self._ring = ring
+            sealed = ControlStore(self._store, control_key(secret, addr=address, port=job.master_port))
+            world = job.num_stages + 1
             _fresh_group_names()
+            if self.stages.interface:
+                os.environ["GLOO_SOCKET_IFNAME"] = self.stages.interface
             dist.init_process_group(
                 backend="gloo",
                 store=GroupStore(sealed),
-                rank=spec.driver_rank,
+                rank=job.driver_rank,
                 world_size=world,
                 timeout=timedelta(seconds=timeout_s),
             )
-            prove_peers(sealed.peer_key(0), group=None, name="world", rank=spec.driver_rank, ranks=range(world))
-            self._wait_ready()
+            prove_peers(
+                sealed.peer_key(0), group=None, name="world", rank=job.driver_rank, ranks=range(world)
+            )
+            self._wait_ready(ring)
         except BaseException as error:
-            died = self._stage_error()  # before they are stopped: a stage that failed on its own
-            stop_processes(self._processes)
+            died = _ring_failure(ring)  # before they are stopped: a stage that failed on its own
+            if ring is not None:
+                ring.stop()
             if dist.is_initialized():
                 dist.destroy_process_group()
             if died is not None:
@@ -275,15 +302,15 @@ class PipelineEngine:
             first = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise EngineFailed(f"the stages did not join the ring: {first}") from None
         self._receiver = threading.Thread(
-            target=self._receive, args=(self._processes,), name="shardpool-infer-receiver", daemon=True
+            target=self._receive, args=(ring,), name="shardpool-infer-receiver", daemon=True
         )
         self._receiver.start()
         self._watcher = threading.Thread(
-            target=self._watch, args=(self._processes,), name="shardpool-infer-watch", daemon=True
+            target=self._watch, args=(ring,), name="shardpool-infer-watch", daemon=True
         )
         self._watcher.start()
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, ring: Ring) -> None:
         """Wait for the ring's READY (every stage built), stopping early when a stage dies."""
         with self._lock:
             self._send(Header(Kind.READY))
@@ -300,7 +327,7 @@ class PipelineEngine:
         waiter = threading.Thread(target=receive, name="shardpool-infer-ready", daemon=True)
         waiter.start()
         while waiter.is_alive():
-            died = self._stage_error()
+            died = ring.failure()
             if died is not None:
                 raise EngineFailed(died)
             waiter.join(timeout=0.05)
@@ -332,7 +359,7 @@ class PipelineEngine:
             sampling = torch.tensor(request.sampling.encode(), dtype=torch.float64)
             self._send(Header(Kind.PREFILL, slot, len(request.prompt_ids), 0), sampling, prompt)
 
-    def _receive(self, processes: list[subprocess.Popen[bytes]]) -> None:
+    def _receive(self, ring: Ring) -> None:
         """Hand each token the last stage sends to its request, until STOP or the ring breaks."""
         last = self.num_stages - 1
         try:
@@ -347,9 +374,8 @@ class PipelineEngine:
                 with self._lock:
                     self._on_token(header)
         except Exception as error:  # noqa: BLE001 - a broken ring fails every request, said once
-            time.sleep(0.2)  # let the failed stage's own line reach its log first
             broke = f"the inference ring broke: {str(error).splitlines()[0]}"
-            self._fail_all(self._stage_error(processes) or broke, processes)
+            self._fail_all(_root_cause(ring) or broke, ring)
 
     def _on_token(self, header: Header) -> None:
         slot = self._slots.get(header.slot)
@@ -375,12 +401,12 @@ class PipelineEngine:
         stream.items.put(("end", reason))
         self._admit_waiting()
 
-    def _fail_all(self, message: str, ring: list[subprocess.Popen[bytes]] | None = None) -> None:
+    def _fail_all(self, message: str, ring: Ring | None = None) -> None:
         """Fail every request in flight or waiting with ``message`` and stop the stages (then start
-        them again, with ``restart``). ``ring``: the processes of the ring that broke; a call about
-        a ring already replaced is ignored."""
+        them again, with ``restart``). ``ring``: the ring that broke; a call about a ring already
+        replaced is ignored."""
         with self._lock:
-            if ring is not None and ring is not self._processes:
+            if ring is not None and ring is not self._ring:
                 return
             first = self._failure is None and not self._closing
             if first:
@@ -390,11 +416,11 @@ class PipelineEngine:
             streams = [slot.stream for slot in self._slots.values()] + list(self._waiting)
             self._slots.clear()
             self._waiting.clear()
-            broken = self._processes
+            broken = self._ring
         for stream in streams:
             stream.items.put(("error", failure))
-        if not self._closing:
-            stop_processes(broken)
+        if not self._closing and broken is not None:
+            broken.stop()
             if first and self.restart:
                 self._restart_due.set()
 
@@ -409,8 +435,9 @@ class PipelineEngine:
                     self._start_again()
 
     def _start_again(self) -> None:
-        """Replace a failed ring with a fresh one on the same places: new processes, a new store and
-        key. Until it is up, new requests are refused with the failure's line; then it serves."""
+        """Replace a failed ring with a fresh one: new processes (placed again: on the mesh, over the
+        members online now), a new store and key. Until it is up, new requests are refused with the
+        failure's line; then it serves."""
         self._receiver.join(timeout=_STOP_WAIT_S)
         self._watcher.join(timeout=_STOP_WAIT_S)
         if dist.is_initialized():
@@ -423,9 +450,9 @@ class PipelineEngine:
                 return
             with self._lock:
                 self._sends.clear()
-                self._processes = []
+                self._ring = None
             try:
-                self._start(self._threads, self._timeout_s)
+                self._start(self._timeout_s)
             except ShardpoolError as error:
                 log.warning("the inference ring did not start again (try %d): %s", attempt + 1, error)
                 time.sleep(2.0 * (attempt + 1))
@@ -436,29 +463,41 @@ class PipelineEngine:
             log.warning("the inference ring started again after: %s", self._last_failure)
             return
 
-    def _watch(self, processes: list[subprocess.Popen[bytes]]) -> None:
-        """Notice a stage of this ring (``processes``) that died: the ring may not break at once,
-        its neighbours wait."""
-        while not self._closing and processes is self._processes:
-            if any(process.poll() not in (None, 0) for process in processes):
-                time.sleep(0.2)
-                self._fail_all(self._stage_error(processes) or "a stage process ended", processes)
+    def _watch(self, ring: Ring) -> None:
+        """Notice a stage of ``ring`` that died or a member that was lost: the ring may not break at
+        once, its neighbours wait."""
+        while not self._closing and ring is self._ring:
+            if ring.failure() is not None:
+                self._fail_all(_root_cause(ring) or "a stage ended", ring)
                 return
             time.sleep(_WATCH_INTERVAL_S)
 
-    def _stage_error(self, processes: list[subprocess.Popen[bytes]] | None = None) -> str | None:
-        """The failed stage's one line, or None while none has failed. The root cause is a stage
-        killed by a signal, else the first to exit non-zero: its neighbours only lost a peer."""
-        codes = [process.poll() for process in (self._processes if processes is None else processes)]
-        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
-        if not failed:
-            return None
-        killed = [rank for rank in failed if (codes[rank] or 0) < 0]
-        rank = (killed or failed)[0]
-        log = self.log_dir / f"infer-rank-{rank}.log"
-        code = codes[rank] or 0
-        how = f"killed by signal {-code}" if code < 0 else (_last_error_line(log) or f"exited with {code}")
-        return f"stage {rank} failed: {how} (log: {log})"
+
+def _ring_failure(ring: Ring | None) -> str | None:
+    return None if ring is None else ring.failure()
+
+
+def _root_cause(ring: Ring) -> str | None:
+    """The ring's failure once its root cause had time to show (``ring.settle_s``): the stage that
+    died or the member that was lost, rather than a neighbour that only lost its peer."""
+    deadline = time.monotonic() + ring.settle_s
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        cause = ring.failure()
+        if cause is not None and ("killed by signal" in cause or "was lost" in cause):
+            return cause
+    return ring.failure()
+
+
+def target_inputs(target: Target) -> dict[str, str]:
+    """The ring's inputs by name: the base model's config and weights, and the adapter's files."""
+    inputs = {MODEL_PREFIX + "config.json": str(target.model_dir / "config.json")}
+    for path in sorted(target.model_dir.glob("*.safetensors")):
+        inputs[MODEL_PREFIX + path.name] = str(path)
+    if target.adapter_dir is not None:
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            inputs[ADAPTER_PREFIX + name] = str(target.adapter_dir / name)
+    return inputs
 
 
 def _fresh_group_names() -> None:
@@ -473,31 +512,3 @@ def _fresh_group_names() -> None:
     world = getattr(dist.distributed_c10d, "_world", None)
     if world is not None and not dist.is_initialized() and hasattr(world, "group_count"):
         world.group_count = 0
-
-
-def _start_stage(spec_file: Path, rank: int, log_dir: Path, secret: str, threads: int) -> subprocess.Popen[bytes]:
-    log_dir.mkdir(parents=True, exist_ok=True)
-    env = stage_environment(secret, threads)
-    log = open(log_dir / f"infer-rank-{rank}.log", "ab")  # noqa: SIM115 - handed to the child
-    try:
-        return subprocess.Popen(
-            [sys.executable, "-m", "shardpool.infer.stage_process", str(spec_file), str(rank)],
-            stdout=log,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            preexec_fn=die_with_parent,
-        )
-    finally:
-        log.close()
-
-
-def _last_error_line(path: Path) -> str:
-    try:
-        lines = [line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines()]
-    except OSError:
-        return ""
-    errors = [line[len("error: ") :] for line in lines if line.startswith("error: ")]
-    if errors:
-        return errors[-1]
-    return next((line for line in reversed(lines) if line), "")

@@ -51,6 +51,7 @@ from mesh.http.transport import (
 from shardpool.contract.job import StagePlacement
 from shardpool.errors import ShardpoolError
 from shardpool.infer.engine import EngineFailed, GenerationRequest, PipelineEngine, Stream
+from shardpool.infer.rings import LocalStages, Stages
 from shardpool.infer.sampling import Sampling
 from shardpool.infer.text import TextStream, chat_prompt_ids, prompt_ids, stop_ids, stop_strings
 
@@ -707,7 +708,7 @@ def _number(value: Any, name: str, default: float, low: float, high: float) -> f
 
 def serve(
     target_path: str,
-    placements: Sequence[StagePlacement],
+    stages: Sequence[StagePlacement] | Stages,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -715,8 +716,9 @@ def serve(
     max_context: int = 4096,
     on_ready: Callable[[OpenAIServer], None] | None = None,
 ) -> None:
-    """Start the engine and the server, print one line when ready, serve until SIGINT or SIGTERM,
-    then stop the server and the engine (no stage process is left)."""
+    """Start the engine on ``stages`` (places on this machine, or a :class:`~shardpool.infer.rings.Stages`:
+    the mesh's), and the server; print one line when ready, serve until SIGINT or SIGTERM, then
+    stop the server and the engine (no stage process is left)."""
     from shardpool.data.tokenizing import load_tokenizer
     from shardpool.infer.target import resolve_target
 
@@ -726,8 +728,9 @@ def serve(
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="shardpool serve: %(message)s", stream=sys.stderr)
     stop = threading.Event()
+    ring = LocalStages(stages) if isinstance(stages, Sequence) else stages
     with PipelineEngine(
-        target, placements, max_slots=options.max_concurrent, max_context=max_context, restart=True
+        target, stages=ring, max_slots=options.max_concurrent, max_context=max_context, restart=True
     ) as engine:
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:

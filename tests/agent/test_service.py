@@ -34,6 +34,7 @@ from shardpool.agent import jobs as agent_jobs
 from shardpool.agent.accounts import DEFAULT_JOB_UIDS
 from shardpool.agent.members import MeshPeer
 from shardpool.agent.service import Agent
+from shardpool.contract.inference import InferenceJob
 from shardpool.contract.job import Job
 from shardpool.host.cpu_quota import available_cpus
 from tests.helpers.agents import (
@@ -256,6 +257,43 @@ def test_bad_job_requests_are_refused_with_400_and_one_line(agent: Agent) -> Non
     assert signed(agent.url, "GET", "/v1/other")[0] == 404
     assert signed(agent.url, "PUT", "/v1/jobs")[0] == 405
     assert not (agent.work_dir / "jobs" / "x").exists()
+
+
+def test_an_inference_job_runs_the_inference_stage_command_not_the_training_rank(
+    shared: Path, worker_script: list[str]
+) -> None:
+    inference = shared / "inference.py"
+    inference.write_text(
+        "import sys\nprint('inference stage', sys.argv[2], sys.argv[1].endswith('job.json'))\n"
+    )
+    inference.chmod(0o644)
+    job = {
+        "kind": "inference",
+        "inputs": {"model/config.json": "/m/config.json"},
+        "files_url": "http://127.0.0.1:41000",
+        "stages": [
+            {"start": 0, "stop": 1, "device": "cpu", "host": "b"},
+            {"start": 1, "stop": 2, "device": "cpu", "host": "b"},
+        ],
+        "master_addr": "127.0.0.1",
+        "master_port": 29500,
+        "threads_per_process": 1,
+    }
+    agent_ = make_agent(shared / "work", worker_script, inference_command=[sys.executable, str(inference)])
+    with agent_ as agent:
+        status, reply = signed(agent.url, "POST", "/v1/jobs", {"job_id": "ring", "job": job, "ranks": [0, 1]})
+        assert status == 201, reply
+        _, final = _drain(agent.url, "ring")
+        assert final["exited"] == {"0": 0, "1": 0}
+        for rank in (0, 1):
+            assert (
+                f"inference stage {rank} True"
+                in signed(agent.url, "GET", f"/v1/jobs/ring/log/{rank}?tail=5")[1]
+            )
+        written = json.loads((agent.work_dir / "jobs" / "ring" / "job.json").read_text())
+        assert written == InferenceJob.model_validate(job, strict=False).model_dump(mode="json")
+        status, reply = signed(agent.url, "POST", "/v1/jobs", {"job_id": "ring2", "job": job, "ranks": [2]})
+        assert status == 400 and "0..1" in reply["error"], reply
 
 
 def _started_events(url: str, job_id: str, count: int) -> list[dict[str, Any]]:

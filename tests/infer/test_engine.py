@@ -111,7 +111,7 @@ def test_a_stage_lost_while_generating_fails_the_requests_and_leaves_no_process(
         streams = [engine.submit(GenerationRequest((5, 6, 7), 900)) for _ in range(2)]
         first = iter(streams[0])
         next(first)  # generating
-        pids = [process.pid for process in engine._processes]
+        pids = [process.pid for process in engine.ring.processes]  # type: ignore[union-attr]
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(EngineFailed, match=r"stage 1 failed: killed by signal 9"):
             list(first)
@@ -130,17 +130,17 @@ def test_a_stage_lost_while_generating_fails_the_requests_and_leaves_no_process(
 def test_a_stage_without_the_ring_key_never_joins(adapter_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A process that does not hold the engine's key (here: stage 0 given another one) can neither
     read the sealed rendezvous nor prove the key, so the ring never forms: one line, no process left."""
-    import shardpool.infer.engine as engine_module
+    import shardpool.infer.rings as rings_module
 
     started = []
-    real_start = engine_module._start_stage
+    real_start = rings_module._start_local_stage
 
-    def outsider_at_rank_0(spec_file: Path, rank: int, log_dir: Path, secret: str, threads: int):  # type: ignore[no-untyped-def]
-        process = real_start(spec_file, rank, log_dir, "f" * 64 if rank == 0 else secret, threads)
+    def outsider_at_rank_0(job_file: Path, rank: int, log_dir: Path, secret: str, threads: int):  # type: ignore[no-untyped-def]
+        process = real_start(job_file, rank, log_dir, "f" * 64 if rank == 0 else secret, threads)
         started.append(process)
         return process
 
-    monkeypatch.setattr(engine_module, "_start_stage", outsider_at_rank_0)
+    monkeypatch.setattr(rings_module, "_start_local_stage", outsider_at_rank_0)
     target = resolve_target(adapter_dir)
     with pytest.raises(EngineFailed, match=r"stage 0 failed|did not join the ring"):
         PipelineEngine(target, local_placements(target.model_dir, 2, ["cpu"]), threads_per_process=1, timeout_s=20)

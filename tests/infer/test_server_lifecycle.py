@@ -46,7 +46,7 @@ def test_a_stage_lost_while_serving_fails_its_requests_then_the_server_serves_ag
     with start_engine(chat_model(tmp_path, tiny_model), slots=1, restart=True) as engine, start_server(engine) as server:
         client = _client(server.url)
         before = client.completions.create(model="tiny-chat", prompt=PROMPT, temperature=0, max_tokens=8)
-        os.kill(engine._processes[0].pid, signal.SIGKILL)
+        os.kill(engine.ring.processes[0].pid, signal.SIGKILL)  # type: ignore[union-attr]
         deadline = time.monotonic() + 10
         while engine.failure is None:
             assert time.monotonic() < deadline

@@ -180,3 +180,47 @@ def test_planner_page_shows_the_error_as_it_is_printed() -> None:
     with pytest.raises(ShardpoolError) as error:
         inference_split(LLAMA3_8B, InferenceLoad(max_context=8192, max_slots=16), _gpus(8, 8))
     assert f"\n{error.value}\n" in (ROOT / "docs/planner.md").read_text()
+
+
+def _member_gpu(host: str, gib: float, capability: tuple[int, int], tflops: float, **extra: object) -> Device:
+    return Device(
+        name=f"{host}:cuda:0", memory_bytes=int(gib * GIB), host=host, tflops=tflops, kind="cuda",
+        torch_device="cuda:0", compute_capability=capability, **extra,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+MESH = [
+    _member_gpu("home", 22, (8, 6), 35.0),  # an RTX 3090
+    _member_gpu("lab", 15, (7, 0), 15.0),  # a V100
+    _member_gpu("old", 11, (5, 2), 6.0, nf4_backend="torch"),  # an M40, NF4 in plain PyTorch
+]
+
+
+def test_mesh_placements_give_each_member_its_device_dtype_backend_and_a_fitting_share(
+    llama3_dir: Path,
+) -> None:
+    from shardpool.generate import fleet_placements
+
+    placements = fleet_placements(MESH, llama3_dir, None, max_context=4096, max_slots=8, lora_r=16, say=print)
+    assert [(p.host, p.device, p.dtype, p.nf4_backend) for p in placements] == [
+        ("home", "cuda:0", "bfloat16", None),
+        ("lab", "cuda:0", "float32", None),  # no bf16 on a V100: fp32, as `bf16: auto` chooses
+        ("old", "cuda:0", "float32", "torch"),
+    ]
+    assert placements[0].start == 0 and placements[-1].stop == LLAMA3_8B.num_layers
+    assert all(a.stop == b.start for a, b in zip(placements, placements[1:]))
+    layers = [p.stop - p.start for p in placements]
+    assert layers[0] > layers[1] > layers[2], layers  # the faster device takes more
+
+
+def test_mesh_placements_take_the_first_devices_and_say_when_fewer_are_online(llama3_dir: Path) -> None:
+    from shardpool.generate import fleet_placements
+
+    said: list[str] = []
+    two = fleet_placements(MESH, llama3_dir, 2, max_context=1024, max_slots=1, lora_r=16, say=said.append)
+    assert [p.host for p in two] == ["home", "lab"] and not said
+    three = fleet_placements(MESH, llama3_dir, 5, max_context=1024, max_slots=1, lora_r=16, say=said.append)
+    assert [p.host for p in three] == ["home", "lab", "old"]
+    assert said == ["only 3 devices online: placing 3 stages"]
+    with pytest.raises(ShardpoolError, match="no mesh member offers a device"):
+        fleet_placements([], llama3_dir, None, max_context=1024, max_slots=1, lora_r=16, say=said.append)

@@ -28,7 +28,7 @@ def _start(job: dict, ranks: list[int] | None = None, **extra: object) -> object
 def test_the_contract_modules_import_neither_torch_transformers_nor_the_http_stack() -> None:
     heavy = ("torch", "transformers", "aiohttp", "http.server", "shardpool.access", "shardpool.agent.service")
     contract = "shardpool.contract." + ", shardpool.contract.".join(
-        ("names", "fields", "job", "events", "start")
+        ("names", "fields", "job", "events", "start", "inference")
     )
     code = f"import sys, {contract}; print([m for m in {heavy!r} if m in sys.modules])"
     result = subprocess.run(
@@ -138,3 +138,48 @@ def test_job_files_round_trip_and_oversize_files_are_refused(tmp_path: Path) -> 
     (tmp_path / "big.json").write_bytes(b" " * (16 * 2**20 + 1))
     with pytest.raises(ContractError, match="at most 16777216 bytes"):
         Job.read(tmp_path / "big.json")
+
+
+def _inference_job(**overrides: object) -> dict:
+    job: dict = {
+        "kind": "inference",
+        "inputs": {"model/config.json": "/m/config.json", "model/model.safetensors": "/m/model.safetensors"},
+        "files_url": "http://198.51.100.1:41000",
+        "stages": [
+            {"start": 0, "stop": 2, "device": "cpu", "host": "a"},
+            {"start": 2, "stop": 4, "device": "cpu", "host": "b"},
+        ],
+        "master_addr": "198.51.100.1",
+        "master_port": 29500,
+        "threads_per_process": 1,
+    }
+    job.update(overrides)
+    return job
+
+
+def test_an_inference_job_is_told_apart_by_its_kind_and_as_closed_as_a_training_job() -> None:
+    from shardpool.contract.inference import InferenceJob
+
+    started = _start(_inference_job(), ranks=[0, 1])
+    assert isinstance(started.job, InferenceJob) and started.job.num_stages == 2
+    assert not isinstance(_start(job_dict(launcher="198.51.100.1")).job, InferenceJob)
+    with pytest.raises(ContractError, match="unknown field `job.env`"):
+        _start(_inference_job(env={"LD_PRELOAD": "/tmp/evil.so"}))
+    with pytest.raises(ContractError, match=r"ranks \[2\] must be distinct and in 0..1"):
+        _start(_inference_job(), ranks=[2])
+    with pytest.raises(ContractError, match="needs files_url"):
+        _start(_inference_job(files_url=None))
+    with pytest.raises(ContractError, match="config.json"):
+        _start(_inference_job(inputs={"model/model.safetensors": "/m/model.safetensors"}))
+    with pytest.raises(ContractError, match="input name"):
+        _start(_inference_job(inputs={"model/config.json": "/m/c", "../etc/passwd": "/x"}))
+
+
+def test_an_inference_job_meets_and_fetches_only_at_member_addresses() -> None:
+    with pytest.raises(NotAMember, match="master_addr 192.0.2.99 is not a current mesh member"):
+        _start(_inference_job(master_addr="192.0.2.99"))
+    with pytest.raises(NotAMember, match="files_url 192.0.2.99"):
+        _start(_inference_job(files_url="http://192.0.2.99:8000"))
+    body = {"job_id": "j1", "job": _inference_job(), "ranks": [0]}
+    with pytest.raises(NotAMember, match="not the mesh address 198.51.100.2"):
+        parse_job_start(body, is_member_address=MEMBERS.__contains__, origin_address="198.51.100.2")
