@@ -33,7 +33,7 @@ from shardpool.contract.inference import InferenceJob
 from shardpool.contract.job import StagePlacement
 from shardpool.errors import ShardpoolError
 from shardpool.files.server import FileServer
-from shardpool.launch.local_launcher import die_with_parent, stage_environment, stop_processes
+from shardpool.launch.local_launcher import spawn_stage, stage_environment, stop_processes
 from shardpool.launch.mesh_follow import Follow, poll, stop_quietly
 from shardpool.launch.mesh_launcher import LOST_AFTER_S, new_job_id
 from shardpool.launch.mesh_members import MeshMember, launcher_member
@@ -157,19 +157,8 @@ def _start_local_stage(
     job_file: Path, rank: int, log_dir: Path, secret: str, threads: int
 ) -> subprocess.Popen[bytes]:
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = stage_environment(secret, threads)
-    log = open(log_dir / f"infer-rank-{rank}.log", "ab")  # noqa: SIM115 - handed to the child
-    try:
-        return subprocess.Popen(
-            [sys.executable, "-m", "shardpool.infer.stage_process", str(job_file), str(rank)],
-            stdout=log,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            preexec_fn=die_with_parent,
-        )
-    finally:
-        log.close()
+    argv = [sys.executable, "-m", "shardpool.infer.stage_process", str(job_file), str(rank)]
+    return spawn_stage(argv, log_dir / f"infer-rank-{rank}.log", stage_environment(secret, threads), pipe_stdout=False)
 
 
 def _log_error(path: Path) -> str:

@@ -49,7 +49,7 @@ from shardpool.plan.config_plan import plan_for_config
 from shardpool.plan.local_fleet import DeviceProbe
 from shardpool.plan.result import Plan
 
-__all__ = ["LocalLauncher", "die_with_parent", "free_port", "interface_names", "loopback_pinning", "run_local_job", "stage_environment", "stop_processes", "StageFailed"]
+__all__ = ["LocalLauncher", "die_with_parent", "free_port", "interface_names", "loopback_pinning", "run_local_job", "spawn_stage", "stage_environment", "stop_processes", "StageFailed"]
 
 _TERMINATE_GRACE_S = 5.0
 _IDLE_WAKE_S = 2.0  # the loop's wake-up when nothing happens (a stage's exit wakes it at once)
@@ -148,12 +148,20 @@ def run_local_job(
 def _start_rank(
     job: Job, job_file: Path, rank: int, log_path: Path, *, secret: str
 ) -> subprocess.Popen[bytes]:
-    env = stage_environment(secret, job.threads_per_process)
+    argv = [sys.executable, "-m", "shardpool.elastic.rank", str(job_file), str(rank)]
+    return spawn_stage(argv, log_path, stage_environment(secret, job.threads_per_process), pipe_stdout=True)
+
+
+def spawn_stage(
+    argv: list[str], log_path: Path, env: dict[str, str], *, pipe_stdout: bool
+) -> subprocess.Popen[bytes]:
+    """A local stage process: stderr (and stdout, unless ``pipe_stdout`` hands it to the caller)
+    appended to ``log_path``, no stdin, ``env`` as its whole environment, killed with this thread."""
     log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed with it
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "shardpool.elastic.rank", str(job_file), str(rank)],
-            stdout=subprocess.PIPE,
+            argv,
+            stdout=subprocess.PIPE if pipe_stdout else log,
             stderr=log,
             stdin=subprocess.DEVNULL,
             env=env,

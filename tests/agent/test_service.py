@@ -48,7 +48,7 @@ from tests.helpers.agents import (
     signed,
     write_worker,
 )
-from tests.helpers.jobs import job_dict
+from tests.helpers.jobs import inference_job_dict, job_dict
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -267,18 +267,7 @@ def test_an_inference_job_runs_the_inference_stage_command_not_the_training_rank
         "import sys\nprint('inference stage', sys.argv[2], sys.argv[1].endswith('job.json'))\n"
     )
     inference.chmod(0o644)
-    job = {
-        "kind": "inference",
-        "inputs": {"model/config.json": "/m/config.json"},
-        "files_url": "http://127.0.0.1:41000",
-        "stages": [
-            {"start": 0, "stop": 1, "device": "cpu", "host": "b"},
-            {"start": 1, "stop": 2, "device": "cpu", "host": "b"},
-        ],
-        "master_addr": "127.0.0.1",
-        "master_port": 29500,
-        "threads_per_process": 1,
-    }
+    job = inference_job_dict(inputs={"model/config.json": "/m/config.json"})
     agent_ = make_agent(shared / "work", worker_script, inference_command=[sys.executable, str(inference)])
     with agent_ as agent:
         status, reply = signed(agent.url, "POST", "/v1/jobs", {"job_id": "ring", "job": job, "ranks": [0, 1]})

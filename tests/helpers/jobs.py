@@ -36,6 +36,25 @@ def job_dict(
     return job
 
 
+def inference_job_dict(*, stages: int = 2, launcher: str = "127.0.0.1", **fields: Any) -> dict[str, Any]:
+    """An inference job (``kind: inference``) as the driver sends it: one layer per CPU stage, each
+    on member ``a``, ``b``, ... in turn, the store and file server at ``launcher``."""
+    job: dict[str, Any] = {
+        "kind": "inference",
+        "inputs": {"model/config.json": "/m/config.json", "model/model.safetensors": "/m/model.safetensors"},
+        "files_url": f"http://{launcher}:41000",
+        "stages": [
+            {"start": index, "stop": index + 1, "device": "cpu", "host": "abcdefgh"[index % 8]}
+            for index in range(stages)
+        ],
+        "master_addr": launcher,
+        "master_port": 29500,
+        "threads_per_process": 1,
+    }
+    job.update(fields)
+    return job
+
+
 #: A stage command for agent tests: records its environment (as the agent set it, read from
 #: /proc before Python changes anything) in its working directory, then relays any events given
 #: in the job's ``events.json`` input (its "path" is the JSON list) and exits 0.

@@ -14,7 +14,7 @@ from shardpool.contract.events import StageEvent, parse_stage_event
 from shardpool.contract.job import Job
 from shardpool.contract.names import ContractError, check_digest, resolve_inside
 from shardpool.contract.start import NotAMember, parse_job_start
-from tests.helpers.jobs import job_dict
+from tests.helpers.jobs import inference_job_dict, job_dict
 
 REPO = Path(__file__).resolve().parents[2]
 MEMBERS = {"198.51.100.1", "198.51.100.2"}
@@ -141,20 +141,7 @@ def test_job_files_round_trip_and_oversize_files_are_refused(tmp_path: Path) -> 
 
 
 def _inference_job(**overrides: object) -> dict:
-    job: dict = {
-        "kind": "inference",
-        "inputs": {"model/config.json": "/m/config.json", "model/model.safetensors": "/m/model.safetensors"},
-        "files_url": "http://198.51.100.1:41000",
-        "stages": [
-            {"start": 0, "stop": 2, "device": "cpu", "host": "a"},
-            {"start": 2, "stop": 4, "device": "cpu", "host": "b"},
-        ],
-        "master_addr": "198.51.100.1",
-        "master_port": 29500,
-        "threads_per_process": 1,
-    }
-    job.update(overrides)
-    return job
+    return inference_job_dict(launcher="198.51.100.1", **overrides)
 
 
 def test_an_inference_job_is_told_apart_by_its_kind_and_as_closed_as_a_training_job() -> None:
