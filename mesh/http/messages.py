@@ -32,6 +32,7 @@ __all__ = [
     "close_chunks",
     "error_reply",
     "file_reply",
+    "json_object",
     "json_reply",
     "stream_reply",
     "text_reply",
@@ -180,13 +181,18 @@ class Request:
 
     def json(self) -> dict[str, Any]:
         """The body parsed as a JSON object, or a 400 HTTPError saying what is wrong with it."""
-        try:
-            value = json.loads(self.body or b"")
-        except (ValueError, UnicodeDecodeError) as error:
-            raise HTTPError(400, f"the body is not JSON ({error})") from None
-        if not isinstance(value, dict):
-            raise HTTPError(400, "the body must be a JSON object")
-        return value
+        return json_object(self.body or b"")
+
+
+def json_object(data: bytes) -> dict[str, Any]:
+    """``data`` parsed as a JSON object, or a 400 HTTPError saying what is wrong with it."""
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise HTTPError(400, f"the body is not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise HTTPError(400, "the body must be a JSON object")
+    return value
 
 
 Handler = Callable[[Request], Reply]

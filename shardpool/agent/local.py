@@ -26,7 +26,17 @@ from typing import Any, Protocol
 from urllib.parse import parse_qs, quote, urlsplit
 
 from mesh.http.client import Unreachable
-from mesh.http.server import CHUNK, HTTPError, HTTPServer, Limits, Reply, Request, Route, json_reply
+from mesh.http.server import (
+    CHUNK,
+    HTTPError,
+    HTTPServer,
+    Limits,
+    Reply,
+    Request,
+    Route,
+    json_object,
+    json_reply,
+)
 from shardpool.agent.accounts import Caller, LaunchPolicy
 from shardpool.agent.admission import Slots
 from shardpool.agent.client import AgentRefused, SignedAgentClient
@@ -243,7 +253,7 @@ class LocalService:
 
     def _forward(self, request: Request) -> Reply:
         caller: Caller = request.principal
-        payload = _json_object(_read_body(request, _FORWARD_MAX_BODY))
+        payload = json_object(_read_body(request, _FORWARD_MAX_BODY))
         unknown = sorted(set(payload) - _FORWARD_FIELDS)
         if unknown or not {"member", "method", "path"} <= payload.keys():
             raise HTTPError(400, f"forward takes {sorted(_FORWARD_FIELDS)}; got {sorted(payload)[:8]}")
@@ -372,13 +382,3 @@ def _read_body(request: Request, cap: int) -> bytes:
             raise HTTPError(413, f"a body of more than {cap} bytes is not accepted here")
         parts.append(chunk)
     return b"".join(parts)
-
-
-def _json_object(data: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise HTTPError(400, f"the body is not JSON ({error})") from None
-    if not isinstance(value, dict):
-        raise HTTPError(400, "the body must be a JSON object")
-    return value

@@ -34,13 +34,11 @@ from shardpool.contract.job import StagePlacement
 from shardpool.errors import ShardpoolError
 from shardpool.files.server import FileServer
 from shardpool.launch.local_launcher import spawn_stage, stage_environment, stop_processes
-from shardpool.launch.mesh_follow import Follow, poll, stop_quietly
-from shardpool.launch.mesh_launcher import LOST_AFTER_S, new_job_id
+from shardpool.launch.mesh_follow import Follow, poll, stop_everywhere
+from shardpool.launch.mesh_launcher import LOST_AFTER_S, new_job_id, ranks_by_member
 from shardpool.launch.mesh_members import MeshMember, launcher_member
 
 __all__ = ["LocalStages", "MeshStages", "Ring", "Stages", "last_error_line"]
-
-_STOP_WAIT_S = 15.0
 
 
 class Ring(Protocol):
@@ -158,7 +156,9 @@ def _start_local_stage(
 ) -> subprocess.Popen[bytes]:
     log_dir.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "shardpool.infer.stage_process", str(job_file), str(rank)]
-    return spawn_stage(argv, log_dir / f"infer-rank-{rank}.log", stage_environment(secret, threads), pipe_stdout=False)
+    return spawn_stage(
+        argv, log_dir / f"infer-rank-{rank}.log", stage_environment(secret, threads), pipe_stdout=False
+    )
 
 
 def _log_error(path: Path) -> str:
@@ -226,21 +226,21 @@ class MeshStages:
 
     def start(self, job: InferenceJob, secret: str) -> MeshRing:
         """Start each member's stages of ``job`` with one request to its agent, and follow them."""
-        by_name = {member.name: member for member in self._online}
-        ranks: dict[str, list[int]] = {}
+        online = {member.name for member in self._online}
         for rank, placement in enumerate(job.stages):
-            if placement.host not in by_name:
+            if placement.host not in online:
                 raise ShardpoolError(f"stage {rank} is placed on {placement.host!r}, which is not online")
-            ranks.setdefault(placement.host, []).append(rank)
         ring = MeshRing(new_job_id(), job, lost_after_s=self._lost_after_s)
         payload = job.model_dump(mode="json")
         try:
-            for name, member_ranks in ranks.items():
-                by_name[name].agent.start_job(ring.job_id, payload, member_ranks, files_secret=secret)
-                ring.follow(Follow(by_name[name], member_ranks))
+            for member, member_ranks in ranks_by_member(job, self._online).values():
+                member.agent.start_job(ring.job_id, payload, member_ranks, files_secret=secret)
+                ring.follow(Follow(member, member_ranks))
         except (AgentUnreachable, AgentRefused) as error:
             ring.stop()
-            raise ShardpoolError(f"could not start the ring's stages on member {name!r}: {error}") from None
+            raise ShardpoolError(
+                f"could not start the ring's stages on member {member.name!r}: {error}"
+            ) from None
         except BaseException:
             ring.stop()
             raise
@@ -315,13 +315,6 @@ class MeshRing:
             return
         self._stopped = True
         self._stop.set()
-        answered: set[str] = set()
-        stoppers = [
-            threading.Thread(target=stop_quietly, args=(follow.member, self.job_id, answered), daemon=True)
-            for follow in self.follows.values()
-            if follow.lost is None
-        ]
-        for thread in stoppers:
-            thread.start()
-        for thread in stoppers:
-            thread.join(timeout=_STOP_WAIT_S)
+        stop_everywhere(
+            [follow.member for follow in self.follows.values() if follow.lost is None], self.job_id
+        )

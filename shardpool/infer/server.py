@@ -38,7 +38,7 @@ from typing import Any
 from aiohttp import web
 
 from mesh.errors import MeshError
-from mesh.http.server import run_server_loop
+from mesh.http.server import HTTPError, json_object, run_server_loop
 from mesh.http.transport import (
     BACKLOG,
     Connection,
@@ -366,12 +366,9 @@ class OpenAIServer:
         except (asyncio.IncompleteReadError, ConnectionError):
             raise APIError(400, "the request body ended early") from None
         try:
-            value = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as error:
-            raise APIError(400, f"the body is not JSON ({error})") from None
-        if not isinstance(value, dict):
-            raise APIError(400, "the body must be a JSON object")
-        return value
+            return json_object(data)
+        except HTTPError as error:  # in OpenAI's error shape
+            raise APIError(error.status, error.message) from None
 
     def _parse(self, body: dict[str, Any], chat: bool) -> _Job:
         """The request as a job (in a pool thread: the chat template and the tokenizer run here)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ __all__ = [
     "poll",
     "stall",
     "start_joining",
+    "stop_everywhere",
     "stop_quietly",
 ]
 
@@ -153,6 +155,22 @@ def stop_quietly(member: MeshMember, job_id: str, answered: set[str]) -> None:
     except AgentRefused:
         pass
     answered.add(member.name)
+
+
+def stop_everywhere(members: Sequence[MeshMember], job_id: str, *, timeout: float = 15.0) -> set[str]:
+    """Ask every member's agent at once to stop the job; the names of those that answered (a
+    member that does not answer within ``timeout`` is gone, and its agent, if any, stops the job
+    itself once nobody polls it)."""
+    answered: set[str] = set()
+    stoppers = [
+        threading.Thread(target=stop_quietly, args=(member, job_id, answered), daemon=True)
+        for member in members
+    ]
+    for thread in stoppers:
+        thread.start()
+    for thread in stoppers:
+        thread.join(timeout=timeout)
+    return answered
 
 
 def poll(

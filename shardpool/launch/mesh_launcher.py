@@ -28,6 +28,7 @@ from typing import Any
 from shardpool.agent.local_client import LocalAgentClient, agent_socket_path
 from shardpool.config import Config
 from shardpool.contract.events import StageEvent
+from shardpool.contract.inference import InferenceJob
 from shardpool.contract.job import Job
 from shardpool.files.server import FileServer
 from shardpool.launch.mesh_follow import (
@@ -41,7 +42,7 @@ from shardpool.launch.mesh_follow import (
     poll,
     stall,
     start_joining,
-    stop_quietly,
+    stop_everywhere,
 )
 from shardpool.launch.mesh_members import (
     MeshMember,
@@ -182,7 +183,9 @@ class MeshLauncher:
         )
 
 
-def ranks_by_member(job: Job, members: list[MeshMember]) -> dict[str, tuple[MeshMember, list[int]]]:
+def ranks_by_member(
+    job: Job | InferenceJob, members: list[MeshMember]
+) -> dict[str, tuple[MeshMember, list[int]]]:
     """The ranks each member runs (the member hosting their stage), by member name."""
     by_name = {member.name: member for member in members}
     assignments: dict[str, tuple[MeshMember, list[int]]] = {}
@@ -315,17 +318,7 @@ def run_mesh_job(
     finally:
         stop.set()
         reachable = [name for name in started if follows[name].lost is None]
-        answered: set[str] = set()
-        stoppers = [
-            threading.Thread(
-                target=stop_quietly, args=(ranks_by_member[name][0], job_id, answered), daemon=True
-            )
-            for name in reachable
-        ]
-        for thread in stoppers:
-            thread.start()
-        for thread in stoppers:
-            thread.join(timeout=15.0)
+        answered = stop_everywhere([ranks_by_member[name][0] for name in reachable], job_id)
         if lost is not None and lost.agent_answered and lost.member not in answered:
             # found by its silent beat first, but its agent does not answer the stop either: the
             # machine went (a kill -9, a power cut), it did not just stall
