@@ -230,12 +230,19 @@ class PipelineEngine:
             self._receiver.join(timeout=_STOP_WAIT_S)
             if self._ring is not None:
                 self._ring.stop()
+            # Nothing of the ring may outlive close: a thread still in a gloo call, or a send gloo
+            # still holds, when the interpreter exits makes the process abort there.
+            # A ring that never sent STOP back: its stages are gone now, so the receiver's recv fails.
+            self._receiver.join(timeout=_STOP_WAIT_S)
+            self._watcher.join(timeout=_STOP_WAIT_S)
+            self._finish_sends()
             self._fail_all("the engine was closed")
             if dist.is_initialized():
                 try:
                     dist.destroy_process_group()
                 except RuntimeError:
                     pass
+            self._store = None  # the rendezvous store's server thread ends with it, here
             self.stages.close()
             for file in self._work.iterdir():
                 if file.suffix == ".json":
@@ -345,6 +352,17 @@ class PipelineEngine:
             work.wait()
         for tensor in (torch.tensor(header.encode(), dtype=torch.int64), *tensors):
             self._sends.append((dist.isend(tensor, dst=0), tensor))  # the tensor lives until waited for
+
+    def _finish_sends(self) -> None:
+        """Wait for the sends still pending (done, or failed with their stages) and let them go."""
+        with self._lock:
+            pending = list(self._sends)
+            self._sends.clear()
+        for work, _ in pending:
+            try:
+                work.wait(timeout=timedelta(seconds=_STOP_WAIT_S))
+            except RuntimeError:  # its stage is gone: nothing more to deliver
+                pass
 
     def _admit_waiting(self) -> None:
         while self._waiting and len(self._slots) < self.max_slots:
