@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from mesh.errors import MeshError
 from shardpool import __version__
@@ -146,9 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument(
         "--devices",
-        default="cpu",
+        default=None,
         metavar="LIST",
-        help="cpu, cuda:0, ... : one device for all stages, or one per stage (default cpu)",
+        help="cpu, cuda:0, ... : one device for all stages, or one per stage (default cpu; under torchrun, one GPU per stage where CUDA is present)",
     )
     generate.add_argument(
         "--json",
@@ -203,8 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--devices",
-        default="cpu",
-        help="one device for every stage, or one per stage: cpu,cuda:0,... (default cpu)",
+        default=None,
+        help="one device for every stage, or one per stage: cpu,cuda:0,... (default cpu; under torchrun, one GPU per stage where CUDA is present)",
     )
     serve.add_argument(
         "--max-concurrent",
@@ -452,10 +452,37 @@ def _fleet_plan_request(
     return request.config, [*request.overrides, *overrides], model or request.model
 
 
+def _under_torchrun(args: argparse.Namespace, drive: Callable[[Any], None]) -> int | None:
+    """``generate``/``serve`` started by torchrun: this rank's part (rank 0 calls ``drive`` with the
+    ring's stages, the others run a stage); None when torchrun did not start this process."""
+    import os
+
+    from shardpool.torchrun import inference_under_torchrun, torchrun_world
+
+    world = torchrun_world(os.environ)
+    if world is None:
+        return None
+    return inference_under_torchrun(
+        world, drive, stages=args.stages, devices=args.devices, placement=args.placement
+    )
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     import json
 
     from shardpool.generate import GenerateOptions, generate, parse_devices, read_prompt
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    def run(stages_for: Any = None) -> None:
+        if args.json:
+            generation = generate(args.target, prompt, options, say=_say, stages_for=stages_for)
+            print(json.dumps(generation.as_json()))
+            return
+        generate(args.target, prompt, options, on_text=show, say=_say, stages_for=stages_for)
+        sys.stdout.write("\n")
 
     options = GenerateOptions(
         max_new_tokens=args.max_new_tokens,
@@ -466,20 +493,14 @@ def _run_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         chat=args.chat,
         stages=args.stages,
-        devices=parse_devices(args.devices),
+        devices=parse_devices(args.devices or "cpu"),
         placement=args.placement,
     )
     prompt = args.prompt if args.prompt is not None else read_prompt(args.prompt_file)
-    if args.json:
-        print(json.dumps(generate(args.target, prompt, options, say=_say).as_json()))
-        return 0
-
-    def show(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-
-    generate(args.target, prompt, options, on_text=show, say=_say)
-    sys.stdout.write("\n")
+    under_torchrun = _under_torchrun(args, run)
+    if under_torchrun is not None:
+        return under_torchrun
+    run()
     return 0
 
 
@@ -511,11 +532,21 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_queued=args.max_queued,
         chat_max_tokens=args.chat_max_tokens,
     )
+
+    def run(stages_for: Any) -> None:
+        stages = stages_for(resolve_target(args.target), args.max_context, args.max_concurrent)
+        serve(
+            args.target, stages, host=args.host, port=args.port, options=options, max_context=args.max_context
+        )
+
+    under_torchrun = _under_torchrun(args, run)
+    if under_torchrun is not None:
+        return under_torchrun
     stages = ring_stages(
         resolve_target(args.target),
         args.placement,
         args.stages,
-        parse_devices(args.devices),
+        parse_devices(args.devices or "cpu"),
         max_context=args.max_context,
         max_slots=args.max_concurrent,
         say=_say,

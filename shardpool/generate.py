@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PLACEMENTS",
     "GenerateOptions",
+    "StagesFor",
     "Generation",
     "generate",
     "local_placements",
@@ -47,6 +48,9 @@ __all__ = [
     "read_prompt",
     "ring_stages",
 ]
+
+#: Where a ring's stages run, given its target, its context (tokens) and its sequence slots.
+StagesFor = Callable[["Target", int, int], "Stages"]
 
 #: Where ``generate`` and ``serve`` run their stages: this machine's devices, or the mesh members'.
 PLACEMENTS = ("local", "mesh")
@@ -170,10 +174,12 @@ def generate(
     *,
     on_text: Callable[[str], None] | None = None,
     say: Callable[[str], None] = lambda line: None,
+    stages_for: StagesFor | None = None,
 ) -> Generation:
-    """Continue ``prompt`` with the model at ``target_path``, on stages placed as ``options`` say;
-    the engine is started and stopped around it. ``on_text`` is given each piece of text as soon as
-    it is certain; ``say`` each line of progress (the mesh members, the placement)."""
+    """Continue ``prompt`` with the model at ``target_path``, on stages placed as ``options`` say
+    (or by ``stages_for``: a torchrun launch's); the engine is started and stopped around it.
+    ``on_text`` is given each piece of text as soon as it is certain; ``say`` each line of
+    progress (the mesh members, the placement)."""
     from shardpool.data.tokenizing import load_tokenizer
     from shardpool.infer.engine import GenerationRequest, PipelineEngine
     from shardpool.infer.sampling import Sampling
@@ -191,15 +197,18 @@ def generate(
         stop_token_ids=stop_ids(tokenizer, target.model_dir),
     )
     max_context = len(ids) + options.max_new_tokens
-    stages = ring_stages(
-        target,
-        options.placement,
-        options.stages,
-        options.devices,
-        max_context=max_context,
-        max_slots=1,
-        say=say,
-    )
+    if stages_for is not None:
+        stages = stages_for(target, max_context, 1)
+    else:
+        stages = ring_stages(
+            target,
+            options.placement,
+            options.stages,
+            options.devices,
+            max_context=max_context,
+            max_slots=1,
+            say=say,
+        )
     with PipelineEngine(target, stages=stages, max_slots=1, max_context=max_context) as engine:
         started = time.perf_counter()
         stream = engine.submit(request)

@@ -1,5 +1,8 @@
 """``torchrun --nproc-per-node N -m shardpool finetune config.yaml``: one machine, N stage processes.
 
+(``generate`` and ``serve`` under torchrun: :func:`inference_under_torchrun`, at the end: rank 0
+drives the ring, ranks 1..N-1 are its N-1 stages.)
+
 torchrun starts the N processes itself and sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` in each (torch.distributed's own
 contract). Each process joins torchrun's store (``env://``, as ``init_process_group`` would). Then:
@@ -49,10 +52,13 @@ from shardpool.errors import ShardpoolError
 
 __all__ = [
     "JOB_KEY",
+    "INFERENCE_JOB_KEY",
     "TorchrunWorld",
     "finetune_under_torchrun",
+    "inference_under_torchrun",
     "torchrun_config",
     "torchrun_devices",
+    "torchrun_inference_stages",
     "torchrun_world",
 ]
 
@@ -332,3 +338,108 @@ def _run_rank(job_file: Path, rank: int, store: Any, *, events: Callable[[dict[s
         print(f"shardpool: error: stage {stage} (rank {rank}) failed: {message.splitlines()[0] if message else ''}",
               file=sys.stderr, flush=True)  # fmt: skip
         os._exit(1)
+
+
+# ----- generate and serve -----------------------------------------------------------------------
+#: The store key rank 0 publishes an inference ring's job under: ``{"job_file": PATH}`` or ``{"error": LINE}``.
+INFERENCE_JOB_KEY = "shardpool/inference-job"
+
+
+def torchrun_inference_stages(world_size: int, stages: int | None) -> int:
+    """How many stages a torchrun launch of ``world_size`` processes runs for ``generate``/``serve``:
+    one process drives (rank 0: the tokenizer, the requests, serve's HTTP), the others are stages."""
+    count = world_size - 1
+    if count < 1:
+        raise ShardpoolError(
+            "under torchrun, rank 0 drives and the other processes are the stages: "
+            "use --nproc-per-node 2 or more (N stages: N + 1)"
+        )
+    if stages is not None and stages != count:
+        raise ShardpoolError(
+            f"torchrun started {world_size} processes, which run {count} stage(s) and the driver; "
+            f"use --nproc-per-node {stages + 1} or remove --stages"
+        )
+    return count
+
+
+def inference_under_torchrun(
+    world: TorchrunWorld,
+    drive: Callable[[Any], None],
+    *,
+    stages: int | None,
+    devices: str | None,
+    placement: str,
+) -> int:
+    """Run this process's part of ``torchrun -m shardpool generate|serve``: rank 0 calls ``drive``
+    with the ring's :data:`~shardpool.generate.StagesFor` (the other ranks, on this machine's
+    devices) and returns its status; every other rank waits for the ring's job, then runs its
+    stage until the driver stops the ring (a rank whose driver failed before the ring started
+    exits quietly, status 0, so that torchrun names rank 0)."""
+    import torch.distributed as dist
+
+    from shardpool.infer import stage_process
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raw_store, _, _ = next(dist.rendezvous("env://", timeout=_PREPARE_TIMEOUT))
+    store = _sealed(raw_store, world)
+    secret = os.environ.get(CONTROL_SECRET_ENV, "") or _PUBLIC_SECRET
+    if world.rank != 0:
+        announced = json.loads(store.get(INFERENCE_JOB_KEY, timeout_s=_PREPARE_TIMEOUT.total_seconds()))
+        if "error" in announced:
+            return 0
+        os.environ[CONTROL_SECRET_ENV] = secret  # where a local stage reads the ring's secret
+        return stage_process.main([announced["job_file"], str(world.rank - 1)])
+    published: list[Path] = []
+
+    def publish(job_file: Path) -> None:
+        store.set(INFERENCE_JOB_KEY, json.dumps({"job_file": str(job_file)}))
+        published.append(job_file)
+
+    try:
+        if placement != "local":
+            raise ShardpoolError(
+                "under torchrun the stages are torchrun's processes; remove --placement mesh"
+            )
+        if world.local_world_size != world.world_size:
+            raise ShardpoolError(
+                "generate and serve run under torchrun on one machine only; "
+                "across machines use --placement mesh without torchrun"
+            )
+        count = torchrun_inference_stages(world.world_size, stages)
+        drive(_torchrun_stages_for(count, devices, secret, publish))
+    except BaseException as error:
+        if not published:
+            line = str(error).splitlines()[0] if str(error) else type(error).__name__
+            store.set(INFERENCE_JOB_KEY, json.dumps({"error": line}))
+        raise
+    return 0
+
+
+def _torchrun_stages_for(
+    count: int, devices: str | None, secret: str, publish: Callable[[Path], None]
+) -> Callable[[Any, int, int], Any]:
+    """The ring's stages: ``count`` even shares of the layers on ``devices`` (default one GPU per
+    stage, ``cuda:0`` .. where CUDA is present, else the CPU), as ``--stages`` places them locally."""
+    import torch
+
+    from shardpool.generate import local_placements, parse_devices
+    from shardpool.infer.rings import TorchrunStages
+
+    if devices is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if 0 < gpus < count:
+            raise ShardpoolError(
+                f"torchrun started {count} stage processes but this machine has {gpus} CUDA device(s); "
+                f"use --nproc-per-node {gpus + 1}, or name the devices with --devices"
+            )
+        chosen = [f"cuda:{stage}" for stage in range(count)] if gpus else ["cpu"]
+    else:
+        chosen = list(parse_devices(devices))
+
+    def stages_for(target: Any, max_context: int, max_slots: int) -> Any:
+        placements = local_placements(
+            target.model_dir, count, chosen, max_context=max_context, max_slots=max_slots
+        )
+        return TorchrunStages(placements, secret=secret, publish=publish)
+
+    return stages_for

@@ -1,19 +1,35 @@
 """``torchrun --nproc-per-node N -m shardpool finetune``: reading torchrun's world, fitting the config
-to it, and (slow) a real torchrun launch on CPU stages against local placement."""
+to it, and (slow) a real torchrun launch on CPU stages against local placement; ``generate`` and
+``serve`` under torchrun (rank 0 drives, the other ranks are the stages) against peft's ``generate``."""
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import openai
+import psutil
 import pytest
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from shardpool.config import parse_config
 from shardpool.errors import ShardpoolError
-from shardpool.torchrun import TorchrunWorld, torchrun_config, torchrun_devices, torchrun_world
+from shardpool.infer.target import resolve_target
+from shardpool.torchrun import (
+    TorchrunWorld,
+    torchrun_config,
+    torchrun_devices,
+    torchrun_inference_stages,
+    torchrun_world,
+)
+from tests.helpers.generation import PROMPTS, peft_greedy, random_adapter, varied_tiny_model
+from tests.helpers.mesh_training import Drained, wait_for
 from tests.helpers.shared_runs import FP32_TWO_STAGES, trained_once
 from tests.helpers.training import REPO_ROOT, base_config, write_config
 
@@ -136,3 +152,103 @@ def test_a_bad_config_under_torchrun_is_one_line_from_rank_0(tmp_path: Path, tin
     assert lines == [lines[0]] and "`lora_r`" in lines[0], launched.stderr[-3000:]
     assert "exitcode  : 2" in launched.stderr and "rank      : 0 (local_rank: 0)" in launched.stderr
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- generate and serve
+def test_generate_and_serve_under_torchrun_run_one_driver_and_the_other_ranks_as_stages() -> None:
+    assert torchrun_inference_stages(3, None) == 2
+    assert torchrun_inference_stages(2, 1) == 1
+    with pytest.raises(ShardpoolError, match="use --nproc-per-node 2 or more"):
+        torchrun_inference_stages(1, None)
+    with pytest.raises(ShardpoolError, match="use --nproc-per-node 4 or remove --stages"):
+        torchrun_inference_stages(3, 3)
+
+
+@pytest.fixture(scope="module")
+def generation_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("torchrun-generation")
+    return random_adapter(varied_tiny_model(root / "model"), root / "adapter")
+
+
+def _torchrun_command(processes: int, *arguments: str) -> list[str]:
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(processes),
+    ]
+    return [*launcher, "-m", "shardpool", *arguments]
+
+
+def _torchrun_env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO_ROOT), **extra)
+
+
+@pytest.mark.slow
+def test_generate_under_torchrun_equals_peft_generate(generation_adapter: Path) -> None:
+    """Three processes: rank 0 drives, ranks 1 and 2 are two stages; the greedy tokens are peft's."""
+    target = resolve_target(generation_adapter)
+    reference = peft_greedy(target.model_dir, generation_adapter, (PROMPTS[5],), 32)[0]
+    launched = subprocess.run(
+        _torchrun_command(3, "generate", str(generation_adapter), "--prompt", PROMPTS[5],
+                          "--max-new-tokens", "32", "--json"),
+        capture_output=True, text=True, timeout=600, cwd=str(REPO_ROOT),
+        env=_torchrun_env(SHARDPOOL_CONTROL_SECRET=secrets.token_hex(32)),
+    )  # fmt: skip
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    answer = json.loads(launched.stdout.strip().splitlines()[-1])
+    assert answer["token_ids"] == reference
+    assert len(set(reference)) > 8, "equal outputs must mean equal logits"
+    assert "is not set" not in launched.stderr  # the secret was given: no warning
+
+
+@pytest.mark.slow
+def test_a_bad_target_under_torchrun_is_one_line_from_rank_0(tmp_path: Path) -> None:
+    """Rank 0 says what is wrong; the stage ranks, never given a ring, exit without a word."""
+    launched = subprocess.run(
+        _torchrun_command(3, "generate", str(tmp_path / "missing"), "--prompt", "x"),
+        capture_output=True, text=True, timeout=300, cwd=str(REPO_ROOT), env=_torchrun_env(),
+    )  # fmt: skip
+    assert launched.returncode != 0
+    lines = [line for line in (launched.stdout + launched.stderr).splitlines() if "shardpool: error:" in line]
+    assert len(lines) == 1 and "missing" in lines[0], launched.stderr[-3000:]
+    assert "exitcode  : 2" in launched.stderr and "rank      : 0 (local_rank: 0)" in launched.stderr
+
+
+@pytest.mark.slow
+def test_serve_under_torchrun_answers_the_openai_client_and_stops_on_sigterm(
+    generation_adapter: Path,
+) -> None:
+    target = resolve_target(generation_adapter)
+    reference = peft_greedy(target.model_dir, generation_adapter, (PROMPTS[2],), 16)[0]
+    tokenizer = AutoTokenizer.from_pretrained(target.tokenizer_dir)
+    server = Drained(
+        subprocess.Popen(
+            _torchrun_command(2, "serve", str(generation_adapter), "--port", "0"),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO_ROOT),
+            env=_torchrun_env(SHARDPOOL_CONTROL_SECRET=secrets.token_hex(32)),
+        )
+    )  # fmt: skip
+    try:
+        wait_for(lambda: "serving " in server.said() or server.poll() is not None, 300)
+        assert server.poll() is None, server.said()
+        line = next(line for line in server.said().splitlines() if line.startswith("serving "))
+        assert line.endswith("/v1 (1 stage)"), line
+        client = openai.OpenAI(base_url=line.split(" on ", 1)[1].split(" ", 1)[0], api_key="-", max_retries=0)
+        answer = client.completions.create(
+            model=generation_adapter.name, prompt=PROMPTS[2], max_tokens=16, temperature=0
+        )
+        assert answer.usage.completion_tokens == len(reference)
+        assert answer.choices[0].text == tokenizer.decode(reference, skip_special_tokens=True)
+        processes = [
+            psutil.Process(server.process.pid),
+            *psutil.Process(server.process.pid).children(recursive=True),
+        ]
+        assert len(processes) >= 3  # torchrun, the driver and the stage
+        server.process.send_signal(signal.SIGTERM)
+        server.finish(timeout=60)
+        assert not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        server.kill()

@@ -13,6 +13,9 @@ one has failed (the one line naming it) and stops them all.
   stages are (run-as account, job directory, Landlock), and followed by long-polling each agent,
   which is also the heartbeat that stops them if this process goes away. Each start places the
   stages again over the members online then, so a ring started after a lost member leaves it out.
+* :class:`TorchrunStages`: the processes torchrun started beside the driver on this machine; the
+  job file is written as for local stages and its path handed to them (through torchrun's store).
+  torchrun owns those processes: a stage that fails ends the whole launch, as in training.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from shardpool.launch.mesh_follow import Follow, poll, stop_everywhere
 from shardpool.launch.mesh_launcher import LOST_AFTER_S, new_job_id, ranks_by_member
 from shardpool.launch.mesh_members import MeshMember, launcher_member
 
-__all__ = ["LocalStages", "MeshStages", "Ring", "Stages", "last_error_line"]
+__all__ = ["LocalStages", "MeshStages", "Ring", "Stages", "TorchrunStages", "last_error_line"]
 
 
 class Ring(Protocol):
@@ -123,6 +126,31 @@ class LocalStages:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+class TorchrunStages(LocalStages):
+    """Stages torchrun already started on this machine (ranks 1..N-1 of the launch; this process,
+    rank 0, drives): :meth:`start` writes the job file (0600) and hands its path to them through
+    ``publish``. The ring it returns has no process of this one's to watch or stop: torchrun stops
+    the launch when any of them fails."""
+
+    def __init__(
+        self, placements: Sequence[StagePlacement], *, secret: str, publish: Callable[[Path], None]
+    ) -> None:
+        super().__init__(placements)
+        self._secret = secret
+        self._publish = publish
+
+    def control_secret(self) -> str:
+        """The launch's secret (``SHARDPOOL_CONTROL_SECRET``, which every process of it holds)."""
+        return self._secret
+
+    def start(self, job: InferenceJob, secret: str) -> LocalRing:
+        """Write the job file and publish its path to the waiting stage ranks."""
+        job_file = self.work_dir / "job.json"
+        job.write(job_file)
+        self._publish(job_file)
+        return LocalRing([], self.log_dir)
 
 
 @dataclass
