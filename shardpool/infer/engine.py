@@ -6,11 +6,14 @@ key), has its :class:`~shardpool.infer.rings.Stages` start one process per stage
 (:mod:`shardpool.infer.stage_process`: children of this process, or on mesh members through their
 agents) and joins their gloo world as the last rank (on the mesh, over the WireGuard interface:
 ``GLOO_SOCKET_IFNAME`` is set in this process). A request takes a free slot and goes round the
-ring as a PREFILL (its prompt); each token the last stage sends back is handed to the request's
-:class:`Stream` and, unless the request is finished, sent to stage 0 as the slot's next DECODE. Up to ``max_slots`` sequences are in
-flight at once, so while the last stage samples one sequence's token the first already computes
-another's: the pipeline fills. Finished slots are released (each stage drops its cache) and taken
-by the next waiting request.
+ring as a PREFILL (its prompt, sampling settings, stop ids and ``max_new_tokens``). The last stage
+picks each token, hands it straight to stage 0 as the slot's next DECODE unless the sequence has
+ended, and tells this driver, which hands it to the request's :class:`Stream`: a token's round
+goes through the stages only. Up to ``max_slots`` sequences are in flight at once, so while the
+last stage samples one sequence's token the first already computes another's: the pipeline
+fills. A finished slot is released (each stage drops its cache) and taken by the next waiting
+request; a cancelled one (a stop string, a client gone) is continued no further (CANCEL to stage
+0) and taken again once every stage has dropped it (RELEASED from the last).
 
 A stage that fails (or dies, or whose member is lost) fails every request in flight with its
 one-line error, and the engine stops, or, with ``restart`` (``shardpool serve``), starts a fresh
@@ -25,13 +28,14 @@ engine (PR_SET_PDEATHSIG), so create it in a thread that outlives it (the main t
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import queue
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -45,7 +49,7 @@ from shardpool.contract.job import StagePlacement
 from shardpool.elastic.group_store import GroupStore
 from shardpool.elastic.messages import ControlStore, control_key
 from shardpool.errors import ShardpoolError
-from shardpool.infer.messages import HEADER_LEN, Header, Kind
+from shardpool.infer.messages import HEADER_LEN, HEADER_TAG, Header, Kind
 from shardpool.infer.rings import LocalStages, Ring, Stages
 from shardpool.infer.sampling import Sampling
 from shardpool.infer.target import Target
@@ -95,6 +99,8 @@ class Stream:
     cancelled: bool = False
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    #: Set by the engine once the request holds a slot: tells the ring to continue it no further.
+    on_cancel: Callable[[], None] | None = field(default=None, repr=False)
 
     def __iter__(self) -> Iterator[int]:
         while True:
@@ -108,8 +114,11 @@ class Stream:
                 raise EngineFailed(str(value))
 
     def cancel(self) -> None:
-        """Ask for no more tokens: the slot is released at the next token that comes back."""
+        """Ask for no more tokens: the stream ends at the next token that comes back, and its
+        slot is freed once every stage has dropped it."""
         self.cancelled = True
+        if self.on_cancel is not None:
+            self.on_cancel()
 
     def tokens(self) -> list[int]:
         """Every token, once the request has finished."""
@@ -120,6 +129,8 @@ class Stream:
 class _Slot:
     stream: Stream
     generated: int = 0
+    ended: bool = False  # the stream has its end; the slot waits for the stages to free it
+    cancel_sent: bool = False
 
 
 class PipelineEngine:
@@ -152,7 +163,7 @@ class PipelineEngine:
         #: Where the stages run (this machine's processes, or mesh members).
         self.stages = stages
         self.placements: list[StagePlacement] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # Stream.cancel may run in a thread that holds it
         self._slots: dict[int, _Slot] = {}
         self._waiting: collections.deque[Stream] = collections.deque()
         self._sends: collections.deque[Any] = collections.deque()
@@ -326,7 +337,7 @@ class PipelineEngine:
 
         def receive() -> None:
             try:
-                dist.recv(values, src=self.num_stages - 1)
+                dist.recv(values, src=self.num_stages - 1, tag=HEADER_TAG)
                 received.append(None)
             except BaseException as error:  # noqa: BLE001 - reported by the waiting thread
                 received.append(error)
@@ -350,7 +361,9 @@ class PipelineEngine:
         while len(self._sends) > _MAX_PENDING_SENDS:
             work, _ = self._sends.popleft()
             work.wait()
-        for tensor in (torch.tensor(header.encode(), dtype=torch.int64), *tensors):
+        header_values = torch.tensor(header.encode(), dtype=torch.int64)
+        self._sends.append((dist.isend(header_values, dst=0, tag=HEADER_TAG), header_values))
+        for tensor in tensors:
             self._sends.append((dist.isend(tensor, dst=0), tensor))  # the tensor lives until waited for
 
     def _finish_sends(self) -> None:
@@ -372,10 +385,29 @@ class PipelineEngine:
                 continue
             slot = next(index for index in range(self.max_slots) if index not in self._slots)
             self._slots[slot] = _Slot(stream)
+            stream.on_cancel = functools.partial(self._cancel, slot, stream)
             request = stream.request
             prompt = torch.tensor(request.prompt_ids, dtype=torch.int64)
             sampling = torch.tensor(request.sampling.encode(), dtype=torch.float64)
-            self._send(Header(Kind.PREFILL, slot, len(request.prompt_ids), 0), sampling, prompt)
+            stop_ids = sorted(request.stop_token_ids)
+            payload = [sampling, *([torch.tensor(stop_ids, dtype=torch.int64)] if stop_ids else []), prompt]
+            header = Header(
+                Kind.PREFILL, slot, len(request.prompt_ids), 0, len(stop_ids), request.max_new_tokens
+            )
+            self._send(header, *payload)
+
+    def _cancel(self, slot: int, stream: Stream) -> None:
+        """Continue ``stream``'s slot no further (once): stage 0 turns its next DECODE into a RELEASE."""
+        with self._lock:
+            held = self._slots.get(slot)
+            if held is None or held.stream is not stream or held.ended or held.cancel_sent:
+                return
+            held.cancel_sent = True
+            if self._failure is None and not self._closing:
+                try:
+                    self._send(Header(Kind.CANCEL, slot))
+                except RuntimeError:  # the ring broke: the watcher and receiver report it
+                    pass
 
     def _receive(self, ring: Ring) -> None:
         """Hand each token the last stage sends to its request, until STOP or the ring breaks."""
@@ -383,40 +415,47 @@ class PipelineEngine:
         try:
             while True:
                 values = torch.empty(HEADER_LEN, dtype=torch.int64)
-                dist.recv(values, src=last)
+                dist.recv(values, src=last, tag=HEADER_TAG)
                 header = Header.decode(values.tolist())
                 if header.kind is Kind.STOP:
                     return
-                if header.kind is not Kind.TOKEN:
-                    raise EngineFailed(f"the last stage sent {header.kind.name} instead of a token")
                 with self._lock:
-                    self._on_token(header)
+                    if header.kind is Kind.TOKEN:
+                        self._on_token(header)
+                    elif header.kind is Kind.RELEASED:
+                        self._free(header.slot)
+                    else:
+                        raise EngineFailed(f"the last stage sent {header.kind.name} instead of a token")
         except Exception as error:  # noqa: BLE001 - a broken ring fails every request, said once
             broke = f"the inference ring broke: {str(error).splitlines()[0]}"
             self._fail_all(_root_cause(ring) or broke, ring)
 
     def _on_token(self, header: Header) -> None:
-        slot = self._slots.get(header.slot)
-        if slot is None:
+        held = self._slots.get(header.slot)
+        if held is None:
             raise EngineFailed(f"a token came back for slot {header.slot}, which holds no request")
-        stream, request = slot.stream, slot.stream.request
-        slot.generated += 1
-        if stream.first_token_at is None:
-            stream.first_token_at = time.perf_counter()
-        stream.items.put(("token", header.token))
-        reason = None
-        if header.token in request.stop_token_ids:
-            reason = "stop"
-        elif slot.generated >= request.max_new_tokens or header.position >= self.max_context:
-            reason = "length"
-        elif stream.cancelled:
-            reason = "cancelled"
-        if reason is None:
-            self._send(Header(Kind.DECODE, header.slot, 1, header.position, header.token))
-            return
-        del self._slots[header.slot]
-        self._send(Header(Kind.RELEASE, header.slot))
-        stream.items.put(("end", reason))
+        stream, request = held.stream, held.stream.request
+        if not held.ended:
+            held.generated += 1
+            if stream.first_token_at is None:
+                stream.first_token_at = time.perf_counter()
+            if stream.cancelled:
+                held.ended = True
+                stream.items.put(("end", "cancelled"))
+            else:
+                stream.items.put(("token", header.token))
+                if header.extra:
+                    held.ended = True
+                    stream.items.put(("end", "stop" if header.token in request.stop_token_ids else "length"))
+        if header.extra:  # the sequence's last token: no DECODE follows, every stage may drop it
+            self._send(Header(Kind.RELEASE, header.slot))
+            self._free(header.slot)
+
+    def _free(self, slot: int) -> None:
+        """The slot is free on every stage: end its stream if it still waits, take the next request."""
+        held = self._slots.pop(slot, None)
+        if held is not None and not held.ended:
+            held.stream.items.put(("end", "cancelled"))
         self._admit_waiting()
 
     def _fail_all(self, message: str, ring: Ring | None = None) -> None:
@@ -431,7 +470,7 @@ class PipelineEngine:
                 self._failure = message
                 self._last_failure = message
             failure = self._failure or message
-            streams = [slot.stream for slot in self._slots.values()] + list(self._waiting)
+            streams = [slot.stream for slot in self._slots.values() if not slot.ended] + list(self._waiting)
             self._slots.clear()
             self._waiting.clear()
             broken = self._ring

@@ -20,16 +20,20 @@ reports that line.
 
 from __future__ import annotations
 
+import collections
 import os
+import queue
 import shutil
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +44,7 @@ from shardpool.elastic.group_store import GroupStore
 from shardpool.elastic.messages import ControlStore, control_key
 from shardpool.errors import ShardpoolError
 from shardpool.files.client import RemoteFiles
-from shardpool.infer.messages import HEADER_LEN, SAMPLING_LEN, Header, Kind
+from shardpool.infer.messages import HEADER_LEN, HEADER_TAG, SAMPLING_LEN, Header, Kind
 from shardpool.infer.sampling import Sampling, next_token, seeded_generator
 from shardpool.model.lora import LoraSettings
 from shardpool.model.nf4 import DTYPES
@@ -53,6 +57,8 @@ __all__ = ["main", "RingFiles", "StageLoop", "join_ring", "build_inference_stage
 
 #: What hidden states cross the ring in: fp32 holds every compute dtype exactly.
 WIRE_DTYPE = torch.float32
+#: Sends a stage lets run before it waits for the oldest (each holds its tensor until then).
+_MAX_PENDING_SENDS = 8
 
 
 def main(argv: list[str]) -> int:
@@ -184,8 +190,35 @@ def build_inference_stage(job: InferenceJob, rank: int, files: RingFiles) -> Pip
     return stage
 
 
+@dataclass(frozen=True)
+class _Prefill:
+    """A new sequence's settings as stage 0 received them from the driver (with its prompt), or a
+    later stage from the one before it (without)."""
+
+    sampling: Sampling
+    stop_ids: list[int]
+    prompt: torch.Tensor | None
+
+
+@dataclass
+class _Sequence:
+    """What the last stage keeps of one slot's sequence to pick its tokens and know its end."""
+
+    sampling: Sampling
+    generator: torch.Generator
+    stop_ids: frozenset[int]
+    max_new_tokens: int
+    generated: int = 0
+
+
 class StageLoop:
-    """What one stage does with each message of the ring."""
+    """What one stage does with each message of the ring.
+
+    Stage 0 hears from two ranks: the driver (new sequences, releases, cancels, STOP) and the last
+    stage (each sequence's next token, as a DECODE). It waits on both at once (a receive from any
+    rank), so a token's round goes through the stages only. With one stage, the stage is both: it
+    keeps its own DECODEs in a queue and takes them between the driver's messages.
+    """
 
     def __init__(self, stage: PipelineStage, spec: InferenceJob, rank: int) -> None:
         self.stage = stage
@@ -193,63 +226,190 @@ class StageLoop:
         self.device = torch.device(spec.stages[rank].device)
         self.compute_dtype = DTYPES[spec.stages[rank].dtype or "float32"]
         self.hidden_size = int(stage.hf_config.hidden_size)
-        self.previous = spec.driver_rank if rank == 0 else rank - 1
-        self.next = spec.driver_rank if stage.spec.is_last else rank + 1
+        self.driver = spec.driver_rank
+        self.first_rank = 0
+        self.is_first = rank == 0
+        self.is_last = bool(stage.spec.is_last)
+        self.previous = self.driver if self.is_first else rank - 1
+        self.next = self.driver if self.is_last else rank + 1
         self.caches: dict[int, object] = {}
-        self.samplings: dict[int, tuple[Sampling, torch.Generator]] = {}
+        self.sequences: dict[int, _Sequence] = {}  # the last stage's
+        self.cancelled: set[int] = set()  # stage 0's: slots to continue no further
+        self.own_decodes: collections.deque[Header] = collections.deque()  # one stage: its next tokens
+        # Stage 0's messages, received by a thread that always has the next receive posted: a gloo
+        # send completes only once its receiver has posted the receive, so the last stage's DECODE
+        # never waits on stage 0's own sends (which wait on stage 1, … on the last stage).
+        self.inbox: queue.Queue[tuple[int, Header, _Prefill | None] | BaseException] = queue.Queue()
+        # Sends in flight, each with its tensor; the oldest is waited for past a few.
+        self.sends: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
 
     def run(self) -> None:
         """Handle messages until STOP; READY first, once the previous rank (the driver, for stage 0) is ready too."""
         self._expect(Kind.READY)
-        self._send_header(Header(Kind.READY))
+        self._send_header(Header(Kind.READY), self.next)
+        if self.is_first:
+            inbox = threading.Thread(target=self._receive_first, name="shardpool-stage0-inbox", daemon=True)
+            inbox.start()
+            self._run_first()
+            # Its last message (a STOP) is taken: it ends now. Nothing of gloo may outlive the
+            # group, nor a thread return from a gloo call while the interpreter exits.
+            inbox.join()
+        else:
+            self._run_later()
+        while self.sends:
+            self.sends.popleft()[0].wait()
+
+    # ----- stage 0 ------------------------------------------------------------------------------
+    def _receive_first(self) -> None:
+        """Stage 0's inbox: each header from any rank (the driver or the last stage), with a new
+        sequence's settings and prompt, until the last STOP it will get."""
+        try:
+            while True:
+                values = torch.empty(HEADER_LEN, dtype=torch.int64)
+                work = dist.irecv(values, tag=HEADER_TAG)  # from any rank
+                work.wait()
+                source = int(work._source_rank())  # noqa: SLF001 - torch's only way to read it
+                header = Header.decode(values.tolist())
+                prefill = None
+                if source == self.driver and header.kind is Kind.PREFILL:
+                    prefill = _Prefill(
+                        self._recv_sampling(), self._recv_stop_ids(header.token), self._recv_prompt(header)
+                    )
+                self.inbox.put((source, header, prefill))
+                if header.kind is Kind.STOP and (self.is_last or source == self.last_rank):
+                    return
+        except BaseException as error:  # noqa: BLE001 - raised again by the stage's loop
+            self.inbox.put(error)
+
+    def _run_first(self) -> None:
+        stopping = False
+        while True:
+            if self.own_decodes and self.inbox.empty():
+                self._continue(self.own_decodes.popleft())
+                continue
+            item = self.inbox.get()
+            if isinstance(item, BaseException):
+                raise item
+            source, header, prefill = item
+            if header.kind is Kind.STOP:
+                if source != self.driver:  # the last stage's: no DECODE follows it
+                    return
+                self._send_header(header, self.next)
+                if self.is_last:
+                    return
+                stopping = True  # drop the DECODEs still coming back until the last stage's STOP
+            elif stopping:
+                continue
+            elif source == self.driver:
+                self._from_driver(header, prefill)
+            elif header.kind is Kind.DECODE:
+                self._continue(header)
+            else:
+                raise ShardpoolError(f"stage 0 got an unexpected {header.kind.name} from rank {source}")
+
+    def _from_driver(self, header: Header, prefill: _Prefill | None) -> None:
+        if header.kind is Kind.PREFILL and prefill is not None:
+            self._forward(header, prefill)
+        elif header.kind is Kind.RELEASE:
+            self.cancelled.discard(header.slot)
+            self._release(header)
+        elif header.kind is Kind.CANCEL:
+            self.cancelled.add(header.slot)
+        else:
+            raise ShardpoolError(f"stage 0 got an unexpected {header.kind.name} from the driver")
+
+    def _continue(self, header: Header) -> None:
+        """A sequence's next token: computed, unless its slot was cancelled: then it is released on
+        every stage, and the last one tells the driver the slot is free."""
+        if header.slot not in self.cancelled:
+            self._forward(header)
+            return
+        self.cancelled.discard(header.slot)
+        self._release(Header(Kind.RELEASE, header.slot, extra=1))
+
+    # ----- stages 1 .. S-1 ----------------------------------------------------------------------
+    def _run_later(self) -> None:
         while True:
             header = self._recv_header()
             if header.kind is Kind.STOP:
-                self._send_header(header)
+                if self.is_last:
+                    self._send_header(header, self.first_rank)  # no DECODE follows it to stage 0
+                self._send_header(header, self.next)
                 return
             if header.kind is Kind.RELEASE:
-                self.caches.pop(header.slot, None)
-                self.samplings.pop(header.slot, None)
-                if not self.stage.spec.is_last:
-                    self._send_header(header)
+                self._release(header)
             elif header.kind in (Kind.PREFILL, Kind.DECODE):
                 self._forward(header)
             else:
                 raise ShardpoolError(f"stage {self.rank} got an unexpected {header.kind.name} message")
 
-    def _forward(self, header: Header) -> None:
-        sampling = None
+    # ----- every stage --------------------------------------------------------------------------
+    @property
+    def last_rank(self) -> int:
+        """The rank of the ring's last stage."""
+        return self.driver - 1
+
+    def _release(self, header: Header) -> None:
+        """Drop the slot's cache and pass the RELEASE on; the last stage answers a cancelled slot's."""
+        self.caches.pop(header.slot, None)
+        self.sequences.pop(header.slot, None)
+        if not self.is_last:
+            self._send_header(header, self.next)
+        elif header.extra:
+            self._send_header(Header(Kind.RELEASED, header.slot), self.driver)
+
+    def _forward(self, header: Header, prefill: _Prefill | None = None) -> None:
+        settings = None
         if header.kind is Kind.PREFILL:
-            sampling = self._recv_sampling()
+            if prefill is None:  # a later stage: what stage 0 passed on
+                prefill = _Prefill(self._recv_sampling(), self._recv_stop_ids(header.token), None)
+            settings = (prefill.sampling, prefill.stop_ids)
             self.caches[header.slot] = self.stage.new_cache()
         elif header.slot not in self.caches:
             raise ShardpoolError(
                 f"stage {self.rank} got a token for slot {header.slot}, which holds no sequence"
             )
-        inputs = self._inputs(header)
+        inputs = self._inputs(header, prefill)
         positions = torch.arange(header.position, header.position + header.length, device=self.device)
         output = self.stage.forward_cached(
             inputs, cache=self.caches[header.slot], position_ids=positions[None]
         )
-        if not self.stage.spec.is_last:
-            self._send_header(header)
-            if sampling is not None:
-                self._send_sampling(sampling)
-            dist.send(output.detach().to(device="cpu", dtype=WIRE_DTYPE).contiguous(), dst=self.next)
+        if not self.is_last:
+            self._send_header(header, self.next)
+            if settings is not None:
+                self._send_sampling(settings[0])
+                self._send_stop_ids(settings[1])
+            self._isend(output.detach().to(device="cpu", dtype=WIRE_DTYPE).contiguous(), self.next)
             return
-        if sampling is not None:
-            self.samplings[header.slot] = (sampling, seeded_generator(sampling))
-        chosen, generator = self.samplings[header.slot]
-        token = next_token(output[0, -1].to("cpu"), chosen, generator)
-        self._send_header(Header(Kind.TOKEN, header.slot, 1, header.position + header.length, token))
+        if settings is not None:
+            sampling, stop_ids = settings
+            self.sequences[header.slot] = _Sequence(
+                sampling, seeded_generator(sampling), frozenset(stop_ids), header.extra
+            )
+        self._pick(header, output[0, -1].to("cpu"))
 
-    def _inputs(self, header: Header) -> torch.Tensor:
-        if self.stage.spec.is_first:
+    def _pick(self, header: Header, logits: torch.Tensor) -> None:
+        """The last stage: choose the slot's token, hand it to stage 0 as the next DECODE unless
+        the sequence has ended (a stop id, or its max_new_tokens), and tell the driver."""
+        sequence = self.sequences[header.slot]
+        token = next_token(logits, sequence.sampling, sequence.generator)
+        sequence.generated += 1
+        position = header.position + header.length
+        last = token in sequence.stop_ids or sequence.generated >= sequence.max_new_tokens
+        if not last:
+            decode = Header(Kind.DECODE, header.slot, 1, position, token)
+            if self.is_first:
+                self.own_decodes.append(decode)
+            else:
+                self._send_header(decode, self.first_rank)
+        self._send_header(Header(Kind.TOKEN, header.slot, 1, position, token, int(last)), self.driver)
+
+    def _inputs(self, header: Header, prefill: _Prefill | None) -> torch.Tensor:
+        if self.is_first:
             if header.kind is Kind.DECODE:
                 return torch.tensor([[header.token]], device=self.device)
-            ids = torch.empty(header.length, dtype=torch.int64)
-            dist.recv(ids, src=self.previous)
-            return ids[None].to(self.device)
+            assert prefill is not None and prefill.prompt is not None
+            return prefill.prompt[None].to(self.device)
         hidden = torch.empty((1, header.length, self.hidden_size), dtype=WIRE_DTYPE)
         dist.recv(hidden, src=self.previous)
         return hidden.to(device=self.device, dtype=self.compute_dtype)
@@ -261,11 +421,16 @@ class StageLoop:
 
     def _recv_header(self) -> Header:
         values = torch.empty(HEADER_LEN, dtype=torch.int64)
-        dist.recv(values, src=self.previous)
+        dist.recv(values, src=self.previous, tag=HEADER_TAG)
         return Header.decode(values.tolist())
 
-    def _send_header(self, header: Header) -> None:
-        dist.send(torch.tensor(header.encode(), dtype=torch.int64), dst=self.next)
+    def _isend(self, tensor: torch.Tensor, destination: int, tag: int = 0) -> None:
+        self.sends.append((dist.isend(tensor, dst=destination, tag=tag), tensor))
+        if len(self.sends) > _MAX_PENDING_SENDS:
+            self.sends.popleft()[0].wait()  # raises if it failed
+
+    def _send_header(self, header: Header, destination: int) -> None:
+        self._isend(torch.tensor(header.encode(), dtype=torch.int64), destination, HEADER_TAG)
 
     def _recv_sampling(self) -> Sampling:
         values = torch.empty(SAMPLING_LEN, dtype=torch.float64)
@@ -273,7 +438,23 @@ class StageLoop:
         return Sampling.decode(values.tolist())
 
     def _send_sampling(self, sampling: Sampling) -> None:
-        dist.send(torch.tensor(sampling.encode(), dtype=torch.float64), dst=self.next)
+        self._isend(torch.tensor(sampling.encode(), dtype=torch.float64), self.next)
+
+    def _recv_prompt(self, header: Header) -> torch.Tensor:
+        ids = torch.empty(header.length, dtype=torch.int64)
+        dist.recv(ids, src=self.driver)
+        return ids
+
+    def _recv_stop_ids(self, count: int) -> list[int]:
+        if count == 0:
+            return []
+        ids = torch.empty(count, dtype=torch.int64)
+        dist.recv(ids, src=self.previous)
+        return [int(value) for value in ids.tolist()]
+
+    def _send_stop_ids(self, stop_ids: list[int]) -> None:
+        if stop_ids:
+            self._isend(torch.tensor(stop_ids, dtype=torch.int64), self.next)
 
 
 if __name__ == "__main__":
