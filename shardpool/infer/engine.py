@@ -52,12 +52,14 @@ from shardpool.errors import ShardpoolError
 from shardpool.infer.messages import HEADER_LEN, HEADER_TAG, Header, Kind
 from shardpool.infer.rings import LocalStages, Ring, Stages
 from shardpool.infer.sampling import Sampling
+from shardpool.infer.sends import PendingSends
 from shardpool.infer.target import Target
 from shardpool.train.process_group import prove_peers
 from shardpool.train.rendezvous import rendezvous_store
 
 __all__ = ["EngineFailed", "GenerationRequest", "PipelineEngine", "Stream"]
 
+#: Sends the driver lets run before it waits for the oldest.
 _MAX_PENDING_SENDS = 64
 _STOP_WAIT_S = 10.0
 _WATCH_INTERVAL_S = 0.5
@@ -128,7 +130,6 @@ class Stream:
 @dataclass
 class _Slot:
     stream: Stream
-    generated: int = 0
     ended: bool = False  # the stream has its end; the slot waits for the stages to free it
     cancel_sent: bool = False
 
@@ -166,7 +167,7 @@ class PipelineEngine:
         self._lock = threading.RLock()  # Stream.cancel may run in a thread that holds it
         self._slots: dict[int, _Slot] = {}
         self._waiting: collections.deque[Stream] = collections.deque()
-        self._sends: collections.deque[Any] = collections.deque()
+        self._sends = PendingSends(_MAX_PENDING_SENDS)
         self._failure: str | None = None
         self._last_failure = ""
         self._closing = False
@@ -246,7 +247,7 @@ class PipelineEngine:
             # A ring that never sent STOP back: its stages are gone now, so the receiver's recv fails.
             self._receiver.join(timeout=_STOP_WAIT_S)
             self._watcher.join(timeout=_STOP_WAIT_S)
-            self._finish_sends()
+            self._sends.finish(_STOP_WAIT_S, failures_ok=True)  # a stage gone: nothing more to deliver
             self._fail_all("the engine was closed")
             if dist.is_initialized():
                 try:
@@ -358,24 +359,9 @@ class PipelineEngine:
     # ----- the ring -----------------------------------------------------------------------------
     def _send(self, header: Header, *tensors: torch.Tensor) -> None:
         """Start sending a header and what follows it to stage 0 (the caller holds the lock)."""
-        while len(self._sends) > _MAX_PENDING_SENDS:
-            work, _ = self._sends.popleft()
-            work.wait()
-        header_values = torch.tensor(header.encode(), dtype=torch.int64)
-        self._sends.append((dist.isend(header_values, dst=0, tag=HEADER_TAG), header_values))
+        self._sends.start(torch.tensor(header.encode(), dtype=torch.int64), 0, HEADER_TAG)
         for tensor in tensors:
-            self._sends.append((dist.isend(tensor, dst=0), tensor))  # the tensor lives until waited for
-
-    def _finish_sends(self) -> None:
-        """Wait for the sends still pending (done, or failed with their stages) and let them go."""
-        with self._lock:
-            pending = list(self._sends)
-            self._sends.clear()
-        for work, _ in pending:
-            try:
-                work.wait(timeout=timedelta(seconds=_STOP_WAIT_S))
-            except RuntimeError:  # its stage is gone: nothing more to deliver
-                pass
+            self._sends.start(tensor, 0)
 
     def _admit_waiting(self) -> None:
         while self._waiting and len(self._slots) < self.max_slots:
@@ -436,7 +422,6 @@ class PipelineEngine:
             raise EngineFailed(f"a token came back for slot {header.slot}, which holds no request")
         stream, request = held.stream, held.stream.request
         if not held.ended:
-            held.generated += 1
             if stream.first_token_at is None:
                 stream.first_token_at = time.perf_counter()
             if stream.cancelled:

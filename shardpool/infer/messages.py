@@ -1,11 +1,13 @@
 """What crosses the inference ring, as small integer headers: pure, torch-free.
 
-Every hop starts with a header of :data:`HEADER_LEN` int64 values (:class:`Header`), so the
+Every message starts with a header of :data:`HEADER_LEN` int64 values (:class:`Header`), so the
 receiver knows what follows: for a new sequence its sampling settings (:data:`SAMPLING_LEN`
 float64 values) and its stop token ids, then the payload (token ids at stage 0, hidden states of
-``length`` positions between stages). The last stage picks each token, tells the driver (a
-``TOKEN`` header alone) and, unless the sequence has ended, hands it straight to stage 0 as the
-next ``DECODE``: a token's round goes through the stages only, never through the driver.
+``length`` positions between stages). From one stage to the next, the header travels in a frame
+with room for one position's hidden state, which a ``DECODE`` fills: a decode step is one message
+per link. The last stage picks each token, tells the driver (a ``TOKEN`` header alone) and, unless
+the sequence has ended, hands it straight to stage 0 as the next ``DECODE``: a token's round goes
+through the stages only, never through the driver.
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ __all__ = ["HEADER_LEN", "HEADER_TAG", "SAMPLING_LEN", "Kind", "Header"]
 
 HEADER_LEN = 6
 SAMPLING_LEN = 4
-#: The gloo tag headers travel on (payloads: tag 0), so that stage 0's receive of the next header
-#: from any rank never takes a payload that follows a header it is handling.
+#: The gloo tag headers (and frames) travel on; what follows a header goes on tag 0.
 HEADER_TAG = 1
 
 

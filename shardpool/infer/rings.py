@@ -109,10 +109,15 @@ class LocalStages:
         """A fresh secret, handed to the stages in their environment."""
         return secrets.token_hex(32)
 
-    def start(self, job: InferenceJob, secret: str) -> LocalRing:
-        """Write the job file (0600) and start one process per stage."""
+    def write_job(self, job: InferenceJob) -> Path:
+        """Write the job file (0600) the stages read; its path."""
         job_file = self.work_dir / "job.json"
         job.write(job_file)
+        return job_file
+
+    def start(self, job: InferenceJob, secret: str) -> LocalRing:
+        """Write the job file and start one process per stage."""
+        job_file = self.write_job(job)
         ring = LocalRing([], self.log_dir)
         try:
             for rank in range(job.num_stages):
@@ -147,9 +152,7 @@ class TorchrunStages(LocalStages):
 
     def start(self, job: InferenceJob, secret: str) -> LocalRing:
         """Write the job file and publish its path to the waiting stage ranks."""
-        job_file = self.work_dir / "job.json"
-        job.write(job_file)
-        self._publish(job_file)
+        self._publish(self.write_job(job))
         return LocalRing([], self.log_dir)
 
 

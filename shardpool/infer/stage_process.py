@@ -5,8 +5,8 @@
 or by a member's agent for a stage on the mesh. The stage is built as for training (its layers
 only, NF4, the adapter loaded unmerged) and kept in eval mode; a local stage opens the job's
 input paths, a mesh stage reads them by name from the driver's file server (the weights it owns
-by range, verified). It then loops: receive a header from the previous rank (the driver, for
-stage 0), do what it asks for one sequence slot, pass the result on. Each slot has its own KV
+by range, verified). It then loops: take the next message (a thread per rank it hears from keeps
+a receive posted), do what it asks for one sequence slot, pass the result on. Each slot has its own KV
 cache (:meth:`PipelineStage.forward_cached`); the last stage also keeps each slot's sampling
 settings and random stream and answers the driver with the chosen token. Messages are handled in
 the order they arrive, so with several sequences in flight every stage works on a different one.
@@ -33,7 +33,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +45,7 @@ from shardpool.errors import ShardpoolError
 from shardpool.files.client import RemoteFiles
 from shardpool.infer.messages import HEADER_LEN, HEADER_TAG, SAMPLING_LEN, Header, Kind
 from shardpool.infer.sampling import Sampling, next_token, seeded_generator
+from shardpool.infer.sends import PendingSends
 from shardpool.model.lora import LoraSettings
 from shardpool.model.nf4 import DTYPES
 from shardpool.model.stage import BaseSettings, PipelineStage, StageSpec, build_stage
@@ -53,12 +53,24 @@ from shardpool.model.weights import WeightReader
 from shardpool.train.process_group import prove_peers, select_device
 from shardpool.train.runfiles import read_files_secret
 
-__all__ = ["main", "RingFiles", "StageLoop", "join_ring", "build_inference_stage", "ring_files"]
+__all__ = [
+    "main",
+    "RingFiles",
+    "StageLoop",
+    "build_inference_stage",
+    "frame_bytes",
+    "join_ring",
+    "make_frame",
+    "read_frame",
+    "ring_files",
+]
 
 #: What hidden states cross the ring in: fp32 holds every compute dtype exactly.
 WIRE_DTYPE = torch.float32
 #: Sends a stage lets run before it waits for the oldest (each holds its tensor until then).
 _MAX_PENDING_SENDS = 8
+#: Bytes of a header on the wire (int64 values).
+_HEADER_BYTES = HEADER_LEN * 8
 
 
 def main(argv: list[str]) -> int:
@@ -190,14 +202,44 @@ def build_inference_stage(job: InferenceJob, rank: int, files: RingFiles) -> Pip
     return stage
 
 
-@dataclass(frozen=True)
-class _Prefill:
-    """A new sequence's settings as stage 0 received them from the driver (with its prompt), or a
-    later stage from the one before it (without)."""
+def frame_bytes(hidden_size: int) -> int:
+    """The size of a frame between stages: a header and one position's hidden state."""
+    return _HEADER_BYTES + hidden_size * WIRE_DTYPE.itemsize
 
-    sampling: Sampling
-    stop_ids: list[int]
-    prompt: torch.Tensor | None
+
+def make_frame(header: Header, hidden_size: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """``header`` as a frame for the next stage (bytes), with a DECODE's one-position ``hidden``
+    state in the wire dtype, or zeros in its place."""
+    frame = torch.zeros(frame_bytes(hidden_size), dtype=torch.uint8)
+    frame[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header.encode(), dtype=torch.int64))
+    if hidden is not None:
+        if hidden.numel() != hidden_size:
+            raise ShardpoolError(
+                f"a frame holds one position's hidden state ({hidden_size} values), not {hidden.numel()}"
+            )
+        frame[_HEADER_BYTES:].view(WIRE_DTYPE).copy_(hidden.reshape(-1))
+    return frame
+
+
+def read_frame(frame: torch.Tensor, hidden_size: int) -> tuple[Header, torch.Tensor | None]:
+    """The header a frame holds and, for a DECODE, its hidden state as ``(1, 1, hidden_size)``."""
+    header = Header.decode(frame[:_HEADER_BYTES].view(torch.int64).tolist())
+    if header.kind is not Kind.DECODE:
+        return header, None
+    return header, frame[_HEADER_BYTES:].view(WIRE_DTYPE).reshape(1, 1, hidden_size)
+
+
+@dataclass(frozen=True)
+class _Message:
+    """One message as a stage's receiving thread took it from rank ``source``: its header and,
+    for a new sequence, its sampling settings and stop ids; ``inputs`` is what the stage computes
+    on (a PREFILL's prompt ids or hidden states, a DECODE's hidden state; None for stage 0's
+    DECODE, whose token is in the header)."""
+
+    source: int
+    header: Header
+    settings: tuple[Sampling, list[int]] | None = None
+    inputs: torch.Tensor | None = None
 
 
 @dataclass
@@ -214,10 +256,14 @@ class _Sequence:
 class StageLoop:
     """What one stage does with each message of the ring.
 
-    Stage 0 hears from two ranks: the driver (new sequences, releases, cancels, STOP) and the last
-    stage (each sequence's next token, as a DECODE). It waits on both at once (a receive from any
-    rank), so a token's round goes through the stages only. With one stage, the stage is both: it
-    keeps its own DECODEs in a queue and takes them between the driver's messages.
+    Receiving threads (one per rank it hears from) always have the next receive posted, so gloo
+    has told the sender its receive is ready before the message goes, and a message crosses a
+    link once. Stage 0 hears from two ranks: the driver (new sequences, releases, cancels, STOP)
+    and the last stage (each sequence's next token, as a DECODE), so a token's round goes through
+    the stages only. A later stage hears from the stage before it, in frames: a header with room
+    for one position's hidden state, which a DECODE fills, so a decode step is one message per
+    link. With one stage, the stage keeps its own DECODEs in a queue and takes them between the
+    driver's messages.
     """
 
     def __init__(self, stage: PipelineStage, spec: InferenceJob, rank: int) -> None:
@@ -227,7 +273,6 @@ class StageLoop:
         self.compute_dtype = DTYPES[spec.stages[rank].dtype or "float32"]
         self.hidden_size = int(stage.hf_config.hidden_size)
         self.driver = spec.driver_rank
-        self.first_rank = 0
         self.is_first = rank == 0
         self.is_last = bool(stage.spec.is_last)
         self.previous = self.driver if self.is_first else rank - 1
@@ -235,62 +280,93 @@ class StageLoop:
         self.caches: dict[int, object] = {}
         self.sequences: dict[int, _Sequence] = {}  # the last stage's
         self.cancelled: set[int] = set()  # stage 0's: slots to continue no further
-        self.own_decodes: collections.deque[Header] = collections.deque()  # one stage: its next tokens
-        # Stage 0's messages, received by a thread that always has the next receive posted: a gloo
-        # send completes only once its receiver has posted the receive, so the last stage's DECODE
-        # never waits on stage 0's own sends (which wait on stage 1, … on the last stage).
-        self.inbox: queue.Queue[tuple[int, Header, _Prefill | None] | BaseException] = queue.Queue()
-        # Sends in flight, each with its tensor; the oldest is waited for past a few.
-        self.sends: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
+        self.own_decodes: collections.deque[_Message] = collections.deque()  # one stage: its next tokens
+        self.inbox: queue.Queue[_Message | BaseException] = queue.Queue()
+        self.sends = PendingSends(_MAX_PENDING_SENDS)
 
     def run(self) -> None:
         """Handle messages until STOP; READY first, once the previous rank (the driver, for stage 0) is ready too."""
-        self._expect(Kind.READY)
+        ready = self._receive_one(self.previous)
+        if ready.header.kind is not Kind.READY:
+            raise ShardpoolError(f"stage {self.rank} expected READY, got {ready.header.kind.name}")
         self._send_header(Header(Kind.READY), self.next)
-        if self.is_first:
-            inbox = threading.Thread(target=self._receive_first, name="shardpool-stage0-inbox", daemon=True)
-            inbox.start()
-            self._run_first()
-            # Its last message (a STOP) is taken: it ends now. Nothing of gloo may outlive the
-            # group, nor a thread return from a gloo call while the interpreter exits.
-            inbox.join()
-        else:
-            self._run_later()
-        while self.sends:
-            self.sends.popleft()[0].wait()
+        sources = [self.previous]
+        if self.is_first and not self.is_last:
+            sources.append(self.last_rank)
+        receivers = [
+            threading.Thread(
+                target=self._receive, args=(source,), name=f"shardpool-stage-from-{source}", daemon=True
+            )
+            for source in sources
+        ]
+        for receiver in receivers:
+            receiver.start()
+        with torch.inference_mode():
+            if self.is_first:
+                self._run_first()
+            else:
+                self._run_later()
+        # Each receiver has taken its last message (a STOP). Nothing of gloo may outlive the
+        # group, nor a thread return from a gloo call while the interpreter exits.
+        for receiver in receivers:
+            receiver.join()
+        self.sends.finish()
 
-    # ----- stage 0 ------------------------------------------------------------------------------
-    def _receive_first(self) -> None:
-        """Stage 0's inbox: each header from any rank (the driver or the last stage), with a new
-        sequence's settings and prompt, until the last STOP it will get."""
+    @property
+    def last_rank(self) -> int:
+        """The rank of the ring's last stage."""
+        return self.driver - 1
+
+    # ----- receiving ----------------------------------------------------------------------------
+    def _receive(self, source: int) -> None:
+        """A receiving thread: every message from ``source`` into the inbox, until its STOP."""
         try:
             while True:
-                values = torch.empty(HEADER_LEN, dtype=torch.int64)
-                work = dist.irecv(values, tag=HEADER_TAG)  # from any rank
-                work.wait()
-                source = int(work._source_rank())  # noqa: SLF001 - torch's only way to read it
-                header = Header.decode(values.tolist())
-                prefill = None
-                if source == self.driver and header.kind is Kind.PREFILL:
-                    prefill = _Prefill(
-                        self._recv_sampling(), self._recv_stop_ids(header.token), self._recv_prompt(header)
-                    )
-                self.inbox.put((source, header, prefill))
-                if header.kind is Kind.STOP and (self.is_last or source == self.last_rank):
+                message = self._receive_one(source)
+                self.inbox.put(message)
+                if message.header.kind is Kind.STOP:
                     return
         except BaseException as error:  # noqa: BLE001 - raised again by the stage's loop
             self.inbox.put(error)
 
+    def _receive_one(self, source: int) -> _Message:
+        """The next message from ``source``, with what follows its header (a PREFILL's settings and
+        inputs)."""
+        inputs = None
+        if self.is_first:  # from the driver or the last stage: a header alone
+            values = torch.empty(HEADER_LEN, dtype=torch.int64)
+            dist.recv(values, src=source, tag=HEADER_TAG)
+            header = Header.decode(values.tolist())
+        else:
+            frame = torch.empty(frame_bytes(self.hidden_size), dtype=torch.uint8)
+            dist.recv(frame, src=source, tag=HEADER_TAG)
+            header, inputs = read_frame(frame, self.hidden_size)
+        if header.kind is not Kind.PREFILL or source != self.previous:
+            return _Message(source, header, inputs=inputs)
+        sampling = self._recv_sampling()
+        stop_ids = self._recv_stop_ids(header.token)
+        if self.is_first:
+            inputs = torch.empty(header.length, dtype=torch.int64)
+        else:
+            inputs = torch.empty((1, header.length, self.hidden_size), dtype=WIRE_DTYPE)
+        dist.recv(inputs, src=source)
+        return _Message(source, header, (sampling, stop_ids), inputs)
+
+    def _next(self) -> _Message:
+        item = self.inbox.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    # ----- stage 0 ------------------------------------------------------------------------------
     def _run_first(self) -> None:
         stopping = False
         while True:
             if self.own_decodes and self.inbox.empty():
                 self._continue(self.own_decodes.popleft())
                 continue
-            item = self.inbox.get()
-            if isinstance(item, BaseException):
-                raise item
-            source, header, prefill = item
+            message = self._next()
+            header, source = message.header, message.source
             if header.kind is Kind.STOP:
                 if source != self.driver:  # the last stage's: no DECODE follows it
                     return
@@ -301,15 +377,16 @@ class StageLoop:
             elif stopping:
                 continue
             elif source == self.driver:
-                self._from_driver(header, prefill)
+                self._from_driver(message)
             elif header.kind is Kind.DECODE:
-                self._continue(header)
+                self._continue(message)
             else:
                 raise ShardpoolError(f"stage 0 got an unexpected {header.kind.name} from rank {source}")
 
-    def _from_driver(self, header: Header, prefill: _Prefill | None) -> None:
-        if header.kind is Kind.PREFILL and prefill is not None:
-            self._forward(header, prefill)
+    def _from_driver(self, message: _Message) -> None:
+        header = message.header
+        if header.kind is Kind.PREFILL:
+            self._forward(message)
         elif header.kind is Kind.RELEASE:
             self.cancelled.discard(header.slot)
             self._release(header)
@@ -318,37 +395,34 @@ class StageLoop:
         else:
             raise ShardpoolError(f"stage 0 got an unexpected {header.kind.name} from the driver")
 
-    def _continue(self, header: Header) -> None:
+    def _continue(self, message: _Message) -> None:
         """A sequence's next token: computed, unless its slot was cancelled: then it is released on
         every stage, and the last one tells the driver the slot is free."""
-        if header.slot not in self.cancelled:
-            self._forward(header)
+        slot = message.header.slot
+        if slot not in self.cancelled:
+            self._forward(message)
             return
-        self.cancelled.discard(header.slot)
-        self._release(Header(Kind.RELEASE, header.slot, extra=1))
+        self.cancelled.discard(slot)
+        self._release(Header(Kind.RELEASE, slot, extra=1))
 
     # ----- stages 1 .. S-1 ----------------------------------------------------------------------
     def _run_later(self) -> None:
         while True:
-            header = self._recv_header()
+            message = self._next()
+            header = message.header
             if header.kind is Kind.STOP:
                 if self.is_last:
-                    self._send_header(header, self.first_rank)  # no DECODE follows it to stage 0
+                    self._send_header(header, 0)  # no DECODE follows it to stage 0
                 self._send_header(header, self.next)
                 return
             if header.kind is Kind.RELEASE:
                 self._release(header)
             elif header.kind in (Kind.PREFILL, Kind.DECODE):
-                self._forward(header)
+                self._forward(message)
             else:
                 raise ShardpoolError(f"stage {self.rank} got an unexpected {header.kind.name} message")
 
     # ----- every stage --------------------------------------------------------------------------
-    @property
-    def last_rank(self) -> int:
-        """The rank of the ring's last stage."""
-        return self.driver - 1
-
     def _release(self, header: Header) -> None:
         """Drop the slot's cache and pass the RELEASE on; the last stage answers a cancelled slot's."""
         self.caches.pop(header.slot, None)
@@ -358,31 +432,30 @@ class StageLoop:
         elif header.extra:
             self._send_header(Header(Kind.RELEASED, header.slot), self.driver)
 
-    def _forward(self, header: Header, prefill: _Prefill | None = None) -> None:
-        settings = None
+    def _forward(self, message: _Message) -> None:
+        header = message.header
         if header.kind is Kind.PREFILL:
-            if prefill is None:  # a later stage: what stage 0 passed on
-                prefill = _Prefill(self._recv_sampling(), self._recv_stop_ids(header.token), None)
-            settings = (prefill.sampling, prefill.stop_ids)
             self.caches[header.slot] = self.stage.new_cache()
         elif header.slot not in self.caches:
             raise ShardpoolError(
                 f"stage {self.rank} got a token for slot {header.slot}, which holds no sequence"
             )
-        inputs = self._inputs(header, prefill)
         positions = torch.arange(header.position, header.position + header.length, device=self.device)
         output = self.stage.forward_cached(
-            inputs, cache=self.caches[header.slot], position_ids=positions[None]
+            self._inputs(message), cache=self.caches[header.slot], position_ids=positions[None]
         )
         if not self.is_last:
+            hidden = output.detach().to(device="cpu", dtype=WIRE_DTYPE).contiguous()
+            if message.settings is None:  # a DECODE: its hidden state rides in its frame
+                self._send_header(header, self.next, hidden)
+                return
             self._send_header(header, self.next)
-            if settings is not None:
-                self._send_sampling(settings[0])
-                self._send_stop_ids(settings[1])
-            self._isend(output.detach().to(device="cpu", dtype=WIRE_DTYPE).contiguous(), self.next)
+            self._send_sampling(message.settings[0])
+            self._send_stop_ids(message.settings[1])
+            self.sends.start(hidden, self.next)
             return
-        if settings is not None:
-            sampling, stop_ids = settings
+        if message.settings is not None:
+            sampling, stop_ids = message.settings
             self.sequences[header.slot] = _Sequence(
                 sampling, seeded_generator(sampling), frozenset(stop_ids), header.extra
             )
@@ -399,38 +472,25 @@ class StageLoop:
         if not last:
             decode = Header(Kind.DECODE, header.slot, 1, position, token)
             if self.is_first:
-                self.own_decodes.append(decode)
+                self.own_decodes.append(_Message(self.rank, decode))
             else:
-                self._send_header(decode, self.first_rank)
+                self._send_header(decode, 0)
         self._send_header(Header(Kind.TOKEN, header.slot, 1, position, token, int(last)), self.driver)
 
-    def _inputs(self, header: Header, prefill: _Prefill | None) -> torch.Tensor:
+    def _inputs(self, message: _Message) -> torch.Tensor:
+        if message.inputs is None:  # stage 0's DECODE
+            return torch.tensor([[message.header.token]], device=self.device)
         if self.is_first:
-            if header.kind is Kind.DECODE:
-                return torch.tensor([[header.token]], device=self.device)
-            assert prefill is not None and prefill.prompt is not None
-            return prefill.prompt[None].to(self.device)
-        hidden = torch.empty((1, header.length, self.hidden_size), dtype=WIRE_DTYPE)
-        dist.recv(hidden, src=self.previous)
-        return hidden.to(device=self.device, dtype=self.compute_dtype)
+            return message.inputs[None].to(self.device)
+        return message.inputs.to(device=self.device, dtype=self.compute_dtype)
 
-    def _expect(self, kind: Kind) -> None:
-        header = self._recv_header()
-        if header.kind is not kind:
-            raise ShardpoolError(f"stage {self.rank} expected {kind.name}, got {header.kind.name}")
-
-    def _recv_header(self) -> Header:
-        values = torch.empty(HEADER_LEN, dtype=torch.int64)
-        dist.recv(values, src=self.previous, tag=HEADER_TAG)
-        return Header.decode(values.tolist())
-
-    def _isend(self, tensor: torch.Tensor, destination: int, tag: int = 0) -> None:
-        self.sends.append((dist.isend(tensor, dst=destination, tag=tag), tensor))
-        if len(self.sends) > _MAX_PENDING_SENDS:
-            self.sends.popleft()[0].wait()  # raises if it failed
-
-    def _send_header(self, header: Header, destination: int) -> None:
-        self._isend(torch.tensor(header.encode(), dtype=torch.int64), destination, HEADER_TAG)
+    def _send_header(self, header: Header, destination: int, hidden: torch.Tensor | None = None) -> None:
+        """A header to ``destination``: to a later stage as a frame (with a DECODE's ``hidden``
+        state), to stage 0 or the driver alone."""
+        if 0 < destination < self.driver:
+            self.sends.start(make_frame(header, self.hidden_size, hidden), destination, HEADER_TAG)
+        else:
+            self.sends.start(torch.tensor(header.encode(), dtype=torch.int64), destination, HEADER_TAG)
 
     def _recv_sampling(self) -> Sampling:
         values = torch.empty(SAMPLING_LEN, dtype=torch.float64)
@@ -438,12 +498,7 @@ class StageLoop:
         return Sampling.decode(values.tolist())
 
     def _send_sampling(self, sampling: Sampling) -> None:
-        self._isend(torch.tensor(sampling.encode(), dtype=torch.float64), self.next)
-
-    def _recv_prompt(self, header: Header) -> torch.Tensor:
-        ids = torch.empty(header.length, dtype=torch.int64)
-        dist.recv(ids, src=self.driver)
-        return ids
+        self.sends.start(torch.tensor(sampling.encode(), dtype=torch.float64), self.next)
 
     def _recv_stop_ids(self, count: int) -> list[int]:
         if count == 0:
@@ -454,7 +509,7 @@ class StageLoop:
 
     def _send_stop_ids(self, stop_ids: list[int]) -> None:
         if stop_ids:
-            self._isend(torch.tensor(stop_ids, dtype=torch.int64), self.next)
+            self.sends.start(torch.tensor(stop_ids, dtype=torch.int64), self.next)
 
 
 if __name__ == "__main__":
