@@ -32,7 +32,6 @@ WORKERS: dict[str, str] = {
     "stage": "shardpool_dev.bench.paired:shardpool_worker",
     "engine-generate": "shardpool_dev.bench.generation:engine_worker",
     "peft-generate": "shardpool_dev.bench.generation:peft_worker",
-    "stage-times": "shardpool_dev.bench.generation_mesh:stage_times_worker",
 }
 """The functions a child can run, by the name given on its command line."""
 CHILD_TIMEOUT_S = 1800
