@@ -12,6 +12,8 @@
 # minimum each later part needs):
 #   install         the .whl/ wheels, if any, into /tmp/site; torch, CUDA, driver, GPU and package versions
 #   devices         `shardpool devices --json`: compute capability, bf16, the NF4 probe
+#   generate        scripts/bench_generate.py --device cuda:0 --pairs 2: one stage against peft's
+#                   `generate`, two stages on the GPU with 8 requests in flight, time to first token
 #   cuda_tests      the tests that skip without CUDA (found by scripts/gpu_suite_tools.py)
 #   gpu_check       scripts/gpu_check.py (CUDA stages against the CPU fp32 result, memory ratios)
 #   s2_one_gpu, memory_vs_plan, fp16_loss_scaling   read off gpu_check's report (no runs of their own)
@@ -22,8 +24,8 @@
 #
 # It writes to $OUT (default ./gpu-suite-out), at most 8 files: suite.json (every part with its
 # status, rewritten after each part, so a run stopped early keeps what finished), suite.md (the
-# same as a table), suite.log (all output), gpu-check.json, bench.json and nf4-bench.json (the
-# parts' own reports).
+# same as a table), suite.log (all output), gpu-check.json, bench.json, nf4-bench.json and
+# generate.json (the parts' own reports).
 # Exit status: 0 when every part that ran is ok, skipped or without data; 1 when one failed or
 # timed out; 2 for a bad argument.
 #
@@ -44,16 +46,16 @@ FORCE_TIMEOUT=""
 # earlier parts run). gpu_check's own --budget is its limit less GPU_CHECK_MARGIN.
 # On an H200 a gpu_check run takes about 65 s and its CPU reference about 70 s; stage_vs_peft
 # about 180 s.
-PARTS=(install devices cuda_tests gpu_check torch_nf4_vs_bnb stage_vs_peft)
-DEFAULT_PARTS="install devices cuda_tests gpu_check torch_nf4_vs_bnb"
-declare -A LIMIT=([install]=90 [devices]=60 [cuda_tests]=100 [gpu_check]=300 [torch_nf4_vs_bnb]=150 [stage_vs_peft]=220)
-declare -A NEEDS=([install]=30 [devices]=20 [cuda_tests]=60 [gpu_check]=140 [torch_nf4_vs_bnb]=100 [stage_vs_peft]=180)
+PARTS=(install devices generate cuda_tests gpu_check torch_nf4_vs_bnb stage_vs_peft)
+DEFAULT_PARTS="install devices generate cuda_tests gpu_check torch_nf4_vs_bnb"
+declare -A LIMIT=([install]=90 [devices]=60 [generate]=180 [cuda_tests]=100 [gpu_check]=300 [torch_nf4_vs_bnb]=150 [stage_vs_peft]=220)
+declare -A NEEDS=([install]=30 [devices]=20 [generate]=100 [cuda_tests]=60 [gpu_check]=140 [torch_nf4_vs_bnb]=100 [stage_vs_peft]=180)
 GPU_CHECK_MARGIN=20
 # gpu_check's runs, those docs/gpu.md has no result for first, without cuda+cuda/bf16 and
 # cuda+cpu/bf16 (bf16 is covered by cuda/bf16).
 GPU_CHECK_RUNS=("cuda+cpu/fp32" "cuda/bf16" "cuda/fp16" "cuda+cuda/fp32 re-shard" "cuda+cpu/fp32 re-shard"
     "cuda+cuda/fp16" "cuda+cpu/fp16" "cuda/fp32" "cuda+cuda/fp32")
-ALL_PARTS="install devices cuda_tests gpu_check s2_one_gpu memory_vs_plan fp16_loss_scaling torch_nf4_vs_bnb stage_vs_peft"
+ALL_PARTS="install devices generate cuda_tests gpu_check s2_one_gpu memory_vs_plan fp16_loss_scaling torch_nf4_vs_bnb stage_vs_peft"
 
 usage() {
     echo "gpu_suite: $1; usage: bash scripts/gpu_suite.sh [--dry-run] [--budget SECONDS] [--only PART[,PART...]] [--force-timeout PART] (parts: $ALL_PARTS)" >&2
@@ -155,7 +157,16 @@ part_torch_nf4_vs_bnb() {
         cp "$WORK/nf4-bench.json" "$OUT/nf4-bench.json"
     fi
 }
-export -f part_install part_devices part_gpu_check part_cuda_tests part_stage_vs_peft part_torch_nf4_vs_bnb
+part_generate() {
+    if [ "$DRY_RUN" = 1 ]; then
+        "$PY" scripts/bench_generate.py --help >/dev/null || return
+        echo "gpu_suite: dry run: bench_generate.py --device cuda:0 not started"
+    else
+        "$PY" scripts/bench_generate.py --device cuda:0 --pairs 2 --max-wait-idle 0 >"$WORK/generate.json" || return
+        cp "$WORK/generate.json" "$OUT/generate.json"
+    fi
+}
+export -f part_install part_devices part_generate part_gpu_check part_cuda_tests part_stage_vs_peft part_torch_nf4_vs_bnb
 export GPU_CHECK_MARGIN
 printf '%s\n' "${GPU_CHECK_RUNS[@]}" >"$WORK/gpu-check-runs" # bash cannot export an array
 

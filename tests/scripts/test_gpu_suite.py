@@ -78,6 +78,7 @@ def test_the_dry_run_reports_every_part_and_goes_on_past_a_timeout(
     )
     assert all(parts[name]["status"] == "no data" for name in suite.DERIVED_PARTS)
     assert parts["torch_nf4_vs_bnb"]["status"] == "ok"  # the dry run checks the bench's arguments only
+    assert parts["generate"]["status"] == "ok"  # likewise
 
 
 @pytest.mark.slow
@@ -317,4 +318,20 @@ def test_the_pytorch_nf4_part_reads_the_paired_bench_it_ran(tmp_path: Path) -> N
     assert summary == (
         "tokens/s bitsandbytes / PyTorch path 1.620; PyTorch path's extra peak 30.0 MiB against one "
         "dequantized linear, 21.5 MiB (target <= 110 %)"
+    )
+
+
+def test_the_generation_part_reads_the_bench_it_ran(tmp_path: Path) -> None:
+    report = {
+        "one_stage_over_peft": {"median": 1.042, "min": 1.01, "max": 1.07, "spread": 0.06},
+        "two_stages_concurrent_over_alone": {"median": 3.5, "min": 3.4, "max": 3.6, "spread": 0.2},
+        "time_to_first_token_s": {"prompt_tokens": 512, "one_stage": 0.031, "two_stages": 0.048},
+    }
+    (tmp_path / "generate.json").write_text(json.dumps(report))
+    details = suite_report.part_details("generate", tmp_path, "", None)
+    status, summary = suite.status_of("generate", 0, "", details, timed_out=False)
+    assert status == "ok"
+    assert summary == (
+        "one stage ÷ peft generate 1.042 (target >= 0.9); two stages on one GPU, 8 in flight ÷ one "
+        "alone 3.500 (target >= 1.6); first token after 512 tokens 0.031 s / 0.048 s"
     )

@@ -9,6 +9,10 @@ Three figures, each from runs in fresh processes pinned to the same cores:
   flight together ÷ one request alone (the pipeline fills while one sequence waits for the other
   stage); both measured in the same engine, alternately.
 - ``time_to_first_token_s``: a 512-token prompt, on one and on two stages.
+
+With ``device`` a CUDA device, both sides run on it (the stages, two on the same GPU for the
+two-stage figures, and peft's model) in bfloat16, the compute dtype ``shardpool generate`` picks
+there; ``size`` ``gpu`` is a model wide enough for a GPU to have work (hidden 2048).
 """
 
 from __future__ import annotations
@@ -29,7 +33,24 @@ NEW_TOKENS = 128
 CONCURRENT = 8
 LONG_PROMPT = 512
 #: A model large enough that a token's compute, not the ring's messages, is what is timed.
-MODEL_SHAPE = {"num_layers": 8, "hidden_size": 256, "intermediate_size": 688, "num_heads": 8, "num_kv_heads": 4}
+MODEL_SHAPE = {
+    "num_layers": 8,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+}
+#: The models by ``--size``: ``gpu`` has TinyLlama-1.1B's layer shape, 8 of its 22 layers.
+MODEL_SHAPES = {
+    "cpu": MODEL_SHAPE,
+    "gpu": {
+        "num_layers": 8,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_heads": 32,
+        "num_kv_heads": 4,
+    },
+}
 
 
 def varied_tiny_model(directory: Path) -> Path:
@@ -63,12 +84,18 @@ def random_adapter(model_dir: Path, directory: Path, *, seed: int = 11, scale: f
     return directory
 
 
-def build_inputs(work: Path) -> tuple[Path, Path]:
-    """The bench model (std 0.1, so greedy output varies) and a random adapter for it."""
+def build_inputs(work: Path, size: str = "cpu") -> tuple[Path, Path]:
+    """The bench model of ``size`` (std 0.1, so greedy output varies) and a random adapter for it."""
     from shardpool.model.tinymodel import make_tiny_llama
 
-    model = make_tiny_llama(work / "model", seed=3, initializer_range=0.1, **MODEL_SHAPE)  # type: ignore[arg-type]
+    shape = MODEL_SHAPES[size]
+    model = make_tiny_llama(work / "model", seed=3, initializer_range=0.1, **shape)  # type: ignore[arg-type]
     return model, random_adapter(model, work / "adapter")
+
+
+def compute_dtype(device: str) -> str:
+    """The compute dtype both sides use on ``device``: what ``shardpool generate`` picks there."""
+    return "float32" if device == "cpu" else "bfloat16"
 
 
 def _prompt_ids(model: Path, length: int) -> list[int]:
@@ -89,9 +116,18 @@ def peft_worker(spec_path: str) -> dict[str, Any]:
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
-    base = AutoModelForCausalLM.from_pretrained(spec["model"], quantization_config=bnb_config(), dtype=torch.float32)
-    model = keep_exact_cpu_matmul(PeftModel.from_pretrained(base, spec["adapter"]).eval())
-    ids = torch.tensor([_prompt_ids(Path(spec["model"]), 16)])
+    device, dtype = spec["device"], compute_dtype(spec["device"])
+    placed = {} if device == "cpu" else {"device_map": {"": device}}
+    base = AutoModelForCausalLM.from_pretrained(
+        spec["model"],
+        quantization_config=bnb_config(compute_dtype=dtype),
+        dtype=getattr(torch, dtype),
+        **placed,
+    )
+    model = PeftModel.from_pretrained(base, spec["adapter"]).eval()
+    if device == "cpu":
+        model = keep_exact_cpu_matmul(model)
+    ids = torch.tensor([_prompt_ids(Path(spec["model"]), 16)], device=device)
 
     def run(new_tokens: int) -> float:
         started = time.perf_counter()
@@ -102,6 +138,8 @@ def peft_worker(spec_path: str) -> dict[str, Any]:
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
         )
+        if device != "cpu":
+            torch.cuda.synchronize(device)
         return time.perf_counter() - started
 
     run(8)  # warm-up
@@ -118,10 +156,12 @@ def engine_worker(spec_path: str) -> dict[str, Any]:
 
     spec = json.loads(Path(spec_path).read_text())
     target = resolve_target(spec["adapter"])
-    placements = local_placements(target.model_dir, spec["stages"], ["cpu"])
+    placements = local_placements(target.model_dir, spec["stages"], [spec["device"]])
     short = tuple(_prompt_ids(Path(spec["model"]), 16))
     long = tuple(_prompt_ids(Path(spec["model"]), LONG_PROMPT))
-    with PipelineEngine(target, placements, max_slots=CONCURRENT, threads_per_process=spec["threads"]) as engine:
+    with PipelineEngine(
+        target, placements, max_slots=CONCURRENT, threads_per_process=spec["threads"]
+    ) as engine:
         engine.generate(GenerationRequest(short, 8))  # warm-up
 
         def alone(new_tokens: int) -> float:
@@ -151,15 +191,23 @@ def engine_worker(spec_path: str) -> dict[str, Any]:
         return result
 
 
-def benchmark(*, pairs: int, cores: list[int], keep: Path | None, max_wait_idle_s: float) -> dict[str, Any]:
+def benchmark(
+    *,
+    pairs: int,
+    cores: list[int],
+    keep: Path | None,
+    max_wait_idle_s: float,
+    device: str = "cpu",
+    size: str = "cpu",
+) -> dict[str, Any]:
     """Every figure of the module's docstring, as one JSON-ready report."""
     import tempfile
 
     work = keep or Path(tempfile.mkdtemp(prefix="shardpool-bench-generate-"))
     work.mkdir(parents=True, exist_ok=True)
-    model, adapter = build_inputs(work)
+    model, adapter = build_inputs(work, size)
     threads = len(cores)
-    base = {"model": str(model), "adapter": str(adapter), "new_tokens": NEW_TOKENS}
+    base = {"model": str(model), "adapter": str(adapter), "new_tokens": NEW_TOKENS, "device": device}
     specs = {
         "A": dict(base, stages=1, threads=threads),
         "B": dict(base, threads=threads),
@@ -178,9 +226,13 @@ def benchmark(*, pairs: int, cores: list[int], keep: Path | None, max_wait_idle_
             measured[side].append(run_json_child(worker, paths[side], env=thread_env(threads), label=side))
         waited.append(wait_for_idle(max_wait_idle_s))
         two = run_json_child("engine-generate", paths["S2"], env=thread_env(max(1, threads // 2)), label="S2")
-    ratios = pair_ratios([run["tokens_per_s"] for run in measured["A"]], [run["tokens_per_s"] for run in measured["B"]])
+    ratios = pair_ratios(
+        [run["tokens_per_s"] for run in measured["A"]], [run["tokens_per_s"] for run in measured["B"]]
+    )
     return {
-        "model": MODEL_SHAPE,
+        "model": MODEL_SHAPES[size],
+        "device": device,
+        "compute_dtype": compute_dtype(device),
         "new_tokens": NEW_TOKENS,
         "cores": cores,
         "one_stage_over_peft": {

@@ -34,6 +34,7 @@ TIMEOUT_STATUSES = (124, 137)
 PARTS: tuple[tuple[str, str], ...] = (
     ("install", "wheels installed; torch, CUDA, driver, GPU, bitsandbytes, transformers, peft versions"),
     ("devices", "`shardpool devices --json`: compute capability, bf16, the NF4 probe"),
+    ("generate", "generation on one GPU: one stage ÷ peft `generate`; two stages, 8 in flight ÷ one alone"),
     ("cuda_tests", "the tests that skip without CUDA"),
     ("gpu_check", "`scripts/gpu_check.py`: CUDA stages against the CPU fp32 result, memory against the plan"),
     ("s2_one_gpu", "S = 2 as two processes on one GPU (gpu_check's cuda+cuda runs)"),
@@ -218,6 +219,14 @@ def _summary(part: str, details: dict[str, Any]) -> str:
         return (
             f"tokens/s stage / plain {details['tokens_per_s_ratio_a_over_b']:.3f} (target >= 0.95), "
             f"peak memory stage / plain {details.get('peak_memory_ratio_a_over_b')} (target <= 1.0)"
+        )
+    if part == "generate" and isinstance(details.get("one_stage_over_peft"), dict):
+        one, two = details["one_stage_over_peft"], details.get("two_stages_concurrent_over_alone") or {}
+        first = details.get("time_to_first_token_s") or {}
+        return (
+            f"one stage ÷ peft generate {one['median']:.3f} (target >= 0.9); two stages on one GPU, "
+            f"8 in flight ÷ one alone {two.get('median', float('nan')):.3f} (target >= 1.6); first token "
+            f"after {first.get('prompt_tokens')} tokens {first.get('one_stage')} s / {first.get('two_stages')} s"
         )
     if part == "torch_nf4_vs_bnb" and isinstance(details.get("tokens_per_s_ratio_a_over_b"), dict):
         extra = details.get("peak_memory_b_minus_a_median_bytes", 0) / MIB

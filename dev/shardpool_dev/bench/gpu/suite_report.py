@@ -132,6 +132,8 @@ def part_details(part: str, out: Path, output: str, work: Path | None) -> dict[s
         return found
     if part == "torch_nf4_vs_bnb":
         return _read_json(out / "nf4-bench.json") or {}
+    if part == "generate":
+        return _read_json(out / "generate.json") or {}
     if part == "cuda_tests" and work is not None and (work / "cuda-tests.xml").is_file():
         return {"counts": pytest_counts(work / "cuda-tests.xml")}
     return {}
