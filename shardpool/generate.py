@@ -40,6 +40,7 @@ __all__ = [
     "GenerateOptions",
     "StagesFor",
     "Generation",
+    "default_dtype",
     "generate",
     "local_placements",
     "fleet_placements",
@@ -102,6 +103,12 @@ class Generation:
         }
 
 
+def default_dtype(device: str) -> str:
+    """The compute dtype generation runs in on ``device`` (``cuda:1`` as ``cuda``): float32 on a
+    CPU, bfloat16 on CUDA, float16 on MPS."""
+    return _DEFAULT_DTYPE[device.split(":", 1)[0]]
+
+
 def parse_devices(text: str) -> tuple[str, ...]:
     """``--devices cpu,cuda:0`` as a tuple; one line for an empty or malformed list."""
     devices = tuple(part.strip() for part in text.split(",") if part.strip())
@@ -143,7 +150,7 @@ def local_placements(
             f"--devices names {len(devices)} devices for {stages} stages; give one device, or one per stage"
         )
     chosen = list(devices) * stages if len(devices) == 1 else list(devices)
-    dtypes = [_DEFAULT_DTYPE[device.split(":", 1)[0]] for device in chosen]
+    dtypes = [default_dtype(device) for device in chosen]
     ranges = even_split(info.num_layers, stages)
     free: Mapping[str, float] = {}
     if max_context is not None:

@@ -25,9 +25,6 @@ class PendingSends:
         self.cap = cap
         self._pending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
 
-    def __len__(self) -> int:
-        return len(self._pending)
-
     def start(self, tensor: torch.Tensor, destination: int, tag: int = 0) -> None:
         """Send ``tensor`` to rank ``destination`` on ``tag``, first waiting for the oldest sends
         past the cap (which raises if one failed)."""

@@ -93,11 +93,6 @@ def build_inputs(work: Path, size: str = "cpu") -> tuple[Path, Path]:
     return model, random_adapter(model, work / "adapter")
 
 
-def compute_dtype(device: str) -> str:
-    """The compute dtype both sides use on ``device``: what ``shardpool generate`` picks there."""
-    return "float32" if device == "cpu" else "bfloat16"
-
-
 def _prompt_ids(model: Path, length: int) -> list[int]:
     from transformers import AutoTokenizer
 
@@ -112,11 +107,12 @@ def peft_worker(spec_path: str) -> dict[str, Any]:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from shardpool.generate import default_dtype
     from shardpool.model.nf4 import bnb_config, keep_exact_cpu_matmul
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
-    device, dtype = spec["device"], compute_dtype(spec["device"])
+    device, dtype = spec["device"], default_dtype(spec["device"])  # as the stages run
     placed = {} if device == "cpu" else {"device_map": {"": device}}
     base = AutoModelForCausalLM.from_pretrained(
         spec["model"],
@@ -203,6 +199,8 @@ def benchmark(
     """Every figure of the module's docstring, as one JSON-ready report."""
     import tempfile
 
+    from shardpool.generate import default_dtype
+
     work = keep or Path(tempfile.mkdtemp(prefix="shardpool-bench-generate-"))
     work.mkdir(parents=True, exist_ok=True)
     model, adapter = build_inputs(work, size)
@@ -232,7 +230,7 @@ def benchmark(
     return {
         "model": MODEL_SHAPES[size],
         "device": device,
-        "compute_dtype": compute_dtype(device),
+        "compute_dtype": default_dtype(device),
         "new_tokens": NEW_TOKENS,
         "cores": cores,
         "one_stage_over_peft": {

@@ -31,6 +31,7 @@ thread too.
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import subprocess
@@ -260,7 +261,7 @@ def benchmark(*, keep: Path | None, rounds: int = ROUNDS, new_tokens: int = NEW_
 def _over_parts(per_token: list[float], compute: list[list[float]], rtt: float) -> dict[str, Any]:
     """Each round's per-token latency ÷ (the mean of the stage times timed before and after it,
     summed, + ``rtt``): the median, the range and every round's."""
-    bracketed = [(sum(before) + sum(after)) / 2 for before, after in zip(compute, compute[1:], strict=False)]
+    bracketed = [(sum(before) + sum(after)) / 2 for before, after in itertools.pairwise(compute)]
     ratios = [token / (parts + rtt) for token, parts in zip(per_token, bracketed, strict=True)]
     return {
         "median": round(statistics.median(ratios), 3),
