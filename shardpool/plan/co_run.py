@@ -3,60 +3,89 @@
 A CPU slot's layer profile is taken alone. When a host runs several CPU stages at once, each of
 them gets fewer CPUs than it had (time-sharing, which :func:`shardpool.plan.local_fleet` computes
 from the core count and the cgroup quota), and even when there are enough cores to go round the
-stages still share caches, memory bandwidth and, on SMT machines, the cores themselves. The second
-effect depends on the host: on a 2-vCPU cloud VM two single-thread stages each ran about a quarter
-slower than alone, which the planner's time model missed by that much. So it is measured: one
-matrix-multiply loop run alone and then ``copies`` at once (threads, each with ``threads`` torch
-threads, as each stage process has), in interleaved pairs, the median ratio taken. The result is
-cached with the layer profiles, keyed by what it depends on.
+stages still share caches, memory bandwidth and, on SMT machines and busy hypervisors, the cores
+themselves. How much that costs depends on the host and on the work: a shared core costs dense
+matrix multiplies more than the operator overhead and element-wise work that much of a small
+model's step is, so a matrix-multiply loop is no stand-in for a stage. So it is measured with
+the work itself: the slot's profiled layer (:func:`shardpool.plan.sample_layer.layer_run`),
+forward and backward, run by one process alone and then by ``copies`` processes at once (each
+with ``threads`` torch threads, as each stage process has), in interleaved pairs, the median
+ratio taken. Processes, not threads: a small layer's Python between operators would contend for
+one interpreter lock, which stage processes never share. The result is cached with the layer
+profiles, keyed by what it depends on.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
-import threading
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from shardpool.host.cpu_quota import cpu_quota
-from shardpool.plan.profile_cache import cached_profile, store_profile
+from shardpool.model.shape import ModelShape
+from shardpool.plan.costmodel import Workload
+from shardpool.plan.measuring_process import MeasuringProcess
+from shardpool.plan.profile_cache import cached_profile, profile_key, store_profile
 
-__all__ = ["co_run_key", "co_run_slowdown", "median_ratio"]
+__all__ = ["CpuLayer", "co_run_key", "co_run_slowdown", "median_ratio"]
 
 #: Interleaved alone/together pairs per measurement: the median of five survives one or two
 #: samples disturbed by the rest of a noisy host.
 _PAIRS = 5
-#: How long one sample runs, seconds; under a CPU quota long enough to span several of its
-#: 100 ms periods, so that the throttling shows as an average rather than as luck.
-_SAMPLE_S = 0.12
+#: Pairs when one sample takes longer than :data:`_LONG_SAMPLE_S` (a big layer on one thread): the
+#: median of three still drops one disturbed pair, at a bounded cost.
+_FEW_PAIRS = 3
+_LONG_SAMPLE_S = 1.0
+#: How long one sample runs at least, seconds; under a CPU quota long enough to span several of
+#: its 100 ms periods, so that the throttling shows as an average rather than as luck.
+_SAMPLE_S = 0.15
 _THROTTLED_SAMPLE_S = 0.4
-#: The loop's matrices: a decoder layer's projections at a small model's width.
-_ROWS, _WIDTH = 256, 768
+#: Steps each process runs before any sample (kernels, allocator), and steps that time one alone.
+_WARM_UP_STEPS = 2
+_CALIBRATION_STEPS = 2
 
 
-def co_run_key(copies: int, threads: int, quota: float | None) -> str:
-    """The cache key of one co-run measurement: what it depends on (torch's version, the host's
-    CPUs and quota, how many stages of how many threads)."""
-    import torch
+@dataclass(frozen=True)
+class CpuLayer:
+    """The layer CPU stages compute, as their profile builds it: the model's shape, the workload,
+    the CPU's label, the compute dtype and the NF4 backend (None: bitsandbytes or no NF4)."""
 
-    return f"co_run|copies={copies}|threads={threads}|quota={quota}|cpus={os.cpu_count()}|torch={torch.__version__}"
+    shape: ModelShape
+    workload: Workload
+    label: str
+    dtype: str
+    nf4_backend: str | None = None
 
 
-def co_run_slowdown(copies: int, threads: int, *, use_cache: bool = True) -> float:
+def co_run_key(copies: int, threads: int, quota: float | None, layer: CpuLayer) -> str:
+    """The cache key of one co-run measurement: what it depends on (the host's CPUs and quota, how
+    many stages of how many threads, and the layer they compute: the layer profile's key)."""
+    profiled = profile_key(
+        layer.shape, layer.workload, label=layer.label, threads=threads, quota=quota,
+        dtype=layer.dtype, nf4_backend=layer.nf4_backend,
+    )  # fmt: skip
+    return f"co_run|copies={copies}|cpus={os.cpu_count()}|{profiled}"
+
+
+def co_run_slowdown(copies: int, threads: int, layer: CpuLayer, *, use_cache: bool = True) -> float:
     """How many times slower each of ``copies`` CPU stages of ``threads`` torch threads computes
-    while all run together than one computes alone, on this host (at least 1; 1 for one copy)."""
+    ``layer`` while all run together than one computes it alone, on this host (at least 1; 1 for
+    one copy). Measured in ``copies`` child processes, which end before this returns."""
     if copies <= 1:
         return 1.0
     quota = cpu_quota()
-    key = co_run_key(copies, threads, quota)
+    key = co_run_key(copies, threads, quota, layer)
     if (
         use_cache
         and (cached := cached_profile(key)) is not None
         and isinstance(cached.get("slowdown"), float)
     ):
         return float(cached["slowdown"])
-    slowdown = _measure(copies, threads, sample_s=_THROTTLED_SAMPLE_S if quota is not None else _SAMPLE_S)
+    slowdown = _measure(
+        copies, threads, layer, sample_s=_THROTTLED_SAMPLE_S if quota is not None else _SAMPLE_S
+    )
     if use_cache:
         store_profile(key, {"slowdown": slowdown})
     return slowdown
@@ -68,65 +97,57 @@ def median_ratio(alone: list[float], together: list[float]) -> float:
     return max(1.0, statistics.median(t / a for a, t in zip(alone, together, strict=True)))
 
 
-def _measure(copies: int, threads: int, *, sample_s: float) -> float:
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)  # each thread that runs torch work starts with this many
+def _measure(copies: int, threads: int, layer: CpuLayer, *, sample_s: float) -> float:
+    children: list[MeasuringProcess] = []
+    failed = True
     try:
-        loop = _matmul_loop()
-        iterations = _iterations_for(loop, sample_s)
+        for _ in range(copies):
+            children.append(MeasuringProcess(purpose="how CPU stages share this host"))
+        for child in children:  # the layers are built and warmed up at once
+            child.send(_prepare, layer, threads)
+        for child in children:
+            child.receive()
+        first = children[0]
+        step_s = max(first.call(_run_steps, _CALIBRATION_STEPS) / _CALIBRATION_STEPS, 1e-6)
+        steps = max(1, round(sample_s / step_s))
+        pairs = _PAIRS if steps * step_s <= _LONG_SAMPLE_S else _FEW_PAIRS
         alone: list[float] = []
         together: list[float] = []
-        for _ in range(_PAIRS):
-            alone.append(_run_side_by_side(loop, iterations, 1, threads))
-            together.append(_run_side_by_side(loop, iterations, copies, threads))
+        for _ in range(pairs):
+            alone.append(first.call(_run_steps, steps))
+            for child in children:
+                child.send(_run_steps, steps)
+            together.append(statistics.fmean(child.receive() for child in children))
+        failed = False
         return median_ratio(alone, together)
     finally:
-        torch.set_num_threads(before)
+        for child in children:
+            child.close(at_once=failed)
 
 
-def _matmul_loop() -> Callable[[int], None]:
+# ---------------------------------------------------------------------------- in each child
+
+#: The child's built layer, between :func:`_prepare` and the :func:`_run_steps` that time it.
+_PREPARED: dict[str, Any] = {}
+
+
+def _prepare(layer: CpuLayer, threads: int) -> None:
+    """Build ``layer`` on the CPU with ``threads`` torch threads and warm it up."""
     import torch
 
-    generator = torch.Generator().manual_seed(0)
-    left = torch.randn(_ROWS, _WIDTH, generator=generator)
-    right = torch.randn(_WIDTH, _WIDTH, generator=generator)
+    from shardpool.plan.sample_layer import layer_run
 
-    def loop(iterations: int) -> None:
-        for _ in range(iterations):
-            torch.mm(left, right)
-
-    return loop
+    torch.set_num_threads(threads)
+    run = layer_run(layer.shape, layer.workload, "cpu", layer.dtype, layer.nf4_backend)
+    for _ in range(_WARM_UP_STEPS):
+        run.step()
+    _PREPARED["run"] = run
 
 
-def _iterations_for(loop: Callable[[int], None], sample_s: float) -> int:
-    """Iterations that take about ``sample_s`` alone (after one warm-up)."""
-    loop(3)
+def _run_steps(steps: int) -> float:
+    """Seconds ``steps`` forward + backward steps of the prepared layer took."""
+    run = _PREPARED["run"]
     started = time.perf_counter()
-    loop(10)
-    per_iteration = max((time.perf_counter() - started) / 10, 1e-6)
-    return max(10, round(sample_s / per_iteration))
-
-
-def _run_side_by_side(loop: Callable[[int], None], iterations: int, copies: int, threads: int) -> float:
-    """The mean seconds each of ``copies`` threads took to run ``loop(iterations)`` with ``threads``
-    torch threads each, all started together."""
-    import torch
-
-    seconds: list[float] = [0.0] * copies
-    start = threading.Barrier(copies)
-
-    def worker(index: int) -> None:
-        torch.set_num_threads(threads)  # a new thread starts with torch's default, not the caller's
-        start.wait()
-        began = time.perf_counter()
-        loop(iterations)
-        seconds[index] = time.perf_counter() - began
-
-    workers = [threading.Thread(target=worker, args=(index,), daemon=True) for index in range(copies)]
-    for thread in workers:
-        thread.start()
-    for thread in workers:
-        thread.join()
-    return statistics.fmean(seconds)
+    for _ in range(steps):
+        run.step()
+    return time.perf_counter() - started

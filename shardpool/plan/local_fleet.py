@@ -48,9 +48,9 @@ class DeviceProbe(Protocol):
         """The link between two stages on this machine."""
         ...
 
-    def co_run_slowdown(self, copies: int, threads: int) -> float:
-        """How many times slower each of ``copies`` CPU stages of ``threads`` threads computes
-        side by side than alone (:func:`shardpool.plan.co_run.co_run_slowdown`)."""
+    def co_run_slowdown(self, copies: int, threads: int, *, shape: ModelShape, workload: Workload) -> float:
+        """How many times slower each of ``copies`` CPU stages of ``threads`` threads computes a layer
+        of ``shape`` side by side than alone (:func:`shardpool.plan.co_run.co_run_slowdown`)."""
         ...
 
 
@@ -103,7 +103,11 @@ def local_fleet(
             dtype = stage_dtype(facts, workload.precision, workload.compute_bytes)
             profiled = replace(profiled, compute_bytes=DTYPE_BYTES[dtype])
         profile = probe.profile_layer(shape, profiled, device=name, threads=threads)
-        co_run = probe.co_run_slowdown(share, threads) if threads is not None and share > 1 else None
+        co_run = (
+            probe.co_run_slowdown(share, threads, shape=shape, workload=profiled)
+            if threads is not None and share > 1
+            else None
+        )
         slowdown = (
             float(share)
             if threads is None

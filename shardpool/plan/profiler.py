@@ -35,9 +35,16 @@ from shardpool.plan.fleet import LinkSpec
 from shardpool.plan.links import measure_loopback
 from shardpool.plan.precision import NF4Choice, choose_nf4_backend, stage_dtype
 from shardpool.plan.profile_cache import cached_profile, profile_key, store_profile
-from shardpool.plan.sample_layer import build_layer
+from shardpool.plan.sample_layer import layer_run
 
-__all__ = ["HEAD_VOCAB", "THROTTLED_PART_SAMPLES", "TorchProbe", "nf4_backend_for", "profile_layer"]
+__all__ = [
+    "HEAD_VOCAB",
+    "THROTTLED_PART_SAMPLES",
+    "TorchProbe",
+    "layer_settings",
+    "nf4_backend_for",
+    "profile_layer",
+]
 
 #: Vocabulary rows of the ``lm_head`` slice the profiler times (then scales to the full vocabulary).
 HEAD_VOCAB = 8192
@@ -67,11 +74,7 @@ def profile_layer(
     info = device_info(device)
     label = f"{device} {info.label}"
     quota = cpu_quota()
-    dtype = stage_dtype(info.facts(), workload.precision, workload.compute_bytes)
-    nf4 = nf4_backend_for(info, workload)
-    if nf4 is not None and nf4.backend is None:
-        raise ShardpoolError(nf4.reason)
-    backend = nf4.backend if nf4 is not None else None
+    dtype, backend = layer_settings(info, workload)
     key = profile_key(
         shape,
         workload,
@@ -97,6 +100,16 @@ def profile_layer(
     if use_cache:
         store_profile(key, asdict(profile))
     return profile
+
+
+def layer_settings(info: DeviceInfo, workload: Workload) -> tuple[str, str | None]:
+    """The compute dtype and NF4 backend (None: bitsandbytes or an unquantized base) of a stage on
+    the local device ``info``, as its layer is profiled; ShardpoolError when no backend can run it."""
+    dtype = stage_dtype(info.facts(), workload.precision, workload.compute_bytes)
+    nf4 = nf4_backend_for(info, workload)
+    if nf4 is not None and nf4.backend is None:
+        raise ShardpoolError(nf4.reason)
+    return dtype, nf4.backend if nf4 is not None else None
 
 
 def nf4_backend_for(info: DeviceInfo, workload: Workload) -> NF4Choice | None:
@@ -132,12 +145,17 @@ class TorchProbe:
         measured = measure_loopback()
         return LinkSpec(bandwidth=measured.bandwidth, latency=measured.latency)
 
-    def co_run_slowdown(self, copies: int, threads: int) -> float:
-        """How much slower ``copies`` CPU stages compute side by side than alone (cached unless
-        ``use_cache`` is False; see :mod:`shardpool.plan.co_run`)."""
-        from shardpool.plan.co_run import co_run_slowdown
+    def co_run_slowdown(self, copies: int, threads: int, *, shape: ModelShape, workload: Workload) -> float:
+        """How much slower ``copies`` CPU stages compute a layer of ``shape`` side by side than alone
+        (cached unless ``use_cache`` is False; see :mod:`shardpool.plan.co_run`)."""
+        from shardpool.plan.co_run import CpuLayer, co_run_slowdown
 
-        return co_run_slowdown(copies, threads, use_cache=self.use_cache)
+        info = device_info("cpu")
+        dtype, backend = layer_settings(info, workload)
+        layer = CpuLayer(
+            shape=shape, workload=workload, label=f"cpu {info.label}", dtype=dtype, nf4_backend=backend
+        )
+        return co_run_slowdown(copies, threads, layer, use_cache=self.use_cache)
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -156,29 +174,11 @@ def _measure(
     nf4_backend: str | None = None,
 ) -> LayerProfile:
     import torch
-    import torch.utils.checkpoint
 
     try:
-        model, rotary, dtype = build_layer(shape, workload, device, dtype_name, nf4_backend)
-        hidden = torch.randn(
-            workload.micro_batch_size, workload.sequence_len, shape.hidden_size, dtype=dtype, device=device
-        )
-        positions = torch.arange(workload.sequence_len, device=device).unsqueeze(0)
-        position_embeddings = rotary(hidden, positions.expand(workload.micro_batch_size, -1))
-
-        def step() -> float:
-            """One forward + backward; returns the forward's seconds."""
-            x = hidden.detach().requires_grad_(True)
-            start = time.perf_counter()
-            if workload.gradient_checkpointing:
-                out = torch.utils.checkpoint.checkpoint(model, x, position_embeddings, use_reentrant=False)
-            else:
-                out = model(x, position_embeddings)
-            synchronize(device)
-            forward = time.perf_counter() - start
-            out.float().sum().backward()
-            return forward
-
+        run = layer_run(shape, workload, device, dtype_name, nf4_backend)
+        model, hidden, position_embeddings, dtype = run.model, run.hidden, run.position_embeddings, run.dtype
+        step = run.step
         activation_bytes = _saved_bytes(
             lambda: model(hidden.detach().requires_grad_(True), position_embeddings),
             frozen={

@@ -4,7 +4,8 @@ The layer is built from the model shape alone: the transformers decoder layer cl
 (:data:`LAYER_CLASSES`), its Linear modules quantized to NF4 (blocksize 64, double quantization)
 on the NF4 backend a stage on the device would use, or plain frozen Linear modules in the stage's
 dtype for an unquantized base (``adapter: lora``), wrapped with LoRA by peft as a stage does.
-:mod:`shardpool.plan.profiler` times it.
+:mod:`shardpool.plan.profiler` times it (:func:`layer_run`), and :mod:`shardpool.plan.co_run` runs
+it alone and side by side.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
 
-__all__ = ["LAYER_CLASSES", "build_layer"]
+__all__ = ["LAYER_CLASSES", "LayerRun", "build_layer", "layer_run"]
 
 #: The transformers module and class prefix of each supported family's decoder layer.
 LAYER_CLASSES = {
@@ -99,6 +102,60 @@ def build_layer(
     if "layer_type" in inspect.signature(rotary.forward).parameters:  # Gemma 3: one base per layer type
         rotary = functools.partial(rotary, layer_type=config.layer_types[0])
     return holder, rotary, dtype
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    """A built sample layer with one micro-batch of input: what one training step of a layer computes."""
+
+    model: Any
+    hidden: Any
+    position_embeddings: Any
+    dtype: Any
+    device: str
+    gradient_checkpointing: bool
+
+    def step(self) -> float:
+        """One forward + backward of the micro-batch, as a stage runs it; returns the forward's seconds."""
+        import torch.utils.checkpoint
+
+        from shardpool.plan.devices import synchronize
+
+        x = self.hidden.detach().requires_grad_(True)
+        start = time.perf_counter()
+        if self.gradient_checkpointing:
+            out = torch.utils.checkpoint.checkpoint(
+                self.model, x, self.position_embeddings, use_reentrant=False
+            )
+        else:
+            out = self.model(x, self.position_embeddings)
+        synchronize(self.device)
+        forward = time.perf_counter() - start
+        out.float().sum().backward()
+        return forward
+
+
+def layer_run(
+    shape: ModelShape, workload: Workload, device: str, dtype_name: str, nf4_backend: str | None = None
+) -> LayerRun:
+    """The layer of :func:`build_layer` on ``device`` with a random micro-batch of the workload's
+    size and its rotary position embeddings, ready to :meth:`LayerRun.step`."""
+    import torch
+
+    model, rotary, dtype = build_layer(shape, workload, device, dtype_name, nf4_backend)
+    hidden = torch.randn(
+        workload.micro_batch_size, workload.sequence_len, shape.hidden_size, dtype=dtype, device=device
+    )
+    positions = torch.arange(workload.sequence_len, device=device).unsqueeze(0)
+    position_embeddings = rotary(hidden, positions.expand(workload.micro_batch_size, -1))
+    return LayerRun(
+        model=model,
+        hidden=hidden,
+        position_embeddings=position_embeddings,
+        dtype=dtype,
+        device=device,
+        gradient_checkpointing=workload.gradient_checkpointing,
+    )
 
 
 def _nf4_linear(linear: Any, dtype: Any, device: str, generator: Any, backend: str) -> Any:

@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from shardpool.plan.co_run import co_run_key, co_run_slowdown, median_ratio
+from shardpool.model.shape import ModelShape
+from shardpool.plan.co_run import CpuLayer, co_run_key, co_run_slowdown, median_ratio
+from shardpool.plan.costmodel import Workload
 from shardpool.plan.profile_cache import cached_profile, store_profile
+
+#: A layer wide enough that a second torch thread nearly halves its step (about 50 ms alone here).
+WIDE = ModelShape(
+    model_type="llama", hidden_size=512, intermediate_size=1536, num_layers=4,
+    num_attention_heads=8, num_key_value_heads=8, head_dim=64, vocab_size=1024,
+)  # fmt: skip
+LAYER = CpuLayer(
+    shape=WIDE, workload=Workload(micro_batch_size=2, sequence_len=128), label="cpu", dtype="float32"
+)
 
 
 def test_the_median_pair_ratio_is_taken_and_never_below_one() -> None:
@@ -22,12 +35,27 @@ def test_one_copy_is_not_measured_and_a_cached_ratio_is_reused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SHARDPOOL_CACHE", str(tmp_path))
-    assert co_run_slowdown(1, 4) == 1.0
-    assert cached_profile(co_run_key(1, 4, None)) is None
+    assert co_run_slowdown(1, 4, LAYER) == 1.0
+    assert cached_profile(co_run_key(1, 4, None, LAYER)) is None
     from shardpool.host.cpu_quota import cpu_quota
 
-    store_profile(co_run_key(2, 1, cpu_quota()), {"slowdown": 1.37})
-    assert co_run_slowdown(2, 1) == 1.37
+    store_profile(co_run_key(2, 1, cpu_quota(), LAYER), {"slowdown": 1.37})
+    assert co_run_slowdown(2, 1, LAYER) == 1.37
+    assert multiprocessing.active_children() == []  # a cached ratio starts no process
+
+
+def test_the_key_names_the_layer_the_stages_compute() -> None:
+    """Another model width, micro-batch, dtype or thread count is another measurement, never a reuse."""
+    key = co_run_key(2, 1, None, LAYER)
+    assert key.startswith("co_run|copies=2|")
+    assert key != co_run_key(3, 1, None, LAYER)
+    assert key != co_run_key(2, 2, None, LAYER)
+    assert key != co_run_key(2, 1, 1.0, LAYER)
+    assert key != co_run_key(2, 1, None, replace(LAYER, shape=replace(WIDE, hidden_size=256)))
+    assert key != co_run_key(
+        2, 1, None, replace(LAYER, workload=Workload(micro_batch_size=4, sequence_len=128))
+    )
+    assert key != co_run_key(2, 1, None, replace(LAYER, dtype="bfloat16"))
 
 
 @pytest.mark.slow
@@ -46,9 +74,10 @@ def test_a_real_measurement_sees_stages_that_oversubscribe_the_cores(
     from shardpool.host.cpu_quota import available_cpus, cpu_quota
 
     cores = available_cpus()
-    slowdown = co_run_slowdown(2, cores)
+    slowdown = co_run_slowdown(2, cores, LAYER)
     print({"cores": cores, "slowdown": slowdown})
     assert slowdown >= 1.2
-    cached = cached_profile(co_run_key(2, cores, cpu_quota()))
+    cached = cached_profile(co_run_key(2, cores, cpu_quota(), LAYER))
     assert cached == {"slowdown": slowdown}
     assert os.path.exists(tmp_path / "profiles.json")
+    assert multiprocessing.active_children() == []  # the measuring processes ended with it

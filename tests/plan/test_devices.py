@@ -394,7 +394,7 @@ class RocmProbe:
     def loopback(self) -> LinkSpec:
         return LinkSpec(bandwidth=8e9, latency=50e-6)
 
-    def co_run_slowdown(self, copies: int, threads: int) -> float:
+    def co_run_slowdown(self, copies: int, threads: int, *, shape: ModelShape, workload: Workload) -> float:
         return 1.0
 
 

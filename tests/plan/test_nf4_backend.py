@@ -305,7 +305,7 @@ class StandInProbe:
     def loopback(self) -> LinkSpec:
         return LinkSpec(bandwidth=8e9, latency=50e-6)
 
-    def co_run_slowdown(self, copies: int, threads: int) -> float:
+    def co_run_slowdown(self, copies: int, threads: int, *, shape: ModelShape, workload: Workload) -> float:
         return 1.0
 
 

@@ -481,7 +481,7 @@ class FixedProbe:
     def loopback(self) -> LinkSpec:
         return LinkSpec(bandwidth=8e9, latency=50e-6)
 
-    def co_run_slowdown(self, copies: int, threads: int) -> float:
+    def co_run_slowdown(self, copies: int, threads: int, *, shape: ModelShape, workload: Workload) -> float:
         self.co_run_asked.append((copies, threads))
         return self.co_run
 

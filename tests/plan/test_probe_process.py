@@ -25,7 +25,8 @@ from shardpool.config import parse_config
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
-from shardpool.plan.probe_process import MeasuringProcess, ProcessProbe, measured_in_child
+from shardpool.plan.measuring_process import MeasuringProcess
+from shardpool.plan.probe_process import ProcessProbe, measured_in_child
 from shardpool.plan.profile_cache import cache_path
 from shardpool.plan.profiler import TorchProbe
 from tests.helpers.training import base_config, write_config

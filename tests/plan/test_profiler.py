@@ -120,7 +120,7 @@ def _built_dtype(monkeypatch: pytest.MonkeyPatch, workload: Workload) -> torch.d
         built.append(layer[2])
         raise _Built
 
-    monkeypatch.setattr(profiler, "build_layer", build)
+    monkeypatch.setattr(sample_layer, "build_layer", build)
     with pytest.raises(_Built):
         profile_layer(TINY, workload, device="cpu", use_cache=False)
     return built[0]
@@ -214,7 +214,7 @@ def _built_linears(monkeypatch: pytest.MonkeyPatch, workload: Workload) -> set[s
         )
         raise _Built
 
-    monkeypatch.setattr(profiler, "build_layer", build)
+    monkeypatch.setattr(sample_layer, "build_layer", build)
     with pytest.raises(_Built):
         profile_layer(TINY, workload, device="cpu", use_cache=False)
     return found[0]
