@@ -7,11 +7,8 @@ from __future__ import annotations
 import io
 import json
 import multiprocessing
-import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +22,6 @@ from shardpool.config import parse_config
 from shardpool.errors import ShardpoolError
 from shardpool.model.shape import ModelShape
 from shardpool.plan.costmodel import Workload
-from shardpool.plan.measuring_process import MeasuringProcess
 from shardpool.plan.probe_process import ProcessProbe, measured_in_child
 from shardpool.plan.profile_cache import cache_path
 from shardpool.plan.profiler import TorchProbe
@@ -64,16 +60,6 @@ def test_accelerators_are_measured_in_a_child_and_the_cpu_here() -> None:
         assert not measured_in_child(name), name
 
 
-def test_a_call_runs_in_another_process_that_ends_with_the_block() -> None:
-    with MeasuringProcess() as child:
-        child_pid = child.call(os.getpid)
-        assert child_pid == child.pid != os.getpid()
-        assert child.call(divmod, 17, 5) == (3, 2), "arguments and results cross as values"
-    assert multiprocessing.active_children() == []
-    with pytest.raises(ProcessLookupError):
-        os.kill(child_pid, 0)  # exited and reaped: no orphan, no zombie
-
-
 def test_a_cpu_only_plan_starts_no_child() -> None:
     with ProcessProbe() as probe:
         assert probe.device_info("cpu").kind == "cpu"
@@ -103,39 +89,6 @@ def test_the_child_measures_the_cpu_as_this_process_does_and_shares_the_cache(pr
 def test_an_error_in_the_child_is_raised_here_as_its_one_line() -> None:
     with ProcessProbe() as probe, pytest.raises(ShardpoolError, match=ABSENT_LINE):
         probe.device_info(ABSENT_GPUS[0])
-    assert multiprocessing.active_children() == []
-
-
-def test_a_child_that_dies_is_one_line_and_the_next_call_too() -> None:
-    with MeasuringProcess() as child:
-        with pytest.raises(ShardpoolError, match="exited with status 3 before it answered"):
-            child.call(os._exit, 3)
-        with pytest.raises(ShardpoolError, match="exited with status 3"):
-            child.call(os.getpid)
-    with MeasuringProcess() as child:
-        with pytest.raises(ShardpoolError, match="killed by signal 9"):
-            child.call(os.kill, child.pid, signal.SIGKILL)
-    assert multiprocessing.active_children() == []
-
-
-def test_an_interrupt_ends_a_busy_child_at_once() -> None:
-    """Ctrl-C while the child measures: this process raises at once, and the child is gone, not
-    left to finish a long profile holding a GPU."""
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGALRM, interrupt)
-    started = time.monotonic()
-    try:
-        with pytest.raises(KeyboardInterrupt), MeasuringProcess() as child:
-            child.call(os.getpid)
-            signal.setitimer(signal.ITIMER_REAL, 0.5)
-            child.call(time.sleep, 60)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-    assert time.monotonic() - started < 20
     assert multiprocessing.active_children() == []
 
 
