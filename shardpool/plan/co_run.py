@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,11 +99,11 @@ def median_ratio(alone: list[float], together: list[float]) -> float:
 
 
 def _measure(copies: int, threads: int, layer: CpuLayer, *, sample_s: float) -> float:
-    children: list[MeasuringProcess] = []
-    failed = True
-    try:
-        for _ in range(copies):
-            children.append(MeasuringProcess(purpose="how CPU stages share this host"))
+    with ExitStack() as stack:  # each child ends with the measurement, at once on an error
+        children = [
+            stack.enter_context(MeasuringProcess(purpose="how CPU stages share this host"))
+            for _ in range(copies)
+        ]
         for child in children:  # the layers are built and warmed up at once
             child.send(_prepare, layer, threads)
         for child in children:
@@ -118,11 +119,7 @@ def _measure(copies: int, threads: int, layer: CpuLayer, *, sample_s: float) -> 
             for child in children:
                 child.send(_run_steps, steps)
             together.append(statistics.fmean(child.receive() for child in children))
-        failed = False
         return median_ratio(alone, together)
-    finally:
-        for child in children:
-            child.close(at_once=failed)
 
 
 # ---------------------------------------------------------------------------- in each child

@@ -305,15 +305,21 @@ def test_the_tiny_benchmark_trains_both_sides_on_the_cpu(tmp_path: Path) -> None
     assert report["data"]["shortest_row_tokens"] > report["workload"]["sequence_len"]
 
 
+def _bench_part_status(out: Path, part: str, file_name: str, report: dict[str, Any]) -> tuple[str, str]:
+    """The status and summary line the suite gives ``part`` once its bench wrote ``report`` to
+    ``file_name`` in ``out`` and exited 0."""
+    (out / file_name).write_text(json.dumps(report))
+    details = suite_report.part_details(part, out, "", None)
+    return suite.status_of(part, 0, "", details, timed_out=False)
+
+
 def test_the_pytorch_nf4_part_reads_the_paired_bench_it_ran(tmp_path: Path) -> None:
     report = {
         "tokens_per_s_ratio_a_over_b": {"median": 1.62, "min": 1.6, "max": 1.64, "spread": 0.04},
         "peak_memory_b_minus_a_median_bytes": 30 * suite.MIB,
         "dequantized_linear_bytes": 21 * suite.MIB + suite.MIB // 2,
     }
-    (tmp_path / "nf4-bench.json").write_text(json.dumps(report))
-    details = suite_report.part_details("torch_nf4_vs_bnb", tmp_path, "", None)
-    status, summary = suite.status_of("torch_nf4_vs_bnb", 0, "", details, timed_out=False)
+    status, summary = _bench_part_status(tmp_path, "torch_nf4_vs_bnb", "nf4-bench.json", report)
     assert status == "ok"
     assert summary == (
         "tokens/s bitsandbytes / PyTorch path 1.620; PyTorch path's extra peak 30.0 MiB against one "
@@ -327,9 +333,7 @@ def test_the_generation_part_reads_the_bench_it_ran(tmp_path: Path) -> None:
         "two_stages_concurrent_over_alone": {"median": 3.5, "min": 3.4, "max": 3.6, "spread": 0.2},
         "time_to_first_token_s": {"prompt_tokens": 512, "one_stage": 0.031, "two_stages": 0.048},
     }
-    (tmp_path / "generate.json").write_text(json.dumps(report))
-    details = suite_report.part_details("generate", tmp_path, "", None)
-    status, summary = suite.status_of("generate", 0, "", details, timed_out=False)
+    status, summary = _bench_part_status(tmp_path, "generate", "generate.json", report)
     assert status == "ok"
     assert summary == (
         "one stage ÷ peft generate 1.042 (target >= 0.9); two stages on one GPU, 8 in flight ÷ one "
